@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP front end, shared by `pdd serve` and `pdd router`.
+
+It owns everything about the API — validation, tokenization, chat templates, stop
+strings, SSE framing, usage, metrics — and nothing about where tokens come from: that
+is the `Backend`. Every failure leaves as OpenAI's error JSON with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.metrics import ServingMetrics
+from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
+from pdd.api.text import TextStream
+from pdd.engine.sequence import SamplingParams
+from pdd.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass
+class _Outcome:
+    """What a finished generation adds up to (filled while streaming)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    record: dict = field(default_factory=dict)
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = ServingMetrics(backend.load, registry)
+        self.created = int(time.time())
+
+    # ---- request -> (prompt ids, sampling params) ------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+
+    def _params(self, req: _Common, prompt_len: int, max_tokens: int | None, default_max: int) -> SamplingParams:
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if req.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        limit = self.backend.max_context
+        if prompt_len == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if prompt_len >= limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max, limit - prompt_len)
+        if max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if prompt_len + max_tokens > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        if not 0 <= req.temperature <= 2:
+            raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                                  top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=tuple(req.stop_token_ids))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: _Outcome) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield (text delta, token ids) pieces; fill `out`; close the backend stream on exit."""
+        text = TextStream(self.tokenizer, stop)
+        gen = self.backend.generate(GenRequest(rid, prompt, params))
+        t0, first, last = time.monotonic(), None, None
+        self.metrics.prompt_tokens.inc(len(prompt))
+        try:
+            async for ev in gen:
+                now = time.monotonic()
+                if first is None and ev.tokens:
+                    first = now
+                    self.metrics.ttft.observe(now - t0)
+                last = now
+                out.cached_tokens = ev.cached_tokens
+                delta = "".join(text.feed(t) for t in ev.tokens)
+                out.token_ids.extend(ev.tokens)
+                if ev.record:
+                    out.record = ev.record
+                if text.stopped:
+                    out.finish_reason = "stop"
+                elif ev.finish_reason:
+                    out.finish_reason = ev.finish_reason
+                    delta += text.flush()
+                out.text.append(delta)
+                yield delta, ev.tokens
+                if out.finish_reason:
+                    break
+        except BackendError as e:
+            self.metrics.requests.labels("error").inc()
+            raise ApiError(e.status, f"generation failed: {e}", "server_error") from None
+        finally:
+            await gen.aclose()
+        n = len(out.token_ids)
+        self.metrics.generation_tokens.inc(n)
+        self.metrics.cache_hit_tokens.inc(out.cached_tokens)
+        self.metrics.requests.labels(out.finish_reason or "abort").inc()
+        if first is not None and n > 1:
+            self.metrics.tpot.observe((last - first) / (n - 1))
+
+    def _usage(self, prompt_len: int, out: _Outcome) -> dict:
+        n = len(out.token_ids)
+        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int) -> Response:
+        params = self._params(req, len(prompt), max_tokens, default_max)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        out = _Outcome()
+        pieces = self._run(rid, prompt, params, req.stop_strings(), out)
+        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(chat, base, pieces, out, len(prompt), include_usage), media_type="text/event-stream")
+        async for _ in pieces:
+            pass
+        text = "".join(out.text)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+        choice["token_ids"] = out.token_ids
+        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": self._usage(len(prompt), out), "pdd": out.record}
+        return JSONResponse(body)
+
+    async def _sse(self, chat: bool, base: dict, pieces: AsyncIterator[tuple[str, list[int]]], out: _Outcome,
+                   prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, ids: list[int], finish: str | None, extra: dict | None = None) -> str:
+            if chat:
+                choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice["token_ids"] = ids
+            return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
+
+        try:
+            if chat:
+                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+            async for delta, ids in pieces:
+                if out.finish_reason:
+                    yield chunk(delta, ids, out.finish_reason, {"pdd": out.record})
+                else:
+                    yield chunk(delta, ids, None)
+            if include_usage:
+                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': self._usage(prompt_len, out), 'pdd': out.record})}\n\n"
+        except ApiError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            await pieces.aclose()
+        yield "data: [DONE]\n\n"
+
+    # ---- routes ----------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> Response:
+        self._check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        return await self.respond(False, req, self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+
+    async def chat(self, req: ChatCompletionRequest) -> Response:
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # a template's raise_exception, or a template bug
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "pdd", "max_model_len": self.backend.max_context}]}
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None) -> FastAPI:
+    server = OpenAIServer(backend, tokenizer, model_name, registry)
+    app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(ApiError(400, _validation_message(exc)).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(ApiError(500, f"internal error: {exc}", "server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/pdd/stats")
+    async def stats() -> dict:
+        return await backend.stats()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        return await server.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> Response:
+        return await server.chat(req)
+
+    return app

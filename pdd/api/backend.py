@@ -1,0 +1,56 @@
+"""What the OpenAI front end needs from whatever produces tokens.
+
+A single instance and the cross-datacenter router both serve the same OpenAI API; they
+differ only in how tokens are produced, which is this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdd.engine.sequence import SamplingParams
+
+
+class BackendError(Exception):
+    """Generation failed after it was accepted (an instance died, a link broke, ...)."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenEvent:
+    tokens: list[int]
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    # Set on the last event: where the request ran (pipeline, hit tokens, WAN bytes, ...).
+    record: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV pages in use (0..1)
+    cached_pages: int = 0
+
+
+class Backend(Protocol):
+    max_context: int
+
+    def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+        """Stream tokens; closing the iterator early aborts the request."""
+
+    def load(self) -> Load: ...
+
+    async def stats(self) -> dict: ...

@@ -1,0 +1,160 @@
+"""`pdd bench engine`: raw engine throughput, then the same model through the HTTP API.
+
+Numbers are printed, never asserted: this machine is shared and noisy, so compare
+runs side by side rather than against fixed thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from pdd.engine.engine import Engine, EngineConfig
+from pdd.engine.sequence import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: a fresh tiny model)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument("--skip-http", action="store_true", help="measure the engine only")
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 4000) for _ in range(n)]
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def engine_numbers(model_dir: str, repeats: int) -> dict[str, float]:
+    engine = Engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64))
+    rng = random.Random(0)
+    out: dict[str, float] = {}
+    for n in (512, 2048):
+        prompt = _prompt(rng, n)
+
+        def prefill() -> None:
+            engine.generate([prompt], SamplingParams(max_tokens=1))
+            engine.flush_cache()
+
+        prefill()  # warm-up
+        out[f"prefill_{n}_tok_s"] = n / _median_time(prefill, repeats)
+    for batch in (1, 8, 32):
+        prompts = [_prompt(rng, 128) for _ in range(batch)]
+        steps = 64
+
+        def decode() -> None:
+            for i, p in enumerate(prompts):
+                engine.add_request(f"d{i}", p, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+            engine.step()  # prefill all (not timed below)
+            t = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+            decode.elapsed = time.perf_counter() - t
+            engine.flush_cache()
+
+        decode()
+        rates = []
+        for _ in range(repeats):
+            decode()
+            rates.append(batch * steps / decode.elapsed)
+        out[f"decode_batch{batch}_tok_s"] = statistics.median(rates)
+    return out
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0, ttft, n = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ids = json.loads(line[6:])["choices"][0].get("token_ids", [])
+                if ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                n += len(ids)
+    return ttft or float("nan"), n
+
+
+async def _http_numbers(url: str, repeats: int) -> dict[str, float]:
+    rng = random.Random(1)
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=120) as client:
+        await _stream(client, url, _prompt(rng, 500), 64)  # warm-up
+        ttfts = [(await _stream(client, url, _prompt(rng, 500), 64))[0] for _ in range(repeats)]
+        out["http_ttft_500_ms"] = statistics.median(ttfts) * 1000
+        rates = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            results = await asyncio.gather(*(_stream(client, url, _prompt(rng, 500), 64) for _ in range(8)))
+            rates.append(sum(n for _, n in results) / (time.perf_counter() - t))
+        out["http_8x64_out_tok_s"] = statistics.median(rates)
+    return out
+
+
+def http_numbers(model_dir: str, repeats: int) -> dict[str, float]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--model", model_dir, "--port", str(port),
+                             "--served-model-name", "bench", "--num-pages", "4096"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("pdd serve did not start") from None
+                time.sleep(0.2)
+        return asyncio.run(_http_numbers(url, repeats))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from pdd.model.tiny import make_tiny
+
+            model_dir = str(make_tiny(Path(tmp) / "tiny"))
+        results = engine_numbers(model_dir, args.repeats)
+        if not args.skip_http:
+            results.update(http_numbers(model_dir, args.repeats))
+    table = Table(title=f"pdd bench engine ({Path(model_dir).name}, 1 torch thread)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for k, v in results.items():
+        table.add_row(k, f"{v:,.1f}")
+    console.print(table)
+    if getattr(args, "out", None):
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0

@@ -1,0 +1,191 @@
+"""Per-request records and the run summary of `pdd bench`.
+
+The summary is a contract (DESIGN.md, "Contracts"): `pdd demo`, the reports and the
+comparison against the paper read these exact keys, so a run on a plain OpenAI server
+and one through PDD produce the same shape and can sit side by side in one table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+HANDOFFS = ("one_shot", "catch_up")
+LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms")
+
+
+@dataclass
+class RequestRecord:
+    """What the client measured for one request; failed requests are records too.
+
+    Times are milliseconds, `start_s` is seconds since the run started (None for a turn
+    never sent because an earlier turn of its session failed). `e2e_ms` of a failed
+    request is the time until it failed, so the run's duration includes it. Hits come
+    from the server's `pdd` record, or from `cached_tokens` when the server has none.
+    """
+
+    id: str
+    session: int
+    turn: int
+    start_s: float | None
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    max_itl_ms: float | None = None
+    cached_tokens: int = 0
+    pipeline: str | None = None
+    p_hit_tokens: int = 0
+    d_hit_tokens: int = 0
+    wan_bytes: int = 0
+    rld_output_tokens: int = 0
+    md_output_tokens: int = 0
+    handoff: str | None = None
+    anomalous: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RequestRecord:
+        """Rebuild a record from `to_dict` output (e.g. a bench JSON file); unknown keys
+        are ignored so files from newer versions still load."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @property
+    def completed(self) -> bool:
+        return self.error is None
+
+
+def _stats(values: list[float | None]) -> dict[str, float | None]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(present, [50, 90, 99]).tolist()
+    return {"mean": float(np.mean(present)), "p50": p50, "p90": p90, "p99": p99}
+
+
+def _within_slo(record: RequestRecord, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    # A one-token answer has no TPOT; it meets the TPOT SLO trivially.
+    return (record.completed and record.ttft_ms is not None and record.ttft_ms <= slo_ttft_ms
+            and (record.tpot_ms is None or record.tpot_ms <= slo_tpot_ms))
+
+
+def _duration_s(records: list[RequestRecord]) -> float | None:
+    spans = [(r.start_s, r.start_s + r.e2e_ms / 1000.0)
+             for r in records if r.start_s is not None and r.e2e_ms is not None]
+    if not spans:
+        return None
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
+              slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
+    """The DESIGN summary of a run.
+
+    Latency statistics, token sums and hit counts cover completed requests only (a
+    failed request's partial counts would mix in noise); `requests`, `failed` and
+    `slo_attainment` cover all, so failures lower attainment. `wan_bytes` is the
+    server-side counter delta when known, else the sum of per-request `wan_bytes`.
+    """
+    records = list(records)
+    done = [r for r in records if r.completed]
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    p_hit = sum(r.p_hit_tokens for r in done)
+    d_hit = sum(r.d_hit_tokens for r in done)
+    pipelines = dict.fromkeys(PIPELINES, 0) | Counter(r.pipeline for r in done if r.pipeline)
+    handoffs = dict.fromkeys(HANDOFFS, 0) | Counter(r.handoff for r in done if r.handoff)
+    duration = _duration_s(records)
+    summary: dict[str, Any] = {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+    }
+    summary |= {name: _stats([getattr(r, name) for r in done]) for name in LATENCIES}
+    summary |= {
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "p_hit_tokens": p_hit,
+        "d_hit_tokens": d_hit,
+        "p_hit_rate": p_hit / prompt_tokens if prompt_tokens else None,
+        "d_hit_rate": d_hit / prompt_tokens if prompt_tokens else None,
+        "wan_bytes": wan_bytes if wan_bytes is not None else sum(r.wan_bytes for r in records),
+        "rld_output_tokens": sum(r.rld_output_tokens for r in done),
+        "md_output_tokens": sum(r.md_output_tokens for r in done),
+        "pipelines": pipelines,
+        "handoffs": handoffs,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "slo_attainment": (sum(_within_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records)
+                           / len(records)) if records else None,
+        "duration_s": duration,
+        "output_tokens_per_s": output_tokens / duration if duration else None,
+    }
+    return summary
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
+def _bytes(value: int) -> str:
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part:,}" + (f" ({100 * part / whole:.1f} %)" if whole else "")
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    return "  ".join(f"{name} {n}" for name, n in counts.items()) or "-"
+
+
+_ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+    ("requests (ok / failed)", lambda s: f"{s['completed']} / {s['failed']}"),
+    *[(f"{label} {q} (ms)", lambda s, k=key, q=q: _num(s[k][q]))
+      for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
+      for q in ("p50", "p90", "p99")],
+    ("max ITL p99 (ms)", lambda s: _num(s["max_itl_ms"]["p99"])),
+    ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
+    ("output tokens", lambda s: f"{s['output_tokens']:,}"),
+    ("P hit", lambda s: _pct(s["p_hit_rate"])),
+    ("D hit", lambda s: _pct(s["d_hit_rate"])),
+    ("WAN bytes", lambda s: _bytes(s["wan_bytes"])),
+    ("RLD output tokens", lambda s: _share(s["rld_output_tokens"], s["output_tokens"])),
+    ("MD output tokens", lambda s: _share(s["md_output_tokens"], s["output_tokens"])),
+    ("pipelines", lambda s: _counts({k: n for k, n in s["pipelines"].items() if n})),
+    ("handoffs", lambda s: _counts(s["handoffs"])),
+    ("SLO attainment", lambda s: _pct(s["slo_attainment"])),
+    ("output tokens/s", lambda s: _num(s["output_tokens_per_s"])),
+    ("duration (s)", lambda s: _num(s["duration_s"])),
+]
+
+
+def format_table(summary_by_name: Mapping[str, Mapping[str, Any]]) -> Table:
+    """One column per summary, one row per metric, so modes compare at a glance."""
+    table = Table(title="pdd bench")
+    table.add_column("metric", style="bold")
+    for name in summary_by_name:
+        table.add_column(name, justify="right")
+    for label, cell in _ROWS:
+        table.add_row(label, *(cell(s) for s in summary_by_name.values()))
+    return table

@@ -1,0 +1,45 @@
+"""The `pdd` command line.
+
+Each sub-command lives in the module that owns its job; this file only wires them.
+A module takes part by exposing `add_parser(subparsers) -> None`, which registers its
+parser and sets `func` (called with the parsed namespace, returning an exit code).
+Modules are imported lazily so `pdd --help` stays fast and torch is loaded only by the
+commands that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module that registers it
+_COMMANDS: dict[str, str] = {
+    "model": "pdd.model.cli",
+    "serve": "pdd.instance.cli",
+    "router": "pdd.router.cli",
+    "up": "pdd.deploy",
+    "wan": "pdd.transfer.wan",
+    "bench": "pdd.bench.cli",
+    "demo": "pdd.demo",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = argv[0] if argv and argv[0] in _COMMANDS else None
+    for name, module in _COMMANDS.items():
+        if wanted is None or name == wanted:
+            importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

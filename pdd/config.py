@@ -1,0 +1,242 @@
+"""One TOML file describes a deployment: datacenters, the WAN line, instances, model,
+policies and SLOs.
+
+The same file serves two uses. Written by hand with an explicit `[[instances]]` list,
+it describes a real multi-host deployment that `pdd serve --config F --instance NAME`
+and `pdd router --config F` read on each host. Given to `pdd up` with a `[topology]`
+instead, it is expanded for one machine: ports are picked, the mode places P and D in
+datacenters, and the resolved explicit file is what every child process reads.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+ROLES = ("standalone", "prefill", "relay", "main")
+MODES = ("colocated", "pd-same-dc", "pd-cross-dc")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str = ""  # empty: the embedded tiny model
+    name: str = "tiny"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    page_size: int = 16
+    num_pages: int = 2048
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_dtype: str = ""  # empty: same as dtype
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A WAN line between two datacenters, emulated by `pdd wan` on one machine."""
+
+    name: str = "wan"
+    a: str = "A"
+    b: str = "B"
+    bandwidth_mbps: float = 20.0
+    delay_ms: float = 20.0
+    jitter_ms: float = 5.0
+    host: str = "127.0.0.1"  # where the emulator listens
+    admin_port: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    name: str
+    role: str
+    dc: str = "A"
+    host: str = "127.0.0.1"
+    port: int = 0  # HTTP: /health, /metrics (and the OpenAI API for standalone)
+    kv_port: int = 0  # framed protocol: requests, KV, tokens, cache events
+    wan_port: int = 0  # the emulator's port that relays to kv_port from the other datacenter
+    engine: EngineSpec = EngineSpec()
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    decode_radix_cache: bool = True  # decode side keeps prefixes; only the delta crosses
+    kv_chunk_tokens: int = 256  # tokens per KV frame (each frame: one layer)
+    affinity_weight: float = 1.0  # router: value of one predicted cached token...
+    load_weight: float = 1.0  # ...against one queued token of work
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 200.0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    dc: str = "A"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token_timeout_s: float = 60.0  # no token for this long: the request fails
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """What `pdd up` expands into instances."""
+
+    prefill: int = 1
+    decode: int = 1
+
+
+@dataclass(frozen=True)
+class Deployment:
+    mode: str = "pd-cross-dc"
+    secret: str = ""
+    model: ModelSpec = ModelSpec()
+    engine: EngineSpec = EngineSpec()
+    link: LinkSpec = LinkSpec()
+    policy: PolicySpec = PolicySpec()
+    slo: SLOSpec = SLOSpec()
+    router: RouterSpec = RouterSpec()
+    topology: TopologySpec = TopologySpec()
+    instances: tuple[InstanceSpec, ...] = ()
+
+    def instance(self, name: str) -> InstanceSpec:
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        raise ConfigError(f"no instance named {name!r}; have {[i.name for i in self.instances]}")
+
+    def by_role(self, role: str) -> list[InstanceSpec]:
+        return [i for i in self.instances if i.role == role]
+
+    def address(self, inst: InstanceSpec, from_dc: str) -> tuple[str, int]:
+        """Where a caller in `from_dc` reaches `inst`'s framed port (through the WAN if remote)."""
+        if inst.dc == from_dc:
+            return inst.host, inst.kv_port
+        if not inst.wan_port:
+            raise ConfigError(f"instance {inst.name} in {inst.dc} has no wan_port reachable from {from_dc}")
+        return self.link.host, inst.wan_port
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """A dataclass from a TOML table, with unknown keys and wrong types refused by name."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ConfigError(f"[{where}] has unknown keys: {sorted(unknown)}")
+    values = {}
+    for key, value in raw.items():
+        default = known[key].default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = type(default)(value) if ok else value
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"[{where}] {key} has the wrong type ({type(value).__name__})")
+        values[key] = value
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"[{where}] {e}") from None
+
+
+def _instance(raw: Any, engine: EngineSpec, index: int) -> InstanceSpec:
+    if not isinstance(raw, dict) or "name" not in raw or "role" not in raw:
+        raise ConfigError(f"[[instances]] #{index + 1} needs a name and a role")
+    raw = dict(raw)
+    overrides = raw.pop("engine", {})
+    where = f"instances.{raw['name']}"
+    inst = _build(InstanceSpec, raw, where)
+    if inst.role not in ROLES:
+        raise ConfigError(f"[{where}] role must be one of {ROLES}")
+    checked = _build(EngineSpec, overrides, where + ".engine")
+    return replace(inst, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
+
+
+def parse(raw: dict) -> Deployment:
+    sections = {"model": ModelSpec, "engine": EngineSpec, "link": LinkSpec, "policy": PolicySpec,
+                "slo": SLOSpec, "router": RouterSpec, "topology": TopologySpec}
+    unknown = set(raw) - set(sections) - {"mode", "secret", "instances"}
+    if unknown:
+        raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
+    kwargs: dict[str, Any] = {k: _build(cls, raw[k], k) for k, cls in sections.items() if k in raw}
+    engine = kwargs.get("engine", EngineSpec())
+    insts = tuple(_instance(item, engine, i) for i, item in enumerate(raw.get("instances", [])))
+    names = [i.name for i in insts]
+    if len(set(names)) != len(names):
+        raise ConfigError("instance names must be unique")
+    mode = raw.get("mode", Deployment.mode)
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}")
+    return Deployment(mode=mode, secret=str(raw.get("secret", "")), instances=insts, **kwargs)
+
+
+def load(path: str | Path | None) -> Deployment:
+    """The deployment in `path`, or the built-in default one."""
+    if path is None:
+        return Deployment()
+    try:
+        with open(path, "rb") as f:
+            return parse(tomllib.load(f))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_table(header: str, obj: Any) -> list[str]:
+    lines = [header] + [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
+                        if not isinstance(getattr(obj, f.name), EngineSpec)]
+    if isinstance(obj, InstanceSpec):  # TOML: this subtable belongs to the last [[instances]]
+        lines += _toml_table("[instances.engine]", obj.engine)
+    return lines
+
+
+def dump(dep: Deployment) -> str:
+    """TOML text of a deployment, readable back by `parse`."""
+    out = [f"mode = {_toml_value(dep.mode)}", f"secret = {_toml_value(dep.secret)}", ""]
+    for name in ("model", "engine", "link", "policy", "slo", "router", "topology"):
+        out += _toml_table(f"[{name}]", getattr(dep, name)) + [""]
+    for inst in dep.instances:
+        out += _toml_table("[[instances]]", inst) + [""]
+    return "\n".join(out)
+
+
+def with_secret(dep: Deployment) -> Deployment:
+    return dep if dep.secret else replace(dep, secret=secrets.token_hex(16))
+
+
+def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
+    """Place instances for a local deployment: P always in A; D in A or B by mode."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}")
+    eng = dep.engine
+    if mode == "colocated":
+        return (InstanceSpec("solo", "standalone", dep.link.a, engine=eng),)
+    d_dc = dep.link.a if mode == "pd-same-dc" else dep.link.b
+    ps = [InstanceSpec(f"p{i}", "prefill", dep.link.a, engine=eng) for i in range(dep.topology.prefill)]
+    ds = [InstanceSpec(f"md{i}", "main", d_dc, engine=eng) for i in range(dep.topology.decode)]
+    return tuple(ps + ds)

@@ -1,0 +1,289 @@
+"""`pdd demo`: run the same agentic workload through every deployment mode and compare.
+
+This is the project's main job: one command on one machine that shows what PDD changes
+against colocated serving and plain PD disaggregation (same datacenter, and across the
+emulated WAN). Each mode is a real `pdd up` process tree, started and stopped here in
+turn, so modes never compete for the CPU and every one replays identical requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+DEFAULT_MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+# Sized so four modes finish in a few minutes on two CPU cores.
+DEFAULT_REQUESTS = 40
+START_TIMEOUT_S = 120.0
+# `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
+STOP_GRACE_S = 15.0
+REQUEST_TIMEOUT_S = 120.0
+_TAIL_LINES = 30
+_ROUTER_LINE = re.compile(r"router:\s+(https?://\S+)")
+_MODE_CHOICES = re.compile(r"--mode[ =]\{([^}]*)\}")
+
+
+class DeployError(RuntimeError):
+    """A deployment could not be started (or `pdd up` itself is unusable)."""
+
+
+def up_command(*args: str) -> list[str]:
+    """The command line of `pdd up ARGS`.
+
+    A module-level function so tests (and a user's wrapper) can substitute another
+    launcher that keeps the same contract: `--help` lists `--mode {...}` choices, and a
+    deployment prints `router: http://HOST:PORT` once it serves.
+    """
+    return [sys.executable, "-m", "pdd.cli", "up", *args]
+
+
+def accepted_modes() -> frozenset[str] | None:
+    """The modes the installed `pdd up` accepts, from its `--help`; None if it lists none.
+
+    Asking the installed command, rather than hard-coding a list, lets the demo run on
+    a build where a mode (e.g. `pdd` itself) is not there yet, and say so.
+    """
+    try:
+        done = subprocess.run(up_command("--help"), capture_output=True, text=True,
+                              errors="replace", timeout=START_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DeployError(f"cannot run `pdd up --help`: {exc}") from exc
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-_TAIL_LINES:])
+        raise DeployError(f"`pdd up --help` failed with exit code {done.returncode}:\n{tail}")
+    match = _MODE_CHOICES.search(done.stdout)
+    if match is None:
+        return None
+    return frozenset(m.strip() for m in match.group(1).split(",") if m.strip())
+
+
+class Deployment:
+    """One running `pdd up --mode MODE`, in its own process group.
+
+    A thread reads the process's output from the start: it spots the router line and
+    keeps draining afterwards, so a chatty deployment never blocks on a full pipe.
+    """
+
+    def __init__(self, mode: str, config: Path | None) -> None:
+        args = ["--mode", mode, "--port", "0"]
+        if config is not None:
+            args += ["--config", str(config)]
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._url: queue.Queue[str | None] = queue.Queue()
+        self.proc = subprocess.Popen(
+            up_command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._reader = threading.Thread(target=self._drain, name=f"pdd-up-{mode}", daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        found = False
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip("\n"))
+            match = None if found else _ROUTER_LINE.fullmatch(line.strip())
+            if match is not None:
+                found = True
+                self._url.put(match.group(1))
+        if not found:
+            self._url.put(None)
+
+    def wait_router(self, timeout_s: float) -> str:
+        """The router URL once the deployment announces it; DeployError if it never does."""
+        try:
+            url = self._url.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DeployError(f"no `router:` line within {timeout_s:g} s"
+                              f"{self._tail_text()}") from None
+        if url is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+            code = self.proc.poll()
+            raise DeployError(f"`pdd up` exited (code {code}) before serving"
+                              f"{self._tail_text()}")
+        return url
+
+    def _tail_text(self) -> str:
+        lines = list(self.tail)
+        return "; its last output:\n  " + "\n  ".join(lines) if lines else " (no output)"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the whole group, SIGKILL what is left after `grace_s`, reap it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # Instances the launcher left behind would hold ports and CPU for the next mode.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._reader.join(5.0)
+
+
+def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Start one deployment, replay the workload against it, stop it; the summary."""
+    from pdd.bench.client import run_bench
+    from pdd.bench.summary import summarize
+    from pdd.workload.agentic import AgenticConfig, plan_sessions
+
+    sessions = plan_sessions(AgenticConfig(seed=args.seed), args.requests, args.rate)
+    deployment = Deployment(mode, args.config)
+    try:
+        with (contextlib.nullcontext() if args.quiet or not console.is_terminal
+              else console.status(f"starting {mode} …")):
+            url = deployment.wait_router(START_TIMEOUT_S)
+        if not args.quiet:
+            console.print(f"{mode}: serving at {url}, replaying {args.requests} requests",
+                          markup=False, highlight=False)
+        run = run_bench(url, sessions, timeout_s=REQUEST_TIMEOUT_S, quiet=args.quiet)
+    finally:
+        deployment.stop()
+    return summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms,
+                     slo_tpot_ms=args.slo_tpot_ms)
+
+
+def _modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",")]
+    if not all(modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError("expected distinct comma-separated mode names")
+    return modes
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """An equivalent `pdd demo` command line, so a report says how to reproduce it."""
+    parts = ["pdd", "demo", "--out", str(args.out), "--modes", ",".join(args.modes),
+             "--requests", str(args.requests), "--rate", str(args.rate), "--seed", str(args.seed),
+             "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
+    if args.config is not None:
+        parts += ["--config", str(args.config)]
+    return shlex.join(parts)
+
+
+def _note(console: Console, text: str) -> None:
+    # Plain text: output tails and mode names may hold brackets rich would eat as markup.
+    console.print(f"pdd demo: {text}", markup=False, highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pdd demo`: every mode in turn, then the table and the report.
+
+    The exit code is non-zero only when no mode produced a completed request: one
+    missing or broken mode should not hide the comparison of the others.
+    """
+    from rich.console import Console
+
+    from pdd.bench.client import BenchError
+    from pdd.bench.report import write_report
+    from pdd.bench.summary import format_table
+    from pdd.workload.agentic import AgenticConfig
+
+    err = Console(stderr=True)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    try:
+        accepted = accepted_modes()
+    except DeployError as exc:
+        _note(err, f"`pdd up` is not usable, no mode can run: {exc}")
+        return 1
+    summaries: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for i, mode in enumerate(args.modes, 1):
+        if accepted is not None and mode not in accepted:
+            failed[mode] = "not offered by the installed `pdd up`"
+            _note(err, f"skipping mode {mode!r}: the installed `pdd up` accepts only "
+                       f"{', '.join(sorted(accepted))}")
+            continue
+        if not args.quiet:
+            err.rule(f"[{i}/{len(args.modes)}] {mode}")
+        try:
+            summary = _run_mode(mode, args, err)
+        except (DeployError, BenchError, OSError) as exc:
+            # One broken mode must not end the demo: the others still compare.
+            failed[mode] = f"{type(exc).__name__}: {exc}"
+            _note(err, f"mode {mode!r} failed: {exc}")
+            continue
+        summaries[mode] = summary
+        if summary["completed"] == 0:
+            failed[mode] = "every request failed"
+            _note(err, f"mode {mode!r}: every request failed")
+
+    out = Console()
+    if summaries:
+        table = format_table(summaries)
+        table.title = "pdd demo"
+        out.print(table)
+    meta = {
+        "date": started,
+        "command": _command_line(args),
+        "config": {
+            "modes": args.modes,
+            "requests": args.requests,
+            # JSON has no infinity: null means every session started at once.
+            "rate": args.rate if math.isfinite(args.rate) else None,
+            "seed": args.seed,
+            "deployment_config": None if args.config is None else str(args.config),
+            "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms,
+            "workload": {"kind": "agentic", **dataclasses.asdict(AgenticConfig(seed=args.seed))},
+        },
+        "failed_modes": failed,
+    }
+    title = f"pdd demo: {args.requests} agentic requests per mode (seed {args.seed})"
+    paths = write_report(args.out, summaries, title=title, meta=meta)
+    out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False)
+    return 0 if any(s["completed"] for s in summaries.values()) else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `pdd demo` on the top-level sub-command parsers."""
+    parser = sub.add_parser("demo", help="compare every deployment mode on one workload",
+                            description="Run the same agentic workload through every "
+                                        "deployment mode and compare them.")
+    parser.add_argument("--out", type=Path, default=Path("pdd-demo"), metavar="DIR",
+                        help="report folder (default: ./pdd-demo)")
+    parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES), metavar="LIST",
+                        help=f"comma-separated, run in order (default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
+                        help=f"agentic turns per mode (default {DEFAULT_REQUESTS})")
+    parser.add_argument("--rate", type=float, default=math.inf, metavar="R",
+                        help="agentic session starts per second, Poisson; inf = all at once")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="workload seed; every mode replays the same requests")
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="deployment TOML passed to `pdd up`")
+    # The same SLO defaults as `pdd bench`, so attainment reads the same in both.
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
+    parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+    def func(args: argparse.Namespace) -> int:
+        if args.requests < 1:
+            parser.error("--requests must be >= 1")
+        if args.config is not None and not args.config.is_file():
+            parser.error(f"--config {args.config}: no such file")
+        if not args.rate > 0:
+            parser.error("--rate must be > 0 (inf starts every session at once)")
+        return run(args)
+
+    parser.set_defaults(func=func)

@@ -1,0 +1,182 @@
+"""`pdd up`: a whole deployment on one machine — WAN emulator, instances, router.
+
+Two "datacenters" live on loopback; everything that crosses between them goes through
+`pdd wan`. The launcher expands the config for the chosen mode, picks free ports,
+writes the resolved deployment file every child reads, starts the children, prints
+`router: http://HOST:PORT` once all answer, and stops them all on SIGINT/SIGTERM. A
+child that dies is reported, not fatal: the router must ride out a dead instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from pdd import config as cfg
+
+READY_TIMEOUT_S = 120.0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
+    p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
+    p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's)")
+    p.add_argument("--port", type=int, help="router port (0: any free port)")
+    p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
+    p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
+    p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
+    p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
+    """The explicit deployment for this machine: instances placed, every port chosen."""
+    from pdd.model.store import resolve_model
+
+    dep = cfg.with_secret(replace(dep, mode=mode))
+    instances = dep.instances or cfg.instances_for_mode(dep, mode)
+    placed = []
+    remote = False
+    for inst in instances:
+        wan = inst.dc != dep.router.dc
+        remote |= wan
+        placed.append(replace(inst, port=inst.port or _free_port(), kv_port=inst.kv_port or _free_port(),
+                              wan_port=(inst.wan_port or _free_port()) if wan else 0))
+    link = replace(dep.link, admin_port=(dep.link.admin_port or _free_port()) if remote else 0)
+    port = dep.router.port if router_port is None else router_port
+    router = replace(dep.router, port=port or _free_port())
+    model = replace(dep.model, path=str(resolve_model(dep.model.path)))
+    return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
+
+
+class Launcher:
+    def __init__(self, dep: cfg.Deployment, run_dir: Path) -> None:
+        self.dep = dep
+        self.run_dir = run_dir
+        self.config_path = run_dir / "deployment.toml"
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.run_dir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        self.children.append((name, proc))
+        return proc
+
+    def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not answer {url} within {READY_TIMEOUT_S:.0f} s:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        path = self.run_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def start(self) -> None:
+        self.config_path.write_text(cfg.dump(self.dep))
+        self.config_path.chmod(0o600)  # it holds the deployment's secret
+        dep, conf = self.dep, str(self.config_path)
+        link = dep.link
+        if link.admin_port:
+            routes = [f"--route={link.host}:{i.wan_port}={i.host}:{i.kv_port}" for i in dep.instances if i.wan_port]
+            proc = self._spawn("wan", ["wan", *routes, f"--bandwidth-mbps={link.bandwidth_mbps}",
+                                       f"--delay-ms={link.delay_ms}", f"--jitter-ms={link.jitter_ms}",
+                                       f"--admin={link.host}:{link.admin_port}"])
+            self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
+            print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
+                  f"admin http://{link.host}:{link.admin_port}", flush=True)
+        for inst in dep.instances:
+            proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name])
+            print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): pid {proc.pid}, "
+                  f"http://{inst.host}:{inst.port}", flush=True)
+        for name, proc in list(self.children):
+            if name != "wan":
+                inst = dep.instance(name)
+                self._wait_http(name, proc, f"http://{inst.host}:{inst.port}/health")
+        proc = self._spawn("router", ["router", "--config", conf])
+        url = f"http://{dep.router.host}:{dep.router.port}"
+        self._wait_http("router", proc, f"{url}/health")
+        print(f"router: {url}", flush=True)
+
+    def watch(self, stop: list[bool]) -> None:
+        """Report children that die, until asked to stop."""
+        reported: set[str] = set()
+        while not stop:
+            for name, proc in self.children:
+                if proc.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(f"pdd up: {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 10.0) -> None:
+        for _, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace
+        for _, proc in self.children:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        dep = cfg.load(args.config)
+    except cfg.ConfigError as e:
+        print(f"pdd up: {e}", file=sys.stderr)
+        return 2
+    mode = args.mode or dep.mode
+    policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
+    link = replace(dep.link, **{k: v for k, v in (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms))
+                                if v is not None})
+    dep = resolve(replace(dep, policy=policy, link=link), mode, args.port)
+    run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
+    launcher = Launcher(dep, run_dir)
+    stop: list[bool] = []
+
+    def on_signal(signum, frame) -> None:
+        stop.append(True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        print(f"pdd up: mode {mode}, run directory {run_dir}", flush=True)
+        launcher.start()
+        launcher.watch(stop)
+    except RuntimeError as e:
+        print(f"pdd up: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        launcher.stop()
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return code

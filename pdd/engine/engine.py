@@ -1,0 +1,275 @@
+"""One instance's engine: model + KV pool + prefix cache + scheduler, stepped by a caller.
+
+The engine is synchronous and single-threaded on purpose: a server runs `step()` in
+one worker thread, so every structure here is touched by one thread only. Besides the
+plain request path it exposes the pieces disaggregation needs: hold a finished
+prefill's pages for export, reserve a prefix and import KV for the rest, and extend a
+sequence with given tokens in one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdd.engine.attention import PagedAttention
+from pdd.engine.kv_pool import KVPool
+from pdd.engine.radix_cache import CacheEvent, RadixCache
+from pdd.engine.sampler import sample
+from pdd.engine.scheduler import Scheduler
+from pdd.engine.sequence import SamplingParams, Sequence, Status
+from pdd.kv import codec
+from pdd.kv.blocks import block_hashes
+from pdd.model.loader import load_model
+
+HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 2048
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_dtype: str | None = None  # None: same as dtype
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    rid: str
+    token: int | None  # the token sampled this step, if any
+    finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill + extend + decode)
+    prefill_tokens: int = 0  # prompt tokens computed (not served from cache)
+    cached_prompt_tokens: int = 0
+    decode_tokens: int = 0  # tokens sampled
+    finished: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class RequestError(ValueError):
+    """A request this engine can never serve (too long, duplicate id, ...)."""
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
+                 eos_ids: frozenset[int] = frozenset(),
+                 on_cache_event: Callable[[CacheEvent], None] | None = None) -> None:
+        self.config = config
+        self.model = load_model(model_dir, config.device, codec.DTYPES[config.dtype])
+        self.model_cfg = self.model.cfg
+        kv_dtype = codec.DTYPES[config.kv_dtype or config.dtype]
+        self.pool = KVPool(self.model_cfg, config.num_pages, config.page_size, kv_dtype, config.device)
+        self.cache = RadixCache(self.pool, on_cache_event)
+        self.scheduler = Scheduler(self.pool, self.cache, config.max_batch_tokens, config.max_running)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.eos_ids = eos_ids
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool) -> Sequence:
+        if rid in self.seqs:
+            raise RequestError(f"request id {rid!r} is already active")
+        if not prompt:
+            raise RequestError("prompt must contain at least one token")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
+        limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
+        if len(prompt) + params.max_tokens > limit:
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context window of {limit} tokens")
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, generator=gen)
+        self.seqs[rid] = seq
+        return seq
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> Sequence:
+        """Queue a request. With `hold`, its pages survive finishing until `release`."""
+        seq = self._new_sequence(rid, prompt, params, hold)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)
+        if seq is None:
+            return
+        if seq.status in (Status.WAITING, Status.RUNNING):
+            self.scheduler.finish(seq, "abort")
+        if seq.status in (Status.RESERVED, Status.HELD):
+            self.scheduler.release(seq)
+        seq.status = Status.FINISHED
+
+    def release(self, rid: str) -> None:
+        """Free a held (or reserved) sequence: its KV goes to the prefix cache."""
+        self.abort(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- disaggregation hooks ------------------------------------------------------------
+    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, use_cache: bool = True) -> int:
+        """Lock the longest cached prefix of `prompt`; return its length in tokens.
+
+        The sequence waits (not schedulable) until KV for the rest is imported and
+        `start` is called. At least one prompt token is left for import. Without
+        `use_cache` nothing is reused (the plain cross-datacenter PD baseline).
+        """
+        seq = self._new_sequence(rid, prompt, params, hold=False)
+        match = self.cache.match_prefix(prompt[: len(prompt) - 1] if use_cache else [])
+        self.cache.lock(match.node)
+        seq.cache_node, seq.pages = match.node, list(match.pages)
+        seq.num_computed = seq.cached_tokens = match.num_pages * self.pool.page_size
+        seq.status = Status.RESERVED
+        return seq.num_computed
+
+    def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
+        """Write imported KV for tokens [token_start, token_end) of a reserved sequence.
+
+        Blobs may arrive a few layers at a time, in layer order (one ordered stream);
+        the sequence's computed length advances when the range's last layer lands.
+        """
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status != Status.RESERVED:
+            raise RequestError(f"request {rid!r} is not reserved for import")
+        h = blob.header
+        self._check_blob(seq, h)
+        need = self.pool.pages_for(h.token_end) - len(seq.pages)
+        if need > 0:
+            if need > self.pool.free_pages:
+                self.cache.evict(need - self.pool.free_pages)
+            seq.pages.extend(self.pool.allocate(need))
+        slots = self.pool.slots(seq.pages, h.token_start, h.token_end).to(self.pool.k.device)
+        for i, layer in enumerate(range(h.layer_start, h.layer_end)):
+            self.pool.k[layer][slots] = blob.k[i].to(self.pool.k.device, self.pool.dtype)
+            self.pool.v[layer][slots] = blob.v[i].to(self.pool.v.device, self.pool.dtype)
+        if h.layer_end == self.model_cfg.num_layers:
+            seq.num_computed = max(seq.num_computed, h.token_end)
+
+    def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
+        cfg = self.model_cfg
+        if (h.num_layers, h.kv_heads, h.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise RequestError("imported KV has another model shape")
+        if h.token_start > seq.num_computed or h.token_end > len(seq.tokens):
+            raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) leaves a gap after {seq.num_computed}")
+        if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
+            raise RequestError("imported KV belongs to another prompt (block hashes differ)")
+
+    def start(self, rid: str, tokens: list[int] = ()) -> None:
+        """Make a reserved sequence schedulable, appending already-generated tokens.
+
+        Everything after the imported KV (e.g. P's first token, or a relay's tokens in a
+        handoff) is computed in one extend step; then decoding continues.
+        """
+        seq = self.seqs[rid]
+        if seq.status != Status.RESERVED:
+            raise RequestError(f"request {rid!r} is not reserved")
+        seq.tokens.extend(tokens)
+        if seq.num_pending < 1:
+            raise RequestError("nothing left to compute: import must leave the last token")
+        self.scheduler.add(seq)
+
+    def extend(self, rid: str, tokens: list[int], want_logits: bool = False) -> None:
+        """Append given tokens to an active sequence; the next step computes them at once."""
+        seq = self.seqs[rid]
+        if seq.status not in (Status.WAITING, Status.RUNNING):
+            raise RequestError(f"request {rid!r} is not active")
+        seq.tokens.extend(tokens)
+        seq.want_logits = want_logits
+
+    def export_kv(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> codec.KVBlob:
+        seq = self.seqs[rid]
+        if not 0 <= token_start < token_end <= seq.num_computed:
+            raise RequestError(f"cannot export [{token_start}, {token_end}): {seq.num_computed} tokens computed")
+        layers = layers or range(self.model_cfg.num_layers)
+        slots = self.pool.slots(seq.pages, token_start, token_end).to(self.pool.k.device)
+        k = torch.stack([self.pool.k[i][slots] for i in layers]).cpu()
+        v = torch.stack([self.pool.v[i][slots] for i in layers]).cpu()
+        header = codec.KVHeader(
+            num_layers=self.model_cfg.num_layers, layer_start=layers.start, layer_end=layers.stop,
+            kv_heads=self.model_cfg.num_kv_heads, head_dim=self.model_cfg.head_dim,
+            dtype=codec.dtype_name(self.pool.dtype), page_size=self.pool.page_size,
+            token_start=token_start, token_end=token_end, block_size=HASH_BLOCK,
+            block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
+        )
+        return codec.KVBlob(header, k, v)
+
+    # ---- stepping ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        device = self.config.device
+        ids, pos, spans = [], [], []
+        for seq, n in batch:
+            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+            pos.extend(range(seq.num_computed, seq.num_computed + n))
+            spans.append((seq.pages, seq.num_computed, n))
+        attn = PagedAttention(self.pool, spans, device)
+        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), attn)
+        rows, sampling, offset = [], [], 0
+        for seq, n in batch:
+            if seq.want_logits:
+                seq.step_logits = self.model.logits(hidden[offset : offset + n]).cpu()
+                seq.want_logits = False
+            if seq.num_computed < seq.prompt_len:
+                prompt_part = min(n, seq.prompt_len - seq.num_computed)
+                self.stats.prefill_tokens += prompt_part
+            seq.num_computed += n
+            if seq.num_pending == 0:
+                rows.append(offset + n - 1)
+                sampling.append(seq)
+            offset += n
+        self.stats.steps += 1
+        self.stats.computed_tokens += offset
+        outputs = [StepOutput(seq.rid, None, None) for seq, _ in batch if seq.num_pending > 0]
+        if sampling:
+            logits = self.model.logits(hidden[rows])
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            for seq, tok in zip(sampling, tokens):
+                seq.tokens.append(tok)
+                self.stats.decode_tokens += 1
+                reason = self._finish_reason(seq, tok)
+                if reason:
+                    self._finish(seq, reason)
+                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            return "stop"
+        if seq.num_output >= p.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.stats.finished += 1
+        self.stats.cached_prompt_tokens += seq.cached_tokens
+        self.scheduler.finish(seq, reason)
+        if seq.status == Status.FINISHED:
+            del self.seqs[seq.rid]
+
+    # ---- conveniences ------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion together (tests, benchmarks, offline use)."""
+        rids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        seqs = [self.add_request(r, p, params) for r, p in zip(rids, prompts)]
+        while self.has_work():
+            self.step()
+        return [s.output for s in seqs]
+
+    def flush_cache(self) -> int:
+        return self.cache.flush()

@@ -1,0 +1,134 @@
+"""Radix prefix cache over KV pages.
+
+Each edge holds exactly one full page of tokens, so a match is always page-aligned
+and a node owns exactly one page. Sequences lock the path they reuse (a node with a
+lock is never evicted); unlocked leaves are evicted least-recently-used first.
+Every stored or removed page is reported as a chained block hash through `on_event`,
+which is how a remote router keeps a mirror of this cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdd.engine.kv_pool import KVPool
+from pdd.kv.blocks import ROOT_HASH, chain_hash
+
+CacheEvent = tuple[str, list[int]]  # ("stored" | "removed", block hashes)
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    page: int
+    parent: "Node | None"
+    hash: int
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+@dataclass
+class Match:
+    pages: list[int]
+    node: Node  # deepest matched node (the root when nothing matched)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class RadixCache:
+    def __init__(self, pool: KVPool, on_event: Callable[[CacheEvent], None] | None = None) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.root = Node(key=(), page=-1, parent=None, hash=ROOT_HASH)
+        self.on_event = on_event
+        self._clock = itertools.count(1)
+        self.cached_pages = 0
+
+    def _pages(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        ps = self.page_size
+        return [tuple(tokens[i : i + ps]) for i in range(0, len(tokens) - ps + 1, ps)]
+
+    def match_prefix(self, tokens: Sequence[int]) -> Match:
+        node, pages = self.root, []
+        now = next(self._clock)
+        for key in self._pages(tokens):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_access = now
+            node = child
+            pages.append(child.page)
+        return Match(pages, node)
+
+    def lock(self, node: Node) -> None:
+        while node is not self.root and node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root and node is not None:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "unlock without lock"
+            node = node.parent
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> Node:
+        """Take ownership of the full pages of `tokens`; duplicates go back to the pool.
+
+        Returns the deepest node of the inserted path.
+        """
+        node, stored, duplicates = self.root, [], []
+        now = next(self._clock)
+        for key, page in zip(self._pages(tokens), pages):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key=key, page=page, parent=node, hash=chain_hash(node.hash, key))
+                node.children[key] = child
+                self.cached_pages += 1
+                stored.append(child.hash)
+            elif child.page != page:
+                duplicates.append(page)
+            child.last_access = now
+            node = child
+        self.pool.release(duplicates)
+        if stored and self.on_event:
+            self.on_event(("stored", stored))
+        return node
+
+    def hashes(self) -> list[int]:
+        return [n.hash for n in self._walk()]
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` pages from unlocked leaves, oldest first."""
+        heap = [(n.last_access, id(n), n) for n in self._walk() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        removed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key]
+            freed.append(node.page)
+            removed.append(node.hash)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.cached_pages -= len(freed)
+        self.pool.release(freed)
+        if removed and self.on_event:
+            self.on_event(("removed", removed))
+        return len(freed)
+
+    def flush(self) -> int:
+        return self.evict(self.cached_pages)
+
+    def _walk(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node

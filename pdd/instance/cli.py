@@ -1,0 +1,100 @@
+"""`pdd serve`: one instance process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from pdd.config import ROLES, EngineSpec
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    d = EngineSpec()
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool size in pages")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one engine step")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="most sequences computed at once")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--kv-dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="KV pool dtype (default: --dtype)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start one instance")
+    p.add_argument("--role", choices=ROLES, default="standalone")
+    p.add_argument("--model", help="Hugging Face-layout model directory")
+    p.add_argument("--config", help="deployment TOML (with --instance): serve that instance")
+    p.add_argument("--instance", help="instance name in --config")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this instance")
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _engine_config(spec: EngineSpec):
+    from pdd.engine.engine import EngineConfig
+
+    return EngineConfig(page_size=spec.page_size, num_pages=spec.num_pages, max_batch_tokens=spec.max_batch_tokens,
+                        max_running=spec.max_running, device=spec.device, dtype=spec.dtype, kv_dtype=spec.kv_dtype or None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdd import config as cfg
+    from pdd.model.store import resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.config:
+        if not args.instance:
+            raise SystemExit("pdd serve: --config needs --instance NAME")
+        dep = cfg.load(args.config)
+        spec = dep.instance(args.instance)
+        model_dir, name = resolve_model(dep.model.path), dep.model.name
+    else:
+        if args.role != "standalone":
+            raise SystemExit(f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
+        if not args.model:
+            raise SystemExit("pdd serve: --model DIR is required without --config")
+        engine = EngineSpec(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
+                            args.dtype, args.kv_dtype)
+        spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
+        dep, model_dir = None, resolve_model(args.model)
+        name = args.served_model_name or Path(model_dir).name
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads))
+    return 0
+
+
+async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
+    import torch
+    import uvicorn
+
+    from pdd.api.app import build_app
+    from pdd.engine.engine import Engine
+    from pdd.instance.local_backend import LocalBackend
+    from pdd.instance.node import Node
+    from pdd.instance.runtime import EngineRuntime
+    from pdd.model.tokenizer import Tokenizer
+    from pdd.transfer.wire import link_key
+
+    torch.set_num_threads(threads)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engine = Engine(model_dir, _engine_config(spec.engine), eos_ids=tokenizer.eos_token_ids)
+    runtime = EngineRuntime(engine)
+    runtime.start()
+    node = None
+    if dep is not None:
+        node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
+        engine.cache.on_event = node.on_cache_event
+        await node.start()
+    app = build_app(LocalBackend(runtime), tokenizer, name)
+    server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    try:
+        await server.serve()
+    finally:
+        if node:
+            await node.stop()
+        runtime.stop()

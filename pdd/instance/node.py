@@ -1,0 +1,306 @@
+"""An instance's framed-protocol side: requests from the router, KV between P and D.
+
+Roles:
+- standalone: SUBMIT runs the whole request; tokens go back to the submitting router.
+- prefill (P): SUBMIT prefills, while the decode instance reserves; then P streams
+  the KV the decode side lacks — chunk by chunk, one layer per frame — and tells it
+  the first token. P reports hit lengths and bytes moved to the router (RESULT).
+- main (MD): RESERVE locks its longest cached prefix and answers the authoritative
+  hit; KV frames are imported as they arrive; KV_DONE starts decoding, whose tokens
+  go to every connected router. Its radix cache events are published with sequence
+  numbers so routers can mirror it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from pdd.config import Deployment, InstanceSpec
+from pdd.engine.radix_cache import CacheEvent
+from pdd.engine.sequence import SamplingParams
+from pdd.instance.messages import BadMessage, int_of, params_from_wire, params_to_wire, rid_of, tokens_of
+from pdd.instance.runtime import EngineRuntime
+from pdd.kv import codec
+from pdd.transfer import wire
+from pdd.transfer.wire import FramedConnection, MsgType
+
+log = logging.getLogger(__name__)
+ACK_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 10.0
+
+
+class Node:
+    def __init__(self, spec: InstanceSpec, dep: Deployment, runtime: EngineRuntime, key: bytes) -> None:
+        self.spec = spec
+        self.dep = dep
+        self.runtime = runtime
+        self.key = key
+        self.routers: set[FramedConnection] = set()
+        self.event_seq = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: asyncio.Server | None = None
+        self._peers: dict[str, FramedConnection] = {}
+        self._peer_lock = asyncio.Lock()
+        self._acks: dict[str, tuple[str, asyncio.Future]] = {}  # rid -> (decode instance, its RESERVE_ACK)
+        self._tasks: set[asyncio.Task] = set()
+        self.kv_bytes_sent = 0
+        self.kv_bytes_received = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.server = await wire.serve(self._handle, self.spec.host, self.spec.kv_port, self.key)
+
+    def on_cache_event(self, event: CacheEvent) -> None:
+        """Called on the engine thread; publishing happens on the loop, in order."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._publish, event)
+
+    def _publish(self, event: CacheEvent) -> None:
+        self.event_seq += 1
+        msg = {"seq": self.event_seq, "kind": event[0], "hashes": event[1]}
+        for conn in list(self.routers):
+            self._spawn(self._send(conn, MsgType.CACHE_EVENT, msg))
+
+    async def stop(self) -> None:
+        if self.server:
+            self.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        for conn in [*self.routers, *self._peers.values()]:
+            conn.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @staticmethod
+    async def _send(conn: FramedConnection, kind: MsgType, msg: dict) -> None:
+        try:
+            await conn.send_json(kind, msg)
+        except (ConnectionError, RuntimeError) as e:
+            log.debug("send to %s failed: %s", conn.peer, e)
+
+    # ---- inbound connections -----------------------------------------------------------------
+    async def _handle(self, conn: FramedConnection) -> None:
+        # a peer that connects and says nothing (or half a frame) does not hold a slot forever
+        hello = (await asyncio.wait_for(conn.recv(), HELLO_TIMEOUT_S)).json()
+        peer_role = hello.get("role")
+        if peer_role == "router":
+            await self._serve_router(conn)
+        elif peer_role == "prefill" and self.spec.role == "main":
+            await self._serve_prefill_peer(conn)
+        else:
+            await conn.send_json(MsgType.ERROR, {"message": f"{self.spec.role} does not serve {peer_role!r}"})
+
+    async def _send_snapshot(self, conn: FramedConnection) -> None:
+        hashes = await self.runtime.call(lambda e: e.cache.hashes())
+        await conn.send_json(MsgType.CACHE_EVENT, {"seq": self.event_seq, "kind": "snapshot", "hashes": hashes,
+                                                   "page_size": self.runtime.engine.pool.page_size})
+
+    async def _serve_router(self, conn: FramedConnection) -> None:
+        await self._send_snapshot(conn)
+        self.routers.add(conn)
+        try:
+            while True:
+                frame = await conn.recv()
+                msg = frame.json()
+                try:
+                    if frame.type == MsgType.SUBMIT:
+                        self._spawn(self._submit(conn, msg))
+                    elif frame.type == MsgType.ABORT:
+                        self.runtime.abort(rid_of(msg))
+                    elif frame.type == MsgType.CACHE_EVENT:  # the router lost track: resend all
+                        self.routers.discard(conn)
+                        await self._send_snapshot(conn)
+                        self.routers.add(conn)
+                    elif frame.type == MsgType.PING:
+                        await conn.send(MsgType.PONG, frame.payload)
+                except BadMessage as e:
+                    await conn.send_json(MsgType.ERROR, {"rid": msg.get("rid"), "message": str(e)})
+        finally:
+            self.routers.discard(conn)
+
+    async def _submit(self, conn: FramedConnection, msg: dict) -> None:
+        rid = rid_of(msg)
+        try:
+            prompt, params = tokens_of(msg, "prompt"), params_from_wire(msg.get("params"))
+            if self.spec.role == "standalone":
+                await self._generate(conn, rid, prompt, params)
+            elif self.spec.role == "prefill":
+                await self._prefill(conn, rid, prompt, params, msg)
+            else:
+                raise BadMessage(f"a {self.spec.role} instance does not take SUBMIT")
+        except Exception as e:  # the request fails; the instance keeps serving
+            if not isinstance(e, (BadMessage, ConnectionError, asyncio.TimeoutError, ValueError)):
+                log.exception("request %s failed", rid)
+            await self._send(conn, MsgType.ERROR, {"rid": rid, "message": f"{type(e).__name__}: {e}"})
+
+    async def _generate(self, conn: FramedConnection, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        async for out in self.runtime.generate(rid, prompt, params):
+            await conn.send_json(MsgType.TOKENS, _tokens_msg(rid, out))
+
+    # ---- prefill side ------------------------------------------------------------------------
+    async def _peer(self, name: str) -> FramedConnection:
+        """A shared connection to a decode instance (through the WAN when remote)."""
+        async with self._peer_lock:
+            conn = self._peers.get(name)
+            if conn is not None and not conn.closed:
+                return conn
+            target = self.dep.instance(name)
+            host, port = self.dep.address(target, self.spec.dc)
+            conn = await wire.open_connection(host, port, self.key)
+            await conn.send_json(MsgType.HELLO, {"role": "prefill", "name": self.spec.name})
+            self._peers[name] = conn
+            self._spawn(self._read_peer(name, conn))
+            return conn
+
+    async def _read_peer(self, name: str, conn: FramedConnection) -> None:
+        try:
+            while True:
+                msg = (await conn.recv()).json()
+                _, fut = self._acks.pop(str(msg.get("rid")), (None, None))
+                if fut and not fut.done():
+                    fut.set_result(msg)
+        except (ConnectionError, wire.FrameError) as e:
+            log.warning("connection to decode instance %s lost: %s", name, e)
+        finally:
+            if self._peers.get(name) is conn:
+                del self._peers[name]
+            for peer, fut in list(self._acks.values()):  # requests waiting on this peer fail now
+                if peer == name and not fut.done():
+                    fut.set_exception(ConnectionError(f"decode instance {name} unreachable"))
+
+    async def _prefill(self, conn: FramedConnection, rid: str, prompt: list[int], params: SamplingParams, msg: dict) -> None:
+        decode = msg.get("decode")
+        if not isinstance(decode, str):
+            raise BadMessage("decode must name the decode instance")
+        md = await self._peer(decode)
+        ack = asyncio.get_running_loop().create_future()
+        self._acks[rid] = (decode, ack)
+        await md.send_json(MsgType.RESERVE, {"rid": rid, "prompt": prompt, "params": params_to_wire(params),
+                                             "use_cache": bool(msg.get("use_cache", True))})
+        first, cached, reason = None, 0, None
+        try:
+            async for out in self.runtime.generate(rid, prompt, replace(params, max_tokens=1), hold=True):
+                first, cached, reason = out.token, out.cached_tokens, out.finish_reason
+            if first is None:
+                raise RuntimeError("prefill was aborted")
+            reply = await asyncio.wait_for(ack, ACK_TIMEOUT_S)
+            if reply.get("error"):
+                raise RuntimeError(f"decode instance refused: {reply['error']}")
+            hit = int_of(reply, "hit")
+            done = reason == "stop" or params.max_tokens == 1
+            sent = 0 if done else await self._send_kv(md, rid, hit, len(prompt))
+            if done:  # nothing left to decode: P's token is the whole answer
+                await md.send_json(MsgType.RELEASE, {"rid": rid})
+            else:
+                await md.send_json(MsgType.KV_DONE, {"rid": rid, "first_token": first})
+        except BaseException:
+            self._acks.pop(rid, None)
+            await self._send(md, MsgType.ABORT, {"rid": rid})
+            raise
+        finally:
+            await self.runtime.call(lambda e: e.release(rid))
+        remote = self.dep.instance(decode).dc != self.spec.dc
+        await conn.send_json(MsgType.RESULT, {"rid": rid, "p_hit": cached, "d_hit": hit, "kv_bytes": sent,
+                                              "wan_bytes": sent if remote else 0})
+        if done:
+            await conn.send_json(MsgType.TOKENS, {"rid": rid, "tokens": [first], "finish_reason": reason or "length",
+                                                  "cached_tokens": cached})
+
+    async def _send_kv(self, md: FramedConnection, rid: str, start: int, end: int) -> int:
+        """Stream tokens [start, end) of rid's KV: chunk by chunk, one layer per frame."""
+        sent = 0
+        step = self.dep.policy.kv_chunk_tokens
+        for a in range(start, end, step):
+            b = min(end, a + step)
+            blob = await self.runtime.call(lambda e, a=a, b=b: e.export_kv(rid, a, b))
+            for i in range(blob.k.shape[0]):
+                header = replace(blob.header, layer_start=blob.header.layer_start + i, layer_end=blob.header.layer_start + i + 1)
+                layer = codec.encode(codec.KVBlob(header, blob.k[i : i + 1], blob.v[i : i + 1]))
+                payload = wire.pack_with_header({"rid": rid}, layer)
+                await md.send(MsgType.KV_LAYER, payload)
+                sent += len(payload)
+        self.kv_bytes_sent += sent
+        return sent
+
+    # ---- decode side -------------------------------------------------------------------------
+    async def _serve_prefill_peer(self, conn: FramedConnection) -> None:
+        pending: set[str] = set()  # reserved here by this peer, KV not complete yet
+        try:
+            while True:
+                frame = await conn.recv()
+                try:
+                    await self._on_peer_frame(conn, frame, pending)
+                except (BadMessage, codec.KVFormatError, ValueError, KeyError) as e:
+                    log.warning("bad request from prefill peer: %s", e)
+                    rid = _maybe_rid(frame)
+                    if rid:
+                        pending.discard(rid)
+                        self.runtime.abort(rid)
+                        await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "error": str(e)})
+        finally:
+            for rid in pending:  # the prefill side is gone: drop what it reserved
+                await self.runtime.call(lambda e, rid=rid: e.release(rid))
+
+    async def _on_peer_frame(self, conn: FramedConnection, frame: wire.Frame, pending: set[str]) -> None:
+        if frame.type == MsgType.KV_LAYER:
+            header, body = wire.unpack_with_header(frame.payload)
+            rid, blob = rid_of(header), codec.decode(body)
+            self.kv_bytes_received += len(frame.payload)
+            await self.runtime.call(lambda e: e.import_kv(rid, blob))
+            return
+        msg = frame.json()
+        rid = rid_of(msg)
+        if frame.type == MsgType.RESERVE:
+            prompt, params = tokens_of(msg, "prompt"), params_from_wire(msg.get("params"))
+            use_cache = bool(msg.get("use_cache", True))
+            hit = await self.runtime.call(lambda e: e.reserve(rid, prompt, params, use_cache))
+            pending.add(rid)
+            await conn.send_json(MsgType.RESERVE_ACK, {"rid": rid, "hit": hit})
+        elif frame.type == MsgType.KV_DONE:
+            first = int_of(msg, "first_token")
+            pending.discard(rid)
+            q = self.runtime.watch(rid)
+            try:
+                await self.runtime.call(lambda e: e.start(rid, [first]))
+            except Exception:
+                self.runtime.unwatch(rid)
+                raise
+            cached = self.runtime.engine.seqs[rid].cached_tokens if rid in self.runtime.engine.seqs else 0
+            self._broadcast({"rid": rid, "tokens": [first], "finish_reason": None, "cached_tokens": cached})
+            self._spawn(self._forward(rid, q))
+        elif frame.type in (MsgType.RELEASE, MsgType.ABORT):
+            pending.discard(rid)
+            await self.runtime.call(lambda e: e.release(rid))
+
+    async def _forward(self, rid: str, q: asyncio.Queue) -> None:
+        try:
+            async for out in EngineRuntime.stream(q):
+                self._broadcast(_tokens_msg(rid, out))
+        finally:
+            self.runtime.unwatch(rid)
+
+    def _broadcast(self, msg: dict) -> None:
+        for conn in list(self.routers):
+            self._spawn(self._send(conn, MsgType.TOKENS, msg))
+
+
+def _tokens_msg(rid: str, out) -> dict:
+    return {"rid": rid, "tokens": [] if out.token is None else [out.token], "finish_reason": out.finish_reason,
+            "cached_tokens": out.cached_tokens}
+
+
+def _maybe_rid(frame: wire.Frame) -> str | None:
+    try:
+        if frame.type == MsgType.KV_LAYER:
+            return rid_of(wire.unpack_with_header(frame.payload)[0])
+        return rid_of(frame.json())
+    except (BadMessage, wire.FrameError, ValueError):
+        return None
+

@@ -1,0 +1,31 @@
+"""Chained block hashes: the identity of a token prefix, cheap to compare remotely.
+
+Hash i covers tokens [0, (i+1)*block_size): equal hash i means an equal prefix, so
+two instances (or a router and an instance) can agree on what is cached by
+exchanging 8-byte numbers instead of token lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+ROOT_HASH = 0
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<Q", parent))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of every full block of `tokens` (a partial tail block has no hash)."""
+    out: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = chain_hash(parent, tokens[start : start + block_size])
+        out.append(parent)
+    return out

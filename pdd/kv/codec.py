@@ -1,0 +1,118 @@
+"""A self-describing binary format for a slice of one sequence's KV.
+
+A blob carries a token range and a layer range of K and V in token-major layout, so
+the importer can lay it into pages of any size, and its own dtype. The JSON header
+says what the bytes are; the chained block hashes of the covered prefix let the
+importer refuse KV that belongs to a different prompt. No pickle: a header is parsed
+as JSON and every size is checked against the bytes actually present.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+import torch
+
+MAGIC = b"PDKV"
+VERSION = 1
+_PREFIX = struct.Struct("!4sHI")  # magic, version, header length
+MAX_HEADER = 1 << 20
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    num_layers: int  # of the model
+    layer_start: int
+    layer_end: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int  # of the exporter; informational
+    token_start: int
+    token_end: int
+    block_size: int
+    block_hashes: list[int]  # chained hashes of the full blocks of tokens [0, token_end)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def payload_bytes(self) -> int:
+        per = self.num_tokens * self.kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        return 2 * (self.layer_end - self.layer_start) * per
+
+
+@dataclass
+class KVBlob:
+    header: KVHeader
+    k: torch.Tensor  # [layers, tokens, kv_heads, head_dim]
+    v: torch.Tensor
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise KVFormatError(f"unsupported KV dtype {dtype}")
+
+
+def encode(blob: KVBlob) -> bytes:
+    header = json.dumps(asdict(blob.header), separators=(",", ":")).encode()
+    parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
+    for t in (blob.k, blob.v):
+        parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return b"".join(parts)
+
+
+def _check_header(raw: dict) -> KVHeader:
+    try:
+        h = KVHeader(**raw)
+    except TypeError as e:
+        raise KVFormatError(f"bad KV header fields: {e}") from None
+    ints = (h.num_layers, h.layer_start, h.layer_end, h.kv_heads, h.head_dim, h.page_size, h.token_start, h.token_end, h.block_size)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+        raise KVFormatError("KV header sizes must be integers")
+    if h.dtype not in DTYPES:
+        raise KVFormatError(f"unknown KV dtype {h.dtype!r}")
+    if not (0 <= h.layer_start < h.layer_end <= h.num_layers and 0 <= h.token_start < h.token_end):
+        raise KVFormatError("KV header ranges are empty or out of order")
+    if min(h.kv_heads, h.head_dim, h.page_size, h.block_size) < 1:
+        raise KVFormatError("KV header dimensions must be positive")
+    if not isinstance(h.block_hashes, list) or len(h.block_hashes) != h.token_end // h.block_size:
+        raise KVFormatError("KV header block hashes do not cover the token range")
+    return h
+
+
+def decode(data: bytes | bytearray | memoryview) -> KVBlob:
+    data = memoryview(data)
+    if len(data) < _PREFIX.size:
+        raise KVFormatError("KV blob shorter than its prefix")
+    magic, version, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise KVFormatError("not a KV blob (bad magic)")
+    if version != VERSION:
+        raise KVFormatError(f"KV blob version {version}, this build reads {VERSION}")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen > len(data):
+        raise KVFormatError("KV header length out of bounds")
+    try:
+        raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
+    except ValueError as e:
+        raise KVFormatError(f"KV header is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise KVFormatError("KV header is not an object")
+    h = _check_header(raw)
+    body = data[_PREFIX.size + hlen :]
+    if len(body) != h.payload_bytes:
+        raise KVFormatError(f"KV payload is {len(body)} bytes, header says {h.payload_bytes}")
+    shape = (h.layer_end - h.layer_start, h.num_tokens, h.kv_heads, h.head_dim)
+    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(DTYPES[h.dtype])
+    half = flat.numel() // 2
+    return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))

@@ -1,0 +1,56 @@
+"""`pdd router --config FILE`: the OpenAI API in front of a deployment."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="start the router of a deployment")
+    p.add_argument("--config", required=True, help="deployment TOML with its instances")
+    p.add_argument("--port", type=int, default=None, help="override [router] port")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from pdd import config as cfg
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    dep = cfg.load(args.config)
+    if args.port is not None:
+        dep = replace(dep, router=replace(dep.router, port=args.port))
+    if not dep.instances:
+        raise SystemExit("pdd router: the config lists no [[instances]]")
+    if not dep.secret:
+        raise SystemExit("pdd router: the config has no secret; instances authenticate every frame with it")
+    asyncio.run(_serve(dep))
+    return 0
+
+
+async def _serve(dep) -> None:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from pdd.api.app import build_app
+    from pdd.model.config import ModelConfig
+    from pdd.model.store import resolve_model
+    from pdd.model.tokenizer import Tokenizer
+    from pdd.router.backend import RouterBackend
+
+    model_dir = resolve_model(dep.model.path)
+    registry = CollectorRegistry()
+    backend = RouterBackend(dep, registry)
+    capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
+    backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
+    await backend.start()
+    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry)
+    server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    try:
+        await server.serve()
+    finally:
+        await backend.stop()

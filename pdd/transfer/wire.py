@@ -1,0 +1,398 @@
+"""The one framed binary protocol spoken between pdd instances.
+
+Reservations, KV pages, token IDs and cache events all cross the WAN in these frames,
+so the format is strict: a fixed header (magic, version, type, flags, sequence number,
+payload length, CRC32), the payload, and — on authenticated connections — an
+HMAC-SHA256 tag over header and payload. The length is checked against a limit
+*before* the payload is read, so a hostile or broken peer cannot make us buffer
+gigabytes. The sequence number sits inside the MAC'd header and must be exactly the
+next one expected, so replayed, reordered or dropped frames are refused as well.
+Payloads are raw bytes or JSON objects; nothing received is ever unpickled or
+evaluated.
+
+Any violation raises a specific `FrameError` subclass; `FramedConnection.recv` counts
+it in the process-wide `REJECTS` and closes the connection, since a byte stream that
+has lost its framing cannot be trusted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import struct
+import threading
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PD"
+PROTOCOL_VERSION = 1
+FLAG_AUTH = 0x01
+_KNOWN_FLAGS = FLAG_AUTH
+# magic, version, type, flags, sequence, payload length, CRC32 of payload
+HEADER = struct.Struct("!2sBBBQII")
+TAG_SIZE = hashlib.sha256().digest_size
+DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
+MAX_JSON_BYTES = 16 * 1024 * 1024
+_HEADER_LEN = struct.Struct("!I")
+
+
+class MsgType(IntEnum):
+    """Message types. The numbers are on the wire: never renumber, only append."""
+
+    HELLO = 1  # first frame of a connection: who is speaking, which role
+    RESERVE = 2  # router/P -> MD: lock the longest cached prefix of a prompt
+    RESERVE_ACK = 3  # MD -> P: the authoritative hit length
+    KV_LAYER = 4  # P -> RLD/MD: KV pages of one layer (pack_with_header payload)
+    KV_DONE = 5  # P -> RLD/MD: all KV of a request has been sent
+    TOKENS = 6  # token IDs (eager output, handoff chunks)
+    CACHE_EVENT = 7  # decode-side radix cache stored/removed events
+    ABORT = 8  # cancel a request and free what it holds
+    ERROR = 9  # the peer could not do what was asked
+    PING = 10  # liveness and round-trip probe
+    PONG = 11  # answer to PING, echoing its payload
+    RELEASE = 12  # drop a reservation that will not be used, without aborting
+    RESULT = 13  # final outcome of a request (finish reason, counts)
+    SUBMIT = 14  # router -> P or standalone: run this request
+
+
+class FrameError(ValueError):
+    """A frame that must not be accepted; the connection carrying it is dropped."""
+
+
+class BadMagic(FrameError):
+    pass
+
+
+class BadVersion(FrameError):
+    pass
+
+
+class BadFlags(FrameError):
+    pass
+
+
+class UnknownType(FrameError):
+    pass
+
+
+class TooLarge(FrameError):
+    pass
+
+
+class BadChecksum(FrameError):
+    pass
+
+
+class BadMac(FrameError):
+    pass
+
+
+class BadSequence(FrameError):
+    pass
+
+
+class BadPayload(FrameError):
+    pass
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the stream (at a frame boundary or mid-frame).
+
+    Not a `FrameError`: a peer going away, or a WAN drop, is a network event and
+    must not be counted as a rejected (possibly hostile) frame.
+    """
+
+
+class RejectStats:
+    """Process-wide count of rejected frames per error class, for metrics.
+
+    Thread-safe because several event loops (one per thread) may share a process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def record(self, err: FrameError) -> None:
+        name = type(err).__name__
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counts, e.g. for a Prometheus collector."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+
+REJECTS = RejectStats()
+
+
+@dataclass(frozen=True)
+class Frame:
+    type: MsgType
+    seq: int
+    payload: bytes
+
+    def json(self) -> dict[str, Any]:
+        """The payload decoded as a JSON object (raises `BadPayload` otherwise)."""
+        return decode_json(self.payload)
+
+
+class FrameCodec:
+    """Encodes and decodes frames for one connection, one counter per direction.
+
+    With a key, every frame sent is authenticated and every frame received must be;
+    without one, authenticated frames are refused too (a key mismatch between peers
+    should fail loudly, not be silently ignored).
+    """
+
+    def __init__(self, key: bytes | None, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        if key is not None and not key:
+            raise ValueError("an authentication key must not be empty")
+        self._key = key
+        self.max_payload = max_payload
+        self.send_seq = 0
+        self.recv_seq = 0
+
+    @property
+    def overhead(self) -> int:
+        """Bytes a frame adds to its payload on this connection."""
+        return HEADER.size + (TAG_SIZE if self._key else 0)
+
+    def encode_parts(self, msg_type: MsgType, payload: bytes | memoryview) -> list[bytes | memoryview]:
+        """The frame as separate buffers, so a large KV payload is never copied."""
+        msg_type = MsgType(msg_type)
+        if len(payload) > self.max_payload:
+            raise TooLarge(f"payload of {len(payload)} bytes exceeds the limit of {self.max_payload}")
+        flags = FLAG_AUTH if self._key else 0
+        header = HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload)
+        )
+        self.send_seq += 1
+        if not self._key:
+            return [header, payload]
+        return [header, payload, _mac(self._key, header, payload)]
+
+    def encode(self, msg_type: MsgType, payload: bytes | memoryview) -> bytes:
+        return b"".join(self.encode_parts(msg_type, payload))
+
+    async def read(self, reader: asyncio.StreamReader) -> Frame:
+        """Read exactly one frame, validating everything before returning it.
+
+        Only what is needed to delimit the frame (magic, version, length, whether a
+        tag follows) is checked before the MAC; everything else is checked after it,
+        so on an authenticated connection any tampering there shows up as `BadMac`.
+        """
+        header = await _read_exactly(reader, HEADER.size, at_boundary=True)
+        magic, version, raw_type, flags, seq, length, crc = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise BadMagic(f"bad magic {magic!r}")
+        if version != PROTOCOL_VERSION:
+            raise BadVersion(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+        if length > self.max_payload:
+            raise TooLarge(f"frame announces {length} bytes, the limit is {self.max_payload}")
+        authenticated = bool(flags & FLAG_AUTH)
+        if self._key and not authenticated:
+            raise BadMac("unauthenticated frame on a connection that requires authentication")
+        if authenticated and not self._key:
+            raise BadMac("authenticated frame on a connection without a key")
+        payload = await _read_exactly(reader, length, at_boundary=False)
+        if self._key:
+            tag = await _read_exactly(reader, TAG_SIZE, at_boundary=False)
+            if not hmac.compare_digest(tag, _mac(self._key, header, payload)):
+                raise BadMac("message authentication code does not match")
+        if flags & ~_KNOWN_FLAGS:
+            raise BadFlags(f"unknown flag bits {flags:#04x}")
+        try:
+            msg_type = MsgType(raw_type)
+        except ValueError:
+            raise UnknownType(f"unknown message type {raw_type}") from None
+        if seq != self.recv_seq:
+            raise BadSequence(f"sequence number {seq}, expected {self.recv_seq}")
+        if zlib.crc32(payload) != crc:
+            raise BadChecksum("payload CRC32 does not match")
+        self.recv_seq += 1
+        return Frame(msg_type, seq, payload)
+
+
+def _mac(key: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, header, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_boundary: bool) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as err:
+        if at_boundary and not err.partial:
+            raise ConnectionClosed("peer closed the connection") from None
+        raise ConnectionClosed("peer closed the connection in the middle of a frame") from None
+
+
+class FramedConnection:
+    """One TCP connection speaking frames, with traffic counters.
+
+    Sends may come from several tasks at once (a frame is written in one piece, so
+    frames never interleave); receives must come from a single task.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, codec: FrameCodec) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._codec = codec
+        self.peer: Any = writer.get_extra_info("peername")
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+
+    async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
+        parts = self._codec.encode_parts(msg_type, payload)
+        self._writer.writelines(parts)
+        self.bytes_sent += sum(len(p) for p in parts)
+        self.frames_sent += 1
+        await self._writer.drain()
+
+    async def send_json(self, msg_type: MsgType, obj: dict[str, Any]) -> None:
+        await self.send(msg_type, encode_json(obj))
+
+    async def recv(self) -> Frame:
+        """The next frame; on a bad one, count it, drop the connection and raise."""
+        try:
+            frame = await self._codec.read(self._reader)
+        except FrameError as err:
+            REJECTS.record(err)
+            log.warning("rejected frame from %s: %s: %s", self.peer, type(err).__name__, err)
+            self.close()
+            raise
+        self.bytes_received += len(frame.payload) + self._codec.overhead
+        self.frames_received += 1
+        return frame
+
+    def close(self) -> None:
+        self._writer.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._writer.is_closing()
+
+    async def wait_closed(self) -> None:
+        """Wait until the socket is closed; a reset while closing is not an error."""
+        try:
+            await self._writer.wait_closed()
+        except ConnectionError:
+            pass
+
+
+async def open_connection(
+    host: str,
+    port: int,
+    key: bytes | None,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    connect_timeout: float | None = 10.0,
+) -> FramedConnection:
+    """Connect to a frame server; the timeout keeps a silent WAN from hanging us."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+    return FramedConnection(reader, writer, FrameCodec(key, max_payload))
+
+
+Handler = Callable[[FramedConnection], Awaitable[None]]
+
+
+async def serve(
+    handler: Handler,
+    host: str,
+    port: int,
+    key: bytes | None,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> asyncio.Server:
+    """Start a TCP server that hands every accepted connection to `handler`.
+
+    A connection whose handler fails — bad frame, peer gone, or a bug — is closed
+    and logged; the server keeps serving everyone else.
+    """
+
+    async def on_accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
+        try:
+            await handler(conn)
+        except FrameError:
+            pass  # already counted and logged by recv()
+        except ConnectionError as err:
+            log.debug("connection from %s ended: %s", conn.peer, err)
+        except Exception:
+            log.exception("handler for %s failed", conn.peer)
+        finally:
+            conn.close()
+            await conn.wait_closed()
+
+    return await asyncio.start_server(on_accept, host, port)
+
+
+def encode_json(obj: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON of a dict; NaN/Infinity are refused since JSON has none."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a JSON payload must be an object, not {type(obj).__name__}")
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadPayload(f"JSON constant {name} is not allowed")
+
+
+def decode_json(payload: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """Parse a JSON-object payload, refusing anything oversized, non-UTF-8 or odd."""
+    if len(payload) > max_bytes:
+        raise BadPayload(f"JSON payload of {len(payload)} bytes exceeds {max_bytes}")
+    try:
+        obj = json.loads(bytes(payload).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise BadPayload(f"invalid JSON payload: {err}") from None
+    if not isinstance(obj, dict):
+        raise BadPayload(f"JSON payload must be an object, got {type(obj).__name__}")
+    return obj
+
+
+def pack_with_header(header: dict[str, Any], blob: bytes | memoryview) -> bytes:
+    """u32 header length + JSON header + raw bytes: how binary frames (KV) describe themselves."""
+    encoded = encode_json(header)
+    return b"".join([_HEADER_LEN.pack(len(encoded)), encoded, blob])
+
+
+def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Split a `pack_with_header` payload; the blob is a zero-copy view."""
+    view = memoryview(payload).cast("B")
+    if len(view) < _HEADER_LEN.size:
+        raise BadPayload("payload too short for a header length")
+    (n,) = _HEADER_LEN.unpack_from(view)
+    if n > len(view) - _HEADER_LEN.size:
+        raise BadPayload(f"header length {n} exceeds the {len(view) - _HEADER_LEN.size} bytes present")
+    end = _HEADER_LEN.size + n
+    return decode_json(view[_HEADER_LEN.size : end]), view[end:]
+
+
+def link_key(secret: str, link_name: str) -> bytes:
+    """Derive a per-link key from the deployment's shared secret (HKDF-expand style).
+
+    Each link gets its own key, so a key leaked from one link's endpoints does not
+    authenticate traffic on another.
+    """
+    if not secret:
+        raise ValueError("the shared secret must not be empty")
+    info = b"pdd/link-key/v1\x00" + link_name.encode("utf-8")
+    return hmac.new(secret.encode("utf-8"), info, hashlib.sha256).digest()

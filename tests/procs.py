@@ -1,0 +1,97 @@
+"""Start real `pdd` processes for integration tests, and always stop them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@contextlib.contextmanager
+def pdd_process(args: list[str], health_url: str | None = None, timeout: float = 60.0) -> Iterator[subprocess.Popen]:
+    """Run `python -m pdd.cli ARGS` in its own process group; kill the group on exit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if health_url:
+            wait_http(health_url, proc, timeout)
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
+
+
+class Deployment:
+    """A running `pdd up`, with what it printed: router URL, instance pids, WAN admin."""
+
+    def __init__(self, proc: subprocess.Popen, lines: list[str]) -> None:
+        self.proc = proc
+        self.lines = lines
+        self.url = next(l.split()[1] for l in lines if l.startswith("router: "))
+        self.pids = {l.split()[1]: int(l.split("pid ")[1].split(",")[0]) for l in lines if l.startswith("instance ")}
+        admin = [l.split("admin ")[1] for l in lines if l.startswith("wan: ") and "admin " in l]
+        self.wan_admin = admin[0] if admin else None
+
+
+@contextlib.contextmanager
+def pdd_up(*args: str, timeout: float = 120.0) -> Iterator[Deployment]:
+    """`pdd up ARGS --port 0`, torn down (whole process group) on exit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "up", "--port", "0", *args], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(l.startswith("router: ") for l in lines):
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("pdd up exited before its router was ready:\n" + "".join(lines))
+            lines.append(line)
+            if time.monotonic() > deadline:
+                raise TimeoutError("pdd up did not print its router line:\n" + "".join(lines))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+        yield Deployment(proc, lines)
+    finally:
+        stop_group(proc)

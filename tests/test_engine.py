@@ -1,0 +1,230 @@
+"""Engine behaviour on the tiny model: batching, caching, extend, KV export/import."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdd.engine.engine import Engine, EngineConfig, RequestError
+from pdd.engine.sequence import SamplingParams
+from pdd.kv import codec
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 4096) for _ in range(n)]
+
+
+def _run(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    return Engine(tiny_model_dir, EngineConfig(page_size=16, num_pages=512))
+
+
+@pytest.fixture(autouse=True)
+def no_page_leaks(request):
+    yield
+    if "engine" in request.fixturenames:
+        _assert_no_leaks(request.getfixturevalue("engine"))
+
+
+def _assert_no_leaks(e: Engine) -> None:
+    for rid in list(e.seqs):
+        e.abort(rid)
+    e.flush_cache()
+    assert e.pool.free_pages == e.pool.num_pages, "pages leaked"
+
+
+def test_concurrent_equals_sequential(engine):
+    rng = random.Random(0)
+    prompts = [_prompt(rng, n) for n in rng.sample(range(3, 200), 16)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    engine.flush_cache()
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert together == alone
+    assert all(len(o) == 20 for o in together)
+    assert len({tuple(o) for o in together}) > 8, "outputs should depend on the prompt"
+
+
+def test_prefix_cache_serves_shared_prefix(engine):
+    rng = random.Random(1)
+    shared = _prompt(rng, 300)
+    first = engine.generate([shared + _prompt(rng, 20)], GREEDY)
+    before = engine.stats.prefill_tokens
+    seq = engine.add_request("second", shared + _prompt(rng, 37), GREEDY)
+    _run(engine)
+    assert seq.cached_tokens == 288  # 18 full pages of 16 tokens
+    assert engine.stats.prefill_tokens - before == 337 - 288
+    assert first and seq.output
+
+
+def test_chunked_prefill_and_small_budget_match(tiny_model_dir, engine):
+    rng = random.Random(2)
+    prompts = [_prompt(rng, n) for n in (700, 50, 333)]
+    ref = engine.generate(prompts, GREEDY)
+    chunky = Engine(tiny_model_dir, EngineConfig(page_size=8, num_pages=512, max_batch_tokens=96))
+    assert chunky.generate(prompts, GREEDY) == ref
+    assert chunky.stats.steps > 700 // 96
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(tiny_model_dir, engine):
+    rng = random.Random(3)
+    prompts = [_prompt(rng, 60) for _ in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = engine.generate(prompts, params)
+    small = Engine(tiny_model_dir, EngineConfig(page_size=16, num_pages=20))
+    assert small.generate(prompts, params) == ref
+    assert small.scheduler.preemptions > 0
+    _assert_no_leaks(small)
+
+
+def test_extend_equals_one_by_one_decode(engine):
+    rng = random.Random(4)
+    prompt = _prompt(rng, 120)
+    ref = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    engine.flush_cache()
+    k = 17
+    seq = engine.add_request("ext", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # prefill: samples ref[0]
+    assert seq.output == ref[:1]
+    engine.extend("ext", ref[1 : 1 + k], want_logits=True)
+    engine.step()  # one forward over k+1 tokens, then samples the next
+    assert seq.step_logits.shape[0] == k + 1
+    # verification view: each position's argmax is the next handed-over token
+    assert seq.step_logits.argmax(-1).tolist() == ref[1 : k + 2]
+    _run(engine)
+    assert seq.output == ref
+
+
+def test_sampling_is_seeded_and_bounded(engine):
+    rng = random.Random(5)
+    prompt = _prompt(rng, 50)
+    hot = SamplingParams(max_tokens=16, temperature=30.0, seed=7, ignore_eos=True)
+    a, b = engine.generate([prompt], hot), engine.generate([prompt], hot)
+    c = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=30.0, seed=8, ignore_eos=True))
+    assert a == b and a != c
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True)) == greedy
+    assert engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True)) == greedy
+
+
+def test_stop_token_and_abort(engine):
+    rng = random.Random(6)
+    prompt = _prompt(rng, 40)
+    ref = engine.generate([prompt], GREEDY)[0]
+    stop_at = ref[5]
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=(stop_at,)))[0]
+    assert out == ref[: ref.index(stop_at) + 1]
+    engine.add_request("gone", prompt, GREEDY)
+    engine.step()
+    engine.abort("gone")
+    assert not engine.has_work() and "gone" not in engine.seqs
+
+
+def test_rejects_requests_it_cannot_serve(engine):
+    with pytest.raises(RequestError):
+        engine.add_request("long", [20] * 4000, SamplingParams(max_tokens=200))
+    with pytest.raises(RequestError):
+        engine.add_request("vocab", [10**6], GREEDY)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.fixture
+def other(tiny_model_dir):
+    e = Engine(tiny_model_dir, EngineConfig(page_size=32, num_pages=256))
+    yield e
+    _assert_no_leaks(e)
+
+
+def _handover(src: Engine, dst: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Prefill on src, ship the prompt's KV as bytes, decode on dst."""
+    src.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold=True)
+    _run(src)
+    first = src.seqs["p"].output
+    hit = dst.reserve("d", prompt, params)
+    data = codec.encode(src.export_kv("p", hit, len(prompt)))
+    src.release("p")
+    dst.import_kv("d", codec.decode(data))
+    dst.start("d", first)
+    seq = dst.seqs["d"]
+    _run(dst)
+    return seq.output
+
+
+def test_kv_export_import_across_page_sizes(engine, other):
+    rng = random.Random(7)
+    prompt = _prompt(rng, 203)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = engine.generate([prompt], params)[0]
+    engine.flush_cache()
+    assert _handover(engine, other, prompt, params) == ref
+    # a second turn: the importer already holds the prefix, only the delta moves
+    turn2 = prompt + ref + _prompt(rng, 40)
+    ref2 = engine.generate([turn2], params)[0]
+    engine.flush_cache()
+    hit = other.cache.match_prefix(turn2).num_pages * other.pool.page_size
+    assert hit >= 224
+    assert _handover(engine, other, turn2, params) == ref2
+
+
+def test_bf16_importer_logits_within_tolerance(tiny_model_dir, engine):
+    rng = random.Random(8)
+    prompt = _prompt(rng, 150)
+    bf16 = Engine(tiny_model_dir, EngineConfig(page_size=32, num_pages=64, kv_dtype="bfloat16"))
+    ref = engine.add_request("r", prompt + [99], SamplingParams(max_tokens=1), hold=True)
+    ref.want_logits = True
+    _run(engine)
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold=True)
+    _run(engine)
+    bf16.reserve("d", prompt, SamplingParams(max_tokens=1))
+    bf16.import_kv("d", codec.decode(codec.encode(engine.export_kv("p", 0, len(prompt)))))
+    engine.release("p")
+    engine.release("r")
+    bf16.start("d", [99])
+    seq = bf16.seqs["d"]
+    seq.want_logits = True
+    _run(bf16)
+    want, got = ref.step_logits[-1], seq.step_logits[-1]
+    # bf16 keeps 8 mantissa bits: relative error ~4e-3 per stored K/V value
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert got.argmax() == want.argmax()
+    _assert_no_leaks(bf16)
+
+
+def test_import_refuses_kv_of_another_prompt(engine, other):
+    rng = random.Random(9)
+    prompt = _prompt(rng, 64)
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold=True)
+    _run(engine)
+    blob = engine.export_kv("p", 0, 64)
+    engine.release("p")
+    other.reserve("d", _prompt(rng, 64), SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="another prompt"):
+        other.import_kv("d", blob)
+    other.release("d")
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b[:10],
+    lambda b: b"XXXX" + b[4:],
+    lambda b: b[:-1],
+    lambda b: b + b"\0",
+    lambda b: b[:10] + b"{not json" + b[19:],
+])
+def test_kv_codec_rejects_malformed_blobs(engine, mutate):
+    engine.add_request("p", list(range(20, 60)), SamplingParams(max_tokens=1), hold=True)
+    _run(engine)
+    data = codec.encode(engine.export_kv("p", 0, 40))
+    engine.release("p")
+    assert torch.equal(codec.decode(data).k, codec.decode(data).k)
+    with pytest.raises(codec.KVFormatError):
+        codec.decode(mutate(data))

@@ -1,0 +1,156 @@
+"""Prefill and decode in two emulated datacenters, as real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pdd.bench.client import run_bench
+from pdd.bench.summary import summarize
+from pdd.transfer import wire
+from pdd.workload.agentic import AgenticConfig, plan_sessions
+from procs import pdd_up
+
+KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head dim 64, fp32
+
+
+def _requests(seed: int = 0) -> list[list[int]]:
+    """Four prompts sharing a prefix, then three unrelated 200-token ones."""
+    rng = random.Random(seed)
+    base = [rng.randrange(16, 4096) for _ in range(300)]
+    shared = [base[:n] + [rng.randrange(16, 4096) for _ in range(k)] for n, k in ((300, 5), (40, 0), (300, 90), (17, 3))]
+    return shared + [[rng.randrange(16, 4096) for _ in range(200)] for _ in range(3)]
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 12) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                 "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens():
+    with pdd_up("--mode", "colocated") as dep:
+        return [_complete(dep.url, p)["choices"][0]["token_ids"] for p in _requests()]
+
+
+@pytest.mark.parametrize("drc", ["on", "off"])
+def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
+    with pdd_up("--mode", "pd-cross-dc", "--drc", drc) as dep:
+        got = [_complete(dep.url, p) for p in _requests()]
+    assert [g["choices"][0]["token_ids"] for g in got] == colocated_tokens
+    assert {g["pdd"]["pipeline"] for g in got} == {"P-MD"}
+    assert all(g["pdd"]["wan_bytes"] > 0 for g in got)
+    if drc == "off":  # the baseline ships every prompt token's KV
+        assert all(g["pdd"]["d_hit_tokens"] == 0 for g in got)
+    else:  # the third request shares 300 tokens with the first: the decode side has them
+        assert got[2]["pdd"]["d_hit_tokens"] >= 288
+
+
+def test_agentic_run_sends_only_the_missing_kv():
+    sessions = plan_sessions(AgenticConfig(seed=3, max_context=1500), 24)
+    with pdd_up("--mode", "pd-cross-dc", "--drc", "on") as dep:
+        run = run_bench(dep.url, sessions, quiet=True)
+        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+    s = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
+    bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
+    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
+    assert s["completed"] == 24
+    assert 0 < s["wan_bytes"] <= bound
+    assert s["d_hit_tokens"] / s["prompt_tokens"] > 0.5
+    assert stats["mirror_drift_abs_tokens"] == 0, "a steady run's mirror must predict every reservation"
+
+
+def test_small_decode_pool_evicts_and_stays_correct(tmp_path, colocated_tokens):
+    """A decode pool smaller than the working set: MD evicts behind the router's back;
+    the reservation (not the mirror) decides what P sends, so outputs stay exact."""
+    conf = tmp_path / "small.toml"
+    conf.write_text("""
+mode = "pd-cross-dc"
+[policy]
+decode_radix_cache = true
+[[instances]]
+name = "p0"
+role = "prefill"
+dc = "A"
+[[instances]]
+name = "md0"
+role = "main"
+dc = "B"
+[instances.engine]
+num_pages = 30
+""")
+    prompts, want = _requests()[4:], colocated_tokens[4:]
+    with pdd_up("--config", str(conf)) as dep:
+        first = [_complete(dep.url, p) for p in prompts]
+        with ThreadPoolExecutor(3) as pool:  # concurrent reservations race the mirror
+            second = list(pool.map(lambda p: _complete(dep.url, p), prompts))
+        drift = httpx.get(f"{dep.url}/pdd/stats").json()["mirror_drift_abs_tokens"]
+    assert [g["choices"][0]["token_ids"] for g in first] == want
+    assert [g["choices"][0]["token_ids"] for g in second] == want
+    print(f"\nsecond-round decode-side hits {[g['pdd']['d_hit_tokens'] for g in second]}, mirror drift {drift}")
+    assert any(g["pdd"]["d_hit_tokens"] < 192 for g in second), "the small pool should have evicted"
+    for g, p in zip(first + second, prompts + prompts):  # bytes follow the reservation
+        kv = (len(p) - g["pdd"]["d_hit_tokens"]) * KV_BYTES_PER_TOKEN
+        assert kv <= g["pdd"]["wan_bytes"] <= kv * 1.05 + 4096
+
+
+def test_kill_decode_mid_stream_fails_cleanly():
+    with pdd_up("--mode", "pd-cross-dc") as dep:
+        body = {"model": "tiny", "prompt": list(range(100, 400)), "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events, t0 = [], time.monotonic()
+        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(dep.pids["md0"], signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-3:]
+        assert time.monotonic() - t0 < 30
+        assert httpx.get(f"{dep.url}/health").status_code == 200
+        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and "error" in r.json()
+
+
+def _instance_port(dep, name: str) -> int:
+    conf = next(l for l in dep.lines if l.startswith("pdd up: mode"))
+    run_dir = conf.split("run directory ")[1].strip()
+    import tomllib
+    with open(f"{run_dir}/deployment.toml", "rb") as f:
+        data = tomllib.load(f)
+    return next(i["kv_port"] for i in data["instances"] if i["name"] == name)
+
+
+def test_bad_frames_are_rejected_and_counted():
+    with pdd_up("--mode", "pd-cross-dc", "--keep") as dep:
+        port = _instance_port(dep, "md0")
+        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+
+        async def attack() -> None:
+            bad_key = wire.FrameCodec(b"not the deployment secret")
+            for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: pdd\r\n\r\n", bad_key.encode(wire.MsgType.HELLO, b'{"role":"router"}'),
+                            b"PD" + struct.pack("!BBBQII", 1, 1, 1, 0, 1 << 31, 0)):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(payload)
+                await writer.drain()
+                assert await asyncio.wait_for(reader.read(), 10) == b""  # dropped
+                writer.close()
+
+        asyncio.run(attack())
+        rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
+        assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
+        assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]

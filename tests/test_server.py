@@ -1,0 +1,128 @@
+"""`pdd serve --role standalone` as a real process, driven over HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from procs import free_port, pdd_process
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--role", "standalone", "--model", str(tiny_model_dir), "--port", str(port),
+            "--served-model-name", "tiny", "--num-pages", "256"]
+    with pdd_process(args, f"{url}/health") as proc:
+        yield url
+        assert proc.poll() is None, "server died during the tests"
+
+
+def _kv(url: str) -> dict:
+    return httpx.get(f"{url}/pdd/stats").json()["kv"]
+
+
+def _settled(url: str, timeout: float = 10.0) -> dict:
+    """Wait until nothing runs; every page is then free or held by the prefix cache."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = _kv(url)
+        if kv["free"] + kv["cached"] == kv["pages"]:
+            return kv
+        time.sleep(0.05)
+    raise AssertionError(f"pages still in use: {kv}")
+
+
+def test_openai_client_streams_chat(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish in (["length"], ["stop"])
+    assert chunks[-1].usage.completion_tokens >= 1 and chunks[-1].usage.prompt_tokens > 5
+    full = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        max_tokens=12, temperature=0)
+    assert full.choices[0].message.content == text
+    _settled(server)
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_shared_prefix_is_reported_cached(server):
+    hits_before = _metric(server, "pdd_prefix_cache_hit_tokens_total")
+    prefix = list(range(200, 520))
+    body = {"model": "tiny", "prompt": prefix + [7, 8, 9], "max_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    second = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prefix + [11] * 30}, timeout=60).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
+    assert len(second["choices"][0]["token_ids"]) == 4
+    assert _metric(server, "pdd_prefix_cache_hit_tokens_total") - hits_before == 320
+    assert _metric(server, "pdd_time_to_first_token_seconds_count") >= 2
+
+
+def test_stop_string_truncates(server):
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = httpx.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": "nope", "prompt": "hi"}, 404),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -5}, 400),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 10**9}, 400),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400),
+    ({"model": "tiny", "prompt": [1] * 5000}, 400),
+    ({"model": "tiny", "prompt": [99999999]}, 400),
+    ({"model": "tiny"}, 400),
+    ({"model": "tiny", "prompt": "hi", "n": 3}, 400),
+    ({"model": "tiny", "messages": []}, 400),
+])
+def test_bad_input_gets_openai_errors(server, body, status):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(f"{server}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.get(f"{server}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(server):
+    body = {"model": "tiny", "prompt": list(range(300, 700)), "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += len(json.loads(line[6:])["choices"][0]["token_ids"])
+            if seen >= 3:
+                break
+    kv = _settled(server, timeout=20)
+    assert _metric(server, "pdd_requests_running") == 0
+    assert kv["cached"] < kv["pages"]

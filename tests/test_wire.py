@@ -1,0 +1,369 @@
+"""The framed wire protocol: what gets through, what is refused, and how a server copes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import struct
+import zlib
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdd.transfer.wire import (
+    HEADER,
+    REJECTS,
+    TAG_SIZE,
+    BadChecksum,
+    BadMac,
+    BadMagic,
+    BadPayload,
+    BadSequence,
+    BadVersion,
+    ConnectionClosed,
+    Frame,
+    FrameCodec,
+    FrameError,
+    FramedConnection,
+    MsgType,
+    TooLarge,
+    UnknownType,
+    decode_json,
+    encode_json,
+    link_key,
+    open_connection,
+    pack_with_header,
+    serve,
+    unpack_with_header,
+)
+
+KEY = link_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
+OTHER_KEY = link_key("correct horse battery staple", "dc-a/p0->dc-b/md1")
+FIELDS = {  # byte offsets of the header fields
+    "magic": range(0, 2),
+    "version": range(2, 3),
+    "type": range(3, 4),
+    "flags": range(4, 5),
+    "seq": range(5, 13),
+    "length": range(13, 17),
+    "crc": range(17, 21),
+}
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def decode_stream(codec: FrameCodec, data: bytes) -> list[Frame]:
+    """Every frame in `data`, read as a connection would; errors (incl. truncation) propagate."""
+
+    async def go() -> list[Frame]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        frames = []
+        while not reader.at_eof():
+            frames.append(await codec.read(reader))
+        return frames
+
+    return run(go(), timeout=10)
+
+
+def one_frame(key: bytes | None, payload: bytes = b'{"request":"r1"}', msg_type: MsgType = MsgType.TOKENS) -> bytes:
+    return FrameCodec(key).encode(msg_type, payload)
+
+
+def flipped(data: bytes, index: int, mask: int = 0x01) -> bytes:
+    out = bytearray(data)
+    out[index] ^= mask
+    return bytes(out)
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["plain", "auth"])
+def test_every_message_type_round_trips(key: bytes | None) -> None:
+    sender = FrameCodec(key)
+    payloads = {t: f"payload of {t.name}".encode() * (t.value % 3) for t in MsgType}
+    stream = b"".join(sender.encode(t, p) for t, p in payloads.items())
+    frames = decode_stream(FrameCodec(key), stream)
+    assert [(f.type, f.payload) for f in frames] == list(payloads.items())
+    assert [f.seq for f in frames] == list(range(len(MsgType)))
+
+
+def test_message_numbers_are_stable() -> None:
+    assert {t.name: t.value for t in MsgType} == {
+        "HELLO": 1, "RESERVE": 2, "RESERVE_ACK": 3, "KV_LAYER": 4, "KV_DONE": 5, "TOKENS": 6,
+        "CACHE_EVENT": 7, "ABORT": 8, "ERROR": 9, "PING": 10, "PONG": 11, "RELEASE": 12, "RESULT": 13, "SUBMIT": 14,
+    }  # fmt: skip
+
+
+def test_frame_sizes() -> None:
+    payload = b"x" * 1000
+    assert len(one_frame(None, payload)) == HEADER.size + 1000
+    assert len(one_frame(KEY, payload)) == HEADER.size + 1000 + TAG_SIZE
+
+
+@pytest.mark.parametrize("field", ["type", "flags", "seq", "crc"])
+def test_tampered_header_field_is_bad_mac(field: str) -> None:
+    frame = one_frame(KEY)
+    for index in FIELDS[field]:
+        for mask in (0x01, 0x80):
+            with pytest.raises(BadMac):
+                decode_stream(FrameCodec(KEY), flipped(frame, index, mask))
+
+
+def test_tampered_payload_or_tag_is_bad_mac() -> None:
+    frame = one_frame(KEY)
+    for index in range(HEADER.size, len(frame)):
+        with pytest.raises(BadMac):
+            decode_stream(FrameCodec(KEY), flipped(frame, index))
+
+
+def test_tampered_framing_fields_are_refused() -> None:
+    frame = one_frame(KEY)
+    with pytest.raises(BadMagic):
+        decode_stream(FrameCodec(KEY), flipped(frame, 0))
+    with pytest.raises(BadVersion):
+        decode_stream(FrameCodec(KEY), flipped(frame, 2))
+    for index in FIELDS["length"]:
+        # a shorter length misplaces the tag (BadMac); a longer one runs past the end of
+        # the stream or over the limit: never a frame
+        with pytest.raises((FrameError, ConnectionClosed)):
+            decode_stream(FrameCodec(KEY), flipped(frame, index))
+    length = len(frame) - HEADER.size - TAG_SIZE
+    shorter = frame[:13] + struct.pack("!I", length - 1) + frame[17:]
+    with pytest.raises(BadMac):
+        decode_stream(FrameCodec(KEY), shorter)
+
+
+def test_wrong_key_is_bad_mac() -> None:
+    with pytest.raises(BadMac):
+        decode_stream(FrameCodec(OTHER_KEY), one_frame(KEY))
+
+
+def test_auth_mismatch_either_way_is_bad_mac() -> None:
+    with pytest.raises(BadMac, match="requires authentication"):
+        decode_stream(FrameCodec(KEY), one_frame(None))
+    with pytest.raises(BadMac, match="without a key"):
+        decode_stream(FrameCodec(None), one_frame(KEY))
+
+
+def test_bad_magic_version_and_garbage() -> None:
+    frame = one_frame(None)
+    with pytest.raises(BadMagic):
+        decode_stream(FrameCodec(None), b"XX" + frame[2:])
+    with pytest.raises(BadVersion):
+        decode_stream(FrameCodec(None), frame[:2] + bytes([2]) + frame[3:])
+    with pytest.raises(BadMagic):
+        decode_stream(FrameCodec(KEY), b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
+
+
+def test_unknown_type() -> None:
+    header = HEADER.pack(b"PD", 1, 200, 0, 0, 2, zlib.crc32(b"{}"))
+    with pytest.raises(UnknownType):
+        decode_stream(FrameCodec(None), header + b"{}")
+
+
+def test_unknown_type_with_valid_mac() -> None:
+    header = HEADER.pack(b"PD", 1, 0, 1, 0, 2, zlib.crc32(b"{}"))
+    tag = hmac.new(KEY, header + b"{}", hashlib.sha256).digest()
+    with pytest.raises(UnknownType):
+        decode_stream(FrameCodec(KEY), header + b"{}" + tag)
+
+
+def test_crc_mismatch_without_auth() -> None:
+    frame = one_frame(None)
+    with pytest.raises(BadChecksum):
+        decode_stream(FrameCodec(None), flipped(frame, len(frame) - 1))
+
+
+def test_oversized_frame_is_refused_before_its_payload_arrives() -> None:
+    """The limit check must not wait for (or buffer) the announced payload."""
+
+    async def go() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(HEADER.pack(b"PD", 1, MsgType.KV_LAYER, 0, 0, 2**31, 0))  # and nothing more, no EOF
+        with pytest.raises(TooLarge):
+            await asyncio.wait_for(FrameCodec(None, max_payload=1 << 20).read(reader), 5)
+
+    run(go())
+
+
+def test_sender_refuses_oversized_payload() -> None:
+    codec = FrameCodec(KEY, max_payload=100)
+    with pytest.raises(TooLarge):
+        codec.encode(MsgType.KV_LAYER, b"x" * 101)
+    assert codec.send_seq == 0  # nothing was consumed
+    assert decode_stream(FrameCodec(KEY, max_payload=100), codec.encode(MsgType.KV_LAYER, b"x" * 100))
+
+
+def test_replayed_frame_is_bad_sequence() -> None:
+    frame = one_frame(KEY)
+    with pytest.raises(BadSequence):
+        decode_stream(FrameCodec(KEY), frame + frame)
+
+
+def test_reordered_and_dropped_frames_are_bad_sequence() -> None:
+    sender = FrameCodec(KEY)
+    f0, f1, f2 = (sender.encode(MsgType.TOKENS, bytes([i])) for i in range(3))
+    with pytest.raises(BadSequence):
+        decode_stream(FrameCodec(KEY), f1 + f0)
+    with pytest.raises(BadSequence):
+        decode_stream(FrameCodec(KEY), f0 + f2)
+
+
+def test_truncated_stream_is_a_closed_connection_not_a_frame() -> None:
+    frame = one_frame(KEY)
+    with pytest.raises(ConnectionClosed, match="middle of a frame"):
+        decode_stream(FrameCodec(KEY), frame[:-1])
+    assert decode_stream(FrameCodec(KEY), b"") == []
+
+    async def clean_close() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_eof()
+        with pytest.raises(ConnectionClosed, match="closed the connection$"):
+            await FrameCodec(KEY).read(reader)
+
+    run(clean_close())
+
+
+def test_json_helpers() -> None:
+    obj = {"request": "r-1", "tokens": [1, 2, 3], "text": "ünïcode", "nested": {"ok": True, "x": None}}
+    assert decode_json(encode_json(obj)) == obj
+    for bad in (b"[1, 2]", b'"str"', b"\xff\xfe", b"{not json", b'{"x": NaN}', b'{"x": Infinity}', b"[" * 100_000):
+        with pytest.raises(BadPayload):
+            decode_json(bad)
+    with pytest.raises(BadPayload):
+        decode_json(b'{"x": "' + b"a" * 2000 + b'"}', max_bytes=1000)
+    with pytest.raises(TypeError):
+        encode_json([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        encode_json({"x": float("nan")})
+
+
+def test_pack_with_header_round_trip_and_bounds() -> None:
+    blob = bytes(range(256)) * 40
+    header, view = unpack_with_header(pack_with_header({"layer": 3, "tokens": [0, 16]}, memoryview(blob)))
+    assert header == {"layer": 3, "tokens": [0, 16]}
+    assert isinstance(view, memoryview) and view.tobytes() == blob
+    packed = pack_with_header({"layer": 3}, b"")
+    assert unpack_with_header(packed)[1].tobytes() == b""
+    for bad in (b"", b"\x00\x00", struct.pack("!I", 100) + b"{}", struct.pack("!I", 2) + b"[]", packed[:-1]):
+        with pytest.raises(BadPayload):
+            unpack_with_header(bad)
+
+
+def test_link_key_derivation() -> None:
+    assert len(KEY) == 32
+    assert KEY == link_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
+    assert KEY != OTHER_KEY
+    assert KEY != link_key("another secret", "dc-a/p0->dc-b/md0")
+    with pytest.raises(ValueError):
+        link_key("", "x")
+
+
+async def _pong_handler(conn: FramedConnection) -> None:
+    while True:
+        frame = await conn.recv()
+        if frame.type == MsgType.PING:
+            await conn.send(MsgType.PONG, frame.payload)
+
+
+async def _read_until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns when the server has dropped us (EOF or reset)."""
+    try:
+        while await reader.read(65536):
+            pass
+    except ConnectionError:
+        pass
+
+
+def test_server_drops_bad_peers_and_keeps_serving() -> None:
+    async def go() -> None:
+        server = await serve(_pong_handler, "127.0.0.1", 0, KEY)
+        port = server.sockets[0].getsockname()[1]
+        before = REJECTS.snapshot()
+        try:
+            # 1. garbage bytes
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"\x00garbage that is not a frame" * 10)
+            await asyncio.wait_for(_read_until_closed(reader), 10)
+            writer.close()
+            # 2. a well-formed frame under the wrong key
+            bad = await open_connection("127.0.0.1", port, OTHER_KEY)
+            await bad.send(MsgType.PING, b"hello")
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(bad.recv(), 10)
+            bad.close()
+            # 3. an honest peer still gets its PONG
+            good = await open_connection("127.0.0.1", port, KEY)
+            try:
+                for i in range(3):
+                    await good.send(MsgType.PING, f"ping {i}".encode())
+                    pong = await asyncio.wait_for(good.recv(), 10)
+                    assert (pong.type, pong.payload, pong.seq) == (MsgType.PONG, f"ping {i}".encode(), i)
+                assert good.frames_sent == good.frames_received == 3
+                assert good.bytes_sent == good.bytes_received == sum(HEADER.size + 6 + TAG_SIZE for _ in range(3))
+            finally:
+                good.close()
+                await good.wait_closed()
+        finally:
+            server.close()
+            await server.wait_closed()
+        after = REJECTS.snapshot()
+        assert after.get("BadMagic", 0) - before.get("BadMagic", 0) == 1
+        assert after.get("BadMac", 0) - before.get("BadMac", 0) == 1
+
+    run(go())
+
+
+def test_json_messages_over_a_real_connection() -> None:
+    async def handler(conn: FramedConnection) -> None:
+        frame = await conn.recv()
+        req = frame.json()
+        await conn.send_json(MsgType.RESERVE_ACK, {"request": req["request"], "hit_tokens": len(req["blocks"]) * 16})
+
+    async def go() -> None:
+        server = await serve(handler, "127.0.0.1", 0, KEY)
+        conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], KEY)
+        try:
+            await conn.send_json(MsgType.RESERVE, {"request": "r7", "blocks": [11, 12, 13]})
+            ack = await asyncio.wait_for(conn.recv(), 10)
+            assert ack.type == MsgType.RESERVE_ACK and ack.json() == {"request": "r7", "hit_tokens": 48}
+            with pytest.raises(ConnectionClosed):  # the handler returned: the server closes
+                await asyncio.wait_for(conn.recv(), 10)
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(
+    frames=st.lists(st.tuples(st.sampled_from(list(MsgType)), st.binary(max_size=2048)), min_size=1, max_size=5),
+    auth=st.booleans(),
+)
+def test_random_payloads_round_trip(frames: list[tuple[MsgType, bytes]], auth: bool) -> None:
+    key = KEY if auth else None
+    sender = FrameCodec(key)
+    decoded = decode_stream(FrameCodec(key), b"".join(sender.encode(t, p) for t, p in frames))
+    assert [(f.type, f.payload) for f in decoded] == frames
+
+
+@FUZZ
+@given(payload=st.binary(max_size=512), data=st.data())
+def test_random_byte_flips_never_decode_under_auth(payload: bytes, data: st.DataObject) -> None:
+    frame = bytearray(FrameCodec(KEY).encode(MsgType.KV_LAYER, payload))
+    flips = data.draw(st.dictionaries(st.integers(0, len(frame) - 1), st.integers(1, 255), min_size=1, max_size=4))
+    for index, mask in flips.items():
+        frame[index] ^= mask
+    with pytest.raises((FrameError, ConnectionClosed)):
+        decode_stream(FrameCodec(KEY), bytes(frame))
