@@ -82,7 +82,11 @@ class Deployment:
     """
 
     def __init__(self, mode: str, config: Path | None) -> None:
-        args = ["--mode", mode, "--port", "0"]
+        base, *options = mode.split(":")
+        args = ["--mode", base, "--port", "0"]
+        for option in options:  # "pd-cross-dc:drc=off" -> --mode pd-cross-dc --drc off
+            key, _, value = option.partition("=")
+            args += [f"--{key}", value]
         if config is not None:
             args += ["--config", str(config)]
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -209,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     for i, mode in enumerate(args.modes, 1):
-        if accepted is not None and mode not in accepted:
+        if accepted is not None and mode.split(":")[0] not in accepted:
             failed[mode] = "not offered by the installed `pdd up`"
             _note(err, f"skipping mode {mode!r}: the installed `pdd up` accepts only "
                        f"{', '.join(sorted(accepted))}")
@@ -263,7 +267,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=Path("pdd-demo"), metavar="DIR",
                         help="report folder (default: ./pdd-demo)")
     parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES), metavar="LIST",
-                        help=f"comma-separated, run in order (default: {','.join(DEFAULT_MODES)})")
+                        help="comma-separated, run in order; MODE:KEY=VALUE passes --KEY VALUE to "
+                             f"`pdd up` (e.g. pd-cross-dc:drc=off) (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
                         help=f"agentic turns per mode (default {DEFAULT_REQUESTS})")
     parser.add_argument("--rate", type=float, default=math.inf, metavar="R",

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny model, built once per session: it takes seconds, and is read-only."""
-    from pdd.model.tiny import make_tiny
+@pytest.fixture(scope="session", autouse=True)
+def pdd_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private PDD_HOME, so deployments the tests start use a model built here, once."""
+    home = tmp_path_factory.mktemp("pdd-home")
+    os.environ["PDD_HOME"] = str(home)
+    return home
 
-    return make_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(pdd_home: Path) -> Path:
+    """The default tiny model (the one `pdd up` serves), built once per session."""
+    from pdd.model.store import resolve_model
+
+    return resolve_model("")

@@ -335,6 +335,16 @@ def test_json_messages_over_a_real_connection() -> None:
             assert ack.type == MsgType.RESERVE_ACK and ack.json() == {"request": "r7", "hit_tokens": 48}
             with pytest.raises(ConnectionClosed):  # the handler returned: the server closes
                 await asyncio.wait_for(conn.recv(), 10)
+            # an authentic frame whose payload is not JSON is rejected too
+            before = REJECTS.snapshot().get("BadPayload", 0)
+            bad = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], KEY)
+            try:
+                await bad.send(MsgType.RESERVE, b"\x80 not json")
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(bad.recv(), 10)
+            finally:
+                bad.close()
+            assert REJECTS.snapshot().get("BadPayload", 0) == before + 1
         finally:
             conn.close()
             server.close()

@@ -1,7 +1,8 @@
 """`pdd bench engine`: raw engine throughput, then the same model through the HTTP API.
 
 Numbers are printed, never asserted: this machine is shared and noisy, so compare
-runs side by side rather than against fixed thresholds.
+runs side by side rather than against fixed thresholds. torch is imported when the
+benchmark runs, not when `pdd bench` parses its options.
 """
 
 from __future__ import annotations
@@ -18,12 +19,8 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 from rich.console import Console
 from rich.table import Table
-
-from pdd.engine.engine import Engine, EngineConfig
-from pdd.engine.sequence import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +43,9 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def engine_numbers(model_dir: str, repeats: int) -> dict[str, float]:
+    from pdd.engine.engine import Engine, EngineConfig
+    from pdd.engine.sequence import SamplingParams
+
     engine = Engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64))
     rng = random.Random(0)
     out: dict[str, float] = {}
@@ -138,6 +138,8 @@ def http_numbers(model_dir: str, repeats: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     torch.set_num_threads(1)
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:

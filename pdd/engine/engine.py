@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pdd.engine.attention import PagedAttention
-from pdd.engine.kv_pool import KVPool
+from pdd.engine.kv_pool import KVPool, OutOfPages
 from pdd.engine.radix_cache import CacheEvent, RadixCache
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
@@ -121,16 +121,26 @@ class Engine:
 
     # ---- disaggregation hooks ------------------------------------------------------------
     def reserve(self, rid: str, prompt: list[int], params: SamplingParams, use_cache: bool = True) -> int:
-        """Lock the longest cached prefix of `prompt`; return its length in tokens.
+        """Lock the longest cached prefix of `prompt`, allocate pages for the rest, and
+        return the cached length in tokens.
 
         The sequence waits (not schedulable) until KV for the rest is imported and
-        `start` is called. At least one prompt token is left for import. Without
-        `use_cache` nothing is reused (the plain cross-datacenter PD baseline).
+        `start` is called. At least one prompt token is left for import. Pages are
+        taken now, not on import, so a reservation that succeeds can always be filled;
+        when the pool cannot hold the prompt, OutOfPages is raised and nothing is kept.
+        Without `use_cache` nothing is reused (the plain cross-datacenter PD baseline).
         """
         seq = self._new_sequence(rid, prompt, params, hold=False)
         match = self.cache.match_prefix(prompt[: len(prompt) - 1] if use_cache else [])
         self.cache.lock(match.node)
-        seq.cache_node, seq.pages = match.node, list(match.pages)
+        need = self.pool.pages_for(len(prompt)) - match.num_pages
+        if need > self.pool.free_pages:
+            self.cache.evict(need - self.pool.free_pages)
+        if need > self.pool.free_pages:
+            self.cache.unlock(match.node)
+            del self.seqs[rid]
+            raise OutOfPages(f"reservation needs {need} pages, {self.pool.free_pages} free")
+        seq.cache_node, seq.pages = match.node, list(match.pages) + self.pool.allocate(need)
         seq.num_computed = seq.cached_tokens = match.num_pages * self.pool.page_size
         seq.status = Status.RESERVED
         return seq.num_computed
@@ -146,11 +156,6 @@ class Engine:
             raise RequestError(f"request {rid!r} is not reserved for import")
         h = blob.header
         self._check_blob(seq, h)
-        need = self.pool.pages_for(h.token_end) - len(seq.pages)
-        if need > 0:
-            if need > self.pool.free_pages:
-                self.cache.evict(need - self.pool.free_pages)
-            seq.pages.extend(self.pool.allocate(need))
         slots = self.pool.slots(seq.pages, h.token_start, h.token_end).to(self.pool.k.device)
         for i, layer in enumerate(range(h.layer_start, h.layer_end)):
             self.pool.k[layer][slots] = blob.k[i].to(self.pool.k.device, self.pool.dtype)
@@ -162,7 +167,7 @@ class Engine:
         cfg = self.model_cfg
         if (h.num_layers, h.kv_heads, h.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise RequestError("imported KV has another model shape")
-        if h.token_start > seq.num_computed or h.token_end > len(seq.tokens):
+        if h.token_start > seq.num_computed or h.token_end > seq.prompt_len:
             raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) leaves a gap after {seq.num_computed}")
         if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
             raise RequestError("imported KV belongs to another prompt (block hashes differ)")

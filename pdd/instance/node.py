@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.engine.kv_pool import OutOfPages
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.sequence import SamplingParams
 from pdd.instance.messages import BadMessage, int_of, params_from_wire, params_to_wire, rid_of, tokens_of
@@ -27,7 +29,8 @@ from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
 
 log = logging.getLogger(__name__)
-ACK_TIMEOUT_S = 30.0
+ACK_TIMEOUT_S = 60.0
+RESERVE_WAIT_S = 45.0  # a full decode pool holds a reservation back this long, then refuses
 HELLO_TIMEOUT_S = 10.0
 
 
@@ -60,9 +63,7 @@ class Node:
 
     def _publish(self, event: CacheEvent) -> None:
         self.event_seq += 1
-        msg = {"seq": self.event_seq, "kind": event[0], "hashes": event[1]}
-        for conn in list(self.routers):
-            self._spawn(self._send(conn, MsgType.CACHE_EVENT, msg))
+        self._broadcast(MsgType.CACHE_EVENT, {"seq": self.event_seq, "kind": event[0], "hashes": event[1]})
 
     async def stop(self) -> None:
         if self.server:
@@ -237,15 +238,18 @@ class Node:
                 frame = await conn.recv()
                 try:
                     await self._on_peer_frame(conn, frame, pending)
-                except (BadMessage, codec.KVFormatError, ValueError, KeyError) as e:
-                    log.warning("bad request from prefill peer: %s", e)
+                except Exception as e:  # one bad request must not end the connection's others
+                    log.warning("request from prefill peer failed: %s: %s", type(e).__name__, e)
                     rid = _maybe_rid(frame)
-                    if rid:
+                    if rid:  # tell whoever waits: P (for its reservation) and the routers
                         pending.discard(rid)
                         self.runtime.abort(rid)
                         await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "error": str(e)})
+                        self._broadcast(MsgType.ERROR, {"rid": rid, "message": f"decode instance: {e}"})
         finally:
-            for rid in pending:  # the prefill side is gone: drop what it reserved
+            gone = list(pending)
+            pending.clear()
+            for rid in gone:  # the prefill side is gone: drop what it reserved (or waits for)
                 await self.runtime.call(lambda e, rid=rid: e.release(rid))
 
     async def _on_peer_frame(self, conn: FramedConnection, frame: wire.Frame, pending: set[str]) -> None:
@@ -259,10 +263,8 @@ class Node:
         rid = rid_of(msg)
         if frame.type == MsgType.RESERVE:
             prompt, params = tokens_of(msg, "prompt"), params_from_wire(msg.get("params"))
-            use_cache = bool(msg.get("use_cache", True))
-            hit = await self.runtime.call(lambda e: e.reserve(rid, prompt, params, use_cache))
             pending.add(rid)
-            await conn.send_json(MsgType.RESERVE_ACK, {"rid": rid, "hit": hit})
+            self._spawn(self._reserve(conn, rid, prompt, params, bool(msg.get("use_cache", True)), pending))
         elif frame.type == MsgType.KV_DONE:
             first = int_of(msg, "first_token")
             pending.discard(rid)
@@ -273,22 +275,50 @@ class Node:
                 self.runtime.unwatch(rid)
                 raise
             cached = self.runtime.engine.seqs[rid].cached_tokens if rid in self.runtime.engine.seqs else 0
-            self._broadcast({"rid": rid, "tokens": [first], "finish_reason": None, "cached_tokens": cached})
+            self._broadcast(MsgType.TOKENS, {"rid": rid, "tokens": [first], "finish_reason": None, "cached_tokens": cached})
             self._spawn(self._forward(rid, q))
         elif frame.type in (MsgType.RELEASE, MsgType.ABORT):
             pending.discard(rid)
             await self.runtime.call(lambda e: e.release(rid))
 
+    async def _reserve(self, conn: FramedConnection, rid: str, prompt: list[int], params: SamplingParams,
+                       use_cache: bool, pending: set[str]) -> None:
+        """Reserve, waiting while the pool is full: finishing requests free pages.
+
+        A task of its own, so a waiting reservation never stalls the KV frames of the
+        requests whose completion it waits for.
+        """
+        deadline = time.monotonic() + RESERVE_WAIT_S
+        while rid in pending:  # an ABORT or RELEASE while waiting withdraws it
+            try:
+                hit = await self.runtime.call(lambda e: e.reserve(rid, prompt, params, use_cache))
+            except OutOfPages as e:
+                if time.monotonic() > deadline:
+                    pending.discard(rid)
+                    await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "error": f"decode instance full: {e}"})
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            except Exception as e:
+                pending.discard(rid)
+                await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "error": str(e)})
+                return
+            if rid not in pending:
+                await self.runtime.call(lambda e: e.release(rid))
+                return
+            await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "hit": hit})
+            return
+
     async def _forward(self, rid: str, q: asyncio.Queue) -> None:
         try:
             async for out in EngineRuntime.stream(q):
-                self._broadcast(_tokens_msg(rid, out))
+                self._broadcast(MsgType.TOKENS, _tokens_msg(rid, out))
         finally:
             self.runtime.unwatch(rid)
 
-    def _broadcast(self, msg: dict) -> None:
+    def _broadcast(self, kind: MsgType, msg: dict) -> None:
         for conn in list(self.routers):
-            self._spawn(self._send(conn, MsgType.TOKENS, msg))
+            self._spawn(self._send(conn, kind, msg))
 
 
 def _tokens_msg(rid: str, out) -> dict:

@@ -4,18 +4,20 @@ There are no model hubs here, so `make_tiny` writes a complete Hugging Face-layo
 model directory itself: `config.json`, `generation_config.json`, `model.safetensors`
 (fp32), a byte-level BPE `tokenizer.json` trained on `pdd.model.corpus`, and a
 `tokenizer_config.json` with a ChatML template. The same arguments give byte-identical
-files in any process on any machine, so two instances built apart share one model.
+files in any process on any machine (given the same torch and tokenizers versions), so
+instances that build the model apart still serve one model.
 
 Why the weights are not plain random: serving tests compare greedy tokens across
 computation paths that differ in float rounding (batched vs unbatched, 1-token decode vs
 N-token extend, chunked prefill, imported KV). A randomly initialised model has flat
 logits whose top-1/top-2 gap is exponentially distributed near zero, so such rounding
-flips near-ties and the comparison becomes flaky. This model is built to decide:
+flips near-ties and the comparison becomes flaky. This model is built so that almost
+every decision is clear:
 
 * Layers 0..L-2 are ordinary random layers (soft attention, SwiGLU MLP) whose residual
   branches are scaled by `_BRANCH_SCALE`, so the token embedding still dominates every
   position's residual while the context perturbs it.
-* The last layer's attention is sharp (score std `_SHARP_SCORE_STD`), so each head
+* The last layer's attention is sharp (score std `_SHARP_SCORE_STD`, 300), so each head
   attends almost entirely to one earlier position, chosen by the current token, the
   context (through the earlier layers) and the relative position (RoPE). Head 0's output
   projection is `_COPY_GAIN / _BRANCH_SCALE` (32x) larger than the other heads', so after
@@ -28,20 +30,31 @@ flips near-ties and the comparison becomes flaky. This model is built to decide:
   clear winner with context-dependent, varied output. Special tokens, EOS included, are
   never a greedy choice, so greedy generations run to their token limit.
 
-Near-ties remain only where the sharp head splits its attention between two positions,
-which is why the score std is large: at 100 the smallest gap over 7200 decisions was
-0.019, at 300 it is 0.49. Measured with `transformers.LlamaForCausalLM` in fp32 on the
-default model, top1 - top2 logit gap over greedy decoding:
+Near-ties remain only where the sharp head splits its attention between two positions.
+Measured with `transformers.LlamaForCausalLM` in fp32 on the default model, top1 - top2
+logit gap over greedy decoding:
 
-* 30 random prompts of 20-300 tokens x 48 steps (1440 decisions): min 2.65, p1 11.4,
-  p10 14.5, median 17.3, max 21.7; logits within [-25.5, 38.7]; all 30 continuations
-  differ, with 23-46 distinct tokens in 48 (median 39).
-* 150 such prompts (7200 decisions): min 0.49, two gaps below 1, p1 11.2, median 17.2.
-* 30 ChatML prompts (system + user, corpus text): min 2.31, median 17.3.
+* 30 random prompts of 20-300 tokens x 48 steps (1440 decisions): min 3.02, p1 12.1,
+  p10 14.8, median 17.2, max 21.3; logits within [-26.9, 38.6]; all 30 continuations
+  differ, with 20-44 distinct tokens in 48 (median 37).
+* 150 such prompts (7200 decisions): min 0.47, three gaps below 1, p1 11.4, median 17.2.
+* 30 ChatML prompts (system + user, corpus text): min 1.66, median 17.2.
+* Changing one prompt token in the middle changes the 24-token greedy continuation in
+  11 of 20 prompts, so wrong or misplaced KV shows in the tokens.
 
-fp32 differences between equivalent computation paths are around 1e-5 in these logits,
-five orders of magnitude below the smallest gap. Changing one prompt token in the middle
-changes the 24-token greedy continuation in 16 of 20 prompts, so KV mistakes show.
+What a gap must beat is the rounding difference between paths. Full vs two-chunk prefill
+over 24,596 decisions (300 prompts) moved top1 - top2 by median 1.9e-6, p99 2.6e-4, max
+9.6e-3, the largest moves at split-attention decisions, where a sharper head magnifies
+score rounding. So sharpness is a trade: a larger score std makes small gaps rarer (gaps
+below 1: 337 at std 10, 25 at 100, 9 at 300; 5004 in a plain random model), while the
+share of decisions whose gap is under 1000x their own path difference stays near 0.1% at
+every std (24-38 of 24,596, the plain model included). No initialisation rules a flip
+out: extrapolated, one lands in about a million decisions (none seen), and as the
+computation is deterministic it lands on the same prompt every run. 300 gives the
+clearest gaps with scores far from any fp32 limit.
+
+Weights are drawn uniform (scaled to the stated std) from integer samples of
+`torch.Generator().manual_seed(seed)`, so the bits do not depend on the CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -79,6 +93,7 @@ _SOFT_SCORE_STD = 2.0
 _SHARP_SCORE_STD = 300.0
 _COPY_GAIN = 8.0
 _LOGIT_SCALE = 40.0
+_READOUT_GRID = float(1 << 12)
 
 _MIN_VOCAB = 512
 
@@ -198,9 +213,13 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def _init_weights(
-    config: dict, special_ids: list[int], gen: torch.Generator
+    config: dict[str, Any], special_ids: list[int], gen: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """Draw the weights in a fixed order from `gen`; see the module docstring for why."""
+    """Draw the weights in a fixed order from `gen`; see the module docstring for why.
+
+    Every op here is correctly rounded IEEE arithmetic (math.sqrt, not pow) on exact
+    inputs, so the bits do not depend on the CPU or its libm; `_copy_readout` handles the one place that needs reductions.
+    """
     d = config["hidden_size"]
     n_layers = config["num_hidden_layers"]
     heads = config["num_attention_heads"]
@@ -209,26 +228,29 @@ def _init_weights(
     inter = config["intermediate_size"]
     vocab = config["vocab_size"]
 
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+    def uniform(*shape: int, std: float) -> torch.Tensor:
+        # 24-bit integers are exact in float32 and integer sampling is the same on every
+        # CPU; torch.randn is not (its vectorised Box-Muller differs by instruction set).
+        bits = torch.randint(0, 1 << 24, shape, generator=gen, dtype=torch.int32)
+        return (bits.to(torch.float32) / float(1 << 23) - 1.0) * (std * math.sqrt(3))
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, d, std=1.0)}
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": uniform(vocab, d, std=1.0)}
     for i in range(n_layers):
         last = i == n_layers - 1
         # An entry std of sqrt(S / d) gives attention scores q.k/sqrt(head_dim) of std S
         # for unit-RMS inputs.
-        qk_std = ((_SHARP_SCORE_STD if last else _SOFT_SCORE_STD) / d) ** 0.5
-        o_proj = normal(d, heads * head_dim, std=_BRANCH_SCALE / (heads * head_dim) ** 0.5)
+        qk_std = math.sqrt((_SHARP_SCORE_STD if last else _SOFT_SCORE_STD) / d)
+        o_proj = uniform(d, heads * head_dim, std=_BRANCH_SCALE / math.sqrt(heads * head_dim))
         if last:
             o_proj[:, :head_dim] *= _COPY_GAIN / _BRANCH_SCALE
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, d, std=qk_std)
-        w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, d, std=qk_std)
-        w[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, d, std=d**-0.5)
+        w[p + "self_attn.q_proj.weight"] = uniform(heads * head_dim, d, std=qk_std)
+        w[p + "self_attn.k_proj.weight"] = uniform(kv_heads * head_dim, d, std=qk_std)
+        w[p + "self_attn.v_proj.weight"] = uniform(kv_heads * head_dim, d, std=1 / math.sqrt(d))
         w[p + "self_attn.o_proj.weight"] = o_proj
-        w[p + "mlp.gate_proj.weight"] = normal(inter, d, std=d**-0.5)
-        w[p + "mlp.up_proj.weight"] = normal(inter, d, std=d**-0.5)
-        w[p + "mlp.down_proj.weight"] = normal(d, inter, std=_BRANCH_SCALE / inter**0.5)
+        w[p + "mlp.gate_proj.weight"] = uniform(inter, d, std=1 / math.sqrt(d))
+        w[p + "mlp.up_proj.weight"] = uniform(inter, d, std=1 / math.sqrt(d))
+        w[p + "mlp.down_proj.weight"] = uniform(d, inter, std=_BRANCH_SCALE / math.sqrt(inter))
         w[p + "input_layernorm.weight"] = torch.ones(d)
         w[p + "post_attention_layernorm.weight"] = torch.ones(d)
     w["model.norm.weight"] = torch.ones(d)
@@ -243,12 +265,17 @@ def _copy_readout(
     special_ids: list[int],
     gen: torch.Generator,
 ) -> torch.Tensor:
-    """lm_head whose row j reads the copy of the token whose successor is j."""
-    emb = w["model.embed_tokens.weight"]
+    """lm_head whose row j reads the copy of the token whose successor is j.
+
+    This needs matmuls and norms, whose float rounding depends on how a CPU vectorises
+    them; computing in float64 and snapping to a 2**-12 grid (far below anything the
+    logits notice) makes the stored float32 bits the same on every machine.
+    """
+    emb = w["model.embed_tokens.weight"].double()
     vocab, d = emb.shape
     normed = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
-    v0 = w[f"model.layers.{last}.self_attn.v_proj.weight"][:head_dim]
-    o0 = w[f"model.layers.{last}.self_attn.o_proj.weight"][:, :head_dim]
+    v0 = w[f"model.layers.{last}.self_attn.v_proj.weight"][:head_dim].double()
+    o0 = w[f"model.layers.{last}.self_attn.o_proj.weight"][:, :head_dim].double()
     copies = normed @ v0.T @ o0.T
     copies = copies / copies.norm(dim=-1, keepdim=True)
 
@@ -257,12 +284,14 @@ def _copy_readout(
     regular = torch.nonzero(~is_special).flatten()
     successor = torch.empty(vocab, dtype=torch.long)
     successor[regular] = regular[torch.randperm(len(regular), generator=gen)]
-    successor[special_ids] = regular[torch.randperm(len(regular), generator=gen)[: len(special_ids)]]
+    extra = torch.randperm(len(regular), generator=gen)[: len(special_ids)]
+    successor[special_ids] = regular[extra]
 
-    rows = torch.zeros(vocab, d).index_add_(0, successor, copies)
+    rows = torch.zeros(vocab, d, dtype=torch.float64).index_add_(0, successor, copies)
     rows[regular] = rows[regular] / rows[regular].norm(dim=-1, keepdim=True)
-    return rows * (_LOGIT_SCALE / d**0.5)
+    rows = rows * (_LOGIT_SCALE / math.sqrt(d))
+    return (torch.round(rows * _READOUT_GRID) / _READOUT_GRID).to(torch.float32)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

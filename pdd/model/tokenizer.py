@@ -155,7 +155,11 @@ def _compile_template(source: str) -> jinja2.Template:
         sort_keys: bool = False,
     ) -> str:
         return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
         )
 
     def strftime_now(fmt: str) -> str:

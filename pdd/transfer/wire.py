@@ -10,9 +10,10 @@ next one expected, so replayed, reordered or dropped frames are refused as well.
 Payloads are raw bytes or JSON objects; nothing received is ever unpickled or
 evaluated.
 
-Any violation raises a specific `FrameError` subclass; `FramedConnection.recv` counts
-it in the process-wide `REJECTS` and closes the connection, since a byte stream that
-has lost its framing cannot be trusted again.
+Any violation raises a specific `FrameError` subclass; `FramedConnection.reject` (called
+by `recv`, and by `serve` for a payload the handler could not parse) counts it in the
+process-wide `REJECTS` and closes the connection, since a byte stream that has lost
+its framing cannot be trusted again.
 """
 
 from __future__ import annotations
@@ -258,8 +259,11 @@ class FramedConnection:
         self.bytes_received = 0
         self.frames_sent = 0
         self.frames_received = 0
+        self.rejected: FrameError | None = None
 
     async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
+        """Write one frame whole (concurrent senders never interleave), then wait for
+        the socket buffer to drain, so a slow line pushes back on the producer."""
         parts = self._codec.encode_parts(msg_type, payload)
         self._writer.writelines(parts)
         self.bytes_sent += sum(len(p) for p in parts)
@@ -270,17 +274,28 @@ class FramedConnection:
         await self.send(msg_type, encode_json(obj))
 
     async def recv(self) -> Frame:
-        """The next frame; on a bad one, count it, drop the connection and raise."""
+        """The next frame; on a bad one, reject it (count, drop the connection) and raise."""
         try:
             frame = await self._codec.read(self._reader)
         except FrameError as err:
-            REJECTS.record(err)
-            log.warning("rejected frame from %s: %s: %s", self.peer, type(err).__name__, err)
-            self.close()
+            self.reject(err)
             raise
         self.bytes_received += len(frame.payload) + self._codec.overhead
         self.frames_received += 1
         return frame
+
+    def reject(self, err: FrameError) -> None:
+        """Count a bad frame (or payload) and drop the connection, whose stream is no longer trusted.
+
+        Callers use it too when a payload fails to parse (`BadPayload`); rejecting
+        the same error twice counts it once.
+        """
+        if self.rejected is err:
+            return
+        self.rejected = err
+        REJECTS.record(err)
+        log.warning("rejected frame from %s: %s: %s", self.peer, type(err).__name__, err)
+        self.close()
 
     def close(self) -> None:
         self._writer.close()
@@ -331,8 +346,8 @@ async def serve(
         conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
         try:
             await handler(conn)
-        except FrameError:
-            pass  # already counted and logged by recv()
+        except FrameError as err:
+            conn.reject(err)  # a no-op when recv() already rejected it
         except ConnectionError as err:
             log.debug("connection from %s ended: %s", conn.peer, err)
         except Exception:
