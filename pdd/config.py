@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pdd.engine.config import EngineConfig
+
 ROLES = ("standalone", "prefill", "relay", "main")
 MODES = ("colocated", "pd-same-dc", "pd-cross-dc")
 
@@ -28,17 +30,6 @@ class ConfigError(ValueError):
 class ModelSpec:
     path: str = ""  # empty: the embedded tiny model
     name: str = "tiny"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    page_size: int = 16
-    num_pages: int = 2048
-    max_batch_tokens: int = 2048
-    max_running: int = 64
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_dtype: str = ""  # empty: same as dtype
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,7 @@ class InstanceSpec:
     port: int = 0  # HTTP: /health, /metrics (and the OpenAI API for standalone)
     kv_port: int = 0  # framed protocol: requests, KV, tokens, cache events
     wan_port: int = 0  # the emulator's port that relays to kv_port from the other datacenter
-    engine: EngineSpec = EngineSpec()
+    engine: EngineConfig = EngineConfig()
 
 
 @dataclass(frozen=True)
@@ -102,7 +93,7 @@ class Deployment:
     mode: str = "pd-cross-dc"
     secret: str = ""
     model: ModelSpec = ModelSpec()
-    engine: EngineSpec = EngineSpec()
+    engine: EngineConfig = EngineConfig()
     link: LinkSpec = LinkSpec()
     policy: PolicySpec = PolicySpec()
     slo: SLOSpec = SLOSpec()
@@ -155,7 +146,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"[{where}] {e}") from None
 
 
-def _instance(raw: Any, engine: EngineSpec, index: int) -> InstanceSpec:
+def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
     if not isinstance(raw, dict) or "name" not in raw or "role" not in raw:
         raise ConfigError(f"[[instances]] #{index + 1} needs a name and a role")
     raw = dict(raw)
@@ -164,18 +155,18 @@ def _instance(raw: Any, engine: EngineSpec, index: int) -> InstanceSpec:
     inst = _build(InstanceSpec, raw, where)
     if inst.role not in ROLES:
         raise ConfigError(f"[{where}] role must be one of {ROLES}")
-    checked = _build(EngineSpec, overrides, where + ".engine")
+    checked = _build(EngineConfig, overrides, where + ".engine")
     return replace(inst, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
 
 
 def parse(raw: dict) -> Deployment:
-    sections = {"model": ModelSpec, "engine": EngineSpec, "link": LinkSpec, "policy": PolicySpec,
+    sections = {"model": ModelSpec, "engine": EngineConfig, "link": LinkSpec, "policy": PolicySpec,
                 "slo": SLOSpec, "router": RouterSpec, "topology": TopologySpec}
     unknown = set(raw) - set(sections) - {"mode", "secret", "instances"}
     if unknown:
         raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
     kwargs: dict[str, Any] = {k: _build(cls, raw[k], k) for k, cls in sections.items() if k in raw}
-    engine = kwargs.get("engine", EngineSpec())
+    engine = kwargs.get("engine", EngineConfig())
     insts = tuple(_instance(item, engine, i) for i, item in enumerate(raw.get("instances", [])))
     names = [i.name for i in insts]
     if len(set(names)) != len(names):
@@ -209,7 +200,7 @@ def _toml_value(v: Any) -> str:
 
 def _toml_table(header: str, obj: Any) -> list[str]:
     lines = [header] + [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
-                        if not isinstance(getattr(obj, f.name), EngineSpec)]
+                        if not isinstance(getattr(obj, f.name), EngineConfig)]
     if isinstance(obj, InstanceSpec):  # TOML: this subtable belongs to the last [[instances]]
         lines += _toml_table("[instances.engine]", obj.engine)
     return lines

@@ -40,10 +40,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Return once `url` answers 200; RuntimeError if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
 def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
@@ -57,11 +72,11 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     for inst in instances:
         wan = inst.dc != dep.router.dc
         remote |= wan
-        placed.append(replace(inst, port=inst.port or _free_port(), kv_port=inst.kv_port or _free_port(),
-                              wan_port=(inst.wan_port or _free_port()) if wan else 0))
-    link = replace(dep.link, admin_port=(dep.link.admin_port or _free_port()) if remote else 0)
+        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(),
+                              wan_port=(inst.wan_port or free_port()) if wan else 0))
+    link = replace(dep.link, admin_port=(dep.link.admin_port or free_port()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
-    router = replace(dep.router, port=port or _free_port())
+    router = replace(dep.router, port=port or free_port())
     model = replace(dep.model, path=str(resolve_model(dep.model.path)))
     return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
 
@@ -82,17 +97,10 @@ class Launcher:
         return proc
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{name} did not answer {url} within {READY_TIMEOUT_S:.0f} s:\n{self.tail(name)}")
+        try:
+            wait_http(url, proc, READY_TIMEOUT_S)
+        except RuntimeError as e:
+            raise RuntimeError(f"{name}: {e}\n{self.tail(name)}") from None
 
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.run_dir / f"{name}.log"

@@ -5,34 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
+from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
 
 
 @contextlib.contextmanager

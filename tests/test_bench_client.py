@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from procs import free_port
 
 from pdd.bench.client import replay
 from pdd.cli import main
@@ -113,15 +113,9 @@ def make_app() -> FastAPI:
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--factory", "test_bench_client:make_app",
@@ -262,7 +256,7 @@ def test_cli_exit_code_1_when_every_request_fails(server_url, tmp_path):
 
 
 def test_cli_unreachable_server_is_an_error_not_a_crash(tmp_path, capsys):
-    code = main(["bench", "--url", f"http://127.0.0.1:{_free_port()}", "--requests", "2",
+    code = main(["bench", "--url", f"http://127.0.0.1:{free_port()}", "--requests", "2",
                  "--quiet", "--out", str(tmp_path / "r.json")])
     assert code == 1
     assert "/v1/models" in capsys.readouterr().err

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from pdd.engine.engine import Engine, EngineConfig, RequestError
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine, RequestError
 from pdd.engine.sequence import SamplingParams
 from pdd.kv import codec
 

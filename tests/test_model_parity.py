@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.engine.engine import Engine, EngineConfig
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
 from pdd.engine.sequence import SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -7,19 +7,18 @@ import json
 import os
 import random
 import signal
-import socket
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from procs import pdd_up
 
 from pdd.bench.client import run_bench
 from pdd.bench.summary import summarize
 from pdd.transfer import wire
 from pdd.workload.agentic import AgenticConfig, plan_sessions
-from procs import pdd_up
 
 KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head dim 64, fp32
 

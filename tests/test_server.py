@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from procs import free_port, pdd_process
 
 openai = pytest.importorskip("openai")

@@ -22,62 +22,56 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from pdd.deploy import free_port, wait_http
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a fresh tiny model)")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
     p.add_argument("--skip-http", action="store_true", help="measure the engine only")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the served instance")
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 4000) for _ in range(n)]
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def engine_numbers(model_dir: str, repeats: int) -> dict[str, float]:
-    from pdd.engine.engine import Engine, EngineConfig
+    from pdd.engine.config import EngineConfig
+    from pdd.engine.engine import Engine
     from pdd.engine.sequence import SamplingParams
 
     engine = Engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64))
     rng = random.Random(0)
+
+    def prefill_seconds(prompt: list[int]) -> float:
+        t = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        elapsed = time.perf_counter() - t
+        engine.flush_cache()
+        return elapsed
+
+    def decode_seconds(prompts: list[list[int]], steps: int) -> float:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"d{i}", p, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.step()  # the prefills, not timed
+        t = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        elapsed = time.perf_counter() - t
+        engine.flush_cache()
+        return elapsed
+
     out: dict[str, float] = {}
     for n in (512, 2048):
         prompt = _prompt(rng, n)
-
-        def prefill() -> None:
-            engine.generate([prompt], SamplingParams(max_tokens=1))
-            engine.flush_cache()
-
-        prefill()  # warm-up
-        out[f"prefill_{n}_tok_s"] = n / _median_time(prefill, repeats)
+        prefill_seconds(prompt)  # warm-up
+        out[f"prefill_{n}_tok_s"] = n / statistics.median(prefill_seconds(prompt) for _ in range(repeats))
+    steps = 64
     for batch in (1, 8, 32):
         prompts = [_prompt(rng, 128) for _ in range(batch)]
-        steps = 64
-
-        def decode() -> None:
-            for i, p in enumerate(prompts):
-                engine.add_request(f"d{i}", p, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-            engine.step()  # prefill all (not timed below)
-            t = time.perf_counter()
-            while engine.has_work():
-                engine.step()
-            decode.elapsed = time.perf_counter() - t
-            engine.flush_cache()
-
-        decode()
-        rates = []
-        for _ in range(repeats):
-            decode()
-            rates.append(batch * steps / decode.elapsed)
-        out[f"decode_batch{batch}_tok_s"] = statistics.median(rates)
+        decode_seconds(prompts, steps)  # warm-up
+        out[f"decode_batch{batch}_tok_s"] = batch * steps / statistics.median(decode_seconds(prompts, steps) for _ in range(repeats))
     return out
 
 
@@ -102,35 +96,24 @@ async def _http_numbers(url: str, repeats: int) -> dict[str, float]:
         await _stream(client, url, _prompt(rng, 500), 64)  # warm-up
         ttfts = [(await _stream(client, url, _prompt(rng, 500), 64))[0] for _ in range(repeats)]
         out["http_ttft_500_ms"] = statistics.median(ttfts) * 1000
-        rates = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            results = await asyncio.gather(*(_stream(client, url, _prompt(rng, 500), 64) for _ in range(8)))
-            rates.append(sum(n for _, n in results) / (time.perf_counter() - t))
-        out["http_8x64_out_tok_s"] = statistics.median(rates)
+        for prompt_len in (32, 500):  # short prompts measure decode; long ones add 8 prefills
+            rates = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                results = await asyncio.gather(*(_stream(client, url, _prompt(rng, prompt_len), 64) for _ in range(8)))
+                rates.append(sum(n for _, n in results) / (time.perf_counter() - t))
+            out[f"http_8x64_prompt{prompt_len}_out_tok_s"] = statistics.median(rates)
     return out
 
 
-def http_numbers(model_dir: str, repeats: int) -> dict[str, float]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def http_numbers(model_dir: str, repeats: int, threads: int = 1) -> dict[str, float]:
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--model", model_dir, "--port", str(port),
-                             "--served-model-name", "bench", "--num-pages", "4096"],
+                             "--served-model-name", "bench", "--num-pages", "4096", "--threads", str(threads)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("pdd serve did not start") from None
-                time.sleep(0.2)
+        wait_http(f"{url}/health", proc, 60)
         return asyncio.run(_http_numbers(url, repeats))
     finally:
         proc.terminate()
@@ -140,7 +123,7 @@ def http_numbers(model_dir: str, repeats: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -150,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
             model_dir = str(make_tiny(Path(tmp) / "tiny"))
         results = engine_numbers(model_dir, args.repeats)
         if not args.skip_http:
-            results.update(http_numbers(model_dir, args.repeats))
-    table = Table(title=f"pdd bench engine ({Path(model_dir).name}, 1 torch thread)")
+            results.update(http_numbers(model_dir, args.repeats, args.threads))
+    table = Table(title=f"pdd bench engine ({Path(model_dir).name}, {args.threads} torch thread(s))")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for k, v in results.items():

@@ -43,7 +43,7 @@ def write_report(out_dir: Path, summaries: dict[str, dict], *, title: str,
     written = {"json": out_dir / "report.json"}
     _write_atomic(written["json"], json.dumps({"modes": summaries, "meta": meta}, indent=2,
                                               allow_nan=False) + "\n")
-    for name, caption, draw in _PLOTS:
+    for name, _, draw in _PLOTS:
         path = out_dir / f"{name}.png"
         figure = draw(summaries)
         if figure is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pdd.engine.attention import PagedAttention
+from pdd.engine.config import EngineConfig
 from pdd.engine.kv_pool import KVPool, OutOfPages
 from pdd.engine.radix_cache import CacheEvent, RadixCache
 from pdd.engine.sampler import sample
@@ -26,17 +27,6 @@ from pdd.kv.blocks import block_hashes
 from pdd.model.loader import load_model
 
 HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 2048
-    max_batch_tokens: int = 2048
-    max_running: int = 64
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_dtype: str | None = None  # None: same as dtype
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-from pdd.config import ROLES, EngineSpec
+from pdd.config import ROLES
+from pdd.engine.config import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    d = EngineSpec()
+    d = EngineConfig()
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool size in pages")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one engine step")
@@ -35,13 +36,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_config(spec: EngineSpec):
-    from pdd.engine.engine import EngineConfig
-
-    return EngineConfig(page_size=spec.page_size, num_pages=spec.num_pages, max_batch_tokens=spec.max_batch_tokens,
-                        max_running=spec.max_running, device=spec.device, dtype=spec.dtype, kv_dtype=spec.kv_dtype or None)
-
-
 def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.model.store import resolve_model
@@ -58,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
-        engine = EngineSpec(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
+        engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
                             args.dtype, args.kv_dtype)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
@@ -81,7 +75,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(model_dir, _engine_config(spec.engine), eos_ids=tokenizer.eos_token_ids)
+    engine = Engine(model_dir, spec.engine, eos_ids=tokenizer.eos_token_ids)
     runtime = EngineRuntime(engine)
     runtime.start()
     node = None

@@ -1,0 +1,17 @@
+"""One engine's sizes and numerics (no torch import: deployment files are parsed
+by processes that never load a model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 2048  # KV pool size
+    max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it)
+    max_running: int = 64  # most sequences computed at once
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_dtype: str = ""  # KV pool dtype; empty: same as dtype
