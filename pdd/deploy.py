@@ -94,6 +94,7 @@ class Launcher:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
         self.children.append((name, proc))
+        print(f"process {name}: pid {proc.pid}, log {self.run_dir / (name + '.log')}", flush=True)
         return proc
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
@@ -121,8 +122,7 @@ class Launcher:
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name])
-            print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): pid {proc.pid}, "
-                  f"http://{inst.host}:{inst.port}", flush=True)
+            print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):
             if name != "wan":
                 inst = dep.instance(name)

@@ -9,7 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.pdd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[test]"
   touch "$stamp"

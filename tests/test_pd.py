@@ -73,7 +73,8 @@ def test_agentic_run_sends_only_the_missing_kv():
 
 def test_small_decode_pool_evicts_and_stays_correct(tmp_path, colocated_tokens):
     """A decode pool smaller than the working set: MD evicts behind the router's back;
-    the reservation (not the mirror) decides what P sends, so outputs stay exact."""
+    the reservation (not the mirror) decides what P sends, so outputs stay exact. MD's
+    pages are twice P's (32 vs 16 tokens): KV is re-paged on import."""
     conf = tmp_path / "small.toml"
     conf.write_text("""
 mode = "pd-cross-dc"
@@ -88,7 +89,8 @@ name = "md0"
 role = "main"
 dc = "B"
 [instances.engine]
-num_pages = 30
+page_size = 32
+num_pages = 15
 """)
     prompts, want = _requests()[4:], colocated_tokens[4:]
     with pdd_up("--config", str(conf)) as dep:
@@ -153,3 +155,13 @@ def test_bad_frames_are_rejected_and_counted():
         rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
+
+
+def test_sigterm_stops_every_process():
+    with pdd_up("--mode", "pd-cross-dc") as dep:
+        assert set(dep.pids) == {"wan", "p0", "md0", "router"}
+        dep.proc.send_signal(signal.SIGTERM)  # the launcher alone, as a user's Ctrl-C would
+        assert dep.proc.wait(30) == 0
+        for pid in dep.pids.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # gone (and reaped), not orphaned

@@ -12,7 +12,8 @@ import pytest
 from pdd.workload.agentic import AgenticConfig, estimate_hits, iter_sessions, plan_sessions
 from pdd.workload.mooncake import MooncakeConfig, load_trace, scaled_lengths, trace_sessions
 
-SHARED_TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
+# shared/ lies beside the checkout (../shared from the repository root)
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 # --- agentic -------------------------------------------------------------------------
