@@ -125,3 +125,11 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     kv = _settled(server, timeout=20)
     assert _metric(server, "pdd_requests_running") == 0
     assert kv["cached"] < kv["pages"]
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(server):
+    body = {"model": "tiny", "prompt": list(range(300, 500)), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
+    _settled(server, timeout=4)  # 3000 tokens would keep the pages busy for ~10 s more
+    assert _metric(server, "pdd_requests_running") == 0

@@ -7,6 +7,7 @@ is the `Backend`. Every failure leaves as OpenAI's error JSON with a 4xx/5xx sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from pdd.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass
@@ -137,12 +139,31 @@ class OpenAIServer:
         if first is not None and n > 1:
             self.metrics.tpot.observe((last - first) / (n - 1))
 
+    @staticmethod
+    async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
+        """Run a non-streamed generation to its end; False (and aborted) if the client left."""
+        async def drain() -> None:
+            async for _ in pieces:
+                pass
+
+        task = asyncio.ensure_future(drain())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()  # re-raises an ApiError from the generation
+                return True
+            if await client.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return False
+
     def _usage(self, prompt_len: int, out: _Outcome) -> dict:
         n = len(out.token_ids)
         return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
-    async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int) -> Response:
+    async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int,
+                      client: Request) -> Response:
         params = self._params(req, len(prompt), max_tokens, default_max)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = _Outcome()
@@ -151,8 +172,8 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(chat, base, pieces, out, len(prompt), include_usage), media_type="text/event-stream")
-        async for _ in pieces:
-            pass
+        if not await self._collect(pieces, client):
+            return Response(status_code=499)  # the client left; its request was aborted
         text = "".join(out.text)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
@@ -192,13 +213,13 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # ---- routes ----------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest) -> Response:
+    async def completions(self, req: CompletionRequest, client: Request) -> Response:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        return await self.respond(False, req, self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self.respond(False, req, self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, client)
 
-    async def chat(self, req: ChatCompletionRequest) -> Response:
+    async def chat(self, req: ChatCompletionRequest, client: Request) -> Response:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
@@ -207,7 +228,7 @@ class OpenAIServer:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -261,11 +282,11 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
         return await backend.stats()
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await server.completions(req)
+    async def completions(req: CompletionRequest, client: Request) -> Response:
+        return await server.completions(req, client)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
-        return await server.chat(req)
+    async def chat(req: ChatCompletionRequest, client: Request) -> Response:
+        return await server.chat(req, client)
 
     return app
