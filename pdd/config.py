@@ -65,6 +65,10 @@ class PolicySpec:
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
     load_weight: float = 1.0  # ...against one queued token of work
 
+    def __post_init__(self) -> None:
+        if self.kv_chunk_tokens < 1:
+            raise ValueError("kv_chunk_tokens must be at least 1")
+
 
 @dataclass(frozen=True)
 class SLOSpec:
@@ -142,7 +146,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         values[key] = value
     try:
         return cls(**values)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"[{where}] {e}") from None
 
 

@@ -67,10 +67,12 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
 
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
+    prefill_dcs = {i.dc for i in instances if i.role == "prefill"}
     placed = []
     remote = False
     for inst in instances:
-        wan = inst.dc != dep.router.dc
+        # reached across the line by the router, or (decode side) by a P in the other datacenter
+        wan = inst.dc != dep.router.dc or (inst.role == "main" and bool(prefill_dcs - {inst.dc}))
         remote |= wan
         placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(),
                               wan_port=(inst.wan_port or free_port()) if wan else 0))

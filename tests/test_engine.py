@@ -229,3 +229,21 @@ def test_kv_codec_rejects_malformed_blobs(engine, mutate):
     assert torch.equal(codec.decode(data).k, codec.decode(data).k)
     with pytest.raises(codec.KVFormatError):
         codec.decode(mutate(data))
+
+
+def test_a_full_pool_makes_sequences_take_turns(tiny_model_dir, engine):
+    """Two requests that each fit alone but not together: the newest waits, none fails."""
+    rng = random.Random(10)
+    prompts = [_prompt(rng, 7) for _ in range(2)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [engine.generate([p], params)[0] for p in prompts]
+    tight = Engine(tiny_model_dir, EngineConfig(page_size=4, num_pages=8))
+    assert tight.generate(prompts, params) == ref
+    assert tight.scheduler.preemptions > 0
+    _assert_no_leaks(tight)
+
+
+def test_a_vanishing_temperature_is_greedy(engine):
+    prompt = list(range(50, 90))
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)) == greedy

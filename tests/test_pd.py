@@ -127,6 +127,24 @@ def test_kill_decode_mid_stream_fails_cleanly():
         assert r.status_code == 503 and "error" in r.json()
 
 
+def test_client_disconnect_aborts_the_decode_side():
+    with pdd_up("--mode", "pd-cross-dc") as dep:
+        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+            for n, line in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+                if n == 3:
+                    break
+        deadline = time.monotonic() + 5  # 3000 tokens would hold MD's pages for ~10 s more
+        while time.monotonic() < deadline:
+            kv = httpx.get(f"{md_http}/pdd/stats").json()["kv"]
+            if kv["free"] + kv["cached"] == kv["pages"]:
+                break
+            time.sleep(0.1)
+        assert kv["free"] + kv["cached"] == kv["pages"], kv
+
+
 def _instance_port(dep, name: str) -> int:
     conf = next(l for l in dep.lines if l.startswith("pdd up: mode"))
     run_dir = conf.split("run directory ")[1].strip()

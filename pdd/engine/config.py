@@ -15,3 +15,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     kv_dtype: str = ""  # KV pool dtype; empty: same as dtype
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine {name} must be at least 1")

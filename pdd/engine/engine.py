@@ -73,8 +73,7 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already active")
         if not prompt:
             raise RequestError("prompt must contain at least one token")
-        if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be in [0, {self.model_cfg.vocab_size})")
+        self._check_tokens(prompt)
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
         if len(prompt) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context window of {limit} tokens")
@@ -85,6 +84,11 @@ class Engine:
         seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, generator=gen)
         self.seqs[rid] = seq
         return seq
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        vocab = self.model_cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise RequestError(f"token ids must be integers in [0, {vocab})")
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> Sequence:
         """Queue a request. With `hold`, its pages survive finishing until `release`."""
@@ -124,23 +128,22 @@ class Engine:
         match = self.cache.match_prefix(prompt[: len(prompt) - 1] if use_cache else [])
         self.cache.lock(match.node)
         need = self.pool.pages_for(len(prompt)) - match.num_pages
-        if need > self.pool.free_pages:
-            self.cache.evict(need - self.pool.free_pages)
-        if need > self.pool.free_pages:
+        short = need - self.pool.free_pages
+        if short > 0 and short > self.cache.evictable_pages():  # don't wipe the cache for nothing
             self.cache.unlock(match.node)
             del self.seqs[rid]
             raise OutOfPages(f"reservation needs {need} pages, {self.pool.free_pages} free")
+        if short > 0:
+            self.cache.evict(short)
         seq.cache_node, seq.pages = match.node, list(match.pages) + self.pool.allocate(need)
         seq.num_computed = seq.cached_tokens = match.num_pages * self.pool.page_size
         seq.status = Status.RESERVED
         return seq.num_computed
 
     def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
-        """Write imported KV for tokens [token_start, token_end) of a reserved sequence.
-
-        Blobs may arrive a few layers at a time, in layer order (one ordered stream);
-        the sequence's computed length advances when the range's last layer lands.
-        """
+        """Write imported KV for tokens [token_start, token_end), all layers, of a reserved
+        sequence. Ranges must follow each other: token_start is what is computed so far,
+        so imported KV never overwrites cached (shared) pages nor leaves a hole."""
         seq = self.seqs.get(rid)
         if seq is None or seq.status != Status.RESERVED:
             raise RequestError(f"request {rid!r} is not reserved for import")
@@ -150,37 +153,41 @@ class Engine:
         for i, layer in enumerate(range(h.layer_start, h.layer_end)):
             self.pool.k[layer][slots] = blob.k[i].to(self.pool.k.device, self.pool.dtype)
             self.pool.v[layer][slots] = blob.v[i].to(self.pool.v.device, self.pool.dtype)
-        if h.layer_end == self.model_cfg.num_layers:
-            seq.num_computed = max(seq.num_computed, h.token_end)
+        seq.num_computed = h.token_end
 
     def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
         cfg = self.model_cfg
         if (h.num_layers, h.kv_heads, h.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise RequestError("imported KV has another model shape")
-        if h.token_start > seq.num_computed or h.token_end > seq.prompt_len:
-            raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) leaves a gap after {seq.num_computed}")
+        if (h.layer_start, h.layer_end) != (0, cfg.num_layers):
+            raise RequestError(f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {cfg.num_layers}")
+        if h.token_start != seq.num_computed or h.token_end > seq.prompt_len:
+            raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {seq.num_computed}")
         if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
             raise RequestError("imported KV belongs to another prompt (block hashes differ)")
 
-    def start(self, rid: str, tokens: list[int] = ()) -> None:
+    def start(self, rid: str, tokens: list[int] = ()) -> Sequence:
         """Make a reserved sequence schedulable, appending already-generated tokens.
 
         Everything after the imported KV (e.g. P's first token, or a relay's tokens in a
         handoff) is computed in one extend step; then decoding continues.
         """
-        seq = self.seqs[rid]
-        if seq.status != Status.RESERVED:
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status != Status.RESERVED:
             raise RequestError(f"request {rid!r} is not reserved")
+        self._check_tokens(tokens)
         seq.tokens.extend(tokens)
         if seq.num_pending < 1:
             raise RequestError("nothing left to compute: import must leave the last token")
         self.scheduler.add(seq)
+        return seq
 
     def extend(self, rid: str, tokens: list[int], want_logits: bool = False) -> None:
         """Append given tokens to an active sequence; the next step computes them at once."""
-        seq = self.seqs[rid]
-        if seq.status not in (Status.WAITING, Status.RUNNING):
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status not in (Status.WAITING, Status.RUNNING):
             raise RequestError(f"request {rid!r} is not active")
+        self._check_tokens(tokens)
         seq.tokens.extend(tokens)
         seq.want_logits = want_logits
 

@@ -100,6 +100,11 @@ class RadixCache:
             self.on_event(("stored", stored))
         return node
 
+    def evictable_pages(self) -> int:
+        """Pages eviction could free now: nodes on no locked path (a parent is evictable
+        once its children are, so every unlocked node counts)."""
+        return sum(1 for n in self._walk() if n.lock_ref == 0)
+
     def hashes(self) -> list[int]:
         return [n.hash for n in self._walk()]
 

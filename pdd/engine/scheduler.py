@@ -40,18 +40,27 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             while not self._grow(seq, n):
-                victim = next((s for s in reversed(self.running) if s is not seq and all(s is not b for b, _ in batch)), None)
-                if victim is None:
-                    raise RuntimeError("KV pool too small for a single running sequence")
+                scheduled = {id(b) for b, _ in batch}
+                victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in scheduled), None)
+                if victim is None:  # everyone else is already in this step: seq waits its turn
+                    victim = seq
                 self._preempt(victim)
-            batch.append((seq, n))
-            budget -= n
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if seq.cache_node is None:
+            matched_now = seq.cache_node is None  # (imported sequences arrive matched)
+            if matched_now:
                 self._match(seq)
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n):
+                if matched_now:  # a waiting sequence must not pin cache pages others could evict
+                    self._unmatch(seq)
+                elif not self.running:  # nothing will finish and free pages: its KV goes to the cache
+                    self._to_recompute(seq)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -69,6 +78,11 @@ class Scheduler:
         seq.num_computed = match.num_pages * self.pool.page_size
         seq.cached_tokens = min(seq.num_computed, seq.prompt_len)
 
+    def _unmatch(self, seq: Sequence) -> None:
+        """Undo `_match`: the pages it found stay in the cache, unlocked."""
+        self.cache.unlock(seq.cache_node)
+        seq.pages, seq.cache_node, seq.num_computed, seq.cached_tokens = [], None, 0, 0
+
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.pool.pages_for(seq.num_computed + n) - len(seq.pages)
         if need <= 0:
@@ -83,11 +97,15 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.release(seq)
+        self._to_recompute(seq)
         seq.status = Status.WAITING
-        seq.num_computed = 0
-        seq.cache_node = None
         self.waiting.appendleft(seq)
+
+    def _to_recompute(self, seq: Sequence) -> None:
+        """Give up a sequence's pages (its KV stays in the cache, evictable); it will
+        match what is left and recompute the rest when admitted again."""
+        self.release(seq)
+        seq.num_computed = seq.cached_tokens = 0
         self.preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -10,6 +10,9 @@ import torch
 from pdd.engine.radix_cache import Node
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -21,6 +24,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        ints = (self.max_tokens, self.top_k, *self.stop_token_ids) + (() if self.seed is None else (self.seed,))
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+            raise ValueError("max_tokens, top_k, seed and stop_token_ids must be integers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (self.temperature, self.top_p)):
+            raise ValueError("temperature and top_p must be numbers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be true or false")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0:
@@ -32,7 +42,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below this, logits / temperature overflows float32: the top token is certain anyway
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 class Status(enum.Enum):

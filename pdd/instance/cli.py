@@ -76,7 +76,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = Engine(model_dir, spec.engine, eos_ids=tokenizer.eos_token_ids)
-    runtime = EngineRuntime(engine)
+    runtime = EngineRuntime(engine, threads)
     runtime.start()
     node = None
     if dep is not None:

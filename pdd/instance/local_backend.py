@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pdd.api.backend import GenEvent, GenRequest, Load
+from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
+from pdd.engine.engine import RequestError
 from pdd.instance.runtime import EngineRuntime
 from pdd.transfer.wire import REJECTS
 
@@ -16,6 +17,15 @@ class LocalBackend:
         self.max_context = min(engine.model_cfg.max_position, engine.pool.num_pages * engine.pool.page_size)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+        try:
+            async for event in self._generate(req):
+                yield event
+        except RequestError as e:
+            raise BackendError(str(e), 400) from None
+        except RuntimeError as e:  # the engine failed mid-request
+            raise BackendError(str(e), 500) from None
+
+    async def _generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
         produced = 0
         async for out in self.runtime.generate(req.rid, req.prompt, req.params):
             tokens = [] if out.token is None else [out.token]

@@ -27,7 +27,10 @@ def params_from_wire(raw: Any) -> SamplingParams:
         raise BadMessage("params must be an object")
     try:
         raw = dict(raw)
-        raw["stop_token_ids"] = tuple(int(t) for t in raw.get("stop_token_ids", ()))
+        stops = raw.get("stop_token_ids", ())
+        if not isinstance(stops, (list, tuple)):
+            raise BadMessage("stop_token_ids must be a list")
+        raw["stop_token_ids"] = tuple(stops)
         return SamplingParams(**raw)
     except (TypeError, ValueError) as e:
         raise BadMessage(f"bad sampling params: {e}") from None

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0
 RESERVE_WAIT_S = 45.0  # a full decode pool holds a reservation back this long, then refuses
 HELLO_TIMEOUT_S = 10.0
+MAX_TOMBSTONES = 4096
 
 
 class Node:
@@ -48,6 +49,7 @@ class Node:
         self._peer_lock = asyncio.Lock()
         self._acks: dict[str, tuple[str, asyncio.Future]] = {}  # rid -> (decode instance, its RESERVE_ACK)
         self._tasks: set[asyncio.Task] = set()
+        self._aborted: dict[str, None] = {}  # recent aborts, oldest first
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
 
@@ -57,13 +59,20 @@ class Node:
         self.server = await wire.serve(self._handle, self.spec.host, self.spec.kv_port, self.key)
 
     def on_cache_event(self, event: CacheEvent) -> None:
-        """Called on the engine thread; publishing happens on the loop, in order."""
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._publish, event)
-
-    def _publish(self, event: CacheEvent) -> None:
+        """Called on the engine thread, which numbers events: a snapshot taken there (see
+        `_send_snapshot`) then has exactly the events up to its number in it."""
         self.event_seq += 1
-        self._broadcast(MsgType.CACHE_EVENT, {"seq": self.event_seq, "kind": event[0], "hashes": event[1]})
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._publish, self.event_seq, event)
+
+    def _publish(self, seq: int, event: CacheEvent) -> None:
+        self._broadcast(MsgType.CACHE_EVENT, {"seq": seq, "kind": event[0], "hashes": event[1]})
+
+    def _tombstone(self, rid: str) -> None:
+        """Remember an aborted id, so a request that arrives after its abort never runs."""
+        self._aborted[rid] = None
+        while len(self._aborted) > MAX_TOMBSTONES:
+            del self._aborted[next(iter(self._aborted))]
 
     async def stop(self) -> None:
         if self.server:
@@ -99,13 +108,18 @@ class Node:
             await conn.send_json(MsgType.ERROR, {"message": f"{self.spec.role} does not serve {peer_role!r}"})
 
     async def _send_snapshot(self, conn: FramedConnection) -> None:
-        hashes = await self.runtime.call(lambda e: e.cache.hashes())
-        await conn.send_json(MsgType.CACHE_EVENT, {"seq": self.event_seq, "kind": "snapshot", "hashes": hashes,
+        """All cached hashes and the number of the last event they include.
+
+        The router is subscribed before this, so no later event is missed; events it gets
+        that the snapshot already holds (numbers up to the snapshot's) it ignores.
+        """
+        seq, hashes = await self.runtime.call(lambda e: (self.event_seq, e.cache.hashes()))
+        await conn.send_json(MsgType.CACHE_EVENT, {"seq": seq, "kind": "snapshot", "hashes": hashes,
                                                    "page_size": self.runtime.engine.pool.page_size})
 
     async def _serve_router(self, conn: FramedConnection) -> None:
-        await self._send_snapshot(conn)
         self.routers.add(conn)
+        await self._send_snapshot(conn)
         try:
             while True:
                 frame = await conn.recv()
@@ -114,11 +128,11 @@ class Node:
                     if frame.type == MsgType.SUBMIT:
                         self._spawn(self._submit(conn, msg))
                     elif frame.type == MsgType.ABORT:
-                        self.runtime.abort(rid_of(msg))
+                        rid = rid_of(msg)
+                        self._tombstone(rid)
+                        self.runtime.abort(rid)
                     elif frame.type == MsgType.CACHE_EVENT:  # the router lost track: resend all
-                        self.routers.discard(conn)
-                        await self._send_snapshot(conn)
-                        self.routers.add(conn)
+                        self._spawn(self._send_snapshot(conn))
                     elif frame.type == MsgType.PING:
                         await conn.send(MsgType.PONG, frame.payload)
                 except BadMessage as e:
@@ -128,6 +142,8 @@ class Node:
 
     async def _submit(self, conn: FramedConnection, msg: dict) -> None:
         rid = rid_of(msg)
+        if rid in self._aborted:
+            return
         try:
             prompt, params = tokens_of(msg, "prompt"), params_from_wire(msg.get("params"))
             if self.spec.role == "standalone":
@@ -172,9 +188,12 @@ class Node:
         finally:
             if self._peers.get(name) is conn:
                 del self._peers[name]
-            for peer, fut in list(self._acks.values()):  # requests waiting on this peer fail now
-                if peer == name and not fut.done():
-                    fut.set_exception(ConnectionError(f"decode instance {name} unreachable"))
+            conn.close()
+            for rid, (peer, fut) in list(self._acks.items()):  # requests waiting on this peer fail now
+                if peer == name:
+                    del self._acks[rid]
+                    if not fut.done():
+                        fut.set_exception(ConnectionError(f"decode instance {name} unreachable"))
 
     async def _prefill(self, conn: FramedConnection, rid: str, prompt: list[int], params: SamplingParams, msg: dict) -> None:
         decode = msg.get("decode")
@@ -183,10 +202,10 @@ class Node:
         md = await self._peer(decode)
         ack = asyncio.get_running_loop().create_future()
         self._acks[rid] = (decode, ack)
-        await md.send_json(MsgType.RESERVE, {"rid": rid, "prompt": prompt, "params": params_to_wire(params),
-                                             "use_cache": bool(msg.get("use_cache", True))})
         first, cached, reason = None, 0, None
         try:
+            await md.send_json(MsgType.RESERVE, {"rid": rid, "prompt": prompt, "params": params_to_wire(params),
+                                                 "use_cache": bool(msg.get("use_cache", True))})
             async for out in self.runtime.generate(rid, prompt, replace(params, max_tokens=1), hold=True):
                 first, cached, reason = out.token, out.cached_tokens, out.finish_reason
             if first is None:
@@ -233,16 +252,18 @@ class Node:
     # ---- decode side -------------------------------------------------------------------------
     async def _serve_prefill_peer(self, conn: FramedConnection) -> None:
         pending: set[str] = set()  # reserved here by this peer, KV not complete yet
+        layers: dict[str, list[codec.KVBlob]] = {}  # rid -> layers of the chunk in flight
         try:
             while True:
                 frame = await conn.recv()
                 try:
-                    await self._on_peer_frame(conn, frame, pending)
+                    await self._on_peer_frame(conn, frame, pending, layers)
                 except Exception as e:  # one bad request must not end the connection's others
                     log.warning("request from prefill peer failed: %s: %s", type(e).__name__, e)
                     rid = _maybe_rid(frame)
                     if rid:  # tell whoever waits: P (for its reservation) and the routers
                         pending.discard(rid)
+                        layers.pop(rid, None)
                         self.runtime.abort(rid)
                         await self._send(conn, MsgType.RESERVE_ACK, {"rid": rid, "error": str(e)})
                         self._broadcast(MsgType.ERROR, {"rid": rid, "message": f"decode instance: {e}"})
@@ -252,12 +273,18 @@ class Node:
             for rid in gone:  # the prefill side is gone: drop what it reserved (or waits for)
                 await self.runtime.call(lambda e, rid=rid: e.release(rid))
 
-    async def _on_peer_frame(self, conn: FramedConnection, frame: wire.Frame, pending: set[str]) -> None:
+    async def _on_peer_frame(self, conn: FramedConnection, frame: wire.Frame, pending: set[str],
+                             layers: dict[str, list[codec.KVBlob]]) -> None:
         if frame.type == MsgType.KV_LAYER:
             header, body = wire.unpack_with_header(frame.payload)
             rid, blob = rid_of(header), codec.decode(body)
             self.kv_bytes_received += len(frame.payload)
-            await self.runtime.call(lambda e: e.import_kv(rid, blob))
+            chunk = layers.setdefault(rid, [])
+            chunk.append(blob)
+            if blob.header.layer_end == blob.header.num_layers:  # the chunk's last layer: import it whole
+                del layers[rid]
+                whole = codec.join_layers(chunk)
+                await self.runtime.call(lambda e: e.import_kv(rid, whole))
             return
         msg = frame.json()
         rid = rid_of(msg)
@@ -270,11 +297,10 @@ class Node:
             pending.discard(rid)
             q = self.runtime.watch(rid)
             try:
-                await self.runtime.call(lambda e: e.start(rid, [first]))
+                cached = await self.runtime.call(lambda e: e.start(rid, [first]).cached_tokens)
             except Exception:
                 self.runtime.unwatch(rid)
                 raise
-            cached = self.runtime.engine.seqs[rid].cached_tokens if rid in self.runtime.engine.seqs else 0
             self._broadcast(MsgType.TOKENS, {"rid": rid, "tokens": [first], "finish_reason": None, "cached_tokens": cached})
             self._spawn(self._forward(rid, q))
         elif frame.type in (MsgType.RELEASE, MsgType.ABORT):
@@ -289,7 +315,7 @@ class Node:
         requests whose completion it waits for.
         """
         deadline = time.monotonic() + RESERVE_WAIT_S
-        while rid in pending:  # an ABORT or RELEASE while waiting withdraws it
+        while rid in pending and rid not in self._aborted:  # an ABORT or RELEASE while waiting withdraws it
             try:
                 hit = await self.runtime.call(lambda e: e.reserve(rid, prompt, params, use_cache))
             except OutOfPages as e:
@@ -313,6 +339,8 @@ class Node:
         try:
             async for out in EngineRuntime.stream(q):
                 self._broadcast(MsgType.TOKENS, _tokens_msg(rid, out))
+        except RuntimeError as e:  # the engine failed this request: say so, don't go silent
+            self._broadcast(MsgType.ERROR, {"rid": rid, "message": f"decode instance: {e}"})
         finally:
             self.runtime.unwatch(rid)
 

@@ -22,11 +22,13 @@ from pdd.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+STALL_WAIT_S = 0.005  # nothing schedulable: wait this long for a command (abort, release) to change that
 
 
 class EngineRuntime:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, threads: int = 1) -> None:
         self.engine = engine
+        self._threads = threads
         self._cmds: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -105,12 +107,15 @@ class EngineRuntime:
         loop.call_soon_threadsafe(_settle, fut, result, error)
 
     def _loop(self) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(self._threads)
+        stalled = False  # work exists but nothing could be scheduled (e.g. the pool is full)
         while not self._stop.is_set():
+            idle = not self.engine.has_work()
             try:
-                block = not self.engine.has_work()
+                block = idle or stalled
                 while True:
-                    self._run_command(*self._cmds.get(block=block, timeout=0.5 if block else None))
+                    timeout = (0.5 if idle else STALL_WAIT_S) if block else None
+                    self._run_command(*self._cmds.get(block=block, timeout=timeout))
                     block = False
             except queue.Empty:
                 pass
@@ -122,6 +127,7 @@ class EngineRuntime:
                 log.exception("engine step failed; failing its requests")
                 self._fail_all(e)
                 continue
+            stalled = not outputs
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:

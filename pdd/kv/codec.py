@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -116,3 +116,15 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(DTYPES[h.dtype])
     half = flat.numel() // 2
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
+
+
+def join_layers(parts: list[KVBlob]) -> KVBlob:
+    """One blob from consecutive layer slices of the same tokens (as they travel per layer)."""
+    first, last = parts[0].header, parts[-1].header
+    for a, b in zip(parts, parts[1:]):
+        if b.header.layer_start != a.header.layer_end:
+            raise KVFormatError(f"KV layers arrive out of order: {a.header.layer_end} then {b.header.layer_start}")
+        if replace(b.header, layer_start=0, layer_end=1) != replace(a.header, layer_start=0, layer_end=1):
+            raise KVFormatError("KV layer slices describe different tokens")
+    header = replace(first, layer_end=last.layer_end)
+    return KVBlob(header, torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))

@@ -34,6 +34,7 @@ class RouterBackend:
         self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key) for i in dep.instances}
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
         self.in_flight = 0
+        self._aborts: set[asyncio.Task] = set()
         self.records: list[dict] = []
         self.drift_abs_total = 0
         r = registry
@@ -90,8 +91,11 @@ class RouterBackend:
             for c in {p, d}:
                 c.unregister(req.rid)
                 c.queued_tokens -= work
-            if not finished:
-                await asyncio.gather(*(self._abort(c, req.rid) for c in {p, d}))
+            if not finished:  # not awaited: this may run inside a cancelled (disconnected) request
+                for c in {p, d}:
+                    task = asyncio.ensure_future(self._abort(c, req.rid))
+                    self._aborts.add(task)
+                    task.add_done_callback(self._aborts.discard)
 
     async def _events(self, req: GenRequest, q: asyncio.Queue, p: InstanceClient, d: InstanceClient,
                       predicted: int, record: dict) -> AsyncIterator[GenEvent]:

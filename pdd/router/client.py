@@ -80,7 +80,11 @@ class InstanceClient:
                 raise
             except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
                 log.warning("instance %s: %s", self.name, e)
+            except Exception:  # a malformed message: drop the connection, never the client
+                log.exception("instance %s sent something unusable", self.name)
             finally:
+                if self.conn is not None:
+                    self.conn.close()
                 self._ready.clear()
                 self.conn = None
                 self.mirror.stale = True
@@ -89,14 +93,17 @@ class InstanceClient:
             backoff = min(backoff * 2, 2.0)
 
     async def _read(self, conn: FramedConnection) -> None:
+        resync_asked = False
         while True:
             frame = await conn.recv()
             msg = frame.json()
             if frame.type == MsgType.CACHE_EVENT:
-                if not self.mirror.apply(msg):
-                    await conn.send_json(MsgType.CACHE_EVENT, {"kind": "snapshot_request"})
                 if msg.get("kind") == "snapshot":
+                    resync_asked = False
                     self._ready.set()
+                if not self.mirror.apply(msg) and not resync_asked:  # one request per gap
+                    resync_asked = True
+                    await conn.send_json(MsgType.CACHE_EVENT, {"kind": "snapshot_request"})
                 continue
             q = self._queues.get(str(msg.get("rid")))
             if q is not None:

@@ -31,6 +31,8 @@ class CacheMirror:
             return True
         if self.stale:
             return False
+        if not isinstance(seq, int) or seq <= self.seq:  # already in the snapshot
+            return True
         if seq != self.seq + 1:
             self.gaps += 1
             self.stale = True
