@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdd.transfer import wire
 from pdd.transfer.wire import (
     HEADER,
     REJECTS,
@@ -377,3 +378,56 @@ def test_random_byte_flips_never_decode_under_auth(payload: bytes, data: st.Data
         frame[index] ^= mask
     with pytest.raises((FrameError, ConnectionClosed)):
         decode_stream(FrameCodec(KEY), bytes(frame))
+
+
+def test_a_recorded_session_cannot_be_replayed_on_a_new_connection():
+    """Both ends add a fresh nonce: frames captured from one connection fail on another."""
+    key = wire.link_key("secret", "instances")
+
+    async def scenario() -> None:
+        seen: list[dict] = []
+
+        async def handler(conn: wire.FramedConnection) -> None:
+            seen.append(await wire.server_handshake(conn))
+            seen.append((await conn.recv()).json())
+
+        server = await wire.serve(handler, "127.0.0.1", 0, key)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            # an honest client, whose bytes an eavesdropper records
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            tap = wire.FramedConnection(reader, _Recorder(writer), wire.FrameCodec(key))
+            await wire.client_handshake(tap, {"role": "router"})
+            await tap.send_json(wire.MsgType.SUBMIT, {"rid": "r1"})
+            await asyncio.sleep(0.2)
+            assert seen[-1] == {"rid": "r1"}
+            writer.close()
+            # the replay: the same bytes, on a new connection
+            rejects = wire.REJECTS.total()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"".join(tap._writer.sent))
+            await writer.drain()
+            await asyncio.wait_for(reader.read(), 5)  # the server answers HELLO, then drops us
+            writer.close()
+            assert wire.REJECTS.total() == rejects + 1
+            assert seen.count({"rid": "r1"}) == 1
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+class _Recorder:
+    """A StreamWriter stand-in that keeps a copy of everything written."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer, self.sent = writer, []
+
+    def writelines(self, parts) -> None:
+        parts = [bytes(p) for p in parts]
+        self.sent.extend(parts)
+        self._writer.writelines(parts)
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)

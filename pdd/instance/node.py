@@ -98,7 +98,7 @@ class Node:
     # ---- inbound connections -----------------------------------------------------------------
     async def _handle(self, conn: FramedConnection) -> None:
         # a peer that connects and says nothing (or half a frame) does not hold a slot forever
-        hello = (await asyncio.wait_for(conn.recv(), HELLO_TIMEOUT_S)).json()
+        hello = await asyncio.wait_for(wire.server_handshake(conn), HELLO_TIMEOUT_S)
         peer_role = hello.get("role")
         if peer_role == "router":
             await self._serve_router(conn)
@@ -171,7 +171,7 @@ class Node:
             target = self.dep.instance(name)
             host, port = self.dep.address(target, self.spec.dc)
             conn = await wire.open_connection(host, port, self.key)
-            await conn.send_json(MsgType.HELLO, {"role": "prefill", "name": self.spec.name})
+            await asyncio.wait_for(wire.client_handshake(conn, {"role": "prefill", "name": self.spec.name}), HELLO_TIMEOUT_S)
             self._peers[name] = conn
             self._spawn(self._read_peer(name, conn))
             return conn

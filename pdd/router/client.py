@@ -70,9 +70,10 @@ class InstanceClient:
     async def _run(self) -> None:
         backoff = 0.2
         while True:
+            conn = None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
-                await conn.send_json(MsgType.HELLO, {"role": "router"})
+                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router"}), 10.0)
                 self.conn, backoff = conn, 0.2
                 log.info("connected to %s at %s:%s", self.name, *self.addr)
                 await self._read(conn)
@@ -83,8 +84,8 @@ class InstanceClient:
             except Exception:  # a malformed message: drop the connection, never the client
                 log.exception("instance %s sent something unusable", self.name)
             finally:
-                if self.conn is not None:
-                    self.conn.close()
+                if conn is not None:
+                    conn.close()
                 self._ready.clear()
                 self.conn = None
                 self.mirror.stale = True

@@ -6,7 +6,9 @@ payload length, CRC32), the payload, and — on authenticated connections — an
 HMAC-SHA256 tag over header and payload. The length is checked against a limit
 *before* the payload is read, so a hostile or broken peer cannot make us buffer
 gigabytes. The sequence number sits inside the MAC'd header and must be exactly the
-next one expected, so replayed, reordered or dropped frames are refused as well.
+next one expected, so replayed, reordered or dropped frames are refused as well; and
+the HELLO exchange switches each connection to its own per-direction session keys
+(from nonces of both ends), so frames recorded on one connection fail on any other.
 Payloads are raw bytes or JSON objects; nothing received is ever unpickled or
 evaluated.
 
@@ -23,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import struct
 import threading
 import zlib
@@ -162,10 +165,20 @@ class FrameCodec:
     def __init__(self, key: bytes | None, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
         if key is not None and not key:
             raise ValueError("an authentication key must not be empty")
-        self._key = key
+        self._key = key  # the long-lived link key; frames use the per-direction keys below
+        self._send_key = key
+        self._recv_key = key
         self.max_payload = max_payload
         self.send_seq = 0
         self.recv_seq = 0
+
+    @property
+    def key(self) -> bytes | None:
+        return self._key
+
+    def rekey(self, send_key: bytes, recv_key: bytes) -> None:
+        """Switch to this connection's session keys (see `client_handshake`)."""
+        self._send_key, self._recv_key = send_key, recv_key
 
     @property
     def overhead(self) -> int:
@@ -184,7 +197,7 @@ class FrameCodec:
         self.send_seq += 1
         if not self._key:
             return [header, payload]
-        return [header, payload, _mac(self._key, header, payload)]
+        return [header, payload, _mac(self._send_key, header, payload)]
 
     def encode(self, msg_type: MsgType, payload: bytes | memoryview) -> bytes:
         return b"".join(self.encode_parts(msg_type, payload))
@@ -212,7 +225,7 @@ class FrameCodec:
         payload = await _read_exactly(reader, length, at_boundary=False)
         if self._key:
             tag = await _read_exactly(reader, TAG_SIZE, at_boundary=False)
-            if not hmac.compare_digest(tag, _mac(self._key, header, payload)):
+            if not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
                 raise BadMac("message authentication code does not match")
         if flags & ~_KNOWN_FLAGS:
             raise BadFlags(f"unknown flag bits {flags:#04x}")
@@ -283,6 +296,10 @@ class FramedConnection:
         self.bytes_received += len(frame.payload) + self._codec.overhead
         self.frames_received += 1
         return frame
+
+    @property
+    def codec(self) -> FrameCodec:
+        return self._codec
 
     def reject(self, err: FrameError) -> None:
         """Count a bad frame (or payload) and drop the connection, whose stream is no longer trusted.
@@ -399,6 +416,62 @@ def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], mem
         raise BadPayload(f"header length {n} exceeds the {len(view) - _HEADER_LEN.size} bytes present")
     end = _HEADER_LEN.size + n
     return decode_json(view[_HEADER_LEN.size : end]), view[end:]
+
+
+NONCE_BYTES = 16
+
+
+def session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
+    """(client-to-server, server-to-client) keys of one connection.
+
+    Sequence numbers alone stop replay within a connection; fresh nonces from both
+    ends make a recorded connection worthless on any other, and one key per direction
+    stops a frame from being reflected back to its sender.
+    """
+    def derive(label: bytes) -> bytes:
+        return hmac.new(key, b"pdd/session/v1\x00" + label + client_nonce + server_nonce, hashlib.sha256).digest()
+
+    return derive(b"c2s"), derive(b"s2c")
+
+
+def _nonce_of(frame: Frame) -> tuple[dict[str, Any], bytes]:
+    if frame.type != MsgType.HELLO:
+        raise BadPayload(f"expected HELLO, got {frame.type.name}")
+    msg = frame.json()
+    try:
+        nonce = bytes.fromhex(msg.get("nonce", ""))
+    except (TypeError, ValueError):
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise BadPayload("HELLO carries no valid nonce")
+    return msg, nonce
+
+
+async def client_handshake(conn: FramedConnection, hello: dict[str, Any]) -> dict[str, Any]:
+    """Send HELLO with a fresh nonce, read the server's, switch to session keys."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await conn.send_json(MsgType.HELLO, {**hello, "nonce": nonce.hex()})
+    reply, server_nonce = _nonce_of(await conn.recv())
+    if conn.codec.key:
+        c2s, s2c = session_keys(conn.codec.key, nonce, server_nonce)
+        conn.codec.rekey(send_key=c2s, recv_key=s2c)
+    return reply
+
+
+async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
+    """Read the client's HELLO, answer with a fresh nonce, switch to session keys."""
+    frame = await conn.recv()
+    try:
+        hello, client_nonce = _nonce_of(frame)
+    except BadPayload as err:
+        conn.reject(err)
+        raise
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex()})
+    if conn.codec.key:
+        c2s, s2c = session_keys(conn.codec.key, client_nonce, nonce)
+        conn.codec.rekey(send_key=s2c, recv_key=c2s)
+    return hello
 
 
 def link_key(secret: str, link_name: str) -> bytes:
