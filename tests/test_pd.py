@@ -136,13 +136,31 @@ def test_client_disconnect_aborts_the_decode_side():
             for n, line in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
                 if n == 3:
                     break
-        deadline = time.monotonic() + 5  # 3000 tokens would hold MD's pages for ~10 s more
-        while time.monotonic() < deadline:
-            kv = httpx.get(f"{md_http}/pdd/stats").json()["kv"]
-            if kv["free"] + kv["cached"] == kv["pages"]:
-                break
-            time.sleep(0.1)
-        assert kv["free"] + kv["cached"] == kv["pages"], kv
+        _wait_settled(md_http)
+
+
+def test_decode_stops_when_its_router_is_gone():
+    with pdd_up("--mode", "pd-cross-dc") as dep:
+        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+                for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+                    if n == 3:
+                        os.kill(dep.pids["router"], signal.SIGKILL)
+        _wait_settled(md_http)
+
+
+def _wait_settled(instance_http: str, timeout: float = 5.0) -> None:
+    """Every page free or cached: nothing runs there (3000 tokens would run ~10 s more)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = httpx.get(f"{instance_http}/pdd/stats").json()["kv"]
+        if kv["free"] + kv["cached"] == kv["pages"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pages still in use: {kv}")
 
 
 def _instance_port(dep, name: str) -> int:

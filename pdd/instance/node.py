@@ -50,6 +50,7 @@ class Node:
         self._acks: dict[str, tuple[str, asyncio.Future]] = {}  # rid -> (decode instance, its RESERVE_ACK)
         self._tasks: set[asyncio.Task] = set()
         self._aborted: dict[str, None] = {}  # recent aborts, oldest first
+        self._streams: set[str] = set()  # decode side: requests whose tokens go to the routers
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
 
@@ -118,15 +119,16 @@ class Node:
                                                    "page_size": self.runtime.engine.pool.page_size})
 
     async def _serve_router(self, conn: FramedConnection) -> None:
+        submitted: set[str] = set()  # requests this router runs here, until they end
         self.routers.add(conn)
-        await self._send_snapshot(conn)
         try:
+            await self._send_snapshot(conn)
             while True:
                 frame = await conn.recv()
                 msg = frame.json()
                 try:
                     if frame.type == MsgType.SUBMIT:
-                        self._spawn(self._submit(conn, msg))
+                        self._spawn(self._submit(conn, msg, submitted))
                     elif frame.type == MsgType.ABORT:
                         rid = rid_of(msg)
                         self._tombstone(rid)
@@ -138,12 +140,18 @@ class Node:
                 except BadMessage as e:
                     await conn.send_json(MsgType.ERROR, {"rid": msg.get("rid"), "message": str(e)})
         finally:
+            # Nobody will read these tokens any more: stop computing them. A decode
+            # instance streams to every router, so its requests stop with the last one.
             self.routers.discard(conn)
+            for rid in submitted | (set() if self.routers else self._streams):
+                self._tombstone(rid)
+                self.runtime.abort(rid)
 
-    async def _submit(self, conn: FramedConnection, msg: dict) -> None:
+    async def _submit(self, conn: FramedConnection, msg: dict, submitted: set[str]) -> None:
         rid = rid_of(msg)
         if rid in self._aborted:
             return
+        submitted.add(rid)
         try:
             prompt, params = tokens_of(msg, "prompt"), params_from_wire(msg.get("params"))
             if self.spec.role == "standalone":
@@ -156,6 +164,8 @@ class Node:
             if not isinstance(e, (BadMessage, ConnectionError, asyncio.TimeoutError, ValueError)):
                 log.exception("request %s failed", rid)
             await self._send(conn, MsgType.ERROR, {"rid": rid, "message": f"{type(e).__name__}: {e}"})
+        finally:
+            submitted.discard(rid)
 
     async def _generate(self, conn: FramedConnection, rid: str, prompt: list[int], params: SamplingParams) -> None:
         async for out in self.runtime.generate(rid, prompt, params):
@@ -336,12 +346,14 @@ class Node:
             return
 
     async def _forward(self, rid: str, q: asyncio.Queue) -> None:
+        self._streams.add(rid)
         try:
             async for out in EngineRuntime.stream(q):
                 self._broadcast(MsgType.TOKENS, _tokens_msg(rid, out))
         except RuntimeError as e:  # the engine failed this request: say so, don't go silent
             self._broadcast(MsgType.ERROR, {"rid": rid, "message": f"decode instance: {e}"})
         finally:
+            self._streams.discard(rid)
             self.runtime.unwatch(rid)
 
     def _broadcast(self, kind: MsgType, msg: dict) -> None:
