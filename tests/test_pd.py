@@ -133,7 +133,7 @@ def test_client_disconnect_aborts_the_decode_side():
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
-            for n, line in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+            for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
                 if n == 3:
                     break
         _wait_settled(md_http)

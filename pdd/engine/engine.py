@@ -9,7 +9,6 @@ sequence with given tokens in one forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from pdd.engine.attention import PagedAttention
 from pdd.engine.config import EngineConfig
 from pdd.engine.kv_pool import KVPool, OutOfPages
-from pdd.engine.radix_cache import CacheEvent, RadixCache
+from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SamplingParams, Sequence, Status
@@ -54,14 +53,13 @@ class RequestError(ValueError):
 
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
-                 eos_ids: frozenset[int] = frozenset(),
-                 on_cache_event: Callable[[CacheEvent], None] | None = None) -> None:
+                 eos_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.model = load_model(model_dir, config.device, codec.DTYPES[config.dtype])
         self.model_cfg = self.model.cfg
         kv_dtype = codec.DTYPES[config.kv_dtype or config.dtype]
         self.pool = KVPool(self.model_cfg, config.num_pages, config.page_size, kv_dtype, config.device)
-        self.cache = RadixCache(self.pool, on_cache_event)
+        self.cache = RadixCache(self.pool)  # a node subscribes through cache.on_event
         self.scheduler = Scheduler(self.pool, self.cache, config.max_batch_tokens, config.max_running)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()

@@ -9,7 +9,6 @@ import torch
 
 from pdd.engine.radix_cache import Node
 
-
 MIN_TEMPERATURE = 1e-5
 
 

@@ -181,7 +181,12 @@ class Node:
             target = self.dep.instance(name)
             host, port = self.dep.address(target, self.spec.dc)
             conn = await wire.open_connection(host, port, self.key)
-            await asyncio.wait_for(wire.client_handshake(conn, {"role": "prefill", "name": self.spec.name}), HELLO_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(wire.client_handshake(conn, {"role": "prefill", "name": self.spec.name}),
+                                       HELLO_TIMEOUT_S)
+            except BaseException:
+                conn.close()
+                raise
             self._peers[name] = conn
             self._spawn(self._read_peer(name, conn))
             return conn
