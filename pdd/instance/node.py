@@ -51,8 +51,6 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self._aborted: dict[str, None] = {}  # recent aborts, oldest first
         self._streams: set[str] = set()  # decode side: requests whose tokens go to the routers
-        self.kv_bytes_sent = 0
-        self.kv_bytes_received = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -261,7 +259,6 @@ class Node:
                 payload = wire.pack_with_header({"rid": rid}, layer)
                 await md.send(MsgType.KV_LAYER, payload)
                 sent += len(payload)
-        self.kv_bytes_sent += sent
         return sent
 
     # ---- decode side -------------------------------------------------------------------------
@@ -293,7 +290,6 @@ class Node:
         if frame.type == MsgType.KV_LAYER:
             header, body = wire.unpack_with_header(frame.payload)
             rid, blob = rid_of(header), codec.decode(body)
-            self.kv_bytes_received += len(frame.payload)
             chunk = layers.setdefault(rid, [])
             chunk.append(blob)
             if blob.header.layer_end == blob.header.num_layers:  # the chunk's last layer: import it whole

@@ -35,7 +35,7 @@ class RouterBackend:
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
         self.in_flight = 0
         self._aborts: set[asyncio.Task] = set()
-        self.records: list[dict] = []
+        self.completed = 0
         self.drift_abs_total = 0
         r = registry
         self.m_pipelines = Counter("pdd_router_pipeline_requests", "Requests by pipeline", ["pipeline"], registry=r)
@@ -121,7 +121,7 @@ class RouterBackend:
                 event.cached_tokens = record["p_hit_tokens"]
                 self.m_pipelines.labels(record["pipeline"]).inc()
                 event.record = dict(record)
-                self.records.append(event.record)
+                self.completed += 1
             yield event
             if event.finish_reason:
                 return
@@ -157,7 +157,7 @@ class RouterBackend:
         return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
 
     async def stats(self) -> dict:
-        return {"wan_bytes": await self.wan_bytes(), "requests": len(self.records), "mirror_drift_abs_tokens": self.drift_abs_total,
+        return {"wan_bytes": await self.wan_bytes(), "requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total,
                 "instances": {c.name: {"healthy": c.healthy, "queued_tokens": c.queued_tokens,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
