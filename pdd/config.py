@@ -19,7 +19,7 @@ from typing import Any
 from pdd.engine.config import EngineConfig
 
 ROLES = ("standalone", "prefill", "relay", "main")
-MODES = ("colocated", "pd-same-dc", "pd-cross-dc")
+MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
 
 
 class ConfigError(ValueError):
@@ -60,14 +60,35 @@ class InstanceSpec:
 
 @dataclass(frozen=True)
 class PolicySpec:
+    """Knobs of the decisions in `pdd.policy` (see each function for the rule)."""
+
     decode_radix_cache: bool = True  # decode side keeps prefixes; only the delta crosses
     kv_chunk_tokens: int = 256  # tokens per KV frame (each frame: one layer)
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
     load_weight: float = 1.0  # ...against one queued token of work
+    # PDD mode. P -> MD when MD's KV delta is predicted to arrive within this after
+    # prefill; otherwise P -> RLD -> MD. "pipeline" pins the choice (auto | P-MD | P-RLD-MD).
+    ttft_budget_ms: float = 150.0
+    pipeline: str = "auto"
+    handoff: str = "auto"  # auto | one_shot | catch_up
+    handoff_threshold: int = 64  # catch-up when more tokens than this are to be handed over
+    catch_up_chunk: int = 64  # most handed-over tokens MD extends per step in catch-up
+    anomaly_filter: bool = True  # long input, short output, low hit: runs on RLD alone
+    anomaly_max_output_tokens: int = 0  # 0: the spec's 500 of a 64K context, scaled to the model's
+    anomaly_min_prompt_share: float = 0.5  # of the context: a "long" prompt
+    anomaly_max_hit_share: float = 0.5  # of the prompt: a "low" hit
 
     def __post_init__(self) -> None:
-        if self.kv_chunk_tokens < 1:
-            raise ValueError("kv_chunk_tokens must be at least 1")
+        if min(self.kv_chunk_tokens, self.handoff_threshold, self.catch_up_chunk) < 1:
+            raise ValueError("kv_chunk_tokens, handoff_threshold and catch_up_chunk must be at least 1")
+        if self.pipeline not in ("auto", "P-MD", "P-RLD-MD"):
+            raise ValueError("pipeline must be auto, P-MD or P-RLD-MD")
+        if self.handoff not in ("auto", "one_shot", "catch_up"):
+            raise ValueError("handoff must be auto, one_shot or catch_up")
+        if self.ttft_budget_ms < 0 or self.anomaly_max_output_tokens < 0:
+            raise ValueError("ttft_budget_ms and anomaly_max_output_tokens must be >= 0")
+        if not (0 < self.anomaly_min_prompt_share <= 1 and 0 <= self.anomaly_max_hit_share <= 1):
+            raise ValueError("anomaly shares must lie in (0, 1] and [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,13 @@ class RouterSpec:
     dc: str = "A"
     host: str = "127.0.0.1"
     port: int = 8000
-    token_timeout_s: float = 60.0  # no token for this long: the request fails
+    token_timeout_s: float = 60.0  # no first token for this long: the request fails
+    stall_timeout_s: float = 10.0  # after the first token, no next one for this long: it fails
+    prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
+
+    def __post_init__(self) -> None:
+        if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or self.prefill_retries < 0:
+            raise ValueError("timeouts must be positive and prefill_retries >= 0")
 
 
 @dataclass(frozen=True)
@@ -89,7 +116,12 @@ class TopologySpec:
     """What `pdd up` expands into instances."""
 
     prefill: int = 1
+    relay: int = 1  # pdd mode only
     decode: int = 1
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1 or self.relay < 0:
+            raise ValueError("a deployment needs at least one prefill and one decode instance")
 
 
 @dataclass(frozen=True)
@@ -225,13 +257,15 @@ def with_secret(dep: Deployment) -> Deployment:
 
 
 def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
-    """Place instances for a local deployment: P always in A; D in A or B by mode."""
+    """Place instances for a local deployment: P (and, in pdd mode, RLD) in A; MD in A
+    (pd-same-dc) or B (pd-cross-dc, pdd)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
-    eng = dep.engine
+    eng, a = dep.engine, dep.link.a
     if mode == "colocated":
-        return (InstanceSpec("solo", "standalone", dep.link.a, engine=eng),)
-    d_dc = dep.link.a if mode == "pd-same-dc" else dep.link.b
-    ps = [InstanceSpec(f"p{i}", "prefill", dep.link.a, engine=eng) for i in range(dep.topology.prefill)]
+        return (InstanceSpec("solo", "standalone", a, engine=eng),)
+    d_dc = a if mode == "pd-same-dc" else dep.link.b
+    ps = [InstanceSpec(f"p{i}", "prefill", a, engine=eng) for i in range(dep.topology.prefill)]
+    rs = [InstanceSpec(f"rld{i}", "relay", a, engine=eng) for i in range(dep.topology.relay if mode == "pdd" else 0)]
     ds = [InstanceSpec(f"md{i}", "main", d_dc, engine=eng) for i in range(dep.topology.decode)]
-    return tuple(ps + ds)
+    return tuple(ps + rs + ds)

@@ -9,7 +9,7 @@ import torch
 
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine, RequestError
-from pdd.engine.sequence import SamplingParams
+from pdd.sampling import SamplingParams
 from pdd.kv import codec
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)

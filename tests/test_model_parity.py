@@ -7,7 +7,7 @@ import torch
 
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.engine.sequence import SamplingParams
+from pdd.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -180,7 +180,7 @@ def test_bad_frames_are_rejected_and_counted():
         async def attack() -> None:
             bad_key = wire.FrameCodec(b"not the deployment secret")
             for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: pdd\r\n\r\n", bad_key.encode(wire.MsgType.HELLO, b'{"role":"router"}'),
-                            b"PD" + struct.pack("!BBBQII", 1, 1, 1, 0, 1 << 31, 0)):
+                            b"PD" + struct.pack("!BBBQII", wire.PROTOCOL_VERSION, 1, 1, 0, 1 << 31, 0)):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(payload)
                 await writer.drain()

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pdd.transfer import wire
 from pdd.transfer.wire import (
     HEADER,
+    PROTOCOL_VERSION,
     REJECTS,
     TAG_SIZE,
     BadChecksum,
@@ -98,6 +99,7 @@ def test_message_numbers_are_stable() -> None:
     assert {t.name: t.value for t in MsgType} == {
         "HELLO": 1, "RESERVE": 2, "RESERVE_ACK": 3, "KV_LAYER": 4, "KV_DONE": 5, "TOKENS": 6,
         "CACHE_EVENT": 7, "ABORT": 8, "ERROR": 9, "PING": 10, "PONG": 11, "RELEASE": 12, "RESULT": 13, "SUBMIT": 14,
+        "PIPELINE": 15, "KV_ACK": 16, "READY": 17, "HANDOFF": 18, "HANDOFF_ACK": 19, "HANDED_OFF": 20,
     }  # fmt: skip
 
 
@@ -157,19 +159,19 @@ def test_bad_magic_version_and_garbage() -> None:
     with pytest.raises(BadMagic):
         decode_stream(FrameCodec(None), b"XX" + frame[2:])
     with pytest.raises(BadVersion):
-        decode_stream(FrameCodec(None), frame[:2] + bytes([2]) + frame[3:])
+        decode_stream(FrameCodec(None), frame[:2] + bytes([PROTOCOL_VERSION + 1]) + frame[3:])
     with pytest.raises(BadMagic):
         decode_stream(FrameCodec(KEY), b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
 
 
 def test_unknown_type() -> None:
-    header = HEADER.pack(b"PD", 1, 200, 0, 0, 2, zlib.crc32(b"{}"))
+    header = HEADER.pack(b"PD", PROTOCOL_VERSION, 200, 0, 0, 2, zlib.crc32(b"{}"))
     with pytest.raises(UnknownType):
         decode_stream(FrameCodec(None), header + b"{}")
 
 
 def test_unknown_type_with_valid_mac() -> None:
-    header = HEADER.pack(b"PD", 1, 0, 1, 0, 2, zlib.crc32(b"{}"))
+    header = HEADER.pack(b"PD", PROTOCOL_VERSION, 0, 1, 0, 2, zlib.crc32(b"{}"))
     tag = hmac.new(KEY, header + b"{}", hashlib.sha256).digest()
     with pytest.raises(UnknownType):
         decode_stream(FrameCodec(KEY), header + b"{}" + tag)
@@ -186,7 +188,7 @@ def test_oversized_frame_is_refused_before_its_payload_arrives() -> None:
 
     async def go() -> None:
         reader = asyncio.StreamReader()
-        reader.feed_data(HEADER.pack(b"PD", 1, MsgType.KV_LAYER, 0, 0, 2**31, 0))  # and nothing more, no EOF
+        reader.feed_data(HEADER.pack(b"PD", PROTOCOL_VERSION, MsgType.KV_LAYER, 0, 0, 2**31, 0))  # and nothing more, no EOF
         with pytest.raises(TooLarge):
             await asyncio.wait_for(FrameCodec(None, max_payload=1 << 20).read(reader), 5)
 

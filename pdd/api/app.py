@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +26,7 @@ from pdd.api.backend import Backend, BackendError, GenRequest
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.text import TextStream
-from pdd.engine.sequence import SamplingParams
+from pdd.sampling import SamplingParams
 from pdd.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,16 @@ class OpenAIServer:
         if not 0 <= req.temperature <= 2:
             raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
-                                  top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
-                                  stop_token_ids=tuple(req.stop_token_ids))
+            params = SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                                    top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
+                                    stop_token_ids=tuple(req.stop_token_ids))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        if params.seed is None and not params.greedy:
+            # Chosen here, once: every instance that samples a position of this request
+            # (prefill, relay, main decode) then draws from the same seed.
+            params = replace(params, seed=secrets.randbits(63))
+        return params
 
     def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdd.engine.sequence import SamplingParams
+from pdd.sampling import SamplingParams
 
 
 class BackendError(Exception):

@@ -39,7 +39,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 def engine_numbers(model_dir: str, repeats: int) -> dict[str, float]:
     from pdd.engine.config import EngineConfig
     from pdd.engine.engine import Engine
-    from pdd.engine.sequence import SamplingParams
+    from pdd.sampling import SamplingParams
 
     engine = Engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64))
     rng = random.Random(0)

@@ -9,6 +9,7 @@ sequence with given tokens in one forward pass.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +21,11 @@ from pdd.engine.kv_pool import KVPool, OutOfPages
 from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
-from pdd.engine.sequence import SamplingParams, Sequence, Status
+from pdd.engine.sequence import Sequence, Status
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.model.loader import load_model
+from pdd.sampling import SamplingParams
 
 HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
 
@@ -34,6 +36,8 @@ class StepOutput:
     token: int | None  # the token sampled this step, if any
     finish_reason: str | None
     cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
+    position: int = -1  # output position of `token` (0: the first generated token)
+    caught_up: int | None = None  # a shadow sequence computed every given token: how many outputs it holds
 
 
 @dataclass
@@ -75,11 +79,8 @@ class Engine:
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
         if len(prompt) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context window of {limit} tokens")
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, generator=gen)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, seed=seed)
         self.seqs[rid] = seq
         return seq
 
@@ -164,21 +165,41 @@ class Engine:
         if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
             raise RequestError("imported KV belongs to another prompt (block hashes differ)")
 
-    def start(self, rid: str, tokens: list[int] = ()) -> Sequence:
+    def start(self, rid: str, tokens: list[int] = (), shadow: bool = False, step_cap: int = 0) -> Sequence:
         """Make a reserved sequence schedulable, appending already-generated tokens.
 
         Everything after the imported KV (e.g. P's first token, or a relay's tokens in a
-        handoff) is computed in one extend step; then decoding continues.
+        handoff) is computed in one extend step; then decoding continues. With `shadow`
+        (a catch-up chunk) the tokens are computed, at most `step_cap` a step, but
+        nothing is sampled: the sequence waits reserved for the next chunk. A shadow
+        sequence still computing takes more tokens, and a non-shadow start ends its
+        catch-up.
         """
         seq = self.seqs.get(rid)
-        if seq is None or seq.status != Status.RESERVED:
+        shadowing = seq is not None and seq.shadow and seq.status in (Status.WAITING, Status.RUNNING)
+        if seq is None or not (seq.status == Status.RESERVED or shadowing):
             raise RequestError(f"request {rid!r} is not reserved")
         self._check_tokens(tokens)
+        if seq.num_output + len(tokens) > seq.params.max_tokens:
+            raise RequestError(f"{seq.num_output + len(tokens)} output tokens exceed max_tokens {seq.params.max_tokens}")
         seq.tokens.extend(tokens)
-        if seq.num_pending < 1:
-            raise RequestError("nothing left to compute: import must leave the last token")
-        self.scheduler.add(seq)
+        seq.shadow, seq.step_cap = shadow, step_cap
+        if seq.status == Status.RESERVED:
+            if seq.num_pending < 1 and not shadow:
+                raise RequestError("nothing left to compute: import must leave the last token")
+            if seq.num_pending:
+                self.scheduler.add(seq)
         return seq
+
+    def cut(self, rid: str) -> list[int]:
+        """Stop a sequence now and return its output (a relay handing off): its pages
+        go to the prefix cache."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            raise RequestError(f"request {rid!r} is not active")
+        output = seq.output
+        self.abort(rid)
+        return output
 
     def extend(self, rid: str, tokens: list[int], want_logits: bool = False) -> None:
         """Append given tokens to an active sequence; the next step computes them at once."""
@@ -219,7 +240,7 @@ class Engine:
             spans.append((seq.pages, seq.num_computed, n))
         attn = PagedAttention(self.pool, spans, device)
         hidden = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), attn)
-        rows, sampling, offset = [], [], 0
+        ready, offset = [], 0  # sequences with nothing pending, and their last row
         for seq, n in batch:
             if seq.want_logits:
                 seq.step_logits = self.model.logits(hidden[offset : offset + n]).cpu()
@@ -229,22 +250,28 @@ class Engine:
                 self.stats.prefill_tokens += prompt_part
             seq.num_computed += n
             if seq.num_pending == 0:
-                rows.append(offset + n - 1)
-                sampling.append(seq)
+                ready.append((seq, offset + n - 1))
             offset += n
         self.stats.steps += 1
         self.stats.computed_tokens += offset
         outputs = [StepOutput(seq.rid, None, None) for seq, _ in batch if seq.num_pending > 0]
+        for seq, _ in ready:
+            if seq.shadow:  # a catch-up chunk is in: wait for the next one, sample nothing
+                self.scheduler.pause(seq)
+                outputs.append(StepOutput(seq.rid, None, None, caught_up=seq.num_output))
+        sampling = [(seq, row) for seq, row in ready if not seq.shadow]
         if sampling:
-            logits = self.model.logits(hidden[rows])
-            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-            for seq, tok in zip(sampling, tokens):
+            logits = self.model.logits(hidden[[row for _, row in sampling]])
+            seqs = [seq for seq, _ in sampling]
+            positions = [s.num_output for s in seqs]
+            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
+            for seq, tok, pos in zip(seqs, tokens, positions):
                 seq.tokens.append(tok)
                 self.stats.decode_tokens += 1
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     self._finish(seq, reason)
-                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens))
+                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, pos))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -38,7 +38,7 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
-            n = min(seq.num_pending, budget)
+            n = self._step_tokens(seq, budget)
             while not self._grow(seq, n):
                 scheduled = {id(b) for b, _ in batch}
                 victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in scheduled), None)
@@ -55,7 +55,7 @@ class Scheduler:
             matched_now = seq.cache_node is None  # (imported sequences arrive matched)
             if matched_now:
                 self._match(seq)
-            n = min(seq.num_pending, budget)
+            n = self._step_tokens(seq, budget)
             if not self._grow(seq, n):
                 if matched_now:  # a waiting sequence must not pin cache pages others could evict
                     self._unmatch(seq)
@@ -68,6 +68,16 @@ class Scheduler:
             batch.append((seq, n))
             budget -= n
         return batch
+
+    @staticmethod
+    def _step_tokens(seq: Sequence, budget: int) -> int:
+        return min(seq.num_pending, budget, seq.step_cap or budget)
+
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling a sequence that keeps its pages (a caught-up catch-up chunk)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = Status.RESERVED
 
     def _match(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits choose the next token.

@@ -77,11 +77,10 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = Engine(model_dir, spec.engine, eos_ids=tokenizer.eos_token_ids)
     runtime = EngineRuntime(engine, threads)
-    runtime.start()
+    runtime.start_thread()
     node = None
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
-        engine.cache.on_event = node.on_cache_event
         await node.start()
     app = build_app(LocalBackend(runtime), tokenizer, name)
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",

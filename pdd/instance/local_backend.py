@@ -6,15 +6,14 @@ from collections.abc import AsyncIterator
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine.engine import RequestError
-from pdd.instance.runtime import EngineRuntime
+from pdd.instance.engine_port import EnginePort
 from pdd.transfer.wire import REJECTS
 
 
 class LocalBackend:
-    def __init__(self, runtime: EngineRuntime) -> None:
-        self.runtime = runtime
-        engine = runtime.engine
-        self.max_context = min(engine.model_cfg.max_position, engine.pool.num_pages * engine.pool.page_size)
+    def __init__(self, engine: EnginePort) -> None:
+        self.engine = engine
+        self.max_context = engine.max_context
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
         try:
@@ -27,7 +26,7 @@ class LocalBackend:
 
     async def _generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
         produced = 0
-        async for out in self.runtime.generate(req.rid, req.prompt, req.params):
+        async for out in self.engine.generate(req.rid, req.prompt, req.params):
             tokens = [] if out.token is None else [out.token]
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
@@ -39,22 +38,15 @@ class LocalBackend:
             yield event
 
     def load(self) -> Load:
-        e = self.runtime.engine
-        pool = e.pool
-        return Load(
-            running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-            kv_usage=1.0 - pool.free_pages / pool.num_pages,
-            cached_pages=e.cache.cached_pages,
-        )
+        load = self.engine.load()
+        return Load(running=load.running, waiting=load.waiting, kv_usage=1.0 - load.free_pages / load.pages,
+                    cached_pages=load.cached_pages)
 
     async def stats(self) -> dict:
-        e = self.runtime.engine
-        s = e.stats
+        load = self.engine.load()
         return {
             "wan_bytes": 0,
-            "engine": {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
-                       "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
-                       "preemptions": e.scheduler.preemptions},
-            "kv": {"pages": e.pool.num_pages, "free": e.pool.free_pages, "cached": e.cache.cached_pages},
+            "engine": self.engine.stats(),
+            "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),
         }

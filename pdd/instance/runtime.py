@@ -1,9 +1,10 @@
-"""Runs an `Engine` on its own thread and lets asyncio code drive it.
+"""`EngineRuntime`: the embedded `Engine` on its own thread, behind `EnginePort`.
 
 The engine is single-threaded by design; everything that touches it (adding requests,
 aborting, reserving, importing KV) is shipped to the engine thread as a command and
-executed between steps. Sampled tokens travel back to each request's asyncio queue,
-one hop per step.
+executed between steps. Step outputs travel back to each watcher's asyncio queue, one
+hop per step. Cache events are numbered on the engine thread, so a snapshot taken
+there holds exactly the events up to its number.
 """
 
 from __future__ import annotations
@@ -18,23 +19,54 @@ from typing import Any, TypeVar
 import torch
 
 from pdd.engine.engine import Engine, StepOutput
-from pdd.engine.sequence import SamplingParams
+from pdd.instance.engine_port import CacheListener, EngineLoad
+from pdd.kv.codec import KVBlob
+from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STALL_WAIT_S = 0.005  # nothing schedulable: wait this long for a command (abort, release) to change that
 
 
+class _Watch:
+    """A request's outputs on the watching loop: tokens, its finish, catch-up progress."""
+
+    def __init__(self, runtime: EngineRuntime, rid: str) -> None:
+        self._runtime, self._rid = runtime, rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.token is not None or item.finish_reason is not None or item.caught_up is not None:
+                yield item
+                if item.finish_reason is not None:
+                    return
+
+    def close(self) -> None:
+        if self._runtime._watches.get(self._rid) is self:
+            del self._runtime._watches[self._rid]
+
+
 class EngineRuntime:
     def __init__(self, engine: Engine, threads: int = 1) -> None:
         self.engine = engine
+        self.page_size = engine.pool.page_size
+        self.max_context = min(engine.model_cfg.max_position, engine.pool.num_pages * engine.pool.page_size)
+        self.kv_bytes_per_token = engine.pool.bytes_per_token()
         self._threads = threads
-        self._cmds: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._cmds: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None, asyncio.AbstractEventLoop | None]] = queue.SimpleQueue()
+        self._watches: dict[str, _Watch] = {}
+        self._listener: tuple[CacheListener, asyncio.AbstractEventLoop] | None = None
+        self._event_seq = 0
+        engine.cache.on_event = self._on_cache_event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
-    def start(self) -> None:
+    def start_thread(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
@@ -49,52 +81,85 @@ class EngineRuntime:
         self._cmds.put((fn, fut, loop))
         return await fut
 
-    def watch(self, rid: str) -> asyncio.Queue:
-        """Deliver the step outputs of `rid` to a queue on the calling loop."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q)
-        return q
-
-    def unwatch(self, rid: str) -> None:
-        self._streams.pop(rid, None)
+    # ---- EnginePort --------------------------------------------------------------------
+    def watch(self, rid: str) -> _Watch:
+        w = _Watch(self, rid)
+        self._watches[rid] = w
+        return w
 
     async def generate(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> AsyncIterator[StepOutput]:
         """Stream a request's sampled tokens; leaving early (or being cancelled) aborts it."""
-        q = self.watch(rid)
+        w = self.watch(rid)
         done = False
         try:
             await self.call(lambda e: e.add_request(rid, prompt, params, hold))
-            async for out in self.stream(q):
+            async for out in w:
                 yield out
                 done = out.finish_reason is not None
                 if done:
                     return
         finally:
-            self.unwatch(rid)
+            w.close()
             if not done:
                 self.abort(rid)
 
+    async def reserve(self, rid: str, prompt: list[int], params: SamplingParams, use_cache: bool = True) -> int:
+        return await self.call(lambda e: e.reserve(rid, prompt, params, use_cache))
+
+    async def import_kv(self, rid: str, blob: KVBlob) -> None:
+        await self.call(lambda e: e.import_kv(rid, blob))
+
+    async def export_kv(self, rid: str, start: int, end: int) -> KVBlob:
+        return await self.call(lambda e: e.export_kv(rid, start, end))
+
+    async def start(self, rid: str, tokens: list[int], shadow: bool = False, step_cap: int = 0) -> int:
+        return await self.call(lambda e: e.start(rid, tokens, shadow, step_cap).cached_tokens)
+
+    async def cut(self, rid: str) -> list[int]:
+        def cut(e: Engine) -> list[int]:
+            output = e.cut(rid)
+            self._dispatch([StepOutput(rid, None, "abort")])
+            return output
+
+        return await self.call(cut)
+
+    async def release(self, rid: str) -> None:
+        await self.call(lambda e: e.release(rid))
+
     def abort(self, rid: str) -> None:
-        """Abort from any thread; a watcher of `rid` sees a final "abort" output."""
         self._cmds.put((lambda e: self._abort_now(rid), None, None))
+
+    async def cache_snapshot(self) -> tuple[int, list[int]]:
+        return await self.call(lambda e: (self._event_seq, e.cache.hashes()))
+
+    def set_cache_listener(self, listener: CacheListener) -> None:
+        self._listener = (listener, asyncio.get_running_loop())
+
+    def load(self) -> EngineLoad:
+        e = self.engine
+        return EngineLoad(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+                          max_running=e.scheduler.max_running, pages=e.pool.num_pages,
+                          free_pages=e.pool.free_pages, cached_pages=e.cache.cached_pages)
+
+    def stats(self) -> dict:
+        e = self.engine
+        s = e.stats
+        return {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
+                "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
+                "preemptions": e.scheduler.preemptions}
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _on_cache_event(self, event: tuple[str, list[int]]) -> None:
+        self._event_seq += 1
+        if self._listener is not None:
+            listener, loop = self._listener
+            loop.call_soon_threadsafe(listener, self._event_seq, event[0], event[1])
 
     def _abort_now(self, rid: str) -> None:
         if rid in self.engine.seqs:
             self.engine.abort(rid)
             self._dispatch([StepOutput(rid, None, "abort")])
 
-    @staticmethod
-    async def stream(q: asyncio.Queue) -> AsyncIterator[StepOutput]:
-        while True:
-            item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.token is not None or item.finish_reason is not None:
-                yield item
-                if item.finish_reason is not None:
-                    return
-
-    # ---- engine thread -------------------------------------------------------------------
     def _run_command(self, fn: Callable[[Engine], Any], fut: asyncio.Future | None, loop: asyncio.AbstractEventLoop | None) -> None:
         try:
             result, error = fn(self.engine), None
@@ -133,18 +198,18 @@ class EngineRuntime:
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outputs:
-            target = self._streams.get(out.rid)
-            if target:
-                by_loop.setdefault(target[0], []).append((target[1], out))
+            w = self._watches.get(out.rid)
+            if w:
+                by_loop.setdefault(w.loop, []).append((w.queue, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.engine.seqs):
             self.engine.abort(rid)
-            target = self._streams.get(rid)
-            if target:
-                target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine failure: {error}"))
+            w = self._watches.get(rid)
+            if w:
+                w.loop.call_soon_threadsafe(w.queue.put_nowait, RuntimeError(f"engine failure: {error}"))
 
 
 def _settle(fut: asyncio.Future, result: Any, error: Exception | None) -> None:

@@ -118,6 +118,13 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
 
 
+def split_layers(blob: KVBlob) -> list[KVBlob]:
+    """One blob per layer, as they travel (so the receiver works while the rest is on the line)."""
+    h = blob.header
+    return [KVBlob(replace(h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1),
+                   blob.k[i : i + 1], blob.v[i : i + 1]) for i in range(blob.k.shape[0])]
+
+
 def join_layers(parts: list[KVBlob]) -> KVBlob:
     """One blob from consecutive layer slices of the same tokens (as they travel per layer)."""
     first, last = parts[0].header, parts[-1].header

@@ -1,27 +1,40 @@
-"""The router's token source: orchestrates instances for each request.
+"""The router's token source: plans each request and drives it through the instances.
 
-colocated: one standalone instance runs the request.
-P/D modes: P prefills while the decode instance reserves its cached prefix; P streams
-the missing KV to it; the decode instance streams the tokens back here. The router's
-mirror of each instance's cache only guides the choice of instances; the decode
-instance's reservation decides what is sent, and the difference is exported as drift.
+colocated: one standalone instance runs the request. P/D modes: P prefills while the
+main decode instance (MD) reserves its cached prefix, sends it the missing KV, and MD
+streams the tokens. PDD mode adds the relay (RLD) next to P: P picks P -> MD or
+P -> RLD -> MD from MD's reservation; RLD streams the first tokens and hands over to
+MD by token IDs; the anomaly filter keeps a few requests on RLD alone.
+
+The router's mirror of each instance's cache only guides the plan; MD's reservation
+decides what is sent, and the difference is exported as drift. Tokens from several
+producers are merged by output position (`TokenMerger`). When an instance is lost,
+the request goes on through what is left where it can (another P before the first
+token; MD takes over from a lost relay; the relay finishes without MD) and fails with
+a clear error where it cannot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.instance.messages import params_to_wire
-from pdd.policy.routing import Candidate, pick
+from pdd.policy.plan import Plan, anomaly_rule, plan_request
+from pdd.policy.retry import retry_on_new_prefill
+from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
-from pdd.transfer.wire import MsgType, link_key
+from pdd.router.metrics import RouterMetrics
+from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
+from pdd.transfer import messages as m
+from pdd.transfer.wire import link_key
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +43,14 @@ class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
         self.max_context = 0  # set from the model config by the caller
+        self.router_id = secrets.token_hex(8)
         key = link_key(dep.secret, "instances")
-        self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key) for i in dep.instances}
+        self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key, self.router_id)
+                        for i in dep.instances}
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
+        self.metrics = RouterMetrics(registry)
         self.in_flight = 0
         self._aborts: set[asyncio.Task] = set()
-        self.completed = 0
-        self.drift_abs_total = 0
-        r = registry
-        self.m_pipelines = Counter("pdd_router_pipeline_requests", "Requests by pipeline", ["pipeline"], registry=r)
-        self.m_drift = Histogram("pdd_router_mirror_drift_tokens", "Predicted minus reserved decode-side hit tokens",
-                                 registry=r, buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096))
-        self.m_kv_bytes = Counter("pdd_router_kv_bytes", "KV bytes moved from P to the decode side", ["path"], registry=r)
-        self.m_failures = Counter("pdd_router_failures", "Requests failed by an instance or a link", registry=r)
 
     async def start(self, timeout: float = 60.0) -> None:
         for c in self.clients.values():
@@ -52,113 +60,185 @@ class RouterBackend:
     async def stop(self) -> None:
         await asyncio.gather(*(c.stop() for c in self.clients.values()))
 
-    def _choose(self, role: str, prompt: list[int], use_mirror: bool = True) -> tuple[InstanceClient, int]:
-        clients = [c for c in self.clients.values() if c.spec.role == role]
-        cands = [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.healthy)
-                 for c in clients]
-        try:
-            best = pick(cands, len(prompt), self.dep.policy.affinity_weight, self.dep.policy.load_weight)
-        except LookupError:
-            raise BackendError(f"no healthy {role} instance", 503) from None
-        return self.clients[best.name], best.predicted_hit_tokens
+    # ---- planning --------------------------------------------------------------------------
+    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
+        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.healthy)
+                for c in self.clients.values() if c.spec.role == role]
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
-        p, _ = self._choose(self.entry_role, req.prompt)
-        drc = self.dep.policy.decode_radix_cache
-        d, predicted = (p, 0) if self.entry_role == "standalone" else self._choose("main", req.prompt, drc)
-        q: asyncio.Queue = asyncio.Queue()
-        work = len(req.prompt) + req.params.max_tokens
-        record = {"pipeline": "colocated" if d is p else "P-MD", "p_hit_tokens": 0, "d_hit_tokens": 0, "wan_bytes": 0,
-                  "rld_output_tokens": 0, "md_output_tokens": 0, "handoff": None}
-        for c in {p, d}:
-            c.register(req.rid, q)
-            c.queued_tokens += work
-        self.in_flight += 1
-        finished = False
+    def _plan(self, req: GenRequest) -> Plan:
+        p = self.dep.policy
+        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
+                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
+        disaggregated = self.entry_role == "prefill"
+        main = self._candidates("main", req.prompt, p.decode_radix_cache) if disaggregated else []
+        relay = self._candidates("relay", req.prompt) if disaggregated and self.dep.mode == "pdd" else []
         try:
-            msg = {"rid": req.rid, "prompt": req.prompt, "params": params_to_wire(req.params)}
-            if d is not p:
-                msg.update(decode=d.name, use_cache=drc)
-            await p.send(MsgType.SUBMIT, msg)
-            async for event in self._events(req, q, p, d, predicted, record):
-                finished = event.finish_reason is not None
-                yield event
+            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
+                                main, relay, rule, p.affinity_weight, p.load_weight)
+        except LookupError as e:
+            raise BackendError(str(e), 503) from None
+
+    def _work(self, request: RouterRequest) -> int:
+        return len(request.req.prompt) + request.req.params.max_tokens
+
+    async def _submit(self, request: RouterRequest, q: asyncio.Queue) -> None:
+        plan = request.plan
+        for name in request.members:
+            self.clients[name].register(request.rid, q)
+            self.clients[name].queued_tokens += self._work(request)
+        if plan.fallback:
+            request.fallbacks.append(plan.fallback)
+            self.metrics.fallback(plan.fallback)
+        r = request.req
+        await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
+                                                     plan.relay, self.dep.policy.decode_radix_cache))
+
+    def _release(self, request: RouterRequest) -> None:
+        for name in request.members:
+            self.clients[name].unregister(request.rid)
+            self.clients[name].queued_tokens -= self._work(request)
+
+    # ---- a request -------------------------------------------------------------------------
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+        request = RouterRequest(req, self._plan(req))
+        q: asyncio.Queue = asyncio.Queue()
+        self.in_flight += 1
+        try:
+            await self._submit(request, q)
+            while not request.merger.finished:
+                source, body = await self._next(request, q)
+                if getattr(body, "rid", request.rid) != request.rid:
+                    continue  # a straggler of an earlier attempt
+                new = await self._handle(request, q, source, body)
+                if request.merger.finished:
+                    yield self._finish(request, new)
+                elif new:
+                    yield GenEvent(new, None, self._cached(request))
         except InstanceDown as e:
-            self.m_failures.inc()
+            self.metrics.failures.inc()
             raise BackendError(str(e)) from None
+        except BackendError:
+            self.metrics.failures.inc()
+            raise
         finally:
             self.in_flight -= 1
-            for c in {p, d}:
-                c.unregister(req.rid)
-                c.queued_tokens -= work
-            if not finished:  # not awaited: this may run inside a cancelled (disconnected) request
-                for c in {p, d}:
-                    task = asyncio.ensure_future(self._abort(c, req.rid))
-                    self._aborts.add(task)
-                    task.add_done_callback(self._aborts.discard)
+            self._release(request)
+            self._abort_rest(request)
 
-    async def _events(self, req: GenRequest, q: asyncio.Queue, p: InstanceClient, d: InstanceClient,
-                      predicted: int, record: dict) -> AsyncIterator[GenEvent]:
-        result_seen = d is p  # P/D: P's RESULT (hits, bytes) must arrive before we finish
-        while True:
-            source, kind, msg = await self._next(q, p, d)
-            if kind == MsgType.RESULT:
-                self._on_result(msg, predicted, record)
-                result_seen = True
-            if kind != MsgType.TOKENS:
-                continue
-            tokens = list(msg.get("tokens") or [])
-            record["md_output_tokens"] += len(tokens)
-            event = GenEvent(tokens, msg.get("finish_reason"), int(msg.get("cached_tokens") or 0))
-            if event.finish_reason:
-                while not result_seen:
-                    _, kind, msg = await self._next(q, p, d)
-                    if kind == MsgType.RESULT:
-                        self._on_result(msg, predicted, record)
-                        result_seen = True
-                if d is p:
-                    record.update(p_hit_tokens=event.cached_tokens, d_hit_tokens=event.cached_tokens)
-                event.cached_tokens = record["p_hit_tokens"]
-                self.m_pipelines.labels(record["pipeline"]).inc()
-                event.record = dict(record)
-                self.completed += 1
-            yield event
-            if event.finish_reason:
-                return
-
-    async def _next(self, q: asyncio.Queue, p: InstanceClient, d: InstanceClient) -> tuple[str, MsgType, dict]:
-        """The request's next frame; errors, lost instances and silence become BackendError."""
-        timeout = self.dep.router.token_timeout_s
+    async def _next(self, request: RouterRequest, q: asyncio.Queue) -> tuple[str, Any]:
+        timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         try:
-            source, kind, msg = await asyncio.wait_for(q.get(), timeout)
+            return await asyncio.wait_for(q.get(), timeout)
         except asyncio.TimeoutError:
-            self.m_failures.inc()
-            raise BackendError(f"no progress for {timeout:.0f} s (instances {p.name}, {d.name})", 504) from None
-        if kind == MsgType.ERROR:
-            self.m_failures.inc()
-            raise BackendError(f"{source}: {msg.get('message', 'failed')}", 503 if msg.get("lost") else 500)
-        return source, kind, msg
+            raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
 
-    def _on_result(self, msg: dict, predicted: int, record: dict) -> None:
-        record.update(p_hit_tokens=msg.get("p_hit", 0), d_hit_tokens=msg.get("d_hit", 0), wan_bytes=msg.get("wan_bytes", 0),
-                      d_hit_predicted=predicted)
-        drift = predicted - record["d_hit_tokens"]
-        self.m_drift.observe(drift)
-        self.drift_abs_total += abs(drift)
-        self.m_kv_bytes.labels("wan" if msg.get("wan_bytes") else "local").inc(msg.get("kv_bytes", 0))
+    @staticmethod
+    def _cached(request: RouterRequest) -> int:
+        return request.chosen.p_hit if request.chosen else request.cached
+
+    async def _handle(self, request: RouterRequest, q: asyncio.Queue, source: str, body: Any) -> list[int]:
+        """Apply one body to the request; the tokens it made deliverable."""
+        if isinstance(body, m.Tokens):
+            request.cached = body.cached_tokens
+            if body.stall_ms is not None:
+                request.stall_ms = body.stall_ms
+            return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
+        if isinstance(body, m.PipelineChosen):
+            request.chosen = body
+            if request.plan.main and body.pipeline != m.P_RLD:
+                self.metrics.observe_drift(request.plan.predicted_hit - body.d_hit)
+            if body.pipeline == m.P_MD:
+                request.relay_done = True
+            elif body.pipeline == m.P_RLD:
+                request.main_done = True
+            if body.fallback:
+                request.fallbacks.append(body.fallback)
+                self.metrics.fallback(body.fallback)
+        elif isinstance(body, m.Result):
+            request.result = body
+        elif isinstance(body, m.HandedOff):
+            request.handed_off, request.relay_done = body, True
+            if request.main_done:
+                raise BackendError(LOST_AFTER_HANDOFF, 503)
+        elif isinstance(body, m.Error):
+            await self._on_error(request, q, source, body)
+        return []
+
+    async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
+        """Go on through what is left, or fail."""
+        role, plan = self.clients[source].spec.role, request.plan
+        failure = BackendError(f"{source}: {err.message}", 503 if err.lost else 500)
+        if source == plan.entry:
+            if err.lost and request.result is not None:
+                return  # P had finished its part
+            others = any(c.healthy for c in self.clients.values() if c.spec.role == role and c.name != source)
+            if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
+                                                 self.dep.router.prefill_retries, others):
+                self._release(request)
+                request.restart(self._plan(request.req))
+                self.metrics.fallback("prefill_retry")
+                request.fallbacks.append("prefill_retry")
+                await self._submit(request, q)
+                return
+            if request.relay_producing and plan.main and not request.main_done:  # MD will not get its KV
+                request.main_done = True
+                self.metrics.fallback("prefill_lost")
+                request.fallbacks.append("prefill_lost")
+                return
+            raise failure
+        if source == plan.relay:
+            if request.relay_done:
+                return
+            request.relay_done = True
+            if plan.main and not request.main_done:  # MD takes over from what the client has
+                delivered = request.merger.delivered
+                self.metrics.fallback("relay_lost")
+                request.fallbacks.append("relay_lost")
+                await self.clients[plan.main].send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
+                return
+            raise failure
+        if source == plan.main:
+            if request.relay_producing and not request.main_done:  # the relay finishes it alone
+                request.main_done = True
+                self.metrics.fallback("main_lost")
+                request.fallbacks.append("main_lost")
+                return
+            raise BackendError(LOST_AFTER_HANDOFF if request.handed_off else failure.args[0], failure.status)
+        raise failure
+
+    def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
+        drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
+        record = request.record(drift)
+        if record["pipeline"] == "colocated":
+            record.update(p_hit_tokens=request.cached, d_hit_tokens=request.cached)
+        self.metrics.finished(request, record)
+        return GenEvent(new, request.merger.finish_reason, self._cached(request), record)
+
+    def _abort_rest(self, request: RouterRequest) -> None:
+        """Tell instances still holding something of the request to drop it (not
+        awaited: this may run inside a cancelled, disconnected request)."""
+        done = request.done_members()
+        if request.merger.finished and request.merger.producers:
+            done.add(request.merger.producers[-1])
+        for name in request.members:
+            if name not in done:
+                task = asyncio.ensure_future(self._abort(self.clients[name], request.rid))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, c: InstanceClient, rid: str) -> None:
         try:
-            await c.send(MsgType.ABORT, {"rid": rid})
+            await c.send(m.Abort(rid))
         except InstanceDown:
             pass
 
+    # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
         return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
 
     async def stats(self) -> dict:
-        return {"wan_bytes": await self.wan_bytes(), "requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total,
-                "instances": {c.name: {"healthy": c.healthy, "queued_tokens": c.queued_tokens,
+        return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(),
+                "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "queued_tokens": c.queued_tokens,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 

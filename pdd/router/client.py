@@ -1,10 +1,10 @@
 """The router's connection to one instance: requests out, tokens and cache events in.
 
 One long-lived framed connection per instance (through the WAN when the instance is in
-the other datacenter). Every frame that names a request goes to that request's queue;
-cache events feed the mirror. When the connection drops, every request waiting on it
-gets an error at once — a dead instance must never leave a client hanging — and the
-client reconnects in the background.
+the other datacenter). Every body that names a request goes to that request's queue
+as (instance name, body); cache events feed the mirror. When the connection drops,
+every request waiting on it gets a "lost" error at once — a dead instance must never
+leave a client hanging — and the client reconnects in the background.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from typing import Any
+
 from pdd.config import InstanceSpec
 from pdd.router.mirror import CacheMirror
+from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.transfer.wire import FramedConnection, MsgType
+from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +28,9 @@ class InstanceDown(ConnectionError):
 
 
 class InstanceClient:
-    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes) -> None:
+    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str) -> None:
         self.spec = spec
+        self.router_id = router_id
         self.name = spec.name
         self.addr = (host, port)
         self.key = key
@@ -59,11 +63,11 @@ class InstanceClient:
     def unregister(self, rid: str) -> None:
         self._queues.pop(rid, None)
 
-    async def send(self, kind: MsgType, msg: dict) -> None:
+    async def send(self, body: Any) -> None:
         if not self.healthy:
             raise InstanceDown(f"instance {self.name} is not connected")
         try:
-            await self.conn.send_json(kind, msg)
+            await m.send(self.conn, body)
         except (ConnectionError, RuntimeError) as e:
             raise InstanceDown(f"instance {self.name}: {e}") from None
 
@@ -73,7 +77,7 @@ class InstanceClient:
             conn = None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router"}), 10.0)
+                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
                 self.conn, backoff = conn, 0.2
                 log.info("connected to %s at %s:%s", self.name, *self.addr)
                 await self._read(conn)
@@ -96,20 +100,19 @@ class InstanceClient:
     async def _read(self, conn: FramedConnection) -> None:
         resync_asked = False
         while True:
-            frame = await conn.recv()
-            msg = frame.json()
-            if frame.type == MsgType.CACHE_EVENT:
-                if msg.get("kind") == "snapshot":
+            body = m.decode(await conn.recv())
+            if isinstance(body, m.CacheUpdate):
+                if body.kind == "snapshot":
                     resync_asked = False
                     self._ready.set()
-                if not self.mirror.apply(msg) and not resync_asked:  # one request per gap
+                if not self.mirror.apply(body) and not resync_asked:  # one request per gap
                     resync_asked = True
-                    await conn.send_json(MsgType.CACHE_EVENT, {"kind": "snapshot_request"})
+                    await m.send(conn, m.CacheUpdate("snapshot_request"))
                 continue
-            q = self._queues.get(str(msg.get("rid")))
+            q = self._queues.get(getattr(body, "rid", None) or "")
             if q is not None:
-                q.put_nowait((self.name, frame.type, msg))
+                q.put_nowait((self.name, body))
 
     def _fail_all(self, reason: str) -> None:
-        for q in self._queues.values():
-            q.put_nowait((self.name, MsgType.ERROR, {"message": reason, "lost": True}))
+        for rid, q in self._queues.items():
+            q.put_nowait((self.name, m.Error(reason, rid, lost=True)))

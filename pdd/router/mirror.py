@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdd.kv.blocks import block_hashes
+from pdd.transfer.messages import CacheUpdate
 
 
 class CacheMirror:
@@ -20,18 +21,17 @@ class CacheMirror:
         self.stale = True
         self.gaps = 0
 
-    def apply(self, msg: dict) -> bool:
+    def apply(self, event: CacheUpdate) -> bool:
         """Apply one event; False when the mirror needs a fresh snapshot."""
-        kind, seq = msg.get("kind"), msg.get("seq")
-        hashes = msg.get("hashes") or []
+        kind, seq, hashes = event.kind, event.seq, event.hashes
         if kind == "snapshot":
             self.hashes = set(hashes)
-            self.page_size = int(msg.get("page_size", self.page_size))
+            self.page_size = event.page_size or self.page_size
             self.seq, self.stale = seq, False
             return True
         if self.stale:
             return False
-        if not isinstance(seq, int) or seq <= self.seq:  # already in the snapshot
+        if seq <= self.seq:  # already in the snapshot
             return True
         if seq != self.seq + 1:
             self.gaps += 1

@@ -37,7 +37,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAGIC = b"PD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: typed bodies with token positions, the relay tier
 FLAG_AUTH = 0x01
 _KNOWN_FLAGS = FLAG_AUTH
 # magic, version, type, flags, sequence, payload length, CRC32 of payload
@@ -56,7 +56,7 @@ class MsgType(IntEnum):
     RESERVE_ACK = 3  # MD -> P: the authoritative hit length
     KV_LAYER = 4  # P -> RLD/MD: KV pages of one layer (pack_with_header payload)
     KV_DONE = 5  # P -> RLD/MD: all KV of a request has been sent
-    TOKENS = 6  # token IDs (eager output, handoff chunks)
+    TOKENS = 6  # produced token IDs with their output position
     CACHE_EVENT = 7  # decode-side radix cache stored/removed events
     ABORT = 8  # cancel a request and free what it holds
     ERROR = 9  # the peer could not do what was asked
@@ -65,6 +65,12 @@ class MsgType(IntEnum):
     RELEASE = 12  # drop a reservation that will not be used, without aborting
     RESULT = 13  # final outcome of a request (finish reason, counts)
     SUBMIT = 14  # router -> P or standalone: run this request
+    PIPELINE = 15  # P -> router: the pipeline chosen from the reserved hit
+    KV_ACK = 16  # decode side -> P: KV imported so far
+    READY = 17  # P -> RLD: MD holds the prompt's KV, hand off
+    HANDOFF = 18  # RLD (or router) -> MD: output token IDs to extend and take over
+    HANDOFF_ACK = 19  # MD -> RLD: catch-up tokens computed so far
+    HANDED_OFF = 20  # RLD -> router: it stopped, MD produces from here
 
 
 class FrameError(ValueError):

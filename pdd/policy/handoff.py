@@ -1,0 +1,41 @@
+"""How a relay hands a request to the main decode instance (PDD_SPEC item 3).
+
+The relay sends only token IDs; MD recomputes their KV by extend. One-shot sends them
+all at once: the relay is freed soonest, but MD's step that extends them all is one
+big stall (for every sequence in MD's batch). Catch-up sends them in chunks computed
+at most `chunk` per MD step while the relay keeps producing, and cuts over once MD is
+within `threshold` tokens: several small stalls instead of one, at the price of the
+relay running longer. A loaded relay should be freed: it hands off one-shot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.transfer.messages import CATCH_UP, ONE_SHOT
+
+BUSY = 0.75  # relay occupancy (running / max running) above which it hands off one-shot
+MAX_CATCH_UP_ROUNDS = 8  # acknowledgements after which catch-up cuts over, converged or not
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    mode: str
+    chunk: int  # catch-up: most handed-over tokens MD computes in one step
+
+
+def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: int, chunk: int,
+                   forced: str = "auto") -> HandoffPlan:
+    """`gap_tokens`: tokens the relay produced that MD lacks; `occupancy` and `queued`:
+    the relay's running share of its capacity and its waiting requests."""
+    if forced == ONE_SHOT or (forced == "auto" and (gap_tokens <= threshold or queued > 0 or occupancy >= BUSY)):
+        return HandoffPlan(ONE_SHOT, 0)
+    # A half-busy relay is freed sooner by larger chunks: MD catches up in fewer steps.
+    return HandoffPlan(CATCH_UP, chunk if occupancy < BUSY / 2 else 2 * chunk)
+
+
+def cut_over(produced: int, computed: int, threshold: int, rounds: int) -> bool:
+    """Catch-up: stop relaying once MD has computed all but `threshold` of the produced
+    tokens (its last extend is then small), or after `MAX_CATCH_UP_ROUNDS` rounds, so a
+    chunk too small to ever catch up cannot keep the relay busy for the whole output."""
+    return produced - computed <= threshold or rounds >= MAX_CATCH_UP_ROUNDS

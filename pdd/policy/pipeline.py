@@ -1,0 +1,43 @@
+"""P-MD or P-RLD-MD: whether the main decode instance will have its KV in time.
+
+PDD_SPEC § The architecture, items 4 and 5. High-hit requests, whose small delta
+reaches MD quickly, go P -> MD; the rest go P -> RLD -> MD, the relay hiding the
+line's latency. P -> RLD alone is never chosen here: it is the anomaly filter's
+(`pdd.policy.plan`), or a counted fallback when MD is unusable.
+
+The decision takes the hit MD *reserved* (not the router's estimate): the spec's
+production failure was exactly a drift between the two that sent ever more load to
+RLD until it fell over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdd.policy.transfer import LinkEstimate, finish_s
+from pdd.transfer.messages import P_MD, P_RLD_MD
+
+
+@dataclass(frozen=True)
+class Decision:
+    pipeline: str
+    predicted_s: float | None  # when MD's delta was predicted to arrive (None: unknown)
+
+
+def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequence[int], budget_s: float,
+                    has_relay: bool, forced: str = "auto") -> Decision:
+    """`delta_bytes`: KV MD lacks after its reservation (None: no reservation answer yet).
+
+    P -> MD when that delta, queued behind what is already on the line, is predicted
+    to reach MD within `budget_s`; otherwise through the relay. Without a relay there
+    is no choice. `forced` ("P-MD" / "P-RLD-MD") pins the answer for experiments.
+    """
+    predicted = None if delta_bytes is None else finish_s(delta_bytes, in_flight, link)
+    if not has_relay:
+        return Decision(P_MD, predicted)
+    if forced != "auto":
+        return Decision(forced, predicted)
+    if predicted is not None and predicted <= budget_s:
+        return Decision(P_MD, predicted)
+    return Decision(P_RLD_MD, predicted)

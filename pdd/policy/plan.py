@@ -1,0 +1,78 @@
+"""Which instances serve a request, and the anomaly filter (PDD_SPEC item 5).
+
+The router plans from its mirrors of the instances' caches and their queued work;
+P then picks the pipeline from the reservation (`pdd.policy.pipeline`). The anomaly
+filter is decided here, before anything is sent to MD, so a filtered request moves
+nothing across the line: ultra-long input, short output and a low hit at MD. Such a
+request cannot be batched with others and would eat the line for a few tokens; the
+relay runs it whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.policy.routing import Candidate, pick
+
+SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for
+SPEC_SHORT_OUTPUT = 500  # "ultra-short output (< 500 tokens)"
+
+
+@dataclass(frozen=True)
+class AnomalyRule:
+    enabled: bool
+    max_output_tokens: int  # max_tokens below this is "short"
+    min_prompt_tokens: int  # a prompt this long or longer is "long"
+    max_hit_share: float  # a predicted hit at MD at or under this share of the prompt is "low"
+
+
+def anomaly_rule(enabled: bool, max_context: int, max_output_tokens: int = 0, min_prompt_share: float = 0.5,
+                 max_hit_share: float = 0.5) -> AnomalyRule:
+    """The spec's rule at this model's scale: "short" is 500 tokens of a 64K context,
+    scaled to `max_context` unless `max_output_tokens` is given."""
+    short = max_output_tokens or max(1, round(SPEC_SHORT_OUTPUT * max_context / SPEC_CONTEXT))
+    return AnomalyRule(enabled, short, max(1, int(min_prompt_share * max_context)), max_hit_share)
+
+
+def is_anomalous(prompt_tokens: int, max_tokens: int, predicted_hit_tokens: int, rule: AnomalyRule) -> bool:
+    return (rule.enabled and max_tokens < rule.max_output_tokens and prompt_tokens >= rule.min_prompt_tokens
+            and predicted_hit_tokens <= rule.max_hit_share * prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Plan:
+    entry: str  # the instance the request is submitted to: prefill (or standalone)
+    main: str | None  # the main decode instance
+    relay: str | None  # the relay
+    predicted_hit: int  # at `main`, by the router's mirror
+    anomalous: bool = False
+    fallback: str | None = None  # a role had no healthy instance, so the plan lacks it
+
+
+def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], main: list[Candidate],
+                 relay: list[Candidate], rule: AnomalyRule, affinity_weight: float = 1.0,
+                 load_weight: float = 1.0) -> Plan:
+    """Pick each role's instance (`routing.pick`). `main` empty: a colocated deployment.
+    `relay` empty: no relay tier (plain P/D). Raises LookupError when the entry role, or
+    every decode-side instance, is down."""
+    def choose(cands: list[Candidate]) -> Candidate | None:
+        try:
+            return pick(cands, prompt_tokens, affinity_weight, load_weight)
+        except LookupError:
+            return None
+
+    p = choose(entry)
+    if p is None:
+        raise LookupError("no healthy prefill instance")
+    if not main:
+        return Plan(p.name, None, None, 0)
+    md, rld = choose(main), choose(relay) if relay else None
+    if md is None and rld is None:
+        raise LookupError("no healthy decode instance")
+    if md is None:  # the relay finishes the request alone: counted, never silent
+        return Plan(p.name, None, rld.name, 0, fallback="no_main")
+    if relay and rld is None:
+        return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback="no_relay")
+    if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
+        return Plan(p.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
+    return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)

@@ -1,0 +1,71 @@
+"""What the router counts: pipelines, handoffs, producers, fallbacks, mirror drift.
+
+Prometheus series on the router's `/metrics`, and the same totals as plain numbers for
+`/pdd/stats` (tests and `pdd bench` read those).
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdd.router.request import RouterRequest
+
+_STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.pipelines = Counter("pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"], registry=r)
+        self.handoffs = Counter("pdd_router_handoffs", "Relay-to-main handoffs by mode", ["mode"], registry=r)
+        self.handoff_tokens = Counter("pdd_router_handoff_tokens", "Tokens handed from relays to main instances",
+                                      registry=r)
+        self.handoff_stall = Histogram("pdd_router_handoff_stall_seconds", "Main instance's extend stall at a handoff",
+                                       registry=r, buckets=_STALL_BUCKETS)
+        self.output_tokens = Counter("pdd_router_output_tokens", "Output tokens by producing tier", ["producer"],
+                                     registry=r)
+        self.anomalies = Counter("pdd_router_anomaly_filtered", "Requests the anomaly filter kept on the relay",
+                                 registry=r)
+        self.fallbacks = Counter("pdd_router_fallbacks", "Requests that survived a lost or refusing instance",
+                                 ["kind"], registry=r)
+        self.drift = Histogram("pdd_router_mirror_drift_tokens", "Predicted minus reserved decode-side hit tokens",
+                               registry=r, buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096))
+        self.kv_bytes = Counter("pdd_router_kv_bytes", "KV bytes moved from P to the decode side", ["path"], registry=r)
+        self.failures = Counter("pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r)
+        self.conflicts = Counter("pdd_router_stream_conflicts", "Output positions two producers disagreed on",
+                                 registry=r)
+        self.completed = 0
+        self.drift_abs_total = 0
+        self.totals: Tally[str] = Tally()  # the same counts as plain numbers, for /pdd/stats
+
+    def observe_drift(self, drift: int) -> None:
+        self.drift.observe(drift)
+        self.drift_abs_total += abs(drift)
+
+    def fallback(self, kind: str) -> None:
+        self.fallbacks.labels(kind).inc()
+        self.totals[f"fallback:{kind}"] += 1
+
+    def finished(self, request: RouterRequest, record: dict) -> None:
+        self.completed += 1
+        self.pipelines.labels(record["pipeline"]).inc()
+        self.totals[f"pipeline:{record['pipeline']}"] += 1
+        for tier, key in (("relay", "rld_output_tokens"), ("main", "md_output_tokens")):
+            self.output_tokens.labels(tier).inc(record[key])
+            self.totals[f"tokens:{tier}"] += record[key]
+        if record["handoff"]:
+            self.handoffs.labels(record["handoff"]).inc()
+            self.totals[f"handoff:{record['handoff']}"] += 1
+            self.handoff_tokens.inc(record["handoff_tokens"])
+            if record["handoff_stall_ms"] is not None:
+                self.handoff_stall.observe(record["handoff_stall_ms"] / 1000)
+        if record["anomalous"]:
+            self.anomalies.inc()
+            self.totals["anomaly_filtered"] += 1
+        self.conflicts.inc(request.merger.conflicts)
+        self.kv_bytes.labels("wan" if record["wan_bytes"] else "local").inc(record["kv_bytes"])
+
+    def snapshot(self) -> dict:
+        return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

@@ -1,0 +1,101 @@
+"""A request's whole life at the router, in one object.
+
+The plan (which instances), the attempt (a prefill instance lost before the first
+token is retried on another, under a new attempt id), what P decided (pipeline, hits),
+the handoff, the merged token stream and the failures survived. The backend feeds it
+every body that arrives for the request and performs the I/O it asks for; the record
+it builds is the `pdd` object of the response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdd.api.backend import GenRequest
+from pdd.policy.plan import Plan
+from pdd.router.merge import TokenMerger
+from pdd.transfer import messages as m
+
+LOST_AFTER_HANDOFF = "the main decode instance was lost after the relay handed the request over"
+
+
+@dataclass(eq=False)
+class RouterRequest:
+    req: GenRequest
+    plan: Plan
+    attempt: int = 0
+    merger: TokenMerger = field(default_factory=TokenMerger)
+    chosen: m.PipelineChosen | None = None  # P's decision
+    result: m.Result | None = None  # P's transfers are over
+    handed_off: m.HandedOff | None = None
+    stall_ms: float | None = None  # MD's extend stall at the handoff
+    relay_done: bool = False  # the relay has nothing left to do (handed off, lost, or finished)
+    main_done: bool = False  # likewise for the main instance (lost, or dropped from the plan)
+    fallbacks: list[str] = field(default_factory=list)
+    cached: int = 0  # prompt tokens cached where it ran (colocated: the instance's own count)
+
+    def restart(self, plan: Plan) -> None:
+        """A new attempt on other instances; what the client already has is kept."""
+        self.attempt += 1
+        self.plan = plan
+        self.chosen = self.result = self.handed_off = None
+        self.relay_done = self.main_done = False
+
+    @property
+    def rid(self) -> str:
+        """The id the instances know this attempt by."""
+        return f"{self.req.rid}.{self.attempt}"
+
+    @property
+    def members(self) -> list[str]:
+        return [n for n in (self.plan.entry, self.plan.relay, self.plan.main) if n]
+
+    @property
+    def pipeline(self) -> str:
+        if self.chosen is not None:
+            return self.chosen.pipeline
+        if self.plan.main is None and self.plan.relay is None:
+            return "colocated"
+        return m.P_RLD if self.plan.main is None else (m.P_RLD_MD if self.plan.relay else m.P_MD)
+
+    @property
+    def relay_producing(self) -> bool:
+        """Whether the relay is (or will be) the one producing tokens: before a handoff,
+        in a pipeline through the relay."""
+        return self.pipeline in (m.P_RLD_MD, m.P_RLD) and not self.handed_off and not self.relay_done
+
+    def done_members(self) -> set[str]:
+        """Instances with nothing left of this request: no abort needs to reach them."""
+        done = set()
+        if self.result is not None or (self.plan.main is None and self.plan.relay is None):
+            done.add(self.plan.entry)
+        if self.relay_done and self.plan.relay:
+            done.add(self.plan.relay)
+        if self.main_done and self.plan.main:
+            done.add(self.plan.main)
+        return done
+
+    def record(self, drift: int | None) -> dict:
+        """The `pdd` object of the response."""
+        c, r, mg = self.chosen, self.result, self.merger
+        relay = self.plan.relay
+        return {
+            "pipeline": self.pipeline,
+            "p_hit_tokens": c.p_hit if c else 0,
+            "d_hit_tokens": c.d_hit if c else 0,
+            "d_hit_predicted": self.plan.predicted_hit,
+            "mirror_drift_tokens": drift,
+            "kv_predicted_ms": c.predicted_ms if c else None,
+            "kv_bytes": r.kv_bytes if r else 0,
+            "wan_bytes": r.wan_bytes if r else 0,
+            "rld_output_tokens": mg.count(relay) if relay else 0,
+            "md_output_tokens": len(mg.delivered) - (mg.count(relay) if relay else 0),
+            "handoff": self.handed_off.mode if self.handed_off else None,
+            "handoff_tokens": self.handed_off.upto if self.handed_off else 0,
+            "handoff_chunks": self.handed_off.chunks if self.handed_off else 0,
+            "handoff_stall_ms": self.stall_ms,
+            "anomalous": self.plan.anomalous,
+            "fallback": ",".join(self.fallbacks) or None,
+            "retries": self.attempt,
+            "instances": {"entry": self.plan.entry, "relay": relay, "main": self.plan.main},
+        }

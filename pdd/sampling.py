@@ -1,0 +1,60 @@
+"""What a request asks of the sampler, and where its randomness comes from.
+
+No torch here: the router and the HTTP layer handle sampling parameters without
+loading a model.
+
+Seeded sampling must give the same tokens whichever instance produces a position (P
+samples the first token, a relay the next few, the main decode instance the rest).
+So a position's random number is a function of (seed, position) alone, never of a
+generator's state that depends on how many draws an instance made before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        ints = (self.max_tokens, self.top_k, *self.stop_token_ids) + (() if self.seed is None else (self.seed,))
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+            raise ValueError("max_tokens, top_k, seed and stop_token_ids must be integers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (self.temperature, self.top_p)):
+            raise ValueError("temperature and top_p must be numbers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be true or false")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        # below this, logits / temperature overflows float32: the top token is certain anyway
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+def uniform(seed: int, position: int) -> float:
+    """The random number in [0, 1) that chooses output position `position`.
+
+    A hash of both, so any integer seed works (however large or negative) and every
+    producer of that position draws the same number.
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"pdd-draw").digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
