@@ -63,7 +63,7 @@ class PolicySpec:
     """Knobs of the decisions in `pdd.policy` (see each function for the rule)."""
 
     decode_radix_cache: bool = True  # decode side keeps prefixes; only the delta crosses
-    kv_chunk_tokens: int = 256  # tokens per KV frame (each frame: one layer)
+    kv_chunk_tokens: int = 64  # tokens per KV chunk (one frame per layer; imported as it lands)
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
     load_weight: float = 1.0  # ...against one queued token of work
     # PDD mode. P -> MD when MD's KV delta is predicted to arrive within this after

@@ -50,7 +50,7 @@ class Deployment:
         self.lines = lines
         self.url = next(l.split()[1] for l in lines if l.startswith("router: "))
         self.pids = {l.split()[1].rstrip(":"): int(l.split("pid ")[1].split(",")[0]) for l in lines if l.startswith("process ")}
-        admin = [l.split("admin ")[1] for l in lines if l.startswith("wan: ") and "admin " in l]
+        admin = [l.split("admin ")[1].strip() for l in lines if l.startswith("wan: ") and "admin " in l]
         self.wan_admin = admin[0] if admin else None
 
 

@@ -177,6 +177,49 @@ def test_kv_export_import_across_page_sizes(engine, other):
     assert _handover(engine, other, turn2, params) == ref2
 
 
+@pytest.mark.parametrize("chunks, cap, final", [((5,), 0, 2), ((3, 4, 1), 2, 2), ((1,) * 9, 1, 0)])
+def test_catch_up_in_the_shadow_then_cut_over_equals_plain_decoding(engine, other, chunks, cap, final):
+    """The main instance gets a relay's tokens in chunks, computes them (at most `cap` a
+    step) without sampling, then takes over with `final` more: its output equals one
+    engine's (an empty final chunk recomputes the last token for its logits)."""
+    rng = random.Random(11)
+    prompt = _prompt(rng, 150)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = engine.generate([prompt], params)[0]
+    engine.flush_cache()
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold=True)
+    _run(engine)
+    hit = other.reserve("d", prompt, params)
+    other.import_kv("d", codec.decode(codec.encode(engine.export_kv("p", hit, len(prompt)))))
+    engine.release("p")
+    given = 0
+    for n in chunks:
+        seq = other.start("d", ref[given : given + n], shadow=True, step_cap=cap)
+        given += n
+        steps = 0
+        while other.has_work():
+            out = other.step()
+            steps += 1
+            assert all(o.token is None for o in out), "a shadow sequence samples nothing"
+        assert seq.num_computed == len(prompt) + given and seq.status.value == "reserved"
+        assert steps == (-(-n // cap) if cap else 1)
+        assert out[-1].caught_up == given
+    other.start("d", ref[given : given + final])  # the final chunk: take over
+    _run(other)
+    assert seq.output == ref
+
+
+def test_cut_stops_a_sequence_and_returns_its_output(engine):
+    rng = random.Random(12)
+    engine.add_request("r", _prompt(rng, 60), GREEDY)
+    for _ in range(6):
+        engine.step()
+    out = engine.cut("r")
+    assert len(out) == 6 and "r" not in engine.seqs and not engine.has_work()
+    with pytest.raises(RequestError):
+        engine.cut("r")
+
+
 def test_bf16_importer_logits_within_tolerance(tiny_model_dir, engine):
     rng = random.Random(8)
     prompt = _prompt(rng, 150)

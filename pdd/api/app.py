@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -78,8 +79,8 @@ class OpenAIServer:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
                            param="max_tokens", code="context_length_exceeded")
-        if not 0 <= req.temperature <= 2:
-            raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
+        if not (0 <= req.temperature and math.isfinite(req.temperature)):  # as vLLM: no upper bound
+            raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                                     top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,

@@ -184,6 +184,10 @@ class Engine:
             raise RequestError(f"{seq.num_output + len(tokens)} output tokens exceed max_tokens {seq.params.max_tokens}")
         seq.tokens.extend(tokens)
         seq.shadow, seq.step_cap = shadow, step_cap
+        if not shadow and seq.num_pending == 0 and seq.num_computed > seq.prompt_len:
+            # catch-up computed every handed-over token: recompute the last one (same
+            # token, position and context, so the same KV) for the logits of the next
+            seq.num_computed -= 1
         if seq.status == Status.RESERVED:
             if seq.num_pending < 1 and not shadow:
                 raise RequestError("nothing left to compute: import must leave the last token")

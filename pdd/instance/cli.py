@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from pdd.config import ROLES
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.model.store import resolve_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=getattr(logging, os.environ.get("PDD_LOG", "INFO")), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
         if not args.instance:
             raise SystemExit("pdd serve: --config needs --instance NAME")

@@ -1,13 +1,91 @@
 """The main decode role (MD): the remote datacenter's decode capacity.
 
-It receives the KV delta its reservation asked for and either decodes at once (P -> MD)
-or, behind a relay (P -> RLD -> MD), waits for the relay's handoff.
+It receives the KV delta its reservation asked for and either decodes at once
+(P -> MD) or, behind a relay (P -> RLD -> MD), waits for the relay's handoff: token
+IDs only, whose KV it recomputes by extend (PDD_SPEC item 2). Catch-up chunks are
+computed in the shadow, at most `step_cap` a step, and acknowledged; the final chunk
+makes MD the producer, streaming every position from the handoff's `emit_from`. A
+router may send the final chunk itself when the relay is lost (a takeover).
 """
 
 from __future__ import annotations
 
-from pdd.instance.receiver import DecodeSide
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdd.instance.receiver import DecodeJob, DecodeSide
+from pdd.transfer import messages as m
+from pdd.transfer.wire import FramedConnection
+
+
+@dataclass(eq=False)
+class MainJob(DecodeJob):
+    final: m.Handoff | None = None  # arrived before the KV was complete: applied then
+    relay_conn: FramedConnection | None = None  # catch-up acknowledgements go there
+    step_cap: int = 0  # catch-up: most handed-over tokens computed per step
 
 
 class MainRole(DecodeSide):
-    pass
+    job_type = MainJob
+
+    async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
+        if isinstance(body, m.Handoff):
+            await self._on_handoff(self._known(body.rid), body, conn)
+        else:
+            await super().on_peer_body(conn, name, body)
+
+    async def on_router(self, router_id: str, body: Any) -> None:
+        if isinstance(body, m.Handoff):  # the relay was lost: take over from what the client has
+            job = self.jobs.get(body.rid)
+            if job is None or job.router_id != router_id:
+                self.node.to_router(router_id, m.Error(f"request {body.rid!r} is not held here", body.rid))
+                return
+            try:
+                await self._on_handoff(job, body, None)
+            except Exception as e:
+                await self.fail(job, e)
+        else:
+            await super().on_router(router_id, body)
+
+    def _known(self, rid: str) -> MainJob:
+        job = self.jobs.get(rid)
+        if job is None:
+            raise m.BadMessage(f"request {rid!r} is not held here")
+        return job
+
+    async def _on_handoff(self, job: MainJob, h: m.Handoff, reply_to: FramedConnection | None) -> None:
+        if job.producing:
+            return  # already the producer (P -> MD, or an earlier final chunk): nothing to take over
+        have = job.output
+        if h.start > len(have) or have[h.start : h.start + len(h.tokens)] != h.tokens[: len(have) - h.start]:
+            raise m.BadMessage(f"handoff tokens at {h.start} do not continue the {len(have)} known")
+        have.extend(h.tokens[len(have) - h.start :])
+        if reply_to is not None:
+            job.relay_conn = reply_to
+        if h.final:
+            job.final = h
+        else:
+            job.step_cap = h.step_cap
+        if job.loaded:
+            await self._apply(job)
+
+    async def on_loaded(self, job: MainJob) -> None:
+        await self._apply(job)
+
+    async def _apply(self, job: MainJob) -> None:
+        """Compute what was handed over: in the shadow, or taking over on the final chunk."""
+        if job.final is None:
+            if len(job.output) > job.given:
+                await self.run(job, None, shadow=True, step_cap=job.step_cap)
+            return
+        h, job.final = job.final, None
+        if not job.output:  # nothing was relayed (a takeover before any token): start at P's token
+            job.output = [job.first_token]
+        job.stall_from = time.monotonic()
+        job.relay_conn = None
+        await self.run(job, h.emit_from)
+
+    async def on_caught_up(self, job: MainJob, computed: int) -> None:
+        if job.relay_conn is not None:
+            await self.node.send(job.relay_conn, m.HandoffAck(job.rid, computed))

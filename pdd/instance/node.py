@@ -32,8 +32,8 @@ class Role(Protocol):
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         """A frame from another instance that connected here."""
 
-    def peer_lost(self, conn: FramedConnection) -> None:
-        """An inbound peer connection is gone."""
+    def peer_lost(self, name: str) -> None:
+        """A connection from another instance (by its name) is gone."""
 
     def router_lost(self, router_id: str) -> None:
         """A router is gone: nobody will read its requests' tokens."""
@@ -164,7 +164,7 @@ class Node:
             while True:
                 await self.role.on_peer(conn, name, await conn.recv())
         finally:
-            self.role.peer_lost(conn)
+            self.role.peer_lost(name)
 
 
 def _make_role(node: Node) -> Role:

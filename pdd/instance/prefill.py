@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pdd.instance.peers import PeerPool
+from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
 from pdd.instance.standalone import report_failure
 from pdd.kv import codec
 from pdd.policy.pipeline import choose_pipeline
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0
+RATE_WINDOW_S = 0.1
 LOCAL_PRIOR = LinkEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
 
 
@@ -48,19 +49,23 @@ class _Transfer:
 
 class Line:
     """What this P knows of the path to one datacenter: the estimate it keeps from
-    reservation round trips and acknowledged KV, and the KV it has in flight there."""
+    reservation round trips and acknowledged KV, and the KV it has in flight there.
+
+    Rates are measured over windows of at least `RATE_WINDOW_S` between
+    acknowledgements while transfers are in flight: acknowledgements come in bursts
+    (the far side imports between its steps), and a window opened on an idle line
+    would count the delay as slowness."""
 
     def __init__(self, prior: LinkEstimate) -> None:
         self.estimate = prior
         self._transfers: dict[tuple[str, str], _Transfer] = {}  # (request, peer)
-        self._last_ack: float | None = None  # the line has been busy since then
+        self._window: float | None = None  # when the current measuring window opened
+        self._window_bytes = 0
 
     def in_flight(self) -> list[int]:
         return [t.remaining_bytes for t in self._transfers.values()]
 
     def begin(self, key: tuple[str, str], start: int, end: int, bytes_per_token: int) -> None:
-        if not self._transfers:
-            self._last_ack = time.monotonic()
         self._transfers[key] = _Transfer(start, end, bytes_per_token)
 
     def acked(self, key: tuple[str, str], token_end: int, done: bool) -> None:
@@ -68,18 +73,21 @@ class Line:
         if t is None:
             return
         now = time.monotonic()
-        delta = (token_end - max(t.acked, t.start)) * t.bytes_per_token
+        if self._window is None:
+            self._window, self._window_bytes = now, 0
+        else:
+            self._window_bytes += (token_end - max(t.acked, t.start)) * t.bytes_per_token
+            if now - self._window >= RATE_WINDOW_S:
+                self.estimate = observe_rate(self.estimate, self._window_bytes, now - self._window)
+                self._window, self._window_bytes = now, 0
         t.acked = max(t.acked, token_end)
-        if self._last_ack is not None and delta > 0:
-            self.estimate = observe_rate(self.estimate, delta, now - self._last_ack)
-        self._last_ack = now
         if done:
             self.end(key)
 
     def end(self, key: tuple[str, str]) -> None:
         self._transfers.pop(key, None)
         if not self._transfers:
-            self._last_ack = None
+            self._window = None
 
     def round_trip(self, seconds: float) -> None:
         self.estimate = observe_rtt(self.estimate, seconds)
@@ -91,7 +99,8 @@ class PrefillJob:
 
     submit: m.Submit
     router_id: str
-    replies: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its ReserveAck
+    acks: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its ReserveAck
+    loaded: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its KVAck(done)
     reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
     task: asyncio.Task | None = None
@@ -99,6 +108,9 @@ class PrefillJob:
     @property
     def rid(self) -> str:
         return self.submit.rid
+
+    def futures(self, peer: str) -> list[asyncio.Future]:
+        return [f for f in (self.acks.get(peer), self.loaded.get(peer)) if f is not None and not f.done()]
 
 
 class PrefillRole:
@@ -141,7 +153,7 @@ class PrefillRole:
     async def on_peer(self, conn, name, frame) -> None:
         await self.node.send(conn, m.Error("a prefill instance takes no peer traffic"))
 
-    def peer_lost(self, conn) -> None:
+    def peer_lost(self, name: str) -> None:
         pass
 
     def router_lost(self, router_id: str) -> None:
@@ -162,19 +174,20 @@ class PrefillRole:
         job = self.jobs.get(rid) if rid else None
         if job is None:
             return
-        fut = job.replies.get(peer)
-        if isinstance(body, m.ReserveAck) and fut is not None and not fut.done():
+        ack, loaded = job.acks.get(peer), job.loaded.get(peer)
+        if isinstance(body, m.ReserveAck) and ack is not None and not ack.done():
             self._line(peer).round_trip(time.monotonic() - job.reserve_sent[peer])
-            fut.set_result(body)
+            ack.set_result(body)
+        elif isinstance(body, m.KVAck) and body.done and loaded is not None and not loaded.done():
+            loaded.set_result(body)
         elif isinstance(body, m.Error):
             self._line(peer).end((rid, peer))
-            if fut is not None and not fut.done():
+            for fut in job.futures(peer):
                 fut.set_exception(RuntimeError(f"{peer}: {body.message}"))
 
     def _on_peer_lost(self, peer: str) -> None:
         for job in self.jobs.values():
-            fut = job.replies.get(peer)
-            if fut is not None and not fut.done():
+            for fut in job.futures(peer):
                 fut.set_exception(ConnectionError(f"decode instance {peer} unreachable"))
             self._line(peer).end((job.rid, peer))
 
@@ -192,60 +205,134 @@ class PrefillRole:
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
                 self.node.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
+            for fut in [*job.acks.values(), *job.loaded.values()]:
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # an answer nobody waited for is not an error to log
             self.jobs.pop(job.rid, None)
             await self.engine.release(job.rid)
 
     async def _tell(self, peer: str, body: Any) -> None:
         try:
-            await self.node.send(await self.peers.get(peer), body)
+            await self.peers.send(peer, body)
         except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
             log.debug("cannot reach %s: %s", peer, e)
 
-    async def _reserve(self, job: PrefillJob, peer: str) -> None:
+    async def _reserve(self, job: PrefillJob, peer: str, main: str | None = None) -> None:
         s = job.submit
-        job.replies[peer] = asyncio.get_running_loop().create_future()
+        job.acks[peer] = asyncio.get_running_loop().create_future()
         job.holders.add(peer)
-        conn = await self.peers.get(peer)
+        await self.peers.get(peer)
         job.reserve_sent[peer] = time.monotonic()
-        await m.send(conn, m.Reserve(s.rid, s.prompt, s.params, s.router_id, s.use_cache))
+        await self.peers.send(peer, m.Reserve(s.rid, s.prompt, s.params, s.router_id, s.use_cache, main))
+
+    @staticmethod
+    async def _ack(job: PrefillJob, peer: str, timeout: float) -> m.ReserveAck | None:
+        """The peer's reservation; None if it has not answered within `timeout`."""
+        try:
+            ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if ack.error:
+            raise RuntimeError(f"{peer} refused: {ack.error}")
+        return ack
 
     async def _serve(self, job: PrefillJob) -> None:
         s = job.submit
-        if s.main is None:
-            raise m.BadMessage("SUBMIT to a prefill instance must name its main decode instance")
-        await self._reserve(job, s.main)
+        if s.main is None and s.relay is None:
+            raise m.BadMessage("SUBMIT to a prefill instance must name its decode side")
+        if s.main:  # MD reserves while P prefills: one WAN round trip, overlapped
+            await self._reserve(job, s.main)
         first, cached, reason = None, 0, None
         async for out in self.engine.generate(s.rid, s.prompt, replace(s.params, max_tokens=1), hold=True):
             first, cached, reason = out.token, out.cached_tokens, out.finish_reason
         if first is None:
             raise RuntimeError("prefill was aborted")
-        ack = await asyncio.wait_for(job.replies[s.main], ACK_TIMEOUT_S)
-        if ack.error:
-            raise RuntimeError(f"decode instance refused: {ack.error}")
-        start, end = kv_range(len(s.prompt), ack.hit)
-        line = self._line(s.main)
-        decision = choose_pipeline((end - start) * self.engine.kv_bytes_per_token, line.estimate, line.in_flight(),
-                                   self.policy.ttft_budget_ms / 1000, has_relay=False)
-        predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
-        self.node.to_router(job.router_id, m.PipelineChosen(s.rid, decision.pipeline, cached, ack.hit, predicted))
+        pipeline, ack, predicted, fallback = await self._decide(job)
+        self.node.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
+                                                            predicted, fallback))
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
             self.node.to_router(job.router_id, m.Result(s.rid))
             self.node.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
             return
-        sent = await self._send_kv(job, s.main, start, end, first, emit=True)
-        wan = sent if self.peers.remote(s.main) else 0
-        self.node.to_router(job.router_id, m.Result(s.rid, sent, wan))
+        paths = {}
+        if pipeline in (m.P_RLD_MD, m.P_RLD):  # the fast path: full KV to the relay, which emits at once
+            paths[s.relay] = self._to_relay(job, first, s.main if pipeline == m.P_RLD_MD else None)
+        if pipeline in (m.P_MD, m.P_RLD_MD):  # the delta over the line, at the same time
+            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == m.P_RLD_MD else None)
+        outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
+        failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
+        if len(failed) == len(outcomes):
+            raise next(iter(failed.values()))
+        if s.relay in failed:  # MD has the KV but nobody produces: it takes over from P's token
+            log.warning("relay %s failed %s (%s); %s takes over", s.relay, s.rid, failed[s.relay], s.main)
+            await self._tell(s.main, m.Handoff(s.rid, 0, [], True, 0))
+        sent = {peer: o for peer, o in outcomes.items() if peer not in failed}
+        wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
+        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan))
 
-    async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool) -> int:
+    async def _decide(self, job: PrefillJob) -> tuple[str, m.ReserveAck | None, float | None, str | None]:
+        """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
+        s = job.submit
+        if s.main is None:
+            return m.P_RLD, None, None, None
+        budget = self.policy.ttft_budget_ms / 1000
+        waited = time.monotonic()
+        try:  # behind a relay, an answer later than the budget cannot be in time anyway
+            ack = await self._ack(job, s.main, budget if s.relay else ACK_TIMEOUT_S)
+        except (RuntimeError, ConnectionError) as e:
+            if not s.relay:
+                raise
+            log.warning("%s: %s; the relay finishes it", s.rid, e)
+            return m.P_RLD, None, None, "main_refused"
+        if ack is None and not s.relay:
+            raise asyncio.TimeoutError(f"{s.main} did not answer the reservation")
+        line = self._line(s.main)
+        delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
+        left = budget - (time.monotonic() - waited)
+        decision = choose_pipeline(delta, line.estimate, line.in_flight(), left, s.relay is not None,
+                                   self.policy.pipeline)
+        predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
+        log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
+                  predicted, line.estimate, line.in_flight())
+        return decision.pipeline, ack, predicted, None
+
+    async def _to_relay(self, job: PrefillJob, first: int, main: str | None) -> int:
+        relay = job.submit.relay
+        await self._reserve(job, relay, main)
+        ack = await self._ack(job, relay, ACK_TIMEOUT_S)
+        if ack is None:
+            raise asyncio.TimeoutError(f"{relay} did not answer the reservation")
+        return await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
+                                   priority=URGENT)
+
+    async def _to_main(self, job: PrefillJob, first: int, ready_to: str | None) -> int:
+        """The KV MD lacks; behind a relay, once MD confirms it has it all, READY to the relay."""
+        main = job.submit.main
+        ack = await self._ack(job, main, ACK_TIMEOUT_S)
+        if ack is None:
+            raise asyncio.TimeoutError(f"{main} did not answer the reservation")
+        if ready_to:
+            job.loaded[main] = asyncio.get_running_loop().create_future()
+        # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
+        sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
+                                   priority=BACKGROUND if ready_to else URGENT)
+        if ready_to:
+            await asyncio.wait_for(asyncio.shield(job.loaded[main]), ACK_TIMEOUT_S)
+            await self._tell(ready_to, m.Ready(job.rid))
+        return sent
+
+    async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
+                       priority: int) -> int:
         """Stream tokens [start, end) of the request's KV to `peer`, then KV_DONE; the
         payload bytes sent."""
-        conn = await self.peers.get(peer)
         self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token)
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             blob = await self.engine.export_kv(job.rid, a, b)
             for layer in codec.split_layers(blob):
-                sent += await m.send_kv(conn, job.rid, codec.encode(layer))
-        await m.send(conn, m.KVDone(job.rid, first, emit))
+                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer)))
+        await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         return sent

@@ -38,12 +38,17 @@ class DecodeJob:
     """One request on a decode-side instance, from RESERVE until it ends here."""
 
     reserve: m.Reserve
-    owner: FramedConnection  # P's connection: replies go there, and its loss ends an incomplete job
+    peer: str  # the P that reserved it: its connections' loss ends an incomplete job
+    owner: FramedConnection  # P's control connection: replies go there
     reserved: bool = False
     loaded: bool = False  # all KV is in (KV_DONE)
     first_token: int | None = None
     layers: list[codec.KVBlob] = field(default_factory=list)  # the chunk in flight, layer by layer
+    output: list[int] = field(default_factory=list)  # output tokens known here, by position
+    given: int = 0  # how many of them the engine has
     stream: OutputStream | None = None
+    stall_from: float | None = None  # a handoff's final chunk arrived then; the next token ends the stall
+    producing: bool = False  # this instance streams the request's tokens
     ended: bool = False
 
     @property
@@ -70,7 +75,8 @@ class DecodeSide:
         try:
             if frame.type == MsgType.KV_LAYER:
                 header, blob = m.decode_kv(frame)
-                await self._on_layer(conn, self._job(header.rid, conn), codec.decode(blob))
+                if header.rid not in self.node.aborted:  # (KV still on the line when it was aborted)
+                    await self._on_layer(conn, self._job(header.rid, name), codec.decode(blob))
             else:
                 await self.on_peer_body(conn, name, m.decode(frame))
         except Exception as e:  # one bad request must not end the connection's others
@@ -86,14 +92,18 @@ class DecodeSide:
         if isinstance(body, m.Reserve):
             if body.rid in self.node.aborted:
                 return
-            job = self.jobs[body.rid] = self.job_type(body, conn)
+            job = self.jobs[body.rid] = self.job_type(body, name, conn)
             self.node.spawn(self._reserve(job))
         elif isinstance(body, m.KVDone):
-            job = self._job(body.rid, conn)
+            if body.rid in self.node.aborted:  # confirm it anyway: P counts it off the line
+                await self.node.send(conn, m.KVAck(body.rid, 0, done=True))
+                return
+            job = self._job(body.rid, name)
             job.loaded, job.first_token = True, body.first_token
             await self.node.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
-                await self.begin(job, [body.first_token], emit_from=0)
+                job.output = [body.first_token]
+                await self.run(job, emit_from=0)
             else:
                 await self.on_loaded(job)
         elif isinstance(body, (m.Release, m.Abort)):
@@ -115,10 +125,10 @@ class DecodeSide:
             self.node.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.node.spec.role} "
                                                    "instance", getattr(body, "rid", None)))
 
-    def _job(self, rid: str, conn: FramedConnection) -> DecodeJob:
+    def _job(self, rid: str, peer: str) -> DecodeJob:
         job = self.jobs.get(rid)
-        if job is None or job.owner is not conn:
-            raise m.BadMessage(f"request {rid!r} is not reserved here by this peer")
+        if job is None or job.peer != peer:
+            raise m.BadMessage(f"request {rid!r} is not reserved here by {peer}")
         return job
 
     # ---- reservation and KV --------------------------------------------------------------
@@ -147,7 +157,7 @@ class DecodeSide:
             return
 
     async def _refuse(self, job: DecodeJob, reason: str) -> None:
-        self._forget(job)
+        self.forget(job)
         await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason))
 
     async def _on_layer(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
@@ -158,53 +168,67 @@ class DecodeSide:
             await self.node.send(conn, m.KVAck(job.rid, whole.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
-    async def begin(self, job: DecodeJob, tokens: list[int], emit_from: int, stall_from: float | None = None) -> None:
-        """Extend the reserved request by output tokens `tokens` and decode on, streaming
-        every output position from `emit_from` to the router."""
-        job.stream = self.engine.watch(job.rid)
-        try:
-            cached = await self.engine.start(job.rid, tokens)
-        except BaseException:
-            job.stream.close()
-            raise
-        if emit_from < len(tokens):
-            self.node.to_router(job.router_id, m.Tokens(job.rid, emit_from, tokens[emit_from:], None, cached))
-        self.node.spawn(self._forward(job, stall_from))
+    async def run(self, job: DecodeJob, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
+        """Hand the engine the output tokens it lacks (`job.output[job.given:]`) and
+        decode on (`shadow`: compute them only). Positions from `emit_from` on, known
+        or produced, are streamed to the request's router."""
+        new = job.output[job.given :]
+        if job.stream is None:
+            stream = self.engine.watch(job.rid)
+            try:
+                cached = await self.engine.start(job.rid, new, shadow, step_cap)
+            except BaseException:
+                stream.close()
+                raise
+            job.stream = stream
+            self.node.spawn(self._forward(job))
+        else:
+            cached = await self.engine.start(job.rid, new, shadow, step_cap)
+        job.given = len(job.output)
+        job.producing = emit_from is not None
+        if emit_from is not None and emit_from < len(job.output):
+            self.node.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
 
-    async def _forward(self, job: DecodeJob, stall_from: float | None) -> None:
+    async def _forward(self, job: DecodeJob) -> None:
         stream = job.stream
         try:
             async for out in stream:
-                if out.finish_reason == "abort" or out.token is None:
+                if out.caught_up is not None:
+                    await self.on_caught_up(job, out.caught_up)
+                if out.token is None:
                     continue
+                job.output.append(out.token)
                 tokens = tokens_of(job.rid, out)
-                if stall_from is not None:  # the first token after a handoff: how long MD stalled
-                    tokens = replace(tokens, stall_ms=1000 * (time.monotonic() - stall_from))
-                    stall_from = None
-                self.on_token(job, out.position, out.token)
+                if job.stall_from is not None:  # the first token after a handoff: how long MD stalled
+                    tokens = replace(tokens, stall_ms=1000 * (time.monotonic() - job.stall_from))
+                    job.stall_from = None
                 self.node.to_router(job.router_id, tokens)
+                self.on_token(job)
         except RuntimeError as e:  # the engine failed this request: say so, don't go silent
             await report_failure(self.node, job.router_id, job.rid, e)
         finally:
             stream.close()
-            self._forget(job)
+            self.forget(job)
 
-    def on_token(self, job: DecodeJob, position: int, token: int) -> None:
-        """A token this instance produced (the relay tracks them for its handoff)."""
+    def on_token(self, job: DecodeJob) -> None:
+        """This instance produced `job.output[-1]` (the relay watches for its handoff)."""
+
+    async def on_caught_up(self, job: DecodeJob, computed: int) -> None:
+        """A catch-up chunk is computed: output positions below `computed` (main only)."""
 
     async def on_loaded(self, job: DecodeJob) -> None:
         """KV complete without `emit`: the main instance waits for a handoff."""
         raise m.BadMessage(f"a {self.node.spec.role} instance cannot wait for a handoff")
 
     # ---- endings -------------------------------------------------------------------------
-    def _forget(self, job: DecodeJob) -> None:
+    def forget(self, job: DecodeJob) -> None:
         job.ended = True
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
 
     async def end(self, job: DecodeJob) -> None:
         """Stop the request here and give its pages back (its KV stays in the cache)."""
-        self._forget(job)
+        self.forget(job)
         if job.stream is not None:
             self.engine.abort(job.rid)
         elif job.reserved:
@@ -215,9 +239,9 @@ class DecodeSide:
         await self.node.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
         await report_failure(self.node, job.router_id, job.rid, error)
 
-    def peer_lost(self, conn: FramedConnection) -> None:
-        """P is gone: what it reserved and had not finished sending is dropped."""
-        for job in [j for j in self.jobs.values() if j.owner is conn and not j.loaded]:
+    def peer_lost(self, name: str) -> None:
+        """A connection from P is gone: what it reserved and had not finished sending is dropped."""
+        for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
             self.node.spawn(self.end(job))
 
     def router_lost(self, router_id: str) -> None:

@@ -51,7 +51,7 @@ class StandaloneRole:
     async def on_peer(self, conn, name, frame) -> None:  # no instance talks to a standalone one
         await self.node.send(conn, m.Error("a standalone instance takes no peer traffic"))
 
-    def peer_lost(self, conn) -> None:
+    def peer_lost(self, name: str) -> None:
         pass
 
     def router_lost(self, router_id: str) -> None:

@@ -28,14 +28,19 @@ def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: in
                    forced: str = "auto") -> HandoffPlan:
     """`gap_tokens`: tokens the relay produced that MD lacks; `occupancy` and `queued`:
     the relay's running share of its capacity and its waiting requests."""
-    if forced == ONE_SHOT or (forced == "auto" and (gap_tokens <= threshold or queued > 0 or occupancy >= BUSY)):
+    if forced != "auto":  # pinned for experiments: exactly as configured
+        return HandoffPlan(forced, chunk if forced == CATCH_UP else 0)
+    if gap_tokens <= threshold or queued > 0 or occupancy >= BUSY:
         return HandoffPlan(ONE_SHOT, 0)
     # A half-busy relay is freed sooner by larger chunks: MD catches up in fewer steps.
     return HandoffPlan(CATCH_UP, chunk if occupancy < BUSY / 2 else 2 * chunk)
 
 
-def cut_over(produced: int, computed: int, threshold: int, rounds: int) -> bool:
-    """Catch-up: stop relaying once MD has computed all but `threshold` of the produced
-    tokens (its last extend is then small), or after `MAX_CATCH_UP_ROUNDS` rounds, so a
-    chunk too small to ever catch up cannot keep the relay busy for the whole output."""
-    return produced - computed <= threshold or rounds >= MAX_CATCH_UP_ROUNDS
+def cut_over(produced: int, computed: int, threshold: int, rounds: int, previous_gap: int | None = None) -> bool:
+    """Catch-up, at an acknowledgement: stop relaying once MD has computed all but
+    `threshold` of the produced tokens (its last extend is then small); or once a round
+    no longer shrinks the gap (chunks too small for MD to catch up: waiting only keeps
+    the relay busy); or after `MAX_CATCH_UP_ROUNDS` rounds."""
+    gap = produced - computed
+    return (gap <= threshold or (previous_gap is not None and gap >= previous_gap)
+            or rounds >= MAX_CATCH_UP_ROUNDS)

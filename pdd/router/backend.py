@@ -207,6 +207,10 @@ class RouterBackend:
         raise failure
 
     def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
+        last = request.merger.producers[-1] if request.merger.producers else None
+        if request.pipeline == m.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
+            request.fallbacks.append("relay_finished")
+            self.metrics.fallback("relay_finished")
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if record["pipeline"] == "colocated":

@@ -47,7 +47,11 @@ QUEUE_S = 0.02  # how far ahead a stream may book line time (a router's queue)
 CHUNK_S = 0.002  # forward in pieces of ~2 ms of line time so pacing stays smooth
 MIN_CHUNK = 1024
 MAX_CHUNK = 64 * 1024
-MIN_INFLIGHT = 1024 * 1024
+MIN_INFLIGHT = 128 * 1024
+# A line's far end accepts little more than what is on the line: without this, loopback
+# TCP (which sees no delay) buffers megabytes in the kernel ahead of the line, and a
+# sender's later frames (a reservation behind bulk KV) would wait seconds behind them.
+RCVBUF_BYTES = 128 * 1024
 POLL_S = 0.05  # how often a held chunk re-checks a stall that may have been lifted
 CONNECT_TIMEOUT_S = 10.0
 
@@ -268,6 +272,21 @@ class WanLine:
         return max(0.0, self.delay_ms + sample) / 1000
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A listener whose connections inherit a small receive buffer (set before listen)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _reset(writer: asyncio.StreamWriter) -> None:
     """Abort a socket with an RST, as a broken line does, rather than a polite FIN."""
     sock = writer.get_extra_info("socket")
@@ -410,7 +429,8 @@ class WanRelay:
         try:
             for route in self.routes:
                 server = await asyncio.start_server(
-                    lambda r, w, route=route: self._on_accept(route, r, w), route.listen_host, route.listen_port
+                    lambda r, w, route=route: self._on_accept(route, r, w),
+                    sock=_listening_socket(route.listen_host, route.listen_port),
                 )
                 self._servers.append(server)
                 self.listen_ports.append(server.sockets[0].getsockname()[1])

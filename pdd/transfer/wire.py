@@ -304,6 +304,11 @@ class FramedConnection:
         return frame
 
     @property
+    def socket(self) -> Any:
+        """The underlying socket (for buffer sizes), if any."""
+        return self._writer.get_extra_info("socket")
+
+    @property
     def codec(self) -> FrameCodec:
         return self._codec
 

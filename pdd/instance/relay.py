@@ -1,0 +1,144 @@
+"""The relay decode role (RLD): next to P, it hides the line's latency.
+
+P sends it the full KV over the fast path; it decodes at once and its tokens go
+straight to the router (the Eager Output Tokens). When P says MD holds the prompt's
+KV (READY), the relay hands over by token IDs, as `pdd.policy.handoff` decides from
+its load: one-shot (stop now, send every token) or catch-up (send chunks while still
+producing; cut over once MD is within the threshold). After the cut-over it has
+nothing left of the request: its pages go to its prefix cache.
+
+If MD never gets ready (lost, or the line stalls) the relay simply finishes the
+request; if the connection to MD drops during a catch-up, it abandons the handoff and
+finishes too. The anomaly filter's requests (P -> RLD) have no MD at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd.engine.engine import RequestError
+from pdd.instance.peers import PeerPool
+from pdd.instance.receiver import DecodeJob, DecodeSide
+from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
+from pdd.transfer import messages as m
+from pdd.transfer import wire
+from pdd.transfer.wire import FramedConnection
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RelayJob(DecodeJob):
+    handoff: asyncio.Task | None = None
+    sent: int = 0  # output positions handed to MD so far
+    computed: int = 0  # ... of which MD has computed (acknowledged)
+    rounds: int = 0
+    cutting: bool = False  # stopping for the final chunk: the handoff must not be cancelled now
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # a new token or acknowledgement
+
+
+class RelayRole(DecodeSide):
+    job_type = RelayJob
+
+    def __init__(self, node) -> None:
+        super().__init__(node)
+        self.policy = node.dep.policy
+        self.peers = PeerPool(node.spec, node.dep, node.key, self._on_reply, self._on_main_lost)
+
+    def close(self) -> None:
+        self.peers.close()
+
+    async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
+        if isinstance(body, m.Ready):
+            job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
+            if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
+                job.handoff = self.node.spawn(self._hand_off(job))
+        else:
+            await super().on_peer_body(conn, name, body)
+
+    def on_token(self, job: RelayJob) -> None:
+        job.progress.set()
+
+    def forget(self, job: DecodeJob) -> None:
+        super().forget(job)
+        if isinstance(job, RelayJob) and job.handoff is not None and not job.cutting \
+                and job.handoff is not asyncio.current_task():
+            job.handoff.cancel()  # it ended here (finished, aborted): nothing to hand over
+
+    # ---- replies from MD -------------------------------------------------------------------
+    async def _on_reply(self, main: str, frame: wire.Frame) -> None:
+        try:
+            body = m.decode(frame)
+        except m.BadMessage as e:
+            log.warning("bad reply from %s: %s", main, e)
+            return
+        job = self.jobs.get(getattr(body, "rid", None) or "")
+        if not isinstance(job, RelayJob):
+            return
+        if isinstance(body, m.HandoffAck):
+            job.computed = max(job.computed, body.computed)
+            job.rounds += 1
+            job.progress.set()
+        elif isinstance(body, m.Error) and job.handoff is not None:  # MD refused: finish here
+            log.warning("handoff of %s refused by %s: %s", job.rid, main, body.message)
+            job.handoff.cancel()
+
+    def _on_main_lost(self, main: str) -> None:
+        for job in self.jobs.values():
+            if isinstance(job, RelayJob) and job.reserve.main == main and job.handoff is not None:
+                job.handoff.cancel()  # no handoff: the relay finishes the request
+
+    # ---- the handoff -----------------------------------------------------------------------
+    async def _hand_off(self, job: RelayJob) -> None:
+        try:
+            conn = await self.peers.get(job.reserve.main)
+            if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
+                await self.end(job)
+                await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
+                self.node.to_router(job.router_id, m.HandedOff(job.rid, m.ONE_SHOT, 0))
+                return
+            load = self.engine.load()
+            plan = choose_handoff(len(job.output), load.running / max(1, load.max_running), load.waiting,
+                                  self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
+            if plan.mode == m.CATCH_UP:
+                await self._catch_up(job, conn, plan)
+            await self._cut_over(job, conn, plan)
+        except asyncio.CancelledError:
+            pass
+        except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+            log.warning("handoff of %s abandoned: %s", job.rid, e)
+
+    async def _send_chunks(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
+        """Every produced token MD lacks, in chunks of `plan.chunk`."""
+        while job.sent < len(job.output):
+            chunk = job.output[job.sent : job.sent + plan.chunk]
+            await m.send(conn, m.Handoff(job.rid, job.sent, chunk, False, step_cap=plan.chunk))
+            job.sent += len(chunk)
+
+    async def _catch_up(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
+        """Relay on while MD computes what it is sent; return when it is close enough."""
+        threshold = self.policy.handoff_threshold
+        await self._send_chunks(job, conn, plan)
+        acked, gap = job.rounds, None
+        while True:
+            job.progress.clear()
+            if job.rounds != acked:  # MD caught up with a round: send what came since, or stop
+                acked = job.rounds
+                if cut_over(len(job.output), job.computed, threshold, job.rounds, gap):
+                    return
+                gap = len(job.output) - job.computed
+                await self._send_chunks(job, conn, plan)
+            await job.progress.wait()
+
+    async def _cut_over(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
+        job.cutting = True
+        try:
+            output = await self.engine.cut(job.rid)
+        except RequestError:
+            return  # it finished here meanwhile: nothing to hand over
+        await m.send(conn, m.Handoff(job.rid, job.sent, output[job.sent :], True, len(output)))
+        chunks = 1 + (job.rounds if plan.mode == m.CATCH_UP else 0)
+        self.node.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))

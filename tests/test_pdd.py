@@ -1,0 +1,296 @@
+"""PDD mode as real processes on loopback: relay, handoff, pipelines, anomaly filter,
+alignment, and the failure paths. The oracle throughout: the tokens a request returns
+equal those of a colocated instance (greedy, and seeded sampling too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import pdd_up
+
+FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
+SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(42)
+    return [[rng.randrange(16, 4096) for _ in range(n)] for n in (180, 260, 333, 410)]
+
+
+def _write_config(path: Path, **sections: dict) -> str:
+    lines = ['mode = "pdd"']
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120, **extra) -> dict:
+    """One streamed completion: its token ids, `pdd` record, error (if any) and when it
+    ended. Asserts each chunk's ids arrive in order without repeats (the merge)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}
+    out = {"ids": [], "record": None, "error": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["error"] = chunk["error"]
+                continue
+            for choice in chunk.get("choices") or []:
+                out["ids"] += choice.get("token_ids") or []
+            out["record"] = chunk.get("pdd") or out["record"]
+    out["ended"] = time.monotonic()
+    return out
+
+
+def _http(dep) -> dict[str, str]:
+    """Instance name -> its HTTP base URL, from what `pdd up` printed."""
+    return {line.split()[1]: line.split()[-1] for line in dep.lines if line.startswith("instance ")}
+
+
+def _settled(urls: list[str], timeout: float = 15.0) -> None:
+    """Every page free or in the prefix cache (none held by a request) on these instances."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kvs = [httpx.get(f"{u}/pdd/stats").json()["kv"] for u in urls]
+        if all(kv["free"] + kv["cached"] == kv["pages"] for kv in kvs):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages still held by requests: {kvs}")
+        time.sleep(0.1)
+
+
+def _fault(dep, **fault) -> None:
+    httpx.post(f"{dep.wan_admin}/fault", json=fault, timeout=5).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Colocated outputs: greedy and seeded, for every prompt the tests send."""
+    with pdd_up("--mode", "colocated") as dep:
+        greedy = [_stream(dep.url, p, 120)["ids"] for p in _prompts()]
+        seeded = [_stream(dep.url, p, 60, **SEEDED)["ids"] for p in _prompts()[:2]]
+    assert len({tuple(g) for g in greedy}) == 4 and seeded[0] != greedy[0][:60]
+    return {"greedy": greedy, "seeded": seeded}
+
+
+VARIANTS = {
+    "pd-cross-dc": ("pd-cross-dc", {}, FAST_LINE),
+    "P-MD": ("pdd", {"pipeline": "P-MD"}, FAST_LINE),
+    # no delay: MD's first tokens may reach the router before the relay's last ones
+    "one-shot": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "one_shot"}, {**FAST_LINE, "delay_ms": 0.0, "jitter_ms": 0.0}),
+    "catch-up-1": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "catch_up", "catch_up_chunk": 1, "handoff_threshold": 2},
+                   FAST_LINE),
+    "catch-up-7": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "catch_up", "catch_up_chunk": 7, "handoff_threshold": 4},
+                   FAST_LINE),
+    "catch-up-64": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "catch_up", "catch_up_chunk": 64}, FAST_LINE),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, tmp_path):
+    mode, policy, link = VARIANTS[variant]
+    conf = _write_config(tmp_path / "pdd.toml", link=link, policy=policy)
+    with pdd_up("--mode", mode, "--config", conf) as dep:
+        greedy = [_stream(dep.url, p, 120) for p in _prompts()]
+        seeded = [_stream(dep.url, p, 60, **SEEDED) for p in _prompts()[:2]]
+        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+    assert [g["ids"] for g in greedy] == reference["greedy"]
+    assert [s["ids"] for s in seeded] == reference["seeded"]
+    records = [g["record"] for g in greedy + seeded]
+    want = {"pd-cross-dc": "P-MD", "P-MD": "P-MD"}.get(variant, "P-RLD-MD")
+    assert {r["pipeline"] for r in records} == {want}
+    if want == "P-RLD-MD":  # every request was handed over, in the configured mode
+        mode_name = policy["handoff"]
+        print(f"\n{variant}: (relay tokens, handed over, chunks, MD stall ms)",
+              [(r["rld_output_tokens"], r["handoff_tokens"], r["handoff_chunks"], round(r["handoff_stall_ms"], 1))
+               for r in records])
+        assert {r["handoff"] for r in records} == {mode_name}, records
+        assert all(r["md_output_tokens"] > 0 for r in records), records
+        assert all(r["handoff_stall_ms"] is not None for r in records)
+        if variant in ("catch-up-1", "catch-up-7"):
+            assert max(r["handoff_chunks"] for r in records) >= 2
+        assert stats[f"handoff:{mode_name}"] == len(records)
+    else:
+        assert all(r["rld_output_tokens"] == 0 for r in records)
+    assert stats.get("pipeline:P-RLD", 0) == 0
+
+
+def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
+    conf = _write_config(tmp_path / "pdd.toml", link=FAST_LINE)
+    rng = random.Random(5)
+    long_input = [rng.randrange(16, 4096) for _ in range(2300)]  # over half the 4,096 context, nothing cached
+    with pdd_up("--config", conf) as dep:
+        before = httpx.get(f"{dep.wan_admin}/stats").json()
+        short = _stream(dep.url, long_input, 4)
+        after = httpx.get(f"{dep.wan_admin}/stats").json()
+        other = [rng.randrange(16, 4096) for _ in range(2300)]
+        normal = _stream(dep.url, other, 600)  # the same input with a long output: not anomalous
+        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+    moved = sum(after[k] - before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
+    print(f"\nanomalous request: {short['record']['pipeline']}, {moved} bytes across the line; "
+          f"long-output request: {normal['record']['pipeline']}, handoff {normal['record']['handoff']} "
+          f"after {normal['record']['rld_output_tokens']} relay tokens")
+    assert short["record"]["pipeline"] == "P-RLD" and short["record"]["anomalous"] and len(short["ids"]) == 4
+    assert moved == 0 and short["record"]["wan_bytes"] == 0
+    assert normal["record"]["pipeline"] == "P-RLD-MD" and normal["record"]["handoff"]
+    assert normal["record"]["md_output_tokens"] > 0  # it did not end on the relay
+    assert stats["anomaly_filtered"] == 1 and stats.get("fallback:relay_finished", 0) == 0
+
+
+def test_pipeline_follows_reserved_hits_when_md_evicts_behind_the_router(tmp_path):
+    """MD's pool (210 pages of 16 tokens) ends five first turns (300 + 300 tokens each)
+    with 185 pages cached and 25 free. Then the next turns of A and B, each with a
+    600-token tool output, arrive together: the first reservation needs 38 pages and
+    evicts the least recently used prefix not locked (B's) after the router predicted
+    B's hit from its mirror. P decides on the hits MD reserved: whatever has to cross
+    goes through the relay and is handed over, and the relay only covers transfers."""
+    # 30 ms each way: for a round trip after a reservation, the router's mirror of MD is stale
+    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 80.0, "delay_ms": 30.0, "jitter_ms": 0.5})
+    Path(conf).write_text(Path(conf).read_text() + """
+[[instances]]
+name = "p0"
+role = "prefill"
+dc = "A"
+[[instances]]
+name = "rld0"
+role = "relay"
+dc = "A"
+[[instances]]
+name = "md0"
+role = "main"
+dc = "B"
+[instances.engine]
+num_pages = 210
+""")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(16, 4096) for _ in range(300)] for _ in range(5)]
+    with pdd_up("--config", conf) as dep:
+        first = [_stream(dep.url, p, 300) for p in prompts]
+        turns = [p + f["ids"] + [rng.randrange(16, 4096) for _ in range(600)] for p, f in zip(prompts[:2], first)]
+        with ThreadPoolExecutor(2) as pool:
+            second = list(pool.map(lambda p: _stream(dep.url, p, 400), turns))
+        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+    done = first + second
+    records = [r["record"] for r in done]
+    print("\n(predicted hit, reserved hit, predicted KV ms, pipeline, handoff, relay tokens):",
+          [(r["d_hit_predicted"], r["d_hit_tokens"], r["kv_predicted_ms"] and round(r["kv_predicted_ms"]),
+            r["pipeline"], r["handoff"], r["rld_output_tokens"]) for r in records],
+          f"mirror drift {stats['mirror_drift_abs_tokens']} tokens")
+    assert all(r["error"] is None for r in done)
+    assert any(r["d_hit_predicted"] > r["d_hit_tokens"] for r in records), "MD should have evicted behind the router"
+    for r in records:  # the decision is the reserved delta's predicted arrival against the budget
+        in_time = r["kv_predicted_ms"] is not None and r["kv_predicted_ms"] <= 150.0
+        assert r["pipeline"] == ("P-MD" if in_time else "P-RLD-MD"), r
+        if r["pipeline"] == "P-RLD-MD":
+            assert r["handoff"], "a request through the relay must be handed over, not end there"
+    assert sum(r["rld_output_tokens"] for r in records) / sum(len(r["ids"]) for r in done) < 0.5
+
+
+# ---- failure paths ---------------------------------------------------------------------
+
+def _pdd_config(tmp_path: Path, link: dict, policy: dict | None = None, **extra: dict) -> str:
+    return _write_config(tmp_path / "pdd.toml", link=link, policy={"pipeline": "P-RLD-MD", **(policy or {})}, **extra)
+
+
+def _kill_after(dep, name: str, url: str, prompt: list[int], max_tokens: int, after: int) -> dict:
+    """Stream a request and kill -9 instance `name` once `after` tokens have arrived."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    out = {"ids": [], "record": None, "error": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            out["error"] = chunk.get("error") or out["error"]
+            for choice in chunk.get("choices") or []:
+                before = len(out["ids"])
+                out["ids"] += choice.get("token_ids") or []
+                if before < after <= len(out["ids"]):
+                    os.kill(dep.pids[name], signal.SIGKILL)
+            out["record"] = chunk.get("pdd") or out["record"]
+    return out
+
+
+def test_relay_killed_mid_request_main_finishes_it(reference, tmp_path):
+    conf = _pdd_config(tmp_path, {"bandwidth_mbps": 8.0, "delay_ms": 2.0})
+    with pdd_up("--config", conf) as dep:
+        got = _kill_after(dep, "rld0", dep.url, _prompts()[2], 120, after=5)
+        http = _http(dep)
+        _settled([http["p0"], http["md0"]])
+    assert got["error"] is None and got["ids"] == reference["greedy"][2]
+    assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
+
+
+def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
+    conf = _pdd_config(tmp_path, {"bandwidth_mbps": 2.0, "delay_ms": 2.0})
+    with pdd_up("--config", conf) as dep:
+        got = _kill_after(dep, "md0", dep.url, _prompts()[2], 120, after=5)
+        http = _http(dep)
+        _settled([http["p0"], http["rld0"]])
+        assert httpx.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
+    assert got["error"] is None and got["ids"] == reference["greedy"][2]
+    assert "main_lost" in got["record"]["fallback"] and got["record"]["rld_output_tokens"] == 120
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "stall"])
+def test_line_fault_before_the_handoff_relay_finishes_it(fault, reference, tmp_path):
+    conf = _pdd_config(tmp_path, {"bandwidth_mbps": 4.0, "delay_ms": 2.0})
+    with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, dep.url, _prompts()[3], 120)
+        time.sleep(0.6)  # MD has reserved; its KV crawls over the 4 Mbit/s line
+        _fault(dep, **({"blackhole": True} if fault == "blackhole" else {"stall_s": 4.0}))
+        got = running.result(timeout=60)
+        if fault == "blackhole":
+            _fault(dep, blackhole=False)  # resets what the blackhole swallowed: MD drops the request
+        http = _http(dep)
+        _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
+    assert got["error"] is None and got["ids"] == reference["greedy"][3]
+    assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
+
+
+def test_line_blackholed_after_the_handoff_fails_within_seconds(reference, tmp_path):
+    conf = _pdd_config(tmp_path, FAST_LINE, {"handoff": "one_shot"}, router={"stall_timeout_s": 3.0})
+    with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
+        md = _http(dep)["md0"]
+        running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{md}/pdd/stats").json()["engine"]["decode_tokens"] < 20:  # MD produces: handed over
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.05)
+        _fault(dep, blackhole=True)
+        cut = time.monotonic()
+        got = running.result(timeout=60)
+        _fault(dep, blackhole=False)
+        _settled([_http(dep)["rld0"], md], timeout=30)
+    print(f"\nafter the handoff, a blackholed line failed the request in {got['ended'] - cut:.1f} s")
+    assert got["error"] is not None and got["ended"] - cut < 10
+    assert 0 < len(got["ids"]) < 3000
+
+
+def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, tmp_path):
+    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 2.0, "delay_ms": 2.0},
+                         policy={"pipeline": "P-MD"}, topology={"prefill": 2})
+    with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, dep.url, _prompts()[2], 120)
+        time.sleep(1.5)  # p0 has prefilled and is sending MD the KV (5 s on this line): no token yet
+        os.kill(dep.pids["p0"], signal.SIGKILL)
+        got = running.result(timeout=60)
+        _settled([_http(dep)["p1"], _http(dep)["md0"]])
+    assert got["error"] is None and got["ids"] == reference["greedy"][2]
+    assert got["record"]["retries"] == 1 and got["record"]["instances"]["entry"] == "p1"
+    assert "prefill_retry" in got["record"]["fallback"]

@@ -1,0 +1,120 @@
+"""The decision functions of pdd/policy, on plain data."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.policy.handoff import MAX_CATCH_UP_ROUNDS, choose_handoff, cut_over
+from pdd.policy.pipeline import choose_pipeline
+from pdd.policy.plan import anomaly_rule, is_anomalous, plan_request
+from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
+from pdd.policy.routing import Candidate
+from pdd.policy.transfer import LinkEstimate, finish_s, kv_chunks, kv_range, observe_rate, observe_rtt
+
+LINE = LinkEstimate(bytes_per_s=2_500_000, one_way_s=0.02)  # 20 Mbit/s, 20 ms
+
+
+def test_transfer_time_shares_the_line_fairly():
+    assert finish_s(250_000, [], LINE) == pytest.approx(0.02 + 0.1)
+    # a big transfer ahead delays a small one by the small one's size, not its own
+    assert finish_s(250_000, [10_000_000], LINE) == pytest.approx(0.02 + 0.2)
+    assert finish_s(250_000, [50_000, 10_000_000], LINE) == pytest.approx(0.02 + 0.22)
+
+
+def test_line_estimates_trust_the_fastest_round_trip_and_average_rates():
+    est = observe_rtt(LINE, 0.030)  # a quicker round trip is believed at once
+    assert est.one_way_s == pytest.approx(0.015)
+    slower = observe_rtt(est, 0.5)  # a slow one (the far side was busy) only nudges it
+    assert 0.015 < slower.one_way_s < 0.05
+    assert observe_rate(LINE, 1_000_000, 1.0).bytes_per_s == pytest.approx(0.7 * 2_500_000 + 0.3 * 1_000_000)
+    assert observe_rate(LINE, 0, 1.0) == LINE
+
+
+def test_kv_range_and_chunks():
+    assert kv_range(300, 288) == (288, 300)
+    with pytest.raises(ValueError):
+        kv_range(300, 300)  # a reservation always leaves the last token to send
+    assert kv_chunks(288, 600, 128) == [(288, 416), (416, 544), (544, 600)]
+    assert kv_chunks(0, 0, 64) == []
+
+
+def test_pipeline_follows_the_reserved_delta_and_the_budget():
+    small, large = 100 * 4096, 2000 * 4096
+    assert choose_pipeline(small, LINE, [], 0.2, has_relay=True).pipeline == "P-MD"
+    assert choose_pipeline(large, LINE, [], 0.2, has_relay=True).pipeline == "P-RLD-MD"
+    # a small delta behind a congested line is late too
+    assert choose_pipeline(small, LINE, [5_000_000] * 3, 0.2, has_relay=True).pipeline == "P-RLD-MD"
+    # no reservation answer in time: the relay covers
+    d = choose_pipeline(None, LINE, [], 0.2, has_relay=True)
+    assert (d.pipeline, d.predicted_s) == ("P-RLD-MD", None)
+    # without a relay there is no choice; a forced pipeline is obeyed
+    assert choose_pipeline(large, LINE, [], 0.2, has_relay=False).pipeline == "P-MD"
+    assert choose_pipeline(small, LINE, [], 0.2, has_relay=True, forced="P-RLD-MD").pipeline == "P-RLD-MD"
+    assert choose_pipeline(large, LINE, [], 0.2, has_relay=True, forced="P-MD").pipeline == "P-MD"
+
+
+def test_anomaly_rule_scales_the_spec_to_the_model():
+    rule = anomaly_rule(True, max_context=4096)
+    assert rule.max_output_tokens == 31  # 500 of 65,536, at 4,096
+    assert rule.min_prompt_tokens == 2048
+    assert is_anomalous(3000, 4, 0, rule)
+    assert not is_anomalous(3000, 64, 0, rule)  # output not short
+    assert not is_anomalous(1000, 4, 0, rule)  # input not long
+    assert not is_anomalous(3000, 4, 2900, rule)  # hit not low
+    assert not is_anomalous(3000, 4, 0, anomaly_rule(False, 4096))
+    assert anomaly_rule(True, 4096, max_output_tokens=100).max_output_tokens == 100
+
+
+def _cands(*names: str, healthy: bool = True, hit: int = 0) -> list[Candidate]:
+    return [Candidate(n, hit, 0, healthy) for n in names]
+
+
+def test_plan_picks_roles_and_never_plans_relay_alone_unless_filtered():
+    rule = anomaly_rule(True, 4096)
+    plan = plan_request(500, 200, _cands("p0"), _cands("md0", hit=480), _cands("rld0"), rule)
+    assert (plan.entry, plan.relay, plan.main, plan.predicted_hit, plan.anomalous) == ("p0", "rld0", "md0", 480, False)
+    filtered = plan_request(3000, 4, _cands("p0"), _cands("md0"), _cands("rld0"), rule)
+    assert (filtered.main, filtered.relay, filtered.anomalous) == (None, "rld0", True)
+    # the same request without a relay tier (plain P/D) is not filtered
+    assert plan_request(3000, 4, _cands("p0"), _cands("md0"), [], rule).main == "md0"
+    assert plan_request(300, 4, _cands("p0"), [], [], rule).main is None  # colocated
+    no_relay = plan_request(500, 200, _cands("p0"), _cands("md0"), _cands("rld0", healthy=False), rule)
+    assert (no_relay.relay, no_relay.fallback) == (None, "no_relay")
+    no_main = plan_request(500, 200, _cands("p0"), _cands("md0", healthy=False), _cands("rld0"), rule)
+    assert (no_main.main, no_main.relay, no_main.fallback) == (None, "rld0", "no_main")
+    with pytest.raises(LookupError):
+        plan_request(500, 200, _cands("p0", healthy=False), _cands("md0"), _cands("rld0"), rule)
+    with pytest.raises(LookupError):
+        plan_request(500, 200, _cands("p0"), _cands("md0", healthy=False), [], rule)
+
+
+def test_handoff_mode_follows_the_gap_and_the_relay_load():
+    assert choose_handoff(40, 0.1, 0, threshold=64, chunk=64).mode == "one_shot"
+    assert choose_handoff(200, 0.1, 0, threshold=64, chunk=64).mode == "catch_up"
+    assert choose_handoff(200, 0.5, 0, threshold=64, chunk=64).chunk == 128  # busier: bigger chunks
+    assert choose_handoff(200, 0.9, 0, threshold=64, chunk=64).mode == "one_shot"  # free a loaded relay
+    assert choose_handoff(200, 0.1, 3, threshold=64, chunk=64).mode == "one_shot"  # requests wait for it
+    assert choose_handoff(5, 0.9, 3, threshold=64, chunk=7, forced="catch_up").chunk == 7
+    assert choose_handoff(500, 0.0, 0, threshold=64, chunk=7, forced="one_shot").mode == "one_shot"
+
+
+def test_catch_up_cuts_over_when_close_or_after_enough_rounds():
+    assert not cut_over(300, 100, threshold=64, rounds=1)
+    assert cut_over(300, 240, threshold=64, rounds=1)
+    assert cut_over(300, 0, threshold=64, rounds=MAX_CATCH_UP_ROUNDS)
+    assert not cut_over(300, 100, threshold=64, rounds=2, previous_gap=250)  # converging: go on
+    assert cut_over(300, 100, threshold=64, rounds=2, previous_gap=180)  # not converging: stop now
+
+
+def test_reserve_waits_with_growing_pauses_then_gives_up():
+    delays = [reserve_retry_delay(i, 0.0, 45.0) for i in range(6)]
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]
+    assert reserve_retry_delay(0, 44.99, 45.0) == pytest.approx(0.01)
+    assert reserve_retry_delay(3, 45.0, 45.0) is None
+
+
+def test_prefill_retry_only_before_the_first_token():
+    assert retry_on_new_prefill(0, 0, 1, others_healthy=True)
+    assert not retry_on_new_prefill(3, 0, 1, others_healthy=True)
+    assert not retry_on_new_prefill(0, 1, 1, others_healthy=True)
+    assert not retry_on_new_prefill(0, 0, 1, others_healthy=False)
