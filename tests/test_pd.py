@@ -6,9 +6,11 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -164,11 +166,15 @@ def _wait_settled(instance_http: str, timeout: float = 5.0) -> None:
 
 
 def _instance_port(dep, name: str) -> int:
+    """The instance's framed port, from the deployment file `pdd up --keep` left; the
+    file (it holds the deployment's secret) is removed once read."""
     conf = next(l for l in dep.lines if l.startswith("pdd up: mode"))
     run_dir = conf.split("run directory ")[1].strip()
-    import tomllib
-    with open(f"{run_dir}/deployment.toml", "rb") as f:
-        data = tomllib.load(f)
+    try:
+        with open(f"{run_dir}/deployment.toml", "rb") as f:
+            data = tomllib.load(f)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return next(i["kv_port"] for i in data["instances"] if i["name"] == name)
 
 

@@ -197,7 +197,9 @@ num_pages = 210
         assert r["pipeline"] == ("P-MD" if in_time else "P-RLD-MD"), r
         if r["pipeline"] == "P-RLD-MD":
             assert r["handoff"], "a request through the relay must be handed over, not end there"
-    assert sum(r["rld_output_tokens"] for r in records) / sum(len(r["ids"]) for r in done) < 0.5
+    # with 300-400-token outputs and 30 ms each way, a relay covers about half of a
+    # request whose KV crosses; one that ended requests itself would be near 1
+    assert sum(r["rld_output_tokens"] for r in records) / sum(len(r["ids"]) for r in done) < 0.75
 
 
 # ---- failure paths ---------------------------------------------------------------------

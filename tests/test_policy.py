@@ -102,8 +102,8 @@ def test_catch_up_cuts_over_when_close_or_after_enough_rounds():
     assert not cut_over(300, 100, threshold=64, rounds=1)
     assert cut_over(300, 240, threshold=64, rounds=1)
     assert cut_over(300, 0, threshold=64, rounds=MAX_CATCH_UP_ROUNDS)
-    assert not cut_over(300, 100, threshold=64, rounds=2, previous_gap=250)  # converging: go on
-    assert cut_over(300, 100, threshold=64, rounds=2, previous_gap=180)  # not converging: stop now
+    assert not cut_over(300, 100, threshold=64, rounds=2, previous_gap=450)  # halving: go on
+    assert cut_over(300, 100, threshold=64, rounds=2, previous_gap=300)  # hardly shrinking: stop now
 
 
 def test_reserve_waits_with_growing_pauses_then_gives_up():

@@ -5,11 +5,15 @@ It receives the KV delta its reservation asked for and either decodes at once
 IDs only, whose KV it recomputes by extend (PDD_SPEC item 2). Catch-up chunks are
 computed in the shadow, at most `step_cap` a step, and acknowledged; the final chunk
 makes MD the producer, streaming every position from the handoff's `emit_from`. A
-router may send the final chunk itself when the relay is lost (a takeover).
+router may send the final chunk itself when the relay is lost (a takeover). When the
+relay finished the request itself, its output arrives as a fill: computed in the
+shadow and kept, with the prompt, in the prefix cache for the session's next turn.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +22,17 @@ from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection
 
+log = logging.getLogger(__name__)
+HANDOFF_IDLE_S = 60.0
+
 
 @dataclass(eq=False)
 class MainJob(DecodeJob):
     final: m.Handoff | None = None  # arrived before the KV was complete: applied then
     relay_conn: FramedConnection | None = None  # catch-up acknowledgements go there
     step_cap: int = 0  # catch-up: most handed-over tokens computed per step
+    computed: int = 0  # output positions computed in the shadow
+    fill: bool = False  # the relay finished: compute its output for the cache, then let go
 
 
 class MainRole(DecodeSide):
@@ -66,18 +75,33 @@ class MainRole(DecodeSide):
         if h.final:
             job.final = h
         else:
-            job.step_cap = h.step_cap
+            job.step_cap, job.fill = h.step_cap, h.fill
         if job.loaded:
             await self._apply(job)
 
     async def on_loaded(self, job: MainJob) -> None:
+        self.node.spawn(self._watch(job))
         await self._apply(job)
+
+    async def _watch(self, job: MainJob) -> None:
+        """A request waiting for a handoff that makes no progress (its relay finished
+        and the fill was lost, say) must not hold pages forever."""
+        seen = -1
+        while not job.ended and not job.producing:
+            if len(job.output) == seen:
+                log.warning("%s: no handoff for %.0f s; dropped", job.rid, HANDOFF_IDLE_S)
+                await self.end(job)
+                return
+            seen = len(job.output)
+            await asyncio.sleep(HANDOFF_IDLE_S)
 
     async def _apply(self, job: MainJob) -> None:
         """Compute what was handed over: in the shadow, or taking over on the final chunk."""
         if job.final is None:
             if len(job.output) > job.given:
                 await self.run(job, None, shadow=True, step_cap=job.step_cap)
+            elif job.fill and job.computed == len(job.output):
+                await self.end(job)  # its KV stays in the prefix cache
             return
         h, job.final = job.final, None
         if not job.output:  # nothing was relayed (a takeover before any token): start at P's token
@@ -87,5 +111,8 @@ class MainRole(DecodeSide):
         await self.run(job, h.emit_from)
 
     async def on_caught_up(self, job: MainJob, computed: int) -> None:
-        if job.relay_conn is not None:
+        job.computed = computed
+        if job.fill:
+            await self._apply(job)
+        elif job.relay_conn is not None:
             await self.node.send(job.relay_conn, m.HandoffAck(job.rid, computed))

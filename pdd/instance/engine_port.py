@@ -58,6 +58,9 @@ class EnginePort(Protocol):
         """Lock the longest cached prefix and take pages for the rest; the hit in tokens.
         Raises OutOfPages when the pool cannot hold the prompt now."""
 
+    async def cached_prefix(self, tokens: list[int]) -> int:
+        """Tokens of this prompt the prefix cache holds now (nothing is locked)."""
+
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
         """KV of a reserved request, continuing exactly where it stands."""
 

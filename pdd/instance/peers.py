@@ -1,20 +1,17 @@
 """Outbound connections from one instance to others: P to its decode side, RLD to MD.
 
-Two framed connections per peer (through the WAN emulator when the peer is in the
-other datacenter), opened on first use: a control one for small frames
-(reservations, handoffs, aborts) and a bulk one for KV, so a reservation never waits
-behind megabytes of someone else's KV. On the bulk connection frames take turns
-through a priority gate, urgent transfers (on a request's critical path) before
-background ones (MD's copy behind a relay), and the kernel's send buffer is kept
-small so the queue stays here where the gate can order it. Each connection's reader
-hands every frame to the owner; when one drops, the owner hears it.
+Three framed connections per peer (through the WAN emulator when the peer is in the
+other datacenter), opened on first use: control, for small frames (reservations,
+handoffs, aborts); urgent KV, on a request's critical path (P -> MD, the relay's
+copy); and background KV (MD's copy behind a relay). A reservation never waits behind
+megabytes of KV, and background frames hold back while urgent ones are being sent;
+the KV connections keep a small kernel send buffer, so what waits, waits here. Each
+connection's reader hands every frame to the owner; when one drops, the owner hears.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -27,49 +24,28 @@ from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
-BULK_SNDBUF = 128 * 1024
-URGENT, BACKGROUND = 0, 1
+BULK_SNDBUF = 64 * 1024
+CONTROL, URGENT, BACKGROUND = -1, 0, 1  # connections by what they carry
 
 OnFrame = Callable[[str, wire.Frame], Awaitable[None]]
 OnLost = Callable[[str], None]
 
 
-class PriorityGate:
-    """One sender at a time; waiting senders go by priority, then arrival."""
+class _Yield:
+    """Background frames wait while urgent ones are being sent to the same peer."""
 
     def __init__(self) -> None:
-        self._busy = False
-        self._waiting: list[tuple[int, int, asyncio.Future]] = []
-        self._order = itertools.count()
-
-    async def acquire(self, priority: int) -> None:
-        if not self._busy and not self._waiting:
-            self._busy = True
-            return
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (priority, next(self._order), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # the turn was ours: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        while self._waiting:
-            _, _, fut = heapq.heappop(self._waiting)
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._busy = False
+        self.urgent = 0
+        self.quiet = asyncio.Event()
+        self.quiet.set()
 
 
 class PeerPool:
     def __init__(self, spec: InstanceSpec, dep: Deployment, key: bytes, on_frame: OnFrame, on_lost: OnLost) -> None:
         self._spec, self._dep, self._key = spec, dep, key
         self._on_frame, self._on_lost = on_frame, on_lost
-        self._conns: dict[tuple[str, bool], FramedConnection] = {}  # (peer, bulk)
-        self._gates: dict[str, PriorityGate] = {}
+        self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
+        self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
         self._readers: set[asyncio.Task] = set()
 
@@ -77,14 +53,14 @@ class PeerPool:
         """Whether traffic to `name` crosses the line between datacenters."""
         return self._dep.instance(name).dc != self._spec.dc
 
-    async def get(self, name: str, bulk: bool = False) -> FramedConnection:
+    async def get(self, name: str, channel: int = CONTROL) -> FramedConnection:
         async with self._lock:
-            conn = self._conns.get((name, bulk))
+            conn = self._conns.get((name, channel))
             if conn is not None and not conn.closed:
                 return conn
             host, port = self._dep.address(self._dep.instance(name), self._spec.dc)
             conn = await wire.open_connection(host, port, self._key)
-            if bulk:
+            if channel != CONTROL:
                 sock = conn.socket
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
@@ -94,8 +70,8 @@ class PeerPool:
             except BaseException:
                 conn.close()
                 raise
-            self._conns[(name, bulk)] = conn
-            task = asyncio.ensure_future(self._read(name, bulk, conn))
+            self._conns[(name, channel)] = conn
+            task = asyncio.ensure_future(self._read(name, channel, conn))
             self._readers.add(task)
             task.add_done_callback(self._readers.discard)
             return conn
@@ -104,20 +80,27 @@ class PeerPool:
         await m.send(await self.get(name), body)
 
     async def send_bulk(self, name: str, priority: int, body: Any = None, kv: tuple[str, bytes] | None = None) -> int:
-        """One frame on the bulk connection in priority order: a body (ordered after the
-        KV before it) or a KV layer `(rid, blob)`; the payload bytes sent."""
-        conn = await self.get(name, bulk=True)
-        gate = self._gates.setdefault(name, PriorityGate())
-        await gate.acquire(priority)
+        """One frame on the URGENT or BACKGROUND connection: a body (ordered after the KV
+        sent before it there) or a KV layer `(rid, blob)`; the payload bytes sent."""
+        conn = await self.get(name, priority)
+        y = self._yields.setdefault(name, _Yield())
+        if priority == BACKGROUND:
+            await y.quiet.wait()
+        else:
+            y.urgent += 1
+            y.quiet.clear()
         try:
             if kv is not None:
                 return await m.send_kv(conn, *kv)
             await m.send(conn, body)
             return 0
         finally:
-            gate.release()
+            if priority != BACKGROUND:
+                y.urgent -= 1
+                if not y.urgent:
+                    y.quiet.set()
 
-    async def _read(self, name: str, bulk: bool, conn: FramedConnection) -> None:
+    async def _read(self, name: str, channel: int, conn: FramedConnection) -> None:
         try:
             while True:
                 await self._on_frame(name, await conn.recv())
@@ -126,8 +109,8 @@ class PeerPool:
         except Exception:
             log.exception("handling a frame from %s failed", name)
         finally:
-            if self._conns.get((name, bulk)) is conn:
-                del self._conns[(name, bulk)]
+            if self._conns.get((name, channel)) is conn:
+                del self._conns[(name, channel)]
             conn.close()
             self._on_lost(name)
 

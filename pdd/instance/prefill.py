@@ -40,6 +40,7 @@ class _Transfer:
     start: int
     end: int
     bytes_per_token: int
+    priority: int
     acked: int = 0
 
     @property
@@ -62,11 +63,12 @@ class Line:
         self._window: float | None = None  # when the current measuring window opened
         self._window_bytes = 0
 
-    def in_flight(self) -> list[int]:
-        return [t.remaining_bytes for t in self._transfers.values()]
+    def in_flight(self, priority: int) -> list[int]:
+        """What a transfer of this priority shares the line with (lower ones yield to it)."""
+        return [t.remaining_bytes for t in self._transfers.values() if t.priority <= priority]
 
-    def begin(self, key: tuple[str, str], start: int, end: int, bytes_per_token: int) -> None:
-        self._transfers[key] = _Transfer(start, end, bytes_per_token)
+    def begin(self, key: tuple[str, str], start: int, end: int, bytes_per_token: int, priority: int) -> None:
+        self._transfers[key] = _Transfer(start, end, bytes_per_token, priority)
 
     def acked(self, key: tuple[str, str], token_end: int, done: bool) -> None:
         t = self._transfers.get(key)
@@ -270,7 +272,9 @@ class PrefillRole:
             await self._tell(s.main, m.Handoff(s.rid, 0, [], True, 0))
         sent = {peer: o for peer, o in outcomes.items() if peer not in failed}
         wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
-        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan))
+        late = ack is None and s.main in sent  # MD answered after the decision: say what it held
+        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
+                                                    job.acks[s.main].result().hit if late else None))
 
     async def _decide(self, job: PrefillJob) -> tuple[str, m.ReserveAck | None, float | None, str | None]:
         """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
@@ -291,11 +295,11 @@ class PrefillRole:
         line = self._line(s.main)
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-        decision = choose_pipeline(delta, line.estimate, line.in_flight(), left, s.relay is not None,
+        decision = choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, s.relay is not None,
                                    self.policy.pipeline)
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
         log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
-                  predicted, line.estimate, line.in_flight())
+                  predicted, line.estimate, line.in_flight(URGENT))
         return decision.pipeline, ack, predicted, None
 
     async def _to_relay(self, job: PrefillJob, first: int, main: str | None) -> int:
@@ -326,12 +330,13 @@ class PrefillRole:
     async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
                        priority: int) -> int:
         """Stream tokens [start, end) of the request's KV to `peer`, then KV_DONE; the
-        payload bytes sent."""
-        self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token)
+        payload bytes sent. One export (an engine command waits for the step under way:
+        once, not once a chunk), then chunk by chunk, one layer per frame."""
+        self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
+        blob = await self.engine.export_kv(job.rid, start, end)
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
-            blob = await self.engine.export_kv(job.rid, a, b)
-            for layer in codec.split_layers(blob):
+            for layer in codec.split_layers(codec.token_slice(blob, a, b)):
                 sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer)))
         await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P

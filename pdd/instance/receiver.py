@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RESERVE_WAIT_S = 45.0  # a full pool holds a reservation back this long, then refuses
+PREFIX_WAIT_S = 10.0  # longest wait for a request here to land a prefix a new one shares
 
 
 @dataclass(eq=False)
@@ -44,12 +45,14 @@ class DecodeJob:
     loaded: bool = False  # all KV is in (KV_DONE)
     first_token: int | None = None
     layers: list[codec.KVBlob] = field(default_factory=list)  # the chunk in flight, layer by layer
+    importing: asyncio.Task | None = None  # the last chunk's import (they run in arrival order)
     output: list[int] = field(default_factory=list)  # output tokens known here, by position
     given: int = 0  # how many of them the engine has
     stream: OutputStream | None = None
     stall_from: float | None = None  # a handoff's final chunk arrived then; the next token ends the stall
     producing: bool = False  # this instance streams the request's tokens
     ended: bool = False
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set once it produces or ends
 
     @property
     def rid(self) -> str:
@@ -99,6 +102,10 @@ class DecodeSide:
                 await self.node.send(conn, m.KVAck(body.rid, 0, done=True))
                 return
             job = self._job(body.rid, name)
+            if job.importing is not None:
+                await job.importing
+            if job.ended:
+                return
             job.loaded, job.first_token = True, body.first_token
             await self.node.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
@@ -132,8 +139,35 @@ class DecodeSide:
         return job
 
     # ---- reservation and KV --------------------------------------------------------------
+    async def _await_prefix(self, job: DecodeJob) -> None:
+        """An agent's next turn arrives as soon as the last one ends, often before the
+        last one's KV (or, when a relay finished it, its output) has landed here. When a
+        request that is not producing (its KV still on the line, or waiting for a relay)
+        holds most of this prompt, more than the cache does, wait for it to settle,
+        bounded, rather than have the same KV cross the line twice. A producing request
+        keeps its pages until it finishes: nothing to wait for."""
+        deadline = time.monotonic() + PREFIX_WAIT_S
+        prompt = job.reserve.prompt
+        while True:
+            cached = await self.engine.cached_prefix(prompt)
+            best, holder = max(cached + self.engine.page_size, len(prompt) // 2), None
+            for other in self.jobs.values():
+                if other is not job and not other.settled.is_set() and other.reserve.use_cache:
+                    shared = _common_prefix(other.reserve.prompt + other.output, prompt)
+                    if shared >= best:
+                        best, holder = shared, other
+            left = deadline - time.monotonic()
+            if holder is None or left <= 0:
+                return
+            try:
+                await asyncio.wait_for(holder.settled.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _reserve(self, job: DecodeJob) -> None:
         r = job.reserve
+        if r.use_cache:
+            await self._await_prefix(job)
         started, attempt = time.monotonic(), 0
         while not job.ended:
             try:
@@ -164,8 +198,18 @@ class DecodeSide:
         job.layers.append(blob)
         if blob.header.layer_end == blob.header.num_layers:  # the chunk's last layer: import it whole
             whole, job.layers = codec.join_layers(job.layers), []
-            await self.engine.import_kv(job.rid, whole)
-            await self.node.send(conn, m.KVAck(job.rid, whole.header.token_end))
+            # not awaited: reading goes on (the line keeps flowing) while the engine is busy;
+            # engine commands run in the order they are issued, so chunks land in order
+            job.importing = self.node.spawn(self._import(conn, job, whole))
+
+    async def _import(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
+        try:
+            await self.engine.import_kv(job.rid, blob)
+        except Exception as e:
+            if not job.ended:
+                await self.fail(job, e)
+            return
+        await self.node.send(conn, m.KVAck(job.rid, blob.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
     async def run(self, job: DecodeJob, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
@@ -186,13 +230,16 @@ class DecodeSide:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
         job.given = len(job.output)
         job.producing = emit_from is not None
+        if job.producing:
+            job.settled.set()
         if emit_from is not None and emit_from < len(job.output):
             self.node.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
 
     async def _forward(self, job: DecodeJob) -> None:
-        stream = job.stream
+        stream, finished = job.stream, False
         try:
             async for out in stream:
+                finished = out.finish_reason not in (None, "abort")
                 if out.caught_up is not None:
                     await self.on_caught_up(job, out.caught_up)
                 if out.token is None:
@@ -209,6 +256,11 @@ class DecodeSide:
         finally:
             stream.close()
             self.forget(job)
+        if finished:
+            await self.on_finished(job)
+
+    async def on_finished(self, job: DecodeJob) -> None:
+        """The request finished here (the relay hands its output over for the cache)."""
 
     def on_token(self, job: DecodeJob) -> None:
         """This instance produced `job.output[-1]` (the relay watches for its handoff)."""
@@ -223,6 +275,7 @@ class DecodeSide:
     # ---- endings -------------------------------------------------------------------------
     def forget(self, job: DecodeJob) -> None:
         job.ended = True
+        job.settled.set()
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
 
@@ -249,3 +302,11 @@ class DecodeSide:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.node.aborted.add(job.rid)
             self.node.spawn(self.end(job))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -9,7 +9,8 @@ nothing left of the request: its pages go to its prefix cache.
 
 If MD never gets ready (lost, or the line stalls) the relay simply finishes the
 request; if the connection to MD drops during a catch-up, it abandons the handoff and
-finishes too. The anomaly filter's requests (P -> RLD) have no MD at all.
+finishes too. Either way MD is sent the output as a fill, to keep for the session's
+next turn. The anomaly filter's requests (P -> RLD) have no MD at all.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ class RelayRole(DecodeSide):
 
     def on_token(self, job: RelayJob) -> None:
         job.progress.set()
+
+    async def on_finished(self, job: RelayJob) -> None:
+        """It finished here before any cut-over: MD, which holds (or will hold) the
+        prompt's KV, gets the output as a fill, so the next turn hits at MD."""
+        if job.reserve.main and not job.cutting:
+            try:
+                conn = await self.peers.get(job.reserve.main)
+                await m.send(conn, m.Handoff(job.rid, job.sent, job.output[job.sent :], False,
+                                             step_cap=self.policy.catch_up_chunk, fill=True))
+            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+                log.debug("no fill of %s for %s: %s", job.rid, job.reserve.main, e)
 
     def forget(self, job: DecodeJob) -> None:
         super().forget(job)

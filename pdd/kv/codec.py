@@ -118,6 +118,16 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
 
 
+def token_slice(blob: KVBlob, start: int, end: int) -> KVBlob:
+    """Tokens [start, end) of a blob (absolute positions), as a blob of their own."""
+    h = blob.header
+    if not h.token_start <= start < end <= h.token_end:
+        raise KVFormatError(f"[{start}, {end}) is not within [{h.token_start}, {h.token_end})")
+    a, b = start - h.token_start, end - h.token_start
+    header = replace(h, token_start=start, token_end=end, block_hashes=h.block_hashes[: end // h.block_size])
+    return KVBlob(header, blob.k[:, a:b], blob.v[:, a:b])
+
+
 def split_layers(blob: KVBlob) -> list[KVBlob]:
     """One blob per layer, as they travel (so the receiver works while the rest is on the line)."""
     h = blob.header

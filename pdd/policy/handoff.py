@@ -39,8 +39,8 @@ def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: in
 def cut_over(produced: int, computed: int, threshold: int, rounds: int, previous_gap: int | None = None) -> bool:
     """Catch-up, at an acknowledgement: stop relaying once MD has computed all but
     `threshold` of the produced tokens (its last extend is then small); or once a round
-    no longer shrinks the gap (chunks too small for MD to catch up: waiting only keeps
-    the relay busy); or after `MAX_CATCH_UP_ROUNDS` rounds."""
+    no longer halves the gap (the relay produces about as much as a round trip lets MD
+    absorb: more rounds only keep the relay busy); or after `MAX_CATCH_UP_ROUNDS`."""
     gap = produced - computed
-    return (gap <= threshold or (previous_gap is not None and gap >= previous_gap)
+    return (gap <= threshold or (previous_gap is not None and 2 * gap > previous_gap)
             or rounds >= MAX_CATCH_UP_ROUNDS)

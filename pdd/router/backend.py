@@ -198,7 +198,9 @@ class RouterBackend:
                 return
             raise failure
         if source == plan.main:
-            if request.relay_producing and not request.main_done:  # the relay finishes it alone
+            if request.main_done:
+                return  # already written off for this request
+            if request.relay_producing:  # the relay finishes it alone
                 request.main_done = True
                 self.metrics.fallback("main_lost")
                 request.fallbacks.append("main_lost")
@@ -224,6 +226,8 @@ class RouterBackend:
         done = request.done_members()
         if request.merger.finished and request.merger.producers:
             done.add(request.merger.producers[-1])
+            if request.merger.producers[-1] == request.plan.relay and request.pipeline == m.P_RLD_MD:
+                done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
         for name in request.members:
             if name not in done:
                 task = asyncio.ensure_future(self._abort(self.clients[name], request.rid))

@@ -78,7 +78,7 @@ class InstanceClient:
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
                 await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
-                self.conn, backoff = conn, 0.2
+                self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
                 log.info("connected to %s at %s:%s", self.name, *self.addr)
                 await self._read(conn)
             except asyncio.CancelledError:
@@ -91,9 +91,10 @@ class InstanceClient:
                 if conn is not None:
                     conn.close()
                 self._ready.clear()
-                self.conn = None
                 self.mirror.stale = True
-                self._fail_all(f"lost the connection to instance {self.name}")
+                if self.conn is not None:  # once per lost connection, not per failed reconnect
+                    self.conn = None
+                    self._fail_all(f"lost the connection to instance {self.name}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 

@@ -82,7 +82,7 @@ class RouterRequest:
         return {
             "pipeline": self.pipeline,
             "p_hit_tokens": c.p_hit if c else 0,
-            "d_hit_tokens": c.d_hit if c else 0,
+            "d_hit_tokens": r.d_hit if r and r.d_hit is not None else (c.d_hit if c else 0),
             "d_hit_predicted": self.plan.predicted_hit,
             "mirror_drift_tokens": drift,
             "kv_predicted_ms": c.predicted_ms if c else None,

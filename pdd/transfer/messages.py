@@ -150,6 +150,7 @@ class Result:
     rid: str
     kv_bytes: int = 0
     wan_bytes: int = 0
+    d_hit: int | None = None  # MD's reserved hit, when it answered after the pipeline was chosen
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,9 @@ class Handoff:
 
     Not final: a catch-up chunk to compute in the shadow. Final: compute the rest and
     take over; the router already has positions below `emit_from`, so the main
-    instance streams every position from there on.
+    instance streams every position from there on. Fill: the relay finished the
+    request itself; compute the tokens in the shadow and keep prompt and output in
+    the prefix cache, so the session's next turn finds them.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HANDOFF
@@ -167,7 +170,8 @@ class Handoff:
     tokens: list[int]
     final: bool
     emit_from: int = 0
-    step_cap: int = 0  # catch-up: most handed-over tokens computed in one step (0: all)
+    step_cap: int = 0  # catch-up and fill: most handed-over tokens computed in one step (0: all)
+    fill: bool = False
 
 
 @dataclass(frozen=True)
