@@ -107,10 +107,12 @@ class RouterSpec:
     token_timeout_s: float = 60.0  # no first token for this long: the request fails
     stall_timeout_s: float = 10.0  # after the first token, no next one for this long: it fails
     prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
+    handoff_reserve_tokens: int = 4  # relay tokens held back to cover a handoff (0: none)
 
     def __post_init__(self) -> None:
-        if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or self.prefill_retries < 0:
-            raise ValueError("timeouts must be positive and prefill_retries >= 0")
+        if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or min(self.prefill_retries,
+                                                                       self.handoff_reserve_tokens) < 0:
+            raise ValueError("timeouts must be positive; prefill_retries and handoff_reserve_tokens >= 0")
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdd.workload.scenarios import SCENARIOS, Scenario
+
 if TYPE_CHECKING:
     from rich.console import Console
 
 DEFAULT_MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
-# Sized so four modes finish in a few minutes on two CPU cores.
-DEFAULT_REQUESTS = 40
 START_TIMEOUT_S = 120.0
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
@@ -81,9 +81,9 @@ class Deployment:
     keeps draining afterwards, so a chatty deployment never blocks on a full pipe.
     """
 
-    def __init__(self, mode: str, config: Path | None) -> None:
+    def __init__(self, mode: str, config: Path | None, line: list[str] = ()) -> None:
         base, *options = mode.split(":")
-        args = ["--mode", base, "--port", "0"]
+        args = ["--mode", base, "--port", "0", *line]
         for option in options:  # "pd-cross-dc:drc=off" -> --mode pd-cross-dc --drc off
             key, _, value = option.partition("=")
             args += [f"--{key}", value]
@@ -150,10 +150,13 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> dict[str
     """Start one deployment, replay the workload against it, stop it; the summary."""
     from pdd.bench.client import run_bench
     from pdd.bench.summary import summarize
-    from pdd.workload.agentic import AgenticConfig, plan_sessions
+    from pdd.workload.agentic import plan_sessions
 
-    sessions = plan_sessions(AgenticConfig(seed=args.seed), args.requests, args.rate)
-    deployment = Deployment(mode, args.config)
+    scenario = _scenario(args)
+    sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
+    line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
+            f"--jitter-ms={scenario.jitter_ms}"]
+    deployment = Deployment(mode, args.config, line)
     try:
         with (contextlib.nullcontext() if args.quiet or not console.is_terminal
               else console.status(f"starting {mode} …")):
@@ -168,6 +171,10 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> dict[str
                      slo_tpot_ms=args.slo_tpot_ms)
 
 
+def _scenario(args: argparse.Namespace) -> Scenario:
+    return SCENARIOS[args.scenario]
+
+
 def _modes(value: str) -> list[str]:
     modes = [m.strip() for m in value.split(",")]
     if not all(modes) or len(set(modes)) != len(modes):
@@ -177,7 +184,7 @@ def _modes(value: str) -> list[str]:
 
 def _command_line(args: argparse.Namespace) -> str:
     """An equivalent `pdd demo` command line, so a report says how to reproduce it."""
-    parts = ["pdd", "demo", "--out", str(args.out), "--modes", ",".join(args.modes),
+    parts = ["pdd", "demo", "--scenario", args.scenario, "--out", str(args.out), "--modes", ",".join(args.modes),
              "--requests", str(args.requests), "--rate", str(args.rate), "--seed", str(args.seed),
              "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     if args.config is not None:
@@ -201,9 +208,8 @@ def run(args: argparse.Namespace) -> int:
     from pdd.bench.client import BenchError
     from pdd.bench.report import write_report
     from pdd.bench.summary import format_table
-    from pdd.workload.agentic import AgenticConfig
-
     err = Console(stderr=True)
+    scenario = _scenario(args)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     try:
         accepted = accepted_modes()
@@ -249,11 +255,16 @@ def run(args: argparse.Namespace) -> int:
             "deployment_config": None if args.config is None else str(args.config),
             "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms,
-            "workload": {"kind": "agentic", **dataclasses.asdict(AgenticConfig(seed=args.seed))},
+            "scenario": scenario.name,
+            "line": {"bandwidth_mbps": scenario.bandwidth_mbps, "delay_ms": scenario.delay_ms,
+                     "jitter_ms": scenario.jitter_ms},
+            "workload": {"kind": "agentic", **dataclasses.asdict(dataclasses.replace(scenario.workload,
+                                                                                     seed=args.seed))},
         },
+        "scenario_notes": scenario.notes,
         "failed_modes": failed,
     }
-    title = f"pdd demo: {args.requests} agentic requests per mode (seed {args.seed})"
+    title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
     paths = write_report(args.out, summaries, title=title, meta=meta)
     out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False)
     return 0 if any(s["completed"] for s in summaries.values()) else 1
@@ -269,10 +280,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES), metavar="LIST",
                         help="comma-separated, run in order; MODE:KEY=VALUE passes --KEY VALUE to "
                              f"`pdd up` (e.g. pd-cross-dc:drc=off) (default: {','.join(DEFAULT_MODES)})")
-    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
-                        help=f"agentic turns per mode (default {DEFAULT_REQUESTS})")
-    parser.add_argument("--rate", type=float, default=math.inf, metavar="R",
-                        help="agentic session starts per second, Poisson; inf = all at once")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="paper",
+                        help="paper: a scaled copy of the published evaluation (default); "
+                             "short: short outputs, every session at once (see BENCHMARKS.md)")
+    parser.add_argument("--requests", type=int, metavar="N",
+                        help="agentic turns per mode (default: the scenario's)")
+    parser.add_argument("--rate", type=float, metavar="R",
+                        help="agentic session starts per second, Poisson; inf = all at once "
+                             "(default: the scenario's)")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="workload seed; every mode replays the same requests")
     parser.add_argument("--config", type=Path, metavar="FILE",
@@ -283,6 +298,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
     def func(args: argparse.Namespace) -> int:
+        scenario = SCENARIOS[args.scenario]
+        args.requests = scenario.requests if args.requests is None else args.requests
+        args.rate = scenario.rate if args.rate is None else args.rate
         if args.requests < 1:
             parser.error("--requests must be >= 1")
         if args.config is not None and not args.config.is_file():

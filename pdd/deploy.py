@@ -36,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
     p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
+    p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
     p.set_defaults(func=run)
 
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     mode = args.mode or dep.mode
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
-    link = replace(dep.link, **{k: v for k, v in (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms))
-                                if v is not None})
+    given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
+    link = replace(dep.link, **{k: v for k, v in given if v is not None})
     dep = resolve(replace(dep, policy=policy, link=link), mode, args.port)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)

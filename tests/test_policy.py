@@ -7,6 +7,7 @@ import pytest
 from pdd.policy.handoff import MAX_CATCH_UP_ROUNDS, choose_handoff, cut_over
 from pdd.policy.pipeline import choose_pipeline
 from pdd.policy.plan import anomaly_rule, is_anomalous, plan_request
+from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import LinkEstimate, finish_s, kv_chunks, kv_range, observe_rate, observe_rtt
@@ -118,3 +119,18 @@ def test_prefill_retry_only_before_the_first_token():
     assert not retry_on_new_prefill(3, 0, 1, others_healthy=True)
     assert not retry_on_new_prefill(0, 1, 1, others_healthy=True)
     assert not retry_on_new_prefill(0, 0, 1, others_healthy=False)
+
+
+def test_playout_keeps_a_reserve_while_a_relay_produces_and_spends_it_at_the_handoff():
+    p = Playout(reserve=4, spacing_s=0.02)
+    assert release(1, 0, 0.0, True, False, p) == 1  # the first token is never held
+    assert release(3, 1, 0.001, True, False, p) == 0  # a fast relay fills the reserve
+    assert release(5, 4, 0.001, True, False, p) == 1  # full: each arrival pushes one out
+    assert release(2, 4, 0.03, True, False, p) == 1  # a relay slower than the spacing builds none
+    # handed over, the main instance's first token not here yet: one per spacing
+    assert release(4, 9, 0.005, False, True, p) == 0
+    assert release(4, 9, 0.02, False, True, p) == 1
+    assert next_release_s(4, 0.005, True, p) == pytest.approx(0.015)
+    assert next_release_s(4, 0.005, False, p) is None
+    assert release(3, 9, 0.0, False, False, p) == 3  # the main instance produces: all at once
+    assert release(3, 1, 0.0, True, False, Playout(0, 0.02)) == 3  # no reserve configured

@@ -46,7 +46,8 @@ def _summaries() -> dict[str, dict]:
                                  for i in range(10)], wan_bytes=1_000_000),
         "pdd": _summary([_record(i, 80.0, wan_bytes=100_000, rld_output_tokens=2,
                                  md_output_tokens=18, pipeline="P-RLD-MD" if i < 3 else "P-MD",
-                                 handoff="one_shot" if i < 3 else None, **hits)
+                                 handoff="one_shot" if i < 3 else None, handoff_tokens=2 if i < 3 else 0,
+                                 handoff_stall_ms=12.0 + i if i < 3 else None, **hits)
                          for i in range(10)], wan_bytes=1_000_000),
     }
 
@@ -64,7 +65,9 @@ def test_report_files_follow_the_contract(tmp_path: Path) -> None:
     assert report["meta"] == meta
 
     pngs = sorted(p for p in paths.values() if p.suffix == ".png")
-    assert {p.name for p in pngs} == {"ttft.png", "decode.png", "wan.png", "producers.png"}
+    assert {p.name for p in pngs} == {"ttft.png", "decode.png", "wan.png", "producers.png", "handoffs.png"}
+    assert report["modes"]["pdd"]["handoffs"] == {"one_shot": 3, "catch_up": 0}
+    assert report["modes"]["pdd"]["handoff_stall_ms"]["p50"] == 13.0
     for png in pngs:
         data = png.read_bytes()
         assert data.startswith(PNG_SIGNATURE), png
@@ -83,7 +86,7 @@ def test_plots_without_data_are_left_out(tmp_path: Path) -> None:
     baseline = {"colocated": _summary([_record(i, 50.0) for i in range(5)])}
     paths = write_report(tmp_path, baseline, title="second", meta={})
 
-    assert "wan" not in paths and "producers" not in paths
+    assert "wan" not in paths and "producers" not in paths and "handoffs" not in paths
     # A plot from the earlier run in the same folder must not pass for this run's.
     assert not (tmp_path / "wan.png").exists() and not (tmp_path / "producers.png").exists()
     page = paths["html"].read_text()
@@ -107,6 +110,8 @@ parser = argparse.ArgumentParser(prog="fake-up")
 parser.add_argument("--mode", choices=["alpha", "beta", "broken"], required=True)
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--config")
+for line_option in ("--bandwidth-mbps", "--delay-ms", "--jitter-ms"):  # the scenario's line
+    parser.add_argument(line_option, type=float, required=True)
 args = parser.parse_args()
 if args.mode == "broken":
     print("fake-up: the broken mode cannot start", flush=True)

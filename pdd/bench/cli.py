@@ -2,9 +2,9 @@
 
 `pdd bench [serve] --url URL ...` replays agentic sessions or a Mooncake trace through
 the OpenAI API and writes `{"summary", "requests", "config"}` JSON (DESIGN.md contract).
-`pdd bench engine ...` is owned by `pdd.bench.engine`; its options are registered only
-when that module is present. Heavy imports happen inside the command, not at parse
-time, because `pdd --help` imports every command module.
+`pdd bench engine` and `pdd bench handoff` are owned by `pdd.bench.engine` and
+`pdd.bench.handoff`, which register their own options. Heavy imports happen inside the
+command, not at parse time, because `pdd --help` imports every command module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -23,7 +22,8 @@ from typing import Any
 
 from pdd.workload.types import Session
 
-_ENGINE_MODULE = "pdd.bench.engine"
+# in-process benchmarks: target -> the module that registers its options and runs it
+_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff"}
 
 
 def _workload(value: str) -> tuple[str, Path | None]:
@@ -37,17 +37,17 @@ def _workload(value: str) -> tuple[str, Path | None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `pdd bench` on the top-level sub-command parsers."""
-    # The engine's options go in first and ours override any it shares (`--model` is
-    # the served model id for serve and the model directory for engine): one option,
-    # two targets, instead of a clash that would break `pdd bench` altogether.
+    # The in-process benchmarks' options go in first and ours override any they share
+    # (`--model` is the served model id for serve and the model directory for engine):
+    # one option, several targets, instead of a clash that would break `pdd bench`.
     parser = sub.add_parser(
         "bench", help="replay a workload against a server, or benchmark one engine",
         description=__doc__.splitlines()[0], conflict_handler="resolve")
-    if importlib.util.find_spec(_ENGINE_MODULE) is not None:
-        importlib.import_module(_ENGINE_MODULE).add_arguments(parser)
-    parser.add_argument("target", nargs="?", choices=("serve", "engine"), default="serve",
-                        help="serve: a live OpenAI-compatible server (default); "
-                             "engine: one engine in-process")
+    for module in _IN_PROCESS.values():
+        importlib.import_module(module).add_arguments(parser)
+    parser.add_argument("target", nargs="?", choices=("serve", *_IN_PROCESS), default="serve",
+                        help="serve: a live OpenAI-compatible server (default); engine: one engine "
+                             "in-process; handoff: shipping a handoff's KV against recomputing it")
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
     parser.add_argument("--workload", type=_workload, default=("agentic", None),
                         metavar="agentic|mooncake:PATH", help="default: agentic")
@@ -61,26 +61,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                          "engine: model directory (default: a fresh tiny model)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument("--scale", type=int, default=16,
-                        help="mooncake: divide lengths by this (512-token blocks -> 512/scale)")
+    parser.add_argument("--scenario", choices=("paper", "short"), default="paper",
+                        help="agentic: the workload shape of that demo scenario (default paper)")
+    parser.add_argument("--scale", type=int,
+                        help="mooncake: divide lengths by this (512-token blocks -> 512/scale); default: "
+                             "the smallest scale from 16 up at which the trace fits the served model's context")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="mooncake: divide arrival times by this")
     parser.add_argument("--vocab-size", type=int, default=4096,
                         help="prompt token IDs are drawn below this; match the model")
     parser.add_argument("--max-context", type=int,
-                        help="cap on prompt + output tokens (agentic default 2500; "
-                             "mooncake: no cap)")
+                        help="cap on prompt + output tokens (agentic: the scenario's; "
+                             "mooncake: the served model's context)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=lambda args: _run(parser, args))
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.target == "engine":
-        if importlib.util.find_spec(_ENGINE_MODULE) is None:
-            print("pdd bench engine: not available in this build", file=sys.stderr)
-            return 2
-        return int(importlib.import_module(_ENGINE_MODULE).run(args))
+    if args.target in _IN_PROCESS:
+        return int(importlib.import_module(_IN_PROCESS[args.target]).run(args))
     if not args.url:
         parser.error("--url is required to benchmark a server")
     if args.requests < 1:
@@ -97,15 +97,40 @@ def _plan(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     kind, path = args.workload
     cap = {} if args.max_context is None else {"max_context": args.max_context}
     if kind == "agentic":
-        from pdd.workload.agentic import AgenticConfig, plan_sessions
-        config = AgenticConfig(seed=args.seed, vocab_size=args.vocab_size, **cap)
+        from dataclasses import replace
+
+        from pdd.workload.agentic import plan_sessions
+        from pdd.workload.scenarios import SCENARIOS
+        config = replace(SCENARIOS[args.scenario].workload, seed=args.seed, vocab_size=args.vocab_size, **cap)
         sessions = plan_sessions(config, args.requests, args.rate)
-        return sessions, {"kind": kind, **asdict(config)}
-    from pdd.workload.mooncake import MooncakeConfig, load_trace, trace_sessions
-    config = MooncakeConfig(scale=args.scale, time_scale=args.time_scale, seed=args.seed,
-                            vocab_size=args.vocab_size, **cap)
-    sessions = trace_sessions(load_trace(path, limit=args.requests), config)
-    return sessions, {"kind": kind, "path": str(path), **asdict(config)}
+        return sessions, {"kind": kind, "scenario": args.scenario, **asdict(config)}
+    from pdd.workload.mooncake import MooncakeConfig, fit_to_context, load_trace, trace_sessions
+    records = load_trace(path, limit=args.requests)
+    base = MooncakeConfig(scale=args.scale or 16, time_scale=args.time_scale, seed=args.seed,
+                          vocab_size=args.vocab_size, **cap)
+    if args.scale is None and args.max_context is None:
+        context = served_context(args.url)
+        if context is None:
+            print("pdd bench: the server does not say its context length; mooncake lengths / 16, uncut",
+                  file=sys.stderr)
+        else:
+            base, note = fit_to_context(records, base, context)
+            print(f"pdd bench: {note}", file=sys.stderr)
+    sessions = trace_sessions(records, base)
+    return sessions, {"kind": kind, "path": str(path), **asdict(base)}
+
+
+def served_context(url: str) -> int | None:
+    """The served model's context (`max_model_len` of /v1/models, as vLLM reports it)."""
+    import httpx
+
+    from pdd.bench.client import base_url
+
+    try:
+        data = httpx.get(f"{base_url(url)}/v1/models", timeout=10).json()["data"][0]
+        return int(data["max_model_len"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def _bench(args: argparse.Namespace, sessions: list[Session], workload: dict[str, Any]) -> int:

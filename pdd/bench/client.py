@@ -28,7 +28,7 @@ from pdd.bench.summary import RequestRecord
 from pdd.workload.types import Session
 
 _PDD_COUNTS = ("p_hit_tokens", "d_hit_tokens", "wan_bytes", "rld_output_tokens",
-               "md_output_tokens")
+               "md_output_tokens", "handoff_tokens")
 
 
 class BenchError(RuntimeError):
@@ -178,6 +178,10 @@ def _fill(record: RequestRecord, stream: _Stream, ended: float) -> None:
         return
     record.pipeline = stream.pdd.get("pipeline")
     record.handoff = stream.pdd.get("handoff")
+    record.fallback = stream.pdd.get("fallback")
+    record.anomaly_filtered = bool(stream.pdd.get("anomalous"))
+    stall = stream.pdd.get("handoff_stall_ms")
+    record.handoff_stall_ms = None if stall is None else float(stall)
     for name in _PDD_COUNTS:
         setattr(record, name, int(stream.pdd.get(name) or 0))
 

@@ -217,6 +217,30 @@ def _producer_plot(summaries: Summaries) -> Figure | None:
     return figure
 
 
+def _handoff_plot(summaries: Summaries) -> Figure | None:
+    """MD's stall when it takes over, and how the relayed requests ended."""
+    modes = list(summaries)
+    if not _present([(s.get("handoff_stall_ms") or {}).get(q) for s in summaries.values() for q in _QUANTILES]):
+        return None
+    figure, (left, right) = _figure(2, len(modes))
+    _quantile_panel(left, summaries, "handoff_stall_ms", "MD's extend stall at a handoff")
+    kinds = {"one-shot handoff": lambda s: (s.get("handoffs") or {}).get("one_shot", 0),
+             "catch-up handoff": lambda s: (s.get("handoffs") or {}).get("catch_up", 0),
+             "ended on the relay": lambda s: (s.get("fallbacks") or {}).get("relay_finished", 0)}
+    width = 0.8 / len(kinds)
+    for i, (label, count) in enumerate(kinds.items()):
+        values = [count(summaries[m]) for m in modes]
+        bars = right.bar([x + (i - (len(kinds) - 1) / 2) * width for x in range(len(modes))], values, width,
+                         label=label)
+        right.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7)
+    right.set_xticks(range(len(modes)), modes)
+    right.set_ylabel("requests")
+    right.set_title("Requests through a relay")
+    right.legend(fontsize=8)
+    right.margins(y=0.12)
+    return figure
+
+
 _PLOTS: list[tuple[str, str, Callable[[Summaries], Figure | None]]] = [
     ("ttft", "Time to first token, p50 / p90 / p99 per mode.", _ttft_plot),
     ("decode", "Time per output token and the longest stall between two tokens "
@@ -225,6 +249,8 @@ _PLOTS: list[tuple[str, str, Callable[[Summaries], Figure | None]]] = [
             "that keeps them low.", _wan_plot),
     ("producers", "Share of output tokens produced by RelayDecode and MainDecode, and "
                   "requests per pipeline.", _producer_plot),
+    ("handoffs", "The stall of MainDecode's extend step when a relay hands a request over by "
+                 "token IDs, and how requests through a relay ended.", _handoff_plot),
 ]
 
 

@@ -48,7 +48,11 @@ class RequestRecord:
     rld_output_tokens: int = 0
     md_output_tokens: int = 0
     handoff: str | None = None
-    anomalous: bool = False
+    handoff_tokens: int = 0  # tokens the relay handed over by ID
+    handoff_stall_ms: float | None = None  # MD's extend stall at the handoff
+    fallback: str | None = None  # what the request survived, or how it ended off plan
+    anomalous: bool = False  # the workload made it anomalous (long input, short output)
+    anomaly_filtered: bool = False  # the router's filter kept it on the relay
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,6 +109,7 @@ def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
     d_hit = sum(r.d_hit_tokens for r in done)
     pipelines = dict.fromkeys(PIPELINES, 0) | Counter(r.pipeline for r in done if r.pipeline)
     handoffs = dict.fromkeys(HANDOFFS, 0) | Counter(r.handoff for r in done if r.handoff)
+    fallbacks = Counter(kind for r in done if r.fallback for kind in r.fallback.split(","))
     duration = _duration_s(records)
     summary: dict[str, Any] = {
         "requests": len(records),
@@ -124,6 +129,10 @@ def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
         "md_output_tokens": sum(r.md_output_tokens for r in done),
         "pipelines": pipelines,
         "handoffs": handoffs,
+        "handoff_tokens": sum(r.handoff_tokens for r in done),
+        "handoff_stall_ms": _stats([r.handoff_stall_ms for r in done]),
+        "anomaly_filtered": sum(r.anomaly_filtered for r in done),
+        "fallbacks": dict(sorted(fallbacks.items())),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
         "slo_attainment": (sum(_within_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records)
@@ -174,6 +183,10 @@ _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("MD output tokens", lambda s: _share(s["md_output_tokens"], s["output_tokens"])),
     ("pipelines", lambda s: _counts({k: n for k, n in s["pipelines"].items() if n})),
     ("handoffs", lambda s: _counts(s["handoffs"])),
+    ("handoff stall p50 / p99 (ms)",
+     lambda s: f"{_num(s['handoff_stall_ms']['p50'])} / {_num(s['handoff_stall_ms']['p99'])}"),
+    ("anomaly-filtered", lambda s: f"{s['anomaly_filtered']:,}"),
+    ("fallbacks", lambda s: _counts(s["fallbacks"])),
     ("SLO attainment", lambda s: _pct(s["slo_attainment"])),
     ("output tokens/s", lambda s: _num(s["output_tokens_per_s"])),
     ("duration (s)", lambda s: _num(s["duration_s"])),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
 from pdd.policy.plan import Plan, anomaly_rule, plan_request
+from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
@@ -37,6 +39,8 @@ from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
 
 log = logging.getLogger(__name__)
+DEFAULT_PACE_S = 0.025
+PACE_ALPHA = 0.05
 
 
 class RouterBackend:
@@ -49,6 +53,7 @@ class RouterBackend:
                         for i in dep.instances}
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
         self.metrics = RouterMetrics(registry)
+        self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
         self.in_flight = 0
         self._aborts: set[asyncio.Task] = set()
 
@@ -105,15 +110,19 @@ class RouterBackend:
         self.in_flight += 1
         try:
             await self._submit(request, q)
-            while not request.merger.finished:
-                source, body = await self._next(request, q)
-                if getattr(body, "rid", request.rid) != request.rid:
-                    continue  # a straggler of an earlier attempt
-                new = await self._handle(request, q, source, body)
-                if request.merger.finished:
-                    yield self._finish(request, new)
-                elif new:
-                    yield GenEvent(new, None, self._cached(request))
+            while True:
+                item = await self._next(request, q)
+                if item is not None:
+                    source, body = item
+                    if getattr(body, "rid", request.rid) != request.rid:
+                        continue  # a straggler of an earlier attempt
+                    request.held += await self._handle(request, q, source, body)
+                out = self._play_out(request)
+                if request.merger.finished and not request.held:
+                    yield self._finish(request, out)
+                    return
+                if out:
+                    yield GenEvent(out, None, self._cached(request))
         except InstanceDown as e:
             self.metrics.failures.inc()
             raise BackendError(str(e)) from None
@@ -125,12 +134,44 @@ class RouterBackend:
             self._release(request)
             self._abort_rest(request)
 
-    async def _next(self, request: RouterRequest, q: asyncio.Queue) -> tuple[str, Any]:
+    async def _next(self, request: RouterRequest, q: asyncio.Queue) -> tuple[str, Any] | None:
+        """The request's next body, or None when a held token is due to be released."""
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
+        due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
+                             self._playout(request))
         try:
-            return await asyncio.wait_for(q.get(), timeout)
+            return await asyncio.wait_for(q.get(), timeout if due is None else min(due, timeout))
         except asyncio.TimeoutError:
+            if due is not None and due <= timeout:
+                return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
+
+    def _playout(self, request: RouterRequest) -> Playout:
+        pace = self._pace.get(request.plan.main or "", DEFAULT_PACE_S)
+        return Playout(self.dep.router.handoff_reserve_tokens, pace)
+
+    def _play_out(self, request: RouterRequest) -> list[int]:
+        """The held tokens to release to the client now (`pdd.policy.playout`)."""
+        now = time.monotonic()
+        if request.merger.finished:
+            n = len(request.held)
+        else:
+            n = release(len(request.held), request.released, now - request.last_release, request.pacing,
+                        request.relay_stopped, self._playout(request))
+        out, request.held = request.held[:n], request.held[n:]
+        if out:
+            request.released += len(out)
+            request.last_release = now
+        return out
+
+    def _observe_pace(self, request: RouterRequest, source: str) -> None:
+        """The main instance's gap between tokens, which the playout reserve drains at."""
+        now = time.monotonic()
+        if source == request.plan.main:
+            if request.last_main_token is not None:
+                gap = now - request.last_main_token
+                self._pace[source] = (1 - PACE_ALPHA) * self._pace.get(source, DEFAULT_PACE_S) + PACE_ALPHA * gap
+            request.last_main_token = now
 
     @staticmethod
     def _cached(request: RouterRequest) -> int:
@@ -142,6 +183,7 @@ class RouterBackend:
             request.cached = body.cached_tokens
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
+            self._observe_pace(request, source)
             return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
         if isinstance(body, m.PipelineChosen):
             request.chosen = body

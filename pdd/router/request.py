@@ -33,6 +33,10 @@ class RouterRequest:
     main_done: bool = False  # likewise for the main instance (lost, or dropped from the plan)
     fallbacks: list[str] = field(default_factory=list)
     cached: int = 0  # prompt tokens cached where it ran (colocated: the instance's own count)
+    held: list[int] = field(default_factory=list)  # merged tokens not yet released (playout reserve)
+    released: int = 0  # tokens given to the client
+    last_release: float = 0.0
+    last_main_token: float | None = None
 
     def restart(self, plan: Plan) -> None:
         """A new attempt on other instances; what the client already has is kept."""
@@ -63,6 +67,16 @@ class RouterRequest:
         """Whether the relay is (or will be) the one producing tokens: before a handoff,
         in a pipeline through the relay."""
         return self.pipeline in (m.P_RLD_MD, m.P_RLD) and not self.handed_off and not self.relay_done
+
+    @property
+    def pacing(self) -> bool:
+        """A relay produces and will hand over to the main instance: keep a reserve."""
+        return self.relay_producing and self.plan.main is not None and not self.main_done
+
+    @property
+    def relay_stopped(self) -> bool:
+        """Handed over, and the main instance's first token has not arrived yet."""
+        return self.handed_off is not None and self.merger.count(self.plan.main) == 0
 
     def done_members(self) -> set[str]:
         """Instances with nothing left of this request: no abort needs to reach them."""

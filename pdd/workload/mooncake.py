@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +136,25 @@ def scaled_lengths(record: TraceRecord, config: MooncakeConfig) -> tuple[int, in
     if config.max_context is not None:
         prompt = min(prompt, config.max_context - output)
     return prompt, output
+
+
+def fit_to_context(records: Sequence[TraceRecord], config: MooncakeConfig, context: int) -> tuple[MooncakeConfig, str]:
+    """The scale (from `config.scale` up) at which every record's prompt and output fit
+    a `context`-token model, and a note saying what was done. Lengths shrink together,
+    so the trace keeps its shape (and its prefix blocks); a request that still would not
+    fit is cut at its tail."""
+    room = context - config.max_output_tokens
+    if room < 1:
+        raise ValueError(f"a {context}-token context leaves no room for {config.max_output_tokens} output tokens")
+    longest = max((r.input_length for r in records), default=0)
+    scale = max(config.scale, math.ceil(longest / room))
+    fitted = replace(config, scale=scale, max_context=context)
+    cut = sum(sum(scaled_lengths(r, fitted)) < sum(scaled_lengths(r, replace(fitted, max_context=None)))
+              for r in records)
+    note = (f"mooncake lengths / {scale} to fit the served {context}-token context (longest input {longest:,} "
+            f"tokens -> {math.ceil(longest / scale):,}; blocks of {fitted.block_tokens} tokens)"
+            + (f"; {cut} requests cut at the tail" if cut else ""))
+    return fitted, note
 
 
 def trace_sessions(records: Sequence[TraceRecord], config: MooncakeConfig) -> list[Session]:

@@ -1,0 +1,47 @@
+"""When the router releases tokens to the client: a playout reserve that hides handoffs.
+
+A relay decodes a handful of sequences and outpaces the main instance several times;
+at a handoff the main instance needs a round trip, the rest of its current step and
+one extend step before its first token, a gap the user would see. So while a relay
+produces a request that will be handed over, the router keeps the newest `reserve`
+tokens in hand (never the first: TTFT is not delayed), releasing each as the next
+arrives; once the relay has stopped, it releases the reserve one token per `spacing`
+(the main instance's own pace) until the main instance's tokens arrive. The user sees
+the relay's tokens a few tokens late and no gap at the handoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Playout:
+    reserve: int  # tokens kept in hand while a relay produces (0: release at once)
+    spacing_s: float  # the main instance's gap between tokens, as measured
+
+
+def release(held: int, delivered: int, since_last_s: float, relay_producing: bool, relay_stopped: bool,
+            playout: Playout) -> int:
+    """How many of the `held` tokens (in order) to release now.
+
+    `relay_producing`: a relay produces and will hand over; `relay_stopped`: it has
+    handed over and the main instance has not produced yet. Otherwise (the main
+    instance produces, or nothing will be handed over) everything goes at once.
+    """
+    if not held:
+        return 0
+    if relay_producing:
+        keep = 0 if delivered == 0 and held == 1 else playout.reserve
+        due = 1 if since_last_s >= playout.spacing_s else 0
+        return max(held - keep, min(due, held), 1 if delivered == 0 else 0)
+    if relay_stopped:
+        return 1 if since_last_s >= playout.spacing_s else 0
+    return held
+
+
+def next_release_s(held: int, since_last_s: float, relay_stopped: bool, playout: Playout) -> float | None:
+    """Seconds until a held token is due on its own (None: only new tokens release)."""
+    if not held or not relay_stopped:
+        return None
+    return max(0.0, playout.spacing_s - since_last_s)
