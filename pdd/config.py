@@ -67,8 +67,10 @@ class PolicySpec:
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
     load_weight: float = 1.0  # ...against one queued token of work
     # PDD mode. P -> MD when MD's KV delta is predicted to arrive within this after
-    # prefill; otherwise P -> RLD -> MD. "pipeline" pins the choice (auto | P-MD | P-RLD-MD).
-    ttft_budget_ms: float = 150.0
+    # prefill (about two decode steps at this model's scale: a P -> MD first token is at
+    # most that much later than a relay's); otherwise P -> RLD -> MD. "pipeline" pins
+    # the choice (auto | P-MD | P-RLD-MD).
+    ttft_budget_ms: float = 60.0
     pipeline: str = "auto"
     handoff: str = "auto"  # auto | one_shot | catch_up
     # The spec's threshold is 64 tokens; a 64-token extend costs this model several decode

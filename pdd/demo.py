@@ -146,8 +146,9 @@ class Deployment:
         self._reader.join(5.0)
 
 
-def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    """Start one deployment, replay the workload against it, stop it; the summary."""
+def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], list[dict]]:
+    """Start one deployment, replay the workload against it, stop it; the summary and
+    the per-request records."""
     from pdd.bench.client import run_bench
     from pdd.bench.summary import summarize
     from pdd.workload.agentic import plan_sessions
@@ -167,8 +168,9 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> dict[str
         run = run_bench(url, sessions, timeout_s=REQUEST_TIMEOUT_S, quiet=args.quiet)
     finally:
         deployment.stop()
-    return summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms,
-                     slo_tpot_ms=args.slo_tpot_ms)
+    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms,
+                        slo_tpot_ms=args.slo_tpot_ms)
+    return summary, [r.to_dict() for r in run.records]
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
@@ -206,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pdd.bench.client import BenchError
-    from pdd.bench.report import write_report
+    from pdd.bench.report import write_report, write_requests
     from pdd.bench.summary import format_table
     err = Console(stderr=True)
     scenario = _scenario(args)
@@ -217,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         _note(err, f"`pdd up` is not usable, no mode can run: {exc}")
         return 1
     summaries: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
     for i, mode in enumerate(args.modes, 1):
         if accepted is not None and mode.split(":")[0] not in accepted:
@@ -227,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             err.rule(f"[{i}/{len(args.modes)}] {mode}")
         try:
-            summary = _run_mode(mode, args, err)
+            summary, records[mode] = _run_mode(mode, args, err)
         except (DeployError, BenchError, OSError) as exc:
             # One broken mode must not end the demo: the others still compare.
             failed[mode] = f"{type(exc).__name__}: {exc}"
@@ -266,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     }
     title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
     paths = write_report(args.out, summaries, title=title, meta=meta)
+    write_requests(args.out, records)
     out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False)
     return 0 if any(s["completed"] for s in summaries.values()) else 1
 

@@ -159,7 +159,8 @@ def test_pipeline_follows_reserved_hits_when_md_evicts_behind_the_router(tmp_pat
     B's hit from its mirror. P decides on the hits MD reserved: whatever has to cross
     goes through the relay and is handed over, and the relay only covers transfers."""
     # 30 ms each way: for a round trip after a reservation, the router's mirror of MD is stale
-    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 80.0, "delay_ms": 30.0, "jitter_ms": 0.5})
+    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 80.0, "delay_ms": 30.0, "jitter_ms": 0.5},
+                         policy={"ttft_budget_ms": 150.0})
     Path(conf).write_text(Path(conf).read_text() + """
 [[instances]]
 name = "p0"

@@ -162,6 +162,8 @@ def test_demo_compares_modes_and_leaves_nothing_running(
     assert code == 0, captured.err
     report = json.loads((out / "report.json").read_text())
     assert list(report["modes"]) == ["alpha", "beta"]
+    requests = json.loads((out / "requests.json").read_text())
+    assert {mode: len(r) for mode, r in requests.items()} == {"alpha": 6, "beta": 6}
     for summary in report["modes"].values():
         assert summary["requests"] == 6 and summary["completed"] == 6
     failed = report["meta"]["failed_modes"]

@@ -58,6 +58,14 @@ def write_report(out_dir: Path, summaries: dict[str, dict], *, title: str,
     return written
 
 
+def write_requests(out_dir: Path, records: Mapping[str, list[dict]]) -> Path:
+    """Every request's record, by mode (`requests.json`): what the summaries summarize."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "requests.json"
+    _write_atomic(path, json.dumps(records, allow_nan=False) + "\n")
+    return path
+
+
 def _write_atomic(path: Path, text: str) -> None:
     """A reader (or a browser refreshing) never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -202,19 +210,24 @@ def _producer_plot(summaries: Summaries) -> Figure | None:
     else:
         _no_data(left, "Output tokens by producer")
     if any(any(c) for c in counts.values()):
-        width = 0.8 / len(PIPELINES)
-        for i, (pipeline, values) in enumerate(counts.items()):
-            offsets = [x + (i - (len(PIPELINES) - 1) / 2) * width for x in range(len(modes))]
-            bars = right.bar(offsets, values, width, label=pipeline)
-            right.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7)
-        right.set_xticks(range(len(modes)), modes)
-        right.set_ylabel("requests")
-        right.set_title("Requests by pipeline")
-        right.legend(fontsize=8)
-        right.margins(y=0.12)
+        _count_panel(right, modes, counts, "Requests by pipeline")
     else:
         _no_data(right, "Requests by pipeline")
     return figure
+
+
+def _count_panel(ax: Axes, modes: list[str], counts: Mapping[str, list[int]], title: str) -> None:
+    """Request counts per mode, one bar per series, side by side."""
+    width = 0.8 / len(counts)
+    for i, (label, values) in enumerate(counts.items()):
+        offsets = [x + (i - (len(counts) - 1) / 2) * width for x in range(len(modes))]
+        bars = ax.bar(offsets, values, width, label=label)
+        ax.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel("requests")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.12)
 
 
 def _handoff_plot(summaries: Summaries) -> Figure | None:
@@ -224,20 +237,11 @@ def _handoff_plot(summaries: Summaries) -> Figure | None:
         return None
     figure, (left, right) = _figure(2, len(modes))
     _quantile_panel(left, summaries, "handoff_stall_ms", "MD's extend stall at a handoff")
-    kinds = {"one-shot handoff": lambda s: (s.get("handoffs") or {}).get("one_shot", 0),
-             "catch-up handoff": lambda s: (s.get("handoffs") or {}).get("catch_up", 0),
-             "ended on the relay": lambda s: (s.get("fallbacks") or {}).get("relay_finished", 0)}
-    width = 0.8 / len(kinds)
-    for i, (label, count) in enumerate(kinds.items()):
-        values = [count(summaries[m]) for m in modes]
-        bars = right.bar([x + (i - (len(kinds) - 1) / 2) * width for x in range(len(modes))], values, width,
-                         label=label)
-        right.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7)
-    right.set_xticks(range(len(modes)), modes)
-    right.set_ylabel("requests")
-    right.set_title("Requests through a relay")
-    right.legend(fontsize=8)
-    right.margins(y=0.12)
+    kinds = {"one-shot handoff": ("handoffs", "one_shot"), "catch-up handoff": ("handoffs", "catch_up"),
+             "ended on the relay": ("fallbacks", "relay_finished")}
+    counts = {label: [(summaries[m].get(key) or {}).get(name, 0) for m in modes]
+              for label, (key, name) in kinds.items()}
+    _count_panel(right, modes, counts, "Requests through a relay")
     return figure
 
 

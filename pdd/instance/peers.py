@@ -6,7 +6,7 @@ handoffs, aborts); urgent KV, on a request's critical path (P -> MD, the relay's
 copy); and background KV (MD's copy behind a relay). A reservation never waits behind
 megabytes of KV, and background frames hold back while urgent ones are being sent;
 the KV connections keep a small kernel send buffer, so what waits, waits here. Each
-connection's reader hands every frame to the owner; when one drops, the owner hears.
+connection's reader hands every body, typed, to the owner; when one drops, the owner hears.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ HELLO_TIMEOUT_S = 10.0
 BULK_SNDBUF = 64 * 1024
 CONTROL, URGENT, BACKGROUND = -1, 0, 1  # connections by what they carry
 
-OnFrame = Callable[[str, wire.Frame], Awaitable[None]]
+OnBody = Callable[[str, Any], Awaitable[None]]
 OnLost = Callable[[str], None]
 
 
@@ -41,9 +41,9 @@ class _Yield:
 
 
 class PeerPool:
-    def __init__(self, spec: InstanceSpec, dep: Deployment, key: bytes, on_frame: OnFrame, on_lost: OnLost) -> None:
+    def __init__(self, spec: InstanceSpec, dep: Deployment, key: bytes, on_body: OnBody, on_lost: OnLost) -> None:
         self._spec, self._dep, self._key = spec, dep, key
-        self._on_frame, self._on_lost = on_frame, on_lost
+        self._on_body, self._on_lost = on_body, on_lost
         self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
@@ -103,7 +103,13 @@ class PeerPool:
     async def _read(self, name: str, channel: int, conn: FramedConnection) -> None:
         try:
             while True:
-                await self._on_frame(name, await conn.recv())
+                frame = await conn.recv()
+                try:
+                    body = m.decode(frame)
+                except m.BadMessage as e:  # a peer's bug, not a reason to drop the connection
+                    log.warning("bad reply from %s: %s", name, e)
+                    continue
+                await self._on_body(name, body)
         except (ConnectionError, wire.FrameError) as e:
             log.warning("connection to %s lost: %s", name, e)
         except Exception:

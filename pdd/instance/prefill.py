@@ -164,12 +164,7 @@ class PrefillRole:
             job.task.cancel()
 
     # ---- from decode-side instances ------------------------------------------------------
-    async def _on_reply(self, peer: str, frame: wire.Frame) -> None:
-        try:
-            body = m.decode(frame)
-        except m.BadMessage as e:
-            log.warning("bad reply from %s: %s", peer, e)
-            return
+    async def _on_reply(self, peer: str, body: Any) -> None:
         rid = getattr(body, "rid", None)
         if isinstance(body, m.KVAck):
             self._line(peer).acked((body.rid, peer), body.token_end, body.done)
@@ -333,6 +328,7 @@ class PrefillRole:
         payload bytes sent. One export (an engine command waits for the step under way:
         once, not once a chunk), then chunk by chunk, one layer per frame."""
         self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
+        began = time.monotonic()
         blob = await self.engine.export_kv(job.rid, start, end)
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
@@ -340,4 +336,5 @@ class PrefillRole:
                 sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer)))
         await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
+        log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))
         return sent

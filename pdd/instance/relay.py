@@ -81,12 +81,7 @@ class RelayRole(DecodeSide):
             job.handoff.cancel()  # it ended here (finished, aborted): nothing to hand over
 
     # ---- replies from MD -------------------------------------------------------------------
-    async def _on_reply(self, main: str, frame: wire.Frame) -> None:
-        try:
-            body = m.decode(frame)
-        except m.BadMessage as e:
-            log.warning("bad reply from %s: %s", main, e)
-            return
+    async def _on_reply(self, main: str, body: Any) -> None:
         job = self.jobs.get(getattr(body, "rid", None) or "")
         if not isinstance(job, RelayJob):
             return
