@@ -137,6 +137,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
         before = httpx.get(f"{dep.wan_admin}/stats").json()
         short = _stream(dep.url, long_input, 4)
         after = httpx.get(f"{dep.wan_admin}/stats").json()
+        stats_p0_prefilled = httpx.get(f"{_http(dep)['p0']}/pdd/stats").json()["engine"]["prefill_tokens"]
         other = [rng.randrange(16, 4096) for _ in range(2300)]
         normal = _stream(dep.url, other, 600)  # the same input with a long output: not anomalous
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
@@ -145,6 +146,8 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
           f"long-output request: {normal['record']['pipeline']}, handoff {normal['record']['handoff']} "
           f"after {normal['record']['rld_output_tokens']} relay tokens")
     assert short["record"]["pipeline"] == "P-RLD" and short["record"]["anomalous"] and len(short["ids"]) == 4
+    assert short["record"]["instances"] == {"entry": "rld0", "relay": "rld0", "main": None}  # whole, on the relay
+    assert stats_p0_prefilled == 0
     assert moved == 0 and short["record"]["wan_bytes"] == 0
     assert normal["record"]["pipeline"] == "P-RLD-MD" and normal["record"]["handoff"]
     assert normal["record"]["md_output_tokens"] > 0  # it did not end on the relay

@@ -75,7 +75,7 @@ def test_plan_picks_roles_and_never_plans_relay_alone_unless_filtered():
     plan = plan_request(500, 200, _cands("p0"), _cands("md0", hit=480), _cands("rld0"), rule)
     assert (plan.entry, plan.relay, plan.main, plan.predicted_hit, plan.anomalous) == ("p0", "rld0", "md0", 480, False)
     filtered = plan_request(3000, 4, _cands("p0"), _cands("md0"), _cands("rld0"), rule)
-    assert (filtered.main, filtered.relay, filtered.anomalous) == (None, "rld0", True)
+    assert (filtered.entry, filtered.main, filtered.relay, filtered.anomalous) == ("rld0", None, "rld0", True)
     # the same request without a relay tier (plain P/D) is not filtered
     assert plan_request(3000, 4, _cands("p0"), _cands("md0"), [], rule).main == "md0"
     assert plan_request(300, 4, _cands("p0"), [], [], rule).main is None  # colocated

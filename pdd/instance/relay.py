@@ -10,7 +10,9 @@ nothing left of the request: its pages go to its prefix cache.
 If MD never gets ready (lost, or the line stalls) the relay simply finishes the
 request; if the connection to MD drops during a catch-up, it abandons the handoff and
 finishes too. Either way MD is sent the output as a fill, to keep for the session's
-next turn. The anomaly filter's requests (P -> RLD) have no MD at all.
+next turn. The anomaly filter's requests come straight from the router and run here
+whole, prefill and decode: they never reach MD, and their long prefills do not hold
+up P's queue.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from pdd.engine.engine import RequestError
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
+from pdd.instance.standalone import WholeRequests
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -48,6 +51,19 @@ class RelayRole(DecodeSide):
         super().__init__(node)
         self.policy = node.dep.policy
         self.peers = PeerPool(node.spec, node.dep, node.key, self._on_reply, self._on_main_lost)
+        self.whole = WholeRequests(node)  # the anomaly filter's requests: prefilled here too
+
+    async def on_router(self, router_id: str, body: Any) -> None:
+        if isinstance(body, m.Submit):
+            self.whole.submit(router_id, body)
+        else:
+            if isinstance(body, m.Abort):
+                self.whole.abort(body.rid)
+            await super().on_router(router_id, body)
+
+    def router_lost(self, router_id: str) -> None:
+        self.whole.router_lost(router_id)
+        super().router_lost(router_id)
 
     def close(self) -> None:
         self.peers.close()

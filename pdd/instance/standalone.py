@@ -22,21 +22,22 @@ async def report_failure(node: Node, router_id: str, rid: str, error: BaseExcept
     node.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid))
 
 
-class StandaloneRole:
+class WholeRequests:
+    """Requests this instance prefills and decodes itself: every request of a standalone
+    instance, and the anomaly filter's requests on a relay."""
+
     def __init__(self, node: Node) -> None:
         self.node = node
         self.jobs: dict[str, tuple[str, asyncio.Task]] = {}  # rid -> (router id, its task)
 
-    async def on_router(self, router_id: str, body: Any) -> None:
-        if isinstance(body, m.Submit):
-            if body.rid not in self.node.aborted:
-                self.jobs[body.rid] = (router_id, self.node.spawn(self._run(router_id, body)))
-        elif isinstance(body, m.Abort):
-            self.node.aborted.add(body.rid)
-            self.node.engine.abort(body.rid)
-        else:
-            self.node.to_router(router_id, m.Error(f"a standalone instance does not take {type(body).__name__}",
-                                                   getattr(body, "rid", None)))
+    def submit(self, router_id: str, s: m.Submit) -> None:
+        if s.rid not in self.node.aborted and s.rid not in self.jobs:
+            self.jobs[s.rid] = (router_id, self.node.spawn(self._run(router_id, s)))
+
+    def abort(self, rid: str) -> None:
+        self.node.aborted.add(rid)
+        if rid in self.jobs:
+            self.node.engine.abort(rid)
 
     async def _run(self, router_id: str, s: m.Submit) -> None:
         try:
@@ -48,6 +49,27 @@ class StandaloneRole:
         finally:
             self.jobs.pop(s.rid, None)
 
+    def router_lost(self, router_id: str) -> None:
+        for rid, (owner, task) in list(self.jobs.items()):
+            if owner == router_id:  # nobody will read these tokens: stop computing them
+                self.node.aborted.add(rid)
+                task.cancel()
+
+
+class StandaloneRole:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.whole = WholeRequests(node)
+
+    async def on_router(self, router_id: str, body: Any) -> None:
+        if isinstance(body, m.Submit):
+            self.whole.submit(router_id, body)
+        elif isinstance(body, m.Abort):
+            self.whole.abort(body.rid)
+        else:
+            self.node.to_router(router_id, m.Error(f"a standalone instance does not take {type(body).__name__}",
+                                                   getattr(body, "rid", None)))
+
     async def on_peer(self, conn, name, frame) -> None:  # no instance talks to a standalone one
         await self.node.send(conn, m.Error("a standalone instance takes no peer traffic"))
 
@@ -55,7 +77,4 @@ class StandaloneRole:
         pass
 
     def router_lost(self, router_id: str) -> None:
-        for rid, (owner, task) in list(self.jobs.items()):
-            if owner == router_id:  # nobody will read these tokens: stop computing them
-                self.node.aborted.add(rid)
-                task.cancel()
+        self.whole.router_lost(router_id)

@@ -5,7 +5,8 @@ P then picks the pipeline from the reservation (`pdd.policy.pipeline`). The anom
 filter is decided here, before anything is sent to MD, so a filtered request moves
 nothing across the line: ultra-long input, short output and a low hit at MD. Such a
 request cannot be batched with others and would eat the line for a few tokens; the
-relay runs it whole.
+relay runs it whole, prefill and decode (it is submitted to the relay, which is also
+the plan's entry), so its long prefill does not hold up P's queue either.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def is_anomalous(prompt_tokens: int, max_tokens: int, predicted_hit_tokens: int,
 
 @dataclass(frozen=True)
 class Plan:
-    entry: str  # the instance the request is submitted to: prefill (or standalone)
+    entry: str  # the instance the request is submitted to: prefill (standalone; a relay when filtered)
     main: str | None  # the main decode instance
     relay: str | None  # the relay
     predicted_hit: int  # at `main`, by the router's mirror
@@ -74,5 +75,5 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if relay and rld is None:
         return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback="no_relay")
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
-        return Plan(p.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
+        return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)

@@ -52,7 +52,7 @@ class RouterRequest:
 
     @property
     def members(self) -> list[str]:
-        return [n for n in (self.plan.entry, self.plan.relay, self.plan.main) if n]
+        return list(dict.fromkeys(n for n in (self.plan.entry, self.plan.relay, self.plan.main) if n))
 
     @property
     def pipeline(self) -> str:
@@ -61,6 +61,11 @@ class RouterRequest:
         if self.plan.main is None and self.plan.relay is None:
             return "colocated"
         return m.P_RLD if self.plan.main is None else (m.P_RLD_MD if self.plan.relay else m.P_MD)
+
+    @property
+    def whole(self) -> bool:
+        """It runs on one instance, prefill and decode (colocated, or filtered onto a relay)."""
+        return self.plan.main is None and self.plan.relay in (None, self.plan.entry)
 
     @property
     def relay_producing(self) -> bool:
@@ -81,7 +86,7 @@ class RouterRequest:
     def done_members(self) -> set[str]:
         """Instances with nothing left of this request: no abort needs to reach them."""
         done = set()
-        if self.result is not None or (self.plan.main is None and self.plan.relay is None):
+        if self.result is not None:
             done.add(self.plan.entry)
         if self.relay_done and self.plan.relay:
             done.add(self.plan.relay)
