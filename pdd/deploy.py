@@ -91,10 +91,11 @@ class Launcher:
         self.config_path = run_dir / "deployment.toml"
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
         log.close()
         self.children.append((name, proc))
         print(f"process {name}: pid {proc.pid}, log {self.run_dir / (name + '.log')}", flush=True)
@@ -124,7 +125,8 @@ class Launcher:
             print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
-            proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name])
+            nice = dep.topology.prefill_nice if inst.role == "prefill" else 0
+            proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
             print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):
             if name != "wan":
