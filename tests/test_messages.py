@@ -24,7 +24,7 @@ SAMPLES = [
     m.PipelineChosen("a.0", "P-RLD-MD", 10, 20, 1234.5, None),
     m.Result("a.0", 100, 100, 64),
     m.Handoff("a.0", 0, [1, 2], False, 0, 7, True), m.HandoffAck("a.0", 2), m.HandedOff("a.0", "catch_up", 40, 3),
-    m.Abort("a.0"), m.Release("a.0"), m.Error("boom", "a.0", True),
+    m.Abort("a.0"), m.Error("boom", "a.0", True),
     m.CacheUpdate("snapshot", 3, [2**64 - 1, 0], 16),
 ]
 

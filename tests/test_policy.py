@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdd.policy.handoff import MAX_CATCH_UP_ROUNDS, choose_handoff, cut_over
-from pdd.policy.pipeline import choose_pipeline
+from pdd.policy.pipeline import answer_wait_s, choose_pipeline
 from pdd.policy.plan import anomaly_rule, is_anomalous, plan_request
 from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
@@ -52,6 +52,11 @@ def test_pipeline_follows_the_reserved_delta_and_the_budget():
     assert choose_pipeline(large, LINE, [], 0.2, has_relay=False).pipeline == "P-MD"
     assert choose_pipeline(small, LINE, [], 0.2, has_relay=True, forced="P-RLD-MD").pipeline == "P-RLD-MD"
     assert choose_pipeline(large, LINE, [], 0.2, has_relay=True, forced="P-MD").pipeline == "P-MD"
+
+
+def test_p_waits_for_the_reservation_only_while_the_kv_could_still_be_in_time():
+    assert answer_wait_s(0.06, LINE) == pytest.approx(0.04)  # 60 ms budget, 20 ms line
+    assert answer_wait_s(0.01, LINE) == 0.0
 
 
 def test_anomaly_rule_scales_the_spec_to_the_model():

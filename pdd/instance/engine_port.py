@@ -30,10 +30,6 @@ class EngineLoad:
     free_pages: int
     cached_pages: int  # held by the prefix cache only: evictable
 
-    @property
-    def used_pages(self) -> int:
-        return self.pages - self.free_pages - self.cached_pages
-
 
 class OutputStream(Protocol):
     """One request's step outputs (tokens, its finish, catch-up progress), in order."""

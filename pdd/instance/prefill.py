@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
 from pdd.instance.standalone import report_failure
 from pdd.kv import codec
-from pdd.policy.pipeline import choose_pipeline
+from pdd.policy.pipeline import answer_wait_s, choose_pipeline
 from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -105,7 +105,9 @@ class PrefillJob:
     loaded: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its KVAck(done)
     reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
+    exports: int = 0  # transfers still to export P's KV: the pages go back once none is left
     task: asyncio.Task | None = None
+    submitted: float = field(default_factory=time.monotonic)
 
     @property
     def rid(self) -> str:
@@ -241,12 +243,20 @@ class PrefillRole:
             raise m.BadMessage("SUBMIT to a prefill instance must name its decode side")
         if s.main:  # MD reserves while P prefills: one WAN round trip, overlapped
             await self._reserve(job, s.main)
+        if s.relay:  # and so does the relay, in case the request goes its way (dropped if not)
+            await self._reserve(job, s.relay, s.main)
         first, cached, reason = None, 0, None
         async for out in self.engine.generate(s.rid, s.prompt, replace(s.params, max_tokens=1), hold=True):
             first, cached, reason = out.token, out.cached_tokens, out.finish_reason
         if first is None:
             raise RuntimeError("prefill was aborted")
+        t_prefilled = time.monotonic()
         pipeline, ack, predicted, fallback = await self._decide(job)
+        if s.relay and pipeline == m.P_MD:
+            job.holders.discard(s.relay)
+            self.node.spawn(self._tell(s.relay, m.Abort(s.rid)))
+        log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
+                  1000 * (t_prefilled - job.submitted), 1000 * (time.monotonic() - t_prefilled))
         self.node.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
                                                             predicted, fallback))
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
@@ -255,9 +265,10 @@ class PrefillRole:
             return
         paths = {}
         if pipeline in (m.P_RLD_MD, m.P_RLD):  # the fast path: full KV to the relay, which emits at once
-            paths[s.relay] = self._to_relay(job, first, s.main if pipeline == m.P_RLD_MD else None)
+            paths[s.relay] = self._to_relay(job, first)
         if pipeline in (m.P_MD, m.P_RLD_MD):  # the delta over the line, at the same time
             paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == m.P_RLD_MD else None)
+        job.exports = len(paths)
         outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
         if len(failed) == len(outcomes):
@@ -277,9 +288,10 @@ class PrefillRole:
         if s.main is None:
             return m.P_RLD, None, None, None
         budget = self.policy.ttft_budget_ms / 1000
+        line = self._line(s.main)
         waited = time.monotonic()
-        try:  # behind a relay, an answer later than the budget cannot be in time anyway
-            ack = await self._ack(job, s.main, budget if s.relay else ACK_TIMEOUT_S)
+        try:
+            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else ACK_TIMEOUT_S)
         except (RuntimeError, ConnectionError) as e:
             if not s.relay:
                 raise
@@ -287,7 +299,6 @@ class PrefillRole:
             return m.P_RLD, None, None, "main_refused"
         if ack is None and not s.relay:
             raise asyncio.TimeoutError(f"{s.main} did not answer the reservation")
-        line = self._line(s.main)
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
         decision = choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, s.relay is not None,
@@ -297,9 +308,8 @@ class PrefillRole:
                   predicted, line.estimate, line.in_flight(URGENT))
         return decision.pipeline, ack, predicted, None
 
-    async def _to_relay(self, job: PrefillJob, first: int, main: str | None) -> int:
+    async def _to_relay(self, job: PrefillJob, first: int) -> int:
         relay = job.submit.relay
-        await self._reserve(job, relay, main)
         ack = await self._ack(job, relay, ACK_TIMEOUT_S)
         if ack is None:
             raise asyncio.TimeoutError(f"{relay} did not answer the reservation")
@@ -329,7 +339,12 @@ class PrefillRole:
         once, not once a chunk), then chunk by chunk, one layer per frame."""
         self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
         began = time.monotonic()
-        blob = await self.engine.export_kv(job.rid, start, end)
+        try:
+            blob = await self.engine.export_kv(job.rid, start, end)
+        finally:
+            job.exports -= 1
+            if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
+                self.node.spawn(self.engine.release(job.rid))
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):

@@ -113,10 +113,9 @@ class DecodeSide:
                 await self.run(job, emit_from=0)
             else:
                 await self.on_loaded(job)
-        elif isinstance(body, (m.Release, m.Abort)):
+        elif isinstance(body, m.Abort):  # P drops what it reserved or sent, for nothing
+            self.node.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
-            if isinstance(body, m.Abort):
-                self.node.aborted.add(body.rid)
             if job is not None:
                 await self.end(job)
         else:

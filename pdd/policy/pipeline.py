@@ -25,6 +25,13 @@ class Decision:
     predicted_s: float | None  # when MD's delta was predicted to arrive (None: unknown)
 
 
+def answer_wait_s(budget_s: float, link: LinkEstimate) -> float:
+    """How long P waits, after prefill, for MD's reservation before choosing: an answer
+    later than this leaves the KV no time to cross within the budget (it still needs
+    one trip over the line), so the relay covers the request."""
+    return max(0.0, budget_s - link.one_way_s)
+
+
 def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequence[int], budget_s: float,
                     has_relay: bool, forced: str = "auto") -> Decision:
     """`delta_bytes`: KV MD lacks after its reservation (None: no reservation answer yet).

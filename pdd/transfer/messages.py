@@ -201,14 +201,6 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class Release:
-    """Drop a reservation that will not be used."""
-
-    TYPE: ClassVar[MsgType] = MsgType.RELEASE
-    rid: str
-
-
-@dataclass(frozen=True)
 class Error:
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     message: str
@@ -229,7 +221,7 @@ class CacheUpdate:
 
 
 Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, PipelineChosen, Result, Handoff,
-             HandoffAck, HandedOff, Abort, Release, Error, CacheUpdate]
+             HandoffAck, HandedOff, Abort, Error, CacheUpdate]
 _BY_TYPE: dict[MsgType, type] = {cls.TYPE: cls for cls in typing.get_args(Body)}
 _HINTS: dict[type, tuple[dict[str, Any], frozenset[str]]] = {}  # field types, required fields
 _CHOICES = {"pipeline": PIPELINES, "mode": (ONE_SHOT, CATCH_UP),

@@ -62,7 +62,7 @@ class MsgType(IntEnum):
     ERROR = 9  # the peer could not do what was asked
     PING = 10  # liveness and round-trip probe
     PONG = 11  # answer to PING, echoing its payload
-    RELEASE = 12  # drop a reservation that will not be used, without aborting
+    RELEASE = 12  # (protocol 1: drop a reservation; protocol 2 drops with ABORT)
     RESULT = 13  # final outcome of a request (finish reason, counts)
     SUBMIT = 14  # router -> P or standalone: run this request
     PIPELINE = 15  # P -> router: the pipeline chosen from the reserved hit
