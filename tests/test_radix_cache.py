@@ -55,3 +55,15 @@ def test_evicts_leaves_before_shared_parents():
     cache.evict(1)
     assert len(cache.match_prefix(list(range(8))).pages) == 2
     assert len(cache.match_prefix(list(range(4)) + [70, 71, 72, 73]).pages) == 1
+
+
+def test_a_look_without_touch_keeps_the_eviction_order():
+    for touch, survivor in ((False, "new"), (True, "old")):
+        pool, cache, _ = _cache()
+        prefixes = {"old": list(range(8)), "new": [50 + i for i in range(8)]}
+        cache.insert(prefixes["old"], pool.allocate(2))
+        cache.insert(prefixes["new"], pool.allocate(2))
+        assert len(cache.match_prefix(prefixes["old"], touch=touch).pages) == 2
+        assert cache.evict(2) == 2  # the least recently used branch goes: a mere look does not count as use
+        assert len(cache.match_prefix(prefixes[survivor]).pages) == 2
+        cache.flush()

@@ -54,14 +54,17 @@ class RadixCache:
         ps = self.page_size
         return [tuple(tokens[i : i + ps]) for i in range(0, len(tokens) - ps + 1, ps)]
 
-    def match_prefix(self, tokens: Sequence[int]) -> Match:
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> Match:
+        """The cached pages of `tokens`' longest cached prefix. Without `touch` it is a
+        look only: the pages keep their place in the eviction order."""
         node, pages = self.root, []
-        now = next(self._clock)
+        now = next(self._clock) if touch else None
         for key in self._pages(tokens):
             child = node.children.get(key)
             if child is None:
                 break
-            child.last_access = now
+            if touch:
+                child.last_access = now
             node = child
             pages.append(child.page)
         return Match(pages, node)

@@ -107,7 +107,8 @@ class EngineRuntime:
         return await self.call(lambda e: e.reserve(rid, prompt, params, use_cache))
 
     async def cached_prefix(self, tokens: list[int]) -> int:
-        return await self.call(lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1]).num_pages * e.pool.page_size)
+        return await self.call(lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages
+                               * e.pool.page_size)
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
         await self.call(lambda e: e.import_kv(rid, blob))
