@@ -97,6 +97,15 @@ def _short(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _label_panel(ax: Axes, modes: list[str], unit: str, title: str) -> None:
+    """The axes, title and legend every grouped-bar panel shares."""
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.12)
+
+
 def _quantile_panel(ax: Axes, summaries: Summaries, key: str, title: str) -> None:
     """p50/p90/p99 side by side per mode, log scale when the spread is wide."""
     modes = list(summaries)
@@ -114,11 +123,7 @@ def _quantile_panel(ax: Axes, summaries: Summaries, key: str, title: str) -> Non
                      fontsize=7, padding=1)
     if max(present) / min(present) > _LOG_RATIO:
         ax.set_yscale("log")
-    ax.set_xticks(range(len(modes)), modes)
-    ax.set_ylabel("ms")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.margins(y=0.12)
+    _label_panel(ax, modes, "ms", title)
 
 
 def _ttft_plot(summaries: Summaries) -> Figure | None:
@@ -223,11 +228,7 @@ def _count_panel(ax: Axes, modes: list[str], counts: Mapping[str, list[int]], ti
         offsets = [x + (i - (len(counts) - 1) / 2) * width for x in range(len(modes))]
         bars = ax.bar(offsets, values, width, label=label)
         ax.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7)
-    ax.set_xticks(range(len(modes)), modes)
-    ax.set_ylabel("requests")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.margins(y=0.12)
+    _label_panel(ax, modes, "requests", title)
 
 
 def _handoff_plot(summaries: Summaries) -> Figure | None:
