@@ -117,6 +117,10 @@ def test_reserve_waits_with_growing_pauses_then_gives_up():
     assert delays == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]
     assert reserve_retry_delay(0, 44.99, 45.0) == pytest.approx(0.01)
     assert reserve_retry_delay(3, 45.0, 45.0) is None
+    # A long wait neither overflows (2 ** attempt) nor chases the limit in ever smaller
+    # steps (which froze a simulated pool that never freed up).
+    assert reserve_retry_delay(5000, 1.0, 45.0) == 0.5
+    assert reserve_retry_delay(7, 45.0 - 1e-9, 45.0) is None
 
 
 def test_prefill_retry_only_before_the_first_token():
