@@ -1,8 +1,8 @@
 """The `pdd` command line.
 
 Each sub-command lives in the module that owns its job; this file only wires them.
-A module takes part by exposing `add_parser(subparsers) -> None`, which registers its
-parser and sets `func` (called with the parsed namespace, returning an exit code).
+A module takes part by exposing `add_parser(subparsers) -> None` (or the function named
+after a colon), which registers its parser and sets `func` (called with the parsed namespace, returning an exit code).
 Modules are imported lazily so `pdd --help` stays fast and torch is loaded only by the
 commands that need it.
 """
@@ -22,6 +22,8 @@ _COMMANDS: dict[str, str] = {
     "wan": "pdd.transfer.wan",
     "bench": "pdd.bench.cli",
     "demo": "pdd.demo",
+    "sim": "pdd.sim.cli",
+    "plan": "pdd.sim.cli:add_plan_parser",
 }
 
 
@@ -31,7 +33,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     wanted = argv[0] if argv and argv[0] in _COMMANDS else None
     for name, module in _COMMANDS.items():
         if wanted is None or name == wanted:
-            importlib.import_module(module).add_parser(sub)
+            path, _, function = module.partition(":")
+            getattr(importlib.import_module(path), function or "add_parser")(sub)
     return parser
 
 

@@ -68,6 +68,8 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos_ids = eos_ids
+        # (start, n) per sequence of the last step: what it computed, for step-time calibration
+        self.last_step: list[tuple[int, int]] = []
 
     # ---- request lifecycle -------------------------------------------------------------
     def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool) -> Sequence:
@@ -234,6 +236,7 @@ class Engine:
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.last_step = [(seq.num_computed, n) for seq, n in batch]
         if not batch:
             return []
         device = self.config.device

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 
-from pdd.workload.types import Session, Turn
+from pdd.workload.types import Session, SessionShape, Turn, TurnShape
 
 _NORMAL, _ANOMALOUS, _SCHEDULE, _SYSTEM = range(4)
 
@@ -94,6 +95,17 @@ def _ids(rng: np.random.Generator, config: AgenticConfig, n: int) -> tuple[int, 
     return tuple(rng.integers(config.low_id, config.vocab_size, size=n).tolist())
 
 
+def _count(rng: np.random.Generator, config: AgenticConfig, n: int) -> int:
+    """Draw the IDs (so every later draw is what `_ids` would see) but keep their number."""
+    rng.integers(config.low_id, config.vocab_size, size=n)
+    return n
+
+
+# What a turn appends: its token IDs (`_ids`) for a server, their number (`_count`) for
+# the simulator, which needs only the shape. Both see the same RNG draws.
+Draw = Callable[[np.random.Generator, AgenticConfig, int], Any]
+
+
 def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     return int(rng.integers(bounds[0], bounds[1] + 1))
 
@@ -103,12 +115,12 @@ def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     return min(bounds[1], int(value))
 
 
-def _normal_session(config: AgenticConfig, system: tuple[int, ...], index: int) -> tuple[Turn, ...]:
+def _normal_session(config: AgenticConfig, system: Any, index: int, draw: Draw) -> list[tuple[Any, int]]:
     rng = _rng(config.seed, _NORMAL, index)
-    first = Turn(system + _ids(rng, config, _uniform(rng, config.task_tokens)),
-                 _uniform(rng, config.output_tokens))
+    task = _uniform(rng, config.task_tokens)
+    first = (system + draw(rng, config, task), _uniform(rng, config.output_tokens))
     turns = [first]
-    context = len(first.append_ids) + first.max_tokens
+    context = config.system_prompt_tokens + task + first[1]
     for _ in range(_uniform(rng, config.turns) - 1):
         if rng.random() < config.large_tool_output_prob:
             tool = _uniform(rng, config.large_tool_output_tokens)
@@ -117,35 +129,69 @@ def _normal_session(config: AgenticConfig, system: tuple[int, ...], index: int) 
         output = _uniform(rng, config.output_tokens)
         if context + tool + output > config.max_context:
             break
-        turns.append(Turn(_ids(rng, config, tool), output))
+        turns.append((draw(rng, config, tool), output))
         context += tool + output
-    return tuple(turns)
+    return turns
 
 
-def _anomalous_session(config: AgenticConfig, index: int) -> tuple[Turn, ...]:
+def _anomalous_session(config: AgenticConfig, index: int, draw: Draw) -> list[tuple[Any, int]]:
     rng = _rng(config.seed, _ANOMALOUS, index)
-    prompt = _ids(rng, config, _uniform(rng, _anomalous_input_range(config)))
-    return (Turn(prompt, _uniform(rng, config.anomalous_output_tokens)),)
+    prompt = draw(rng, config, _uniform(rng, _anomalous_input_range(config)))
+    return [(prompt, _uniform(rng, config.anomalous_output_tokens))]
 
 
-def iter_sessions(config: AgenticConfig) -> Iterator[Session]:
-    """Yield sessions without end, ids 0, 1, 2, ...
-
-    Anomalous one-turn sessions are interleaved so that, in every prefix of the stream,
-    they make up `anomalous_fraction` of the turns (rounded), rather than arriving by
-    chance in clumps that would make short runs unrepresentative.
-    """
-    system = _ids(_rng(config.seed, _SYSTEM), config, config.system_prompt_tokens)
+def _stream(config: AgenticConfig, draw: Draw) -> Iterator[tuple[int, list[tuple[Any, int]], bool]]:
+    """(id, turns, anomalous) without end. Anomalous one-turn sessions are interleaved
+    so that, in every prefix of the stream, they make up `anomalous_fraction` of the
+    turns (rounded), rather than arriving by chance in clumps that would make short
+    runs unrepresentative."""
+    system = draw(_rng(config.seed, _SYSTEM), config, config.system_prompt_tokens)
     ratio = config.anomalous_fraction / (1.0 - config.anomalous_fraction)
     ids = itertools.count()
     normal_turns = anomalous = 0
     for index in itertools.count():
-        turns = _normal_session(config, system, index)
-        yield Session(next(ids), turns)
+        turns = _normal_session(config, system, index, draw)
+        yield next(ids), turns, False
         normal_turns += len(turns)
         while anomalous + 1 <= ratio * normal_turns + 0.5:
-            yield Session(next(ids), _anomalous_session(config, anomalous), anomalous=True)
+            yield next(ids), _anomalous_session(config, anomalous, draw), True
             anomalous += 1
+
+
+def iter_sessions(config: AgenticConfig) -> Iterator[Session]:
+    """Yield sessions without end, ids 0, 1, 2, ..."""
+    for sid, turns, anomalous in _stream(config, _ids):
+        yield Session(sid, tuple(Turn(a, n) for a, n in turns), anomalous=anomalous)
+
+
+def iter_session_shapes(config: AgenticConfig) -> Iterator[SessionShape]:
+    """`iter_sessions` without the token IDs: each turn's appended length (the first
+    turn's includes the shared system prompt), for the simulator."""
+    for sid, turns, anomalous in _stream(config, _count):
+        yield SessionShape(sid, tuple(TurnShape(a, n) for a, n in turns), anomalous=anomalous)
+
+
+S = TypeVar("S", Session, SessionShape)
+
+
+def _plan(config: AgenticConfig, sessions: Iterator[S], requests: int, rate: float) -> list[S]:
+    if requests < 1:
+        raise ValueError("requests must be >= 1")
+    if not rate > 0:
+        raise ValueError("rate must be > 0 (use math.inf to start all sessions at once)")
+    gaps = _rng(config.seed, _SCHEDULE)
+    planned: list[S] = []
+    left = requests
+    start = 0.0
+    for session in sessions:
+        turns = session.turns[:left]
+        planned.append(replace(session, turns=turns, start_s=start))
+        left -= len(turns)
+        if left == 0:
+            return planned
+        if math.isfinite(rate):
+            start += float(gaps.exponential(1.0 / rate))
+    raise AssertionError("the session stream is endless")
 
 
 def plan_sessions(config: AgenticConfig, requests: int, rate: float = math.inf) -> list[Session]:
@@ -156,23 +202,12 @@ def plan_sessions(config: AgenticConfig, requests: int, rate: float = math.inf) 
     first at 0; with an infinite rate every session starts at once. The plan depends only
     on the arguments, so every mode under comparison replays the same requests.
     """
-    if requests < 1:
-        raise ValueError("requests must be >= 1")
-    if not rate > 0:
-        raise ValueError("rate must be > 0 (use math.inf to start all sessions at once)")
-    gaps = _rng(config.seed, _SCHEDULE)
-    planned: list[Session] = []
-    left = requests
-    start = 0.0
-    for session in iter_sessions(config):
-        turns = session.turns[:left]
-        planned.append(replace(session, turns=turns, start_s=start))
-        left -= len(turns)
-        if left == 0:
-            return planned
-        if math.isfinite(rate):
-            start += float(gaps.exponential(1.0 / rate))
-    raise AssertionError("iter_sessions is endless")
+    return _plan(config, iter_sessions(config), requests, rate)
+
+
+def plan_session_shapes(config: AgenticConfig, requests: int, rate: float = math.inf) -> list[SessionShape]:
+    """`plan_sessions`, as shapes: the same sessions, turns and start times."""
+    return _plan(config, iter_session_shapes(config), requests, rate)
 
 
 @dataclass(frozen=True)

@@ -32,3 +32,20 @@ class Session:
     turns: tuple[Turn, ...]
     start_s: float = 0.0
     anomalous: bool = False
+
+
+@dataclass(frozen=True)
+class TurnShape:
+    """A turn as the simulator sees it: how many tokens it appends (the first turn's
+    count includes the shared system prompt), and its output length."""
+
+    append_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    id: int
+    turns: tuple[TurnShape, ...]
+    start_s: float = 0.0
+    anomalous: bool = False

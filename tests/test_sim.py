@@ -1,0 +1,384 @@
+"""The cluster simulator (`pdd.sim`): what a user of `pdd sim` would notice.
+
+Every request is accounted for and no pool room leaks; a line never moves more bytes
+than its bandwidth allows, shared fairly; more bandwidth never slows a lone request;
+a fully cached prompt sends (almost) nothing over the line; the simulator decides with
+the very functions the router and the instances call; the anomaly filter keeps a long,
+short-answer request on the relay; and a run is deterministic.
+
+Only simulated time is asserted (never wall-clock): everything here is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import simpy
+
+from pdd.sim import paper
+from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome
+from pdd.sim.hardware import line
+from pdd.sim.link import SharedLink
+from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
+from pdd.transfer.messages import CATCH_UP, ONE_SHOT, P_MD, P_RLD, P_RLD_MD
+
+REQUESTS = 300
+KVB = paper.MODEL.kv_bytes_per_token
+BLOCK = paper.BLOCK_TOKENS
+
+
+def _run(spec: DeploymentSpec, sessions: list[SimSession]) -> Cluster:
+    """Run to the end (every event processed: the simulation has drained)."""
+    env = simpy.Environment()
+    cluster = Cluster(env, spec)
+    cluster.run(sessions)
+    assert env.peek() == float("inf")
+    return cluster
+
+
+def _requests(sessions: list[SimSession]) -> int:
+    return sum(len(s.turns) for s in sessions)
+
+
+def _capacity(role: str, tokens: int, count: int = 1, dc: str = "A", hw: str = "A"):
+    return dataclasses.replace(paper.role(role, dc, count, hw), capacity_tokens=tokens)
+
+
+# ---- 1. every request completes or is counted as failed; no pool room leaks ----------------
+
+def _agentic(rate: float = 2.0) -> list[SimSession]:
+    return agentic_sessions(paper.WORKLOAD, REQUESTS, rate)
+
+
+def _scenarios() -> dict[str, tuple[DeploymentSpec, list[SimSession]]]:
+    R, dep = paper.role, paper.deployment
+    wl = _agentic()
+    scenarios = {name: (spec, wl) for name, spec in paper.paper_deployments().items()}
+    # A decode pool that holds two or three requests at a time: reservations wait for room.
+    scenarios["cross-dc-pd, tight MD pool"] = (
+        dep("tight", (R("prefill", "A", 2, "A"), _capacity("main", 150_000, dc="B", hw="B"))), wl)
+    scenarios["pdd, tight MD pool"] = (
+        dep("tight", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
+                      _capacity("main", 150_000, dc="B", hw="B"))), wl)
+    # A decode pool smaller than many requests: some reservations are refused.
+    scenarios["cross-dc-pd, MD pool too small"] = (
+        dep("small-md", (R("prefill", "A", 2, "A"), _capacity("main", 40_000, dc="B", hw="B"))), wl)
+    scenarios["pdd, MD pool too small"] = (
+        dep("small-md", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
+                         _capacity("main", 40_000, dc="B", hw="B"))), wl)
+    # A relay too small for the anomalous requests and for low-hit long prompts.
+    scenarios["pdd, tiny relay"] = (
+        dep("tiny-relay", (R("prefill", "A", 2, "A"), _capacity("relay", 30_000),
+                           R("main", "B", 2, "B"))), wl)
+    # One colocated instance whose pool cannot hold the longest requests.
+    scenarios["colocated, pool too small"] = (dep("small-colo", (_capacity("standalone", 30_000),)), wl)
+    # Low-hit, not anomalous (prompt under half the context) prompts with a one-token
+    # answer: P-RLD-MD, where P's token is the whole answer.
+    one_token = [SimSession(i, 100.0 * i, (SimTurn(20_000, 1),), 0) for i in range(5)]
+    scenarios["pdd, one-token answers"] = (paper.paper_deployments()["pdd"], one_token)
+    return scenarios
+
+
+SCENARIOS = _scenarios()
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> None:
+    spec, sessions = SCENARIOS[name]
+    cluster = _run(spec, sessions)
+    outcomes = cluster.outcomes
+    problems = []
+    seen = {(o.session, o.turn) for o in outcomes}
+    missing = [(s.id, k) for s in sessions for k in range(len(s.turns)) if (s.id, k) not in seen]
+    # `pdd bench` records every turn: a failed one with its error, and the later turns of
+    # its session as failed "not sent" (pdd/bench/client.py `_run_session`).
+    if len(outcomes) != _requests(sessions):
+        problems.append(f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
+                        f"{len(missing)} never recorded, e.g. {missing[:5]}")
+    for o in outcomes:
+        if o.failed:
+            continue
+        if not (o.ttft_s is not None and o.ttft_s > 0 and o.end_s is not None
+                and o.end_s >= o.arrival_s + o.ttft_s - 1e-9 and o.tokens == o.max_tokens):
+            problems.append(f"neither served in full nor failed: {o}")
+    leaked = {n: i.used for n, i in cluster.instances.items() if i.used != 0}
+    if leaked:
+        problems.append(f"pool tokens still reserved after the run drained: {leaked}")
+    stuck = {n: [(q.pending, q.produce) for q in i.waiting] for n, i in cluster.instances.items() if i.waiting}
+    if stuck:
+        problems.append(f"sequences never admitted (pending, produce): {stuck}")
+    running = {n: len(i.running) for n, i in cluster.instances.items() if i.running}
+    if running:
+        problems.append(f"sequences still running: {running}")
+    queued = {n: i.queued_tokens for n, i in cluster.instances.items() if i.queued_tokens}
+    if queued:
+        problems.append(f"router's queued work not given back: {queued}")
+    assert not problems, "\n".join(problems)
+
+
+def test_relay_refusal_leaves_the_request_to_the_main_instance() -> None:
+    """A P-RLD-MD request whose relay cannot hold it, while MD reserved it: live, P's KV
+    reaches MD anyway and MD takes over from P's token (pdd/instance/prefill.py `_serve`:
+    "MD has the KV but nobody produces"). It is late (the relay refuses after
+    RESERVE_WAIT_S), but it is served, not failed."""
+    R = paper.role
+    spec = paper.deployment("small-relay", (R("prefill", "A", 1, "A"), _capacity("relay", 10_000),
+                                            R("main", "B", 1, "B")))
+    cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(20_000, 200),), 0)])
+    (o,) = cluster.outcomes
+    assert o.failed is None, o
+    assert o.tokens == o.max_tokens and o.md_tokens == o.max_tokens, o
+    assert all(i.used == 0 for i in cluster.instances.values())
+
+
+# ---- 2. the line ---------------------------------------------------------------------------
+
+GBPS = 10.0
+DELAY_MS = 3.0
+
+
+def _link() -> tuple[simpy.Environment, SharedLink]:
+    env = simpy.Environment()
+    return env, SharedLink(env, line(GBPS, DELAY_MS), "wan")
+
+
+def _send_at(env: simpy.Environment, link: SharedLink, at: float, nbytes: float, priority: int,
+             done: dict[int, float], key: int):
+    def go():
+        yield env.timeout(at)
+        yield link.send(nbytes, priority)
+        done[key] = env.now
+    return env.process(go())
+
+
+def test_link_never_beats_its_bandwidth() -> None:
+    env, link = _link()
+    bw, delay = link.line.bytes_per_s, DELAY_MS / 1000
+    rng = random.Random(7)
+    transfers = []  # (start, bytes, priority)
+    for _ in range(300):
+        transfers.append((rng.uniform(0.0, 2.0), rng.choice([1e4, 1e6, 1e7]) * rng.uniform(0.1, 30.0),
+                          rng.choice([0, 1])))
+    done: dict[int, float] = {}
+    for k, (at, nbytes, prio) in enumerate(transfers):
+        _send_at(env, link, at, nbytes, prio, done, k)
+    env.run()
+    assert len(done) == len(transfers)
+    assert link.stats.bytes == pytest.approx(sum(n for _, n, _ in transfers))
+    tol = 1e-6 * bw  # float residue
+    for k, (at, nbytes, _) in enumerate(transfers):
+        # alone on the line at best, and never before the bytes could have crossed
+        assert done[k] >= at + nbytes / bw + delay - 1e-9, (k, at, nbytes, done[k])
+    first = min(at for at, _, _ in transfers)
+    delivered = 0.0
+    for k in sorted(done, key=done.get):
+        delivered += transfers[k][1]
+        t = done[k]
+        assert delivered <= bw * (t - delay - first) + tol, (t, delivered, bw * (t - delay - first))
+    # Work-conserving: the line is never idle while bytes wait, so its last byte lands
+    # when a single FIFO server of the same rate would finish (any order, same total).
+    free = 0.0
+    for at, nbytes, _ in sorted(transfers):
+        free = max(free, at) + nbytes / bw
+    assert max(done.values()) == pytest.approx(free + delay, rel=1e-9)
+
+
+def test_link_processor_sharing_and_priority() -> None:
+    env, link = _link()
+    bw, delay = link.line.bytes_per_s, DELAY_MS / 1000
+    size = 50e6
+    done: dict[int, float] = {}
+    # two equal transfers together finish together, at twice one alone
+    _send_at(env, link, 0.0, size, 0, done, 0)
+    _send_at(env, link, 0.0, size, 0, done, 1)
+    # later: a transfer of 2S and one of S share; S finishes at 2S/bw, 2S at 3S/bw
+    t1 = 1.0
+    _send_at(env, link, t1, 2 * size, 0, done, 2)
+    _send_at(env, link, t1, size, 0, done, 3)
+    # later still: a background transfer is overtaken by an urgent one, which runs as if alone
+    t2 = 2.0
+    _send_at(env, link, t2, size, 1, done, 4)
+    _send_at(env, link, t2 + 0.01, size, 0, done, 5)
+    # an empty transfer takes the one-way delay only
+    _send_at(env, link, 3.0, 0, 0, done, 6)
+    env.run()
+    assert done[0] == pytest.approx(2 * size / bw + delay, rel=1e-9)
+    assert done[1] == pytest.approx(done[0], rel=1e-12)
+    assert done[3] == pytest.approx(t1 + 2 * size / bw + delay, rel=1e-9)
+    assert done[2] == pytest.approx(t1 + 3 * size / bw + delay, rel=1e-9)
+    assert done[5] == pytest.approx(t2 + 0.01 + size / bw + delay, rel=1e-9)
+    assert done[4] == pytest.approx(t2 + 2 * size / bw + delay, rel=1e-9)
+    assert done[6] == pytest.approx(3.0 + delay, rel=1e-9)
+
+
+# ---- 3. more bandwidth never slows a lone request ------------------------------------------
+
+def _lone_sessions(requests: int = 80) -> list[SimSession]:
+    """Agentic sessions 5,000 simulated seconds apart: one request in the system at a
+    time (a session's turns follow each other)."""
+    sessions = agentic_sessions(paper.WORKLOAD, requests, 1.0)
+    return [dataclasses.replace(s, start_s=5000.0 * i) for i, s in enumerate(sessions)]
+
+
+@pytest.mark.parametrize("deployment", ["cross-dc-pd", "pdd"])
+def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> None:
+    sessions = _lone_sessions()
+    runs = {}
+    for gbps in (10.0, 25.0, 100.0):
+        outcomes = _run(paper.paper_deployments(gbps)[deployment], sessions).outcomes
+        assert len(outcomes) == _requests(sessions) and not any(o.failed for o in outcomes)
+        runs[gbps] = {(o.session, o.turn): o for o in outcomes}
+    budget = paper.POLICY.ttft_budget_ms / 1000
+    for low, high in ((10.0, 25.0), (25.0, 100.0)):
+        for key, slow in runs[low].items():
+            fast = runs[high][key]
+            if fast.pipeline == slow.pipeline:
+                assert fast.ttft_s <= slow.ttft_s + 1e-9, (deployment, key, low, high, slow, fast)
+            else:
+                # PDD only: a faster line lets P choose P-MD for a delta that went through the
+                # relay on a slower line. By design that first token may come later than the
+                # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
+                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (P_RLD_MD, P_MD), (key, slow, fast)
+                assert fast.ttft_s <= slow.ttft_s + budget + 1e-9, (key, slow, fast)
+
+
+# ---- 4. a fully cached prompt sends (almost) nothing --------------------------------------
+
+@pytest.mark.parametrize("deployment", ["cross-dc-pd", "pdd"])
+@pytest.mark.parametrize("prompt", [32 * BLOCK, 32 * BLOCK + 77])
+def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) -> None:
+    """The same prompt, again and again (one session; and separate sessions sharing one
+    trace prefix). After the first, the decode side holds every full block of it.
+
+    Not exactly 0 bytes cross: the simulator's hit, as the engine's match, leaves at least
+    one prompt token to compute (its logits give the next token), and only whole blocks
+    are cached. So the delta is the prompt's last token when the prompt is block-aligned,
+    and its partial last block otherwise: always under one block's KV."""
+    spec = paper.paper_deployments()[deployment]
+    again = [SimSession(0, 0.0, tuple(SimTurn(prompt, 64) for _ in range(6)), 0)]
+    keys = tuple(("shared-prefix", i) for i in range(prompt // BLOCK))
+    traced = [SimSession(i, 1000.0 * i, (SimTurn(prompt, 64),), 0, trace_keys=keys) for i in range(6)]
+    tail = prompt - min(prompt // BLOCK * BLOCK, prompt - 1)
+    for sessions in (again, traced):
+        outcomes = sorted(_run(spec, sessions).outcomes, key=lambda o: o.arrival_s)
+        assert len(outcomes) == 6 and not any(o.failed for o in outcomes)
+        assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
+        for o in outcomes[1:]:
+            assert o.pipeline == P_MD, o
+            assert o.d_hit == prompt - tail, o
+            assert o.wan_bytes == tail * KVB, o
+            assert o.wan_bytes <= BLOCK * KVB, o
+
+
+# ---- 5. the simulator decides with the serving system's functions --------------------------
+
+def test_simulator_calls_the_router_and_instance_policies() -> None:
+    import pdd.instance.prefill as prefill
+    import pdd.instance.receiver as receiver
+    import pdd.instance.relay as relay
+    import pdd.router.backend as router
+    import pdd.sim.cluster as cluster
+
+    assert cluster.plan_request is router.plan_request
+    assert cluster.anomaly_rule is router.anomaly_rule
+    assert cluster.choose_pipeline is prefill.choose_pipeline
+    assert cluster.answer_wait_s is prefill.answer_wait_s
+    assert cluster.kv_range is prefill.kv_range
+    assert cluster.choose_handoff is relay.choose_handoff
+    assert cluster.cut_over is relay.cut_over
+    assert cluster.reserve_retry_delay is receiver.reserve_retry_delay
+    assert cluster.RESERVE_WAIT_S == receiver.RESERVE_WAIT_S
+
+
+# ---- 6. the anomaly filter -----------------------------------------------------------------
+
+def test_anomalous_request_runs_wholly_on_the_relay() -> None:
+    spec = paper.paper_deployments()["pdd"]
+    prompt = 40_000  # over half the 64K context, fresh: a low hit everywhere
+    cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(prompt, 32),), 0, anomalous=True)])
+    (o,) = cluster.outcomes
+    assert o.failed is None and o.anomalous
+    assert o.pipeline == P_RLD
+    assert o.tokens == o.rld_tokens == 32 and o.md_tokens == 0
+    assert o.wan_bytes == 0 and o.handoff is None
+    # its prefill ran on the relay, not on P's queue; the main instances saw nothing
+    by_role = {}
+    for inst in cluster.instances.values():
+        by_role[inst.role] = by_role.get(inst.role, 0) + inst.stats.prefill_tokens + inst.stats.tokens_out
+    assert by_role["prefill"] == 0 and by_role["main"] == 0
+    assert by_role["relay"] == prompt + 32
+    assert cluster.wan.stats.bytes == 0
+
+
+def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
+    spec = paper.paper_deployments()["pdd"]
+    prompt, output = 31_000, 1000
+    # turn 1 is fresh (a low hit, a long output); turn 2 is long (over half the context)
+    # with a short output, but MD now holds its prefix, so it is not anomalous, and its
+    # small delta goes P-MD
+    session = SimSession(0, 0.0, (SimTurn(prompt, output), SimTurn(prompt + output + 1_000, 32)), 0)
+    first, second = sorted(_run(spec, [session]).outcomes, key=lambda o: o.turn)
+    assert first.failed is None and not first.anomalous
+    assert first.pipeline == P_RLD_MD
+    assert first.handoff in (ONE_SHOT, CATCH_UP)
+    assert first.handoff_tokens >= 1 and first.md_tokens >= 1
+    assert first.rld_tokens + first.md_tokens == first.tokens == output
+    assert first.wan_bytes == prompt * KVB
+    assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
+    assert second.failed is None and not second.anomalous and second.pipeline == P_MD
+    assert second.d_hit >= prompt
+
+
+# ---- 7. determinism ------------------------------------------------------------------------
+
+def test_same_sessions_same_outcomes() -> None:
+    def once() -> list[Outcome]:
+        return _run(paper.paper_deployments()["pdd"], agentic_sessions(paper.WORKLOAD, REQUESTS, 2.0)).outcomes
+
+    a, b = once(), once()
+    assert len(a) == REQUESTS
+    assert a == b
+
+
+# ---- 8. a running request's cached prefix is never evicted under it ----------------------
+
+def test_a_running_requests_prefix_is_pinned_against_eviction():
+    from pdd.sim.cache import BlockCache
+
+    cache = BlockCache(4)
+    cache.insert(["a0", "a1"])
+    cache.pin(["a0", "a1"])  # a request runs on this prefix
+    cache.insert(["b0", "b1", "b2", "b3"])  # newer blocks push the cache past capacity
+    assert cache.match(["a0", "a1"]) == 2  # the pinned prefix stayed; older unpinned blocks went
+    assert len(cache) == 4 and cache.evicted == 2
+    cache.unpin(["a0", "a1"])
+    cache.shrink(1)
+    assert cache.match(["a0"]) == 0 and len(cache) == 1
+
+
+def test_pool_room_counts_the_pinned_prefix():
+    """A hold beside a pinned prefix needs room for both: the pool never over-commits."""
+    env = simpy.Environment()
+    inst = dataclasses.replace(paper.role("main", "B", 1, "B"), capacity_tokens=10 * BLOCK)
+    cluster = Cluster(env, paper.deployment("x", (paper.role("prefill", "A", 1, "A"), inst)))
+    md = cluster.instances["main0@B"]
+    md.cache.insert([("s", i) for i in range(6)])
+    hold = md.hold(4 * BLOCK, [("s", i) for i in range(6)])
+    assert hold is not None and md.hold(1, ()) is None  # 6 pinned + 4 held = the whole pool
+    hold.release()
+    assert md.used == 0 and md.hold(4 * BLOCK, ()) is not None
+
+
+# ---- 9. goodput is judged in steady state ------------------------------------------------
+
+def test_a_steady_window_judges_only_what_arrives_in_it():
+    from pdd.sim.runner import Window, run_window, steady_sessions, tail_s
+
+    slo = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
+    window = Window(30.0, 60.0, tail_s(paper.WORKLOAD.output_tokens[1], slo))
+    result = run_window(paper.paper_deployments()["same-dc-pd"], steady_sessions(paper.WORKLOAD), 0.5, window, slo)
+    assert 0 < result["requests"] < result["simulated_requests"]  # the warm-up is simulated, not judged
+    assert result["offered_rps"] == pytest.approx(result["requests"] / 30.0)
+    assert result["slo_attainment"] == 1.0  # a light load meets the SLO

@@ -1,0 +1,153 @@
+"""The step-time calibration: the fit recovers what generated its data, never goes
+negative, the measured loads are what the engine scheduled, and bad profiles are refused.
+No timing is asserted: the machine running the tests is shared and noisy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdd.engine.config import EngineConfig
+from pdd.sim.calibrate import LocalProfile, _nnls, fit, load_profile, measure, profile_to_json
+from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
+
+TRUTH = Fitted(base_s=1.5e-3, per_token_s=9e-5, per_pair_s=7e-8, per_seq_s=2e-5, per_kv_token_s=1.2e-6)
+
+
+def _loads() -> list[StepLoad]:
+    """Prefills, cached tails, decode batches and extends beside them."""
+    loads = [chunk_load(0, n) for n in (32, 100, 700, 2000)]
+    loads += [chunk_load(p, n) for p in (512, 2992) for n in (8, 256, 1000)]
+    for batch, context in ((1, 64), (8, 1024), (48, 3000), (16, 256)):
+        decode = EMPTY
+        for i in range(batch):
+            decode = add(decode, chunk_load(context + i, 1))
+        loads += [decode, add(decode, chunk_load(context, 32)), add(decode, chunk_load(0, 300))]
+    return loads
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    fitted = fit([(load, TRUTH.step_s(load)) for load in _loads()], threads=2)
+    for name in ("base_s", "per_token_s", "per_pair_s", "per_seq_s", "per_kv_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    assert "2 torch thread(s)" in fitted.source and f"{len(_loads())} steps" in fitted.source
+
+
+def test_fit_is_never_negative_where_least_squares_would_be() -> None:
+    truth = Fitted(1.5e-3, 9e-5, 7e-8, 0.0, 1.2e-6)
+    rng = np.random.default_rng(3)
+    samples = [(load, truth.step_s(load) * rng.uniform(0.9, 1.1)) for load in _loads()]
+    times = np.array([t for _, t in samples])
+    design = np.array([[1, x.new_tokens, x.attn_pairs, x.seqs, x.kv_read_tokens] for x, _ in samples]) / times[:, None]
+    unconstrained = np.linalg.lstsq(design, np.ones(len(samples)), rcond=None)[0]
+    assert unconstrained.min() < 0  # else this test would not exercise the constraint
+    fitted = fit(samples)
+    coef = [fitted.base_s, fitted.per_token_s, fitted.per_pair_s, fitted.per_seq_s, fitted.per_kv_token_s]
+    assert min(coef) >= 0
+    assert fitted.per_seq_s == 0.0
+
+
+def _brute_force_nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The best feasible least-squares solution over every subset of free coefficients."""
+    best, best_residual = np.zeros(a.shape[1]), float(np.linalg.norm(b))
+    for k in range(1, a.shape[1] + 1):
+        for subset in itertools.combinations(range(a.shape[1]), k):
+            x = np.zeros(a.shape[1])
+            x[list(subset)] = np.linalg.lstsq(a[:, subset], b, rcond=None)[0]
+            residual = float(np.linalg.norm(a @ x - b))
+            if x.min() >= 0 and residual < best_residual:
+                best, best_residual = x, residual
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_nnls_finds_the_constrained_optimum(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=(12, 5)), rng.normal(size=12)
+    np.testing.assert_allclose(_nnls(a, b), _brute_force_nnls(a, b), atol=1e-9)
+
+
+def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pdd.engine.scheduler import Scheduler
+
+    scheduled: list[StepLoad] = []
+    schedule = Scheduler.schedule
+
+    def recording(self: Scheduler) -> list:
+        batch = schedule(self)
+        load = EMPTY
+        for seq, n in batch:
+            load = add(load, chunk_load(seq.num_computed, n))
+        scheduled.append(load)
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    threads = torch.get_num_threads()
+    calls: list[tuple[int, int]] = []
+    samples = measure(str(tiny_model_dir), EngineConfig(), threads=1, budget_s=0.5,
+                      progress=lambda done, total: calls.append((done, total)))
+    assert torch.get_num_threads() == threads
+    loads = [load for load, _ in samples]
+    assert loads[:2] == [StepLoad(32, 32 * 33 / 2, 1, 32), StepLoad(100, 100 * 101 / 2, 1, 100)]
+    assert all(load in scheduled for load in loads)
+    assert all(t > 0 for _, t in samples)
+    assert calls[0][0] == 1 and calls[-1][0] == len(samples) and calls[-1][1] >= len(samples)
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    samples = [(load, TRUTH.step_s(load)) for load in _loads()]
+    local = LocalProfile(fit(samples), kv_bytes_per_token=4096, max_context=4096, request_overhead_s=0.004, cores=2)
+    profile = profile_to_json(local, samples, threads=4)
+    assert profile["samples"] == len(samples) and profile["threads"] == 4
+    assert profile["median_rel_error"] < 1e-6 and profile["p90_rel_error"] < 1e-6
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    assert load_profile(path) == local
+
+
+def _good_profile() -> dict:
+    return {"version": 1, "fitted": {**TRUTH.to_dict()}, "samples": 10, "median_rel_error": 0.1,
+            "p90_rel_error": 0.2, "threads": 1, "kv_bytes_per_token": 4096, "max_context": 4096,
+            "request_overhead_s": 0.004, "cores": 2}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+@pytest.mark.parametrize("text", [
+    "{not json",
+    "[1, 2]",
+    json.dumps({**_good_profile(), "version": 2}),
+    json.dumps(_without(_good_profile(), "fitted")),
+    json.dumps({**_good_profile(), "fitted": _without(TRUTH.to_dict(), "per_seq_s")}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_gpu_s": 1.0}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "base_s": -1e-3}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_token_s": "fast"}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "source": 3}}),
+    json.dumps({**_good_profile(), "samples": 0}),
+    json.dumps({**_good_profile(), "threads": True}),
+    json.dumps(_without(_good_profile(), "p90_rel_error")),
+    json.dumps(_without(_good_profile(), "request_overhead_s")),
+    json.dumps({**_good_profile(), "cores": 0}),
+])
+def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="bad.json"):
+        load_profile(path)
+    path.write_text(json.dumps(_good_profile()))
+    assert load_profile(path).steps == TRUTH
+
+
+def test_importing_the_module_does_not_import_torch() -> None:
+    code = "import sys, pdd.sim.calibrate; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

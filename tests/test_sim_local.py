@@ -1,0 +1,52 @@
+"""This machine's deployments, simulated: `pdd sim --profile` and the calibration check.
+
+The check's verdict is what a user reads, so it must flag a mode whose measured TTFT
+the simulation misses by more than the tolerance, and pass one it predicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdd import config as cfg
+from pdd.cli import main
+from pdd.sim.calibrate import LocalProfile, profile_to_json
+from pdd.sim.check import check
+from pdd.sim.local import simulate_demo
+from pdd.sim.metrics import summary
+from pdd.sim.steps import Fitted, StepLoad
+from pdd.workload.scenarios import SCENARIOS
+
+STEPS = Fitted(0.002, 8e-5, 9e-8, 2e-5, 1e-6, source="test")
+PROFILE = LocalProfile(STEPS, kv_bytes_per_token=4096, max_context=4096, request_overhead_s=0.02, cores=2)
+
+
+def _write_profile(path: Path) -> None:
+    samples = [(StepLoad(n, n * n / 2, 1, n), STEPS.step_s(StepLoad(n, n * n / 2, 1, n))) for n in (1, 64, 512)]
+    path.write_text(json.dumps(profile_to_json(PROFILE, samples)))
+
+
+def test_sim_simulates_a_deployment_of_this_machine(tmp_path: Path) -> None:
+    profile, out = tmp_path / "profile.json", tmp_path / "sim.json"
+    _write_profile(profile)
+    assert main(["sim", "--profile", str(profile), "--modes", "pd-cross-dc,pdd", "--requests", "8",
+                 "--out", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"pd-cross-dc", "pdd"}
+    assert all(m["requests"] == 8 and m["completed"] == 8 for m in modes.values())
+    assert sum(modes["pdd"]["pipelines"].values()) == 8 and modes["pd-cross-dc"]["wan_bytes"] > 0
+
+
+def test_check_flags_the_mode_it_mispredicts() -> None:
+    scenario = SCENARIOS["paper"]
+    predicted = {mode: summary(simulate_demo(cfg.load(None), mode, PROFILE, scenario, 6, scenario.rate), 2000, 200)
+                 for mode in ("colocated", "pdd")}
+    measured = {"colocated": predicted["colocated"],
+                "pdd": predicted["pdd"] | {"ttft_ms": {q: 3 * v for q, v in predicted["pdd"]["ttft_ms"].items()}}}
+    report = {"modes": measured, "meta": {"config": {"scenario": "paper", "rate": scenario.rate, "requests": 6,
+                                                     "seed": 0, "slo_ttft_ms": 2000, "slo_tpot_ms": 200}}}
+    result = check(report, PROFILE)["modes"]
+    assert result["colocated"]["within"] and result["colocated"]["p50"]["error"] == pytest.approx(0.0)
+    assert not result["pdd"]["within"] and result["pdd"]["p50"]["error"] == pytest.approx(-2 / 3)
