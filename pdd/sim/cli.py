@@ -46,7 +46,11 @@ def _live(args: argparse.Namespace) -> int:
     from pdd.workload.scenarios import SCENARIOS
 
     console = Console()
-    dep, profile, scenario = cfg.load(args.config), load_profile(args.profile), SCENARIOS[args.scenario]
+    try:
+        dep, profile, scenario = cfg.load(args.config), load_profile(args.profile), SCENARIOS[args.scenario]
+    except (ValueError, OSError) as e:
+        print(f"pdd sim: {e}", file=sys.stderr)
+        return 2
     modes = {mode: summary(simulate_demo(dep, mode, profile, scenario, args.requests or scenario.requests,
                                          scenario.rate, args.seed), dep.slo.ttft_ms, dep.slo.tpot_ms)
              for mode in args.modes.split(",")}
@@ -60,9 +64,9 @@ def _live(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.paper:
         return _paper(args)
-    if args.config is None and args.profile is None:
-        print("pdd sim: give --paper, or --profile (and --config) to simulate a deployment of this machine",
-              file=sys.stderr)
+    if args.profile is None:
+        print("pdd sim: give --paper, or --profile (from `pdd sim calibrate`, with --config for a deployment file "
+              "other than the built-in one) to simulate a deployment of this machine", file=sys.stderr)
         return 2
     return _live(args)
 
@@ -85,7 +89,11 @@ def _check(args: argparse.Namespace) -> int:
     if not report.exists():
         subprocess.run([sys.executable, "-m", "pdd.cli", "demo", "--out", args.demo, "--scenario", args.scenario],
                        check=True)
-    result = check(load_report(report), load_profile(profile))
+    try:
+        result = check(load_report(report), load_profile(profile))
+    except (ValueError, KeyError) as e:
+        print(f"pdd sim check: {e}", file=sys.stderr)
+        return 2
     print_check(result, console)
     _write(args.out, result, console)
     return 0 if all(r["within"] for r in result["modes"].values()) else 1
@@ -106,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plots", default=None, help="--paper: directory for the bathtub and line-bandwidth PNGs")
     p.add_argument("--config", default=None, help="a `pdd up` deployment file to simulate (default: the built-in)")
     p.add_argument("--profile", default=None, help="this machine's profile, from `pdd sim calibrate`")
-    p.add_argument("--scenario", default="paper", help="the demo scenario to replay (paper | short)")
+    p.add_argument("--scenario", default="paper", choices=("paper", "short"), help="the demo scenario to replay")
     p.add_argument("--modes", default="colocated,pd-same-dc,pd-cross-dc,pdd")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: _run(_defaults(a)))
@@ -118,7 +126,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                        "demo first if their files are missing)")
     k.add_argument("--profile", default="pdd-profile.json")
     k.add_argument("--demo", default="pdd-demo", help="a `pdd demo --out` directory")
-    k.add_argument("--scenario", default="paper", help="the scenario, if the demo has to run")
+    k.add_argument("--scenario", default="paper", choices=("paper", "short"), help="the scenario, if the demo has to run")
     k.add_argument("--out", default=None, help="JSON file for the table")
     k.set_defaults(func=_check)
 
