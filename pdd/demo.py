@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
     title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
     paths = write_report(args.out, summaries, title=title, meta=meta)
     write_requests(args.out, records)
-    out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False)
+    # soft_wrap: a long path must stay on one line, copyable
+    out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False, soft_wrap=True)
     return 0 if any(s["completed"] for s in summaries.values()) else 1
 
 

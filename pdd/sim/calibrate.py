@@ -398,7 +398,7 @@ def _report(fitted: Fitted, samples: list[Sample], held: tuple[np.ndarray, int] 
     console.print(f"measured on {fitted.source}")
     console.print(coefficients)
     console.print(quality)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", markup=False, soft_wrap=True)
 
 
 def calibrate_main(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from rich.console import Console
 def _write(path: str | None, data: dict, console: Console) -> None:
     if path:
         Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-        console.print(f"wrote {path}")
+        console.print(f"wrote {path}", markup=False, soft_wrap=True)
 
 
 def _paper(args: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def _paper(args: argparse.Namespace) -> int:
 
         with err.status("the bathtub") as status:
             result["bathtub"] = bathtub_figures(Path(args.plots), status.update)
-        console.print(f"plots in {args.plots}")
+        console.print(f"plots in {args.plots}", markup=False, soft_wrap=True)
     _write(args.out, result, console)
     return 0
 
