@@ -110,11 +110,14 @@ class RouterSpec:
     stall_timeout_s: float = 10.0  # after the first token, no next one for this long: it fails
     prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
     handoff_reserve_tokens: int = 4  # relay tokens held back to cover a handoff (0: none)
+    max_body_bytes: int = 4 << 20  # a larger request body gets 413 before anything parses it
 
     def __post_init__(self) -> None:
         if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or min(self.prefill_retries,
                                                                        self.handoff_reserve_tokens) < 0:
             raise ValueError("timeouts must be positive; prefill_retries and handoff_reserve_tokens >= 0")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.text import TextStream
@@ -93,14 +94,14 @@ class OpenAIServer:
             params = replace(params, seed=secrets.randbits(63))
         return params
 
-    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+    async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return await self._encode(_unicode(prompt, "prompt"), add_special_tokens=True)
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -224,22 +225,44 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        return await self.respond(False, req, self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, client)
+        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                                  client)
 
     async def chat(self, req: ChatCompletionRequest, client: Request) -> Response:
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": _unicode(m.text(), "messages")} for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         except Exception as e:  # a template's raise_exception, or a template bug
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = await self._encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
+        serves every other stream and /health meanwhile. A text too long for the context
+        whatever its tokens is refused first (the tokenizer holds the GIL while it works)."""
+        limit = self.backend.max_context
+        if len(text) > 2 * limit * self.tokenizer.longest_token_chars:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                f"{len(text):,} characters, more than that many tokens can hold.", param="prompt")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "pdd", "max_model_len": self.backend.max_context}]}
+
+
+def _unicode(text: str, param: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text:
+    the tokenizer would fail on it deep inside, as a server error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid Unicode text ({e.reason} at position {e.start})",
+                       param=param) from None
+    return text
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -250,9 +273,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None) -> FastAPI:
+def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     server = OpenAIServer(backend, tokenizer, model_name, registry)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.state.server = server
 
     @app.exception_handler(ApiError)
@@ -273,8 +298,9 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
         return JSONResponse(ApiError(500, f"internal error: {exc}", "server_error").body(), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        state = backend.health()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:

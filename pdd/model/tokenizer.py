@@ -9,6 +9,8 @@ keeps in its JSON side files: special token ids, EOS sets and the Jinja chat tem
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -80,6 +82,12 @@ class Tokenizer:
         defaults to off because chat templates already write their own BOS.
         """
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token can cover: a text longer than this times N
+        tokens cannot fit in N tokens, which lets a server refuse it without tokenizing."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 at the end decodes to U+FFFD."""

@@ -47,7 +47,7 @@ async def _serve(dep) -> None:
     capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
     backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
     await backend.start()
-    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry)
+    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:
