@@ -143,3 +143,14 @@ def test_playout_keeps_a_reserve_while_a_relay_produces_and_spends_it_at_the_han
     assert next_release_s(4, 0.005, False, p) is None
     assert release(3, 9, 0.0, False, False, p) == 3  # the main instance produces: all at once
     assert release(3, 1, 0.0, True, False, Playout(0, 0.02)) == 3  # no reserve configured
+
+
+def test_missing_roles_are_what_a_plan_would_refuse():
+    from pdd.policy.plan import missing_roles
+
+    assert missing_roles({"prefill": 1, "main": 1}, "prefill", True) == []
+    assert missing_roles({"prefill": 1, "relay": 1}, "prefill", True) == []  # the relay finishes requests alone
+    assert missing_roles({"prefill": 1}, "prefill", True) == ["main"]
+    assert missing_roles({"main": 2}, "prefill", True) == ["prefill"]
+    assert missing_roles({"standalone": 1}, "standalone", False) == []
+    assert missing_roles({}, "standalone", False) == ["standalone"]

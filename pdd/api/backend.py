@@ -41,8 +41,10 @@ class GenEvent:
 class Load:
     running: int
     waiting: int
-    kv_usage: float  # fraction of KV pages in use (0..1)
+    kv_usage: float  # fraction of KV pages running requests hold (0..1); cached pages are evictable, not in use
     cached_pages: int = 0
+    free_pages: int = 0
+    used_pages: int = 0
 
 
 class Backend(Protocol):
@@ -54,3 +56,7 @@ class Backend(Protocol):
     def load(self) -> Load: ...
 
     async def stats(self) -> dict: ...
+
+    def health(self) -> dict:
+        """{"status": "ok"} when a request can be served now; otherwise "unavailable"
+        and why: what /health answers (503 for the latter)."""

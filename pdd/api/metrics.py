@@ -25,7 +25,10 @@ class ServingMetrics:
         self.cache_hit_tokens = Counter("pdd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
         Gauge("pdd_requests_running", "Requests being computed", registry=r).set_function(lambda: load().running)
         Gauge("pdd_requests_waiting", "Requests queued", registry=r).set_function(lambda: load().waiting)
-        Gauge("pdd_kv_cache_usage", "Fraction of KV pages in use", registry=r).set_function(lambda: load().kv_usage)
+        Gauge("pdd_kv_cache_usage", "Fraction of KV pages running requests hold (cached prefixes are evictable, "
+              "not counted)", registry=r).set_function(lambda: load().kv_usage)
+        Gauge("pdd_kv_free_pages", "KV pages free", registry=r).set_function(lambda: load().free_pages)
+        Gauge("pdd_kv_used_pages", "KV pages running requests hold", registry=r).set_function(lambda: load().used_pages)
         Gauge("pdd_rejected_frames", "Inter-instance frames rejected (bad MAC, length, garbage)",
               registry=r).set_function(REJECTS.total)
         Gauge("pdd_prefix_cache_pages", "KV pages held by the prefix cache", registry=r).set_function(lambda: load().cached_pages)

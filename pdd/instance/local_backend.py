@@ -39,8 +39,12 @@ class LocalBackend:
 
     def load(self) -> Load:
         load = self.engine.load()
-        return Load(running=load.running, waiting=load.waiting, kv_usage=1.0 - load.free_pages / load.pages,
-                    cached_pages=load.cached_pages)
+        used = load.pages - load.free_pages - load.cached_pages
+        return Load(running=load.running, waiting=load.waiting, kv_usage=used / load.pages,
+                    cached_pages=load.cached_pages, free_pages=load.free_pages, used_pages=used)
+
+    def health(self) -> dict:
+        return {"status": "ok"}
 
     async def stats(self) -> dict:
         load = self.engine.load()

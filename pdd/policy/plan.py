@@ -11,6 +11,7 @@ the plan's entry), so its long prefill does not hold up P's queue either.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdd.policy.routing import Candidate, pick
@@ -77,3 +78,13 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
         return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)
+
+
+def missing_roles(healthy: Mapping[str, int], entry_role: str, disaggregated: bool) -> list[str]:
+    """Roles without a healthy instance that every request needs: what `plan_request`
+    would refuse a request for (a prefill/standalone entry; in P/D, a decode-side
+    instance, main or relay). Empty: the deployment can serve."""
+    missing = [] if healthy.get(entry_role, 0) else [entry_role]
+    if disaggregated and not (healthy.get("main", 0) or healthy.get("relay", 0)):
+        missing.append("main")
+    return missing

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.policy.plan import Plan, anomaly_rule, plan_request
+from pdd.policy.plan import Plan, anomaly_rule, missing_roles, plan_request
 from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import retry_on_new_prefill
 from pdd.policy.routing import Candidate
@@ -285,6 +286,11 @@ class RouterBackend:
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
         return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
+
+    def health(self) -> dict:
+        healthy = Counter(c.spec.role for c in self.clients.values() if c.healthy)
+        missing = missing_roles(healthy, self.entry_role, self.entry_role == "prefill")
+        return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
         return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(),
