@@ -433,3 +433,61 @@ class _Recorder:
 
     def __getattr__(self, name: str):
         return getattr(self._writer, name)
+
+
+def test_before_the_handshake_only_a_hello_sized_frame_is_read() -> None:
+    """An unauthenticated peer cannot make us buffer megabytes: past HELLO size, the
+    frame is refused at its header; once the handshake has rekeyed the codec, the
+    connection's full limit applies."""
+
+    async def announced(codec: FrameCodec, length: int) -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(HEADER.pack(b"PD", PROTOCOL_VERSION, MsgType.HELLO, wire.FLAG_AUTH, 0, length, 0))
+        await asyncio.wait_for(codec.read(reader), 2)
+
+    fresh = FrameCodec(KEY)
+    with pytest.raises(TooLarge, match="before the handshake"):
+        run(announced(fresh, wire.HANDSHAKE_MAX_PAYLOAD + 1))
+    rekeyed = FrameCodec(KEY)
+    rekeyed.rekey(KEY, KEY)
+    with pytest.raises(asyncio.TimeoutError):  # within the limit: it waits for the payload
+        run(announced(rekeyed, 60 * 1024 * 1024))
+
+
+def test_silent_unauthenticated_connections_are_capped() -> None:
+    async def go() -> None:
+        server = await serve(_pong_handler, "127.0.0.1", 0, KEY)
+        port = server.sockets[0].getsockname()[1]
+        silent = []
+        try:
+            for _ in range(wire.MAX_UNAUTHENTICATED):
+                silent.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0)  # (each accept runs on the server's loop, which is this one)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await asyncio.wait_for(reader.read(1), 5) == b""  # closed at once
+            writer.close()
+            for _, w in silent:
+                w.close()
+            assert await _pong_once(port) == b"still serving"  # once the server sees them gone
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+
+
+async def _pong_once(port: int, deadline_s: float = 5.0) -> bytes:
+    """PING an honest client's way in, retrying while the server is still full."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        good = await open_connection("127.0.0.1", port, KEY)
+        try:
+            await good.send(MsgType.PING, b"still serving")
+            return (await asyncio.wait_for(good.recv(), 5)).payload
+        except ConnectionError:
+            if loop.time() > end:
+                raise
+            await asyncio.sleep(0.05)
+        finally:
+            good.close()

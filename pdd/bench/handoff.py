@@ -55,6 +55,7 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
     arrived: asyncio.Queue[float] = asyncio.Queue()
 
     async def sink(conn: wire.FramedConnection) -> None:
+        await wire.server_handshake(conn)  # as every instance does: full-size frames only after it
         while True:
             for _ in payloads:
                 await conn.recv()
@@ -64,6 +65,7 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
     relay = WanRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1])])
     await relay.start()
     conn = await wire.open_connection("127.0.0.1", relay.listen_ports[0], KEY)
+    await wire.client_handshake(conn, {"role": "prefill", "name": "bench"})
     try:
         times = []
         for _ in range(trials):

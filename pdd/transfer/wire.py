@@ -44,6 +44,10 @@ _KNOWN_FLAGS = FLAG_AUTH
 HEADER = struct.Struct("!2sBBBQII")
 TAG_SIZE = hashlib.sha256().digest_size
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
+# Until the HELLO exchange has proven the peer holds the key, a frame may carry no more
+# than a HELLO needs: an unauthenticated peer must not make us buffer megabytes.
+HANDSHAKE_MAX_PAYLOAD = 4096
+MAX_UNAUTHENTICATED = 32  # connections a server holds that have not completed the handshake
 MAX_JSON_BYTES = 16 * 1024 * 1024
 _HEADER_LEN = struct.Struct("!I")
 
@@ -175,6 +179,8 @@ class FrameCodec:
         self._send_key = key
         self._recv_key = key
         self.max_payload = max_payload
+        self._read_limit = HANDSHAKE_MAX_PAYLOAD if key else max_payload
+        self.authenticated = False  # the handshake has switched to session keys
         self.send_seq = 0
         self.recv_seq = 0
 
@@ -183,8 +189,11 @@ class FrameCodec:
         return self._key
 
     def rekey(self, send_key: bytes, recv_key: bytes) -> None:
-        """Switch to this connection's session keys (see `client_handshake`)."""
+        """Switch to this connection's session keys (see `client_handshake`): the peer
+        has proven it holds the link key, so full-size frames are accepted from now on."""
         self._send_key, self._recv_key = send_key, recv_key
+        self._read_limit = self.max_payload
+        self.authenticated = True
 
     @property
     def overhead(self) -> int:
@@ -221,8 +230,9 @@ class FrameCodec:
             raise BadMagic(f"bad magic {magic!r}")
         if version != PROTOCOL_VERSION:
             raise BadVersion(f"protocol version {version}, expected {PROTOCOL_VERSION}")
-        if length > self.max_payload:
-            raise TooLarge(f"frame announces {length} bytes, the limit is {self.max_payload}")
+        if length > self._read_limit:
+            raise TooLarge(f"frame announces {length} bytes, the limit is {self._read_limit}"
+                           + ("" if self.authenticated or not self._key else " before the handshake"))
         authenticated = bool(flags & FLAG_AUTH)
         if self._key and not authenticated:
             raise BadMac("unauthenticated frame on a connection that requires authentication")
@@ -370,17 +380,30 @@ async def serve(
     and logged; the server keeps serving everyone else.
     """
 
+    pending: set[FramedConnection] = set()  # accepted, not yet authenticated
+
     async def on_accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
+        pending.difference_update([c for c in pending if c.codec.authenticated or c.closed])
+        if key and len(pending) >= MAX_UNAUTHENTICATED:
+            log.warning("refused a connection from %s: %d others have not completed the handshake", conn.peer,
+                        len(pending))
+            conn.close()
+            await conn.wait_closed()
+            return
+        pending.add(conn)
         try:
             await handler(conn)
         except FrameError as err:
             conn.reject(err)  # a no-op when recv() already rejected it
         except ConnectionError as err:
             log.debug("connection from %s ended: %s", conn.peer, err)
+        except asyncio.TimeoutError:
+            log.warning("connection from %s dropped: no complete handshake in time", conn.peer)
         except Exception:
             log.exception("handler for %s failed", conn.peer)
         finally:
+            pending.discard(conn)
             conn.close()
             await conn.wait_closed()
 
