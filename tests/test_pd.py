@@ -124,7 +124,9 @@ def test_kill_decode_mid_stream_fails_cleanly():
         assert events[-1] == "[DONE]"
         assert "error" in json.loads(events[-2]), events[-3:]
         assert time.monotonic() - t0 < 30
-        assert httpx.get(f"{dep.url}/health").status_code == 200
+        # No decode instance left: /health says so (a load balancer stops sending here), and requests get 503.
+        health = httpx.get(f"{dep.url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "unavailable", "missing": ["main"]}
         r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}, timeout=30)
         assert r.status_code == 503 and "error" in r.json()
 
@@ -146,12 +148,29 @@ def test_decode_stops_when_its_router_is_gone():
         md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
+        streamed = 0
         with pytest.raises(httpx.HTTPError):
             with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
-                for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
-                    if n == 3:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed += 1
+                    if streamed == 4:
                         os.kill(dep.pids["router"], signal.SIGKILL)
+        assert streamed >= 4  # tokens flowed before the router died...
+        with pytest.raises(ProcessLookupError):  # ...and it really is gone (reaped by pdd up)
+            _gone_within(dep.pids["router"], 5.0)
+        before = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
         _wait_settled(md_http)
+        after = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
+        assert after["decode_tokens"] < 3000 and after["aborted"] >= 1 and before["aborted"] <= after["aborted"]
+
+
+def _gone_within(pid: int, timeout: float) -> None:
+    """Raise ProcessLookupError once `pid` no longer exists; return if it outlives `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, 0)
+        time.sleep(0.05)
 
 
 def _wait_settled(instance_http: str, timeout: float = 5.0) -> None:

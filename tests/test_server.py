@@ -112,9 +112,16 @@ def test_malformed_json_and_unknown_route(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+def _engine(url: str) -> dict:
+    return httpx.get(f"{url}/pdd/stats").json()["engine"]
+
+
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
+    """The request is stopped by the disconnect, not by its end: it was far from its
+    3,000 tokens (ignore_eos), and the engine counts an abort."""
     body = {"model": "tiny", "prompt": list(range(300, 700)), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    before = _engine(server)
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
@@ -123,6 +130,9 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
             if seen >= 3:
                 break
     kv = _settled(server, timeout=20)
+    after = _engine(server)
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["decode_tokens"] - before["decode_tokens"] < 3000
     assert _metric(server, "pdd_requests_running") == 0
     assert kv["cached"] < kv["pages"]
 

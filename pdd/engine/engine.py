@@ -48,6 +48,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     decode_tokens: int = 0  # tokens sampled
     finished: int = 0
+    aborted: int = 0  # requests stopped before their end (a client left, a peer failed)
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,6 +102,7 @@ class Engine:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return
+        self.stats.aborted += seq.status != Status.FINISHED
         if seq.status in (Status.WAITING, Status.RUNNING):
             self.scheduler.finish(seq, "abort")
         if seq.status in (Status.RESERVED, Status.HELD):

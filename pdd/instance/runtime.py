@@ -150,7 +150,7 @@ class EngineRuntime:
         s = e.stats
         return {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
                 "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
-                "preemptions": e.scheduler.preemptions}
+                "aborted": s.aborted, "preemptions": e.scheduler.preemptions}
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_cache_event(self, event: tuple[str, list[int]]) -> None:
