@@ -111,6 +111,7 @@ class RouterSpec:
     prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
     handoff_reserve_tokens: int = 4  # relay tokens held back to cover a handoff (0: none)
     max_body_bytes: int = 4 << 20  # a larger request body gets 413 before anything parses it
+    api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY)
 
     def __post_init__(self) -> None:
         if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or min(self.prefill_retries,

@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
     p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
+    p.add_argument("--api-key", default=None, help="the router requires `Authorization: Bearer KEY` on /v1/* "
+                                                   "(default: [router] api_key, else $PDD_API_KEY)")
     p.set_defaults(func=run)
 
 
@@ -170,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
-    dep = resolve(replace(dep, policy=policy, link=link), mode, args.port)
+    router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
+    dep = resolve(replace(dep, policy=policy, link=link, router=router), mode, args.port)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)
     stop: list[bool] = []

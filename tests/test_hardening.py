@@ -100,3 +100,39 @@ def test_an_idle_instance_reports_its_cache_as_cached_not_used(server):
     assert m["pdd_prefix_cache_pages"] > 0  # the prompt stays cached for the next turn...
     assert m["pdd_kv_cache_usage"] == 0.0 and m["pdd_kv_used_pages"] == 0  # ...but nothing runs
     assert m["pdd_kv_free_pages"] + m["pdd_prefix_cache_pages"] == kv["pages"]
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--role", "standalone", "--model", str(tiny_model_dir), "--port", str(port),
+            "--served-model-name", "tiny", "--num-pages", "64", "--api-key", "s3cret"]
+    with pdd_process(args, f"{url}/health") as proc:
+        yield url
+        assert proc.poll() is None
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}])
+def test_without_the_api_key_the_api_is_closed(keyed, headers):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{keyed}/v1/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed}/v1/models", headers=headers).status_code == 401
+    assert httpx.get(f"{keyed}/health").status_code == 200  # the load balancer's probe stays open
+
+
+def test_with_the_api_key_it_serves(keyed):
+    r = httpx.post(f"{keyed}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": "Bearer s3cret"}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+
+
+def test_the_router_takes_its_key_from_pdd_up():
+    from procs import pdd_up
+
+    with pdd_up("--mode", "colocated", "--api-key", "k3y") as dep:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{dep.url}/v1/completions", json=body, timeout=30).status_code == 401
+        ok = httpx.post(f"{dep.url}/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=30)
+        assert ok.status_code == 200

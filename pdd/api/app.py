@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.auth import RequireApiKey
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
@@ -274,10 +275,12 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "") -> FastAPI:
     server = OpenAIServer(backend, tokenizer, model_name, registry)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for a caller without the key
+        app.add_middleware(RequireApiKey, key=api_key)
     app.state.server = server
 
     @app.exception_handler(ApiError)

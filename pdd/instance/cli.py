@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=1, help="torch threads for this instance")
+    p.add_argument("--api-key", default=os.environ.get("PDD_API_KEY", ""),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PDD_API_KEY)")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -58,11 +60,11 @@ def run(args: argparse.Namespace) -> int:
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
         name = args.served_model_name or Path(model_dir).name
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads))
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key))
     return 0
 
 
-async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
+async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: str = "") -> None:
     import torch
     import uvicorn
 
@@ -83,7 +85,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int) -> None:
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
         await node.start()
-    app = build_app(LocalBackend(runtime), tokenizer, name)
+    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="start the router of a deployment")
     p.add_argument("--config", required=True, help="deployment TOML with its instances")
     p.add_argument("--port", type=int, default=None, help="override [router] port")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: [router] "
+                                                   "api_key, else $PDD_API_KEY)")
     p.set_defaults(func=run)
 
 
@@ -23,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     dep = cfg.load(args.config)
     if args.port is not None:
         dep = replace(dep, router=replace(dep.router, port=args.port))
+    key = args.api_key if args.api_key is not None else dep.router.api_key or os.environ.get("PDD_API_KEY", "")
+    dep = replace(dep, router=replace(dep.router, api_key=key))
     if not dep.instances:
         raise SystemExit("pdd router: the config lists no [[instances]]")
     if not dep.secret:
@@ -47,7 +52,8 @@ async def _serve(dep) -> None:
     capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
     backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
     await backend.start()
-    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes)
+    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes,
+                    dep.router.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:

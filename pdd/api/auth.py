@@ -1,0 +1,36 @@
+"""API keys: `Authorization: Bearer KEY` on the OpenAI routes, as OpenAI and vLLM ask.
+
+Only /v1/* is guarded: /health and /metrics stay open to the load balancer and the
+monitoring that sit inside the operator's network. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+_UNAUTHORIZED = json.dumps({"error": {"message": "a valid API key is required: Authorization: Bearer KEY",
+                                      "type": "invalid_request_error", "param": None,
+                                      "code": "invalid_api_key"}}).encode()
+
+
+class RequireApiKey:
+    """ASGI middleware: 401 for a /v1/ request without the key."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        if not key:
+            raise ValueError("an API key must not be empty")
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+                return
+        await self.app(scope, receive, send)
