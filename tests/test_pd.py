@@ -146,6 +146,7 @@ def test_client_disconnect_aborts_the_decode_side():
 def test_decode_stops_when_its_router_is_gone():
     with pdd_up("--mode", "pd-cross-dc") as dep:
         md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        assert httpx.get(f"{md_http}/v1/models").status_code == 404  # a P/D instance is reached through the router
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         streamed = 0

@@ -275,7 +275,9 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "") -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "", openai_api: bool = True) -> FastAPI:
+    """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
+    instance: requests reach it from the router, over the framed protocol)."""
     server = OpenAIServer(backend, tokenizer, model_name, registry)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -305,9 +307,6 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
         state = backend.health()
         return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return server.models()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -317,6 +316,16 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
     async def stats() -> dict:
         return await backend.stats()
 
+    if openai_api:
+        _openai_routes(app, server)
+    return app
+
+
+def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, client: Request) -> Response:
         return await server.completions(req, client)
@@ -324,5 +333,3 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, client: Request) -> Response:
         return await server.chat(req, client)
-
-    return app

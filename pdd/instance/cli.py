@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=1, help="torch threads for this instance")
+    p.add_argument("--openai-api", action="store_true",
+                   help="serve the OpenAI API on a prefill, relay or main instance too (off by default: requests "
+                        "reach those through the router)")
     p.add_argument("--api-key", default=os.environ.get("PDD_API_KEY", ""),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PDD_API_KEY)")
     add_engine_arguments(p)
@@ -60,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
         name = args.served_model_name or Path(model_dir).name
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key))
+    openai_api = spec.role == "standalone" or args.openai_api
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key, openai_api))
     return 0
 
 
-async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: str = "") -> None:
+async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: str = "",
+                 openai_api: bool = True) -> None:
     import torch
     import uvicorn
 
@@ -85,7 +90,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
         await node.start()
-    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key)
+    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key, openai_api=openai_api)
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:
