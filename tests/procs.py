@@ -28,6 +28,19 @@ def pdd_process(args: list[str], health_url: str | None = None, timeout: float =
         stop_group(proc)
 
 
+@contextlib.contextmanager
+def standalone(model_dir: object, *extra: str, pages: int = 256) -> Iterator[str]:
+    """A `pdd serve` standalone instance serving `model_dir` as "tiny"; yields its URL
+    and checks, on the way out, that it survived whatever the test sent it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--role", "standalone", "--model", str(model_dir), "--port", str(port),
+            "--served-model-name", "tiny", "--num-pages", str(pages), *extra]
+    with pdd_process(args, f"{url}/health") as proc:
+        yield url
+        assert proc.poll() is None, "the server died during the tests"
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):

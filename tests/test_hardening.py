@@ -10,20 +10,15 @@ import asyncio
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from procs import free_port, pdd_process
+from procs import standalone
 
 from pdd.api.limits import BodyLimit
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--role", "standalone", "--model", str(tiny_model_dir), "--port", str(port),
-            "--served-model-name", "tiny", "--num-pages", "256"]
-    with pdd_process(args, f"{url}/health") as proc:
+    with standalone(tiny_model_dir) as url:
         yield url
-        assert proc.poll() is None, "server died during the tests"
 
 
 @pytest.mark.parametrize("seed", [2**64, 2**200, -(2**70)])
@@ -104,13 +99,8 @@ def test_an_idle_instance_reports_its_cache_as_cached_not_used(server):
 
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--role", "standalone", "--model", str(tiny_model_dir), "--port", str(port),
-            "--served-model-name", "tiny", "--num-pages", "64", "--api-key", "s3cret"]
-    with pdd_process(args, f"{url}/health") as proc:
+    with standalone(tiny_model_dir, "--api-key", "s3cret", pages=64) as url:
         yield url
-        assert proc.poll() is None
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}])

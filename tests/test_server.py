@@ -7,20 +7,15 @@ import time
 
 import httpx
 import pytest
-from procs import free_port, pdd_process
+from procs import standalone
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--role", "standalone", "--model", str(tiny_model_dir), "--port", str(port),
-            "--served-model-name", "tiny", "--num-pages", "256"]
-    with pdd_process(args, f"{url}/health") as proc:
+    with standalone(tiny_model_dir) as url:
         yield url
-        assert proc.poll() is None, "server died during the tests"
 
 
 def _kv(url: str) -> dict:
