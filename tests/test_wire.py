@@ -401,7 +401,10 @@ def test_a_recorded_session_cannot_be_replayed_on_a_new_connection():
             tap = wire.FramedConnection(reader, _Recorder(writer), wire.FrameCodec(key))
             await wire.client_handshake(tap, {"role": "router"})
             await tap.send_json(wire.MsgType.SUBMIT, {"rid": "r1"})
-            await asyncio.sleep(0.2)
+            for _ in range(200):  # wait for the frame to arrive, not for a guessed time
+                if seen and seen[-1] == {"rid": "r1"}:
+                    break
+                await asyncio.sleep(0.025)
             assert seen[-1] == {"rid": "r1"}
             writer.close()
             # the replay: the same bytes, on a new connection
