@@ -65,11 +65,10 @@ class SimSeq:
 
 @dataclass
 class InstanceStats:
-    steps: int = 0
-    busy_s: float = 0.0
+    """The tokens an instance computed: what each role's share of the work is read from."""
+
     tokens_out: int = 0
     prefill_tokens: int = 0
-    peak_running: int = 0
 
 
 @dataclass
@@ -197,9 +196,6 @@ class Instance:
                     yield env.timeout(seconds)
             else:
                 yield env.timeout(seconds)
-            self.stats.steps += 1
-            self.stats.busy_s += seconds
-            self.stats.peak_running = max(self.stats.peak_running, len(self.running))
             self._apply(batch)
 
     def _apply(self, batch: list[tuple[SimSeq, int]]) -> None:

@@ -42,10 +42,6 @@ class SimSession:
         shared = self.shared_tokens // block
         return [("shared", i) if i < shared else (self.id, i) for i in range(n)]
 
-    @property
-    def requests(self) -> int:
-        return len(self.turns)
-
 
 def agentic_sessions(config: AgenticConfig, requests: int, rate: float) -> list[SimSession]:
     """The sessions `pdd bench` would replay for this config, as shapes."""
