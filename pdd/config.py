@@ -122,6 +122,21 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class LivenessSpec:
+    """Heartbeats on every control connection (router <-> instance, P or RLD -> the
+    decode side). A peer silent for `dead_after_s` is dropped and counted as lost: its
+    requests go on through what is left or fail at once, and no new work goes to it.
+    A blackholed line keeps TCP open and silent, so only heartbeats can tell."""
+
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise ValueError("need 0 < heartbeat_s < dead_after_s")
+
+
+@dataclass(frozen=True)
 class TopologySpec:
     """What `pdd up` expands into instances."""
 
@@ -150,6 +165,7 @@ class Deployment:
     policy: PolicySpec = PolicySpec()
     slo: SLOSpec = SLOSpec()
     router: RouterSpec = RouterSpec()
+    liveness: LivenessSpec = LivenessSpec()
     topology: TopologySpec = TopologySpec()
     instances: tuple[InstanceSpec, ...] = ()
 
@@ -213,7 +229,7 @@ def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
 
 def parse(raw: dict) -> Deployment:
     sections = {"model": ModelSpec, "engine": EngineConfig, "link": LinkSpec, "policy": PolicySpec,
-                "slo": SLOSpec, "router": RouterSpec, "topology": TopologySpec}
+                "slo": SLOSpec, "router": RouterSpec, "liveness": LivenessSpec, "topology": TopologySpec}
     unknown = set(raw) - set(sections) - {"mode", "secret", "instances"}
     if unknown:
         raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
@@ -261,7 +277,7 @@ def _toml_table(header: str, obj: Any) -> list[str]:
 def dump(dep: Deployment) -> str:
     """TOML text of a deployment, readable back by `parse`."""
     out = [f"mode = {_toml_value(dep.mode)}", f"secret = {_toml_value(dep.secret)}", ""]
-    for name in ("model", "engine", "link", "policy", "slo", "router", "topology"):
+    for name in ("model", "engine", "link", "policy", "slo", "router", "liveness", "topology"):
         out += _toml_table(f"[{name}]", getattr(dep, name)) + [""]
     for inst in dep.instances:
         out += _toml_table("[[instances]]", inst) + [""]

@@ -12,9 +12,11 @@ generator's state that depends on how many draws an instance made before.
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 
 MIN_TEMPERATURE = 1e-5
+_FLOAT_MAX = sys.float_info.max
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class SamplingParams:
             raise ValueError("max_tokens, top_k, seed and stop_token_ids must be integers")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (self.temperature, self.top_p)):
             raise ValueError("temperature and top_p must be numbers")
+        if not all(-_FLOAT_MAX <= v <= _FLOAT_MAX for v in (self.temperature, self.top_p)):
+            # inf, NaN, or an integer no float holds (10**400 from JSON): the sampler divides by it
+            raise ValueError("temperature and top_p must be finite numbers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be true or false")
         if self.max_tokens < 1:

@@ -300,3 +300,78 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, 
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert got["record"]["retries"] == 1 and got["record"]["instances"]["entry"] == "p1"
     assert "prefill_retry" in got["record"]["fallback"]
+
+
+# ---- liveness --------------------------------------------------------------------------
+
+LIVENESS = {"heartbeat_s": 0.2, "dead_after_s": 1.0}
+
+
+def _wait(condition, timeout: float, what: str) -> float:
+    """Poll `condition` until it holds; how long that took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _healthy(dep, name: str) -> bool:
+    return httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()["instances"][name]["healthy"]
+
+
+def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_path):
+    """A blackholed line keeps TCP open and silent. Heartbeats must fail the stream on it
+    within about `dead_after_s` (not the 30 s stall timeout), make the router refuse new
+    work at once instead of routing it there, and let MD rejoin when the line heals."""
+    conf = _write_config(tmp_path / "pd.toml", link=FAST_LINE, liveness=LIVENESS, router={"stall_timeout_s": 30.0})
+    with pdd_up("--config", conf, "--mode", "pd-cross-dc") as dep, ThreadPoolExecutor(1) as pool:
+        http = _http(dep)
+        running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
+        _wait(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30, "MD decodes")
+        _fault(dep, blackhole=True)
+        cut = time.monotonic()
+        got = running.result(timeout=60)
+        assert got["error"] is not None and "silent" in got["error"]["message"], got["error"]
+        assert got["ended"] - cut < 4.0
+        assert httpx.get(f"{dep.url}/health").status_code == 503
+        start = time.monotonic()
+        refused = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                             timeout=30)
+        assert refused.status_code == 503 and time.monotonic() - start < 2.0
+        _fault(dep, blackhole=False)
+        rejoined = _wait(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "MD rejoins")
+        again = _stream(dep.url, _prompts()[0], 40)
+        _settled([http["p0"], http["md0"]], timeout=30)
+    print(f"\nblackhole: stream failed {got['ended'] - cut:.1f} s after the cut; MD back {rejoined:.1f} s after it healed")
+    assert again["error"] is None and len(again["ids"]) == 40
+
+
+def test_new_requests_route_around_a_silent_main_to_the_relay(tmp_path):
+    conf = _write_config(tmp_path / "pdd.toml", link=FAST_LINE, liveness=LIVENESS)
+    with pdd_up("--config", conf) as dep:
+        before = _stream(dep.url, _prompts()[0], 60)
+        _fault(dep, blackhole=True)
+        _wait(lambda: not _healthy(dep, "md0"), 4.0, "the router marks MD unhealthy")
+        start = time.monotonic()
+        during = _stream(dep.url, _prompts()[0], 60)
+        took = time.monotonic() - start
+        _fault(dep, blackhole=False)
+        _wait(lambda: _healthy(dep, "md0"), 30, "MD rejoins")
+        http = _http(dep)
+        _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
+    assert before["error"] is None and during["error"] is None and during["ids"] == before["ids"]
+    assert "no_main" in during["record"]["fallback"] and during["record"]["rld_output_tokens"] == 60
+    assert took < 10.0
+
+
+@pytest.mark.parametrize("mode", ["pd-cross-dc", "pdd"])
+def test_prefill_killed_after_the_first_tokens_the_decode_side_finishes(mode, reference, tmp_path):
+    """P's part ends once the decode side has the KV: losing P then must not fail the
+    request (in pdd mode the relay, or MD after the handoff, goes on)."""
+    conf = _pdd_config(tmp_path, FAST_LINE)
+    with pdd_up("--config", conf, "--mode", mode) as dep:
+        got = _kill_after(dep, "p0", dep.url, _prompts()[2], 120, after=5)
+        http = _http(dep)
+        _settled([http[n] for n in http if n != "p0"])
+    assert got["error"] is None and got["ids"] == reference["greedy"][2]

@@ -81,10 +81,14 @@ class OpenAIServer:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
                            param="max_tokens", code="context_length_exceeded")
-        if not (0 <= req.temperature and math.isfinite(req.temperature)):  # as vLLM: no upper bound
+        try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
+            temperature, top_p = float(req.temperature), float(req.top_p)
+        except OverflowError:
+            raise ApiError(400, "temperature and top_p must be finite numbers") from None
+        if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
             raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                     top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
                                     stop_token_ids=tuple(req.stop_token_ids))
         except ValueError as e:

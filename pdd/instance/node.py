@@ -18,7 +18,7 @@ from pdd.config import Deployment, InstanceSpec
 from pdd.instance.engine_port import EnginePort
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.transfer.wire import FramedConnection, MsgType
+from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
@@ -62,6 +62,7 @@ class Node:
         self.engine = engine
         self.key = key
         self.routers: dict[str, FramedConnection] = {}
+        self._peer_conns: dict[str, set[FramedConnection]] = {}  # by peer name
         self.aborted = Tombstones()
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -129,22 +130,25 @@ class Node:
         if hello.role == "router" and hello.router_id:
             await self._serve_router(conn, hello.router_id)
         elif hello.role in ("prefill", "relay") and self.spec.role in ("relay", "main"):
-            await self._serve_peer(conn, hello.name)
+            await self._serve_peer(conn, hello.name, hello.channel)
         else:
             await self.send(conn, m.Error(f"{self.spec.role} does not serve {hello.role!r}"))
+
+    def _keepalive(self, conn: FramedConnection) -> asyncio.Task:
+        """Heartbeats on a control connection: a silent router or peer is dropped (and
+        its requests ended) within `[liveness] dead_after_s`."""
+        return self.spawn(conn.keepalive(self.dep.liveness.heartbeat_s, self.dep.liveness.dead_after_s))
 
     async def _serve_router(self, conn: FramedConnection, router_id: str) -> None:
         old = self.routers.get(router_id)
         self.routers[router_id] = conn
         if old is not None:
             old.close()
+        beat = self._keepalive(conn)
         try:
             await self._send_snapshot(conn)
             while True:
-                frame = await conn.recv()
-                if frame.type == MsgType.PING:
-                    await conn.send(MsgType.PONG, frame.payload)
-                    continue
+                frame = await conn.next_frame()
                 try:
                     body = m.decode(frame)
                 except m.BadMessage as e:
@@ -155,15 +159,27 @@ class Node:
                 else:
                     await self.role.on_router(router_id, body)
         finally:
+            beat.cancel()
             if self.routers.get(router_id) is conn:
                 del self.routers[router_id]
                 self.role.router_lost(router_id)
 
-    async def _serve_peer(self, conn: FramedConnection, name: str) -> None:
+    async def _serve_peer(self, conn: FramedConnection, name: str, channel: str) -> None:
+        """One of a peer's connections (see `pdd.instance.peers`). Its control connection
+        carries the heartbeats; when that one goes, the peer's KV connections go too,
+        since a silent line would otherwise leave them open forever."""
+        conns = self._peer_conns.setdefault(name, set())
+        conns.add(conn)
+        beat = self._keepalive(conn) if channel == "control" else None
         try:
             while True:
-                await self.role.on_peer(conn, name, await conn.recv())
+                await self.role.on_peer(conn, name, await conn.next_frame())
         finally:
+            conns.discard(conn)
+            if beat is not None:
+                beat.cancel()
+                for other in list(conns):
+                    other.abort()
             self.role.peer_lost(name)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from pdd.config import Deployment, InstanceSpec
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 BULK_SNDBUF = 64 * 1024
 CONTROL, URGENT, BACKGROUND = -1, 0, 1  # connections by what they carry
+CHANNEL_NAMES = {CONTROL: "control", URGENT: "urgent", BACKGROUND: "background"}
 
 OnBody = Callable[[str, Any], Awaitable[None]]
 OnLost = Callable[[str], None]
@@ -47,7 +48,7 @@ class PeerPool:
         self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
-        self._readers: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # readers and heartbeats
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
@@ -65,16 +66,23 @@ class PeerPool:
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
             try:
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": self._spec.role, "name": self._spec.name}),
+                await asyncio.wait_for(wire.client_handshake(conn, {"role": self._spec.role, "name": self._spec.name,
+                                                                    "channel": CHANNEL_NAMES[channel]}),
                                        HELLO_TIMEOUT_S)
             except BaseException:
                 conn.close()
                 raise
             self._conns[(name, channel)] = conn
-            task = asyncio.ensure_future(self._read(name, channel, conn))
-            self._readers.add(task)
-            task.add_done_callback(self._readers.discard)
+            self._spawn(self._read(name, channel, conn))
+            if channel == CONTROL:
+                live = self._dep.liveness
+                self._spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def send(self, name: str, body: Any) -> None:
         await m.send(await self.get(name), body)
@@ -103,7 +111,7 @@ class PeerPool:
     async def _read(self, name: str, channel: int, conn: FramedConnection) -> None:
         try:
             while True:
-                frame = await conn.recv()
+                frame = await conn.next_frame()
                 try:
                     body = m.decode(frame)
                 except m.BadMessage as e:  # a peer's bug, not a reason to drop the connection
@@ -118,10 +126,15 @@ class PeerPool:
             if self._conns.get((name, channel)) is conn:
                 del self._conns[(name, channel)]
             conn.close()
+            if channel == CONTROL and conn.silent_for:  # the peer is gone: so are its KV connections
+                for ch in (URGENT, BACKGROUND):
+                    other = self._conns.pop((name, ch), None)
+                    if other is not None:
+                        other.abort()
             self._on_lost(name)
 
     def close(self) -> None:
-        for task in list(self._readers):
+        for task in list(self._tasks):
             task.cancel()
         for conn in self._conns.values():
             conn.close()

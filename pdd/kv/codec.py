@@ -80,13 +80,14 @@ def _check_header(raw: dict) -> KVHeader:
     ints = (h.num_layers, h.layer_start, h.layer_end, h.kv_heads, h.head_dim, h.page_size, h.token_start, h.token_end, h.block_size)
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
         raise KVFormatError("KV header sizes must be integers")
-    if h.dtype not in DTYPES:
+    if not isinstance(h.dtype, str) or h.dtype not in DTYPES:  # (a list or dict is not even hashable)
         raise KVFormatError(f"unknown KV dtype {h.dtype!r}")
     if not (0 <= h.layer_start < h.layer_end <= h.num_layers and 0 <= h.token_start < h.token_end):
         raise KVFormatError("KV header ranges are empty or out of order")
     if min(h.kv_heads, h.head_dim, h.page_size, h.block_size) < 1:
         raise KVFormatError("KV header dimensions must be positive")
-    if not isinstance(h.block_hashes, list) or len(h.block_hashes) != h.token_end // h.block_size:
+    if not isinstance(h.block_hashes, list) or len(h.block_hashes) != h.token_end // h.block_size \
+            or not all(type(x) is int for x in h.block_hashes):
         raise KVFormatError("KV header block hashes do not cover the token range")
     return h
 
@@ -104,7 +105,7 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
         raise KVFormatError("KV header length out of bounds")
     try:
         raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the stack
         raise KVFormatError(f"KV header is not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise KVFormatError("KV header is not an object")

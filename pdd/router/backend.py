@@ -50,7 +50,7 @@ class RouterBackend:
         self.max_context = 0  # set from the model config by the caller
         self.router_id = secrets.token_hex(8)
         key = link_key(dep.secret, "instances")
-        self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key, self.router_id)
+        self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key, self.router_id, dep.liveness)
                         for i in dep.instances}
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
         self.metrics = RouterMetrics(registry)

@@ -4,7 +4,9 @@ One long-lived framed connection per instance (through the WAN when the instance
 the other datacenter). Every body that names a request goes to that request's queue
 as (instance name, body); cache events feed the mirror. When the connection drops,
 every request waiting on it gets a "lost" error at once — a dead instance must never
-leave a client hanging — and the client reconnects in the background.
+leave a client hanging — and the client reconnects in the background. Heartbeats
+(`FramedConnection.keepalive`) turn a silent instance (a blackholed line, a hung
+process) into a dropped connection within `[liveness] dead_after_s`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 
 from typing import Any
 
-from pdd.config import InstanceSpec
+from pdd.config import InstanceSpec, LivenessSpec
 from pdd.router.mirror import CacheMirror
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -28,8 +30,10 @@ class InstanceDown(ConnectionError):
 
 
 class InstanceClient:
-    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str) -> None:
+    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
+                 liveness: LivenessSpec = LivenessSpec()) -> None:
         self.spec = spec
+        self.liveness = liveness
         self.router_id = router_id
         self.name = spec.name
         self.addr = (host, port)
@@ -74,12 +78,13 @@ class InstanceClient:
     async def _run(self) -> None:
         backoff = 0.2
         while True:
-            conn = None
+            conn, beat = None, None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
                 await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
                 log.info("connected to %s at %s:%s", self.name, *self.addr)
+                beat = asyncio.ensure_future(conn.keepalive(self.liveness.heartbeat_s, self.liveness.dead_after_s))
                 await self._read(conn)
             except asyncio.CancelledError:
                 raise
@@ -88,20 +93,23 @@ class InstanceClient:
             except Exception:  # a malformed message: drop the connection, never the client
                 log.exception("instance %s sent something unusable", self.name)
             finally:
+                if beat is not None:
+                    beat.cancel()
                 if conn is not None:
                     conn.close()
                 self._ready.clear()
                 self.mirror.stale = True
                 if self.conn is not None:  # once per lost connection, not per failed reconnect
                     self.conn = None
-                    self._fail_all(f"lost the connection to instance {self.name}")
+                    silent = f" (silent for {conn.silent_for:.1f} s)" if conn.silent_for else ""
+                    self._fail_all(f"lost the connection to instance {self.name}{silent}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
     async def _read(self, conn: FramedConnection) -> None:
         resync_asked = False
         while True:
-            body = m.decode(await conn.recv())
+            body = m.decode(await conn.next_frame())
             if isinstance(body, m.CacheUpdate):
                 if body.kind == "snapshot":
                     resync_asked = False

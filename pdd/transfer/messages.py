@@ -42,6 +42,7 @@ class Hello:
     role: str
     name: str = ""
     router_id: str = ""  # a router's identity: instances send its requests' tokens to it alone
+    channel: str = ""  # an instance's connection: "control" (heartbeats), "urgent" or "background" (KV)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,8 @@ def _check(name: str, value: Any, tp: Any) -> Any:
             return float(value)
     elif tp is str:
         limit = MAX_TEXT if name in ("message", "finish_reason") else MAX_NAME
-        if isinstance(value, str) and len(value) <= limit and value in _CHOICES.get(name, (value,)):
+        if isinstance(value, str) and len(value) <= limit and value in _CHOICES.get(name, (value,)) \
+                and _utf8(value):
             return value
     elif typing.get_origin(tp) is list:  # list[int]: token ids, cache hashes
         if isinstance(value, list) and len(value) <= MAX_TOKENS and \
@@ -262,6 +264,16 @@ def _check(name: str, value: Any, tp: Any) -> Any:
     elif tp is SamplingParams:
         return _params(value)
     raise BadMessage(f"field {name!r} must be {getattr(tp, '__name__', tp)}, got {str(value)[:80]!r}")
+
+
+def _utf8(text: str) -> bool:
+    """JSON can carry a lone surrogate ("\\ud800"), which no frame can carry back out
+    (`encode_json` would fail answering the request it names)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _params(raw: Any) -> SamplingParams:

@@ -28,6 +28,7 @@ import logging
 import secrets
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -289,14 +290,13 @@ class FramedConnection:
         self.frames_sent = 0
         self.frames_received = 0
         self.rejected: FrameError | None = None
+        self.last_heard = time.monotonic()  # when the last whole frame arrived
+        self.silent_for: float | None = None  # set when `keepalive` gave up on a silent peer
 
     async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
         """Write one frame whole (concurrent senders never interleave), then wait for
         the socket buffer to drain, so a slow line pushes back on the producer."""
-        parts = self._codec.encode_parts(msg_type, payload)
-        self._writer.writelines(parts)
-        self.bytes_sent += sum(len(p) for p in parts)
-        self.frames_sent += 1
+        self._write(msg_type, payload)
         await self._writer.drain()
 
     async def send_json(self, msg_type: MsgType, obj: dict[str, Any]) -> None:
@@ -311,7 +311,42 @@ class FramedConnection:
             raise
         self.bytes_received += len(frame.payload) + self._codec.overhead
         self.frames_received += 1
+        self.last_heard = time.monotonic()
         return frame
+
+    async def next_frame(self) -> Frame:
+        """The next frame that is not liveness traffic: PINGs are answered here and
+        PONGs only count as having heard from the peer."""
+        while True:
+            frame = await self.recv()
+            if frame.type == MsgType.PING:
+                self._write(MsgType.PONG, frame.payload)
+            elif frame.type != MsgType.PONG:
+                return frame
+
+    def _write(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
+        """Queue one frame whole without waiting for the buffer to drain (a liveness
+        probe must not wait behind a slow line's backlog)."""
+        parts = self._codec.encode_parts(msg_type, payload)
+        self._writer.writelines(parts)
+        self.bytes_sent += sum(len(p) for p in parts)
+        self.frames_sent += 1
+
+    async def keepalive(self, interval_s: float, dead_after_s: float) -> None:
+        """PING the peer every `interval_s`; if nothing at all has arrived for
+        `dead_after_s`, drop the connection, so its reader ends and its owner treats the
+        peer as lost. A blackholed line keeps a TCP connection open and silent: without
+        this, a dead peer would look healthy until every request on it timed out. The
+        peer's reader must use `next_frame` (which answers PINGs)."""
+        while not self.closed:
+            await asyncio.sleep(interval_s)
+            silent = time.monotonic() - self.last_heard
+            if silent > dead_after_s:
+                self.silent_for = silent
+                log.warning("%s silent for %.1f s: dropping the connection", self.peer, silent)
+                self.abort()
+                return
+            self._write(MsgType.PING)
 
     @property
     def socket(self) -> Any:
@@ -337,6 +372,10 @@ class FramedConnection:
 
     def close(self) -> None:
         self._writer.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping unsent data (a flush would wait on a dead line)."""
+        self._writer.transport.abort()
 
     @property
     def closed(self) -> bool:
@@ -427,7 +466,7 @@ def decode_json(payload: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES) ->
         raise BadPayload(f"JSON payload of {len(payload)} bytes exceeds {max_bytes}")
     try:
         obj = json.loads(bytes(payload).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4300 digits
         raise BadPayload(f"invalid JSON payload: {err}") from None
     if not isinstance(obj, dict):
         raise BadPayload(f"JSON payload must be an object, got {type(obj).__name__}")
