@@ -112,13 +112,15 @@ class RouterSpec:
     handoff_reserve_tokens: int = 4  # relay tokens held back to cover a handoff (0: none)
     max_body_bytes: int = 4 << 20  # a larger request body gets 413 before anything parses it
     api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY)
+    max_running: int = 128  # requests the router drives through instances at once...
+    max_waiting: int = 256  # ...and holds in line for a slot; past both: 429 with Retry-After
 
     def __post_init__(self) -> None:
         if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or min(self.prefill_retries,
                                                                        self.handoff_reserve_tokens) < 0:
             raise ValueError("timeouts must be positive; prefill_retries and handoff_reserve_tokens >= 0")
-        if self.max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be at least 1")
+        if self.max_body_bytes < 1 or self.max_running < 1 or self.max_waiting < 0:
+            raise ValueError("max_body_bytes and max_running must be at least 1, max_waiting at least 0")
 
 
 @dataclass(frozen=True)

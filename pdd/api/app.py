@@ -14,23 +14,26 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.admission import AdmissionGate, Slot
 from pdd.api.auth import RequireApiKey
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.text import TextStream
-from pdd.sampling import SamplingParams
 from pdd.model.tokenizer import Tokenizer
+from pdd.policy.admission import Limits
+from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -50,11 +53,13 @@ class _Outcome:
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None) -> None:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None,
+                 admission: Limits) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = ServingMetrics(backend.load, registry)
+        self.gate = AdmissionGate(admission, self.metrics.registry)
         self.created = int(time.time())
 
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
@@ -113,8 +118,10 @@ class OpenAIServer:
         return list(prompt)
 
     # ---- generation ------------------------------------------------------------------------
-    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: _Outcome) -> AsyncIterator[tuple[str, list[int]]]:
-        """Yield (text delta, token ids) pieces; fill `out`; close the backend stream on exit."""
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: _Outcome,
+                   slot: Slot) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
+        give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
         gen = self.backend.generate(GenRequest(rid, prompt, params))
         t0, first, last = time.monotonic(), None, None
@@ -142,8 +149,12 @@ class OpenAIServer:
                     break
         except BackendError as e:
             self.metrics.requests.labels("error").inc()
+            if e.status == 429:  # an instance was full: the client may come back
+                raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded",
+                               headers={"Retry-After": "1"}) from None
             raise ApiError(e.status, f"generation failed: {e}", "server_error") from None
         finally:
+            slot.release()
             await gen.aclose()
         n = len(out.token_ids)
         self.metrics.generation_tokens.inc(n)
@@ -176,15 +187,17 @@ class OpenAIServer:
                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
     async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int,
-                      client: Request) -> Response:
+                      client: Request, slot: Slot) -> Response:
         params = self._params(req, len(prompt), max_tokens, default_max)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = _Outcome()
-        pieces = self._run(rid, prompt, params, req.stop_strings(), out)
+        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot)
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(chat, base, pieces, out, len(prompt), include_usage), media_type="text/event-stream")
+            # the background release covers a client gone before the stream started
+            return StreamingResponse(self._sse(chat, base, pieces, out, len(prompt), include_usage),
+                                     media_type="text/event-stream", background=BackgroundTask(slot.release))
         if not await self._collect(pieces, client):
             return Response(status_code=499)  # the client left; its request was aborted
         text = "".join(out.text)
@@ -226,14 +239,24 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # ---- routes ----------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, client: Request) -> Response:
+    async def admitted(self, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
+        """Run a /v1 handler in an admission slot (429 when the line is full); the slot is
+        the response's to give back, or given back here if the handler fails."""
+        slot = await self.gate.enter()
+        try:
+            return await handle(slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def completions(self, req: CompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                                  client)
+                                  client, slot)
 
-    async def chat(self, req: ChatCompletionRequest, client: Request) -> Response:
+    async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": _unicode(m.text(), "messages")} for m in req.messages]
         try:
@@ -242,7 +265,7 @@ class OpenAIServer:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompt = await self._encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client)
+        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client, slot)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
@@ -279,10 +302,11 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "", openai_api: bool = True) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "", openai_api: bool = True,
+              admission: Limits = Limits(256, 256)) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
-    server = OpenAIServer(backend, tokenizer, model_name, registry)
+    server = OpenAIServer(backend, tokenizer, model_name, registry, admission)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:  # added last, so it runs first: no body is read for a caller without the key
@@ -291,7 +315,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -332,8 +356,8 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, client: Request) -> Response:
-        return await server.completions(req, client)
+        return await server.admitted(lambda slot: server.completions(req, client, slot))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, client: Request) -> Response:
-        return await server.chat(req, client)
+        return await server.admitted(lambda slot: server.chat(req, client, slot))

@@ -15,8 +15,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     kv_dtype: str = ""  # KV pool dtype; empty: same as dtype
+    # most requests an instance holds at once (computing, queued, or moving KV); past
+    # this it refuses new ones as busy, and the router answers 429
+    max_requests: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running"):
+        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be at least 1")

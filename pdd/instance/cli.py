@@ -21,6 +21,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--kv-dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="KV pool dtype (default: --dtype)")
+    p.add_argument("--max-requests", type=int, default=d.max_requests,
+                   help="most requests held at once; past it, new ones get 429")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
         engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
-                            args.dtype, args.kv_dtype)
+                              args.dtype, args.kv_dtype, args.max_requests)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
         name = args.served_model_name or Path(model_dir).name
@@ -79,6 +81,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     from pdd.instance.node import Node
     from pdd.instance.runtime import EngineRuntime
     from pdd.model.tokenizer import Tokenizer
+    from pdd.policy.admission import Limits
     from pdd.transfer.wire import link_key
 
     torch.set_num_threads(threads)
@@ -90,7 +93,9 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
         await node.start()
-    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key, openai_api=openai_api)
+    # its own API holds at most what the instance may hold; the engine queues past max_running
+    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key, openai_api=openai_api,
+                    admission=Limits(spec.engine.max_requests, 0))
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:

@@ -29,6 +29,9 @@ class Role(Protocol):
     async def on_router(self, router_id: str, body: Any) -> None:
         """A body from a router (SUBMIT, ABORT, a takeover HANDOFF)."""
 
+    def held(self) -> int:
+        """Requests this instance holds now (what `max_requests` bounds)."""
+
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         """A frame from another instance that connected here."""
 
@@ -82,6 +85,10 @@ class Node:
         close = getattr(self.role, "close", None)
         if close:
             close()
+
+    def full(self) -> bool:
+        """Whether a new request would take this instance past `max_requests`."""
+        return self.role.held() >= self.spec.engine.max_requests
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -156,6 +163,9 @@ class Node:
                     continue
                 if isinstance(body, m.CacheUpdate):  # the router lost track: resend all
                     self.spawn(self._send_snapshot(conn))
+                elif isinstance(body, m.Submit) and self.full():
+                    await self.send(conn, m.Error(f"{self.spec.name} holds {self.role.held()} requests, its limit",
+                                                  body.rid, busy=True))
                 else:
                     await self.role.on_router(router_id, body)
         finally:

@@ -160,6 +160,9 @@ class PrefillRole:
     def peer_lost(self, name: str) -> None:
         pass
 
+    def held(self) -> int:
+        return len(self.jobs)
+
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.node.aborted.add(job.rid)

@@ -91,9 +91,16 @@ class DecodeSide:
             elif rid:
                 await self.node.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
 
+    def held(self) -> int:
+        return len(self.jobs)
+
     async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
         if isinstance(body, m.Reserve):
             if body.rid in self.node.aborted:
+                return
+            if self.node.full():
+                await self.node.send(conn, m.ReserveAck(body.rid, error=f"{self.node.spec.name} holds "
+                                                        f"{self.held()} requests, its limit"))
                 return
             job = self.jobs[body.rid] = self.job_type(body, name, conn)
             self.node.spawn(self._reserve(job))

@@ -65,6 +65,9 @@ class RelayRole(DecodeSide):
         self.whole.router_lost(router_id)
         super().router_lost(router_id)
 
+    def held(self) -> int:
+        return super().held() + len(self.whole.jobs)
+
     def close(self) -> None:
         self.peers.close()
 

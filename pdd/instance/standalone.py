@@ -78,3 +78,6 @@ class StandaloneRole:
 
     def router_lost(self, router_id: str) -> None:
         self.whole.router_lost(router_id)
+
+    def held(self) -> int:
+        return len(self.whole.jobs)

@@ -210,7 +210,7 @@ class RouterBackend:
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
         """Go on through what is left, or fail."""
         role, plan = self.clients[source].spec.role, request.plan
-        failure = BackendError(f"{source}: {err.message}", 503 if err.lost else 500)
+        failure = BackendError(f"{source}: {err.message}", 429 if err.busy else 503 if err.lost else 500)
         if source == plan.entry:
             if err.lost and request.result is not None:
                 return  # P had finished its part

@@ -44,6 +44,7 @@ async def _serve(dep) -> None:
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model
     from pdd.model.tokenizer import Tokenizer
+    from pdd.policy.admission import Limits
     from pdd.router.backend import RouterBackend
 
     model_dir = resolve_model(dep.model.path)
@@ -53,7 +54,7 @@ async def _serve(dep) -> None:
     backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
     await backend.start()
     app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes,
-                    dep.router.api_key)
+                    dep.router.api_key, admission=Limits(dep.router.max_running, dep.router.max_waiting))
     server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:

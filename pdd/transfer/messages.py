@@ -207,6 +207,7 @@ class Error:
     message: str
     rid: str | None = None
     lost: bool = False  # the instance (or the link to it) is gone, not the request's fault
+    busy: bool = False  # the instance holds all the requests it may: try again later
 
 
 @dataclass(frozen=True)
