@@ -18,6 +18,7 @@ _COMMANDS: dict[str, str] = {
     "model": "pdd.model.cli",
     "serve": "pdd.instance.cli",
     "router": "pdd.router.cli",
+    "drain": "pdd.router.drain",
     "up": "pdd.deploy",
     "wan": "pdd.transfer.wan",
     "bench": "pdd.bench.cli",

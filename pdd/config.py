@@ -229,6 +229,17 @@ def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
     return replace(inst, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
 
 
+def instance_from_dict(raw: Any, engine: EngineConfig) -> InstanceSpec:
+    """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join),
+    checked as strictly as the config file is."""
+    return _instance(raw, engine, 0)
+
+
+def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
+    return {**{f.name: getattr(inst, f.name) for f in fields(inst) if f.name != "engine"},
+            "engine": {f.name: getattr(inst.engine, f.name) for f in fields(inst.engine)}}
+
+
 def parse(raw: dict) -> Deployment:
     sections = {"model": ModelSpec, "engine": EngineConfig, "link": LinkSpec, "policy": PolicySpec,
                 "slo": SLOSpec, "router": RouterSpec, "liveness": LivenessSpec, "topology": TopologySpec}

@@ -26,6 +26,7 @@ SAMPLES = [
     m.Handoff("a.0", 0, [1, 2], False, 0, 7, True), m.HandoffAck("a.0", 2), m.HandedOff("a.0", "catch_up", 40, 3),
     m.Abort("a.0"), m.Error("boom", "a.0", True),
     m.CacheUpdate("snapshot", 3, [2**64 - 1, 0], 16),
+    m.Member("md1", "main", "B", "127.0.0.1", 9001, 9002), m.Drain(),
 ]
 
 
@@ -51,6 +52,7 @@ def test_every_body_round_trips():
     (m.HandedOff("a", "one_shot", 1), "mode", "sideways"),
     (m.KVDone("a", 1), "emit", 1),
     (m.Tokens("a", 0, [1]), "stall_ms", float("nan")),
+    (m.Member("md1", "main", "B", "h", 1), "role", "king"),
 ])
 def test_bad_fields_are_refused(body, field, value):
     raw = {**m.to_dict(body), field: value}

@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "reach those through the router)")
     p.add_argument("--api-key", default=os.environ.get("PDD_API_KEY", ""),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PDD_API_KEY)")
+    p.add_argument("--join", action="store_true",
+                   help="register with the running router of --config (an instance added to a live deployment)")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -65,18 +67,21 @@ def run(args: argparse.Namespace) -> int:
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
         name = args.served_model_name or Path(model_dir).name
+    if args.join and dep is None:
+        raise SystemExit("pdd serve: --join needs --config FILE --instance NAME")
     openai_api = spec.role == "standalone" or args.openai_api
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key, openai_api))
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key, openai_api, args.join))
     return 0
 
 
 async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: str = "",
-                 openai_api: bool = True) -> None:
+                 openai_api: bool = True, join: bool = False) -> None:
     import torch
     import uvicorn
 
     from pdd.api.app import build_app
     from pdd.engine.engine import Engine
+    from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
     from pdd.instance.node import Node
     from pdd.instance.runtime import EngineRuntime
@@ -98,6 +103,10 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
                     admission=Limits(spec.engine.max_requests, 0))
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
+    if node is not None:
+        node.on_drained = lambda: setattr(server, "should_exit", True)
+        if join:
+            node.spawn(register(dep, spec))
     try:
         await server.serve()
     finally:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any, Protocol
 
-from pdd.config import Deployment, InstanceSpec
+from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.instance.engine_port import EnginePort
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -22,6 +23,7 @@ from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
+DRAIN_QUIET_S = 1.0
 MAX_TOMBSTONES = 4096
 
 
@@ -70,6 +72,8 @@ class Node:
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.role: Role = _make_role(self)
+        self.draining = False
+        self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
 
     async def start(self) -> None:
         self.engine.set_cache_listener(self._publish)
@@ -85,6 +89,41 @@ class Node:
         close = getattr(self.role, "close", None)
         if close:
             close()
+
+    # ---- membership --------------------------------------------------------------------
+    def _learn(self, member: m.Member) -> None:
+        """Where a member of the deployment is (one that joined after our config was written)."""
+        if member.role not in ROLES:
+            log.warning("ignoring member %s with role %r", member.name, member.role)
+            return
+        spec = InstanceSpec(member.name, member.role, member.dc, member.host, kv_port=member.kv_port,
+                            wan_port=member.wan_port, engine=self.dep.engine)
+        others = tuple(i for i in self.dep.instances if i.name != member.name)
+        self.dep = replace(self.dep, instances=(*others, spec))
+
+    def drain(self) -> None:
+        """Finish what this instance holds, then exit (`on_drained`). The router planned
+        nothing here since it sent DRAIN, but work it planned just before may still be
+        on its way (a reservation from P): the instance leaves only once it has held
+        nothing for `DRAIN_QUIET_S`."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: %d requests to finish", self.role.held())
+            self.spawn(self._drained())
+
+    async def _drained(self) -> None:
+        quiet_since = None
+        while True:
+            now = asyncio.get_running_loop().time()
+            if self.role.held():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= DRAIN_QUIET_S:
+                break
+            await asyncio.sleep(0.05)
+        log.info("drained: every request finished; leaving")
+        self.on_drained()
 
     def full(self) -> bool:
         """Whether a new request would take this instance past `max_requests`."""
@@ -163,6 +202,10 @@ class Node:
                     continue
                 if isinstance(body, m.CacheUpdate):  # the router lost track: resend all
                     self.spawn(self._send_snapshot(conn))
+                elif isinstance(body, m.Member):
+                    self._learn(body)
+                elif isinstance(body, m.Drain):
+                    self.drain()
                 elif isinstance(body, m.Submit) and self.full():
                     await self.send(conn, m.Error(f"{self.spec.name} holds {self.role.held()} requests, its limit",
                                                   body.rid, busy=True))

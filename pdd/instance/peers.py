@@ -42,8 +42,9 @@ class _Yield:
 
 
 class PeerPool:
-    def __init__(self, spec: InstanceSpec, dep: Deployment, key: bytes, on_body: OnBody, on_lost: OnLost) -> None:
-        self._spec, self._dep, self._key = spec, dep, key
+    def __init__(self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody,
+                 on_lost: OnLost) -> None:
+        self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._on_body, self._on_lost = on_body, on_lost
         self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
         self._yields: dict[str, _Yield] = {}
@@ -52,14 +53,15 @@ class PeerPool:
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
-        return self._dep.instance(name).dc != self._spec.dc
+        return self._deployment().instance(name).dc != self._spec.dc
 
     async def get(self, name: str, channel: int = CONTROL) -> FramedConnection:
         async with self._lock:
             conn = self._conns.get((name, channel))
             if conn is not None and not conn.closed:
                 return conn
-            host, port = self._dep.address(self._dep.instance(name), self._spec.dc)
+            dep = self._deployment()
+            host, port = dep.address(dep.instance(name), self._spec.dc)
             conn = await wire.open_connection(host, port, self._key)
             if channel != CONTROL:
                 sock = conn.socket
@@ -75,7 +77,7 @@ class PeerPool:
             self._conns[(name, channel)] = conn
             self._spawn(self._read(name, channel, conn))
             if channel == CONTROL:
-                live = self._dep.liveness
+                live = self._deployment().liveness
                 self._spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
 

@@ -123,7 +123,7 @@ class PrefillRole:
         self.engine = node.engine
         self.policy = node.dep.policy
         self.jobs: dict[str, PrefillJob] = {}
-        self.peers = PeerPool(node.spec, node.dep, node.key, self._on_reply, self._on_peer_lost)
+        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_peer_lost)
         self.lines: dict[str, Line] = {}  # by datacenter
 
     def close(self) -> None:

@@ -50,7 +50,7 @@ class RelayRole(DecodeSide):
     def __init__(self, node) -> None:
         super().__init__(node)
         self.policy = node.dep.policy
-        self.peers = PeerPool(node.spec, node.dep, node.key, self._on_reply, self._on_main_lost)
+        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_main_lost)
         self.whole = WholeRequests(node)  # the anomaly filter's requests: prefilled here too
 
     async def on_router(self, router_id: str, body: Any) -> None:

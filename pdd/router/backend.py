@@ -34,6 +34,7 @@ from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.members import Membership
 from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
@@ -49,9 +50,8 @@ class RouterBackend:
         self.dep = dep
         self.max_context = 0  # set from the model config by the caller
         self.router_id = secrets.token_hex(8)
-        key = link_key(dep.secret, "instances")
-        self.clients = {i.name: InstanceClient(i, *dep.address(i, dep.router.dc), key, self.router_id, dep.liveness)
-                        for i in dep.instances}
+        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
+        self.clients = self.members.clients  # by name; instances join and leave at run time
         self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
         self.metrics = RouterMetrics(registry)
         self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
@@ -61,14 +61,14 @@ class RouterBackend:
     async def start(self, timeout: float = 60.0) -> None:
         for c in self.clients.values():
             c.start()
-        await asyncio.gather(*(c.wait_ready(timeout) for c in self.clients.values()))
+        await asyncio.gather(*(c.wait_ready(timeout) for c in list(self.clients.values())))
 
     async def stop(self) -> None:
-        await asyncio.gather(*(c.stop() for c in self.clients.values()))
+        await asyncio.gather(*(c.stop() for c in list(self.clients.values())))
 
     # ---- planning --------------------------------------------------------------------------
     def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
-        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.healthy)
+        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
                 for c in self.clients.values() if c.spec.role == role]
 
     def _plan(self, req: GenRequest) -> Plan:
@@ -101,8 +101,10 @@ class RouterBackend:
 
     def _release(self, request: RouterRequest) -> None:
         for name in request.members:
-            self.clients[name].unregister(request.rid)
-            self.clients[name].queued_tokens -= self._work(request)
+            c = self.clients.get(name)
+            if c is not None:  # (None: it left the deployment since)
+                c.unregister(request.rid)
+                c.queued_tokens -= self._work(request)
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
@@ -207,14 +209,19 @@ class RouterBackend:
             await self._on_error(request, q, source, body)
         return []
 
+    def _role_of(self, name: str) -> str:
+        """An instance's role ("" once it has left the deployment)."""
+        c = self.clients.get(name)
+        return c.spec.role if c is not None else ""
+
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
         """Go on through what is left, or fail."""
-        role, plan = self.clients[source].spec.role, request.plan
+        role, plan = self._role_of(source), request.plan
         failure = BackendError(f"{source}: {err.message}", 429 if err.busy else 503 if err.lost else 500)
         if source == plan.entry:
             if err.lost and request.result is not None:
                 return  # P had finished its part
-            others = any(c.healthy for c in self.clients.values() if c.spec.role == role and c.name != source)
+            others = any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source)
             if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
                                                  self.dep.router.prefill_retries, others):
                 self._release(request)
@@ -237,7 +244,10 @@ class RouterBackend:
                 delivered = request.merger.delivered
                 self.metrics.fallback("relay_lost")
                 request.fallbacks.append("relay_lost")
-                await self.clients[plan.main].send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
+                main = self.clients.get(plan.main)
+                if main is None:
+                    raise failure
+                await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
                 return
             raise failure
         if source == plan.main:
@@ -272,7 +282,7 @@ class RouterBackend:
             if request.merger.producers[-1] == request.plan.relay and request.pipeline == m.P_RLD_MD:
                 done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
         for name in request.members:
-            if name not in done:
+            if name not in done and name in self.clients:
                 task = asyncio.ensure_future(self._abort(self.clients[name], request.rid))
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)
@@ -288,13 +298,14 @@ class RouterBackend:
         return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
 
     def health(self) -> dict:
-        healthy = Counter(c.spec.role for c in self.clients.values() if c.healthy)
+        healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
         missing = missing_roles(healthy, self.entry_role, self.entry_role == "prefill")
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(),
-                "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "queued_tokens": c.queued_tokens,
+        return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+                "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
+                                       "queued_tokens": c.queued_tokens,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 

@@ -45,6 +45,7 @@ async def _serve(dep) -> None:
     from pdd.model.store import resolve_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
+    from pdd.router.admin import add_admin_routes
     from pdd.router.backend import RouterBackend
 
     model_dir = resolve_model(dep.model.path)
@@ -55,6 +56,7 @@ async def _serve(dep) -> None:
     await backend.start()
     app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes,
                     dep.router.api_key, admission=Limits(dep.router.max_running, dep.router.max_waiting))
+    add_admin_routes(app, backend.members, dep)
     server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
+from collections.abc import Callable
 from typing import Any
 
 from pdd.config import InstanceSpec, LivenessSpec
@@ -31,9 +31,13 @@ class InstanceDown(ConnectionError):
 
 class InstanceClient:
     def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
-                 liveness: LivenessSpec = LivenessSpec()) -> None:
+                 liveness: LivenessSpec = LivenessSpec(), roster: Callable[[], list[m.Member]] | None = None,
+                 on_left: Callable[[InstanceClient], None] | None = None) -> None:
         self.spec = spec
         self.liveness = liveness
+        self._roster = roster  # the deployment's members, told to the instance on every connect
+        self._on_left = on_left  # called once a draining instance's connection ends
+        self.draining = False  # no new work goes here
         self.router_id = router_id
         self.name = spec.name
         self.addr = (host, port)
@@ -48,6 +52,11 @@ class InstanceClient:
     @property
     def healthy(self) -> bool:
         return self.conn is not None and not self.conn.closed
+
+    @property
+    def available(self) -> bool:
+        """Whether new work may be planned onto this instance."""
+        return self.healthy and not self.draining
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -82,6 +91,8 @@ class InstanceClient:
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
                 await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
+                for body in self._roster() if self._roster else []:
+                    await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
                 log.info("connected to %s at %s:%s", self.name, *self.addr)
                 beat = asyncio.ensure_future(conn.keepalive(self.liveness.heartbeat_s, self.liveness.dead_after_s))
@@ -103,6 +114,9 @@ class InstanceClient:
                     self.conn = None
                     silent = f" (silent for {conn.silent_for:.1f} s)" if conn.silent_for else ""
                     self._fail_all(f"lost the connection to instance {self.name}{silent}")
+            if self.draining and self._on_left is not None:  # it finished and left: stop calling it
+                self._on_left(self)
+                return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 

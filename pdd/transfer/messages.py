@@ -30,6 +30,7 @@ MAX_NAME = 128
 P_MD, P_RLD_MD, P_RLD = "P-MD", "P-RLD-MD", "P-RLD"
 PIPELINES = (P_MD, P_RLD_MD, P_RLD)
 ONE_SHOT, CATCH_UP = "one_shot", "catch_up"
+ROLES_ON_WIRE = ("router", "standalone", "prefill", "relay", "main")
 
 
 class BadMessage(ValueError):
@@ -202,6 +203,28 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Member:
+    """Router -> every instance: where a member of the deployment is, so P and the
+    relays can reach a decode instance that joined after their config was written.
+    (Departures need no frame: the router plans no work onto a member that left.)"""
+
+    TYPE: ClassVar[MsgType] = MsgType.MEMBER
+    name: str
+    role: str
+    dc: str
+    host: str
+    kv_port: int
+    wan_port: int = 0
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Router -> instance: the router sends it no new work; finish, then exit."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DRAIN
+
+
+@dataclass(frozen=True)
 class Error:
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     message: str
@@ -223,11 +246,11 @@ class CacheUpdate:
 
 
 Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, PipelineChosen, Result, Handoff,
-             HandoffAck, HandedOff, Abort, Error, CacheUpdate]
+             HandoffAck, HandedOff, Abort, Error, CacheUpdate, Member, Drain]
 _BY_TYPE: dict[MsgType, type] = {cls.TYPE: cls for cls in typing.get_args(Body)}
 _HINTS: dict[type, tuple[dict[str, Any], frozenset[str]]] = {}  # field types, required fields
 _CHOICES = {"pipeline": PIPELINES, "mode": (ONE_SHOT, CATCH_UP),
-            "kind": ("stored", "removed", "snapshot", "snapshot_request")}
+            "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE}
 
 
 def _hints(cls: type) -> tuple[dict[str, Any], frozenset[str]]:

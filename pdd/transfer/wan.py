@@ -426,17 +426,22 @@ class WanRelay:
 
     async def start(self) -> None:
         """Listen on every route (port 0 picks a free port; see `listen_ports`)."""
+        routes, self.routes = self.routes, []
         try:
-            for route in self.routes:
-                server = await asyncio.start_server(
-                    lambda r, w, route=route: self._on_accept(route, r, w),
-                    sock=_listening_socket(route.listen_host, route.listen_port),
-                )
-                self._servers.append(server)
-                self.listen_ports.append(server.sockets[0].getsockname()[1])
+            for route in routes:
+                await self.add_route(route)
         except BaseException:
             await self.stop()
             raise
+
+    async def add_route(self, route: Route) -> int:
+        """Listen on one more route across the same line (an instance that joined); its port."""
+        server = await asyncio.start_server(lambda r, w: self._on_accept(route, r, w),
+                                            sock=_listening_socket(route.listen_host, route.listen_port))
+        self._servers.append(server)
+        self.routes.append(route)
+        self.listen_ports.append(server.sockets[0].getsockname()[1])
+        return self.listen_ports[-1]
 
     async def stop(self) -> None:
         """Stop listening and reset every connection this relay carries."""
@@ -478,6 +483,11 @@ class _LinkUpdate(BaseModel):
     jitter_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
+class _NewRoute(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    route: str = Field(description="LISTEN_HOST:PORT=TARGET_HOST:PORT")
+
+
 class _Fault(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stall_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -501,6 +511,18 @@ def admin_app(relay: WanRelay) -> FastAPI:
     @app.post("/link")
     def link(update: _LinkUpdate) -> dict[str, Any]:
         line.set_link(update.bandwidth_mbps, update.delay_ms, update.jitter_ms)
+        return relay.stats()
+
+    @app.post("/routes")
+    async def add_route(req: _NewRoute) -> dict[str, Any]:
+        try:
+            route = Route.parse(req.route)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        try:
+            await relay.add_route(route)
+        except OSError as e:
+            raise HTTPException(409, f"cannot listen on {route.listen_host}:{route.listen_port}: {e}") from None
         return relay.stats()
 
     @app.post("/fault")

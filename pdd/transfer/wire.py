@@ -76,6 +76,8 @@ class MsgType(IntEnum):
     HANDOFF = 18  # RLD (or router) -> MD: output token IDs to extend and take over
     HANDOFF_ACK = 19  # MD -> RLD: catch-up tokens computed so far
     HANDED_OFF = 20  # RLD -> router: it stopped, MD produces from here
+    MEMBER = 21  # router -> instance: an instance joined (or left) the deployment
+    DRAIN = 22  # router -> instance: no new work comes; finish what you hold, then exit
 
 
 class FrameError(ValueError):

@@ -1,0 +1,60 @@
+"""`pdd drain --config FILE INSTANCE`: take an instance out of a running deployment
+without failing a request. The router stops planning work onto it at once; the
+instance finishes what it holds and exits; the command returns when it has left."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import httpx
+
+POLL_S = 0.2
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drain", help="finish an instance's requests, then take it out of the deployment")
+    p.add_argument("instance", help="instance name")
+    p.add_argument("--config", required=True, help="the deployment's TOML (its router and secret)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the instance to leave")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pdd import config as cfg
+    from pdd.api.auth import ADMIN_PREFIX, admin_token
+
+    try:
+        dep = cfg.load(args.config)
+    except cfg.ConfigError as e:
+        print(f"pdd drain: {e}", file=sys.stderr)
+        return 2
+    base = f"http://{dep.router.host}:{dep.router.port}"
+    headers = {"Authorization": f"Bearer {admin_token(dep.secret)}"}
+    try:
+        r = httpx.post(f"{base}{ADMIN_PREFIX}instances/{args.instance}/drain", headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        print(f"pdd drain: cannot reach the router at {base}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"pdd drain: the router refused: {r.status_code} {r.text}", file=sys.stderr)
+        return 1
+    console, start = Console(stderr=True), time.monotonic()
+    with console.status(f"draining {args.instance}: finishing its requests") as status:
+        while time.monotonic() - start < args.timeout:
+            try:
+                instances = httpx.get(f"{base}/pdd/stats", timeout=10).json()["instances"]
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                print(f"pdd drain: cannot read the router's state: {e}", file=sys.stderr)
+                return 1
+            if args.instance not in instances:
+                print(f"{args.instance} drained and left after {time.monotonic() - start:.1f} s")
+                return 0
+            queued = instances[args.instance]["queued_tokens"]
+            status.update(f"draining {args.instance}: {queued} tokens of work left")
+            time.sleep(POLL_S)
+    print(f"pdd drain: {args.instance} has not left after {args.timeout:g} s", file=sys.stderr)
+    return 1

@@ -1,0 +1,111 @@
+"""The instances a router drives: those in its config, those that joined since, less
+those that were drained and left (PDD_SPEC item 7: decoupled lifecycles).
+
+An instance joins by registering (`pdd serve --join` posts its spec to the router's
+admin route); the router connects to it, health-checks it by heartbeats, and tells
+every instance where it is (a `Member` frame), since P and the relays must reach a
+decode instance their own config may not list. A drain is two-phase, so no request
+is refused in between: the router first stops planning work onto the instance, then
+sends it DRAIN; the instance finishes what it holds and exits, and only then does the
+router forget it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdd.config import Deployment, InstanceSpec
+from pdd.router.client import InstanceClient, InstanceDown
+from pdd.transfer import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class MembershipError(ValueError):
+    """A join or drain that cannot be done (an unknown name, a name taken elsewhere)."""
+
+
+def member(spec: InstanceSpec) -> m.Member:
+    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, spec.wan_port)
+
+
+class Membership:
+    def __init__(self, dep: Deployment, key: bytes, router_id: str) -> None:
+        self.dep = dep
+        self._key, self._router_id = key, router_id
+        self.clients: dict[str, InstanceClient] = {}
+        self.joined = 0
+        self.left = 0
+        self._tasks: set[asyncio.Task] = set()
+        for spec in dep.instances:
+            self._add(spec)
+
+    def _add(self, spec: InstanceSpec) -> InstanceClient:
+        client = InstanceClient(spec, *self.dep.address(spec, self.dep.router.dc), self._key, self._router_id,
+                                self.dep.liveness, roster=self.roster, on_left=self._on_left)
+        self.clients[spec.name] = client
+        return client
+
+    def roster(self) -> list[m.Member]:
+        return [member(c.spec) for c in self.clients.values()]
+
+    def join(self, spec: InstanceSpec) -> bool:
+        """Add a registering instance and connect to it; False if it is known already at
+        that address (a restarted instance registering again)."""
+        known = self.clients.get(spec.name)
+        if known is not None:
+            if member(known.spec) != member(spec):
+                raise MembershipError(f"an instance named {spec.name!r} is already part of the deployment elsewhere")
+            known.draining = False
+            return False
+        if spec.role not in ("prefill", "relay", "main", "standalone"):
+            raise MembershipError(f"unknown role {spec.role!r}")
+        self.dep.address(spec, self.dep.router.dc)  # reachable from here, or ConfigError
+        client = self._add(spec)
+        client.start()
+        self.joined += 1
+        self._broadcast(member(spec))
+        log.info("instance %s (%s, datacenter %s) joined", spec.name, spec.role, spec.dc)
+        return True
+
+    async def drain(self, name: str) -> None:
+        """No new work for `name` from now on; then tell it to finish and leave."""
+        client = self.clients.get(name)
+        if client is None:
+            raise MembershipError(f"no instance named {name!r}; have {sorted(self.clients)}")
+        client.draining = True
+        try:
+            await client.send(m.Drain())
+        except InstanceDown:  # gone already: nothing left to finish there
+            self._on_left(client)
+        log.info("draining instance %s", name)
+
+    def _on_left(self, client: InstanceClient) -> None:
+        if self.clients.get(client.name) is not client:
+            return
+        del self.clients[client.name]
+        self.left += 1
+        self._spawn(client.stop())
+        log.info("instance %s left the deployment", client.name)
+
+    def _broadcast(self, body: m.Member) -> None:
+        for c in self.clients.values():
+            if c.healthy and c.name != body.name:
+                self._spawn(self._send(c, body))
+
+    @staticmethod
+    async def _send(c: InstanceClient, body: m.Member) -> None:
+        try:
+            await c.send(body)
+        except InstanceDown:
+            pass  # it hears the whole roster when it reconnects
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stats(self) -> dict[str, int]:
+        return {"joined": self.joined, "left": self.left, "draining": sum(c.draining for c in self.clients.values())}
+
