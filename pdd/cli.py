@@ -21,6 +21,7 @@ _COMMANDS: dict[str, str] = {
     "drain": "pdd.router.drain",
     "up": "pdd.deploy",
     "wan": "pdd.transfer.wan",
+    "cert": "pdd.transfer.tls",
     "bench": "pdd.bench.cli",
     "demo": "pdd.demo",
     "sim": "pdd.sim.cli",

@@ -139,6 +139,24 @@ class LivenessSpec:
 
 
 @dataclass(frozen=True)
+class TLSSpec:
+    """TLS on every framed connection (`pdd.transfer.tls`); empty paths: off. Each end
+    presents `cert` and verifies the other's against `ca` (`pdd cert` makes a pair)."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key) or (self.cert and not self.ca) or (self.ca and not self.cert):
+            raise ValueError("give cert, key and ca together (or none)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+
+@dataclass(frozen=True)
 class TopologySpec:
     """What `pdd up` expands into instances."""
 
@@ -168,6 +186,7 @@ class Deployment:
     slo: SLOSpec = SLOSpec()
     router: RouterSpec = RouterSpec()
     liveness: LivenessSpec = LivenessSpec()
+    tls: TLSSpec = TLSSpec()
     topology: TopologySpec = TopologySpec()
     instances: tuple[InstanceSpec, ...] = ()
 
@@ -242,7 +261,7 @@ def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
 
 def parse(raw: dict) -> Deployment:
     sections = {"model": ModelSpec, "engine": EngineConfig, "link": LinkSpec, "policy": PolicySpec,
-                "slo": SLOSpec, "router": RouterSpec, "liveness": LivenessSpec, "topology": TopologySpec}
+                "slo": SLOSpec, "router": RouterSpec, "liveness": LivenessSpec, "tls": TLSSpec, "topology": TopologySpec}
     unknown = set(raw) - set(sections) - {"mode", "secret", "instances"}
     if unknown:
         raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
@@ -290,7 +309,7 @@ def _toml_table(header: str, obj: Any) -> list[str]:
 def dump(dep: Deployment) -> str:
     """TOML text of a deployment, readable back by `parse`."""
     out = [f"mode = {_toml_value(dep.mode)}", f"secret = {_toml_value(dep.secret)}", ""]
-    for name in ("model", "engine", "link", "policy", "slo", "router", "liveness", "topology"):
+    for name in ("model", "engine", "link", "policy", "slo", "router", "liveness", "tls", "topology"):
         out += _toml_table(f"[{name}]", getattr(dep, name)) + [""]
     for inst in dep.instances:
         out += _toml_table("[[instances]]", inst) + [""]

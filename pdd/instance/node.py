@@ -19,6 +19,7 @@ from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.instance.engine_port import EnginePort
 from pdd.transfer import messages as m
 from pdd.transfer import wire
+from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class Node:
 
     async def start(self) -> None:
         self.engine.set_cache_listener(self._publish)
-        self.server = await wire.serve(self._handle, self.spec.host, self.spec.kv_port, self.key)
+        self.server = await wire.serve(self._handle, self.spec.host, self.spec.kv_port, self.key,
+                                       tls=server_context(self.dep.tls))
 
     async def stop(self) -> None:
         if self.server:

@@ -20,6 +20,7 @@ from typing import Any
 from pdd.config import Deployment, InstanceSpec
 from pdd.transfer import messages as m
 from pdd.transfer import wire
+from pdd.transfer.tls import client_context
 from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PeerPool:
     def __init__(self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody,
                  on_lost: OnLost) -> None:
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
+        self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
         self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
         self._yields: dict[str, _Yield] = {}
@@ -62,7 +64,7 @@ class PeerPool:
                 return conn
             dep = self._deployment()
             host, port = dep.address(dep.instance(name), self._spec.dc)
-            conn = await wire.open_connection(host, port, self._key)
+            conn = await wire.open_connection(host, port, self._key, tls=self._tls)
             if channel != CONTROL:
                 sock = conn.socket
                 if sock is not None:

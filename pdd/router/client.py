@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +33,13 @@ class InstanceDown(ConnectionError):
 class InstanceClient:
     def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
                  liveness: LivenessSpec = LivenessSpec(), roster: Callable[[], list[m.Member]] | None = None,
-                 on_left: Callable[[InstanceClient], None] | None = None) -> None:
+                 on_left: Callable[[InstanceClient], None] | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.spec = spec
         self.liveness = liveness
         self._roster = roster  # the deployment's members, told to the instance on every connect
         self._on_left = on_left  # called once a draining instance's connection ends
         self.draining = False  # no new work goes here
+        self._tls = tls
         self.router_id = router_id
         self.name = spec.name
         self.addr = (host, port)
@@ -89,7 +91,7 @@ class InstanceClient:
         while True:
             conn, beat = None, None
             try:
-                conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0)
+                conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0, tls=self._tls)
                 await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)

@@ -17,6 +17,7 @@ import logging
 
 from pdd.config import Deployment, InstanceSpec
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Membership:
     def __init__(self, dep: Deployment, key: bytes, router_id: str) -> None:
         self.dep = dep
         self._key, self._router_id = key, router_id
+        self._tls = client_context(dep.tls)
         self.clients: dict[str, InstanceClient] = {}
         self.joined = 0
         self.left = 0
@@ -43,7 +45,7 @@ class Membership:
 
     def _add(self, spec: InstanceSpec) -> InstanceClient:
         client = InstanceClient(spec, *self.dep.address(spec, self.dep.router.dc), self._key, self._router_id,
-                                self.dep.liveness, roster=self.roster, on_left=self._on_left)
+                                self.dep.liveness, roster=self.roster, on_left=self._on_left, tls=self._tls)
         self.clients[spec.name] = client
         return client
 

@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import secrets
+import ssl
 import struct
 import threading
 import time
@@ -398,9 +399,11 @@ async def open_connection(
     *,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     connect_timeout: float | None = 10.0,
+    tls: ssl.SSLContext | None = None,
 ) -> FramedConnection:
-    """Connect to a frame server; the timeout keeps a silent WAN from hanging us."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+    """Connect to a frame server (over TLS with `tls`); the timeout, which covers the TLS
+    handshake too, keeps a silent WAN from hanging us."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), connect_timeout)
     return FramedConnection(reader, writer, FrameCodec(key, max_payload))
 
 
@@ -414,6 +417,7 @@ async def serve(
     key: bytes | None,
     *,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
+    tls: ssl.SSLContext | None = None,
 ) -> asyncio.Server:
     """Start a TCP server that hands every accepted connection to `handler`.
 
@@ -448,7 +452,7 @@ async def serve(
             conn.close()
             await conn.wait_closed()
 
-    return await asyncio.start_server(on_accept, host, port)
+    return await asyncio.start_server(on_accept, host, port, ssl=tls)
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:

@@ -1,0 +1,111 @@
+"""Inter-instance TLS (`[tls]`, `pdd cert`) and where a deployment listens."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import pdd_up
+
+from pdd.config import TLSSpec, load
+from pdd.transfer.tls import client_context, make_self_signed, server_context
+from pdd.transfer.wire import FramedConnection, MsgType, client_handshake, open_connection, serve, server_handshake
+
+KEY = b"k" * 32
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> TLSSpec:
+    out = tmp_path_factory.mktemp("tls")
+    done = subprocess.run([sys.executable, "-m", "pdd.cli", "cert", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (out / "key.pem").stat().st_mode & 0o077 == 0  # the key is the owner's alone
+    return TLSSpec(str(out / "cert.pem"), str(out / "key.pem"), str(out / "cert.pem"))
+
+
+async def _echo(conn: FramedConnection) -> None:
+    await server_handshake(conn)
+    frame = await conn.next_frame()
+    await conn.send(MsgType.TOKENS, frame.payload)
+
+
+async def _exchange(port: int, tls: ssl.SSLContext | None) -> bytes:
+    conn = await open_connection("127.0.0.1", port, KEY, tls=tls, connect_timeout=5)
+    try:
+        await asyncio.wait_for(client_handshake(conn, {"role": "router"}), 5)
+        await conn.send(MsgType.TOKENS, b"over tls")
+        return (await asyncio.wait_for(conn.next_frame(), 5)).payload
+    finally:
+        conn.close()
+
+
+def test_frames_cross_tls_and_nothing_else_gets_in(pair, tmp_path):
+    other = make_self_signed(tmp_path / "other", 1, ["127.0.0.1"])
+    stranger = TLSSpec(str(other[0]), str(other[1]), str(other[0]))
+
+    async def go() -> None:
+        server = await serve(_echo, "127.0.0.1", 0, KEY, tls=server_context(pair))
+        port = server.sockets[0].getsockname()[1]
+        try:
+            assert await _exchange(port, client_context(pair)) == b"over tls"
+            with pytest.raises((ConnectionError, OSError, asyncio.TimeoutError)):  # plain TCP: no TLS handshake
+                await _exchange(port, None)
+            with pytest.raises(ssl.SSLError):  # a certificate the CA did not sign
+                await _exchange(port, client_context(stranger))
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(go())
+
+
+def test_tls_settings_come_together_or_not_at_all():
+    with pytest.raises(ValueError):
+        TLSSpec(cert="c.pem")
+    with pytest.raises(ValueError):
+        TLSSpec(cert="c.pem", key="k.pem")
+    assert not TLSSpec().enabled and server_context(TLSSpec()) is None
+
+
+def _listening(pid: int) -> list[str]:
+    """The addresses a process listens on (from /proc: its socket inodes in tcp/tcp6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(cols[1].split(":")[0])
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append(socket.inet_ntop(family, words))
+    return out
+
+
+def test_a_tls_deployment_serves_and_listens_only_where_its_config_says(pair, tmp_path):
+    conf = tmp_path / "tls.toml"
+    conf.write_text(f'mode = "pd-cross-dc"\n[tls]\ncert = "{pair.cert}"\nkey = "{pair.key}"\nca = "{pair.ca}"\n')
+    with pdd_up("--config", str(conf)) as dep:
+        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "over the line", "max_tokens": 12,
+                                                          "ignore_eos": True, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
+        run_dir = next(line.split("run directory ")[1].strip() for line in dep.lines if "run directory" in line)
+        md0 = load(Path(run_dir) / "deployment.toml").instance("md0")
+        with pytest.raises((ConnectionError, OSError, asyncio.TimeoutError)):  # its framed port speaks only TLS
+            asyncio.run(_exchange(md0.kv_port, None))
+        addresses = {name: _listening(pid) for name, pid in dep.pids.items()}
+    assert all(addresses.values()), addresses
+    assert {a for found in addresses.values() for a in found} == {"127.0.0.1"}, addresses
