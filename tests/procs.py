@@ -23,6 +23,8 @@ def pdd_process(args: list[str], health_url: str | None = None, timeout: float =
     try:
         if health_url:
             wait_http(health_url, proc, timeout)
+            # keep the pipe drained: a server whose log fills it (a few tracebacks) blocks on write and hangs
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
         yield proc
     finally:
         stop_group(proc)

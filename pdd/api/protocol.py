@@ -20,7 +20,9 @@ class ApiError(Exception):
         self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # a message may quote the client (a model name with a lone surrogate): keep it encodable as UTF-8
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
