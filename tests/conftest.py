@@ -1,4 +1,4 @@
-"""Shared fixtures for the test suite."""
+"""Shared fixtures for the test suite, and the rule on skips in CI."""
 
 from __future__ import annotations
 
@@ -7,6 +7,54 @@ from pathlib import Path
 
 import pytest
 
+CI_MAY_SKIP = "ci_may_skip"
+
+
+def in_ci() -> bool:
+    """`CI` set to anything but empty, 0, false or no (CI services set CI=true)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+# ---- no silent skips in CI -------------------------------------------------------------
+# A test skips when something it needs is missing: a test extra (`pytest.importorskip`),
+# a data file. On a developer's machine that is a notice; in CI it is a broken install,
+# so there every skip is a failure, whether it happens at collection (a module-level
+# importorskip) or in a test. A test that may rightly skip on CI's hardware (one that
+# needs a GPU, say) says so with @pytest.mark.ci_may_skip; an xfail is not a skip.
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{CI_MAY_SKIP}: a skip of this test is no failure in CI (CI=true); "
+                                       "only for what CI's machines cannot have, never for a missing package or file")
+
+
+def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    report.outcome = "failed"
+    report.longrepr = (f"skipped in CI ({reason}): with CI set, a skip is a failure — install the test extras "
+                       f"(pip install -e '.[test]') and commit the data the test reads, or mark the test "
+                       f"@pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci():
+        _fail_skip(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and in_ci() and not hasattr(report, "wasxfail")
+            and item.get_closest_marker(CI_MAY_SKIP) is None):
+        _fail_skip(report)
+
+
+# ---- fixtures --------------------------------------------------------------------------
 
 @pytest.fixture(scope="session", autouse=True)
 def pdd_home(tmp_path_factory: pytest.TempPathFactory) -> Path:

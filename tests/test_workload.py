@@ -12,8 +12,9 @@ import pytest
 from pdd.workload.agentic import AgenticConfig, estimate_hits, iter_sessions, plan_sessions
 from pdd.workload.mooncake import MooncakeConfig, load_trace, scaled_lengths, trace_sessions
 
-# shared/ lies beside the checkout (../shared from the repository root)
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+# 35 unchanged lines of the published Mooncake conversation trace (tests/data/README.md):
+# in the checkout, so the test never depends on a file a clean CI checkout lacks
+TRACE_EXCERPT = Path(__file__).resolve().parent / "data" / "mooncake_conversation_excerpt.jsonl"
 
 
 # --- agentic -------------------------------------------------------------------------
@@ -153,12 +154,28 @@ def test_bad_line_is_reported_with_its_line_number(tmp_path, line, problem):
     assert len(load_trace(trace, limit=1)) == 1  # the bad line is never read
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared Mooncake trace not present")
-def test_published_trace_loads_and_keeps_its_shared_prefix():
-    records = load_trace(SHARED_TRACE, limit=200)
-    sessions = trace_sessions(records, MooncakeConfig())
-    assert len(sessions) == 200
-    first_blocks = {s.turns[0].append_ids[:32] for s, r in zip(sessions, records, strict=True)
-                    if r.hash_ids[0] == 0}
-    assert len(first_blocks) == 1
-    assert all(math.isfinite(s.start_s) for s in sessions)
+def test_published_trace_loads_and_keeps_its_shared_prefixes():
+    records = load_trace(TRACE_EXCERPT)
+    config = MooncakeConfig()
+    sessions = trace_sessions(records, config)
+    assert len(records) == len(sessions) == 35
+    assert all(r.hash_ids[0] == 0 for r in records)  # the trace's common system prompt
+    prompts = [s.turns[0].append_ids for s in sessions]
+    assert len({p[: config.block_tokens] for p in prompts}) == 1
+    block = config.block_tokens
+    longer = 0
+    for i, a in enumerate(records):  # equal leading hash ids, and only they, give equal leading tokens
+        for j in range(i):
+            b = records[j]
+            k = next((n for n, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)) if x != y),
+                     min(len(a.hash_ids), len(b.hash_ids)))
+            shared = min(k * block, len(prompts[i]), len(prompts[j]))
+            assert prompts[i][:shared] == prompts[j][:shared]
+            if k < min(len(a.hash_ids), len(b.hash_ids)):
+                assert prompts[i][k * block:(k + 1) * block] != prompts[j][k * block:(k + 1) * block]
+            longer += k >= 2
+    assert longer == 3  # the excerpt's three pairs sharing more than the first block
+    assert [len(p) for p in prompts] == [scaled_lengths(r, config)[0] for r in records]
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] == records[-1].timestamp_ms / 1000
+    assert all(math.isfinite(t) for t in starts)

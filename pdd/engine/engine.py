@@ -99,19 +99,23 @@ class Engine:
         return seq
 
     def abort(self, rid: str) -> None:
+        self._drop(rid, aborting=True)
+
+    def release(self, rid: str) -> None:
+        """Free a held (or reserved) sequence: its KV goes to the prefix cache. (Not an
+        abort: P releases every request it handed over.)"""
+        self._drop(rid, aborting=False)
+
+    def _drop(self, rid: str, aborting: bool) -> None:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return
-        self.stats.aborted += seq.status != Status.FINISHED
+        self.stats.aborted += aborting and seq.status != Status.FINISHED
         if seq.status in (Status.WAITING, Status.RUNNING):
             self.scheduler.finish(seq, "abort")
         if seq.status in (Status.RESERVED, Status.HELD):
             self.scheduler.release(seq)
         seq.status = Status.FINISHED
-
-    def release(self, rid: str) -> None:
-        """Free a held (or reserved) sequence: its KV goes to the prefix cache."""
-        self.abort(rid)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

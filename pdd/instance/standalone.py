@@ -18,8 +18,10 @@ def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
 
 
 async def report_failure(node: Node, router_id: str, rid: str, error: BaseException) -> None:
-    """Tell the router a request failed here; the instance keeps serving."""
-    node.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid))
+    """Tell the router a request failed here; the instance keeps serving. A peer that
+    was lost or timed out is the deployment's failure, not the request's (503)."""
+    lost = isinstance(error, (ConnectionError, asyncio.TimeoutError))
+    node.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost))
 
 
 class WholeRequests:
