@@ -223,6 +223,9 @@ class DecodeSide:
         decode on (`shadow`: compute them only). Positions from `emit_from` on, known
         or produced, are streamed to the request's router."""
         new = job.output[job.given :]
+        # claimed before the engine is awaited: a fill's catch-up acknowledgement racing
+        # the fill itself must not hand the same tokens over twice
+        job.given += len(new)
         if job.stream is None:
             stream = self.engine.watch(job.rid)
             try:
@@ -234,7 +237,6 @@ class DecodeSide:
             self.node.spawn(self._forward(job))
         else:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
-        job.given = len(job.output)
         job.producing = emit_from is not None
         if job.producing:
             job.settled.set()
@@ -299,9 +301,13 @@ class DecodeSide:
         await report_failure(self.node, job.router_id, job.rid, error)
 
     def peer_lost(self, name: str) -> None:
-        """A connection from P is gone: what it reserved and had not finished sending is dropped."""
+        """A connection from P is gone: what it reserved and had not finished sending is
+        dropped, and the router hears so at once (it would otherwise wait for tokens that
+        cannot come until its timeout)."""
         for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
             self.node.spawn(self.end(job))
+            lost = ConnectionError(f"prefill instance {name} was lost before the KV was complete")
+            self.node.spawn(report_failure(self.node, job.router_id, job.rid, lost))
 
     def router_lost(self, router_id: str) -> None:
         """Nobody will read these tokens any more: stop computing them."""

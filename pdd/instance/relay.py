@@ -25,7 +25,7 @@ from typing import Any
 from pdd.engine.engine import RequestError
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
-from pdd.instance.standalone import WholeRequests
+from pdd.instance.standalone import WholeRequests, report_failure
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -84,8 +84,10 @@ class RelayRole(DecodeSide):
 
     async def on_finished(self, job: RelayJob) -> None:
         """It finished here before any cut-over: MD, which holds (or will hold) the
-        prompt's KV, gets the output as a fill, so the next turn hits at MD."""
-        if job.reserve.main and not job.cutting:
+        prompt's KV, gets the output as a fill, so the next turn hits at MD. A cut-over
+        already begun finds nothing to cut and sends nothing, so the fill goes then too:
+        without it MD would hold the request's pages until its handoff watchdog."""
+        if job.reserve.main:
             try:
                 conn = await self.peers.get(job.reserve.main)
                 await m.send(conn, m.Handoff(job.rid, job.sent, job.output[job.sent :], False,
@@ -136,6 +138,8 @@ class RelayRole(DecodeSide):
             pass
         except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
             log.warning("handoff of %s abandoned: %s", job.rid, e)
+            if job.cutting:  # its sequence is cut here: nobody produces unless the router has MD take over
+                await report_failure(self.node, job.router_id, job.rid, e)
 
     async def _send_chunks(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
         """Every produced token MD lacks, in chunks of `plan.chunk`."""
@@ -164,7 +168,7 @@ class RelayRole(DecodeSide):
         try:
             output = await self.engine.cut(job.rid)
         except RequestError:
-            return  # it finished here meanwhile: nothing to hand over
+            return  # it finished here meanwhile: on_finished sends MD the output as a fill
         await m.send(conn, m.Handoff(job.rid, job.sent, output[job.sent :], True, len(output)))
         chunks = 1 + (job.rounds if plan.mode == m.CATCH_UP else 0)
         self.node.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))

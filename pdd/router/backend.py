@@ -119,7 +119,13 @@ class RouterBackend:
                     source, body = item
                     if getattr(body, "rid", request.rid) != request.rid:
                         continue  # a straggler of an earlier attempt
-                    request.held += await self._handle(request, q, source, body)
+                    new = await self._handle(request, q, source, body)
+                    if new:
+                        request.held += new
+                        request.last_progress = time.monotonic()
+                    if request.stranded:
+                        raise BackendError(f"no instance is left to produce the request (instances "
+                                           f"{', '.join(request.members)})", 503)
                 out = self._play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
@@ -138,14 +144,19 @@ class RouterBackend:
             self._abort_rest(request)
 
     async def _next(self, request: RouterRequest, q: asyncio.Queue) -> tuple[str, Any] | None:
-        """The request's next body, or None when a held token is due to be released."""
+        """The request's next body, or None when a held token is due to be released. The
+        timeouts run from the last new token (or the submission), not from the last body:
+        messages that bring no token (a repeated loss report, say) are no progress."""
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
+        left = timeout - (time.monotonic() - request.last_progress)
         due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
                              self._playout(request))
         try:
-            return await asyncio.wait_for(q.get(), timeout if due is None else min(due, timeout))
+            if left <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(q.get(), left if due is None else min(due, left))
         except asyncio.TimeoutError:
-            if due is not None and due <= timeout:
+            if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
 

@@ -9,6 +9,7 @@ it builds is the `pdd` object of the response.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pdd.api.backend import GenRequest
@@ -37,6 +38,7 @@ class RouterRequest:
     released: int = 0  # tokens given to the client
     last_release: float = 0.0
     last_main_token: float | None = None
+    last_progress: float = field(default_factory=time.monotonic)  # submitted, or the last new token merged
 
     def restart(self, plan: Plan) -> None:
         """A new attempt on other instances; what the client already has is kept."""
@@ -44,6 +46,7 @@ class RouterRequest:
         self.plan = plan
         self.chosen = self.result = self.handed_off = None
         self.relay_done = self.main_done = False
+        self.last_progress = time.monotonic()
 
     @property
     def rid(self) -> str:
@@ -72,6 +75,14 @@ class RouterRequest:
         """Whether the relay is (or will be) the one producing tokens: before a handoff,
         in a pipeline through the relay."""
         return self.pipeline in (m.P_RLD_MD, m.P_RLD) and not self.handed_off and not self.relay_done
+
+    @property
+    def stranded(self) -> bool:
+        """Unfinished, and every instance that could produce its tokens has been written
+        off (lost, refused, or dropped by P's choice of pipeline): nothing will come."""
+        if self.whole or self.merger.finished:
+            return False
+        return (self.plan.main is None or self.main_done) and (self.plan.relay is None or self.relay_done)
 
     @property
     def pacing(self) -> bool:
