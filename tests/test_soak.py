@@ -14,7 +14,7 @@ def test_a_short_soak_with_a_kill_and_a_blackhole_loses_and_leaks_nothing(tmp_pa
     conf = tmp_path / "soak.toml"
     conf.write_text("[router]\ntoken_timeout_s = 10.0\n")  # a request with no first token fails fast
     out = tmp_path / "soak.json"
-    args = ["soak", "--config", str(conf), "--duration-s", "35", "--concurrency", "4", "--seed", "1",
+    args = ["soak", "--config", str(conf), "--duration-s", "20", "--concurrency", "4", "--seed", "1",
             "--faults", "kill-md,blackhole", "--fault-every-s", "2", "--timeout-s", "30", "--settle-s", "20",
             "--out", str(out), "--quiet"]
     with pdd_process(args) as proc:
