@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pdd.instance.node import Tombstones
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 HANDOFF_IDLE_S = 60.0
+MAX_EARLY = 1024  # requests whose handoff frames arrived before their reservation
 
 
 @dataclass(eq=False)
@@ -38,11 +41,37 @@ class MainJob(DecodeJob):
 class MainRole(DecodeSide):
     job_type = MainJob
 
+    def __init__(self, node) -> None:
+        super().__init__(node)
+        # The relay's frames and P's reservation come on different connections; after a
+        # stalled line a relay's handoff (a fill, say) can overtake the reservation. It is
+        # kept here, bounded, and applied when the reservation lands: refused, it would
+        # leave the reservation waiting for a handoff that never comes, pages held.
+        self.early: OrderedDict[str, list[tuple[m.Handoff, FramedConnection]]] = OrderedDict()
+        self.ended = Tombstones()  # requests that were here: a late handoff for one is refused
+
     async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
         if isinstance(body, m.Handoff):
-            await self._on_handoff(self._known(body.rid), body, conn)
-        else:
-            await super().on_peer_body(conn, name, body)
+            job = self.jobs.get(body.rid)
+            if job is None:
+                self._keep_early(body, conn)
+                return
+            await self._on_handoff(job, body, conn)
+            return
+        await super().on_peer_body(conn, name, body)
+        if isinstance(body, m.Reserve):
+            early, job = self.early.pop(body.rid, []), self.jobs.get(body.rid)
+            for h, reply_to in early if job is not None else []:
+                await self._on_handoff(job, h, reply_to)
+        elif isinstance(body, m.Abort):
+            self.early.pop(body.rid, None)
+
+    def _keep_early(self, h: m.Handoff, conn: FramedConnection) -> None:
+        if h.rid in self.ended or h.rid in self.node.aborted:  # the relay hears so and finishes alone
+            raise m.BadMessage(f"request {h.rid!r} is not held here")
+        self.early.setdefault(h.rid, []).append((h, conn))
+        while len(self.early) > MAX_EARLY:
+            self.early.popitem(last=False)
 
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Handoff):  # the relay was lost: take over from what the client has
@@ -55,13 +84,13 @@ class MainRole(DecodeSide):
             except Exception as e:
                 await self.fail(job, e)
         else:
+            if isinstance(body, m.Abort):
+                self.early.pop(body.rid, None)
             await super().on_router(router_id, body)
 
-    def _known(self, rid: str) -> MainJob:
-        job = self.jobs.get(rid)
-        if job is None:
-            raise m.BadMessage(f"request {rid!r} is not held here")
-        return job
+    def forget(self, job: DecodeJob) -> None:
+        self.ended.add(job.rid)
+        super().forget(job)
 
     async def _on_handoff(self, job: MainJob, h: m.Handoff, reply_to: FramedConnection | None) -> None:
         if job.producing:

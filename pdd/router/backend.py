@@ -241,7 +241,9 @@ class RouterBackend:
                 request.fallbacks.append("prefill_retry")
                 await self._submit(request, q)
                 return
-            if request.relay_producing and plan.main and not request.main_done:  # MD will not get its KV
+            # MD will not get its KV; the relay goes on if P had sent it the request (it
+            # reports a loss itself if P died before its KV was complete)
+            if request.chosen is not None and request.relay_producing and plan.main and not request.main_done:
                 request.main_done = True
                 self.metrics.fallback("prefill_lost")
                 request.fallbacks.append("prefill_lost")
