@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.instance.engine_port import EnginePort
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
@@ -71,7 +72,7 @@ class Node:
         self._peer_conns: dict[str, set[FramedConnection]] = {}  # by peer name
         self.aborted = Tombstones()
         self.server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
         self.role: Role = _make_role(self)
         self.draining = False
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
@@ -84,8 +85,7 @@ class Node:
     async def stop(self) -> None:
         if self.server:
             self.server.close()
-        for t in list(self._tasks):
-            t.cancel()
+        self._tasks.cancel_all()
         for conn in self.routers.values():
             conn.close()
         close = getattr(self.role, "close", None)
@@ -132,10 +132,7 @@ class Node:
         return self.role.held() >= self.spec.engine.max_requests
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     async def send(self, conn: FramedConnection, body: Any) -> bool:
         """Send, or log why not: a peer that went away is its reader's business."""

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import client_context
@@ -51,7 +52,7 @@ class PeerPool:
         self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task] = set()  # readers and heartbeats
+        self._tasks = Tasks()  # readers and heartbeats
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
@@ -77,16 +78,12 @@ class PeerPool:
                 conn.close()
                 raise
             self._conns[(name, channel)] = conn
-            self._spawn(self._read(name, channel, conn))
+            self._tasks.spawn(self._read(name, channel, conn))
             if channel == CONTROL:
                 live = self._deployment().liveness
-                self._spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
+                self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
 
-    def _spawn(self, coro: Coroutine) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def send(self, name: str, body: Any) -> None:
         await m.send(await self.get(name), body)
@@ -138,7 +135,6 @@ class PeerPool:
             self._on_lost(name)
 
     def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel_all()
         for conn in self._conns.values():
             conn.close()

@@ -35,6 +35,7 @@ from pdd.policy.retry import retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.router.members import Membership
+from pdd.tasks import Tasks
 from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
@@ -56,7 +57,7 @@ class RouterBackend:
         self.metrics = RouterMetrics(registry)
         self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
         self.in_flight = 0
-        self._aborts: set[asyncio.Task] = set()
+        self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
     async def start(self, timeout: float = 60.0) -> None:
         for c in self.clients.values():
@@ -296,9 +297,7 @@ class RouterBackend:
                 done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
         for name in request.members:
             if name not in done and name in self.clients:
-                task = asyncio.ensure_future(self._abort(self.clients[name], request.rid))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
+                self._aborts.spawn(self._abort(self.clients[name], request.rid))
 
     async def _abort(self, c: InstanceClient, rid: str) -> None:
         try:

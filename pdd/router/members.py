@@ -12,11 +12,11 @@ router forget it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from pdd.config import Deployment, InstanceSpec
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.tasks import Tasks
 from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
 
@@ -39,7 +39,7 @@ class Membership:
         self.clients: dict[str, InstanceClient] = {}
         self.joined = 0
         self.left = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
         for spec in dep.instances:
             self._add(spec)
 
@@ -88,13 +88,13 @@ class Membership:
             return
         del self.clients[client.name]
         self.left += 1
-        self._spawn(client.stop())
+        self._tasks.spawn(client.stop())
         log.info("instance %s left the deployment", client.name)
 
     def _broadcast(self, body: m.Member) -> None:
         for c in self.clients.values():
             if c.healthy and c.name != body.name:
-                self._spawn(self._send(c, body))
+                self._tasks.spawn(self._send(c, body))
 
     @staticmethod
     async def _send(c: InstanceClient, body: m.Member) -> None:
@@ -102,11 +102,6 @@ class Membership:
             await c.send(body)
         except InstanceDown:
             pass  # it hears the whole roster when it reconnects
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def stats(self) -> dict[str, int]:
         return {"joined": self.joined, "left": self.left, "draining": sum(c.draining for c in self.clients.values())}

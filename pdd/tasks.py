@@ -1,0 +1,27 @@
+"""Background tasks a component starts and does not await.
+
+asyncio keeps only weak references to tasks, so a fire-and-forget task must be held
+somewhere until it ends; holding them in one place also lets the owner cancel the lot
+when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+
+class Tasks:
+    def __init__(self) -> None:
+        self._live: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
+        return task
+
+    def cancel_all(self) -> None:
+        for task in list(self._live):
+            task.cancel()
