@@ -9,7 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
 
 from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
 
@@ -57,16 +61,44 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
 
 
+def metrics(url: str) -> dict[str, float]:
+    """A server's `pdd_*` Prometheus series (name with labels -> value)."""
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("pdd_")}
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    """Poll `condition()` until it returns something truthy, and return that; fail naming
+    `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout:g} s: {what} (last: {last!r})")
+
+
 class Deployment:
-    """A running `pdd up`, with what it printed: router URL, instance pids, WAN admin."""
+    """A running `pdd up`, with what it printed: router URL, instance pids and HTTP URLs,
+    WAN admin, run directory (its `deployment.toml` holds the secret)."""
 
     def __init__(self, proc: subprocess.Popen, lines: list[str]) -> None:
         self.proc = proc
         self.lines = lines
         self.url = next(l.split()[1] for l in lines if l.startswith("router: "))
+        self.run_dir = Path(next(l for l in lines if l.startswith("pdd up: mode")).split("run directory ")[1].strip())
+        self.http = {l.split()[1]: l.split()[-1] for l in lines if l.startswith("instance ")}
         self.pids = {l.split()[1].rstrip(":"): int(l.split("pid ")[1].split(",")[0]) for l in lines if l.startswith("process ")}
         admin = [l.split("admin ")[1].strip() for l in lines if l.startswith("wan: ") and "admin " in l]
         self.wan_admin = admin[0] if admin else None
+
+    def fault(self, **fault: Any) -> dict:
+        """Inject (or clear) a fault on the WAN line; the emulator's stats after it."""
+        r = httpx.post(f"{self.wan_admin}/fault", json=fault, timeout=5)
+        r.raise_for_status()
+        return r.json()
 
 
 @contextlib.contextmanager

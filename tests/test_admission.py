@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from procs import pdd_up, standalone
+from procs import metrics, pdd_up, standalone
 
 from pdd.api.admission import AdmissionGate
 from pdd.api.protocol import ApiError
@@ -80,11 +80,6 @@ def _check_flood(responses: list[httpx.Response], max_tokens: int = 24) -> tuple
     return len(ok), len(shed)
 
 
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
 
 
 def _config(tmp_path: Path, **sections: dict) -> str:
@@ -101,8 +96,8 @@ def test_a_flood_past_the_routers_line_gets_429_and_loses_nothing(tmp_path):
         responses = _flood(dep.url, 24)
         accepted, shed = _check_flood(responses)
         assert shed > 0 and accepted >= 4
-        assert _metric(dep.url, "pdd_admission_shed_total") == shed
-        assert _metric(dep.url, "pdd_admission_running") == 0 and _metric(dep.url, "pdd_admission_waiting") == 0
+        assert metrics(dep.url)["pdd_admission_shed_total"] == shed
+        assert metrics(dep.url)["pdd_admission_running"] == 0 and metrics(dep.url)["pdd_admission_waiting"] == 0
         after = _flood(dep.url, 1)  # the line has cleared: served again
     print(f"\nflood of 24 at a router holding 2 + 2: {accepted} served, {shed} shed")
     assert after[0].status_code == 200
@@ -119,4 +114,4 @@ def test_a_standalone_instance_bounds_its_own_api(tiny_model_dir):
     with standalone(tiny_model_dir, "--max-requests", "2") as url:
         accepted, shed = _check_flood(_flood(url, 10, max_tokens=48), max_tokens=48)
         assert shed > 0 and accepted >= 2
-        assert _metric(url, "pdd_admission_shed_total") == shed
+        assert metrics(url)["pdd_admission_shed_total"] == shed

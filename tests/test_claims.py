@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import pdd_process, pdd_up, standalone
+from procs import metrics, pdd_process, pdd_up, standalone, wait_until
 
 from pdd.engine.config import EngineConfig
 
@@ -103,30 +103,14 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 60,
     return out
 
 
-def _http(dep) -> dict[str, str]:
-    """Instance name -> its HTTP base URL (/health, /metrics, /pdd/stats), as `pdd up` printed."""
-    return {line.split()[1]: line.split()[-1] for line in dep.lines if line.startswith("instance ")}
 
 
-def _metrics(url: str) -> dict[str, float]:
-    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
-    return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("pdd_")}
 
 
 def _stats(url: str) -> dict:
     return httpx.get(f"{url}/pdd/stats", timeout=5).json()
 
 
-def _wait_for(what: str, condition, timeout: float, poll: float = 0.05):
-    """Poll `condition()` until it returns something truthy; fail naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = condition()
-        if last:
-            return last
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout:g} s: {what} (last: {last!r})")
 
 
 def _settled(url: str) -> bool:
@@ -135,10 +119,6 @@ def _settled(url: str) -> bool:
     return kv["free"] + kv["cached"] == kv["pages"]
 
 
-def _fault(dep, **fault) -> dict:
-    r = httpx.post(f"{dep.wan_admin}/fault", json=fault, timeout=5)
-    r.raise_for_status()
-    return r.json()
 
 
 def _health(url: str) -> tuple[int, dict]:
@@ -212,28 +192,28 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(colocated):
     never run it."""
     prompt = _prompt(21, 1000)
     with pdd_up("--mode", "pd-cross-dc", *_line_args(FAST_LINE)) as dep:
-        http = _http(dep)
+        http = dep.http
         warm = _prompt(22, 50)  # opens P's connections to MD before the line stalls
         assert _complete(dep.url, warm, 4)["choices"][0]["token_ids"] == colocated(warm, 4)
         md_before = _stats(http["md0"])["engine"]
-        assert _fault(dep, stall_s=60.0)["stalled_for_s"] > 50
+        assert dep.fault(stall_s=60.0)["stalled_for_s"] > 50
         with httpx.stream("POST", f"{dep.url}/v1/completions", json=_body(prompt, CONTEXT - len(prompt), True),
                           timeout=30) as r:
             assert r.status_code == 200
-            used = _wait_for("P holds the prefilled request's pages",
-                             lambda: _metrics(http["p0"])["pdd_kv_used_pages"], 20)
+            used = wait_until(lambda: metrics(http["p0"])["pdd_kv_used_pages"], 20,
+                             "P holds the prefilled request's pages")
         left = time.monotonic()  # the client is gone
         assert used >= len(prompt) // 16
-        _wait_for("P released the pages of the request whose client left",
-                  lambda: _metrics(http["p0"])["pdd_kv_used_pages"] == 0 and _settled(http["p0"]), 3)
+        wait_until(lambda: metrics(http["p0"])["pdd_kv_used_pages"] == 0 and _settled(http["p0"]), 3,
+                  "P released the pages of the request whose client left")
         released = time.monotonic() - left
         assert httpx.get(f"{dep.wan_admin}/stats").json()["stalled_for_s"] > 30, "P let go only when the stall ended"
-        assert _metrics(http["p0"])["pdd_requests_running"] == 0
-        _fault(dep, stall_s=0)  # the line is back: MD gets the late reservation and P's abort
-        _wait_for("MD holds nothing", lambda: _settled(http["md0"]), 10)
+        assert metrics(http["p0"])["pdd_requests_running"] == 0
+        dep.fault(stall_s=0)  # the line is back: MD gets the late reservation and P's abort
+        wait_until(lambda: _settled(http["md0"]), 10, "MD holds nothing")
         md_after = _stats(http["md0"])["engine"]
         assert md_after["decode_tokens"] == md_before["decode_tokens"], "MD ran the abandoned request"
-        assert _wait_for("router healthy", lambda: _health(dep.url)[0] == 200, 10)
+        assert wait_until(lambda: _health(dep.url)[0] == 200, 10, "router healthy")
         after = _prompt(23, 60)
         assert _complete(dep.url, after, 8)["choices"][0]["token_ids"] == colocated(after, 8)
     print(f"\nP released {used:.0f} pages {released:.2f} s after the client left (line stalled)")
@@ -247,13 +227,13 @@ def test_no_first_token_within_token_timeout_is_a_504(tmp_path, colocated):
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         warm = _prompt(32, 50)
         assert _complete(dep.url, warm, 4)["choices"][0]["token_ids"] == colocated(warm, 4)
-        _fault(dep, stall_s=60.0)  # MD's reservation (and any token) waits behind the stalled line
+        dep.fault(stall_s=60.0)  # MD's reservation (and any token) waits behind the stalled line
         streamed = pool.submit(_stream, dep.url, prompt, 50, 30)
         t0 = time.monotonic()
         r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, 50, False), timeout=30)
         took = time.monotonic() - t0
         s = streamed.result(timeout=30)
-        _fault(dep, stall_s=0)
+        dep.fault(stall_s=0)
         assert r.status_code == 504, r.text
         _assert_openai_error(r.json()["error"])
         assert r.json()["error"]["type"] == "server_error" and "2 s" in r.json()["error"]["message"]
@@ -263,10 +243,10 @@ def test_no_first_token_within_token_timeout_is_a_504(tmp_path, colocated):
         _assert_openai_error(s["error"])
         assert s["ended_at"] - s["sent_at"] < 6.0
         # once the line moves again, the deployment serves (the timed-out requests were aborted)
-        _wait_for("router healthy", lambda: _health(dep.url) == (200, {"status": "ok"}), 20)
+        wait_until(lambda: _health(dep.url) == (200, {"status": "ok"}), 20, "router healthy")
         assert _complete(dep.url, prompt, 20)["choices"][0]["token_ids"] == colocated(prompt, 20)
-        for name, url in _http(dep).items():
-            _wait_for(f"{name} holds nothing", lambda url=url: _settled(url), 10)
+        for name, url in dep.http.items():
+            wait_until(lambda url=url: _settled(url), 10, f"{name} holds nothing")
     print(f"\nno first token: 504 after {took:.2f} s (token_timeout_s = 2)")
 
 
@@ -281,14 +261,14 @@ def test_router_reconnects_when_a_killed_instance_returns(colocated):
     try:
         with pdd_up("--mode", "pd-cross-dc", "--keep", *_line_args(FAST_LINE)) as dep, \
                 contextlib.ExitStack() as restarted:
-            run_dir = next(l for l in dep.lines if l.startswith("pdd up: mode")).split("run directory ")[1].strip()
+            run_dir = dep.run_dir
             conf = f"{run_dir}/deployment.toml"
-            http = _http(dep)
+            http = dep.http
             assert _complete(dep.url, prompt, 20)["choices"][0]["token_ids"] == colocated(prompt, 20)
             for k, (name, role, field) in enumerate((("md0", "main", "main"), ("p0", "prefill", "entry"))):
                 os.kill(dep.pids[name], signal.SIGKILL)
-                _wait_for(f"router reports {role} missing",
-                          lambda role=role: _health(dep.url) == (503, {"status": "unavailable", "missing": [role]}), 10)
+                wait_until(lambda role=role: _health(dep.url) == (503, {"status": "unavailable", "missing": [role]}), 10,
+                          f"router reports {role} missing")
                 r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, 4, False), timeout=30)
                 assert r.status_code == 503, r.text
                 _assert_openai_error(r.json()["error"])
@@ -296,7 +276,7 @@ def test_router_reconnects_when_a_killed_instance_returns(colocated):
                                                            f"{http[name]}/health"))
                 restarted.enter_context(_drained(proc))
                 t0 = time.monotonic()
-                _wait_for("router healthy again", lambda: _health(dep.url) == (200, {"status": "ok"}), 20)
+                wait_until(lambda: _health(dep.url) == (200, {"status": "ok"}), 20, "router healthy again")
                 back = time.monotonic() - t0
                 prompts = [prompt, prompt[::-1] if k else prompt + [17, 18]]
                 got = [_complete(dep.url, p, 20) for p in prompts]
@@ -335,17 +315,17 @@ def test_full_decode_pool_holds_a_reservation_until_pages_free(tmp_path, colocat
     a, b = _prompt(51, 200), _prompt(52, 400)
     want_a, want_b = colocated(a, 350), colocated(b, 60)
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(2) as pool:
-        md = _http(dep)["md0"]
+        md = dep.http["md0"]
         assert _stats(md)["kv"]["pages"] == 36
         solo = _stream(dep.url, _prompt(53, 400), 2)  # B's size, with room at MD: how soon its first token comes
         alone_s = solo["first_at"] - solo["sent_at"]
-        _wait_for("MD holds nothing", lambda: _settled(md), 10)
+        wait_until(lambda: _settled(md), 10, "MD holds nothing")
         a_started = threading.Event()
         first = pool.submit(_stream, dep.url, a, 350, 60, a_started)
         assert a_started.wait(30)
         second = pool.submit(_stream, dep.url, b, 60, 60)
         got_a, got_b = first.result(timeout=60), second.result(timeout=60)
-        _wait_for("MD holds nothing", lambda: _settled(md), 10)
+        wait_until(lambda: _settled(md), 10, "MD holds nothing")
     assert got_a["error"] is None and got_a["ids"] == want_a
     assert got_b["error"] is None and got_b["ids"] == want_b, got_b["error"]
     print(f"\nB alone: first token in {alone_s:.2f} s; with A running: sent "
@@ -459,14 +439,14 @@ def test_wan_fault_mid_run_ends_requests_cleanly_and_the_deployment_recovers(fau
     n = 300
     want = [colocated(p, n) for p in prompts]
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(4) as pool:
-        http = _http(dep)
+        http = dep.http
         started = threading.Event()
         running = [pool.submit(_attempt, dep.url, prompts[0], n, True, started),
                    pool.submit(_attempt, dep.url, prompts[1], n, True),
                    pool.submit(_attempt, dep.url, prompts[2], n, False)]
         assert started.wait(20), "no token streamed before the fault"
         injected = time.monotonic()
-        state = _fault(dep, **FAULTS[fault])
+        state = dep.fault(**FAULTS[fault])
         late = pool.submit(_attempt, dep.url, prompts[3], n, False)  # arrives during the fault
         outcomes = []
         for f in [*running, late]:
@@ -476,11 +456,11 @@ def test_wan_fault_mid_run_ends_requests_cleanly_and_the_deployment_recovers(fau
                 raise AssertionError(f"a request hung past {FAULT_BOUND_S:g} s under {fault}") from e
         resolved = time.monotonic() - injected
         if fault == "blackhole":
-            _fault(dep, blackhole=False)
-        _wait_for("router healthy after the fault", lambda: _health(dep.url) == (200, {"status": "ok"}), 30)
+            dep.fault(blackhole=False)
+        wait_until(lambda: _health(dep.url) == (200, {"status": "ok"}), 30, "router healthy after the fault")
         after = [_complete(dep.url, p, n) for p in prompts[:2]]
         for name, url in http.items():
-            _wait_for(f"{name} holds nothing after the fault", lambda url=url: _settled(url), 30)
+            wait_until(lambda url=url: _settled(url), 30, f"{name} holds nothing after the fault")
     summary = [("ok" if o["error"] is None else f"{o.get('status')} {o['error']['message'][:60]}") for o in outcomes]
     print(f"\n{fault} ({state['connections']} connections on the line): all ended {resolved:.1f} s after it; "
           f"{summary}")
@@ -559,7 +539,7 @@ def test_prefill_losing_its_decode_peer_is_a_503_not_a_500(colocated):
     run_dir = None
     try:
         with pdd_up("--mode", "pd-cross-dc", "--keep", *_line_args(FAST_LINE)) as dep, contextlib.ExitStack() as stack:
-            run_dir = next(l for l in dep.lines if l.startswith("pdd up: mode")).split("run directory ")[1].strip()
+            run_dir = dep.run_dir
             conf = Path(run_dir, "deployment.toml").read_text()
             assert "heartbeat_s = 1.0\ndead_after_s = 5.0" in conf
             p0_conf = Path(run_dir, "p0.toml")
@@ -567,18 +547,18 @@ def test_prefill_losing_its_decode_peer_is_a_503_not_a_500(colocated):
                                             "heartbeat_s = 0.5\ndead_after_s = 2.0"))
             p0_conf.chmod(0o600)
             os.kill(dep.pids["p0"], signal.SIGKILL)
-            _wait_for("router reports prefill missing", lambda: _health(dep.url)[0] == 503, 10)
+            wait_until(lambda: _health(dep.url)[0] == 503, 10, "router reports prefill missing")
             proc = stack.enter_context(pdd_process(["serve", "--config", str(p0_conf), "--instance", "p0"],
-                                                   f"{_http(dep)['p0']}/health"))
+                                                   f"{dep.http['p0']}/health"))
             stack.enter_context(_drained(proc))
-            _wait_for("router healthy", lambda: _health(dep.url) == (200, {"status": "ok"}), 20)
+            wait_until(lambda: _health(dep.url) == (200, {"status": "ok"}), 20, "router healthy")
             warm = _prompt(91, 100)
             assert _complete(dep.url, warm, 4)["choices"][0]["token_ids"] == colocated(warm, 4)  # P -> MD is open
-            _fault(dep, blackhole=True)
+            dep.fault(blackhole=True)
             t0 = time.monotonic()
             r = httpx.post(f"{dep.url}/v1/completions", json=_body(_prompt(92, 200), 8, False), timeout=30)
             took = time.monotonic() - t0
-            _fault(dep, blackhole=False)
+            dep.fault(blackhole=False)
     finally:
         if run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from procs import standalone
+from procs import metrics, standalone
 
 from pdd.api.limits import BodyLimit
 
@@ -82,16 +82,13 @@ def test_body_limit_counts_declared_and_streamed_bytes():
     assert asyncio.run(run()) == [200, 413, 413]
 
 
-def _metrics(url: str) -> dict[str, float]:
-    lines = httpx.get(f"{url}/metrics").text.splitlines()
-    return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("pdd_")}
 
 
 def test_an_idle_instance_reports_its_cache_as_cached_not_used(server):
     body = {"model": "tiny", "prompt": list(range(20, 400)), "max_tokens": 4}
     assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
     kv = httpx.get(f"{server}/pdd/stats").json()["kv"]
-    m = _metrics(server)
+    m = metrics(server)
     assert m["pdd_prefix_cache_pages"] > 0  # the prompt stays cached for the next turn...
     assert m["pdd_kv_cache_usage"] == 0.0 and m["pdd_kv_used_pages"] == 0  # ...but nothing runs
     assert m["pdd_kv_free_pages"] + m["pdd_prefix_cache_pages"] == kv["pages"]

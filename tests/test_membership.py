@@ -8,12 +8,11 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from procs import free_port, pdd_process, pdd_up
+from procs import free_port, pdd_process, pdd_up, wait_until
 
 from pdd import config as cfg
 
@@ -33,18 +32,12 @@ def _instances(url: str) -> dict:
     return httpx.get(f"{url}/pdd/stats", timeout=10).json()["instances"]
 
 
-def _until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
 
 
 def _join_main(dep, tmp_path: Path, name: str):
     """Start a new MD in datacenter B on the running deployment: a route across the
     emulated line, a config that lists it, and `pdd serve --join`."""
-    run_dir = next(line.split("run directory ")[1].strip() for line in dep.lines if "run directory" in line)
-    conf = cfg.load(Path(run_dir) / "deployment.toml")
+    conf = cfg.load(dep.run_dir / "deployment.toml")
     spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(), wan_port=free_port(),
                             engine=conf.engine)
     route = f"127.0.0.1:{spec.wan_port}=127.0.0.1:{spec.kv_port}"
@@ -52,7 +45,7 @@ def _join_main(dep, tmp_path: Path, name: str):
     path = tmp_path / "joined.toml"
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
     return pdd_process(["serve", "--config", str(path), "--instance", name, "--join"],
-                       f"http://127.0.0.1:{spec.port}/health"), str(Path(run_dir) / "deployment.toml")
+                       f"http://127.0.0.1:{spec.port}/health"), str(dep.run_dir / "deployment.toml")
 
 
 def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request(tmp_path):
@@ -60,7 +53,7 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
         reference = _complete(dep.url, 40)["ids"]
         joining, conf = _join_main(dep, tmp_path, "md1")
         with joining as md1:
-            _until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
+            wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
             with ThreadPoolExecutor(8) as pool:
                 results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
             assert all(r["ids"] == reference for r in results)
@@ -69,11 +62,11 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
             with ThreadPoolExecutor(4) as pool:
                 # four long requests, some of them on md0; then md0 is drained under them
                 running = [pool.submit(_complete, dep.url, 300, PROMPT[:100 + 10 * i]) for i in range(4)]
-                _until(lambda: _instances(dep.url)["md0"]["queued_tokens"] > 0, 30, "md0 has work")
+                wait_until(lambda: _instances(dep.url)["md0"]["queued_tokens"] > 0, 30, "md0 has work")
                 drain = subprocess.Popen([sys.executable, "-m", "pdd.cli", "drain", "md0", "--config", conf],
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 try:
-                    _until(lambda: _instances(dep.url).get("md0", {"draining": True})["draining"], 10, "draining")
+                    wait_until(lambda: _instances(dep.url).get("md0", {"draining": True})["draining"], 10, "draining")
                     during = _complete(dep.url, 20)  # planned while md0 drains: it must go to md1
                     out, _ = drain.communicate(timeout=120)
                 finally:
@@ -83,7 +76,7 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
             assert during["main"] == "md1"
             assert all(len(f["ids"]) == 300 for f in finished)
             assert "md0" not in _instances(dep.url)
-            _until(lambda: _pid_gone(dep.pids["md0"]), 10, "md0's process exits")
+            wait_until(lambda: _pid_gone(dep.pids["md0"]), 10, "md0's process exits")
             assert httpx.get(f"{dep.url}/health").status_code == 200
             assert _complete(dep.url, 40)["ids"] == reference
             assert md1.poll() is None

@@ -188,8 +188,7 @@ def _wait_settled(instance_http: str, timeout: float = 5.0) -> None:
 def _instance_port(dep, name: str) -> int:
     """The instance's framed port, from the deployment file `pdd up --keep` left; the
     file (it holds the deployment's secret) is removed once read."""
-    conf = next(l for l in dep.lines if l.startswith("pdd up: mode"))
-    run_dir = conf.split("run directory ")[1].strip()
+    run_dir = dep.run_dir
     try:
         with open(f"{run_dir}/deployment.toml", "rb") as f:
             data = tomllib.load(f)

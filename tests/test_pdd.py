@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import pdd_up
+from procs import pdd_up, wait_until
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
@@ -56,9 +56,6 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120, 
     return out
 
 
-def _http(dep) -> dict[str, str]:
-    """Instance name -> its HTTP base URL, from what `pdd up` printed."""
-    return {line.split()[1]: line.split()[-1] for line in dep.lines if line.startswith("instance ")}
 
 
 def _settled(urls: list[str], timeout: float = 15.0) -> None:
@@ -73,8 +70,6 @@ def _settled(urls: list[str], timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def _fault(dep, **fault) -> None:
-    httpx.post(f"{dep.wan_admin}/fault", json=fault, timeout=5).raise_for_status()
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +132,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
         before = httpx.get(f"{dep.wan_admin}/stats").json()
         short = _stream(dep.url, long_input, 4)
         after = httpx.get(f"{dep.wan_admin}/stats").json()
-        stats_p0_prefilled = httpx.get(f"{_http(dep)['p0']}/pdd/stats").json()["engine"]["prefill_tokens"]
+        stats_p0_prefilled = httpx.get(f"{dep.http['p0']}/pdd/stats").json()["engine"]["prefill_tokens"]
         other = [rng.randrange(16, 4096) for _ in range(2300)]
         normal = _stream(dep.url, other, 600)  # the same input with a long output: not anomalous
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
@@ -236,7 +231,7 @@ def test_relay_killed_mid_request_main_finishes_it(reference, tmp_path):
     conf = _pdd_config(tmp_path, {"bandwidth_mbps": 8.0, "delay_ms": 2.0})
     with pdd_up("--config", conf) as dep:
         got = _kill_after(dep, "rld0", dep.url, _prompts()[2], 120, after=5)
-        http = _http(dep)
+        http = dep.http
         _settled([http["p0"], http["md0"]])
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
@@ -246,7 +241,7 @@ def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
     conf = _pdd_config(tmp_path, {"bandwidth_mbps": 2.0, "delay_ms": 2.0})
     with pdd_up("--config", conf) as dep:
         got = _kill_after(dep, "md0", dep.url, _prompts()[2], 120, after=5)
-        http = _http(dep)
+        http = dep.http
         _settled([http["p0"], http["rld0"]])
         assert httpx.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
@@ -259,11 +254,11 @@ def test_line_fault_before_the_handoff_relay_finishes_it(fault, reference, tmp_p
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, dep.url, _prompts()[3], 120)
         time.sleep(0.6)  # MD has reserved; its KV crawls over the 4 Mbit/s line
-        _fault(dep, **({"blackhole": True} if fault == "blackhole" else {"stall_s": 4.0}))
+        dep.fault(**({"blackhole": True} if fault == "blackhole" else {"stall_s": 4.0}))
         got = running.result(timeout=60)
         if fault == "blackhole":
-            _fault(dep, blackhole=False)  # resets what the blackhole swallowed: MD drops the request
-        http = _http(dep)
+            dep.fault(blackhole=False)  # resets what the blackhole swallowed: MD drops the request
+        http = dep.http
         _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
     assert got["error"] is None and got["ids"] == reference["greedy"][3]
     assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
@@ -272,17 +267,17 @@ def test_line_fault_before_the_handoff_relay_finishes_it(fault, reference, tmp_p
 def test_line_blackholed_after_the_handoff_fails_within_seconds(reference, tmp_path):
     conf = _pdd_config(tmp_path, FAST_LINE, {"handoff": "one_shot"}, router={"stall_timeout_s": 3.0})
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
-        md = _http(dep)["md0"]
+        md = dep.http["md0"]
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
         deadline = time.monotonic() + 30
         while httpx.get(f"{md}/pdd/stats").json()["engine"]["decode_tokens"] < 20:  # MD produces: handed over
             assert time.monotonic() < deadline and not running.done()
             time.sleep(0.05)
-        _fault(dep, blackhole=True)
+        dep.fault(blackhole=True)
         cut = time.monotonic()
         got = running.result(timeout=60)
-        _fault(dep, blackhole=False)
-        _settled([_http(dep)["rld0"], md], timeout=30)
+        dep.fault(blackhole=False)
+        _settled([dep.http["rld0"], md], timeout=30)
     print(f"\nafter the handoff, a blackholed line failed the request in {got['ended'] - cut:.1f} s")
     assert got["error"] is not None and got["ended"] - cut < 10
     assert 0 < len(got["ids"]) < 3000
@@ -296,7 +291,7 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, 
         time.sleep(1.5)  # p0 has prefilled and is sending MD the KV (5 s on this line): no token yet
         os.kill(dep.pids["p0"], signal.SIGKILL)
         got = running.result(timeout=60)
-        _settled([_http(dep)["p1"], _http(dep)["md0"]])
+        _settled([dep.http["p1"], dep.http["md0"]])
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert got["record"]["retries"] == 1 and got["record"]["instances"]["entry"] == "p1"
     assert "prefill_retry" in got["record"]["fallback"]
@@ -307,13 +302,6 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, 
 LIVENESS = {"heartbeat_s": 0.2, "dead_after_s": 1.0}
 
 
-def _wait(condition, timeout: float, what: str) -> float:
-    """Poll `condition` until it holds; how long that took."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _healthy(dep, name: str) -> bool:
@@ -326,10 +314,10 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
     work at once instead of routing it there, and let MD rejoin when the line heals."""
     conf = _write_config(tmp_path / "pd.toml", link=FAST_LINE, liveness=LIVENESS, router={"stall_timeout_s": 30.0})
     with pdd_up("--config", conf, "--mode", "pd-cross-dc") as dep, ThreadPoolExecutor(1) as pool:
-        http = _http(dep)
+        http = dep.http
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
-        _wait(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30, "MD decodes")
-        _fault(dep, blackhole=True)
+        wait_until(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30, "MD decodes")
+        dep.fault(blackhole=True)
         cut = time.monotonic()
         got = running.result(timeout=60)
         assert got["error"] is not None and "silent" in got["error"]["message"], got["error"]
@@ -339,8 +327,10 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         refused = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                              timeout=30)
         assert refused.status_code == 503 and time.monotonic() - start < 2.0
-        _fault(dep, blackhole=False)
-        rejoined = _wait(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "MD rejoins")
+        dep.fault(blackhole=False)
+        healed = time.monotonic()
+        wait_until(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "MD rejoins")
+        rejoined = time.monotonic() - healed
         again = _stream(dep.url, _prompts()[0], 40)
         _settled([http["p0"], http["md0"]], timeout=30)
     print(f"\nblackhole: stream failed {got['ended'] - cut:.1f} s after the cut; MD back {rejoined:.1f} s after it healed")
@@ -351,14 +341,14 @@ def test_new_requests_route_around_a_silent_main_to_the_relay(tmp_path):
     conf = _write_config(tmp_path / "pdd.toml", link=FAST_LINE, liveness=LIVENESS)
     with pdd_up("--config", conf) as dep:
         before = _stream(dep.url, _prompts()[0], 60)
-        _fault(dep, blackhole=True)
-        _wait(lambda: not _healthy(dep, "md0"), 4.0, "the router marks MD unhealthy")
+        dep.fault(blackhole=True)
+        wait_until(lambda: not _healthy(dep, "md0"), 4.0, "the router marks MD unhealthy")
         start = time.monotonic()
         during = _stream(dep.url, _prompts()[0], 60)
         took = time.monotonic() - start
-        _fault(dep, blackhole=False)
-        _wait(lambda: _healthy(dep, "md0"), 30, "MD rejoins")
-        http = _http(dep)
+        dep.fault(blackhole=False)
+        wait_until(lambda: _healthy(dep, "md0"), 30, "MD rejoins")
+        http = dep.http
         _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
     assert before["error"] is None and during["error"] is None and during["ids"] == before["ids"]
     assert "no_main" in during["record"]["fallback"] and during["record"]["rld_output_tokens"] == 60
@@ -372,6 +362,6 @@ def test_prefill_killed_after_the_first_tokens_the_decode_side_finishes(mode, re
     conf = _pdd_config(tmp_path, FAST_LINE)
     with pdd_up("--config", conf, "--mode", mode) as dep:
         got = _kill_after(dep, "p0", dep.url, _prompts()[2], 120, after=5)
-        http = _http(dep)
+        http = dep.http
         _settled([http[n] for n in http if n != "p0"])
     assert got["error"] is None and got["ids"] == reference["greedy"][2]

@@ -102,8 +102,7 @@ def test_a_tls_deployment_serves_and_listens_only_where_its_config_says(pair, tm
         r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "over the line", "max_tokens": 12,
                                                           "ignore_eos": True, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
-        run_dir = next(line.split("run directory ")[1].strip() for line in dep.lines if "run directory" in line)
-        md0 = load(Path(run_dir) / "deployment.toml").instance("md0")
+        md0 = load(dep.run_dir / "deployment.toml").instance("md0")
         with pytest.raises((ConnectionError, OSError, asyncio.TimeoutError)):  # its framed port speaks only TLS
             asyncio.run(_exchange(md0.kv_port, None))
         addresses = {name: _listening(pid) for name, pid in dep.pids.items()}

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from procs import standalone
+from procs import metrics, standalone
 
 openai = pytest.importorskip("openai")
 
@@ -51,15 +51,10 @@ def test_openai_client_streams_chat(server):
     _settled(server)
 
 
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
 
 
 def test_shared_prefix_is_reported_cached(server):
-    hits_before = _metric(server, "pdd_prefix_cache_hit_tokens_total")
+    hits_before = metrics(server)["pdd_prefix_cache_hit_tokens_total"]
     prefix = list(range(200, 520))
     body = {"model": "tiny", "prompt": prefix + [7, 8, 9], "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
@@ -67,8 +62,8 @@ def test_shared_prefix_is_reported_cached(server):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
     assert len(second["choices"][0]["token_ids"]) == 4
-    assert _metric(server, "pdd_prefix_cache_hit_tokens_total") - hits_before == 320
-    assert _metric(server, "pdd_time_to_first_token_seconds_count") >= 2
+    assert metrics(server)["pdd_prefix_cache_hit_tokens_total"] - hits_before == 320
+    assert metrics(server)["pdd_time_to_first_token_seconds_count"] >= 2
 
 
 def test_stop_string_truncates(server):
@@ -128,7 +123,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     after = _engine(server)
     assert after["aborted"] == before["aborted"] + 1
     assert after["decode_tokens"] - before["decode_tokens"] < 3000
-    assert _metric(server, "pdd_requests_running") == 0
+    assert metrics(server)["pdd_requests_running"] == 0
     assert kv["cached"] < kv["pages"]
 
 
@@ -137,4 +132,4 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
     _settled(server, timeout=4)  # 3000 tokens would keep the pages busy for ~10 s more
-    assert _metric(server, "pdd_requests_running") == 0
+    assert metrics(server)["pdd_requests_running"] == 0
