@@ -5,18 +5,31 @@ smooth), then waiting ones are admitted while the step's token budget, the runni
 slots and the pool last; every sequence computes up to its pending tokens (chunked
 prefill, extend) or one token (decode). A step's time comes from a `StepModel`; on a
 machine whose processes share cores (`cpu`), a step first waits for a core.
+
+Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
+handoff) a decoding instance runs identical steps, except that every context grows by
+one token a step. Rather than one simulation event per step (per token), the instance
+prices the whole stretch up to the next finish in one vectorized call (`steps_s`),
+and sleeps until its end or until something pokes it (a new sequence, a released
+hold, a stop); then the steps completed so far are applied and the batch is re-planned,
+exactly where step-by-step simulation would have re-planned. A sequence read during a
+stretch (`produced`, `last_s`, ...) first catches up to the steps completed by then.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import simpy
 
 from pdd.sim.cache import BlockCache
-from pdd.sim.steps import StepLoad, StepModel
+from pdd.sim.steps import StepLoad, StepModel, decode_stretch
+
+MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
 
 
 @dataclass(eq=False)
@@ -28,6 +41,26 @@ class Hold:
     tokens: int
     pinned: Sequence[Hashable]
     released: bool = False
+    keys: Sequence[Hashable] = ()  # its request's prompt and output, while it has not settled
+    _settled: simpy.Event | None = None
+
+    def unsettled(self, keys: Sequence[Hashable]) -> None:
+        """Its request will land `keys` here (KV on the line, a handoff or a fill to
+        come): a reservation sharing most of them may wait for it (`settled`)."""
+        self.keys = keys
+        self.inst.unsettled.append(self)
+
+    def settled(self) -> simpy.Event:
+        if self._settled is None:
+            self._settled = self.inst.env.event()
+        return self._settled
+
+    def settle(self) -> None:
+        """Its request produces here now, or has gone: nothing more to wait for."""
+        if self in self.inst.unsettled:
+            self.inst.unsettled.remove(self)
+        if not self.settled().triggered:
+            self._settled.succeed()
 
     def release(self) -> None:
         if not self.released:
@@ -35,6 +68,8 @@ class Hold:
             self.inst.used -= self.tokens
             self.inst.cache.unpin(self.pinned)
             self.inst.cache.shrink(self.inst.cache_room())
+            self.settle()
+            self.inst.poke()  # a waiting sequence may fit now
 
 
 @dataclass(eq=False)
@@ -55,20 +90,98 @@ class SimSeq:
     blocks: Sequence[Hashable] = ()  # its prompt's cache keys, inserted when it ends
     on_computed: Callable[[SimSeq], None] | None = None  # pending reached 0
     on_finish: Callable[[SimSeq], None] | None = None
-    produced: int = 0
-    first_s: float | None = None
-    last_s: float | None = None
-    max_gap_s: float = 0.0
+    token_times: list[float] | None = None  # every token's time, when a test asks for them
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more
+    _produced: int = 0
+    _first_s: float | None = None
+    _last_s: float | None = None
+    _max_gap_s: float = 0.0
+    _stretch: _Stretch | None = None
+
+    def _sync(self) -> None:
+        if self._stretch is not None:
+            self._stretch.catch_up()
+
+    @property
+    def produced(self) -> int:
+        self._sync()
+        return self._produced
+
+    @property
+    def first_s(self) -> float | None:
+        self._sync()
+        return self._first_s
+
+    @property
+    def last_s(self) -> float | None:
+        self._sync()
+        return self._last_s
+
+    @property
+    def max_gap_s(self) -> float:
+        self._sync()
+        return self._max_gap_s
+
+    def _token_at(self, at: float) -> None:
+        if self._last_s is None:
+            self._first_s = at
+        else:
+            self._max_gap_s = max(self._max_gap_s, at - self._last_s)
+        self._last_s = at
+        self._produced += 1
+        if self.token_times is not None:
+            self.token_times.append(at)
+
+    def _tokens_at(self, times: np.ndarray) -> None:
+        """Tokens produced at `times` (ascending)."""
+        if not len(times):
+            return
+        first = float(times[0])
+        if self._last_s is None:
+            self._first_s = first
+        else:
+            self._max_gap_s = max(self._max_gap_s, first - self._last_s)
+        if len(times) > 1:
+            self._max_gap_s = max(self._max_gap_s, float(np.max(np.diff(times))))
+        self._last_s = float(times[-1])
+        self._produced += len(times)
+        if self.token_times is not None:
+            self.token_times.extend(float(t) for t in times)
+
+
+@dataclass(eq=False)
+class _Stretch:
+    """Decode steps of `seqs` ending at `ends`; `applied` of them are in the sequences."""
+
+    inst: Instance
+    seqs: list[SimSeq]
+    ends: np.ndarray
+    applied: int = 0
+
+    def catch_up(self, upto: int | None = None) -> None:
+        """Apply the steps completed by now (never the last: its finish is the loop's)."""
+        if upto is None:
+            upto = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
+        if upto <= self.applied:
+            return
+        times = self.ends[self.applied:upto]
+        for seq in self.seqs:
+            if not (seq.done or seq.stopped):
+                seq.context += len(times)
+                seq._tokens_at(times)
+                self.inst.stats.tokens_out += len(times)
+        self.applied = upto
 
 
 @dataclass
 class InstanceStats:
-    """The tokens an instance computed: what each role's share of the work is read from."""
+    """What an instance did: each role's share of the work, and how busy it was."""
 
     tokens_out: int = 0
     prefill_tokens: int = 0
+    busy_s: float = 0.0  # time spent in steps
+    steps: int = 0
 
 
 @dataclass
@@ -84,6 +197,7 @@ class Instance:
     max_running: int
     cpu: simpy.PriorityResource | None = None
     cpu_priority: int = 0
+    stretches: bool = True  # decode stretches (off: one event per step, the reference)
     queued_tokens: int = 0  # the router's count of work assigned here and not finished
     stats: InstanceStats = field(default_factory=InstanceStats)
 
@@ -92,6 +206,7 @@ class Instance:
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.used = 0  # pool tokens held by sequences (reserved or running)
+        self.unsettled: list[Hold] = []  # reservations whose KV, handoff or fill is still to land
         self._wake = self.env.event()
         self.env.process(self._loop())
 
@@ -128,7 +243,7 @@ class Instance:
     # ---- work ----------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
-        self._poke()
+        self.poke()
 
     def feed(self, seq: SimSeq, tokens: int, live: bool, step_cap: int = 0) -> None:
         """Hand-over tokens for a sequence that waits (or has not started): compute them
@@ -137,14 +252,17 @@ class Instance:
         seq.live, seq.step_cap = live, step_cap
         if seq not in self.running and seq not in self.waiting:
             self.running.append(seq)
-        self._poke()
+        self.poke()
 
     def stop(self, seq: SimSeq) -> None:
         """A handoff cut: the sequence produces no more here and gives its room back."""
+        seq._sync()
+        if seq.done:
+            return
         seq.stopped = True
         self._end(seq)
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
 
@@ -178,28 +296,59 @@ class Instance:
     def _tokens(seq: SimSeq, budget: int) -> int:
         if seq.pending:
             return min(seq.pending, budget, seq.step_cap or budget)
-        return 1 if seq.live and seq.produced < seq.produce else 0
+        return 1 if seq.live and seq._produced < seq.produce else 0
 
     def _loop(self):
         env = self.env
         while True:
+            self._wake = env.event()
             batch = self._schedule()
             if not batch:
-                self._wake = env.event()
                 yield self._wake
                 continue
-            load = _load(batch)
-            seconds = self.steps.step_s(load)
+            if self.stretches and self.cpu is None and all(n == 1 and not s.pending for s, n in batch):
+                yield from self._stretch([s for s, _ in batch])
+                continue
+            seconds = self.steps.step_s(_load(batch))
+            started = env.now
             if self.cpu is not None:
                 with self.cpu.request(priority=self.cpu_priority) as core:
                     yield core
+                    started = env.now
                     yield env.timeout(seconds)
             else:
                 yield env.timeout(seconds)
+            self.stats.busy_s += env.now - started
+            self.stats.steps += 1
             self._apply(batch)
 
-    def _apply(self, batch: list[tuple[SimSeq, int]]) -> None:
-        now = self.env.now
+    def _stretch(self, seqs: list[SimSeq]):
+        """Decode `seqs` until the first of them finishes, or until poked; then apply the
+        steps completed (the one in progress included) and return to re-plan."""
+        env = self.env
+        steps = min(MAX_STRETCH_STEPS, min(s.produce - s._produced for s in seqs))
+        seconds = self.steps.steps_s(decode_stretch(sum(s.context for s in seqs), len(seqs), steps))
+        ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
+        stretch = _Stretch(self, seqs, ends)
+        for s in seqs:
+            s._stretch = stretch
+        started = env.now
+        yield env.timeout(float(ends[-1]) - env.now) | self._wake
+        done = len(ends)
+        if env.now < ends[-1]:
+            done = bisect.bisect_right(ends, env.now)
+            if done < len(ends) and ends[done] > env.now:  # the step in progress completes
+                yield env.timeout(float(ends[done]) - env.now)
+                done += 1
+        self.stats.busy_s += env.now - started
+        self.stats.steps += done
+        stretch.catch_up(done - 1)
+        for s in seqs:
+            s._stretch = None
+        self._apply([(s, 1) for s in seqs], float(ends[done - 1]))
+
+    def _apply(self, batch: list[tuple[SimSeq, int]], now: float | None = None) -> None:
+        now = self.env.now if now is None else now
         for seq, n in batch:
             if seq.done or seq.stopped:
                 continue
@@ -213,18 +362,13 @@ class Instance:
                     seq.on_computed(seq)
                 if not seq.live or seq.stopped:
                     continue
-            if seq.produced < seq.produce:
+            if seq._produced < seq.produce:
                 self._token(seq, now)
 
     def _token(self, seq: SimSeq, now: float) -> None:
-        if seq.last_s is not None:
-            seq.max_gap_s = max(seq.max_gap_s, now - seq.last_s)
-        else:
-            seq.first_s = now
-        seq.last_s = now
-        seq.produced += 1
+        seq._token_at(now)
         self.stats.tokens_out += 1
-        if seq.produced >= seq.produce:
+        if seq._produced >= seq.produce:
             self._end(seq)
             if seq.on_finish is not None:
                 seq.on_finish(seq)
@@ -236,7 +380,7 @@ class Instance:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
-        self._poke()
+        self.poke()
 
     def load(self) -> tuple[float, int]:
         """(occupancy, waiting): the relay's load as `choose_handoff` reads it."""
@@ -244,12 +388,16 @@ class Instance:
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
-    new = seqs = kv = 0
-    pairs = 0.0
+    new = seqs = kv = chunks = 0
+    pairs = chunk_pairs = 0.0
     for seq, n in batch:
         start = seq.context
         new += n
         seqs += 1
         kv += start + n
-        pairs += n * start + n * (n + 1) / 2
-    return StepLoad(new, pairs, seqs, kv)
+        p = n * start + n * (n + 1) / 2
+        pairs += p
+        if n > 1:
+            chunks += 1
+            chunk_pairs += p
+    return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs)

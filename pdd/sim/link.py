@@ -39,7 +39,8 @@ class SharedLink:
         self._wake = env.event()
         env.process(self._run())
 
-    def send(self, nbytes: float, priority: int = 0) -> simpy.Event:
+    def send(self, nbytes: float, priority: int = 0, conn: object = None) -> simpy.Event:
+        """(`conn`, the connection, is TcpLink's: a fluid pipe shares per transfer.)"""
         done = self.env.event()
         if nbytes <= 0:
             self.env.process(self._deliver(done))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdd.bench.summary import RequestRecord, summarize
-from pdd.sim.cluster import Outcome
+from pdd.sim.outcome import Outcome
 
 # The spec tracks requests in seven hit-rate buckets, 0-90 % up to 99-100 %.
 HIT_BUCKETS = (0.0, 0.90, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0001)
