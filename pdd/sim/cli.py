@@ -140,7 +140,7 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from pdd.sim.planner import add_plan_arguments, plan_main
+    from pdd.sim.plan_cli import add_plan_arguments, plan_main
 
     p = sub.add_parser("plan", help="search instance counts per role and datacenter, and the line, for the best BCR")
     add_plan_arguments(p)

@@ -12,7 +12,7 @@ catch-up handoff of token IDs that MD extends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import simpy
@@ -98,6 +98,7 @@ class Cluster(RelayPaths):
         # What each P knows of each line: the live prefill instance's estimate, kept from
         # reservation round trips and delivered KV with the same functions.
         self.estimates: dict[tuple[str, str], LinkEstimate] = {}
+        self._key_cache: dict[int, list] = {}
         p = self.spec.policy
         self.rule = anomaly_rule(p.anomaly_filter, self.spec.max_context, p.anomaly_max_output_tokens,
                                  p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
@@ -108,6 +109,21 @@ class Cluster(RelayPaths):
             self.start(s)
         self.env.run(until=until)
         return self.outcomes
+
+    def warm(self, sessions: list[SimSession], blocks: Sequence[Hashable] = ()) -> None:
+        """Caches as a deployment that has served a while holds them: `blocks` on every
+        instance, and each resumed session's context (`warm_tokens`) on one entry and one
+        main instance, which the router's affinity then keeps it on."""
+        for inst in self.instances.values():
+            inst.cache.insert(list(blocks))
+        entry = [i for i in self.instances.values() if i.role in ("prefill", "standalone")]
+        main = [i for i in self.instances.values() if i.role == "main"]
+        for s in sessions:
+            if s.warm_tokens:
+                keys = self._keys(s, s.warm_tokens)
+                for group in (entry, main):
+                    if group:
+                        group[s.id % len(group)].cache.insert(keys)
 
     def start(self, s: SimSession) -> None:
         self.env.process(self._session(s))
@@ -142,7 +158,7 @@ class Cluster(RelayPaths):
 
     # ---- one request ---------------------------------------------------------------------
     def _candidates(self, role: str, s: SimSession, prompt: int) -> list[Candidate]:
-        keys = s.keys(prompt, self.spec.block_tokens)
+        keys = self._keys(s, prompt)
         return [Candidate(i.name, i.hit_tokens(keys, prompt, touch=False), i.queued_tokens)
                 for i in self.instances.values() if i.role == role]
 
@@ -164,7 +180,7 @@ class Cluster(RelayPaths):
         work = out.prompt_tokens + out.max_tokens
         for n in members:
             self.instances[n].queued_tokens += work
-        stream = Stream(out.arrival_s)
+        stream = Stream(out)
         try:
             if plan.main is None and plan.relay is None or plan.anomalous:
                 yield from self._whole(self.instances[plan.entry], s, out, stream)
@@ -181,7 +197,13 @@ class Cluster(RelayPaths):
             out.max_itl_s = stream.max_gap_s
 
     def _keys(self, s: SimSession, tokens: int) -> list:
-        return s.keys(tokens, self.spec.block_tokens)
+        """The first `tokens` // block keys of a session's context (one list per session,
+        sliced: every turn's keys are a prefix of the longest)."""
+        block = self.spec.block_tokens
+        keys = self._key_cache.get(s.id)
+        if keys is None or len(keys) < tokens // block:
+            keys = self._key_cache[s.id] = s.keys(max(tokens, self.spec.max_context), block)
+        return keys[: tokens // block]
 
     def _whole(self, inst: Instance, s: SimSession, out: Outcome, stream: Stream) -> Iterator[simpy.Event]:
         """Prefill and decode on one instance (colocated; the relay for a filtered request)."""

@@ -133,19 +133,16 @@ class SimSeq:
         if self.token_times is not None:
             self.token_times.append(at)
 
-    def _tokens_at(self, times: np.ndarray) -> None:
-        """Tokens produced at `times` (ascending)."""
-        if not len(times):
-            return
-        first = float(times[0])
+    def _tokens_run(self, first: float, last: float, count: int, inner_gap: float, times: np.ndarray) -> None:
+        """`count` tokens produced at `times` (ascending, from `first` to `last`, at most
+        `inner_gap` apart): a stretch's steps, in one update."""
         if self._last_s is None:
             self._first_s = first
         else:
             self._max_gap_s = max(self._max_gap_s, first - self._last_s)
-        if len(times) > 1:
-            self._max_gap_s = max(self._max_gap_s, float(np.max(np.diff(times))))
-        self._last_s = float(times[-1])
-        self._produced += len(times)
+        self._max_gap_s = max(self._max_gap_s, inner_gap)
+        self._last_s = last
+        self._produced += count
         if self.token_times is not None:
             self.token_times.extend(float(t) for t in times)
 
@@ -166,11 +163,13 @@ class _Stretch:
         if upto <= self.applied:
             return
         times = self.ends[self.applied:upto]
+        count, first, last = len(times), float(times[0]), float(times[-1])
+        inner = float(np.max(np.diff(times))) if count > 1 else 0.0
         for seq in self.seqs:
             if not (seq.done or seq.stopped):
-                seq.context += len(times)
-                seq._tokens_at(times)
-                self.inst.stats.tokens_out += len(times)
+                seq.context += count
+                seq._tokens_run(first, last, count, inner, times)
+                self.inst.stats.tokens_out += count
         self.applied = upto
 
 
@@ -353,6 +352,10 @@ class Instance:
             if seq.done or seq.stopped:
                 continue
             seq.context += n
+            if not seq.pending and seq._produced + 1 < seq.produce:  # a decode token, not the last
+                seq._token_at(now)
+                self.stats.tokens_out += 1
+                continue
             if seq.pending:
                 seq.pending -= n
                 self.stats.prefill_tokens += n

@@ -55,14 +55,15 @@ def hit_buckets(outcomes: Sequence[Outcome], duration_s: float) -> list[dict[str
     return rows
 
 
-def goodput(attainment_at: Callable[[float], float], low: float, high: float, steps: int = 7) -> float:
-    """The highest rate in [low, high] at which `attainment_at(rate)` >= 90 % (attainment
+def goodput(attainment_at: Callable[[float], float], low: float, high: float, steps: int = 7,
+            attainment: float = GOODPUT_ATTAINMENT) -> float:
+    """The highest rate in [low, high] at which `attainment_at(rate)` >= `attainment` (it
     falls as the rate rises); 0.0 when even `low` misses it. Geometric midpoints, since
     rates span decades; the ends are tried only when every midpoint fell on their side,
     because a steady-state run costs about its rate times its length, and the top is the
     dearest."""
     def passes(rate: float) -> bool:
-        return attainment_at(rate) >= GOODPUT_ATTAINMENT
+        return attainment_at(rate) >= attainment
 
     lo, hi = low, high
     for _ in range(steps):

@@ -32,6 +32,7 @@ class Outcome:
     anomalous: bool = False
     fallback: str | None = None
     failed: str | None = None
+    first_token_s: float | None = None  # when the client saw a first token (set as it streams)
 
     @property
     def tpot_s(self) -> float | None:
@@ -44,7 +45,7 @@ class Outcome:
 class Stream:
     """The client's view of one request: positions arrive in order, whoever produced them."""
 
-    arrival_s: float
+    out: Outcome
     first_s: float | None = None
     last_s: float | None = None
     tokens: int = 0
@@ -52,7 +53,7 @@ class Stream:
 
     def emit(self, at: float) -> None:
         if self.first_s is None:
-            self.first_s = at
+            self.first_s = self.out.first_token_s = at
         else:
             self.max_gap_s = max(self.max_gap_s, at - self.last_s)
         self.last_s = at
@@ -65,7 +66,7 @@ class Stream:
         if self.last_s is not None:
             self.max_gap_s = max(self.max_gap_s, seq.first_s - self.last_s)
         elif self.first_s is None:
-            self.first_s = seq.first_s
+            self.first_s = self.out.first_token_s = seq.first_s
         self.max_gap_s = max(self.max_gap_s, seq.max_gap_s)
         self.last_s = seq.last_s
         self.tokens += seq.produced

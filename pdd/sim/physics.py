@@ -104,7 +104,11 @@ class Physics:
         experts = np.zeros_like(tokens)
         comm = np.zeros_like(tokens)
         if m.moe_layers:
-            touched = np.vectorize(lambda t: touched_max(m.experts, m.top_k, g, int(t)), otypes=[float])(tokens)
+            flat = tokens.reshape(-1)
+            if (flat == flat[0]).all():  # a stretch, or one step: one batch size
+                touched = np.full_like(tokens, touched_max(m.experts, m.top_k, g, int(flat[0])))
+            else:
+                touched = np.array([touched_max(m.experts, m.top_k, g, int(t)) for t in flat]).reshape(tokens.shape)
             weights = touched * m.expert_params * m.expert_bytes_per_param / bw
             per_gpu = tokens * m.top_k / g
             hottest = e.routing_skew * (per_gpu + np.sqrt(2.0 * per_gpu * math.log(g))) if g > 1 else per_gpu

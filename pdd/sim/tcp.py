@@ -147,11 +147,11 @@ class TcpLink:
         left = self.line.bytes_per_s * (1.0 - self.tcp.cross_traffic)
         for c in self.conns.values():
             c.rate = 0.0
-        for priority in sorted({c.priority for c in self.conns.values()}):
-            tier = sorted((c for c in self.conns.values() if c.priority == priority and self._demand(c) > 0),
-                          key=self._demand)
-            for i, c in enumerate(tier):
-                c.rate = min(self._demand(c), left / (len(tier) - i))
+        wanting = [(self._demand(c), c) for c in self.conns.values() if c.transfers]
+        for priority in sorted({c.priority for _, c in wanting}):
+            tier = sorted(((d, c) for d, c in wanting if c.priority == priority and d > 0), key=lambda dc: dc[0])
+            for i, (demand, c) in enumerate(tier):
+                c.rate = min(demand, left / (len(tier) - i))
                 left -= c.rate
 
     def _advance(self) -> None:
@@ -183,7 +183,8 @@ class TcpLink:
                 c.cwnd = self.tcp.initial_window
                 c.round_end = c.stalled_until + self._round_trip()
                 continue
-            if c.rate < self._demand(c) * (1 - 1e-9) or c.cwnd >= self.tcp.window_bytes:
+            if c.rate < (min(c.cwnd, self.tcp.window_bytes) / self.rtt_s) * (1 - 1e-9) \
+                    or c.cwnd >= self.tcp.window_bytes:
                 c.ramping, c.round_end = False, math.inf
                 continue
             c.cwnd *= 2
