@@ -12,7 +12,8 @@ import simpy
 
 from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_ONE_WAY_MS, Line
-from pdd.sim.instance import Instance, SimSeq
+from pdd.sim.instance import Instance
+from pdd.sim.sequence import SimSeq
 from pdd.sim.model import MODELS, dense_twin
 from pdd.sim.physics import Physics, touched_max
 from pdd.sim.runner import simulate

@@ -24,7 +24,8 @@ from pdd.policy.retry import reserve_retry_delay
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import LinkEstimate, kv_range, observe_rate, observe_rtt
 from pdd.sim.hardware import Line
-from pdd.sim.instance import Hold, Instance, SimSeq
+from pdd.sim.instance import Instance
+from pdd.sim.sequence import Hold, SimSeq
 from pdd.sim.link import SharedLink
 from pdd.sim.outcome import Outcome, Stream
 from pdd.sim.relayed import BACKGROUND, URGENT, RelayPaths
@@ -51,6 +52,7 @@ class RoleSpec:
     hardware: str = ""  # catalog name, for the cost
     gpus: int = 0
     cpu_priority: int = 0  # on shared cores, lower runs first
+    max_chunks: int = 0  # prefill chunks a step may hold (0: the engine's rule, as many as its budget takes)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Cluster(RelayPaths):
                 name = f"{r.role}{i}@{r.dc}"
                 self.instances[name] = Instance(self.env, name, r.role, r.dc, r.steps, r.capacity_tokens,
                                                 self.spec.block_tokens, r.max_batch_tokens, r.max_running, cpu,
-                                                r.cpu_priority, self.spec.stretches)
+                                                r.cpu_priority, self.spec.stretches, r.max_chunks)
         dcs = sorted({r.dc for r in self.spec.roles})
         self.lans = {dc: SharedLink(self.env, self.spec.lan, f"lan-{dc}") for dc in dcs}
         self.wan: SharedLink | TcpLink | None = None

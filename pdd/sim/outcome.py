@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdd.sim.instance import SimSeq
+from pdd.sim.sequence import SimSeq
 
 @dataclass
 class Outcome:

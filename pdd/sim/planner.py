@@ -255,7 +255,7 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                 return queue.pop(0)
         return None
 
-    with ProcessPoolExecutor(workers) as pool:
+    with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
         while True:
             while len(running) < workers and (lay := next_layout()) is not None:
                 running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay])] = lay.family
@@ -271,6 +271,22 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                     progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: "
                              f"{row['goodput_rps']:.1f} req/s")
     return sorted(rows, key=lambda r: (-r["bcr"], r["cost_per_hour"]))
+
+
+class _Inline:
+    """One worker: run each layout here, no process (what tests and one core want)."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+    @staticmethod
+    def submit(fn: Callable[..., dict[str, Any]], *args: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
 
 
 def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

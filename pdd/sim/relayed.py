@@ -18,7 +18,8 @@ import simpy
 
 from pdd.policy.handoff import choose_handoff, cut_over
 from pdd.policy.transfer import kv_range
-from pdd.sim.instance import Hold, Instance, SimSeq
+from pdd.sim.instance import Instance
+from pdd.sim.sequence import Hold, SimSeq
 from pdd.sim.outcome import Outcome, Stream
 from pdd.sim.workload import SimSession
 from pdd.transfer.messages import CATCH_UP

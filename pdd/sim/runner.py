@@ -7,8 +7,8 @@ after a warm-up are judged, and the run stops a while after the window, when eve
 judged request has either finished or missed its SLO.
 
 Warm start. Rather than minutes of warm-up, a steady run starts from a stationary
-session mix: sessions are drawn as if they had been arriving for `WARM_HISTORY_S`
-already, each one caught in progress resumes at its next turn, and the context its
+session mix: sessions are drawn as if they had been arriving for as long as the
+longest lasts (`history_s`), each one caught in progress resumes at its next turn, and the context its
 earlier turns left is already in the caches of the instances the router will send it
 to. Queues still have to form, which a short warm-up covers.
 
@@ -35,7 +35,6 @@ from pdd.sim.outcome import Outcome
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
-WARM_HISTORY_S = 900.0  # how long sessions are taken to have been arriving before a warm start
 NOMINAL_TTFT_S, NOMINAL_TPOT_S = 0.5, 0.025  # a turn's length, to place warm-started sessions
 CHECK_S = 5.0  # how often a probe looks at its misses
 
@@ -61,10 +60,16 @@ def tail_s(longest_output: int, slo: tuple[float, float]) -> float:
     return (slo[0] + slo[1] * longest_output) / 1000 + 1.0
 
 
-def _resume(s: SimSession) -> SimSession | None:
-    """A session drawn as if it started `WARM_HISTORY_S` ago: None if it has ended by
-    now, else from its next turn on, with the context its earlier turns left cached."""
-    t = s.start_s - WARM_HISTORY_S
+def history_s(config: AgenticConfig) -> float:
+    """How long the longest session lasts, at the nominal turn length: a warm start
+    needs sessions drawn that far back."""
+    return config.turns[1] * (NOMINAL_TTFT_S + NOMINAL_TPOT_S * config.output_tokens[1])
+
+
+def _resume(s: SimSession, history: float) -> SimSession | None:
+    """A session drawn as if it started `history` ago: None if it has ended by now,
+    else from its next turn on, with the context its earlier turns left cached."""
+    t = s.start_s - history
     if t >= 0:
         return replace(s, start_s=t)
     for k, turn in enumerate(s.turns):
@@ -95,12 +100,12 @@ def steady_sessions(config: AgenticConfig, warm: bool = True) -> Sessions:
     turns = turns_per_session(config)
 
     def sessions(rate: float, end_s: float) -> list[SimSession]:
-        history = WARM_HISTORY_S if warm else 0.0
+        history = history_s(config) if warm else 0.0
         requests = max(1, math.ceil(1.5 * rate * (end_s + history) * turns) + 100)
         drawn = _drawn(config, requests, rate)
         if not warm:
             return [s for s in drawn if s.start_s < end_s]
-        resumed = (_resume(s) for s in drawn if s.start_s < end_s + history)
+        resumed = (_resume(s, history) for s in drawn if s.start_s < end_s + history)
         return [s for s in resumed if s is not None]
 
     return sessions
