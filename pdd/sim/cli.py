@@ -56,6 +56,31 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _line(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from pdd.sim.line_check import line_check
+
+    console = Console()
+    r = line_check(args.mbps, args.runs, not args.no_emulator)
+    table = Table(title="the spec's handoff microbenchmark: 4,649 KB over the line, fresh connections")
+    for col in ("", "mean ms", "peak ms"):
+        table.add_column(col, justify="left" if not col else "right")
+    table.add_row("spec", f"{r['spec']['mean_ms']:.1f}", f"{r['spec']['peak_ms']:.1f}")
+    table.add_row("TCP model, 25 Gbit/s", f"{r['tcp_model_25g']['mean_ms']:.1f}", f"{r['tcp_model_25g']['peak_ms']:.1f}")
+    e = r["emulator"]
+    table.add_row(f"TCP model, {e['mbps']:g} Mbit/s", f"{r['tcp_model_at_emulator_rate']['mean_ms']:.1f}",
+                  f"{r['tcp_model_at_emulator_rate']['peak_ms']:.1f}")
+    table.add_row(f"fluid model, {e['mbps']:g} Mbit/s (the emulator's terms)",
+                  f"{r['fluid_model_at_emulator_rate_ms']:.1f}", "")
+    if "mean_ms" in e:
+        table.add_row(f"`pdd wan` emulator, {e['mbps']:g} Mbit/s, {e['one_way_ms']:g} ms ({e['runs']} runs)",
+                      f"{e['mean_ms']:.1f}", f"{e['peak_ms']:.1f}")
+    console.print(table)
+    _write(args.out, r, console)
+    return 0
+
+
 def _bathtub(args: argparse.Namespace) -> int:
     from pdd.sim.bathtub import plot, sweep, valleys
 
@@ -157,12 +182,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="colocated,pd-same-dc,pd-cross-dc,pdd")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: _run(_defaults(a)))
-    steps = p.add_subparsers(dest="sim_command", metavar="{calibrate,check,sweep,bathtub}")
+    steps = p.add_subparsers(dest="sim_command", metavar="{calibrate,check,sweep,bathtub,line}")
     w = steps.add_parser("sweep", help="the published comparison again under each assumption varied (B's compute, "
                                        "prices, memory utilisation, weight precision)")
     w.add_argument("--workers", type=int, default=2)
     w.add_argument("--out", default=None, help="JSON file for the table")
     w.set_defaults(func=_sweep)
+    n = steps.add_parser("line", help="the line model against the spec's handoff microbenchmark and `pdd wan`")
+    n.add_argument("--mbps", type=float, default=1000.0, help="the emulator's rate (default 1000)")
+    n.add_argument("--runs", type=int, default=20)
+    n.add_argument("--no-emulator", action="store_true", help="the models only")
+    n.add_argument("--out", default=None)
+    n.set_defaults(func=_line)
     b = steps.add_parser("bathtub", help="P's throughput against the prefix-cache hit rate, two schedulers, "
                                          "over seeds")
     b.add_argument("--step", type=float, default=0.02, help="hit-rate resolution: 0.01 or 0.02 (default)")
