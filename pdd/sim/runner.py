@@ -35,7 +35,7 @@ from pdd.sim.outcome import Outcome
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
-NOMINAL_TTFT_S, NOMINAL_TPOT_S = 0.5, 0.025  # a turn's length, to place warm-started sessions
+NOMINAL_TTFT_S, NOMINAL_TPOT_S = 1.0, 0.035  # a turn's length, to place warm-started sessions
 CHECK_S = 5.0  # how often a probe looks at its misses
 
 
