@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import simpy
 
 from pdd.sim.hardware import Line
-from pdd.sim.link import LinkStats
+from pdd.sim.link import Delivery, LinkStats
 
 # The spec's handoff microbenchmark (PDD_SPEC § mechanism 2): 100 tokens' incremental KV.
 HANDOFF_BYTES = 4649 * 1024
@@ -79,7 +79,7 @@ class _Conn:
     rate: float = 0.0  # bytes/s allocated since the last re-plan
 
 
-class TcpLink:
+class TcpLink(Delivery):
     """`send(nbytes, priority, conn)` returns an event that fires when the bytes have
     arrived; `conn` names the connection (the instance pair), so transfers between the
     same two instances queue on one window, as frames on one socket do."""
@@ -98,10 +98,9 @@ class TcpLink:
         return 2 * self.line.one_way_ms / 1000
 
     def send(self, nbytes: float, priority: int = 0, conn: object = None) -> simpy.Event:
-        done = self.env.event()
         if nbytes <= 0:
-            self.env.process(self._deliver(done))
-            return done
+            return self._empty()
+        done = self.env.event()
         self._advance()
         key = (conn, priority)
         c = self.conns.get(key)
@@ -189,10 +188,6 @@ class TcpLink:
                 continue
             c.cwnd *= 2
             self._start_round(c)
-
-    def _deliver(self, done: simpy.Event):
-        yield self.env.timeout(self.line.one_way_ms / 1000)
-        done.succeed()
 
     def _run(self):
         while True:
