@@ -24,7 +24,7 @@ SMALL = AgenticConfig(system_prompt_tokens=256, task_tokens=(512, 1024), turns=(
                       tool_output_tokens=(16, 64), large_tool_output_tokens=(256, 512),
                       output_tokens=(128, 256), max_context=8192, anomalous_fraction=0.0)
 # A tight TPOT target: the decode side's capacity, a few requests a second, decides.
-TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2)
+TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2, min_window_s=0.0)
 
 
 @pytest.mark.parametrize("max_gpus", [32, 48, 88, 130])
@@ -118,7 +118,7 @@ def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
 
 
 def test_more_decode_instances_never_lose_goodput() -> None:
-    probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3)
+    probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
     rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1)
     one, two = (next(r for r in rows if r["main"] == n) for n in (1, 2))
     assert one["goodput_rps"] > 0
@@ -141,7 +141,7 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
     args = parser.parse_args(["--max-gpus", "16", "--line-gbps", "100", "--hardware", "B", "--requests", "20",
-                              "--warmup-s", "5", "--steps", "1", "--top", "2", "--workers", "1", "--out", str(out),
+                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--top", "2", "--workers", "1", "--out", str(out),
                               "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out

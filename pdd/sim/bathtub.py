@@ -119,6 +119,28 @@ def valleys(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
+CACHED_PRICE = (0.10, 0.25)  # a cached input token billed at this share of an uncached one (PDD_SPEC)
+
+
+def economics(rows: Sequence[dict[str, Any]], block: int = paper.SETTING.block_tokens) -> list[dict[str, Any]]:
+    """Per hit: input tokens billed a second by one P (uncached ones whole, cached ones
+    at 10 and 25 %), with the engine's scheduler; and what tails that run alone cost
+    (1 - their throughput over the engine's): where that peaks, the singular points."""
+    names = list(SCHEDULERS)
+    by = {(r["scheduler"], round(r["hit"], 4)): r for r in rows}
+    out = []
+    for hit in sorted({round(r["hit"], 4) for r in rows}):
+        engine, alone = by.get((names[0], hit)), by.get((names[1], hit))
+        if engine is None:
+            continue
+        cached = shared_blocks(hit, PROMPT_TOKENS, block) * block
+        row = {"hit": hit, "tail_cost": 1 - alone["throughput_rps"] / engine["throughput_rps"] if alone else None}
+        for price in CACHED_PRICE:
+            row[f"billed_ktok_s_at_{price:g}"] = engine["throughput_rps"] * (PROMPT_TOKENS - cached + price * cached) / 1e3
+        out.append(row)
+    return out
+
+
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Throughput against hit rate, per scheduler, with one standard deviation over seeds."""
     figure = Figure(figsize=(8, 4.8), layout="constrained")

@@ -82,7 +82,7 @@ def _line(args: argparse.Namespace) -> int:
 
 
 def _bathtub(args: argparse.Namespace) -> int:
-    from pdd.sim.bathtub import plot, sweep, valleys
+    from pdd.sim.bathtub import CACHED_PRICE, economics, plot, sweep, valleys
 
     console = Console()
     hits = tuple(h / 100 for h in range(0, 100, max(1, round(args.step * 100))))
@@ -93,11 +93,22 @@ def _bathtub(args: argparse.Namespace) -> int:
         console.print(f"valley: {v['scheduler']} at {v['hit']:.0%} hit: {v['throughput_rps']:.2f} req/s against "
                       f"{v['neighbours_rps'][0]:.2f} / {v['neighbours_rps'][1]:.2f} beside it")
     if not found:
-        console.print("no valley: throughput never falls below both neighbours by more than its spread")
+        console.print("no valley in req/s: throughput never falls below both neighbours by more than its spread")
+    money = economics(rows)
+    for price in CACHED_PRICE:
+        key = f"billed_ktok_s_at_{price:g}"
+        low = min(money, key=lambda r: r[key])
+        console.print(f"input tokens billed a second (cached at {price:.0%}): {money[0][key]:.1f}K at 0 % hit, "
+                      f"lowest {low[key]:.1f}K at {low['hit']:.0%}, {money[-1][key]:.1f}K at {money[-1]['hit']:.0%}")
+    peaks = [b for a, b, c in zip(money, money[1:], money[2:])
+             if b["tail_cost"] is not None and a["tail_cost"] is not None and c["tail_cost"] is not None
+             and b["tail_cost"] > max(a["tail_cost"], c["tail_cost"]) and b["tail_cost"] > 0.01]
+    console.print("tails alone cost most at " + (", ".join(f"{p['hit']:.0%} ({p['tail_cost']:.1%})" for p in peaks)
+                                                 or "no hit rate"))
     if args.plots:
         Path(args.plots).mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plots) / "bathtub.png")
-    _write(args.out, {"rows": rows, "valleys": found}, console)
+    _write(args.out, {"rows": rows, "valleys": found, "economics": money}, console)
     return 0
 
 

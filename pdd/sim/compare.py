@@ -57,8 +57,8 @@ def run_paper(requests: int = 1000, probe: Probe = Probe(), setting: paper.Setti
         row = best[family]
         progress(f"{family}: {row['layout']} at {reference:.1f} req/s, {requests:,} judged requests")
         spec = _layout(row).spec(setting)
-        window = Window(probe.warmup_s, probe.warmup_s + requests / reference, tail_s(workload.longest_output,
-                                                                                        probe.slo))
+        window = Window(probe.warmup_s, probe.warmup_s + max(requests / reference, probe.min_window_s),
+                        tail_s(workload.longest_output, probe.slo))
         result = run_window(spec, workload.sessions(), reference / workload.turns, window, probe.slo)
         configs[family] = _config(spec, row, result, setting, [r for r in rows if r["family"] == family], base)
     slo = _slo_sensitivity(best, setting, probe, progress) if slo_sweep else {}
@@ -167,7 +167,8 @@ def assumptions(setting: paper.Setting, probe: Probe) -> dict[str, Any]:
                          "anomalous_fraction": w.anomalous_fraction,
                          "anomalous_output_tokens": w.anomalous_output_tokens},
             "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
-            "probe": {"judged_requests": probe.requests, "warmup_s": probe.warmup_s, "steps": probe.steps},
+            "probe": {"judged_requests": probe.requests, "warmup_s": probe.warmup_s,
+                      "min_window_s": probe.min_window_s, "steps": probe.steps},
             "budget_gpus": MAX_GPUS, "lines_gbps": LINES_GBPS, "reference_load": REFERENCE_LOAD}
 
 

@@ -54,6 +54,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=Probe.warmup_s,
                    help=f"seconds of arrivals before a probe judges any, after a warm start (default "
                         f"{Probe.warmup_s:g})")
+    p.add_argument("--min-window-s", type=float, default=Probe.min_window_s,
+                   help=f"shortest judged window of a probe, whatever its requests (default {Probe.min_window_s:g})")
     p.add_argument("--steps", type=int, default=Probe.steps, help=f"bisection steps per layout (default {Probe.steps})")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="layouts simulated at once, one process each (default: 2, or the cores if fewer)")
@@ -67,7 +69,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def probe_of(args: argparse.Namespace) -> Probe:
-    return Probe(args.requests, args.warmup_s, (args.slo_ttft_ms, args.slo_tpot_ms), args.attainment, args.steps)
+    return Probe(args.requests, args.warmup_s, (args.slo_ttft_ms, args.slo_tpot_ms), args.attainment, args.steps,
+                 args.min_window_s)
 
 
 def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = paper.SETTING) -> str:
@@ -79,7 +82,8 @@ def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = p
             f"TCP (initial window {setting.tcp.initial_window_segments}, {setting.tcp.window_bytes / 2**20:g} MiB "
             f"buffers). SLO: TTFT <= {probe.slo[0]:g} ms and TPOT <= {probe.slo[1]:g} ms for "
             f"{probe.attainment:.0%} of requests. Workload: {workload.name}; each probe judges {probe.requests} "
-            f"requests after a warm start and {probe.warmup_s:g} s; goodput found to "
+            f"requests, and at least {probe.min_window_s:g} s, after a warm start and {probe.warmup_s:g} s; "
+            f"goodput found to "
             f"{search_resolution(probe):.0%}. Costs in GPU A hours per hour; BCR = goodput / cost.")
 
 
@@ -144,6 +148,7 @@ def plan_main(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps({"layouts": slim, "assumptions": paper.SETTING.to_dict() | {
             "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
             "workload": workload.name, "probe": {"judged_requests": probe.requests, "warmup_s": probe.warmup_s,
-                                                 "steps": probe.steps}}, "wall_s": wall}, indent=2, default=str)
+                                                 "min_window_s": probe.min_window_s, "steps": probe.steps}},
+            "wall_s": wall}, indent=2, default=str)
                             + "\n", encoding="utf-8")
     return 0

@@ -181,16 +181,22 @@ def mooncake(records: Sequence[TraceRecord], max_context: int = paper.WORKLOAD.m
 @dataclass(frozen=True)
 class Probe:
     """One steady-state run: arrivals for `warmup_s` unjudged (after a warm start), then
-    until about `requests` requests are judged; the goodput bisection's `steps`."""
+    until about `requests` requests are judged and at least `min_window_s` have passed;
+    the goodput bisection's `steps`. The window's length, not its count of requests,
+    is what sees an overload: at 10 % over capacity a queue takes about TTFT target /
+    10 % to grow past the TTFT target, and agentic arrivals come in bursts of sessions'
+    long first turns, which a window of a few seconds samples by luck."""
 
-    requests: int = 150
-    warmup_s: float = 10.0
+    requests: int = 300
+    warmup_s: float = 20.0
     slo: tuple[float, float] = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
     attainment: float = GOODPUT_ATTAINMENT
     steps: int = 4
+    min_window_s: float = 60.0
 
     def window(self, rps: float, workload: Workload) -> Window:
-        return Window(self.warmup_s, self.warmup_s + self.requests / rps, tail_s(workload.longest_output, self.slo))
+        judged = max(self.requests / rps, self.min_window_s)
+        return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
 def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe: Probe,
