@@ -15,7 +15,7 @@ is in the catalog for the sensitivity sweep over B's compute, not as the default
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ H20 = Chip("H20", bf16_tflops=148.0, fp8_tflops=296.0, mem_bw_gbs=4000.0, mem_gb
            source="NVIDIA H20 product brief: 148 TFLOPS BF16 / 296 FP8 dense, 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s")
 
 # The spec's two clusters: "A" runs P and RLD, "B" runs MD across the line.
-CATALOG: dict[str, Chip] = {"A": replace(H800, name="A"), "B": replace(H200, name="B")}
+CATALOG: dict[str, Chip] = {"A": H800, "B": H200}
 CHIPS: dict[str, Chip] = {c.name: c for c in (H800, H200, H20)}
 
 

@@ -10,6 +10,8 @@ from rich.table import Table
 
 from pdd.sim import paper
 from pdd.sim.compare import change
+from pdd.sim.plan_cli import assumption_line
+from pdd.sim.planner import Probe, agentic
 
 
 def _pct(value: float | None) -> str:
@@ -104,5 +106,11 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         for key, per in result["slo_sensitivity"].items():
             slo.add_row(key, *(f"{per[n]['goodput_rps']:.1f}" if n in per else "-" for n in c))
         console.print(slo)
+    e = paper.SETTING.eff
+    console.print(f"Assumptions: {assumption_line(Probe(), agentic(paper.WORKLOAD))} Step model: kernels at "
+                  f"{e.mfu:.0%} of the tensor peak (GEMMs), {e.attn_mfu:.0%} (attention), {e.mbu:.0%} of HBM; "
+                  f"{1000 * e.step_overhead_s:g} ms a step, {1000 * e.chunk_overhead_s:g} ms a chunk; all-to-all "
+                  f"{1e6 * e.a2a_latency_up_s:g} / {1e6 * e.a2a_latency_out_s:g} us in / across nodes; routing skew "
+                  f"{e.routing_skew:g}. Everything in the JSON's `assumptions`.")
     console.print(f"{len(result['layouts'])} layouts, {sum(r['simulated'] for r in result['layouts'])} simulated; "
                   f"{result['wall_s']:.0f} s")

@@ -22,7 +22,7 @@ judge, the probe stops and fails.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -150,7 +150,7 @@ class _Probe:
         w = self.window
         return all(o.end_s is not None or o.failed for o in self.cluster.outcomes if w.warmup_s <= o.arrival_s < w.end_s)
 
-    def run(self):
+    def run(self) -> Iterator[simpy.Event]:
         env, w = self.cluster.env, self.window
         yield env.timeout(w.warmup_s)
         self.marks["start"] = self.snapshot()

@@ -23,7 +23,7 @@ from pdd.sim.planner import Probe, agentic, best_per_family, candidates, search
 # (name, what changes): one assumption at a time, the rest as in `paper.SETTING`.
 VARIANTS: tuple[tuple[str, Callable[[paper.Setting], paper.Setting]], ...] = (
     ("B compute as an H20 (148 TFLOPS BF16, 4.0 TB/s, 96 GB)",
-     lambda s: replace(s, b=replace(CHIPS["H20"], name="B", price_per_hour=s.b.price_per_hour))),
+     lambda s: replace(s, b=replace(CHIPS["H20"], price_per_hour=s.b.price_per_hour))),
     ("B compute / 3 (330 TFLOPS), bandwidth and memory as an H200",
      lambda s: replace(s, b=replace(s.b, bf16_tflops=s.b.bf16_tflops / 3, fp8_tflops=s.b.fp8_tflops / 3))),
     ("memory utilisation 85 %", lambda s: replace(s, memory_utilization=0.85)),
