@@ -18,7 +18,7 @@ SAMPLES = [
     m.Hello("router", router_id="r1"),
     m.Submit("a.0", [1, 2, 3], PARAMS, "r1", "md0", "rld0", False),
     m.Reserve("a.0", [1, 2, 3], PARAMS, "r1", True, "md0"),
-    m.ReserveAck("a.0", 32), m.ReserveAck("a.0", error="full"),
+    m.ReserveAck("a.0", 32), m.ReserveAck("a.0", error="full", busy=True), m.Progress("a.0", "kv"),
     m.KVAck("a.0", 64, True), m.KVDone("a.0", 7, False), m.Ready("a.0"),
     m.Tokens("a.0", 5, [9, 8], "length", 16, 12.5),
     m.PipelineChosen("a.0", "P-RLD-MD", 10, 20, 1234.5, None),

@@ -149,10 +149,12 @@ class OpenAIServer:
                     break
         except BackendError as e:
             self.metrics.requests.labels("error").inc()
+            retry = {"Retry-After": str(self.gate.retry_after())}
             if e.status == 429:  # an instance was full: the client may come back
-                raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded",
-                               headers={"Retry-After": "1"}) from None
-            raise ApiError(e.status, f"generation failed: {e}", "server_error") from None
+                raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded", headers=retry) from None
+            # 503: no instance can serve it now (one is down or leaving): come back later
+            raise ApiError(e.status, f"generation failed: {e}", "server_error",
+                           headers=retry if e.status == 503 else None) from None
         finally:
             slot.release()
             await gen.aclose()

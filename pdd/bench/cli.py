@@ -23,7 +23,7 @@ from typing import Any
 from pdd.workload.types import Session
 
 # in-process benchmarks: target -> the module that registers its options and runs it
-_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff"}
+_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff", "flood": "pdd.bench.flood"}
 
 
 def _workload(value: str) -> tuple[str, Path | None]:
@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         importlib.import_module(module).add_arguments(parser)
     parser.add_argument("target", nargs="?", choices=("serve", *_IN_PROCESS), default="serve",
                         help="serve: a live OpenAI-compatible server (default); engine: one engine "
-                             "in-process; handoff: shipping a handoff's KV against recomputing it")
+                             "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
+                             "--requests distinct requests at once against --url, every outcome counted")
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
     parser.add_argument("--workload", type=_workload, default=("agentic", None),
                         metavar="agentic|mooncake:PATH", help="default: agentic")

@@ -99,7 +99,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
         await node.start()
     # its own API holds at most what the instance may hold; the engine queues past max_running
-    app = build_app(LocalBackend(runtime), tokenizer, name, api_key=api_key, openai_api=openai_api,
+    app = build_app(LocalBackend(runtime, node.stats if node else None), tokenizer, name, api_key=api_key, openai_api=openai_api,
                     admission=Limits(spec.engine.max_requests, 0))
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))

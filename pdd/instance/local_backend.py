@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine.engine import RequestError
@@ -11,9 +11,10 @@ from pdd.transfer.wire import REJECTS
 
 
 class LocalBackend:
-    def __init__(self, engine: EnginePort) -> None:
+    def __init__(self, engine: EnginePort, node_stats: Callable[[], dict] | None = None) -> None:
         self.engine = engine
         self.max_context = engine.max_context
+        self._node_stats = node_stats  # the framed node's counts (a P/D instance)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
         try:
@@ -53,4 +54,5 @@ class LocalBackend:
             "engine": self.engine.stats(),
             "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),
+            **({"node": self._node_stats()} if self._node_stats else {}),
         }

@@ -75,6 +75,7 @@ class Node:
         self._tasks = Tasks()
         self.role: Role = _make_role(self)
         self.draining = False
+        self.peak_held = 0  # the most requests held at once (a relay must stay within its batch)
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
 
     async def start(self) -> None:
@@ -130,6 +131,15 @@ class Node:
     def full(self) -> bool:
         """Whether a new request would take this instance past `max_requests`."""
         return self.role.held() >= self.spec.engine.max_requests
+
+    def took(self) -> None:
+        """A role took a request: keep the high-water mark."""
+        self.peak_held = max(self.peak_held, self.role.held())
+
+    def stats(self) -> dict:
+        waiting = getattr(self.role, "line", None)
+        return {"role": self.spec.role, "held": self.role.held(), "peak_held": self.peak_held,
+                "reservations_waiting": len(waiting) if waiting is not None else 0}
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self._tasks.spawn(coro)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
 from pdd.instance.standalone import report_failure
 from pdd.kv import codec
-from pdd.policy.pipeline import answer_wait_s, choose_pipeline
+from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline
 from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from pdd.instance.node import Node
 
 log = logging.getLogger(__name__)
-ACK_TIMEOUT_S = 60.0
+ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
+RELAY_ANSWER_S = 1.0  # the relay is next door: an answer later than this is a loaded relay
+PROGRESS_EVERY_S = 1.0
 RATE_WINDOW_S = 0.1
 LOCAL_PRIOR = LinkEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
 
@@ -106,8 +108,11 @@ class PrefillJob:
     reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
     exports: int = 0  # transfers still to export P's KV: the pages go back once none is left
+    background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
     task: asyncio.Task | None = None
     submitted: float = field(default_factory=time.monotonic)
+    last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
+    progress_sent: float = 0.0  # when the router was last told the KV moves
 
     @property
     def rid(self) -> str:
@@ -144,6 +149,7 @@ class PrefillRole:
             if body.rid in self.node.aborted or body.rid in self.jobs:
                 return
             job = self.jobs[body.rid] = PrefillJob(body, router_id)
+            self.node.took()
             job.task = self.node.spawn(self._run(job))
         elif isinstance(body, m.Abort):
             self.node.aborted.add(body.rid)
@@ -161,7 +167,9 @@ class PrefillRole:
         pass
 
     def held(self) -> int:
-        return len(self.jobs)
+        """Foreground requests: MD's background copies behind a lagging line do not take
+        the places of new requests (their producer, the relay, already has its KV)."""
+        return sum(1 for j in self.jobs.values() if not j.background)
 
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
@@ -176,6 +184,8 @@ class PrefillRole:
         job = self.jobs.get(rid) if rid else None
         if job is None:
             return
+        if isinstance(body, m.KVAck):
+            self._progress(job)
         ack, loaded = job.acks.get(peer), job.loaded.get(peer)
         if isinstance(body, m.ReserveAck) and ack is not None and not ack.done():
             self._line(peer).round_trip(time.monotonic() - job.reserve_sent[peer])
@@ -186,6 +196,14 @@ class PrefillRole:
             self._line(peer).end((rid, peer))
             for fut in job.futures(peer):
                 fut.set_exception(RuntimeError(f"{peer}: {body.message}"))
+
+    def _progress(self, job: PrefillJob) -> None:
+        """KV was acknowledged: tell the router, now and then, that the request moves
+        (a slow line is not a stuck request)."""
+        job.last_ack = now = time.monotonic()
+        if now - job.progress_sent >= PROGRESS_EVERY_S:
+            job.progress_sent = now
+            self.node.to_router(job.router_id, m.Progress(job.rid, "kv"))
 
     def _on_peer_lost(self, peer: str) -> None:
         for job in self.jobs.values():
@@ -230,8 +248,10 @@ class PrefillRole:
         await self.peers.send(peer, m.Reserve(s.rid, s.prompt, s.params, s.router_id, s.use_cache, main))
 
     @staticmethod
-    async def _ack(job: PrefillJob, peer: str, timeout: float) -> m.ReserveAck | None:
-        """The peer's reservation; None if it has not answered within `timeout`."""
+    async def _ack(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
+        """The peer's reservation; None if it has not answered within `timeout` (None:
+        as long as it takes; a decode instance holds a reservation back while its pool
+        is full, and a lost one is dropped by liveness)."""
         try:
             ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
         except asyncio.TimeoutError:
@@ -294,46 +314,72 @@ class PrefillRole:
         line = self._line(s.main)
         waited = time.monotonic()
         try:
-            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else ACK_TIMEOUT_S)
+            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
         except (RuntimeError, ConnectionError) as e:
-            if not s.relay:
+            if not s.relay or not await self._relay_takes(job):
                 raise
             log.warning("%s: %s; the relay finishes it", s.rid, e)
             return m.P_RLD, None, None, "main_refused"
-        if ack is None and not s.relay:
-            raise asyncio.TimeoutError(f"{s.main} did not answer the reservation")
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-        decision = choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, s.relay is not None,
-                                   self.policy.pipeline)
+
+        def choose(relay: bool) -> Decision:
+            return choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, relay, self.policy.pipeline)
+
+        decision, fallback = choose(s.relay is not None), None
+        if decision.pipeline == m.P_RLD_MD and not await self._relay_takes(job):
+            decision, fallback = choose(False), "relay_busy"  # MD produces, later: the relay is not overrun
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
         log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
                   predicted, line.estimate, line.in_flight(URGENT))
-        return decision.pipeline, ack, predicted, None
+        return decision.pipeline, ack, predicted, fallback
+
+    async def _relay_takes(self, job: PrefillJob) -> bool:
+        """Whether the relay holds the request: it answers at once, and turns it away
+        when it is loaded (`pdd.policy.capacity.relay_accepts`)."""
+        try:
+            return await self._ack(job, job.submit.relay, RELAY_ANSWER_S) is not None
+        except (RuntimeError, ConnectionError) as e:
+            log.debug("%s: the relay does not take it: %s", job.rid, e)
+            return False
 
     async def _to_relay(self, job: PrefillJob, first: int) -> int:
         relay = job.submit.relay
-        ack = await self._ack(job, relay, ACK_TIMEOUT_S)
-        if ack is None:
-            raise asyncio.TimeoutError(f"{relay} did not answer the reservation")
-        return await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
+        ack = await self._ack(job, relay, None)
+        sent = await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
                                    priority=URGENT)
+        job.background = True  # the producer has its KV; what is left is MD's copy, if any
+        return sent
 
     async def _to_main(self, job: PrefillJob, first: int, ready_to: str | None) -> int:
         """The KV MD lacks; behind a relay, once MD confirms it has it all, READY to the relay."""
         main = job.submit.main
-        ack = await self._ack(job, main, ACK_TIMEOUT_S)
-        if ack is None:
-            raise asyncio.TimeoutError(f"{main} did not answer the reservation")
+        ack = await self._ack(job, main, None)
         if ready_to:
             job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
         sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
                                    priority=BACKGROUND if ready_to else URGENT)
         if ready_to:
-            await asyncio.wait_for(asyncio.shield(job.loaded[main]), ACK_TIMEOUT_S)
+            await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))
         return sent
+
+    @staticmethod
+    async def _loaded(job: PrefillJob, peer: str) -> None:
+        """Wait for the peer to confirm it holds all the KV, however slow the line, as
+        long as some of the request's KV is acknowledged every `ACK_TIMEOUT_S` from
+        the moment the last of it was sent."""
+        job.last_ack = time.monotonic()
+        while True:
+            left = job.last_ack + ACK_TIMEOUT_S - time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
+                return
+            except asyncio.TimeoutError:
+                if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
+                    raise asyncio.TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
+                                               f"for {ACK_TIMEOUT_S:g} s") from None
 
     async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
                        priority: int) -> int:

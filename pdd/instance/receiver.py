@@ -1,7 +1,8 @@
 """What every decode-side instance (main and relay) does with a request P sends it.
 
-RESERVE locks the longest cached prefix and answers the authoritative hit (waiting,
-per `pdd.policy.retry`, while the pool is full). KV frames are imported chunk by
+RESERVE locks the longest cached prefix and answers the authoritative hit (waiting
+in a first-come line while the pool is full; a relay turns an optional request away
+instead, `pdd.policy.capacity`). KV frames are imported chunk by
 chunk as they land, each chunk acknowledged, so P can measure the line. KV_DONE makes
 the KV complete: with `emit`, decoding starts and every token goes to the request's
 router with its output position; without, the role waits for a handoff.
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.engine.kv_pool import OutOfPages
 from pdd.instance.standalone import report_failure, tokens_of
 from pdd.kv import codec
-from pdd.policy.retry import reserve_retry_delay
+from pdd.instance.reservations import ReservationLine
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from pdd.instance.node import Node
 
 log = logging.getLogger(__name__)
-RESERVE_WAIT_S = 45.0  # a full pool holds a reservation back this long, then refuses
 PREFIX_WAIT_S = 10.0  # longest wait for a request here to land a prefix a new one shares
 
 
@@ -72,6 +72,8 @@ class DecodeSide:
         self.node = node
         self.engine = node.engine
         self.jobs: dict[str, DecodeJob] = {}
+        self.line: ReservationLine[DecodeJob] = ReservationLine(
+            lambda job: self.node.to_router(job.router_id, m.Progress(job.rid, "queued")))
 
     # ---- frames --------------------------------------------------------------------------
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
@@ -94,15 +96,27 @@ class DecodeSide:
     def held(self) -> int:
         return len(self.jobs)
 
+    def optional(self, r: m.Reserve) -> bool:
+        """Whether the request can do without this instance (a relay's, with an MD to
+        fall back on): then a full pool refuses it at once instead of holding it back."""
+        return False
+
+    def refusal(self, r: m.Reserve) -> str | None:
+        """Why this instance will not hold `r` now (None: it will, queued if need be)."""
+        if self.node.full():
+            return f"{self.node.spec.name} holds {self.held()} requests, its limit"
+        return None
+
     async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
         if isinstance(body, m.Reserve):
             if body.rid in self.node.aborted:
                 return
-            if self.node.full():
-                await self.node.send(conn, m.ReserveAck(body.rid, error=f"{self.node.spec.name} holds "
-                                                        f"{self.held()} requests, its limit"))
+            refusal = self.refusal(body)
+            if refusal:
+                await self.node.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
                 return
             job = self.jobs[body.rid] = self.job_type(body, name, conn)
+            self.node.took()
             self.node.spawn(self._reserve(job))
         elif isinstance(body, m.KVDone):
             if body.rid in self.node.aborted:  # confirm it anyway: P counts it off the line
@@ -174,31 +188,31 @@ class DecodeSide:
         r = job.reserve
         if r.use_cache:
             await self._await_prefix(job)
-        started, attempt = time.monotonic(), 0
-        while not job.ended:
-            try:
-                hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
-            except OutOfPages as e:
-                delay = reserve_retry_delay(attempt, time.monotonic() - started, RESERVE_WAIT_S)
-                if delay is None:
-                    await self._refuse(job, f"decode instance full: {e}")
-                    return
-                attempt += 1
-                await asyncio.sleep(delay)
-                continue
-            except Exception as e:
-                await self._refuse(job, str(e))
-                return
-            if job.ended:  # released or aborted while the engine reserved
-                await self.engine.release(r.rid)
-                return
-            job.reserved = True
-            await self.node.send(job.owner, m.ReserveAck(r.rid, hit))
+        if job.ended:
             return
+        try:
+            if self.optional(r):  # a loaded relay turns it away at once: P sends it P -> MD
+                hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
+            else:
+                hit = await self.line.take(job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache),
+                                           lambda: job.ended)
+                if hit is None:
+                    return
+        except OutOfPages as e:
+            await self._refuse(job, f"{self.node.spec.name} is full: {e}", busy=True)
+            return
+        except Exception as e:
+            await self._refuse(job, str(e))
+            return
+        if job.ended:  # released or aborted while the engine reserved
+            await self.engine.release(r.rid)
+            return
+        job.reserved = True
+        await self.node.send(job.owner, m.ReserveAck(r.rid, hit))
 
-    async def _refuse(self, job: DecodeJob, reason: str) -> None:
+    async def _refuse(self, job: DecodeJob, reason: str, busy: bool = False) -> None:
         self.forget(job)
-        await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason))
+        await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
     async def _on_layer(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
         job.layers.append(blob)

@@ -26,6 +26,7 @@ from pdd.engine.engine import RequestError
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.instance.standalone import WholeRequests, report_failure
+from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -67,6 +68,16 @@ class RelayRole(DecodeSide):
 
     def held(self) -> int:
         return super().held() + len(self.whole.jobs)
+
+    def optional(self, r: m.Reserve) -> bool:
+        return r.main is not None  # MD can produce it (later): the relay only hides latency
+
+    def refusal(self, r: m.Reserve) -> str | None:
+        load = self.engine.load()
+        if self.optional(r) and not relay_accepts(self.held(), load.waiting, load.max_running):
+            return (f"{self.node.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
+                    f"batch of {load.max_running})")
+        return super().refusal(r)
 
     def close(self) -> None:
         self.peers.close()

@@ -35,6 +35,7 @@ class WholeRequests:
     def submit(self, router_id: str, s: m.Submit) -> None:
         if s.rid not in self.node.aborted and s.rid not in self.jobs:
             self.jobs[s.rid] = (router_id, self.node.spawn(self._run(router_id, s)))
+            self.node.took()
 
     def abort(self, rid: str) -> None:
         self.node.aborted.add(rid)

@@ -24,16 +24,20 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dataclasses import replace
+
 import httpx
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.policy.plan import Plan, anomaly_rule, missing_roles, plan_request
+from pdd.policy.capacity import Room, fits, pages_needed
+from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, missing_roles, plan_request
 from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.dispatch import DispatchLine
 from pdd.router.members import Membership
 from pdd.tasks import Tasks
 from pdd.router.metrics import RouterMetrics
@@ -57,6 +61,7 @@ class RouterBackend:
         self.metrics = RouterMetrics(registry)
         self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
         self.in_flight = 0
+        self.line = DispatchLine()  # admitted requests waiting for room at their decode side
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -72,24 +77,76 @@ class RouterBackend:
         return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
                 for c in self.clients.values() if c.spec.role == role]
 
-    def _plan(self, req: GenRequest) -> Plan:
+    def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
+        """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
+        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
+
+    def _fits(self, name: str, need: int) -> bool:
+        c = self.clients[name]
+        return fits(need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages,
+                                                                        c.spec.engine.max_requests))
+
+    def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates, those without room for `req` marked unavailable."""
+        return [replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
+                for c in cands]
+
+    def _plan(self, req: GenRequest, room: bool = False) -> Plan | None:
+        """The request's instances. With `room`, only decode-side instances that have room
+        for it now: None while every one that is up is full (the request waits its turn).
+        BackendError 503 when an instance every request needs is down."""
         p = self.dep.policy
         rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
                             p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
         disaggregated = self.entry_role == "prefill"
         main = self._candidates("main", req.prompt, p.decode_radix_cache) if disaggregated else []
         relay = self._candidates("relay", req.prompt) if disaggregated and self.dep.mode == "pdd" else []
+        if room and disaggregated:
+            roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
+            if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
+                if not any(c.healthy for c in roomy_main):
+                    return None
+                main = roomy_main
+                if not any(c.healthy for c in roomy_relay):  # the relay cannot run it whole now
+                    rule = AnomalyRule(False, rule.max_output_tokens, rule.min_prompt_tokens, rule.max_hit_share)
+            elif any(c.healthy for c in relay):  # the relay alone produces: it needs room
+                if not any(c.healthy for c in roomy_relay):
+                    return None
+                relay = roomy_relay
         try:
             return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
                                 main, relay, rule, p.affinity_weight, p.load_weight)
         except LookupError as e:
             raise BackendError(str(e), 503) from None
 
+    async def _dispatch(self, req: GenRequest) -> RouterRequest:
+        """Plan the request once its decode side has room, first come first served."""
+        def attempt() -> RouterRequest | None:
+            plan = self._plan(req, room=True)
+            return None if plan is None else RouterRequest(req, plan)
+
+        return await self.line.turn(attempt)
+
+    def _commit(self, request: RouterRequest, sign: int) -> None:
+        """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
+        MD, or the relay when it produces alone. (A relay behind MD is optional: it
+        turns work away itself.)"""
+        plan = request.plan
+        name = plan.main or plan.relay
+        c = self.clients.get(name) if name else None
+        if c is None:
+            return
+        c.committed_pages += sign * self._need(request.req, name, plan.predicted_hit if plan.main else 0)
+        c.committed_requests += sign
+        if sign < 0:
+            self.line.changed()
+
     def _work(self, request: RouterRequest) -> int:
         return len(request.req.prompt) + request.req.params.max_tokens
 
     async def _submit(self, request: RouterRequest, q: asyncio.Queue) -> None:
         plan = request.plan
+        self._commit(request, +1)
         for name in request.members:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
@@ -101,6 +158,7 @@ class RouterBackend:
                                                      plan.relay, self.dep.policy.decode_radix_cache))
 
     def _release(self, request: RouterRequest) -> None:
+        self._commit(request, -1)
         for name in request.members:
             c = self.clients.get(name)
             if c is not None:  # (None: it left the deployment since)
@@ -109,7 +167,7 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
-        request = RouterRequest(req, self._plan(req))
+        request = await self._dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
         try:
@@ -200,6 +258,8 @@ class RouterBackend:
                 request.stall_ms = body.stall_ms
             self._observe_pace(request, source)
             return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
+        if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
+            request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
         if isinstance(body, m.PipelineChosen):
             request.chosen = body
             if request.plan.main and body.pipeline != m.P_RLD:
@@ -237,7 +297,7 @@ class RouterBackend:
             if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
                                                  self.dep.router.prefill_retries, others):
                 self._release(request)
-                request.restart(self._plan(request.req))
+                request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
                 self.metrics.fallback("prefill_retry")
                 request.fallbacks.append("prefill_retry")
                 await self._submit(request, q)
@@ -307,7 +367,7 @@ class RouterBackend:
 
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
-        return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
+        return Load(running=self.in_flight, waiting=self.line.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
@@ -316,8 +376,10 @@ class RouterBackend:
 
     async def stats(self) -> dict:
         return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+                "dispatch_waiting": self.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
-                                       "queued_tokens": c.queued_tokens,
+                                       "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
+                                       "committed_requests": c.committed_requests,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 

@@ -79,6 +79,7 @@ class ReserveAck:
     rid: str
     hit: int = 0  # tokens of the prompt already held (the authoritative decode-side hit)
     error: str | None = None
+    busy: bool = False  # with `error`: a relay too loaded to take an optional request (not a failure)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,17 @@ class HandedOff:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Instance -> router: the request moved forward without a token (its KV is
+    crossing the line, or the line of reservations ahead of it moved), so the router's
+    no-progress timeouts do not take a slow request for a stuck one."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
+    rid: str
+    what: str = ""  # "kv": KV acknowledged; "queued": waiting for pages, the line ahead moved
+
+
+@dataclass(frozen=True)
 class Abort:
     TYPE: ClassVar[MsgType] = MsgType.ABORT
     rid: str
@@ -246,11 +258,12 @@ class CacheUpdate:
 
 
 Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, PipelineChosen, Result, Handoff,
-             HandoffAck, HandedOff, Abort, Error, CacheUpdate, Member, Drain]
+             HandoffAck, HandedOff, Progress, Abort, Error, CacheUpdate, Member, Drain]
 _BY_TYPE: dict[MsgType, type] = {cls.TYPE: cls for cls in typing.get_args(Body)}
 _HINTS: dict[type, tuple[dict[str, Any], frozenset[str]]] = {}  # field types, required fields
 _CHOICES = {"pipeline": PIPELINES, "mode": (ONE_SHOT, CATCH_UP),
-            "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE}
+            "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE,
+            "what": ("", "kv", "queued")}
 
 
 def _hints(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
