@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 
 ROLES = ("standalone", "prefill", "relay", "main")
 MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")

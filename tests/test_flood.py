@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -38,8 +39,11 @@ def _held_pages(url: str) -> int:
     return kv["pages"] - kv["free"] - kv["cached"]
 
 
-def _settled(dep) -> None:
-    wait_until(lambda: all(_held_pages(u) == 0 for u in dep.http.values()), 30, "every pool free once the flood ends")
+def _settled(dep, timeout_s: float = 30.0) -> float:
+    """Wait until no request holds a page anywhere; how long that took."""
+    started = time.monotonic()
+    wait_until(lambda: all(_held_pages(u) == 0 for u in dep.http.values()), timeout_s, "every pool free")
+    return time.monotonic() - started
 
 
 def _node(dep, name: str) -> dict:
@@ -178,3 +182,41 @@ async def _reserve_three(port: int, key: bytes) -> list[tuple[str, int | None]]:
         await m.send(conn, m.Abort(name))
     conn.close()
     return got
+
+
+# ---- background copies behind a stalled line ------------------------------------------
+
+SMALL_P = """
+[[instances]]
+name = "p0"
+role = "prefill"
+dc = "A"
+[instances.engine]
+max_requests = 4
+[[instances]]
+name = "rld0"
+role = "relay"
+dc = "A"
+[[instances]]
+name = "md0"
+role = "main"
+dc = "B"
+"""
+
+
+def test_background_copies_behind_a_stalled_line_leave_p_its_places(tmp_path):
+    """P holds at most 4 requests. While the line is stalled, MD's copies of the relay's
+    requests wait at P behind it; they are not foreground work, so P keeps taking new
+    requests (the relay serves them) instead of refusing them as busy; and once the
+    line is back, MD's pages come back within seconds."""
+    sections = {"liveness": {"heartbeat_s": 1.0, "dead_after_s": 30.0}, "link": SMALL["link"]}
+    with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_P)) as dep:
+        assert asyncio.run(flood(dep.url, 1, PROMPT_TOKENS, MAX_TOKENS, vocab=4096, seed=9)).whole == 1  # connected
+        dep.fault(stall_s=8.0)
+        waves = [asyncio.run(flood(dep.url, 3, PROMPT_TOKENS, 8, vocab=4096, seed=10 + w)) for w in range(4)]
+        p = _node(dep, "p0")
+        print(f"\nduring the stall: {[w.whole for w in waves]} whole of 3 a wave; P holds {p['held']} foreground")
+        assert all(w.ok and w.whole == 3 for w in waves), [w.other for w in waves]
+        dep.fault(stall_s=0)
+        back_s = _settled(dep, 10.0)
+        print(f"MD's pages all back {back_s:.1f} s after the line was")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.sampling import SamplingParams
 

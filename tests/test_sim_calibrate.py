@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 from pdd.sim.calibrate import LocalProfile, _nnls, fit, load_profile, measure, profile_to_json
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 

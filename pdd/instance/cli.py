@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from pdd.config import ROLES
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig, engine_names
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="KV pool dtype (default: --dtype)")
     p.add_argument("--max-requests", type=int, default=d.max_requests,
                    help="most requests held at once; past it, new ones get 429")
+    p.add_argument("--engine", default=d.backend, choices=engine_names(), help="engine backend")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
         engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
-                              args.dtype, args.kv_dtype, args.max_requests)
+                              args.dtype, args.kv_dtype, args.max_requests, args.engine)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model_dir = None, resolve_model(args.model)
         name = args.served_model_name or Path(model_dir).name
@@ -80,20 +81,17 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     import uvicorn
 
     from pdd.api.app import build_app
-    from pdd.engine.engine import Engine
+    from pdd.engine_port import open_engine
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
     from pdd.instance.node import Node
-    from pdd.instance.runtime import EngineRuntime
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
     from pdd.transfer.wire import link_key
 
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(model_dir, spec.engine, eos_ids=tokenizer.eos_token_ids)
-    runtime = EngineRuntime(engine, threads)
-    runtime.start_thread()
+    runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
     node = None
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
@@ -112,4 +110,4 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     finally:
         if node:
             await node.stop()
-        runtime.stop()
+        runtime.close()

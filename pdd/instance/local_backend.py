@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
-from pdd.engine.engine import RequestError
-from pdd.instance.engine_port import EnginePort
+from pdd.engine_port import RequestError
+from pdd.engine_port import EnginePort
 from pdd.transfer.wire import REJECTS
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from pdd.config import ROLES, Deployment, InstanceSpec
-from pdd.instance.engine_port import EnginePort
+from pdd.engine_port import EnginePort
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pdd.engine.kv_pool import OutOfPages
+from pdd.engine_port import OutOfPages
 from pdd.instance.standalone import report_failure, tokens_of
 from pdd.kv import codec
 from pdd.instance.reservations import ReservationLine
@@ -27,7 +27,7 @@ from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
 
 if TYPE_CHECKING:
-    from pdd.instance.engine_port import OutputStream
+    from pdd.engine_port import OutputStream
     from pdd.instance.node import Node
 
 log = logging.getLogger(__name__)

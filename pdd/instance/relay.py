@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.engine.engine import RequestError
+from pdd.engine_port import RequestError
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.instance.standalone import WholeRequests, report_failure

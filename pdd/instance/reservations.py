@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from pdd.engine.kv_pool import OutOfPages
+from pdd.engine_port import OutOfPages
 from pdd.policy.retry import reserve_retry_delay
 
 J = TypeVar("J")

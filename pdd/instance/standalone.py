@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.transfer import messages as m
 
 if TYPE_CHECKING:
-    from pdd.engine.engine import StepOutput
+    from pdd.engine_port import StepOutput
     from pdd.instance.node import Node
 
 

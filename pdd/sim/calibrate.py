@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
 if TYPE_CHECKING:
