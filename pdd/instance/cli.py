@@ -85,6 +85,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
     from pdd.instance.node import Node
+    from pdd.instance.roles import make_role
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
     from pdd.transfer.wire import link_key
@@ -94,7 +95,7 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
     node = None
     if dep is not None:
-        node = Node(spec, dep, runtime, link_key(dep.secret, "instances"))
+        node = Node(spec, dep, runtime, link_key(dep.secret, "instances"), make_role)
         await node.start()
     # its own API holds at most what the instance may hold; the engine queues past max_running
     app = build_app(LocalBackend(runtime, node.stats if node else None), tokenizer, name, api_key=api_key, openai_api=openai_api,

@@ -3,8 +3,8 @@
 Routers connect to every instance (requests in, tokens and cache events out); other
 instances connect to the decode side (KV in, replies out). The node authenticates the
 connection, reads typed bodies (`pdd.transfer.messages`) and hands them to the role
-object that owns the requests: `PrefillRole` (P), `RelayRole` (RLD), `MainRole` (MD)
-or `StandaloneRole`. A role never touches sockets beyond sending on them.
+object that owns the requests (`pdd.instance.roles`), which sees the node only as a
+`pdd.instance.host.Host`. A role never touches sockets beyond sending on them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
+from pdd.instance.host import Host, Role, Tombstones
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -26,44 +27,11 @@ from pdd.transfer.wire import FramedConnection
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 DRAIN_QUIET_S = 1.0
-MAX_TOMBSTONES = 4096
-
-
-class Role(Protocol):
-    async def on_router(self, router_id: str, body: Any) -> None:
-        """A body from a router (SUBMIT, ABORT, a takeover HANDOFF)."""
-
-    def held(self) -> int:
-        """Requests this instance holds now (what `max_requests` bounds)."""
-
-    async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
-        """A frame from another instance that connected here."""
-
-    def peer_lost(self, name: str) -> None:
-        """A connection from another instance (by its name) is gone."""
-
-    def router_lost(self, router_id: str) -> None:
-        """A router is gone: nobody will read its requests' tokens."""
-
-
-class Tombstones:
-    """Recently ended request ids, so a request that arrives after its abort never runs."""
-
-    def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
-        self._ids: dict[str, None] = {}
-        self._limit = limit
-
-    def add(self, rid: str) -> None:
-        self._ids[rid] = None
-        while len(self._ids) > self._limit:
-            del self._ids[next(iter(self._ids))]
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._ids
 
 
 class Node:
-    def __init__(self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes) -> None:
+    def __init__(self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes,
+                 make_role: Callable[[Host], Role]) -> None:
         self.spec = spec
         self.dep = dep
         self.engine = engine
@@ -73,7 +41,7 @@ class Node:
         self.aborted = Tombstones()
         self.server: asyncio.Server | None = None
         self._tasks = Tasks()
-        self.role: Role = _make_role(self)
+        self.role: Role = make_role(self)
         self.draining = False
         self.peak_held = 0  # the most requests held at once (a relay must stay within its batch)
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
@@ -89,9 +57,7 @@ class Node:
         self._tasks.cancel_all()
         for conn in self.routers.values():
             conn.close()
-        close = getattr(self.role, "close", None)
-        if close:
-            close()
+        self.role.close()
 
     # ---- membership --------------------------------------------------------------------
     def _learn(self, member: m.Member) -> None:
@@ -243,16 +209,3 @@ class Node:
                 for other in list(conns):
                     other.abort()
             self.role.peer_lost(name)
-
-
-def _make_role(node: Node) -> Role:
-    from pdd.instance.decode import MainRole
-    from pdd.instance.prefill import PrefillRole
-    from pdd.instance.standalone import StandaloneRole
-
-    roles = {"standalone": StandaloneRole, "prefill": PrefillRole, "main": MainRole}
-    if node.spec.role == "relay":
-        from pdd.instance.relay import RelayRole
-
-        roles["relay"] = RelayRole
-    return roles[node.spec.role](node)

@@ -16,18 +16,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
-from pdd.instance.standalone import report_failure
+from pdd.instance.host import Host, report_failure
 from pdd.kv import codec
 from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline
 from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-
-if TYPE_CHECKING:
-    from pdd.instance.node import Node
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
@@ -123,22 +120,22 @@ class PrefillJob:
 
 
 class PrefillRole:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.engine = node.engine
-        self.policy = node.dep.policy
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.policy = host.dep.policy
         self.jobs: dict[str, PrefillJob] = {}
-        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_peer_lost)
+        self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_peer_lost)
         self.lines: dict[str, Line] = {}  # by datacenter
 
     def close(self) -> None:
         self.peers.close()
 
     def _line(self, peer: str) -> Line:
-        dc = self.node.dep.instance(peer).dc
+        dc = self.host.dep.instance(peer).dc
         if dc not in self.lines:
-            link = self.node.dep.link
-            prior = LOCAL_PRIOR if dc == self.node.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
+            link = self.host.dep.link
+            prior = LOCAL_PRIOR if dc == self.host.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
                                                                               link.delay_ms / 1000)
             self.lines[dc] = Line(prior)
         return self.lines[dc]
@@ -146,22 +143,22 @@ class PrefillRole:
     # ---- from routers --------------------------------------------------------------------
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Submit):
-            if body.rid in self.node.aborted or body.rid in self.jobs:
+            if body.rid in self.host.aborted or body.rid in self.jobs:
                 return
             job = self.jobs[body.rid] = PrefillJob(body, router_id)
-            self.node.took()
-            job.task = self.node.spawn(self._run(job))
+            self.host.took()
+            job.task = self.host.spawn(self._run(job))
         elif isinstance(body, m.Abort):
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None and job.task is not None:
                 job.task.cancel()
         else:
-            self.node.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
+            self.host.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
                                                    getattr(body, "rid", None)))
 
     async def on_peer(self, conn, name, frame) -> None:
-        await self.node.send(conn, m.Error("a prefill instance takes no peer traffic"))
+        await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
 
     def peer_lost(self, name: str) -> None:
         pass
@@ -173,7 +170,7 @@ class PrefillRole:
 
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.node.aborted.add(job.rid)
+            self.host.aborted.add(job.rid)
             job.task.cancel()
 
     # ---- from decode-side instances ------------------------------------------------------
@@ -203,7 +200,7 @@ class PrefillRole:
         job.last_ack = now = time.monotonic()
         if now - job.progress_sent >= PROGRESS_EVERY_S:
             job.progress_sent = now
-            self.node.to_router(job.router_id, m.Progress(job.rid, "kv"))
+            self.host.to_router(job.router_id, m.Progress(job.rid, "kv"))
 
     def _on_peer_lost(self, peer: str) -> None:
         for job in self.jobs.values():
@@ -220,10 +217,10 @@ class PrefillRole:
         except Exception as e:
             if not isinstance(e, (ConnectionError, asyncio.TimeoutError, ValueError, RuntimeError)):
                 log.exception("request %s failed", job.rid)
-            await report_failure(self.node, job.router_id, job.rid, e)
+            await report_failure(self.host, job.router_id, job.rid, e)
         finally:
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
-                self.node.spawn(self._tell(peer, m.Abort(job.rid)))
+                self.host.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
             for fut in [*job.acks.values(), *job.loaded.values()]:
                 if not fut.done():
@@ -277,14 +274,14 @@ class PrefillRole:
         pipeline, ack, predicted, fallback = await self._decide(job)
         if s.relay and pipeline == m.P_MD:
             job.holders.discard(s.relay)
-            self.node.spawn(self._tell(s.relay, m.Abort(s.rid)))
+            self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
         log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
                   1000 * (t_prefilled - job.submitted), 1000 * (time.monotonic() - t_prefilled))
-        self.node.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
+        self.host.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
                                                             predicted, fallback))
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
-            self.node.to_router(job.router_id, m.Result(s.rid))
-            self.node.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
+            self.host.to_router(job.router_id, m.Result(s.rid))
+            self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
             return
         paths = {}
         if pipeline in (m.P_RLD_MD, m.P_RLD):  # the fast path: full KV to the relay, which emits at once
@@ -302,7 +299,7 @@ class PrefillRole:
         sent = {peer: o for peer, o in outcomes.items() if peer not in failed}
         wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
         late = ack is None and s.main in sent  # MD answered after the decision: say what it held
-        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
+        self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
                                                     job.acks[s.main].result().hit if late else None))
 
     async def _decide(self, job: PrefillJob) -> tuple[str, m.ReserveAck | None, float | None, str | None]:
@@ -393,7 +390,7 @@ class PrefillRole:
         finally:
             job.exports -= 1
             if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
-                self.node.spawn(self.engine.release(job.rid))
+                self.host.spawn(self.engine.release(job.rid))
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):

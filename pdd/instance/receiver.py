@@ -16,19 +16,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdd.engine_port import OutOfPages
-from pdd.instance.standalone import report_failure, tokens_of
+from pdd.engine_port import OutOfPages, OutputStream
+from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.kv import codec
 from pdd.instance.reservations import ReservationLine
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
-
-if TYPE_CHECKING:
-    from pdd.engine_port import OutputStream
-    from pdd.instance.node import Node
 
 log = logging.getLogger(__name__)
 PREFIX_WAIT_S = 10.0  # longest wait for a request here to land a prefix a new one shares
@@ -68,19 +64,19 @@ class DecodeSide:
 
     job_type: type[DecodeJob] = DecodeJob
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.engine = node.engine
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.engine = host.engine
         self.jobs: dict[str, DecodeJob] = {}
         self.line: ReservationLine[DecodeJob] = ReservationLine(
-            lambda job: self.node.to_router(job.router_id, m.Progress(job.rid, "queued")))
+            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued")))
 
     # ---- frames --------------------------------------------------------------------------
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         try:
             if frame.type == MsgType.KV_LAYER:
                 header, blob = m.decode_kv(frame)
-                if header.rid not in self.node.aborted:  # (KV still on the line when it was aborted)
+                if header.rid not in self.host.aborted:  # (KV still on the line when it was aborted)
                     await self._on_layer(conn, self._job(header.rid, name), codec.decode(blob))
             else:
                 await self.on_peer_body(conn, name, m.decode(frame))
@@ -91,10 +87,13 @@ class DecodeSide:
             if job is not None:
                 await self.fail(job, e)
             elif rid:
-                await self.node.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
+                await self.host.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
 
     def held(self) -> int:
         return len(self.jobs)
+
+    def close(self) -> None:
+        pass
 
     def optional(self, r: m.Reserve) -> bool:
         """Whether the request can do without this instance (a relay's, with an MD to
@@ -103,24 +102,24 @@ class DecodeSide:
 
     def refusal(self, r: m.Reserve) -> str | None:
         """Why this instance will not hold `r` now (None: it will, queued if need be)."""
-        if self.node.full():
-            return f"{self.node.spec.name} holds {self.held()} requests, its limit"
+        if self.host.full():
+            return f"{self.host.spec.name} holds {self.held()} requests, its limit"
         return None
 
     async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
         if isinstance(body, m.Reserve):
-            if body.rid in self.node.aborted:
+            if body.rid in self.host.aborted:
                 return
             refusal = self.refusal(body)
             if refusal:
-                await self.node.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
+                await self.host.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
                 return
             job = self.jobs[body.rid] = self.job_type(body, name, conn)
-            self.node.took()
-            self.node.spawn(self._reserve(job))
+            self.host.took()
+            self.host.spawn(self._reserve(job))
         elif isinstance(body, m.KVDone):
-            if body.rid in self.node.aborted:  # confirm it anyway: P counts it off the line
-                await self.node.send(conn, m.KVAck(body.rid, 0, done=True))
+            if body.rid in self.host.aborted:  # confirm it anyway: P counts it off the line
+                await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
                 return
             job = self._job(body.rid, name)
             if job.importing is not None:
@@ -128,28 +127,28 @@ class DecodeSide:
             if job.ended:
                 return
             job.loaded, job.first_token = True, body.first_token
-            await self.node.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
+            await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
                 job.output = [body.first_token]
                 await self.run(job, emit_from=0)
             else:
                 await self.on_loaded(job)
         elif isinstance(body, m.Abort):  # P drops what it reserved or sent, for nothing
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None:
                 await self.end(job)
         else:
-            raise m.BadMessage(f"{type(body).__name__} is not for a {self.node.spec.role} instance")
+            raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
 
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Abort):
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None:
                 await self.end(job)
         else:
-            self.node.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.node.spec.role} "
+            self.host.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.host.spec.role} "
                                                    "instance", getattr(body, "rid", None)))
 
     def _job(self, rid: str, peer: str) -> DecodeJob:
@@ -199,7 +198,7 @@ class DecodeSide:
                 if hit is None:
                     return
         except OutOfPages as e:
-            await self._refuse(job, f"{self.node.spec.name} is full: {e}", busy=True)
+            await self._refuse(job, f"{self.host.spec.name} is full: {e}", busy=True)
             return
         except Exception as e:
             await self._refuse(job, str(e))
@@ -208,11 +207,11 @@ class DecodeSide:
             await self.engine.release(r.rid)
             return
         job.reserved = True
-        await self.node.send(job.owner, m.ReserveAck(r.rid, hit))
+        await self.host.send(job.owner, m.ReserveAck(r.rid, hit))
 
     async def _refuse(self, job: DecodeJob, reason: str, busy: bool = False) -> None:
         self.forget(job)
-        await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
+        await self.host.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
     async def _on_layer(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
         job.layers.append(blob)
@@ -220,7 +219,7 @@ class DecodeSide:
             whole, job.layers = codec.join_layers(job.layers), []
             # not awaited: reading goes on (the line keeps flowing) while the engine is busy;
             # engine commands run in the order they are issued, so chunks land in order
-            job.importing = self.node.spawn(self._import(conn, job, whole))
+            job.importing = self.host.spawn(self._import(conn, job, whole))
 
     async def _import(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
         try:
@@ -229,7 +228,7 @@ class DecodeSide:
             if not job.ended:
                 await self.fail(job, e)
             return
-        await self.node.send(conn, m.KVAck(job.rid, blob.header.token_end))
+        await self.host.send(conn, m.KVAck(job.rid, blob.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
     async def run(self, job: DecodeJob, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
@@ -248,14 +247,14 @@ class DecodeSide:
                 stream.close()
                 raise
             job.stream = stream
-            self.node.spawn(self._forward(job))
+            self.host.spawn(self._forward(job))
         else:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
         job.producing = emit_from is not None
         if job.producing:
             job.settled.set()
         if emit_from is not None and emit_from < len(job.output):
-            self.node.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
+            self.host.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
 
     async def _forward(self, job: DecodeJob) -> None:
         stream, finished = job.stream, False
@@ -271,10 +270,10 @@ class DecodeSide:
                 if job.stall_from is not None:  # the first token after a handoff: how long MD stalled
                     tokens = replace(tokens, stall_ms=1000 * (time.monotonic() - job.stall_from))
                     job.stall_from = None
-                self.node.to_router(job.router_id, tokens)
+                self.host.to_router(job.router_id, tokens)
                 self.on_token(job)
         except RuntimeError as e:  # the engine failed this request: say so, don't go silent
-            await report_failure(self.node, job.router_id, job.rid, e)
+            await report_failure(self.host, job.router_id, job.rid, e)
         finally:
             stream.close()
             self.forget(job)
@@ -292,7 +291,7 @@ class DecodeSide:
 
     async def on_loaded(self, job: DecodeJob) -> None:
         """KV complete without `emit`: the main instance waits for a handoff."""
-        raise m.BadMessage(f"a {self.node.spec.role} instance cannot wait for a handoff")
+        raise m.BadMessage(f"a {self.host.spec.role} instance cannot wait for a handoff")
 
     # ---- endings -------------------------------------------------------------------------
     def forget(self, job: DecodeJob) -> None:
@@ -311,23 +310,23 @@ class DecodeSide:
 
     async def fail(self, job: DecodeJob, error: BaseException) -> None:
         await self.end(job)
-        await self.node.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
-        await report_failure(self.node, job.router_id, job.rid, error)
+        await self.host.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
+        await report_failure(self.host, job.router_id, job.rid, error)
 
     def peer_lost(self, name: str) -> None:
         """A connection from P is gone: what it reserved and had not finished sending is
         dropped, and the router hears so at once (it would otherwise wait for tokens that
         cannot come until its timeout)."""
         for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
-            self.node.spawn(self.end(job))
+            self.host.spawn(self.end(job))
             lost = ConnectionError(f"prefill instance {name} was lost before the KV was complete")
-            self.node.spawn(report_failure(self.node, job.router_id, job.rid, lost))
+            self.host.spawn(report_failure(self.host, job.router_id, job.rid, lost))
 
     def router_lost(self, router_id: str) -> None:
         """Nobody will read these tokens any more: stop computing them."""
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.node.aborted.add(job.rid)
-            self.node.spawn(self.end(job))
+            self.host.aborted.add(job.rid)
+            self.host.spawn(self.end(job))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
