@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from pdd.engine_port import EngineConfig
+from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
-ROLES = ("standalone", "prefill", "relay", "main")
-MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+ROLES = tuple(RoleName)
+MODES = tuple(Mode)
 
 
 class ConfigError(ValueError):
@@ -85,9 +86,9 @@ class PolicySpec:
     def __post_init__(self) -> None:
         if min(self.kv_chunk_tokens, self.handoff_threshold, self.catch_up_chunk) < 1:
             raise ValueError("kv_chunk_tokens, handoff_threshold and catch_up_chunk must be at least 1")
-        if self.pipeline not in ("auto", "P-MD", "P-RLD-MD"):
+        if self.pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ValueError("pipeline must be auto, P-MD or P-RLD-MD")
-        if self.handoff not in ("auto", "one_shot", "catch_up"):
+        if self.handoff not in ("auto", *HandoffMode):
             raise ValueError("handoff must be auto, one_shot or catch_up")
         if self.ttft_budget_ms < 0 or self.anomaly_max_output_tokens < 0:
             raise ValueError("ttft_budget_ms and anomaly_max_output_tokens must be >= 0")
@@ -162,22 +163,22 @@ class TopologySpec:
 
     prefill: int = 1
     relay: int = 1  # pdd mode only
-    decode: int = 1
+    main: int = 1  # main decode instances (MD)
     # One machine stands in for two datacenters: prefill instances run at this lower CPU
     # priority, as on their own hardware their long prefills would not take the CPU
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1 or self.relay < 0:
-            raise ValueError("a deployment needs at least one prefill and one decode instance")
+        if self.prefill < 1 or self.main < 1 or self.relay < 0:
+            raise ValueError("a deployment needs at least one prefill and one main instance")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
 
 
 @dataclass(frozen=True)
 class Deployment:
-    mode: str = "pd-cross-dc"
+    mode: str = Mode.PD_CROSS_DC
     secret: str = ""
     model: ModelSpec = ModelSpec()
     engine: EngineConfig = EngineConfig()
@@ -326,10 +327,10 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
     eng, a = dep.engine, dep.link.a
-    if mode == "colocated":
-        return (InstanceSpec("solo", "standalone", a, engine=eng),)
-    d_dc = a if mode == "pd-same-dc" else dep.link.b
-    ps = [InstanceSpec(f"p{i}", "prefill", a, engine=eng) for i in range(dep.topology.prefill)]
-    rs = [InstanceSpec(f"rld{i}", "relay", a, engine=eng) for i in range(dep.topology.relay if mode == "pdd" else 0)]
-    ds = [InstanceSpec(f"md{i}", "main", d_dc, engine=eng) for i in range(dep.topology.decode)]
+    if mode == Mode.COLOCATED:
+        return (InstanceSpec("standalone0", RoleName.STANDALONE, a, engine=eng),)
+    d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
+    ps = [InstanceSpec(f"p{i}", RoleName.PREFILL, a, engine=eng) for i in range(dep.topology.prefill)]
+    rs = [InstanceSpec(f"rld{i}", RoleName.RELAY, a, engine=eng) for i in range(dep.topology.relay if mode == Mode.PDD else 0)]
+    ds = [InstanceSpec(f"md{i}", RoleName.MAIN, d_dc, engine=eng) for i in range(dep.topology.main)]
     return tuple(ps + rs + ds)

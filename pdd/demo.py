@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdd.workload.scenarios import SCENARIOS, Scenario
+from pdd.names import Mode
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-DEFAULT_MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD)
 START_TIMEOUT_S = 120.0
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
@@ -74,7 +75,7 @@ def accepted_modes() -> frozenset[str] | None:
     return frozenset(m.strip() for m in match.group(1).split(",") if m.strip())
 
 
-class Deployment:
+class DemoDeployment:
     """One running `pdd up --mode MODE`, in its own process group.
 
     A thread reads the process's output from the start: it spots the router line and
@@ -157,7 +158,7 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
     sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
     line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
             f"--jitter-ms={scenario.jitter_ms}"]
-    deployment = Deployment(mode, args.config, line)
+    deployment = DemoDeployment(mode, args.config, line)
     try:
         with (contextlib.nullcontext() if args.quiet or not console.is_terminal
               else console.status(f"starting {mode} …")):

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from pdd import config as cfg
+from pdd.names import RoleName
 
 READY_TIMEOUT_S = 120.0
 
@@ -70,12 +71,12 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
 
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
-    prefill_dcs = {i.dc for i in instances if i.role == "prefill"}
+    prefill_dcs = {i.dc for i in instances if i.role == RoleName.PREFILL}
     placed = []
     remote = False
     for inst in instances:
         # reached across the line by the router, or (decode side) by a P in the other datacenter
-        wan = inst.dc != dep.router.dc or (inst.role == "main" and bool(prefill_dcs - {inst.dc}))
+        wan = inst.dc != dep.router.dc or (inst.role == RoleName.MAIN and bool(prefill_dcs - {inst.dc}))
         remote |= wan
         placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(),
                               wan_port=(inst.wan_port or free_port()) if wan else 0))
@@ -127,7 +128,7 @@ class Launcher:
             print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
-            nice = dep.topology.prefill_nice if inst.role == "prefill" else 0
+            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL else 0
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
             print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):

@@ -22,7 +22,7 @@ from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome
 from pdd.sim.hardware import line
 from pdd.sim.link import SharedLink
 from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
-from pdd.transfer.messages import CATCH_UP, ONE_SHOT, P_MD, P_RLD, P_RLD_MD
+from pdd.names import HandoffMode, Pipeline
 
 REQUESTS = 300
 KVB = paper.MODEL.kv_bytes_per_token
@@ -240,7 +240,7 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
                 # PDD only: a faster line lets P choose P-MD for a delta that went through the
                 # relay on a slower line. By design that first token may come later than the
                 # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
-                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (P_RLD_MD, P_MD), (key, slow, fast)
+                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), (key, slow, fast)
                 assert fast.ttft_s <= slow.ttft_s + budget + 1e-9, (key, slow, fast)
 
 
@@ -266,7 +266,7 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
         assert len(outcomes) == 6 and not any(o.failed for o in outcomes)
         assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
         for o in outcomes[1:]:
-            assert o.pipeline == P_MD, o
+            assert o.pipeline == Pipeline.P_MD, o
             assert o.d_hit == prompt - tail, o
             assert o.wan_bytes == tail * KVB, o
             assert o.wan_bytes <= BLOCK * KVB, o
@@ -276,7 +276,7 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
 
 def test_simulator_calls_the_router_and_instance_policies() -> None:
     import pdd.instance.prefill as prefill
-    import pdd.instance.receiver as receiver
+    import pdd.instance.reservations as reservations
     import pdd.instance.relay as relay
     import pdd.router.backend as router
     import pdd.sim.cluster as cluster
@@ -288,8 +288,7 @@ def test_simulator_calls_the_router_and_instance_policies() -> None:
     assert cluster.kv_range is prefill.kv_range
     assert cluster.choose_handoff is relay.choose_handoff
     assert cluster.cut_over is relay.cut_over
-    assert cluster.reserve_retry_delay is receiver.reserve_retry_delay
-    assert cluster.RESERVE_WAIT_S == receiver.RESERVE_WAIT_S
+    assert cluster.reserve_retry_delay is reservations.reserve_retry_delay
 
 
 # ---- 6. the anomaly filter -----------------------------------------------------------------
@@ -300,7 +299,7 @@ def test_anomalous_request_runs_wholly_on_the_relay() -> None:
     cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(prompt, 32),), 0, anomalous=True)])
     (o,) = cluster.outcomes
     assert o.failed is None and o.anomalous
-    assert o.pipeline == P_RLD
+    assert o.pipeline == Pipeline.P_RLD
     assert o.tokens == o.rld_tokens == 32 and o.md_tokens == 0
     assert o.wan_bytes == 0 and o.handoff is None
     # its prefill ran on the relay, not on P's queue; the main instances saw nothing
@@ -321,13 +320,13 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     session = SimSession(0, 0.0, (SimTurn(prompt, output), SimTurn(prompt + output + 1_000, 32)), 0)
     first, second = sorted(_run(spec, [session]).outcomes, key=lambda o: o.turn)
     assert first.failed is None and not first.anomalous
-    assert first.pipeline == P_RLD_MD
-    assert first.handoff in (ONE_SHOT, CATCH_UP)
+    assert first.pipeline == Pipeline.P_RLD_MD
+    assert first.handoff in (HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP)
     assert first.handoff_tokens >= 1 and first.md_tokens >= 1
     assert first.rld_tokens + first.md_tokens == first.tokens == output
     assert first.wan_bytes == prompt * KVB
     assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
-    assert second.failed is None and not second.anomalous and second.pipeline == P_MD
+    assert second.failed is None and not second.anomalous and second.pipeline == Pipeline.P_MD
     assert second.d_hit >= prompt
 
 

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
-HANDOFFS = ("one_shot", "catch_up")
+from pdd.names import PDD_PIPELINES, HandoffMode
+
+PIPELINES = PDD_PIPELINES
+HANDOFFS = tuple(HandoffMode)
 LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms")
 
 

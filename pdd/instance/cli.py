@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pdd.config import ROLES
 from pdd.engine_port import EngineConfig, engine_names
+from pdd.names import RoleName
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start one instance")
-    p.add_argument("--role", choices=ROLES, default="standalone")
+    p.add_argument("--role", choices=ROLES, default=RoleName.STANDALONE)
     p.add_argument("--model", help="Hugging Face-layout model directory")
     p.add_argument("--config", help="deployment TOML (with --instance): serve that instance")
     p.add_argument("--instance", help="instance name in --config")
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         spec = dep.instance(args.instance)
         model_dir, name = resolve_model(dep.model.path), dep.model.name
     else:
-        if args.role != "standalone":
+        if args.role != RoleName.STANDALONE:
             raise SystemExit(f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or Path(model_dir).name
     if args.join and dep is None:
         raise SystemExit("pdd serve: --join needs --config FILE --instance NAME")
-    openai_api = spec.role == "standalone" or args.openai_api
+    openai_api = spec.role == RoleName.STANDALONE or args.openai_api
     asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key, openai_api, args.join))
     return 0
 

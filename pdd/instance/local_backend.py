@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
-from pdd.engine_port import RequestError
-from pdd.engine_port import EnginePort
+from pdd.engine_port import EnginePort, RequestError
+from pdd.names import Pipeline
 from pdd.transfer.wire import REJECTS
 
 
@@ -33,7 +33,7 @@ class LocalBackend:
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
                 event.record = {
-                    "pipeline": "colocated", "p_hit_tokens": out.cached_tokens, "d_hit_tokens": out.cached_tokens,
+                    "pipeline": Pipeline.COLOCATED, "p_hit_tokens": out.cached_tokens, "d_hit_tokens": out.cached_tokens,
                     "wan_bytes": 0, "rld_output_tokens": 0, "md_output_tokens": produced, "handoff": None,
                 }
             yield event

@@ -23,6 +23,7 @@ from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
+from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
@@ -150,7 +151,7 @@ class Node:
             return
         if hello.role == "router" and hello.router_id:
             await self._serve_router(conn, hello.router_id)
-        elif hello.role in ("prefill", "relay") and self.spec.role in ("relay", "main"):
+        elif hello.role in (RoleName.PREFILL, RoleName.RELAY) and self.spec.role in (RoleName.RELAY, RoleName.MAIN):
             await self._serve_peer(conn, hello.name, hello.channel)
         else:
             await self.send(conn, m.Error(f"{self.spec.role} does not serve {hello.role!r}"))

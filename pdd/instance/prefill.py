@@ -25,6 +25,7 @@ from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline
 from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
 from pdd.transfer import messages as m
 from pdd.transfer import wire
+from pdd.names import Fallback, Pipeline
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
@@ -272,7 +273,7 @@ class PrefillRole:
             raise RuntimeError("prefill was aborted")
         t_prefilled = time.monotonic()
         pipeline, ack, predicted, fallback = await self._decide(job)
-        if s.relay and pipeline == m.P_MD:
+        if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
             self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
         log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
@@ -284,10 +285,10 @@ class PrefillRole:
             self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
             return
         paths = {}
-        if pipeline in (m.P_RLD_MD, m.P_RLD):  # the fast path: full KV to the relay, which emits at once
+        if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
             paths[s.relay] = self._to_relay(job, first)
-        if pipeline in (m.P_MD, m.P_RLD_MD):  # the delta over the line, at the same time
-            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == m.P_RLD_MD else None)
+        if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # the delta over the line, at the same time
+            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None)
         job.exports = len(paths)
         outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
@@ -306,7 +307,7 @@ class PrefillRole:
         """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
         s = job.submit
         if s.main is None:
-            return m.P_RLD, None, None, None
+            return Pipeline.P_RLD, None, None, None
         budget = self.policy.ttft_budget_ms / 1000
         line = self._line(s.main)
         waited = time.monotonic()
@@ -316,7 +317,7 @@ class PrefillRole:
             if not s.relay or not await self._relay_takes(job):
                 raise
             log.warning("%s: %s; the relay finishes it", s.rid, e)
-            return m.P_RLD, None, None, "main_refused"
+            return Pipeline.P_RLD, None, None, Fallback.MAIN_REFUSED
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
 
@@ -324,8 +325,8 @@ class PrefillRole:
             return choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, relay, self.policy.pipeline)
 
         decision, fallback = choose(s.relay is not None), None
-        if decision.pipeline == m.P_RLD_MD and not await self._relay_takes(job):
-            decision, fallback = choose(False), "relay_busy"  # MD produces, later: the relay is not overrun
+        if decision.pipeline == Pipeline.P_RLD_MD and not await self._relay_takes(job):
+            decision, fallback = choose(False), Fallback.RELAY_BUSY  # MD produces, later: the relay is not overrun
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
         log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
                   predicted, line.estimate, line.in_flight(URGENT))

@@ -31,6 +31,7 @@ from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
+from pdd.names import HandoffMode
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +138,12 @@ class RelayRole(DecodeSide):
             if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
                 await self.end(job)
                 await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
-                self.host.to_router(job.router_id, m.HandedOff(job.rid, m.ONE_SHOT, 0))
+                self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
             plan = choose_handoff(len(job.output), load.running / max(1, load.max_running), load.waiting,
                                   self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
-            if plan.mode == m.CATCH_UP:
+            if plan.mode == HandoffMode.CATCH_UP:
                 await self._catch_up(job, conn, plan)
             await self._cut_over(job, conn, plan)
         except asyncio.CancelledError:
@@ -181,5 +182,5 @@ class RelayRole(DecodeSide):
         except RequestError:
             return  # it finished here meanwhile: on_finished sends MD the output as a fill
         await m.send(conn, m.Handoff(job.rid, job.sent, output[job.sent :], True, len(output)))
-        chunks = 1 + (job.rounds if plan.mode == m.CATCH_UP else 0)
+        chunks = 1 + (job.rounds if plan.mode == HandoffMode.CATCH_UP else 0)
         self.host.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))

@@ -8,9 +8,10 @@ from pdd.instance.main import MainRole
 from pdd.instance.prefill import PrefillRole
 from pdd.instance.relay import RelayRole
 from pdd.instance.standalone import StandaloneRole
+from pdd.names import RoleName
 
-ROLE_CLASSES: dict[str, type] = {"standalone": StandaloneRole, "prefill": PrefillRole, "relay": RelayRole,
-                                 "main": MainRole}
+ROLE_CLASSES: dict[str, type] = {RoleName.STANDALONE: StandaloneRole, RoleName.PREFILL: PrefillRole, RoleName.RELAY: RelayRole,
+                                 RoleName.MAIN: MainRole}
 
 
 def make_role(host: Host) -> Role:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdd.policy.transfer import LinkEstimate, finish_s
-from pdd.transfer.messages import P_MD, P_RLD_MD
+from pdd.names import Pipeline
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequ
     """
     predicted = None if delta_bytes is None else finish_s(delta_bytes, in_flight, link)
     if not has_relay:
-        return Decision(P_MD, predicted)
+        return Decision(Pipeline.P_MD, predicted)
     if forced != "auto":
         return Decision(forced, predicted)
     if predicted is not None and predicted <= budget_s:
-        return Decision(P_MD, predicted)
-    return Decision(P_RLD_MD, predicted)
+        return Decision(Pipeline.P_MD, predicted)
+    return Decision(Pipeline.P_RLD_MD, predicted)

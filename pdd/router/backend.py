@@ -44,6 +44,7 @@ from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
+from pdd.names import Fallback, Mode, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
 DEFAULT_PACE_S = 0.025
@@ -57,7 +58,7 @@ class RouterBackend:
         self.router_id = secrets.token_hex(8)
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
         self.clients = self.members.clients  # by name; instances join and leave at run time
-        self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
+        self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
         self.metrics = RouterMetrics(registry)
         self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
         self.in_flight = 0
@@ -98,9 +99,9 @@ class RouterBackend:
         p = self.dep.policy
         rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
                             p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
-        disaggregated = self.entry_role == "prefill"
-        main = self._candidates("main", req.prompt, p.decode_radix_cache) if disaggregated else []
-        relay = self._candidates("relay", req.prompt) if disaggregated and self.dep.mode == "pdd" else []
+        disaggregated = self.entry_role == RoleName.PREFILL
+        main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
+        relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
         if room and disaggregated:
             roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
             if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
@@ -262,11 +263,11 @@ class RouterBackend:
             request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
         if isinstance(body, m.PipelineChosen):
             request.chosen = body
-            if request.plan.main and body.pipeline != m.P_RLD:
+            if request.plan.main and body.pipeline != Pipeline.P_RLD:
                 self.metrics.observe_drift(request.plan.predicted_hit - body.d_hit)
-            if body.pipeline == m.P_MD:
+            if body.pipeline == Pipeline.P_MD:
                 request.relay_done = True
-            elif body.pipeline == m.P_RLD:
+            elif body.pipeline == Pipeline.P_RLD:
                 request.main_done = True
             if body.fallback:
                 request.fallbacks.append(body.fallback)
@@ -298,16 +299,16 @@ class RouterBackend:
                                                  self.dep.router.prefill_retries, others):
                 self._release(request)
                 request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
-                self.metrics.fallback("prefill_retry")
-                request.fallbacks.append("prefill_retry")
+                self.metrics.fallback(Fallback.PREFILL_RETRY)
+                request.fallbacks.append(Fallback.PREFILL_RETRY)
                 await self._submit(request, q)
                 return
             # MD will not get its KV; the relay goes on if P had sent it the request (it
             # reports a loss itself if P died before its KV was complete)
             if request.chosen is not None and request.relay_producing and plan.main and not request.main_done:
                 request.main_done = True
-                self.metrics.fallback("prefill_lost")
-                request.fallbacks.append("prefill_lost")
+                self.metrics.fallback(Fallback.PREFILL_LOST)
+                request.fallbacks.append(Fallback.PREFILL_LOST)
                 return
             raise failure
         if source == plan.relay:
@@ -316,8 +317,8 @@ class RouterBackend:
             request.relay_done = True
             if plan.main and not request.main_done:  # MD takes over from what the client has
                 delivered = request.merger.delivered
-                self.metrics.fallback("relay_lost")
-                request.fallbacks.append("relay_lost")
+                self.metrics.fallback(Fallback.RELAY_LOST)
+                request.fallbacks.append(Fallback.RELAY_LOST)
                 main = self.clients.get(plan.main)
                 if main is None:
                     raise failure
@@ -329,17 +330,17 @@ class RouterBackend:
                 return  # already written off for this request
             if request.relay_producing:  # the relay finishes it alone
                 request.main_done = True
-                self.metrics.fallback("main_lost")
-                request.fallbacks.append("main_lost")
+                self.metrics.fallback(Fallback.MAIN_LOST)
+                request.fallbacks.append(Fallback.MAIN_LOST)
                 return
             raise BackendError(LOST_AFTER_HANDOFF if request.handed_off else failure.args[0], failure.status)
         raise failure
 
     def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
         last = request.merger.producers[-1] if request.merger.producers else None
-        if request.pipeline == m.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
-            request.fallbacks.append("relay_finished")
-            self.metrics.fallback("relay_finished")
+        if request.pipeline == Pipeline.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
+            request.fallbacks.append(Fallback.RELAY_FINISHED)
+            self.metrics.fallback(Fallback.RELAY_FINISHED)
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if request.whole:  # its own prefix cache is the only one involved
@@ -353,7 +354,7 @@ class RouterBackend:
         done = request.done_members()
         if request.merger.finished and request.merger.producers:
             done.add(request.merger.producers[-1])
-            if request.merger.producers[-1] == request.plan.relay and request.pipeline == m.P_RLD_MD:
+            if request.merger.producers[-1] == request.plan.relay and request.pipeline == Pipeline.P_RLD_MD:
                 done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
         for name in request.members:
             if name not in done and name in self.clients:
@@ -371,7 +372,7 @@ class RouterBackend:
 
     def health(self) -> dict:
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
-        missing = missing_roles(healthy, self.entry_role, self.entry_role == "prefill")
+        missing = missing_roles(healthy, self.entry_role, self.entry_role == RoleName.PREFILL)
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:

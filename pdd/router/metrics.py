@@ -11,6 +11,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdd.router.request import RouterRequest
+from pdd.names import RoleName
 
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -52,7 +53,7 @@ class RouterMetrics:
         self.completed += 1
         self.pipelines.labels(record["pipeline"]).inc()
         self.totals[f"pipeline:{record['pipeline']}"] += 1
-        for tier, key in (("relay", "rld_output_tokens"), ("main", "md_output_tokens")):
+        for tier, key in ((RoleName.RELAY, "rld_output_tokens"), (RoleName.MAIN, "md_output_tokens")):
             self.output_tokens.labels(tier).inc(record[key])
             self.totals[f"tokens:{tier}"] += record[key]
         if record["handoff"]:

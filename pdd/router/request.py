@@ -16,6 +16,7 @@ from pdd.api.backend import GenRequest
 from pdd.policy.plan import Plan
 from pdd.router.merge import TokenMerger
 from pdd.transfer import messages as m
+from pdd.names import Pipeline
 
 LOST_AFTER_HANDOFF = "the main decode instance was lost after the relay handed the request over"
 
@@ -62,8 +63,8 @@ class RouterRequest:
         if self.chosen is not None:
             return self.chosen.pipeline
         if self.plan.main is None and self.plan.relay is None:
-            return "colocated"
-        return m.P_RLD if self.plan.main is None else (m.P_RLD_MD if self.plan.relay else m.P_MD)
+            return Pipeline.COLOCATED
+        return Pipeline.P_RLD if self.plan.main is None else (Pipeline.P_RLD_MD if self.plan.relay else Pipeline.P_MD)
 
     @property
     def whole(self) -> bool:
@@ -74,7 +75,7 @@ class RouterRequest:
     def relay_producing(self) -> bool:
         """Whether the relay is (or will be) the one producing tokens: before a handoff,
         in a pipeline through the relay."""
-        return self.pipeline in (m.P_RLD_MD, m.P_RLD) and not self.handed_off and not self.relay_done
+        return self.pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD) and not self.handed_off and not self.relay_done
 
     @property
     def stranded(self) -> bool:

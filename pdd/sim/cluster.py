@@ -29,7 +29,7 @@ from pdd.sim.instance import Hold, Instance, SimSeq
 from pdd.sim.link import SharedLink
 from pdd.sim.steps import StepModel
 from pdd.sim.workload import SimSession
-from pdd.transfer.messages import CATCH_UP, P_MD, P_RLD, P_RLD_MD
+from pdd.names import HandoffMode, Pipeline
 
 URGENT, BACKGROUND = 0, 1
 RESERVE_WAIT_S = 45.0  # as the live decode side: a full pool holds a reservation back this long
@@ -209,7 +209,7 @@ class Cluster:
         try:
             if plan.main is None and plan.relay is None or plan.anomalous:
                 yield from self._whole(self.instances[plan.entry], s, out, stream)
-                out.pipeline = P_RLD if plan.anomalous else None
+                out.pipeline = Pipeline.P_RLD if plan.anomalous else None
             else:
                 yield from self._disaggregated(plan, s, out, stream)
         finally:
@@ -292,7 +292,7 @@ class Cluster:
             return
         yield self._until_finished(p, pseq)
         pipeline, reserved = yield from self._decide(p, md, md_res, rld is not None, out)
-        if pipeline == P_MD:
+        if pipeline == Pipeline.P_MD:
             if rld_res is not None:
                 self.env.process(self._drop_when(rld_res))
             yield from self._p_md(p, md, reserved, s, out, stream)
@@ -300,7 +300,7 @@ class Cluster:
         if rld_res is not None:
             yield rld_res
         if rld is None or rld_res.value is None:
-            if pipeline == P_RLD_MD and reserved is not None:  # the relay refused: MD serves it, late
+            if pipeline == Pipeline.P_RLD_MD and reserved is not None:  # the relay refused: MD serves it, late
                 out.fallback = out.fallback or "relay_refused"
                 yield from self._p_md(p, md, reserved, s, out, stream)
                 return
@@ -308,7 +308,7 @@ class Cluster:
             self._free(reserved)
             return
         out.pipeline = pipeline
-        yield from self._relayed(p, md if pipeline == P_RLD_MD else None, reserved, md_res, rld, rld_res.value, s,
+        yield from self._relayed(p, md if pipeline == Pipeline.P_RLD_MD else None, reserved, md_res, rld, rld_res.value, s,
                                  out, stream)
 
     def _decide(self, p: Instance, md: Instance | None, md_res, has_relay: bool, out: Outcome):
@@ -316,7 +316,7 @@ class Cluster:
         choose. Returns (pipeline, MD's (hit, hold) or None)."""
         if md is None:
             out.fallback = out.fallback or "no_main"
-            return P_RLD, None
+            return Pipeline.P_RLD, None
         line = self.link(p, md)
         est = LinkEstimate(line.line.bytes_per_s, line.line.one_way_ms / 1000)
         budget = self.spec.policy.ttft_budget_ms / 1000
@@ -329,7 +329,7 @@ class Cluster:
         reserved = md_res.value if answered else None
         if answered and reserved is None:  # MD refused: the relay covers the request, counted
             out.fallback = "main_refused"
-            return (P_RLD, None) if has_relay else (P_MD, None)
+            return (Pipeline.P_RLD, None) if has_relay else (Pipeline.P_MD, None)
         delta = None
         if reserved is not None:
             out.d_hit = reserved[0]
@@ -345,7 +345,7 @@ class Cluster:
 
     def _p_md(self, p: Instance, md: Instance, reserved, s: SimSession, out: Outcome,
               stream: _Stream) -> Iterator[simpy.Event]:
-        out.pipeline = P_MD
+        out.pipeline = Pipeline.P_MD
         if reserved is None:
             out.failed = "the decode instance refused the reservation"
             return
@@ -443,7 +443,7 @@ class Cluster:
                       blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
         finished = self._until_finished(md, mseq, submit=False)
         sent = 0
-        if plan.mode == CATCH_UP:
+        if plan.mode == HandoffMode.CATCH_UP:
             rounds, previous = 0, None
             while True:
                 produced = 1 + rseq.produced

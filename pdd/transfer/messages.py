@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from pdd.names import PDD_PIPELINES, HandoffMode, RoleName
 from pdd.sampling import SamplingParams
 from pdd.transfer.wire import Frame, FramedConnection, MsgType, decode_json, encode_json, pack_with_header, unpack_with_header
 
@@ -27,10 +28,7 @@ MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
 MAX_TEXT = 4096
 MAX_NAME = 128
 
-P_MD, P_RLD_MD, P_RLD = "P-MD", "P-RLD-MD", "P-RLD"
-PIPELINES = (P_MD, P_RLD_MD, P_RLD)
-ONE_SHOT, CATCH_UP = "one_shot", "catch_up"
-ROLES_ON_WIRE = ("router", "standalone", "prefill", "relay", "main")
+ROLES_ON_WIRE = ("router", *RoleName)
 
 
 class BadMessage(ValueError):
@@ -261,7 +259,7 @@ Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, P
              HandoffAck, HandedOff, Progress, Abort, Error, CacheUpdate, Member, Drain]
 _BY_TYPE: dict[MsgType, type] = {cls.TYPE: cls for cls in typing.get_args(Body)}
 _HINTS: dict[type, tuple[dict[str, Any], frozenset[str]]] = {}  # field types, required fields
-_CHOICES = {"pipeline": PIPELINES, "mode": (ONE_SHOT, CATCH_UP),
+_CHOICES = {"pipeline": PDD_PIPELINES, "mode": tuple(HandoffMode),
             "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE,
             "what": ("", "kv", "queued")}
 
