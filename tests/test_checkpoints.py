@@ -14,7 +14,7 @@ from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.model.config import ModelConfig
 from pdd.model.loader import load_model
-from pdd.model.rope import UnsupportedCheckpoint
+from pdd.model.config import UnsupportedCheckpoint
 from pdd.sampling import SamplingParams
 
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(150)]  # past every original_max_position below

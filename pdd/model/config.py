@@ -5,7 +5,7 @@ Llama, Qwen2 and Qwen3 share one decoder shape; they differ only in a few switch
 
 The rule for every field: compute what transformers computes for the same file, or
 refuse it by name. transformers 4.x and 5.x write some fields differently (RoPE above
-all: see `pdd.model.rope`), and a field read wrong or ignored does not fail, it
+all: see `read_rope`), and a field read wrong or ignored does not fail, it
 generates garbage. So each field the Llama, Qwen2 and Qwen3 modelling code of
 transformers reads is either implemented here or refused with `UnsupportedCheckpoint`;
 a missing one takes transformers' default for that model type; fields transformers
@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdd.model.rope import UnsupportedCheckpoint, read_rope
-
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 # transformers 5's defaults where config.json says nothing (the same as 4.x for these)
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -30,6 +28,59 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ACTIVATIONS = ("silu", "swish")  # the same function in transformers' ACT2FN
+# rope types whose frequencies are fixed for a model: what cached KV needs
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_WHY_NOT = {
+    "dynamic": "its frequencies change with the sequence length, which KV computed earlier cannot follow",
+    "longrope": "not implemented (Phi-3 style per-frequency factors)",
+}
+# the parameters each type reads; transformers ignores any other key, and so do we
+_ROPE_PARAMETERS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ("factor",)}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint field that changes the model's math in a way pdd does not compute."""
+
+    def __init__(self, field: str, message: str, source: str = "config.json") -> None:
+        super().__init__(f"{source} field `{field}`: {message}")
+        self.field, self.message = field, message
+
+
+def read_rope(cfg: dict[str, Any], max_position: int) -> dict[str, Any]:
+    """The RoPE parameters of an HF config: `rope_type`, `rope_theta` and what the type needs.
+
+    transformers 4.x writes a top-level `rope_theta` and an optional `rope_scaling` table
+    (`type` or `rope_type`, plus its parameters); 5.x writes one `rope_parameters` table
+    with `rope_theta` and `rope_type` inside. Both are read the way transformers 5 does:
+    a 4.x `rope_scaling` wins, then the table's own `rope_theta`, then the top-level one,
+    then 10000. A type or parameter `pdd.model.rope` cannot compute exactly is refused.
+    """
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(where) or {}
+    if not isinstance(table, dict):
+        raise UnsupportedCheckpoint(where, f"expected a table, got {table!r}")
+    if any(key in _LAYER_TYPES for key in table):
+        raise UnsupportedCheckpoint(where, "RoPE settings per layer type are not implemented")
+    rope = dict(table)
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.setdefault("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        name = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
+        raise UnsupportedCheckpoint(name, f"{partial!r}: RoPE on part of each head is not implemented")
+    if rope_type not in ROPE_TYPES:
+        why = _WHY_NOT.get(rope_type, "unknown to pdd")
+        raise UnsupportedCheckpoint(f"{where}.rope_type", f"{rope_type!r}: {why}; supported: {ROPE_TYPES}")
+    if rope_type in ("llama3", "yarn"):
+        # a top-level value wins, as transformers does for Phi-3-style configs
+        original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = original or max_position
+    missing = [key for key in _ROPE_PARAMETERS.get(rope_type, ()) if rope.get(key) is None]
+    if missing:
+        raise UnsupportedCheckpoint(f"{where}.{missing[0]}", f"rope_type {rope_type!r} needs it")
+    return {key: rope[key] for key in rope if key != "type"}
 
 
 @dataclass(frozen=True)
@@ -100,16 +151,22 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        with open(Path(path) / "config.json", encoding="utf-8") as f:
-            return cls.from_hf(json.load(f))
+        source = Path(path) / "config.json"
+        with open(source, encoding="utf-8") as f:
+            raw = json.load(f)
+        try:
+            return cls.from_hf(raw)
+        except UnsupportedCheckpoint as e:  # say which file
+            raise UnsupportedCheckpoint(e.field, e.message, str(source)) from None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def _refuse_unsupported(cfg: dict[str, Any]) -> None:
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise UnsupportedCheckpoint("quantization_config", f"quantized weights ({method}) are not implemented")
     act = cfg.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:

@@ -1,12 +1,7 @@
-"""RoPE settings as either generation of transformers writes them, and their frequencies.
+"""RoPE frequencies of each supported type, from the parameters `pdd.model.config` reads.
 
-transformers 4.x writes a top-level `rope_theta` and an optional `rope_scaling` table
-(`type` or `rope_type`, plus its parameters); 5.x writes one `rope_parameters` table
-with `rope_theta` and `rope_type` inside. `read_rope` reads both the way transformers
-5 does (a 4.x `rope_scaling` wins, then the table's own `rope_theta`, then the
-top-level one, then 10000) and refuses, by field name, every type or parameter it
-cannot compute exactly. The formulas follow transformers' `modeling_rope_utils` in
-float32, because an ulp of difference in a frequency grows with position.
+The formulas follow transformers' `modeling_rope_utils` op for op in float32, because an
+ulp of difference in a frequency grows with position.
 """
 
 from __future__ import annotations
@@ -15,53 +10,6 @@ import math
 from typing import Any
 
 import torch
-
-# rope types whose frequencies are fixed for a model: what cached KV needs
-SUPPORTED_TYPES = ("default", "linear", "llama3", "yarn")
-_WHY_NOT = {
-    "dynamic": "its frequencies change with the sequence length, which KV computed earlier cannot follow",
-    "longrope": "not implemented (Phi-3 style per-frequency factors)",
-}
-# the parameters each type reads; transformers ignores any other key, and so do we
-_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class UnsupportedCheckpoint(ValueError):
-    """A checkpoint field that changes the model's math in a way pdd does not compute."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"config.json field `{field}`: {message}")
-        self.field = field
-
-
-def read_rope(cfg: dict[str, Any], max_position: int) -> dict[str, Any]:
-    """The RoPE parameters of an HF config: `rope_type`, `rope_theta` and what the type needs."""
-    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    table = cfg.get(where) or {}
-    if not isinstance(table, dict):
-        raise UnsupportedCheckpoint(where, f"expected a table, got {table!r}")
-    if any(key in _LAYER_TYPES for key in table):
-        raise UnsupportedCheckpoint(where, "RoPE settings per layer type are not implemented")
-    rope = dict(table)
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = rope.setdefault("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        field = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
-        raise UnsupportedCheckpoint(field, f"{partial!r}: RoPE on part of each head is not implemented")
-    if rope_type not in SUPPORTED_TYPES:
-        why = _WHY_NOT.get(rope_type, "unknown to pdd")
-        raise UnsupportedCheckpoint(f"{where}.rope_type", f"{rope_type!r}: {why}; supported: {SUPPORTED_TYPES}")
-    if rope_type in ("llama3", "yarn"):
-        # a top-level value wins, as transformers does for Phi-3-style configs
-        original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-        rope["original_max_position_embeddings"] = original or max_position
-    missing = [key for key in _REQUIRED.get(rope_type, ()) if rope.get(key) is None]
-    if missing:
-        raise UnsupportedCheckpoint(f"{where}.{missing[0]}", f"rope_type {rope_type!r} needs it")
-    return {key: rope[key] for key in rope if key != "type"}
-
 
 def inv_freq_and_scale(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies (float32) and the factor cos and sin are scaled by."""
