@@ -12,9 +12,8 @@ from checkpoints import edit_config, hf_greedy, hf_model, rewrite_as_4x, save_ra
 
 from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.model.config import ModelConfig
+from pdd.model.config import ModelConfig, UnsupportedCheckpoint
 from pdd.model.loader import load_model
-from pdd.model.config import UnsupportedCheckpoint
 from pdd.sampling import SamplingParams
 
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(150)]  # past every original_max_position below

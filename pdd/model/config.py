@@ -100,8 +100,8 @@ class ModelConfig:
     qk_norm: bool
     o_bias: bool = False
     mlp_bias: bool = False
-    # normalised RoPE parameters (`pdd.model.rope.read_rope`)
-    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # normalised RoPE parameters (`read_rope`); left out of the hash, so the config stays hashable
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}, hash=False)
 
     @property
     def rope_theta(self) -> float:
@@ -117,16 +117,15 @@ class ModelConfig:
         for key in _REQUIRED:
             if not isinstance(cfg.get(key), int):
                 raise UnsupportedCheckpoint(key, f"missing or not an integer ({cfg.get(key)!r})")
-        defaults = _DEFAULTS[model_type]
-        get = lambda key: cfg.get(key, defaults[key])  # noqa: E731
+        given = {**_DEFAULTS[model_type], **cfg}
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-        kv_heads = int(get("num_key_value_heads") or heads)
-        head_dim = int(get("head_dim") or hidden // heads)
+        kv_heads = int(given["num_key_value_heads"] or heads)
+        head_dim = int(given["head_dim"] or hidden // heads)
         if heads % kv_heads:
             raise UnsupportedCheckpoint("num_key_value_heads", f"{kv_heads} does not divide {heads} attention heads")
         if head_dim % 2 or head_dim < 2:
             raise UnsupportedCheckpoint("head_dim", f"{head_dim}: rotary embeddings need an even head size")
-        max_position = int(get("max_position_embeddings"))
+        max_position = int(given["max_position_embeddings"])
         _refuse_sliding_windows(cfg, model_type)
         bias = bool(cfg.get("attention_bias", False))
         return cls(
