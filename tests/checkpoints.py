@@ -85,15 +85,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[li
     """transformers' greedy continuation (its own KV cache, no EOS stopping), the prompt's
     logits, and the smallest top1 - top2 logit gap it decided on."""
     ids, gaps = [], []
-    with torch.no_grad():
-        cache = transformers.DynamicCache(config=model.config)
-        out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
-        prompt_logits = out.logits[0]
-        for _ in range(steps):
-            top = torch.topk(out.logits[0, -1], 2)
-            gaps.append(float(top.values[0] - top.values[1]))
-            ids.append(int(top.indices[0]))
-            out = model(torch.tensor([ids[-1:]]), cache=cache, use_cache=True)
+    threads = torch.get_num_threads()
+    # one thread: these models are too small to split, and on a shared machine waiting for
+    # busy cores made each decode step ten times slower
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=model.config)
+            out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+            prompt_logits = out.logits[0]
+            for _ in range(steps):
+                top = torch.topk(out.logits[0, -1], 2)
+                gaps.append(float(top.values[0] - top.values[1]))
+                ids.append(int(top.indices[0]))
+                out = model(torch.tensor([ids[-1:]]), cache=cache, use_cache=True)
+    finally:
+        torch.set_num_threads(threads)
     return ids, prompt_logits, min(gaps)
 
 
