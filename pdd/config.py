@@ -29,8 +29,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    path: str = ""  # empty: the embedded tiny model
-    name: str = "tiny"
+    path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
+    name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
+
+    @property
+    def served_name(self) -> str:
+        from pdd.model.store import served_name
+
+        return self.name or served_name(self.path)
 
 
 @dataclass(frozen=True)

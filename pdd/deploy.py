@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
     p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
     p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's)")
+    p.add_argument("--model", help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
+                                   "(default: the config's [model] path, else the embedded tiny model)")
     p.add_argument("--port", type=int, help="router port (0: any free port)")
     p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
@@ -66,7 +68,9 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
-    """The explicit deployment for this machine: instances placed, every port chosen."""
+    """The explicit deployment for this machine: instances placed, every port chosen, the
+    model found (FileNotFoundError) and readable (UnsupportedCheckpoint) before anything starts."""
+    from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model
 
     dep = cfg.with_secret(replace(dep, mode=mode))
@@ -83,7 +87,9 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     link = replace(dep.link, admin_port=(dep.link.admin_port or free_port()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
     router = replace(dep.router, port=port or free_port())
-    model = replace(dep.model, path=str(resolve_model(dep.model.path)))
+    model_dir = resolve_model(dep.model.path)
+    ModelConfig.from_dir(model_dir)
+    model = replace(dep.model, path=str(model_dir), name=dep.model.served_name)
     return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
 
 
@@ -174,7 +180,12 @@ def run(args: argparse.Namespace) -> int:
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
-    dep = resolve(replace(dep, policy=policy, link=link, router=router), mode, args.port)
+    model = dep.model if args.model is None else replace(dep.model, path=args.model)
+    try:
+        dep = resolve(replace(dep, policy=policy, link=link, router=router, model=model), mode, args.port)
+    except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
+        print(f"pdd up: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)
     stop: list[bool] = []

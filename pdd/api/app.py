@@ -281,7 +281,9 @@ class OpenAIServer:
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "pdd", "max_model_len": self.backend.max_context}]}
+                                            "owned_by": "pdd", "max_model_len": self.backend.max_context,
+                                            # pdd's extension: what `pdd bench` draws prompt token IDs below
+                                            "vocab_size": self.tokenizer.vocab_size}]}
 
 
 def _unicode(text: str, param: str) -> str:

@@ -30,10 +30,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start one instance")
     p.add_argument("--role", choices=ROLES, default=RoleName.STANDALONE)
-    p.add_argument("--model", help="Hugging Face-layout model directory")
+    p.add_argument("--model", help="Hugging Face-layout model directory, or a hub name (ORG/NAME) in the local "
+                                   "Hugging Face cache ($HF_HOME; offline)")
     p.add_argument("--config", help="deployment TOML (with --instance): serve that instance")
     p.add_argument("--instance", help="instance name in --config")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the hub name, or the directory's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=1, help="torch threads for this instance")
@@ -50,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
-    from pdd.model.store import resolve_model
+    from pdd.model.config import ModelConfig
+    from pdd.model.store import resolve_model, served_name
 
     logging.basicConfig(level=getattr(logging, os.environ.get("PDD_LOG", "INFO")), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("pdd serve: --config needs --instance NAME")
         dep = cfg.load(args.config)
         spec = dep.instance(args.instance)
-        model_dir, name = resolve_model(dep.model.path), dep.model.name
+        model, name = dep.model.path, dep.model.served_name
     else:
         if args.role != RoleName.STANDALONE:
             raise SystemExit(f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
@@ -67,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
                               args.dtype, args.kv_dtype, args.max_requests, args.engine)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
-        dep, model_dir = None, resolve_model(args.model)
-        name = args.served_model_name or Path(model_dir).name
+        dep, model, name = None, args.model, args.served_model_name or served_name(args.model)
+    try:
+        model_dir = resolve_model(model)
+        ModelConfig.from_dir(model_dir)
+    except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run: say which, no traceback
+        raise SystemExit(f"pdd serve: {e}") from None
     if args.join and dep is None:
         raise SystemExit("pdd serve: --join needs --config FILE --instance NAME")
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
