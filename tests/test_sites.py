@@ -7,7 +7,9 @@ namespace whose tbf shapes each direction to 50 Mbit/s. Each process is `pdd ser
 on every framed connection. Checked: greedy parity with a colocated instance, the
 decode-side hit of a second turn, the bytes the line's kernel interfaces carried
 against the KV MD was missing, heartbeats across the line (and a silent line noticed),
-every metric the Grafana dashboard queries, and a drain of MD.
+every metric the Grafana dashboard queries, and a drain of MD. A second, smaller
+deployment puts a `pdd wan` hop on the route into B, for the delay the kernel's tbf
+cannot add.
 
 Needs root. Without it the test skips, and in CI a skip is a failure (conftest.py).
 The namespaces are removed on the way out, also after a failure; a crashed run's are
@@ -116,6 +118,32 @@ def site(tmp_path_factory, tiny_model_dir):
             s.pool.shutdown()
         finally:
             launcher.stop()
+
+
+def test_a_wan_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp_path, reference):
+    """Where a test needs delay (the kernel here has no netem), `pdd wan` sits on the
+    route: MD advertises the hop's address to A, and the hop relays to MD's own."""
+    base = cfg.Deployment(link=cfg.LinkSpec(bandwidth_mbps=LINE_MBPS, delay_ms=25.0, jitter_ms=0.0))
+    with lab(hosts("pd-cross-dc", base), LINE_MBPS) as net:
+        dep = lab_deployment(net, base, "pd-cross-dc", hop=True)
+        md = dep.instance("md0")
+        assert dep.address(md, "A") == (net.gateway("A"), cfg.parse_addr(md.advertise["A"])[1]) != (md.host, 9100)
+        launcher = LabLauncher(dep, tmp_path, net)
+        try:
+            launcher.start()
+            client = ThreadPoolExecutor(1, initializer=enter, initargs=(net.hosts["client"].ns,))
+            got = client.submit(_complete, dep.router.url, reference["first"][0], FIRST_TOKENS).result()
+            stats = client.submit(lambda: httpx.get(f"{dep.router.url}/pdd/stats", timeout=10).json()).result()
+            p0 = dep.instance("p0")
+            page = client.submit(lambda: httpx.get(f"http://{p0.host}:{p0.port}/metrics", timeout=10).text).result()
+            client.shutdown()
+        finally:
+            launcher.stop()
+    assert got["ids"] == reference["answers"][0] and got["pdd"]["pipeline"] == "P-MD"
+    one_way = next(s.value for f in text_string_to_metric_families(page) for s in f.samples
+                   if s.name == "pdd_line_one_way_delay_seconds" and s.labels["dc"] == "B")
+    assert one_way >= 0.025, "P measured the hop's delay on the line"
+    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router reads the hop's byte count"
 
 
 def test_every_process_runs_in_its_host_namespace_from_the_deployment_file(site):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import signal
@@ -35,6 +36,7 @@ FIRST_HOST = 10
 _CLONE_NEWNET = 0x40000000
 _NAME = re.compile(r"[a-z][a-z0-9]{0,11}")
 T = TypeVar("T")
+_LABS = itertools.count()
 
 
 class LabError(RuntimeError):
@@ -130,7 +132,7 @@ class Lab:
         bad = [h for h in hosts if not _NAME.fullmatch(h) or h == "line"]
         if bad or len(sites) < 2 or len(sites) > 9 or not line_mbps > 0:
             raise ValueError("need host names of [a-z0-9] (not 'line'), 2 to 9 sites, a positive line rate")
-        self.tag = f"{PREFIX}{os.getpid()}-"
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_LABS)}-"  # unique on this machine while this process lives
         self.line_ns = self.tag + "line"
         self.sites = {site: i + 1 for i, site in enumerate(sites)}
         self.line_mbps, self.mtu = line_mbps, mtu
