@@ -27,7 +27,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, TypeVar
 
 PREFIX = "pddns-"
@@ -140,7 +139,6 @@ class Lab:
         for site, i in self.sites.items():
             for k, name in enumerate(sorted(h for h, s in hosts.items() if s == site)):
                 self.hosts[name] = Host(name, site, self.tag + name, f"{NET}.{i}.{FIRST_HOST + k}")
-        self._procs: list[subprocess.Popen] = []
 
     # ---- build and tear down -----------------------------------------------------------
     def gateway(self, site: str) -> str:
@@ -195,9 +193,8 @@ class Lab:
         _ip("ip", "-n", ns, "link", "set", dev, "up")
 
     def down(self) -> None:
-        """Stop every process started here, then delete every namespace of this lab."""
-        for proc in self._procs:
-            stop(proc)
+        """Delete every namespace of this lab, killing what still runs there (a launcher
+        has stopped its children gracefully before)."""
         with contextlib.suppress(LabError):
             for ns in _namespaces():
                 if ns.startswith(self.tag):
@@ -215,10 +212,8 @@ class Lab:
         ns = self.line_ns if host == "line" else self.hosts[host].ns
         cmd = ["ip", "netns", "exec", ns, *(["nice", "-n", str(nice)] if nice else []),
                sys.executable, "-m", "pdd.cli", *args]
-        proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=Path.cwd())
-        self._procs.append(proc)
-        return proc
+        return subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def line_bytes(self) -> dict[str, int]:
         """Bytes the line has carried into each site (its tbf-shaped egress: what crossed)."""
@@ -232,21 +227,6 @@ class Lab:
         """Drop, silently, every packet the line would forward (TCP stays open and hears nothing)."""
         for i in self.sites.values():
             _ip("ip", "-n", self.line_ns, "route", "add" if on else "del", "blackhole", f"{NET}.{i}.0/25")
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after `grace_s`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
 
 
 @contextlib.contextmanager
