@@ -110,12 +110,17 @@ class Launcher:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
+    def wan_line(self) -> tuple[float, float, float]:
+        """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
+        link = self.dep.link
+        return link.bandwidth_mbps, link.delay_ms, link.jitter_ms
+
     def wan_args(self) -> list[str]:
         """The emulator's command line: a route per advertised hop, the line's settings."""
-        link = self.dep.link
+        link, (mbps, delay, jitter) = self.dep.link, self.wan_line()
         routes = [f"--route={hop}={i.host}:{i.kv_port}" for i in self.dep.instances for hop in i.advertise.values()]
-        return ["wan", *routes, f"--bandwidth-mbps={link.bandwidth_mbps}", f"--delay-ms={link.delay_ms}",
-                f"--jitter-ms={link.jitter_ms}", f"--admin={link.host}:{link.admin_port}"]
+        return ["wan", *routes, f"--bandwidth-mbps={mbps}", f"--delay-ms={delay}", f"--jitter-ms={jitter}",
+                f"--admin={link.host}:{link.admin_port}"]
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
@@ -135,7 +140,8 @@ class Launcher:
         if link.admin_port:
             proc = self._spawn("wan", self.wan_args())
             self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
-            print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
+            mbps, delay, jitter = self.wan_line()
+            print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
             nice = dep.topology.prefill_nice if inst.role == "prefill" else 0

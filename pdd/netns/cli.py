@@ -74,9 +74,8 @@ class LabLauncher(Launcher):
     def _popen(self, name: str, args: list[str], log, nice: int) -> subprocess.Popen:
         return self.net.spawn(self._host(name), args, log, nice)
 
-    def wan_args(self) -> list[str]:
-        return [a if not a.startswith("--bandwidth-mbps=") else f"--bandwidth-mbps={HOP_MBPS:g}"
-                for a in super().wan_args()]
+    def wan_line(self) -> tuple[float, float, float]:
+        return HOP_MBPS, self.dep.link.delay_ms, self.dep.link.jitter_ms
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         ns = self.net.line_ns if name == "wan" else self.net.hosts[name].ns
