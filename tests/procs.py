@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 
 
 @contextlib.contextmanager
