@@ -1,8 +1,10 @@
 """`pdd up`: a whole deployment on one machine — WAN emulator, instances, router.
 
 Two "datacenters" live on loopback; everything that crosses between them goes through
-`pdd wan`. The launcher expands the config for the chosen mode, picks free ports,
-writes the resolved deployment file every child reads, starts the children, prints
+`pdd wan`: every cross-datacenter route is advertised at one of the emulator's ports
+(`InstanceSpec.advertise`), which relays it to where the instance listens. The
+launcher expands the config for the chosen mode, picks free ports, writes the
+resolved deployment file every child reads, starts the children, prints
 `router: http://HOST:PORT` once all answer, and stops them all on SIGINT/SIGTERM. A
 child that dies is reported, not fatal: the router must ride out a dead instance.
 """
@@ -20,6 +22,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -75,15 +78,15 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
 
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
-    prefill_dcs = {i.dc for i in instances if i.role == RoleName.PREFILL}
+    sender_dcs = {i.dc for i in instances if i.role in (RoleName.PREFILL, RoleName.RELAY)}  # they send KV, handoffs
     placed = []
-    remote = False
     for inst in instances:
-        # reached across the line by the router, or (decode side) by a P in the other datacenter
-        wan = inst.dc != dep.router.dc or (inst.role == RoleName.MAIN and bool(prefill_dcs - {inst.dc}))
-        remote |= wan
-        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(),
-                              wan_port=(inst.wan_port or free_port()) if wan else 0))
+        # one emulated hop per route that crosses the line: from the router's datacenter,
+        # and (decode side) from those of the instances that send it KV or handoffs
+        callers = {dep.router.dc} | (sender_dcs if inst.role == RoleName.MAIN else set())
+        hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{free_port()}" for dc in sorted(callers - {inst.dc})}
+        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(), advertise=hops))
+    remote = any(i.advertise for i in placed)
     link = replace(dep.link, admin_port=(dep.link.admin_port or free_port()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
     router = replace(dep.router, port=port or free_port())
@@ -102,13 +105,29 @@ class Launcher:
 
     def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        proc = self._popen(name, args, log, nice)
         log.close()
         self.children.append((name, proc))
         print(f"process {name}: pid {proc.pid}, log {self.run_dir / (name + '.log')}", flush=True)
         return proc
+
+    def _popen(self, name: str, args: list[str], log: IO, nice: int) -> subprocess.Popen:
+        """`pdd ARGS` as child `name` (here: on this host)."""
+        return subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+    def wan_line(self) -> tuple[float, float, float]:
+        """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
+        link = self.dep.link
+        return link.bandwidth_mbps, link.delay_ms, link.jitter_ms
+
+    def wan_args(self) -> list[str]:
+        """The emulator's command line: a route per advertised hop, the line's settings."""
+        link, (mbps, delay, jitter) = self.dep.link, self.wan_line()
+        routes = [f"--route={hop}={i.host}:{i.kv_port}" for i in self.dep.instances for hop in i.advertise.values()]
+        return ["wan", *routes, f"--bandwidth-mbps={mbps}", f"--delay-ms={delay}", f"--jitter-ms={jitter}",
+                f"--admin={link.host}:{link.admin_port}"]
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
@@ -126,12 +145,10 @@ class Launcher:
         dep, conf = self.dep, str(self.config_path)
         link = dep.link
         if link.admin_port:
-            routes = [f"--route={link.host}:{i.wan_port}={i.host}:{i.kv_port}" for i in dep.instances if i.wan_port]
-            proc = self._spawn("wan", ["wan", *routes, f"--bandwidth-mbps={link.bandwidth_mbps}",
-                                       f"--delay-ms={link.delay_ms}", f"--jitter-ms={link.jitter_ms}",
-                                       f"--admin={link.host}:{link.admin_port}"])
+            proc = self._spawn("wan", self.wan_args())
             self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
-            print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
+            mbps, delay, jitter = self.wan_line()
+            print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
             nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL else 0

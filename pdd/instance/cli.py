@@ -87,8 +87,10 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
                  openai_api: bool = True, join: bool = False) -> None:
     import torch
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
     from pdd.api.app import build_app
+    from pdd.api.metrics import LineMetrics
     from pdd.engine_port import open_engine
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
@@ -102,12 +104,15 @@ async def _serve(spec, dep, model_dir: Path, name: str, threads: int, api_key: s
     tokenizer = Tokenizer.from_dir(model_dir)
     runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
     node = None
+    registry = CollectorRegistry()
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"), make_role)
         await node.start()
+        role = node.role  # a prefill role measures its lines (by datacenter); the others have none
+        registry.register(LineMetrics(lambda: {dc: line.estimate for dc, line in getattr(role, "lines", {}).items()}))
     # its own API holds at most what the instance may hold; the engine queues past max_running
-    app = build_app(LocalBackend(runtime, node.stats if node else None), tokenizer, name, api_key=api_key, openai_api=openai_api,
-                    admission=Limits(spec.engine.max_requests, 0))
+    app = build_app(LocalBackend(runtime, node.stats if node else None), tokenizer, name, registry, api_key=api_key,
+                    openai_api=openai_api, admission=Limits(spec.engine.max_requests, 0))
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     if node is not None:

@@ -67,7 +67,7 @@ class Node:
             log.warning("ignoring member %s with role %r", member.name, member.role)
             return
         spec = InstanceSpec(member.name, member.role, member.dc, member.host, kv_port=member.kv_port,
-                            wan_port=member.wan_port, engine=self.dep.engine)
+                            advertise=dict(member.advertise), engine=self.dep.engine)
         others = tuple(i for i in self.dep.instances if i.name != member.name)
         self.dep = replace(self.dep, instances=(*others, spec))
 

@@ -59,7 +59,7 @@ class RouterBackend:
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
-        self.metrics = RouterMetrics(registry)
+        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
         self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
         self.in_flight = 0
         self.line = DispatchLine()  # admitted requests waiting for room at their decode side
@@ -385,10 +385,11 @@ class RouterBackend:
                               for c in self.clients.values()}}
 
     async def wan_bytes(self) -> int:
-        """Bytes the WAN line carried both ways, as its emulator counted them."""
+        """Bytes the line carried both ways, as its emulator counted them; with no
+        emulator on the line, the KV bytes P sent across it (the instances' counts)."""
         link = self.dep.link
         if not link.admin_port:
-            return 0
+            return self.metrics.totals["kv_bytes:wan"]
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:
                 s = (await client.get(f"http://{link.host}:{link.admin_port}/stats")).json()

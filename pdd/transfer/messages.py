@@ -27,6 +27,7 @@ from pdd.transfer.wire import Frame, FramedConnection, MsgType, decode_json, enc
 MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
 MAX_TEXT = 4096
 MAX_NAME = 128
+MAX_DICT = 64  # entries of a string table in one body (a member's addresses, one per datacenter)
 
 ROLES_ON_WIRE = ("router", *RoleName)
 
@@ -224,7 +225,7 @@ class Member:
     dc: str
     host: str
     kv_port: int
-    wan_port: int = 0
+    advertise: dict[str, str] = field(default_factory=dict)  # datacenter -> "HOST:PORT" (`InstanceSpec`)
 
 
 @dataclass(frozen=True)
@@ -296,9 +297,17 @@ def _check(name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, list) and len(value) <= MAX_TOKENS and \
                 all(type(v) is int and 0 <= v < 1 << 64 for v in value):
             return value
+    elif typing.get_origin(tp) is dict:  # dict[str, str]: a member's advertised addresses
+        if isinstance(value, dict) and len(value) <= MAX_DICT and \
+                all(type(k) is str and type(v) is str and _short(k) and _short(v) for k, v in value.items()):
+            return value
     elif tp is SamplingParams:
         return _params(value)
     raise BadMessage(f"field {name!r} must be {getattr(tp, '__name__', tp)}, got {str(value)[:80]!r}")
+
+
+def _short(text: str) -> bool:
+    return len(text) <= MAX_NAME and _utf8(text)
 
 
 def _utf8(text: str) -> bool:
