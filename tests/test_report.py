@@ -17,7 +17,8 @@ import pytest
 
 from pdd import demo
 from pdd.bench.report import write_report
-from pdd.bench.summary import RequestRecord, summarize
+from pdd.bench.summary import summarize
+from pdd.record import RequestRecord
 from pdd.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -33,6 +33,7 @@ from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest,
 from pdd.api.text import TextStream
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
+from pdd.record import RequestRecord
 from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,11 @@ class _Outcome:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
-    record: dict = field(default_factory=dict)
+    record: RequestRecord | None = None
+
+    def served(self) -> dict:
+        """The `pdd` object of the response: where the request ran."""
+        return self.record.served() if self.record else {}
 
 
 class OpenAIServer:
@@ -209,7 +214,7 @@ class OpenAIServer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
         choice["token_ids"] = out.token_ids
         body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": self._usage(len(prompt), out), "pdd": out.record}
+                "usage": self._usage(len(prompt), out), "pdd": out.served()}
         return JSONResponse(body)
 
     async def _sse(self, chat: bool, base: dict, pieces: AsyncIterator[tuple[str, list[int]]], out: _Outcome,
@@ -229,11 +234,11 @@ class OpenAIServer:
                 yield f"data: {json.dumps({**base, 'object': obj, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
             async for delta, ids in pieces:
                 if out.finish_reason:
-                    yield chunk(delta, ids, out.finish_reason, {"pdd": out.record})
+                    yield chunk(delta, ids, out.finish_reason, {"pdd": out.served()})
                 else:
                     yield chunk(delta, ids, None)
             if include_usage:
-                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': self._usage(prompt_len, out), 'pdd': out.record})}\n\n"
+                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': self._usage(prompt_len, out), 'pdd': out.served()})}\n\n"
         except ApiError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

@@ -344,7 +344,8 @@ class RouterBackend:
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if request.whole:  # its own prefix cache is the only one involved
-            record.update(p_hit_tokens=request.cached, d_hit_tokens=request.cached if request.plan.relay is None else 0)
+            record.p_hit_tokens = request.cached
+            record.d_hit_tokens = request.cached if request.plan.relay is None else 0
         self.metrics.finished(request, record)
         return GenEvent(new, request.merger.finish_reason, self._cached(request), record)
 
