@@ -33,8 +33,8 @@ from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
 from pdd.policy.capacity import Room, fits, pages_needed
 from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, missing_roles, plan_request
-from pdd.policy.playout import Playout, next_release_s, release
-from pdd.policy.retry import retry_on_new_prefill
+from pdd.policy.playout import DEFAULT_PACE_S, Playout, next_release_s, observe_pace, release
+from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.router.dispatch import DispatchLine
@@ -47,8 +47,6 @@ from pdd.transfer.wire import link_key
 from pdd.names import Fallback, Mode, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
-DEFAULT_PACE_S = 0.025
-PACE_ALPHA = 0.05
 
 
 class RouterBackend:
@@ -152,8 +150,7 @@ class RouterBackend:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
         if plan.fallback:
-            request.fallbacks.append(plan.fallback)
-            self.metrics.fallback(plan.fallback)
+            self._fell_back(request, plan.fallback)
         r = request.req
         await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
                                                      plan.relay, self.dep.policy.decode_radix_cache))
@@ -243,8 +240,7 @@ class RouterBackend:
         now = time.monotonic()
         if source == request.plan.main:
             if request.last_main_token is not None:
-                gap = now - request.last_main_token
-                self._pace[source] = (1 - PACE_ALPHA) * self._pace.get(source, DEFAULT_PACE_S) + PACE_ALPHA * gap
+                self._pace[source] = observe_pace(self._pace.get(source, DEFAULT_PACE_S), now - request.last_main_token)
             request.last_main_token = now
 
     @staticmethod
@@ -270,8 +266,7 @@ class RouterBackend:
             elif body.pipeline == Pipeline.P_RLD:
                 request.main_done = True
             if body.fallback:
-                request.fallbacks.append(body.fallback)
-                self.metrics.fallback(body.fallback)
+                self._fell_back(request, body.fallback)
         elif isinstance(body, m.Result):
             request.result = body
         elif isinstance(body, m.HandedOff):
@@ -288,59 +283,51 @@ class RouterBackend:
         return c.spec.role if c is not None else ""
 
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
-        """Go on through what is left, or fail."""
-        role, plan = self._role_of(source), request.plan
-        failure = BackendError(f"{source}: {err.message}", 429 if err.busy else 503 if err.lost else 500)
-        if source == plan.entry:
-            if err.lost and request.result is not None:
-                return  # P had finished its part
-            others = any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source)
-            if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
-                                                 self.dep.router.prefill_retries, others):
-                self._release(request)
-                request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
-                self.metrics.fallback(Fallback.PREFILL_RETRY)
-                request.fallbacks.append(Fallback.PREFILL_RETRY)
-                await self._submit(request, q)
-                return
-            # MD will not get its KV; the relay goes on if P had sent it the request (it
-            # reports a loss itself if P died before its KV was complete)
-            if request.chosen is not None and request.relay_producing and plan.main and not request.main_done:
-                request.main_done = True
-                self.metrics.fallback(Fallback.PREFILL_LOST)
-                request.fallbacks.append(Fallback.PREFILL_LOST)
-                return
-            raise failure
-        if source == plan.relay:
-            if request.relay_done:
-                return
+        """Go on through what is left, or fail (`pdd.policy.recovery`)."""
+        plan, role = request.plan, self._role_of(source)
+        failed = Failed(entry=source == plan.entry, relay=source == plan.relay, main=source == plan.main,
+                        lost=err.lost, busy=err.busy)
+        state = State(p_done=request.result is not None, delivered=len(request.merger.delivered),
+                      attempt=request.attempt, max_attempts=self.dep.router.prefill_retries,
+                      other_entry_up=any(c.available for c in self.clients.values()
+                                         if c.spec.role == role and c.name != source),
+                      chosen=request.chosen is not None, relay_producing=request.relay_producing,
+                      has_main=plan.main is not None, main_done=request.main_done, relay_done=request.relay_done,
+                      handed_off=request.handed_off is not None)
+        action = recover(failed, state)
+        message = f"{source}: {err.message}"
+        if failed.relay and not failed.entry:
             request.relay_done = True
-            if plan.main and not request.main_done:  # MD takes over from what the client has
-                delivered = request.merger.delivered
-                self.metrics.fallback(Fallback.RELAY_LOST)
-                request.fallbacks.append(Fallback.RELAY_LOST)
-                main = self.clients.get(plan.main)
-                if main is None:
-                    raise failure
-                await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
-                return
-            raise failure
-        if source == plan.main:
-            if request.main_done:
-                return  # already written off for this request
-            if request.relay_producing:  # the relay finishes it alone
-                request.main_done = True
-                self.metrics.fallback(Fallback.MAIN_LOST)
-                request.fallbacks.append(Fallback.MAIN_LOST)
-                return
-            raise BackendError(LOST_AFTER_HANDOFF if request.handed_off else failure.args[0], failure.status)
-        raise failure
+        if action == Recovery.IGNORE:
+            return
+        if action == Recovery.RETRY_PREFILL:
+            self._release(request)
+            request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
+            self._fell_back(request, Fallback.PREFILL_RETRY)
+            await self._submit(request, q)
+        elif action == Recovery.RELAY_GOES_ON:
+            request.main_done = True
+            self._fell_back(request, Fallback.PREFILL_LOST if failed.entry else Fallback.MAIN_LOST)
+        elif action == Recovery.MAIN_TAKES_OVER:
+            self._fell_back(request, Fallback.RELAY_LOST)
+            main = self.clients.get(plan.main or "")
+            if main is None:
+                raise BackendError(message, failure_status(err.busy, err.lost))
+            delivered = request.merger.delivered
+            await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
+        else:
+            if failed.main and request.handed_off:
+                message = LOST_AFTER_HANDOFF
+            raise BackendError(message, failure_status(err.busy, err.lost))
+
+    def _fell_back(self, request: RouterRequest, why: Fallback) -> None:
+        request.fallbacks.append(why)
+        self.metrics.fallback(why)
 
     def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
         last = request.merger.producers[-1] if request.merger.producers else None
         if request.pipeline == Pipeline.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
-            request.fallbacks.append(Fallback.RELAY_FINISHED)
-            self.metrics.fallback(Fallback.RELAY_FINISHED)
+            self._fell_back(request, Fallback.RELAY_FINISHED)
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if request.whole:  # its own prefix cache is the only one involved
