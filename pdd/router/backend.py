@@ -24,27 +24,24 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from dataclasses import replace
-
 import httpx
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.policy.capacity import Room, fits, pages_needed
-from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, missing_roles, plan_request
-from pdd.policy.playout import DEFAULT_PACE_S, Playout, next_release_s, observe_pace, release
+from pdd.policy.plan import missing_roles
+from pdd.policy.playout import next_release_s
 from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
-from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient, InstanceDown
-from pdd.router.dispatch import DispatchLine
+from pdd.router.pacing import Pacer
+from pdd.router.planning import Planner
 from pdd.router.members import Membership
 from pdd.tasks import Tasks
 from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
-from pdd.names import Fallback, Mode, Pipeline, RoleName
+from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +49,13 @@ log = logging.getLogger(__name__)
 class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
-        self.max_context = 0  # set from the model config by the caller
         self.router_id = secrets.token_hex(8)
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
         self.clients = self.members.clients  # by name; instances join and leave at run time
-        self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
+        self.planner = Planner(dep, self.clients)
         self.metrics = RouterMetrics(registry, lambda: self.clients.values())
-        self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
+        self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
-        self.line = DispatchLine()  # admitted requests waiting for room at their decode side
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -71,81 +66,20 @@ class RouterBackend:
     async def stop(self) -> None:
         await asyncio.gather(*(c.stop() for c in list(self.clients.values())))
 
-    # ---- planning --------------------------------------------------------------------------
-    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
-        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
-                for c in self.clients.values() if c.spec.role == role]
+    @property
+    def max_context(self) -> int:
+        return self.planner.max_context
 
-    def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
-        """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
-        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
-
-    def _fits(self, name: str, need: int) -> bool:
-        c = self.clients[name]
-        return fits(need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages,
-                                                                        c.spec.engine.max_requests))
-
-    def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
-        """The candidates, those without room for `req` marked unavailable."""
-        return [replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
-                for c in cands]
-
-    def _plan(self, req: GenRequest, room: bool = False) -> Plan | None:
-        """The request's instances. With `room`, only decode-side instances that have room
-        for it now: None while every one that is up is full (the request waits its turn).
-        BackendError 503 when an instance every request needs is down."""
-        p = self.dep.policy
-        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
-                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
-        disaggregated = self.entry_role == RoleName.PREFILL
-        main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
-        relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
-        if room and disaggregated:
-            roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
-            if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
-                if not any(c.healthy for c in roomy_main):
-                    return None
-                main = roomy_main
-                if not any(c.healthy for c in roomy_relay):  # the relay cannot run it whole now
-                    rule = AnomalyRule(False, rule.max_output_tokens, rule.min_prompt_tokens, rule.max_hit_share)
-            elif any(c.healthy for c in relay):  # the relay alone produces: it needs room
-                if not any(c.healthy for c in roomy_relay):
-                    return None
-                relay = roomy_relay
-        try:
-            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
-                                main, relay, rule, p.affinity_weight, p.load_weight)
-        except LookupError as e:
-            raise BackendError(str(e), 503) from None
-
-    async def _dispatch(self, req: GenRequest) -> RouterRequest:
-        """Plan the request once its decode side has room, first come first served."""
-        def attempt() -> RouterRequest | None:
-            plan = self._plan(req, room=True)
-            return None if plan is None else RouterRequest(req, plan)
-
-        return await self.line.turn(attempt)
-
-    def _commit(self, request: RouterRequest, sign: int) -> None:
-        """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
-        MD, or the relay when it produces alone. (A relay behind MD is optional: it
-        turns work away itself.)"""
-        plan = request.plan
-        name = plan.main or plan.relay
-        c = self.clients.get(name) if name else None
-        if c is None:
-            return
-        c.committed_pages += sign * self._need(request.req, name, plan.predicted_hit if plan.main else 0)
-        c.committed_requests += sign
-        if sign < 0:
-            self.line.changed()
+    @max_context.setter
+    def max_context(self, tokens: int) -> None:  # set from the model config by the caller
+        self.planner.max_context = tokens
 
     def _work(self, request: RouterRequest) -> int:
         return len(request.req.prompt) + request.req.params.max_tokens
 
     async def _submit(self, request: RouterRequest, q: asyncio.Queue) -> None:
         plan = request.plan
-        self._commit(request, +1)
+        self.planner.commit(request, +1)
         for name in request.members:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
@@ -156,7 +90,7 @@ class RouterBackend:
                                                      plan.relay, self.dep.policy.decode_radix_cache))
 
     def _release(self, request: RouterRequest) -> None:
-        self._commit(request, -1)
+        self.planner.commit(request, -1)
         for name in request.members:
             c = self.clients.get(name)
             if c is not None:  # (None: it left the deployment since)
@@ -165,7 +99,7 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
-        request = await self._dispatch(req)
+        request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
         try:
@@ -183,7 +117,7 @@ class RouterBackend:
                     if request.stranded:
                         raise BackendError(f"no instance is left to produce the request (instances "
                                            f"{', '.join(request.members)})", 503)
-                out = self._play_out(request)
+                out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
                     return
@@ -207,7 +141,7 @@ class RouterBackend:
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         left = timeout - (time.monotonic() - request.last_progress)
         due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
-                             self._playout(request))
+                             self.pacer.playout(request))
         try:
             if left <= 0:
                 raise asyncio.TimeoutError
@@ -216,32 +150,6 @@ class RouterBackend:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
-
-    def _playout(self, request: RouterRequest) -> Playout:
-        pace = self._pace.get(request.plan.main or "", DEFAULT_PACE_S)
-        return Playout(self.dep.router.handoff_reserve_tokens, pace)
-
-    def _play_out(self, request: RouterRequest) -> list[int]:
-        """The held tokens to release to the client now (`pdd.policy.playout`)."""
-        now = time.monotonic()
-        if request.merger.finished:
-            n = len(request.held)
-        else:
-            n = release(len(request.held), request.released, now - request.last_release, request.pacing,
-                        request.relay_stopped, self._playout(request))
-        out, request.held = request.held[:n], request.held[n:]
-        if out:
-            request.released += len(out)
-            request.last_release = now
-        return out
-
-    def _observe_pace(self, request: RouterRequest, source: str) -> None:
-        """The main instance's gap between tokens, which the playout reserve drains at."""
-        now = time.monotonic()
-        if source == request.plan.main:
-            if request.last_main_token is not None:
-                self._pace[source] = observe_pace(self._pace.get(source, DEFAULT_PACE_S), now - request.last_main_token)
-            request.last_main_token = now
 
     @staticmethod
     def _cached(request: RouterRequest) -> int:
@@ -253,7 +161,7 @@ class RouterBackend:
             request.cached = body.cached_tokens
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
-            self._observe_pace(request, source)
+            self.pacer.observe(request, source)
             return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
         if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
             request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
@@ -302,7 +210,7 @@ class RouterBackend:
             return
         if action == Recovery.RETRY_PREFILL:
             self._release(request)
-            request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
+            request.restart(self.planner.plan(request.req))  # (it was dispatched: no second wait for room)
             self._fell_back(request, Fallback.PREFILL_RETRY)
             await self._submit(request, q)
         elif action == Recovery.RELAY_GOES_ON:
@@ -356,16 +264,16 @@ class RouterBackend:
 
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
-        return Load(running=self.in_flight, waiting=self.line.waiting, kv_usage=0.0)
+        return Load(running=self.in_flight, waiting=self.planner.line.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
-        missing = missing_roles(healthy, self.entry_role, self.entry_role == RoleName.PREFILL)
+        missing = missing_roles(healthy, self.planner.entry_role, self.planner.entry_role == RoleName.PREFILL)
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
         return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
-                "dispatch_waiting": self.line.waiting,
+                "dispatch_waiting": self.planner.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
                                        "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
                                        "committed_requests": c.committed_requests,
