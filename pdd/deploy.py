@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -49,8 +50,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free to listen on now, for a child to bind a moment later. Drawn below the
+    ephemeral range: a port the kernel hands out there is also what every outgoing
+    connection takes its local port from, so another process's connect() could take
+    it in between; below it only another listener could, and the draw is random."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: what the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
