@@ -22,6 +22,7 @@ _COMMANDS: dict[str, str] = {
     "up": "pdd.deploy",
     "wan": "pdd.transfer.wan",
     "cert": "pdd.transfer.tls",
+    "netns": "pdd.netns.cli",
     "soak": "pdd.soak.cli",
     "bench": "pdd.bench.cli",
     "demo": "pdd.demo",

@@ -6,35 +6,71 @@ it describes a real multi-host deployment that `pdd serve --config F --instance 
 and `pdd router --config F` read on each host. Given to `pdd up` with a `[topology]`
 instead, it is expanded for one machine: ports are picked, the mode places P and D in
 datacenters, and the resolved explicit file is what every child process reads.
+
+Addresses: every instance listens on its `host` and is reached there, from every
+datacenter, unless its `advertise` table names another `HOST:PORT` for callers in a
+given datacenter (a NAT or public address, or a `pdd wan` emulator on the way). So a
+real line needs nothing but each host's own address, and the emulator is one optional
+hop per route: `pdd up` puts it on every cross-datacenter route of its one machine.
 """
 
 from __future__ import annotations
 
 import secrets
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
+from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
-ROLES = ("standalone", "prefill", "relay", "main")
-MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+ROLES = tuple(RoleName)
+MODES = tuple(Mode)
 
 
 class ConfigError(ValueError):
     pass
 
 
+def parse_addr(text: str) -> tuple[str, int]:
+    """Parse `HOST:PORT` (IPv6 hosts in brackets)."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def callable_at(addr: Any) -> bool:
+    """Whether `addr` is an address one can connect to: "HOST:PORT" with a port."""
+    try:
+        return isinstance(addr, str) and parse_addr(addr)[1] > 0
+    except ValueError:
+        return False
+
+
+UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "")  # a socket can listen on these; nobody can be told to call them
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    path: str = ""  # empty: the embedded tiny model
-    name: str = "tiny"
+    path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
+    name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
+
+    @property
+    def served_name(self) -> str:
+        from pdd.model.store import served_name
+
+        return self.name or served_name(self.path)
 
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A WAN line between two datacenters, emulated by `pdd wan` on one machine."""
+    """The line between two datacenters. Its bandwidth and delay are what P assumes of
+    it until it has measured the line (and what `pdd up`'s emulator enforces); `host`
+    and `admin_port` name a `pdd wan` emulator's admin API, when one is on the line, for
+    the router to read the bytes it carried (0: none; the instances' counts are used)."""
 
     name: str = "wan"
     a: str = "A"
@@ -42,7 +78,7 @@ class LinkSpec:
     bandwidth_mbps: float = 20.0
     delay_ms: float = 20.0
     jitter_ms: float = 5.0
-    host: str = "127.0.0.1"  # where the emulator listens
+    host: str = "127.0.0.1"  # where `pdd up`'s emulator listens (its routes and admin API)
     admin_port: int = 0
 
 
@@ -51,10 +87,12 @@ class InstanceSpec:
     name: str
     role: str
     dc: str = "A"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # listens here (both ports); reached here unless `advertise` says otherwise
     port: int = 0  # HTTP: /health, /metrics (and the OpenAI API for standalone)
     kv_port: int = 0  # framed protocol: requests, KV, tokens, cache events
-    wan_port: int = 0  # the emulator's port that relays to kv_port from the other datacenter
+    # datacenter -> "HOST:PORT" where callers there reach kv_port, when not at host:kv_port
+    # (a NAT or public address, or a `pdd wan` emulator on the route)
+    advertise: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = EngineConfig()
 
 
@@ -85,9 +123,9 @@ class PolicySpec:
     def __post_init__(self) -> None:
         if min(self.kv_chunk_tokens, self.handoff_threshold, self.catch_up_chunk) < 1:
             raise ValueError("kv_chunk_tokens, handoff_threshold and catch_up_chunk must be at least 1")
-        if self.pipeline not in ("auto", "P-MD", "P-RLD-MD"):
+        if self.pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ValueError("pipeline must be auto, P-MD or P-RLD-MD")
-        if self.handoff not in ("auto", "one_shot", "catch_up"):
+        if self.handoff not in ("auto", *HandoffMode):
             raise ValueError("handoff must be auto, one_shot or catch_up")
         if self.ttft_budget_ms < 0 or self.anomaly_max_output_tokens < 0:
             raise ValueError("ttft_budget_ms and anomaly_max_output_tokens must be >= 0")
@@ -104,8 +142,9 @@ class SLOSpec:
 @dataclass(frozen=True)
 class RouterSpec:
     dc: str = "A"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # listens here
     port: int = 8000
+    advertise: str = ""  # "HOST:PORT" where instances (`--join`) and `pdd drain` reach it; default host:port
     token_timeout_s: float = 60.0  # no first token for this long: the request fails
     stall_timeout_s: float = 10.0  # after the first token, no next one for this long: it fails
     prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
@@ -121,6 +160,16 @@ class RouterSpec:
             raise ValueError("timeouts must be positive; prefill_retries and handoff_reserve_tokens >= 0")
         if self.max_body_bytes < 1 or self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_body_bytes and max_running must be at least 1, max_waiting at least 0")
+        if self.advertise and not callable_at(self.advertise):
+            raise ValueError(f"advertise must be \"HOST:PORT\", got {self.advertise!r}")
+
+    @property
+    def url(self) -> str:
+        """Its HTTP base URL as others reach it."""
+        host, port = parse_addr(self.advertise) if self.advertise else (self.host, self.port)
+        if host in UNSPECIFIED_HOSTS:
+            raise ConfigError(f"the router listens on {host!r}: give [router] advertise = \"HOST:PORT\"")
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -162,22 +211,22 @@ class TopologySpec:
 
     prefill: int = 1
     relay: int = 1  # pdd mode only
-    decode: int = 1
+    main: int = 1  # main decode instances (MD)
     # One machine stands in for two datacenters: prefill instances run at this lower CPU
     # priority, as on their own hardware their long prefills would not take the CPU
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1 or self.relay < 0:
-            raise ValueError("a deployment needs at least one prefill and one decode instance")
+        if self.prefill < 1 or self.main < 1 or self.relay < 0:
+            raise ValueError("a deployment needs at least one prefill and one main instance")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
 
 
 @dataclass(frozen=True)
 class Deployment:
-    mode: str = "pd-cross-dc"
+    mode: str = Mode.PD_CROSS_DC
     secret: str = ""
     model: ModelSpec = ModelSpec()
     engine: EngineConfig = EngineConfig()
@@ -200,12 +249,14 @@ class Deployment:
         return [i for i in self.instances if i.role == role]
 
     def address(self, inst: InstanceSpec, from_dc: str) -> tuple[str, int]:
-        """Where a caller in `from_dc` reaches `inst`'s framed port (through the WAN if remote)."""
-        if inst.dc == from_dc:
-            return inst.host, inst.kv_port
-        if not inst.wan_port:
-            raise ConfigError(f"instance {inst.name} in {inst.dc} has no wan_port reachable from {from_dc}")
-        return self.link.host, inst.wan_port
+        """Where a caller in `from_dc` reaches `inst`'s framed port: the address it
+        advertises to that datacenter, else where it listens."""
+        if from_dc in inst.advertise:
+            return parse_addr(inst.advertise[from_dc])
+        if inst.host in UNSPECIFIED_HOSTS:
+            raise ConfigError(f"instance {inst.name} listens on {inst.host!r}: give it advertise.{from_dc} = "
+                              f"\"HOST:PORT\" for callers in datacenter {from_dc}")
+        return inst.host, inst.kv_port
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -241,11 +292,22 @@ def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
     raw = dict(raw)
     overrides = raw.pop("engine", {})
     where = f"instances.{raw['name']}"
+    advertise = _advertise(raw.pop("advertise", {}), where)
     inst = _build(InstanceSpec, raw, where)
     if inst.role not in ROLES:
         raise ConfigError(f"[{where}] role must be one of {ROLES}")
     checked = _build(EngineConfig, overrides, where + ".engine")
-    return replace(inst, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
+    return replace(inst, advertise=advertise, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
+
+
+def _advertise(raw: Any, where: str) -> dict[str, str]:
+    """An instance's `advertise` table: datacenter -> "HOST:PORT", each checked."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] advertise must be a table of datacenter = \"HOST:PORT\"")
+    for dc, addr in raw.items():
+        if not callable_at(addr):
+            raise ConfigError(f"[{where}] advertise.{dc} must be \"HOST:PORT\", got {addr!r}")
+    return dict(raw)
 
 
 def instance_from_dict(raw: Any, engine: EngineConfig) -> InstanceSpec:
@@ -255,7 +317,8 @@ def instance_from_dict(raw: Any, engine: EngineConfig) -> InstanceSpec:
 
 
 def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
-    return {**{f.name: getattr(inst, f.name) for f in fields(inst) if f.name != "engine"},
+    return {**{f.name: getattr(inst, f.name) for f in fields(inst) if f.name not in ("engine", "advertise")},
+            "advertise": dict(inst.advertise),
             "engine": {f.name: getattr(inst.engine, f.name) for f in fields(inst.engine)}}
 
 
@@ -295,6 +358,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, dict):  # an inline table
+        return "{ " + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -326,10 +391,10 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
     eng, a = dep.engine, dep.link.a
-    if mode == "colocated":
-        return (InstanceSpec("solo", "standalone", a, engine=eng),)
-    d_dc = a if mode == "pd-same-dc" else dep.link.b
-    ps = [InstanceSpec(f"p{i}", "prefill", a, engine=eng) for i in range(dep.topology.prefill)]
-    rs = [InstanceSpec(f"rld{i}", "relay", a, engine=eng) for i in range(dep.topology.relay if mode == "pdd" else 0)]
-    ds = [InstanceSpec(f"md{i}", "main", d_dc, engine=eng) for i in range(dep.topology.decode)]
+    if mode == Mode.COLOCATED:
+        return (InstanceSpec("standalone0", RoleName.STANDALONE, a, engine=eng),)
+    d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
+    ps = [InstanceSpec(f"p{i}", RoleName.PREFILL, a, engine=eng) for i in range(dep.topology.prefill)]
+    rs = [InstanceSpec(f"rld{i}", RoleName.RELAY, a, engine=eng) for i in range(dep.topology.relay if mode == Mode.PDD else 0)]
+    ds = [InstanceSpec(f"md{i}", RoleName.MAIN, d_dc, engine=eng) for i in range(dep.topology.main)]
     return tuple(ps + rs + ds)

@@ -25,12 +25,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdd.workload.scenarios import SCENARIOS, Scenario
+from pdd.names import Mode
+from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-DEFAULT_MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD)
 START_TIMEOUT_S = 120.0
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
@@ -74,7 +75,7 @@ def accepted_modes() -> frozenset[str] | None:
     return frozenset(m.strip() for m in match.group(1).split(",") if m.strip())
 
 
-class Deployment:
+class DemoDeployment:
     """One running `pdd up --mode MODE`, in its own process group.
 
     A thread reads the process's output from the start: it spots the router line and
@@ -156,8 +157,8 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
     scenario = _scenario(args)
     sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
     line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
-            f"--jitter-ms={scenario.jitter_ms}"]
-    deployment = Deployment(mode, args.config, line)
+            f"--jitter-ms={scenario.jitter_ms}", *(["--model", args.model] if args.model else [])]
+    deployment = DemoDeployment(mode, args.config, line)
     try:
         with (contextlib.nullcontext() if args.quiet or not console.is_terminal
               else console.status(f"starting {mode} …")):
@@ -174,7 +175,25 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
-    return SCENARIOS[args.scenario]
+    return args.fitted
+
+
+def fitted_scenario(args: argparse.Namespace) -> tuple[Scenario, str]:
+    """The scenario fitted to the model the deployments will serve (`fit_scenario`): its
+    context (and the KV pool's), its vocabulary, its KV bytes per token; and what changed."""
+    from pdd import config as cfg
+    from pdd.kv.codec import DTYPES
+    from pdd.model.config import ModelConfig
+    from pdd.model.store import resolve_model
+    from pdd.model.tokenizer import Tokenizer
+
+    dep = cfg.load(args.config)
+    model_dir = resolve_model(args.model or dep.model.path)
+    model = ModelConfig.from_dir(model_dir)
+    vocab = min(model.vocab_size, Tokenizer.from_dir(model_dir).vocab_size)
+    context = min(model.max_position, dep.engine.num_pages * dep.engine.page_size)
+    kv_bytes = model.kv_bytes_per_token(DTYPES[dep.engine.kv_dtype or dep.engine.dtype].itemsize)
+    return fit_scenario(SCENARIOS[args.scenario], context, vocab, kv_bytes)
 
 
 def _modes(value: str) -> list[str]:
@@ -191,6 +210,8 @@ def _command_line(args: argparse.Namespace) -> str:
              "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     if args.config is not None:
         parts += ["--config", str(args.config)]
+    if args.model:
+        parts += ["--model", args.model]
     return shlex.join(parts)
 
 
@@ -218,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     except DeployError as exc:
         _note(err, f"`pdd up` is not usable, no mode can run: {exc}")
         return 1
+    _note(err, args.fit_note)
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
@@ -256,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
             "rate": args.rate if math.isfinite(args.rate) else None,
             "seed": args.seed,
             "deployment_config": None if args.config is None else str(args.config),
+            "model": args.model or None,
             "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms,
             "scenario": scenario.name,
@@ -265,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
                                                                                      seed=args.seed))},
         },
         "scenario_notes": scenario.notes,
+        "scenario_fit": args.fit_note,
         "failed_modes": failed,
     }
     title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
@@ -297,6 +321,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="workload seed; every mode replays the same requests")
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="deployment TOML passed to `pdd up`")
+    parser.add_argument("--model", metavar="DIR|ORG/NAME",
+                        help="model directory or hub name in the local Hugging Face cache, passed to `pdd up` "
+                             "(default: the config's, else the tiny model); the scenario is fitted to it")
     # The same SLO defaults as `pdd bench`, so attainment reads the same in both.
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")
@@ -312,6 +339,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             parser.error(f"--config {args.config}: no such file")
         if not args.rate > 0:
             parser.error("--rate must be > 0 (inf starts every session at once)")
+        try:
+            args.fitted, args.fit_note = fitted_scenario(args)
+        except (OSError, ValueError) as exc:  # no such model, one pdd cannot run, a bad config
+            parser.error(str(exc))
         return run(args)
 
     parser.set_defaults(func=func)

@@ -1,8 +1,10 @@
 """`pdd up`: a whole deployment on one machine — WAN emulator, instances, router.
 
 Two "datacenters" live on loopback; everything that crosses between them goes through
-`pdd wan`. The launcher expands the config for the chosen mode, picks free ports,
-writes the resolved deployment file every child reads, starts the children, prints
+`pdd wan`: every cross-datacenter route is advertised at one of the emulator's ports
+(`InstanceSpec.advertise`), which relays it to where the instance listens. The
+launcher expands the config for the chosen mode, picks free ports, writes the
+resolved deployment file every child reads, starts the children, prints
 `router: http://HOST:PORT` once all answer, and stops them all on SIGINT/SIGTERM. A
 child that dies is reported, not fatal: the router must ride out a dead instance.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,10 +23,12 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import httpx
 
 from pdd import config as cfg
+from pdd.names import RoleName
 
 READY_TIMEOUT_S = 120.0
 
@@ -32,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
     p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
     p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's)")
+    p.add_argument("--model", help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
+                                   "(default: the config's [model] path, else the embedded tiny model)")
     p.add_argument("--port", type=int, help="router port (0: any free port)")
     p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
@@ -43,8 +50,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free to listen on now, for a child to bind a moment later. Drawn below the
+    ephemeral range: a port the kernel hands out there is also what every outgoing
+    connection takes its local port from, so another process's connect() could take
+    it in between; below it only another listener could, and the draw is random."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: what the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -65,24 +94,28 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
-    """The explicit deployment for this machine: instances placed, every port chosen."""
+    """The explicit deployment for this machine: instances placed, every port chosen, the
+    model found (FileNotFoundError) and readable (UnsupportedCheckpoint) before anything starts."""
+    from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model
 
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
-    prefill_dcs = {i.dc for i in instances if i.role == "prefill"}
+    sender_dcs = {i.dc for i in instances if i.role in (RoleName.PREFILL, RoleName.RELAY)}  # they send KV, handoffs
     placed = []
-    remote = False
     for inst in instances:
-        # reached across the line by the router, or (decode side) by a P in the other datacenter
-        wan = inst.dc != dep.router.dc or (inst.role == "main" and bool(prefill_dcs - {inst.dc}))
-        remote |= wan
-        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(),
-                              wan_port=(inst.wan_port or free_port()) if wan else 0))
+        # one emulated hop per route that crosses the line: from the router's datacenter,
+        # and (decode side) from those of the instances that send it KV or handoffs
+        callers = {dep.router.dc} | (sender_dcs if inst.role == RoleName.MAIN else set())
+        hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{free_port()}" for dc in sorted(callers - {inst.dc})}
+        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(), advertise=hops))
+    remote = any(i.advertise for i in placed)
     link = replace(dep.link, admin_port=(dep.link.admin_port or free_port()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
     router = replace(dep.router, port=port or free_port())
-    model = replace(dep.model, path=str(resolve_model(dep.model.path)))
+    model_dir = resolve_model(dep.model.path)
+    ModelConfig.from_dir(model_dir)
+    model = replace(dep.model, path=str(model_dir), name=dep.model.served_name)
     return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
 
 
@@ -95,13 +128,29 @@ class Launcher:
 
     def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        proc = self._popen(name, args, log, nice)
         log.close()
         self.children.append((name, proc))
         print(f"process {name}: pid {proc.pid}, log {self.run_dir / (name + '.log')}", flush=True)
         return proc
+
+    def _popen(self, name: str, args: list[str], log: IO, nice: int) -> subprocess.Popen:
+        """`pdd ARGS` as child `name` (here: on this host)."""
+        return subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+    def wan_line(self) -> tuple[float, float, float]:
+        """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
+        link = self.dep.link
+        return link.bandwidth_mbps, link.delay_ms, link.jitter_ms
+
+    def wan_args(self) -> list[str]:
+        """The emulator's command line: a route per advertised hop, the line's settings."""
+        link, (mbps, delay, jitter) = self.dep.link, self.wan_line()
+        routes = [f"--route={hop}={i.host}:{i.kv_port}" for i in self.dep.instances for hop in i.advertise.values()]
+        return ["wan", *routes, f"--bandwidth-mbps={mbps}", f"--delay-ms={delay}", f"--jitter-ms={jitter}",
+                f"--admin={link.host}:{link.admin_port}"]
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
@@ -119,15 +168,13 @@ class Launcher:
         dep, conf = self.dep, str(self.config_path)
         link = dep.link
         if link.admin_port:
-            routes = [f"--route={link.host}:{i.wan_port}={i.host}:{i.kv_port}" for i in dep.instances if i.wan_port]
-            proc = self._spawn("wan", ["wan", *routes, f"--bandwidth-mbps={link.bandwidth_mbps}",
-                                       f"--delay-ms={link.delay_ms}", f"--jitter-ms={link.jitter_ms}",
-                                       f"--admin={link.host}:{link.admin_port}"])
+            proc = self._spawn("wan", self.wan_args())
             self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
-            print(f"wan: {link.bandwidth_mbps:g} Mbit/s, {link.delay_ms:g} ms ± {link.jitter_ms:g} ms one-way, "
+            mbps, delay, jitter = self.wan_line()
+            print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
-            nice = dep.topology.prefill_nice if inst.role == "prefill" else 0
+            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL else 0
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
             print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):
@@ -173,7 +220,12 @@ def run(args: argparse.Namespace) -> int:
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
-    dep = resolve(replace(dep, policy=policy, link=link, router=router), mode, args.port)
+    model = dep.model if args.model is None else replace(dep.model, path=args.model)
+    try:
+        dep = resolve(replace(dep, policy=policy, link=link, router=router, model=model), mode, args.port)
+    except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
+        print(f"pdd up: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)
     stop: list[bool] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 
 from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
+from pdd.engine_port import EngineConfig
 
 
 @contextlib.contextmanager
@@ -59,6 +61,15 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             proc.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """K and V of every layer, for one token, in the engines' KV dtype (the defaults)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    engine = EngineConfig()
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[engine.kv_dtype or engine.dtype]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -103,11 +103,14 @@ def test_a_flood_past_the_routers_line_gets_429_and_loses_nothing(tmp_path):
     assert after[0].status_code == 200
 
 
-def test_an_instance_past_max_requests_refuses_as_busy_and_the_router_answers_429(tmp_path):
+def test_the_router_sends_a_decode_instance_no_more_than_it_may_hold(tmp_path):
+    """An instance past `max_requests` would refuse as busy; the router holds the rest
+    in its own line instead, so every admitted request completes."""
     conf = _config(tmp_path, engine={"max_requests": 1})
     with pdd_up("--config", conf) as dep:
         accepted, shed = _check_flood(_flood(dep.url, 8))
-        assert shed > 0 and accepted >= 1
+        assert (accepted, shed) == (8, 0)
+        assert httpx.get(f"{dep.http['md0']}/pdd/stats", timeout=5).json()["node"]["peak_held"] == 1
 
 
 def test_a_standalone_instance_bounds_its_own_api(tiny_model_dir):

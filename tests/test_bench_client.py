@@ -25,6 +25,7 @@ from procs import free_port
 from pdd.bench.client import replay
 from pdd.cli import main
 from pdd.workload.types import Session, Turn
+from pdd.policy.prefix import common_prefix
 
 # A prompt ending in one of these IDs (below the workloads' low_id, so never generated)
 # makes the fake fail.
@@ -38,11 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 def fake_output(prompt: list[int], n: int) -> list[int]:
     """The fake model: deterministic output IDs that depend on the whole prompt."""
     return [(sum(prompt) * 31 + 7 * i) % 4000 + 16 for i in range(n)]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    pairs = zip(a, b, strict=False)
-    return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
 
 
 def _sse(payload: dict | str) -> str:
@@ -77,7 +73,7 @@ def make_app() -> FastAPI:
         if prompt[-1] == FAIL_HTTP:
             return JSONResponse({"error": {"message": "injected overload", "type": "server_error",
                                            "code": 500}}, status_code=500)
-        cached = max((_common_prefix(prompt, seq) for seq in cache), default=0)
+        cached = max((common_prefix(prompt, seq) for seq in cache), default=0)
         output = fake_output(prompt, n)
         cache.append(prompt + output)
         relayed = cached * 2 < len(prompt)
@@ -261,3 +257,23 @@ def test_cli_unreachable_server_is_an_error_not_a_crash(tmp_path, capsys):
     assert code == 1
     assert "/v1/models" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_workload_follows_the_served_model(monkeypatch, capsys):
+    from pdd.bench import cli as bench_cli
+    from pdd.cli import build_parser
+
+    def plan(*extra: str) -> tuple[list, dict]:
+        argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "30", *extra]
+        return bench_cli._plan(build_parser(argv).parse_args(argv))
+
+    # what /v1/models says of a model with a 1,024-token context and a 300-token vocabulary
+    monkeypatch.setattr(bench_cli, "served_model", lambda url: {"max_model_len": 1024, "vocab_size": 300})
+    sessions, workload = plan()
+    ids = [i for s in sessions for t in s.turns for i in t.append_ids]
+    assert max(ids) < 300 and workload["vocab_size"] == 300
+    assert workload["max_context"] == 1000 and "x 0.25" in capsys.readouterr().err  # the paper scenario's 4,000
+    given = plan("--vocab-size", "200", "--max-context", "3000")[1]  # the options win
+    assert (given["vocab_size"], given["max_context"]) == (200, 3000)
+    monkeypatch.setattr(bench_cli, "served_model", lambda url: {})  # a server that does not say
+    assert plan()[1]["vocab_size"] == 4096 and plan()[1]["max_context"] == 4000

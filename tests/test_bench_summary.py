@@ -7,7 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from pdd.bench.summary import RequestRecord, format_table, summarize
+from pdd.bench.summary import format_table, summarize
+from pdd.record import RequestRecord
 
 CONTRACT_KEYS = {"requests", "completed", "failed", "ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms",
                  "prompt_tokens", "output_tokens", "p_hit_tokens", "d_hit_tokens", "wan_bytes",

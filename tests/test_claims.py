@@ -33,9 +33,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import metrics, pdd_process, pdd_up, standalone, wait_until
+from procs import kv_bytes_per_token, metrics, pdd_process, pdd_up, standalone, wait_until
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 CONTEXT = 4096  # the tiny model's max_position_embeddings
@@ -339,14 +339,6 @@ def test_full_decode_pool_holds_a_reservation_until_pages_free(tmp_path, colocat
 
 # ---- 6. DRC cuts the bytes on the line ---------------------------------------------------
 
-def _kv_bytes_per_token(model_dir: Path) -> int:
-    """K and V of every layer, for one token, in the engines' KV dtype (the defaults)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    engine = EngineConfig()
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[engine.kv_dtype or engine.dtype]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
-
 
 def _sessions(colocated) -> list[tuple[list[int], int]]:
     """Two three-turn agent sessions, interleaved: each next turn is the previous
@@ -375,7 +367,7 @@ def test_decode_side_cache_cuts_wan_bytes_against_drc_off(colocated, tiny_model_
     output, to the page (MD caches whole pages; the last output token has no KV yet).
     Both are bounded from the model's KV size per token, with 3 % + 16 KiB a request
     for framing and the reservations' token ids."""
-    bpt = _kv_bytes_per_token(tiny_model_dir)
+    bpt = kv_bytes_per_token(tiny_model_dir)
     page = EngineConfig().page_size
     turns = _sessions(colocated)
     off_tokens = sum(len(p) for p, _ in turns)

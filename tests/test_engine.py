@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from pdd.engine.config import EngineConfig
-from pdd.engine.engine import Engine, RequestError
+from pdd.engine_port import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine_port import RequestError
 from pdd.sampling import SamplingParams
 from pdd.kv import codec
 

@@ -43,8 +43,9 @@ from schemathesis import GenerationMode
 from test_messages import SAMPLES
 from test_wire import FIELDS, KEY, OTHER_KEY
 
-from pdd.engine.config import EngineConfig
-from pdd.engine.engine import Engine, RequestError
+from pdd.engine_port import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine_port import RequestError
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.sampling import SamplingParams

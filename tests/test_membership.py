@@ -38,9 +38,10 @@ def _join_main(dep, tmp_path: Path, name: str):
     """Start a new MD in datacenter B on the running deployment: a route across the
     emulated line, a config that lists it, and `pdd serve --join`."""
     conf = cfg.load(dep.run_dir / "deployment.toml")
-    spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(), wan_port=free_port(),
-                            engine=conf.engine)
-    route = f"127.0.0.1:{spec.wan_port}=127.0.0.1:{spec.kv_port}"
+    hop = f"127.0.0.1:{free_port()}"  # callers in A reach it through the emulator
+    spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(),
+                            advertise={conf.link.a: hop}, engine=conf.engine)
+    route = f"{hop}=127.0.0.1:{spec.kv_port}"
     httpx.post(f"{dep.wan_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
     path = tmp_path / "joined.toml"
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))

@@ -18,7 +18,7 @@ SAMPLES = [
     m.Hello("router", router_id="r1"),
     m.Submit("a.0", [1, 2, 3], PARAMS, "r1", "md0", "rld0", False),
     m.Reserve("a.0", [1, 2, 3], PARAMS, "r1", True, "md0"),
-    m.ReserveAck("a.0", 32), m.ReserveAck("a.0", error="full"),
+    m.ReserveAck("a.0", 32), m.ReserveAck("a.0", error="full", busy=True), m.Progress("a.0", "kv"),
     m.KVAck("a.0", 64, True), m.KVDone("a.0", 7, False), m.Ready("a.0"),
     m.Tokens("a.0", 5, [9, 8], "length", 16, 12.5),
     m.PipelineChosen("a.0", "P-RLD-MD", 10, 20, 1234.5, None),
@@ -26,7 +26,7 @@ SAMPLES = [
     m.Handoff("a.0", 0, [1, 2], False, 0, 7, True), m.HandoffAck("a.0", 2), m.HandedOff("a.0", "catch_up", 40, 3),
     m.Abort("a.0"), m.Error("boom", "a.0", True),
     m.CacheUpdate("snapshot", 3, [2**64 - 1, 0], 16),
-    m.Member("md1", "main", "B", "127.0.0.1", 9001, 9002), m.Drain(),
+    m.Member("md1", "main", "B", "127.0.0.1", 9001, {"A": "127.0.0.1:9002"}), m.Drain(),
 ]
 
 
@@ -53,6 +53,9 @@ def test_every_body_round_trips():
     (m.KVDone("a", 1), "emit", 1),
     (m.Tokens("a", 0, [1]), "stall_ms", float("nan")),
     (m.Member("md1", "main", "B", "h", 1), "role", "king"),
+    (m.Member("md1", "main", "B", "h", 1), "advertise", {"A": 9002}),
+    (m.Member("md1", "main", "B", "h", 1), "advertise", ["A", "h:1"]),
+    (m.Member("md1", "main", "B", "h", 1), "advertise", {f"dc{i}": "h:1" for i in range(65)}),
 ])
 def test_bad_fields_are_refused(body, field, value):
     raw = {**m.to_dict(body), field: value}

@@ -9,7 +9,7 @@ from pdd.engine.radix_cache import RadixCache
 from pdd.kv.blocks import block_hashes
 from pdd.model.config import ModelConfig
 
-CFG = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4, 1e-5, 1e4, 512, False, False, False)
+CFG = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4, 1e-5, 512, False, False, False)
 
 
 def _cache(pages: int = 16):

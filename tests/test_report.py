@@ -17,7 +17,8 @@ import pytest
 
 from pdd import demo
 from pdd.bench.report import write_report
-from pdd.bench.summary import RequestRecord, summarize
+from pdd.bench.summary import summarize
+from pdd.record import RequestRecord
 from pdd.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -110,6 +111,7 @@ parser = argparse.ArgumentParser(prog="fake-up")
 parser.add_argument("--mode", choices=["alpha", "beta", "broken"], required=True)
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--config")
+parser.add_argument("--model")
 for line_option in ("--bandwidth-mbps", "--delay-ms", "--jitter-ms"):  # the scenario's line
     parser.add_argument(line_option, type=float, required=True)
 args = parser.parse_args()
@@ -125,6 +127,8 @@ server = subprocess.Popen(
     env={{**os.environ, "PYTHONPATH": {repo!r}}})
 with open({pids!r}, "a") as f:
     f.write(f"{{os.getpid()}} {{server.pid}}\\n")
+with open({pids!r} + ".args", "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
 print(f"fake-up: starting {{args.mode}}", flush=True)
 while True:
     try:
@@ -177,3 +181,32 @@ def test_demo_compares_modes_and_leaves_nothing_running(
     started = [int(p) for line in pids.read_text().splitlines() for p in line.split()]
     assert len(started) == 4  # launcher + server, for alpha and beta
     assert not [pid for pid in started if _running(pid)]
+
+
+def test_demo_fits_its_scenario_to_the_model_and_passes_it_to_every_deployment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_model_dir: Path) -> None:
+    pids = tmp_path / "pids.txt"
+    launcher = tmp_path / "fake_up.py"
+    launcher.write_text(textwrap.dedent(_LAUNCHER).format(tests=str(TESTS), repo=str(REPO), pids=str(pids)))
+    monkeypatch.setattr(demo, "up_command", lambda *args: [sys.executable, str(launcher), *args])
+    model = tmp_path / "short-context"  # the tiny model's weights with a 1,024-token context
+    model.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (model / file.name).symlink_to(file)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+
+    code = main(["demo", "--out", str(tmp_path / "report"), "--modes", "alpha,beta", "--requests", "3",
+                 "--model", str(model), "--quiet"])
+
+    err = capsys.readouterr().err
+    assert code == 0, err
+    meta = json.loads((tmp_path / "report" / "report.json").read_text())["meta"]
+    workload, line = meta["config"]["workload"], meta["config"]["line"]
+    assert workload["max_context"] == 1000 and workload["output_tokens"] == [80, 192]  # x 0.25
+    assert line["bandwidth_mbps"] == 12.5  # the paper line x 0.25: same seconds per full-context miss
+    assert "context 1024 tokens" in meta["scenario_fit"] and meta["scenario_fit"] in " ".join(err.split())
+    assert "--model" in meta["command"] and meta["config"]["model"] == str(model)
+    launched = (tmp_path / "pids.txt.args").read_text().splitlines()
+    assert len(launched) == 2 and all(f"--model {model}" in args for args in launched)

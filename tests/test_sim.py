@@ -22,7 +22,7 @@ from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome
 from pdd.sim.hardware import line
 from pdd.sim.link import SharedLink
 from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
-from pdd.transfer.messages import CATCH_UP, ONE_SHOT, P_MD, P_RLD, P_RLD_MD
+from pdd.names import HandoffMode, Pipeline
 
 REQUESTS = 300
 KVB = paper.MODEL.kv_bytes_per_token
@@ -266,7 +266,8 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
                 # PDD only: a faster line lets P choose P-MD for a delta that went through the
                 # relay on a slower line. By design that first token may come later than the
                 # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
-                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (P_RLD_MD, P_MD), (key, slow, fast)
+                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), \
+                    (key, slow, fast)
                 assert fast.ttft_s <= slow.ttft_s + budget + 1e-9, (key, slow, fast)
 
 
@@ -295,7 +296,7 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
             # Back to back, the second turn can arrive before the first's KV (or the relay's
             # fill of its output) has landed at MD: its reservation waits for it, so it may
             # go through the relay, but sends only the tail. Every later one goes P-MD.
-            assert o.pipeline == P_MD or (sessions is again and o.turn == 1), o
+            assert o.pipeline == Pipeline.P_MD or (sessions is again and o.turn == 1), o
             assert o.d_hit == prompt - tail, o
             assert o.wan_bytes == tail * KVB, o
             assert o.wan_bytes <= BLOCK * KVB, o
@@ -306,14 +307,14 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
 # Each decision the simulator makes, the module that calls it, and the live code that
 # calls the very same function.
 POLICIES = {
-    "plan_request": ("pdd.sim.cluster", "pdd.router.backend"),
-    "anomaly_rule": ("pdd.sim.cluster", "pdd.router.backend"),
+    "plan_request": ("pdd.sim.cluster", "pdd.router.planning"),
+    "anomaly_rule": ("pdd.sim.cluster", "pdd.router.planning"),
     "choose_pipeline": ("pdd.sim.cluster", "pdd.instance.prefill"),
     "answer_wait_s": ("pdd.sim.cluster", "pdd.instance.prefill"),
     "kv_range": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "observe_rate": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "observe_rtt": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "reserve_retry_delay": ("pdd.sim.cluster", "pdd.instance.receiver"),
+    "observe_rate": ("pdd.sim.cluster", "pdd.policy.transfer"),  # what the live P's LineMeter calls
+    "observe_rtt": ("pdd.sim.cluster", "pdd.policy.transfer"),
+    "reserve_retry_delay": ("pdd.sim.cluster", "pdd.instance.reservations"),
     "choose_handoff": ("pdd.sim.relayed", "pdd.instance.relay"),
     "cut_over": ("pdd.sim.relayed", "pdd.instance.relay"),
 }
@@ -326,7 +327,6 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
     import importlib
 
     import pdd.instance.receiver as receiver
-    import pdd.sim.cluster as cluster
 
     calls: dict[str, int] = {}
     for name, (sim_module, live_module) in POLICIES.items():
@@ -338,8 +338,9 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
             return _f(*args, **kwargs)
 
         monkeypatch.setattr(sim, name, spy)
-    assert cluster.RESERVE_WAIT_S == receiver.RESERVE_WAIT_S
-    assert cluster.PREFIX_WAIT_S == receiver.PREFIX_WAIT_S
+    import pdd.sim.cluster as cluster
+
+    assert cluster.PREFIX_WAIT_S is receiver.PREFIX_WAIT_S
     for name in ("pdd", "pdd, tight MD pool"):
         _run(*SCENARIOS[name])
     assert set(calls) == set(POLICIES), f"never called: {sorted(set(POLICIES) - set(calls))}"
@@ -353,7 +354,7 @@ def test_anomalous_request_runs_wholly_on_the_relay() -> None:
     cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(prompt, 32),), 0, anomalous=True)])
     (o,) = cluster.outcomes
     assert o.failed is None and o.anomalous
-    assert o.pipeline == P_RLD
+    assert o.pipeline == Pipeline.P_RLD
     assert o.tokens == o.rld_tokens == 32 and o.md_tokens == 0
     assert o.wan_bytes == 0 and o.handoff is None
     # its prefill ran on the relay, not on P's queue; the main instances saw nothing
@@ -374,13 +375,13 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     session = SimSession(0, 0.0, (SimTurn(prompt, output), SimTurn(prompt + output + 1_000, 32)), 0)
     first, second = sorted(_run(spec, [session]).outcomes, key=lambda o: o.turn)
     assert first.failed is None and not first.anomalous
-    assert first.pipeline == P_RLD_MD
-    assert first.handoff in (ONE_SHOT, CATCH_UP)
+    assert first.pipeline == Pipeline.P_RLD_MD
+    assert first.handoff in (HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP)
     assert first.handoff_tokens >= 1 and first.md_tokens >= 1
     assert first.rld_tokens + first.md_tokens == first.tokens == output
     assert first.wan_bytes == prompt * KVB
     assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
-    assert second.failed is None and not second.anomalous and second.pipeline == P_MD
+    assert second.failed is None and not second.anomalous and second.pipeline == Pipeline.P_MD
     assert second.d_hit >= prompt
 
 

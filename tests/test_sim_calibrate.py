@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 from pdd.sim.calibrate import measure
 from pdd.sim.fit import _nnls, fit
 from pdd.sim.profile import LocalProfile, load_profile, profile_to_json

@@ -141,7 +141,8 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
     args = parser.parse_args(["--max-gpus", "16", "--line-gbps", "100", "--hardware", "B", "--requests", "20",
-                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--top", "2", "--workers", "1", "--out", str(out),
+                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--top", "2", "--workers", "1",
+                              "--out", str(out),
                               "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out

@@ -11,6 +11,7 @@ import pytest
 
 from pdd.workload.agentic import AgenticConfig, estimate_hits, iter_sessions, plan_sessions
 from pdd.workload.mooncake import MooncakeConfig, load_trace, scaled_lengths, trace_sessions
+from pdd.workload.scenarios import SCENARIOS, TINY_KV_BYTES_PER_TOKEN, fit_scenario
 
 # 35 unchanged lines of the published Mooncake conversation trace (tests/data/README.md):
 # in the checkout, so the test never depends on a file a clean CI checkout lacks
@@ -42,6 +43,32 @@ def test_token_ids_stay_in_the_allowed_range():
     config = AgenticConfig(seed=2, vocab_size=300, low_id=20)
     ids = [i for s in plan_sessions(config, 400) for t in s.turns for i in t.append_ids]
     assert min(ids) >= 20 and max(ids) < 300
+
+
+def test_scenarios_are_fitted_to_the_served_model():
+    paper = SCENARIOS["paper"]
+    same, note = fit_scenario(paper, 4096, 4096, TINY_KV_BYTES_PER_TOKEN)
+    assert same == paper and "as published" in note  # the tiny model: the published arithmetic, unchanged
+    # half the context, 12x the KV per token, a bigger vocabulary
+    fitted, note = fit_scenario(paper, 2048, 49152, 12 * TINY_KV_BYTES_PER_TOKEN)
+    w = fitted.workload
+    assert (w.max_context, w.system_prompt_tokens, w.task_tokens, w.output_tokens) == (2000, 64, (150, 400), (160, 384))
+    assert w.vocab_size == 49152 and w.turns == paper.workload.turns
+    assert fitted.bandwidth_mbps == pytest.approx(paper.bandwidth_mbps * 6)  # x 12 KV, x 0.5 context
+    assert "2048" in note and "300 Mbit/s" in note
+    # a full-context miss still takes the line as long as with the tiny model
+    assert (w.max_context * 12 * TINY_KV_BYTES_PER_TOKEN / fitted.bandwidth_mbps
+            == pytest.approx(paper.workload.max_context * TINY_KV_BYTES_PER_TOKEN / paper.bandwidth_mbps))
+    for context in (256, 512, 1000):  # small contexts still make valid, fitting workloads
+        for scenario in SCENARIOS.values():
+            w = fit_scenario(scenario, context, 1000, TINY_KV_BYTES_PER_TOKEN)[0].workload
+            sessions = plan_sessions(w, 60)
+            assert w.max_context <= context and max(i for s in sessions for t in s.turns for i in t.append_ids) < 1000
+            for session in sessions:
+                used = 0
+                for turn in session.turns:
+                    used += len(turn.append_ids) + turn.max_tokens
+                    assert used <= w.max_context
 
 
 def test_hit_rates_are_skewed_like_the_paper():

@@ -49,13 +49,17 @@ class AdmissionGate:
     def waiting(self) -> int:
         return len(self._line)
 
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait before coming back, from recent service times."""
+        return retry_after_s(self.waiting, self.limits.max_running, self.mean_service_s)
+
     async def enter(self) -> Slot:
         """A slot, after waiting in line if need be; ApiError 429 when the line is full."""
         decision = admit(self.running, self.waiting, self.limits)
         if decision == SHED:
             self.shed += 1
             self._shed.inc()
-            after = retry_after_s(self.waiting, self.limits.max_running, self.mean_service_s)
+            after = self.retry_after()
             raise ApiError(429, f"the server is at capacity ({self.running} running, {self.waiting} waiting); "
                                 f"retry after {after} s", "rate_limit_exceeded", code="overloaded",
                            headers={"Retry-After": str(after)})

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdd.api.backend import Load
+from pdd.policy.transfer import LinkEstimate
 from pdd.transfer.wire import REJECTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -32,3 +34,22 @@ class ServingMetrics:
         Gauge("pdd_rejected_frames", "Inter-instance frames rejected (bad MAC, length, garbage)",
               registry=r).set_function(REJECTS.total)
         Gauge("pdd_prefix_cache_pages", "KV pages held by the prefix cache", registry=r).set_function(lambda: load().cached_pages)
+
+
+class LineMetrics:
+    """What a prefill instance has measured of the path to each datacenter it sends KV
+    to (`pdd.policy.transfer`), read at scrape time: the rate its pipeline choice
+    assumes, to set beside the line's nominal rate and the KV bytes crossing it."""
+
+    def __init__(self, lines: Callable[[], Mapping[str, LinkEstimate]]) -> None:
+        self._lines = lines
+
+    def collect(self) -> Iterator[Metric]:
+        rate = GaugeMetricFamily("pdd_line_bandwidth_bytes_per_second", "Measured rate of the path to a datacenter",
+                                 labels=["dc"])
+        delay = GaugeMetricFamily("pdd_line_one_way_delay_seconds", "Measured one-way delay to a datacenter",
+                                  labels=["dc"])
+        for dc, est in dict(self._lines()).items():
+            rate.add_metric([dc], est.bytes_per_s)
+            delay.add_metric([dc], est.one_way_s)
+        yield from (rate, delay)

@@ -23,7 +23,7 @@ from typing import Any
 from pdd.workload.types import Session
 
 # in-process benchmarks: target -> the module that registers its options and runs it
-_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff"}
+_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff", "flood": "pdd.bench.flood"}
 
 
 def _workload(value: str) -> tuple[str, Path | None]:
@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         importlib.import_module(module).add_arguments(parser)
     parser.add_argument("target", nargs="?", choices=("serve", *_IN_PROCESS), default="serve",
                         help="serve: a live OpenAI-compatible server (default); engine: one engine "
-                             "in-process; handoff: shipping a handoff's KV against recomputing it")
+                             "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
+                             "--requests distinct requests at once against --url, every outcome counted")
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
     parser.add_argument("--workload", type=_workload, default=("agentic", None),
                         metavar="agentic|mooncake:PATH", help="default: agentic")
@@ -68,11 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "the smallest scale from 16 up at which the trace fits the served model's context")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="mooncake: divide arrival times by this")
-    parser.add_argument("--vocab-size", type=int, default=4096,
-                        help="prompt token IDs are drawn below this; match the model")
+    parser.add_argument("--vocab-size", type=int,
+                        help="prompt token IDs are drawn below this (default: the served model's vocabulary, "
+                             "from /v1/models; 4096 if it does not say)")
     parser.add_argument("--max-context", type=int,
-                        help="cap on prompt + output tokens (agentic: the scenario's; "
-                             "mooncake: the served model's context)")
+                        help="cap on prompt + output tokens (default: agentic, the scenario's, its lengths scaled "
+                             "down to a served context shorter than the tiny model's; mooncake, the served context)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=lambda args: _run(parser, args))
@@ -93,23 +95,30 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
-    """The sessions to replay and the workload settings that produced them."""
+    """The sessions to replay and the workload settings that produced them, fitted to
+    the served model (its vocabulary, its context) unless the options say otherwise."""
     kind, path = args.workload
     cap = {} if args.max_context is None else {"max_context": args.max_context}
+    served = served_model(args.url)
+    vocab = args.vocab_size or served.get("vocab_size") or 4096
+    context = served.get("max_model_len")
     if kind == "agentic":
         from dataclasses import replace
 
         from pdd.workload.agentic import plan_sessions
-        from pdd.workload.scenarios import SCENARIOS
-        config = replace(SCENARIOS[args.scenario].workload, seed=args.seed, vocab_size=args.vocab_size, **cap)
+        from pdd.workload.scenarios import SCENARIOS, fit_workload
+        config = replace(SCENARIOS[args.scenario].workload, seed=args.seed, vocab_size=vocab, **cap)
+        if context is not None and not cap:
+            config, scale = fit_workload(config, context, vocab)
+            if scale < 1:
+                print(f"pdd bench: the served context is {context} tokens: scenario {args.scenario}'s lengths "
+                      f"x {scale:.3g}, contexts up to {config.max_context}", file=sys.stderr)
         sessions = plan_sessions(config, args.requests, args.rate)
         return sessions, {"kind": kind, "scenario": args.scenario, **asdict(config)}
     from pdd.workload.mooncake import MooncakeConfig, fit_to_context, load_trace, trace_sessions
     records = load_trace(path, limit=args.requests)
-    base = MooncakeConfig(scale=args.scale or 16, time_scale=args.time_scale, seed=args.seed,
-                          vocab_size=args.vocab_size, **cap)
+    base = MooncakeConfig(scale=args.scale or 16, time_scale=args.time_scale, seed=args.seed, vocab_size=vocab, **cap)
     if args.scale is None and args.max_context is None:
-        context = served_context(args.url)
         if context is None:
             print("pdd bench: the server does not say its context length; mooncake lengths / 16, uncut",
                   file=sys.stderr)
@@ -120,17 +129,18 @@ def _plan(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     return sessions, {"kind": kind, "path": str(path), **asdict(base)}
 
 
-def served_context(url: str) -> int | None:
-    """The served model's context (`max_model_len` of /v1/models, as vLLM reports it)."""
+def served_model(url: str) -> dict[str, int]:
+    """What /v1/models says of the served model: `max_model_len` (as vLLM reports it) and
+    `vocab_size` (a pdd extension); {} from a server that does not answer."""
     import httpx
 
     from pdd.bench.client import base_url
 
     try:
         data = httpx.get(f"{base_url(url)}/v1/models", timeout=10).json()["data"][0]
-        return int(data["max_model_len"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
+        return {}
+    return {key: int(data[key]) for key in ("max_model_len", "vocab_size") if isinstance(data.get(key), int)}
 
 
 def _bench(args: argparse.Namespace, sessions: list[Session], workload: dict[str, Any]) -> int:

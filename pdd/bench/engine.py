@@ -23,11 +23,13 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd.deploy import free_port, wait_http
+from pdd.engine_port import EnginePort, engine_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a fresh tiny model)")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument("--engine", choices=engine_names(), default="embedded", help="engine backend (engine, handoff)")
     p.add_argument("--skip-http", action="store_true", help="measure the engine only")
     p.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the served instance")
 
@@ -36,42 +38,53 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 4000) for _ in range(n)]
 
 
-def engine_numbers(model_dir: str, repeats: int) -> dict[str, float]:
-    from pdd.engine.config import EngineConfig
-    from pdd.engine.engine import Engine
+def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded") -> dict[str, float]:
+    """Prefill and decode throughput of one engine, through the engine port (any backend)."""
+    from pdd.engine_port import EngineConfig, open_engine
+
+    engine = open_engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64,
+                                                 backend=backend))
+    try:
+        return asyncio.run(_engine_numbers(engine, repeats))
+    finally:
+        engine.close()
+
+
+async def _engine_numbers(engine: EnginePort, repeats: int) -> dict[str, float]:
     from pdd.sampling import SamplingParams
 
-    engine = Engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64))
     rng = random.Random(0)
+    counter = iter(range(1 << 30))
 
-    def prefill_seconds(prompt: list[int]) -> float:
-        t = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1))
-        elapsed = time.perf_counter() - t
-        engine.flush_cache()
-        return elapsed
+    async def run(prompt: list[int], max_tokens: int) -> list[float]:
+        """When each output token came (perf_counter seconds)."""
+        times = []
+        async for out in engine.generate(f"b{next(counter)}", prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                     ignore_eos=True)):
+            if out.token is not None:
+                times.append(time.perf_counter())
+        return times
 
-    def decode_seconds(prompts: list[list[int]], steps: int) -> float:
-        for i, p in enumerate(prompts):
-            engine.add_request(f"d{i}", p, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-        engine.step()  # the prefills, not timed
+    async def prefill_seconds(prompt: list[int]) -> float:
         t = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        elapsed = time.perf_counter() - t
-        engine.flush_cache()
-        return elapsed
+        await run(prompt, 1)
+        return time.perf_counter() - t
+
+    async def decode_seconds(prompts: list[list[int]], steps: int) -> float:
+        """From the batch's last first token to its last token: decode steps only."""
+        times = await asyncio.gather(*(run(p, steps + 1) for p in prompts))
+        return max(t[-1] for t in times) - max(t[0] for t in times)
 
     out: dict[str, float] = {}
     for n in (512, 2048):
-        prompt = _prompt(rng, n)
-        prefill_seconds(prompt)  # warm-up
-        out[f"prefill_{n}_tok_s"] = n / statistics.median(prefill_seconds(prompt) for _ in range(repeats))
+        await prefill_seconds(_prompt(rng, n))  # warm-up
+        seconds = [await prefill_seconds(_prompt(rng, n)) for _ in range(repeats)]  # fresh prompts: no cache hit
+        out[f"prefill_{n}_tok_s"] = n / statistics.median(seconds)
     steps = 64
     for batch in (1, 8, 32):
-        prompts = [_prompt(rng, 128) for _ in range(batch)]
-        decode_seconds(prompts, steps)  # warm-up
-        out[f"decode_batch{batch}_tok_s"] = batch * steps / statistics.median(decode_seconds(prompts, steps) for _ in range(repeats))
+        await decode_seconds([_prompt(rng, 128) for _ in range(batch)], steps)  # warm-up
+        seconds = [await decode_seconds([_prompt(rng, 128) for _ in range(batch)], steps) for _ in range(repeats)]
+        out[f"decode_batch{batch}_tok_s"] = batch * steps / statistics.median(seconds)
     return out
 
 
@@ -131,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             from pdd.model.tiny import make_tiny
 
             model_dir = str(make_tiny(Path(tmp) / "tiny"))
-        results = engine_numbers(model_dir, args.repeats)
+        results = engine_numbers(model_dir, args.repeats, args.engine)
         if not args.skip_http:
             results.update(http_numbers(model_dir, args.repeats, args.threads))
     table = Table(title=f"pdd bench engine ({Path(model_dir).name}, {args.threads} torch thread(s))")

@@ -21,11 +21,13 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from pdd.engine_port import EnginePort, StepOutput
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wan import Route, WanLine, WanRelay
@@ -82,68 +84,105 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
 
 
 def measure(model_dir: str, args: argparse.Namespace) -> dict:
-    from pdd.engine.config import EngineConfig
-    from pdd.engine.engine import Engine
+    from pdd.engine_port import EngineConfig, open_engine
+
+    config = EngineConfig(num_pages=8192, max_batch_tokens=args.context_tokens + args.handoff_tokens + 64,
+                          backend=getattr(args, "engine", "embedded"))
+    engine = open_engine(model_dir, config)
+    try:
+        return asyncio.run(_measure(engine, args))
+    finally:
+        engine.close()
+
+
+async def _drain(stream: AsyncIterator[StepOutput]) -> list[int]:
+    return [out.token async for out in stream if out.token is not None]
+
+
+async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
+    """Everything through the engine port, so any backend is measured alike."""
     from pdd.kv import codec
     from pdd.sampling import SamplingParams
 
     n, k = args.context_tokens, args.handoff_tokens
-    engine = Engine(model_dir, EngineConfig(num_pages=8192, max_batch_tokens=n + k + 64))
     rng = random.Random(0)
     prompt = [rng.randrange(16, 4000) for _ in range(n)]
-    tokens = engine.generate([prompt], SamplingParams(max_tokens=k, ignore_eos=True))[0]  # what a relay produced
-    engine.add_request("kv", prompt + tokens, SamplingParams(max_tokens=1), hold=True)  # their KV, held for export
-    while engine.has_work():
-        engine.step()
+    tokens = await _drain(engine.generate("relay", prompt, SamplingParams(max_tokens=k, ignore_eos=True)))
+    # their KV, held for export: what the relay holds when it hands over
+    await _drain(engine.generate("kv", prompt + tokens, SamplingParams(max_tokens=1), hold=True))
 
     # 1. ship the handed-over tokens' KV: the frames P would send, through the line, then import
-    encoded = [codec.encode(layer) for layer in codec.split_layers(engine.export_kv("kv", n, n + k))]
+    encoded = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", n, n + k))]
     payloads = [wire.pack_with_header(m.to_dict(m.KVLayer("bench")), e) for e in encoded]
     wire_bytes = sum(len(p) + wire.HEADER.size + wire.TAG_SIZE for p in payloads)
     line = WanLine(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, seed=None)
-    ship = asyncio.run(_ship(payloads, line, args.trials))
+    ship = await _ship(payloads, line, args.trials)
     head = (prompt + tokens)[: k + 1]  # a same-sized range at the start, to import into a fresh reservation
-    head_blob = [codec.encode(layer) for layer in codec.split_layers(engine.export_kv("kv", 0, k))]
+    head_blob = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", 0, k))]
     copy = []
     for _ in range(args.trials):
-        engine.reserve("imp", head, SamplingParams(max_tokens=1), use_cache=False)
+        await engine.reserve("imp", head, SamplingParams(max_tokens=1), use_cache=False)
         start = time.perf_counter()
-        engine.import_kv("imp", codec.join_layers([codec.decode(b) for b in head_blob]))
+        await engine.import_kv("imp", codec.join_layers([codec.decode(b) for b in head_blob]))
         copy.append(time.perf_counter() - start)
-        engine.release("imp")
+        await engine.release("imp")
 
-    # 2. recompute them on MD: one extend step over the prompt's KV, alone and in a decode batch
-    prompt_kv = engine.export_kv("kv", 0, n)
-    engine.release("kv")
+    # 2. recompute them on MD: one extend over the prompt's KV, alone and beside decoding sequences
+    prompt_kv = await engine.export_kv("kv", 0, n)
+    await engine.release("kv")
 
-    def extend_step(batch: int) -> tuple[float, float]:
-        """(seconds of the step with the extend, of the decode step before it)."""
-        engine.reserve("md", prompt, SamplingParams(max_tokens=k + 1, ignore_eos=True), use_cache=False)
-        engine.import_kv("md", prompt_kv)
-        start = time.perf_counter()
-        engine.step()
-        plain = time.perf_counter() - start if batch else 0.0
-        engine.start("md", tokens)
-        start = time.perf_counter()
-        engine.step()
-        extended = time.perf_counter() - start
-        engine.abort("md")
-        return extended, plain
+    async def extend_s() -> float:
+        """From handing MD the tokens to its next token: the extend's step."""
+        await engine.reserve("md", prompt, SamplingParams(max_tokens=k + 1, ignore_eos=True), use_cache=False)
+        await engine.import_kv("md", prompt_kv)
+        stream = engine.watch("md")
+        try:
+            start = time.perf_counter()
+            await engine.start("md", tokens)
+            async for out in stream:
+                if out.token is not None:
+                    return time.perf_counter() - start
+            raise RuntimeError("the extend produced no token")
+        finally:
+            stream.close()
+            engine.abort("md")
 
-    alone = [extend_step(0)[0] for _ in range(args.trials)]
-    for i in range(args.batch):
-        engine.add_request(f"b{i}", [rng.randrange(16, 4000) for _ in range(200)],
-                           SamplingParams(max_tokens=1000, ignore_eos=True))
-    engine.step()  # their prefills
-    batched = [extend_step(args.batch) for _ in range(args.trials)]
+    alone = [await extend_s() for _ in range(args.trials)]
+    gaps: list[float] = []  # between the decoding batch's tokens: one decode step each
+
+    async def decoder(i: int) -> None:
+        last = None
+        async for out in engine.generate(f"b{i}", [rng.randrange(16, 4000) for _ in range(200)],
+                                         SamplingParams(max_tokens=engine.max_context - 200, ignore_eos=True)):
+            now = time.perf_counter()
+            if i == 0 and last is not None:
+                gaps.append(now - last)
+            last = now
+
+    decoders = [asyncio.ensure_future(decoder(i)) for i in range(args.batch)]
+    try:
+        while len(gaps) < 3:  # every decoder prefilled and decoding
+            await asyncio.sleep(0.05)
+            for task in decoders:
+                if task.done():
+                    task.result()  # a decoder that failed says why
+        batched, plain = [], []
+        for _ in range(args.trials):
+            before = len(gaps)
+            batched.append(await extend_s())
+            plain.extend(gaps[max(0, before - 3):before])
+    finally:
+        for task in decoders:
+            task.cancel()
+        await asyncio.gather(*decoders, return_exceptions=True)
     return {
         "handoff_tokens": k, "context_tokens": n, "batch": args.batch,
         "line": {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms},
         "ship": {"bytes": wire_bytes, **_stats(ship)},
         "copy": _stats(copy),
         "recompute_alone": _stats(alone),
-        "recompute_in_batch": _stats([e for e, _ in batched]),
-        "decode_step_in_batch": _stats([p for _, p in batched]),
+        "recompute_in_batch": _stats(batched),
+        "decode_step_in_batch": _stats(plain),
     }
 
 

@@ -9,65 +9,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 from rich.table import Table
 
-PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
-HANDOFFS = ("one_shot", "catch_up")
+from pdd.names import PDD_PIPELINES, HandoffMode
+from pdd.record import RequestRecord
+
+PIPELINES = PDD_PIPELINES
+HANDOFFS = tuple(HandoffMode)
 LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms")
-
-
-@dataclass
-class RequestRecord:
-    """What the client measured for one request; failed requests are records too.
-
-    Times are milliseconds, `start_s` is seconds since the run started (None for a turn
-    never sent because an earlier turn of its session failed). `e2e_ms` of a failed
-    request is the time until it failed, so the run's duration includes it. Hits come
-    from the server's `pdd` record, or from `cached_tokens` when the server has none.
-    """
-
-    id: str
-    session: int
-    turn: int
-    start_s: float | None
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-    max_itl_ms: float | None = None
-    cached_tokens: int = 0
-    pipeline: str | None = None
-    p_hit_tokens: int = 0
-    d_hit_tokens: int = 0
-    wan_bytes: int = 0
-    rld_output_tokens: int = 0
-    md_output_tokens: int = 0
-    handoff: str | None = None
-    handoff_tokens: int = 0  # tokens the relay handed over by ID
-    handoff_stall_ms: float | None = None  # MD's extend stall at the handoff
-    fallback: str | None = None  # what the request survived, or how it ended off plan
-    anomalous: bool = False  # the workload made it anomalous (long input, short output)
-    anomaly_filtered: bool = False  # the router's filter kept it on the relay
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RequestRecord:
-        """Rebuild a record from `to_dict` output (e.g. a bench JSON file); unknown keys
-        are ignored so files from newer versions still load."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    @property
-    def completed(self) -> bool:
-        return self.error is None
 
 
 def _stats(values: list[float | None]) -> dict[str, float | None]:
@@ -131,7 +83,7 @@ def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
         "handoffs": handoffs,
         "handoff_tokens": sum(r.handoff_tokens for r in done),
         "handoff_stall_ms": _stats([r.handoff_stall_ms for r in done]),
-        "anomaly_filtered": sum(r.anomaly_filtered for r in done),
+        "anomaly_filtered": sum(r.anomalous for r in done),
         "fallbacks": dict(sorted(fallbacks.items())),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,

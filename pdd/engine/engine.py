@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from pdd.engine.attention import PagedAttention
-from pdd.engine.config import EngineConfig
-from pdd.engine.kv_pool import KVPool, OutOfPages
+from pdd.engine.kv_pool import KVPool
 from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
@@ -25,19 +24,10 @@ from pdd.engine.sequence import Sequence, Status
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.model.loader import load_model
+from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.sampling import SamplingParams
 
 HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    rid: str
-    token: int | None  # the token sampled this step, if any
-    finish_reason: str | None
-    cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
-    position: int = -1  # output position of `token` (0: the first generated token)
-    caught_up: int | None = None  # a shadow sequence computed every given token: how many outputs it holds
 
 
 @dataclass
@@ -50,10 +40,6 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0  # requests stopped before their end (a client left, a peer failed)
     extra: dict[str, int] = field(default_factory=dict)
-
-
-class RequestError(ValueError):
-    """A request this engine can never serve (too long, duplicate id, ...)."""
 
 
 class Engine:

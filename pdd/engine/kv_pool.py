@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pdd.engine_port import OutOfPages
 from pdd.model.config import ModelConfig
-
-
-class OutOfPages(RuntimeError):
-    pass
 
 
 class KVPool:

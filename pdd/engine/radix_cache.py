@@ -21,12 +21,12 @@ CacheEvent = tuple[str, list[int]]  # ("stored" | "removed", block hashes)
 
 
 @dataclass(eq=False)
-class Node:
+class TreeNode:
     key: tuple[int, ...]
     page: int
-    parent: "Node | None"
+    parent: "TreeNode | None"
     hash: int
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -34,7 +34,7 @@ class Node:
 @dataclass
 class Match:
     pages: list[int]
-    node: Node  # deepest matched node (the root when nothing matched)
+    node: TreeNode  # deepest matched node (the root when nothing matched)
 
     @property
     def num_pages(self) -> int:
@@ -45,7 +45,7 @@ class RadixCache:
     def __init__(self, pool: KVPool, on_event: Callable[[CacheEvent], None] | None = None) -> None:
         self.pool = pool
         self.page_size = pool.page_size
-        self.root = Node(key=(), page=-1, parent=None, hash=ROOT_HASH)
+        self.root = TreeNode(key=(), page=-1, parent=None, hash=ROOT_HASH)
         self.on_event = on_event
         self._clock = itertools.count(1)
         self.cached_pages = 0
@@ -69,18 +69,18 @@ class RadixCache:
             pages.append(child.page)
         return Match(pages, node)
 
-    def lock(self, node: Node) -> None:
+    def lock(self, node: TreeNode) -> None:
         while node is not self.root and node is not None:
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: Node) -> None:
+    def unlock(self, node: TreeNode) -> None:
         while node is not self.root and node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> Node:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
         """Take ownership of the full pages of `tokens`; duplicates go back to the pool.
 
         Returns the deepest node of the inserted path.
@@ -90,7 +90,7 @@ class RadixCache:
         for key, page in zip(self._pages(tokens), pages):
             child = node.children.get(key)
             if child is None:
-                child = Node(key=key, page=page, parent=node, hash=chain_hash(node.hash, key))
+                child = TreeNode(key=key, page=page, parent=node, hash=chain_hash(node.hash, key))
                 node.children[key] = child
                 self.cached_pages += 1
                 stored.append(child.hash)

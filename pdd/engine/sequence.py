@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdd.engine.radix_cache import Node
+from pdd.engine.radix_cache import TreeNode
 from pdd.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose KV is in `pages`
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    cache_node: Node | None = None  # locked path in the radix cache
+    cache_node: TreeNode | None = None  # locked path in the radix cache
     finish_reason: str | None = None
     hold: bool = False  # keep pages after finishing (prefill side exports them)
     want_logits: bool = False  # keep the logits of every computed position of the next step

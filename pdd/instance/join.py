@@ -22,7 +22,7 @@ ATTEMPTS = 120
 
 async def register(dep: Deployment, spec: InstanceSpec) -> bool:
     """Register `spec` with the router of `dep`; whether the router took it."""
-    url = f"http://{dep.router.host}:{dep.router.port}{ADMIN_PREFIX}instances"
+    url = f"{dep.router.url}{ADMIN_PREFIX}instances"
     headers = {"Authorization": f"Bearer {admin_token(dep.secret)}"}
     async with httpx.AsyncClient(timeout=10.0) as client:
         for _ in range(ATTEMPTS):

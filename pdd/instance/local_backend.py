@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
-from pdd.engine.engine import RequestError
-from pdd.instance.engine_port import EnginePort
+from pdd.engine_port import EnginePort, RequestError
+from pdd.names import Pipeline
+from pdd.record import RequestRecord
 from pdd.transfer.wire import REJECTS
 
 
 class LocalBackend:
-    def __init__(self, engine: EnginePort) -> None:
+    def __init__(self, engine: EnginePort, node_stats: Callable[[], dict] | None = None) -> None:
         self.engine = engine
         self.max_context = engine.max_context
+        self._node_stats = node_stats  # the framed node's counts (a P/D instance)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
         try:
@@ -31,10 +33,8 @@ class LocalBackend:
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
-                event.record = {
-                    "pipeline": "colocated", "p_hit_tokens": out.cached_tokens, "d_hit_tokens": out.cached_tokens,
-                    "wan_bytes": 0, "rld_output_tokens": 0, "md_output_tokens": produced, "handoff": None,
-                }
+                event.record = RequestRecord(pipeline=Pipeline.COLOCATED, p_hit_tokens=out.cached_tokens,
+                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced)
             yield event
 
     def load(self) -> Load:
@@ -53,4 +53,5 @@ class LocalBackend:
             "engine": self.engine.stats(),
             "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),
+            **({"node": self._node_stats()} if self._node_stats else {}),
         }

@@ -3,8 +3,8 @@
 Routers connect to every instance (requests in, tokens and cache events out); other
 instances connect to the decode side (KV in, replies out). The node authenticates the
 connection, reads typed bodies (`pdd.transfer.messages`) and hands them to the role
-object that owns the requests: `PrefillRole` (P), `RelayRole` (RLD), `MainRole` (MD)
-or `StandaloneRole`. A role never touches sockets beyond sending on them.
+object that owns the requests (`pdd.instance.roles`), which sees the node only as a
+`pdd.instance.host.Host`. A role never touches sockets beyond sending on them.
 """
 
 from __future__ import annotations
@@ -13,57 +13,26 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from pdd.config import ROLES, Deployment, InstanceSpec
-from pdd.instance.engine_port import EnginePort
+from pdd.engine_port import EnginePort
+from pdd.instance.host import Host, Role, Tombstones
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
+from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 DRAIN_QUIET_S = 1.0
-MAX_TOMBSTONES = 4096
-
-
-class Role(Protocol):
-    async def on_router(self, router_id: str, body: Any) -> None:
-        """A body from a router (SUBMIT, ABORT, a takeover HANDOFF)."""
-
-    def held(self) -> int:
-        """Requests this instance holds now (what `max_requests` bounds)."""
-
-    async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
-        """A frame from another instance that connected here."""
-
-    def peer_lost(self, name: str) -> None:
-        """A connection from another instance (by its name) is gone."""
-
-    def router_lost(self, router_id: str) -> None:
-        """A router is gone: nobody will read its requests' tokens."""
-
-
-class Tombstones:
-    """Recently ended request ids, so a request that arrives after its abort never runs."""
-
-    def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
-        self._ids: dict[str, None] = {}
-        self._limit = limit
-
-    def add(self, rid: str) -> None:
-        self._ids[rid] = None
-        while len(self._ids) > self._limit:
-            del self._ids[next(iter(self._ids))]
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._ids
 
 
 class Node:
-    def __init__(self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes) -> None:
+    def __init__(self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes,
+                 make_role: Callable[[Host], Role]) -> None:
         self.spec = spec
         self.dep = dep
         self.engine = engine
@@ -73,8 +42,9 @@ class Node:
         self.aborted = Tombstones()
         self.server: asyncio.Server | None = None
         self._tasks = Tasks()
-        self.role: Role = _make_role(self)
+        self.role: Role = make_role(self)
         self.draining = False
+        self.peak_held = 0  # the most requests held at once (a relay must stay within its batch)
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
 
     async def start(self) -> None:
@@ -88,9 +58,7 @@ class Node:
         self._tasks.cancel_all()
         for conn in self.routers.values():
             conn.close()
-        close = getattr(self.role, "close", None)
-        if close:
-            close()
+        self.role.close()
 
     # ---- membership --------------------------------------------------------------------
     def _learn(self, member: m.Member) -> None:
@@ -99,7 +67,7 @@ class Node:
             log.warning("ignoring member %s with role %r", member.name, member.role)
             return
         spec = InstanceSpec(member.name, member.role, member.dc, member.host, kv_port=member.kv_port,
-                            wan_port=member.wan_port, engine=self.dep.engine)
+                            advertise=dict(member.advertise), engine=self.dep.engine)
         others = tuple(i for i in self.dep.instances if i.name != member.name)
         self.dep = replace(self.dep, instances=(*others, spec))
 
@@ -130,6 +98,15 @@ class Node:
     def full(self) -> bool:
         """Whether a new request would take this instance past `max_requests`."""
         return self.role.held() >= self.spec.engine.max_requests
+
+    def took(self) -> None:
+        """A role took a request: keep the high-water mark."""
+        self.peak_held = max(self.peak_held, self.role.held())
+
+    def stats(self) -> dict:
+        waiting = getattr(self.role, "line", None)
+        return {"role": self.spec.role, "held": self.role.held(), "peak_held": self.peak_held,
+                "reservations_waiting": len(waiting) if waiting is not None else 0}
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self._tasks.spawn(coro)
@@ -174,7 +151,7 @@ class Node:
             return
         if hello.role == "router" and hello.router_id:
             await self._serve_router(conn, hello.router_id)
-        elif hello.role in ("prefill", "relay") and self.spec.role in ("relay", "main"):
+        elif hello.role in (RoleName.PREFILL, RoleName.RELAY) and self.spec.role in (RoleName.RELAY, RoleName.MAIN):
             await self._serve_peer(conn, hello.name, hello.channel)
         else:
             await self.send(conn, m.Error(f"{self.spec.role} does not serve {hello.role!r}"))
@@ -233,16 +210,3 @@ class Node:
                 for other in list(conns):
                     other.abort()
             self.role.peer_lost(name)
-
-
-def _make_role(node: Node) -> Role:
-    from pdd.instance.decode import MainRole
-    from pdd.instance.prefill import PrefillRole
-    from pdd.instance.standalone import StandaloneRole
-
-    roles = {"standalone": StandaloneRole, "prefill": PrefillRole, "main": MainRole}
-    if node.spec.role == "relay":
-        from pdd.instance.relay import RelayRole
-
-        roles["relay"] = RelayRole
-    return roles[node.spec.role](node)

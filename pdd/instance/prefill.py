@@ -3,7 +3,7 @@
 While P prefills, the main decode instance reserves (one WAN round trip, overlapped)
 and answers the hit it holds; P sends exactly the KV after that hit, chunk by chunk,
 one layer per frame. The pipeline is chosen here, from that reserved hit and what P
-knows of the line (`Line`), by `pdd.policy.pipeline`. P tells the router the
+knows of the line (`pdd.policy.transfer.LineMeter`), by `pdd.policy.pipeline`. P tells the router the
 pipeline and hits as soon as they are known, and the bytes moved when done.
 
 One `PrefillJob` holds a request's state; replies from decode-side instances are
@@ -16,83 +16,21 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
-from pdd.instance.standalone import report_failure
+from pdd.instance.peers import PeerPool
+from pdd.instance.host import Host, report_failure
 from pdd.kv import codec
-from pdd.policy.pipeline import answer_wait_s, choose_pipeline
-from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
+from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
+from pdd.policy.transfer import LOCAL_PRIOR, LinkEstimate, LineMeter, Priority, kv_chunks, kv_range
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-
-if TYPE_CHECKING:
-    from pdd.instance.node import Node
+from pdd.names import Pipeline
 
 log = logging.getLogger(__name__)
-ACK_TIMEOUT_S = 60.0
-RATE_WINDOW_S = 0.1
-LOCAL_PRIOR = LinkEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
-
-
-@dataclass
-class _Transfer:
-    start: int
-    end: int
-    bytes_per_token: int
-    priority: int
-    acked: int = 0
-
-    @property
-    def remaining_bytes(self) -> int:
-        return (self.end - max(self.acked, self.start)) * self.bytes_per_token
-
-
-class Line:
-    """What this P knows of the path to one datacenter: the estimate it keeps from
-    reservation round trips and acknowledged KV, and the KV it has in flight there.
-
-    Rates are measured over windows of at least `RATE_WINDOW_S` between
-    acknowledgements while transfers are in flight: acknowledgements come in bursts
-    (the far side imports between its steps), and a window opened on an idle line
-    would count the delay as slowness."""
-
-    def __init__(self, prior: LinkEstimate) -> None:
-        self.estimate = prior
-        self._transfers: dict[tuple[str, str], _Transfer] = {}  # (request, peer)
-        self._window: float | None = None  # when the current measuring window opened
-        self._window_bytes = 0
-
-    def in_flight(self, priority: int) -> list[int]:
-        """What a transfer of this priority shares the line with (lower ones yield to it)."""
-        return [t.remaining_bytes for t in self._transfers.values() if t.priority <= priority]
-
-    def begin(self, key: tuple[str, str], start: int, end: int, bytes_per_token: int, priority: int) -> None:
-        self._transfers[key] = _Transfer(start, end, bytes_per_token, priority)
-
-    def acked(self, key: tuple[str, str], token_end: int, done: bool) -> None:
-        t = self._transfers.get(key)
-        if t is None:
-            return
-        now = time.monotonic()
-        if self._window is None:
-            self._window, self._window_bytes = now, 0
-        else:
-            self._window_bytes += (token_end - max(t.acked, t.start)) * t.bytes_per_token
-            if now - self._window >= RATE_WINDOW_S:
-                self.estimate = observe_rate(self.estimate, self._window_bytes, now - self._window)
-                self._window, self._window_bytes = now, 0
-        t.acked = max(t.acked, token_end)
-        if done:
-            self.end(key)
-
-    def end(self, key: tuple[str, str]) -> None:
-        self._transfers.pop(key, None)
-        if not self._transfers:
-            self._window = None
-
-    def round_trip(self, seconds: float) -> None:
-        self.estimate = observe_rtt(self.estimate, seconds)
+ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
+RELAY_ANSWER_S = 1.0  # the relay is next door: an answer later than this is a loaded relay
+PROGRESS_EVERY_S = 1.0
 
 
 @dataclass(eq=False)
@@ -106,8 +44,11 @@ class PrefillJob:
     reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
     exports: int = 0  # transfers still to export P's KV: the pages go back once none is left
+    background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
     task: asyncio.Task | None = None
     submitted: float = field(default_factory=time.monotonic)
+    last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
+    progress_sent: float = 0.0  # when the router was last told the KV moves
 
     @property
     def rid(self) -> str:
@@ -118,64 +59,69 @@ class PrefillJob:
 
 
 class PrefillRole:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.engine = node.engine
-        self.policy = node.dep.policy
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.policy = host.dep.policy
         self.jobs: dict[str, PrefillJob] = {}
-        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_peer_lost)
-        self.lines: dict[str, Line] = {}  # by datacenter
+        self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_peer_lost)
+        self.lines: dict[str, LineMeter] = {}  # by datacenter
 
     def close(self) -> None:
         self.peers.close()
 
-    def _line(self, peer: str) -> Line:
-        dc = self.node.dep.instance(peer).dc
+    def _line(self, peer: str) -> LineMeter:
+        dc = self.host.dep.instance(peer).dc
         if dc not in self.lines:
-            link = self.node.dep.link
-            prior = LOCAL_PRIOR if dc == self.node.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
+            link = self.host.dep.link
+            prior = LOCAL_PRIOR if dc == self.host.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
                                                                               link.delay_ms / 1000)
-            self.lines[dc] = Line(prior)
+            self.lines[dc] = LineMeter(prior)
         return self.lines[dc]
 
     # ---- from routers --------------------------------------------------------------------
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Submit):
-            if body.rid in self.node.aborted or body.rid in self.jobs:
+            if body.rid in self.host.aborted or body.rid in self.jobs:
                 return
             job = self.jobs[body.rid] = PrefillJob(body, router_id)
-            job.task = self.node.spawn(self._run(job))
+            self.host.took()
+            job.task = self.host.spawn(self._run(job))
         elif isinstance(body, m.Abort):
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None and job.task is not None:
                 job.task.cancel()
         else:
-            self.node.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
+            self.host.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
                                                    getattr(body, "rid", None)))
 
     async def on_peer(self, conn, name, frame) -> None:
-        await self.node.send(conn, m.Error("a prefill instance takes no peer traffic"))
+        await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
 
     def peer_lost(self, name: str) -> None:
         pass
 
     def held(self) -> int:
-        return len(self.jobs)
+        """Foreground requests: MD's background copies behind a lagging line do not take
+        the places of new requests (their producer, the relay, already has its KV)."""
+        return sum(1 for j in self.jobs.values() if not j.background)
 
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.node.aborted.add(job.rid)
+            self.host.aborted.add(job.rid)
             job.task.cancel()
 
     # ---- from decode-side instances ------------------------------------------------------
     async def _on_reply(self, peer: str, body: Any) -> None:
         rid = getattr(body, "rid", None)
         if isinstance(body, m.KVAck):
-            self._line(peer).acked((body.rid, peer), body.token_end, body.done)
+            self._line(peer).acked((body.rid, peer), body.token_end, body.done, time.monotonic())
         job = self.jobs.get(rid) if rid else None
         if job is None:
             return
+        if isinstance(body, m.KVAck):
+            self._progress(job)
         ack, loaded = job.acks.get(peer), job.loaded.get(peer)
         if isinstance(body, m.ReserveAck) and ack is not None and not ack.done():
             self._line(peer).round_trip(time.monotonic() - job.reserve_sent[peer])
@@ -186,6 +132,14 @@ class PrefillRole:
             self._line(peer).end((rid, peer))
             for fut in job.futures(peer):
                 fut.set_exception(RuntimeError(f"{peer}: {body.message}"))
+
+    def _progress(self, job: PrefillJob) -> None:
+        """KV was acknowledged: tell the router, now and then, that the request moves
+        (a slow line is not a stuck request)."""
+        job.last_ack = now = time.monotonic()
+        if now - job.progress_sent >= PROGRESS_EVERY_S:
+            job.progress_sent = now
+            self.host.to_router(job.router_id, m.Progress(job.rid, "kv"))
 
     def _on_peer_lost(self, peer: str) -> None:
         for job in self.jobs.values():
@@ -202,10 +156,10 @@ class PrefillRole:
         except Exception as e:
             if not isinstance(e, (ConnectionError, asyncio.TimeoutError, ValueError, RuntimeError)):
                 log.exception("request %s failed", job.rid)
-            await report_failure(self.node, job.router_id, job.rid, e)
+            await report_failure(self.host, job.router_id, job.rid, e)
         finally:
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
-                self.node.spawn(self._tell(peer, m.Abort(job.rid)))
+                self.host.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
             for fut in [*job.acks.values(), *job.loaded.values()]:
                 if not fut.done():
@@ -230,8 +184,10 @@ class PrefillRole:
         await self.peers.send(peer, m.Reserve(s.rid, s.prompt, s.params, s.router_id, s.use_cache, main))
 
     @staticmethod
-    async def _ack(job: PrefillJob, peer: str, timeout: float) -> m.ReserveAck | None:
-        """The peer's reservation; None if it has not answered within `timeout`."""
+    async def _ack(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
+        """The peer's reservation; None if it has not answered within `timeout` (None:
+        as long as it takes; a decode instance holds a reservation back while its pool
+        is full, and a lost one is dropped by liveness)."""
         try:
             ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
         except asyncio.TimeoutError:
@@ -255,22 +211,22 @@ class PrefillRole:
             raise RuntimeError("prefill was aborted")
         t_prefilled = time.monotonic()
         pipeline, ack, predicted, fallback = await self._decide(job)
-        if s.relay and pipeline == m.P_MD:
+        if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
-            self.node.spawn(self._tell(s.relay, m.Abort(s.rid)))
+            self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
         log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
                   1000 * (t_prefilled - job.submitted), 1000 * (time.monotonic() - t_prefilled))
-        self.node.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
+        self.host.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
                                                             predicted, fallback))
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
-            self.node.to_router(job.router_id, m.Result(s.rid))
-            self.node.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
+            self.host.to_router(job.router_id, m.Result(s.rid))
+            self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
             return
         paths = {}
-        if pipeline in (m.P_RLD_MD, m.P_RLD):  # the fast path: full KV to the relay, which emits at once
+        if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
             paths[s.relay] = self._to_relay(job, first)
-        if pipeline in (m.P_MD, m.P_RLD_MD):  # the delta over the line, at the same time
-            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == m.P_RLD_MD else None)
+        if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # the delta over the line, at the same time
+            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None)
         job.exports = len(paths)
         outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
@@ -282,58 +238,82 @@ class PrefillRole:
         sent = {peer: o for peer, o in outcomes.items() if peer not in failed}
         wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
         late = ack is None and s.main in sent  # MD answered after the decision: say what it held
-        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
+        self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
                                                     job.acks[s.main].result().hit if late else None))
 
     async def _decide(self, job: PrefillJob) -> tuple[str, m.ReserveAck | None, float | None, str | None]:
         """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
         s = job.submit
         if s.main is None:
-            return m.P_RLD, None, None, None
+            return Pipeline.P_RLD, None, None, None
         budget = self.policy.ttft_budget_ms / 1000
         line = self._line(s.main)
         waited = time.monotonic()
         try:
-            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else ACK_TIMEOUT_S)
+            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
         except (RuntimeError, ConnectionError) as e:
-            if not s.relay:
+            refused = main_refused(s.relay is not None and await self._relay_takes(job))
+            if refused is None:
                 raise
             log.warning("%s: %s; the relay finishes it", s.rid, e)
-            return m.P_RLD, None, None, "main_refused"
-        if ack is None and not s.relay:
-            raise asyncio.TimeoutError(f"{s.main} did not answer the reservation")
+            return refused.pipeline, None, None, refused.fallback
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-        decision = choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, s.relay is not None,
+        decision = choose_pipeline(delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None,
                                    self.policy.pipeline)
+        if decision.pipeline == Pipeline.P_RLD_MD and not await self._relay_takes(job):
+            decision = relay_refused(decision)
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
         log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
-                  predicted, line.estimate, line.in_flight(URGENT))
-        return decision.pipeline, ack, predicted, None
+                  predicted, line.estimate, line.in_flight(Priority.URGENT))
+        return decision.pipeline, ack, predicted, decision.fallback
+
+    async def _relay_takes(self, job: PrefillJob) -> bool:
+        """Whether the relay holds the request: it answers at once, and turns it away
+        when it is loaded (`pdd.policy.capacity.relay_accepts`)."""
+        try:
+            return await self._ack(job, job.submit.relay, RELAY_ANSWER_S) is not None
+        except (RuntimeError, ConnectionError) as e:
+            log.debug("%s: the relay does not take it: %s", job.rid, e)
+            return False
 
     async def _to_relay(self, job: PrefillJob, first: int) -> int:
         relay = job.submit.relay
-        ack = await self._ack(job, relay, ACK_TIMEOUT_S)
-        if ack is None:
-            raise asyncio.TimeoutError(f"{relay} did not answer the reservation")
-        return await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
-                                   priority=URGENT)
+        ack = await self._ack(job, relay, None)
+        sent = await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
+                                   priority=Priority.URGENT)
+        job.background = True  # the producer has its KV; what is left is MD's copy, if any
+        return sent
 
     async def _to_main(self, job: PrefillJob, first: int, ready_to: str | None) -> int:
         """The KV MD lacks; behind a relay, once MD confirms it has it all, READY to the relay."""
         main = job.submit.main
-        ack = await self._ack(job, main, ACK_TIMEOUT_S)
-        if ack is None:
-            raise asyncio.TimeoutError(f"{main} did not answer the reservation")
+        ack = await self._ack(job, main, None)
         if ready_to:
             job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
         sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
-                                   priority=BACKGROUND if ready_to else URGENT)
+                                   priority=Priority.BACKGROUND if ready_to else Priority.URGENT)
         if ready_to:
-            await asyncio.wait_for(asyncio.shield(job.loaded[main]), ACK_TIMEOUT_S)
+            await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))
         return sent
+
+    @staticmethod
+    async def _loaded(job: PrefillJob, peer: str) -> None:
+        """Wait for the peer to confirm it holds all the KV, however slow the line, as
+        long as some of the request's KV is acknowledged every `ACK_TIMEOUT_S` from
+        the moment the last of it was sent."""
+        job.last_ack = time.monotonic()
+        while True:
+            left = job.last_ack + ACK_TIMEOUT_S - time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
+                return
+            except asyncio.TimeoutError:
+                if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
+                    raise asyncio.TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
+                                               f"for {ACK_TIMEOUT_S:g} s") from None
 
     async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
                        priority: int) -> int:
@@ -347,7 +327,7 @@ class PrefillRole:
         finally:
             job.exports -= 1
             if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
-                self.node.spawn(self.engine.release(job.rid))
+                self.host.spawn(self.engine.release(job.rid))
         sent = 0
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):

@@ -1,7 +1,8 @@
 """What every decode-side instance (main and relay) does with a request P sends it.
 
-RESERVE locks the longest cached prefix and answers the authoritative hit (waiting,
-per `pdd.policy.retry`, while the pool is full). KV frames are imported chunk by
+RESERVE locks the longest cached prefix and answers the authoritative hit (waiting
+in a first-come line while the pool is full; a relay turns an optional request away
+instead, `pdd.policy.capacity`). KV frames are imported chunk by
 chunk as they land, each chunk acknowledged, so P can measure the line. KV_DONE makes
 the KV complete: with `emit`, decoding starts and every token goes to the request's
 router with its output position; without, the role waits for a handoff.
@@ -15,23 +16,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdd.engine.kv_pool import OutOfPages
-from pdd.instance.standalone import report_failure, tokens_of
+from pdd.engine_port import OutOfPages, OutputStream
+from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.kv import codec
-from pdd.policy.retry import reserve_retry_delay
+from pdd.instance.reservations import ReservationLine
+from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
 
-if TYPE_CHECKING:
-    from pdd.instance.engine_port import OutputStream
-    from pdd.instance.node import Node
-
 log = logging.getLogger(__name__)
-RESERVE_WAIT_S = 45.0  # a full pool holds a reservation back this long, then refuses
-PREFIX_WAIT_S = 10.0  # longest wait for a request here to land a prefix a new one shares
 
 
 @dataclass(eq=False)
@@ -68,17 +64,19 @@ class DecodeSide:
 
     job_type: type[DecodeJob] = DecodeJob
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.engine = node.engine
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.engine = host.engine
         self.jobs: dict[str, DecodeJob] = {}
+        self.line: ReservationLine[DecodeJob] = ReservationLine(
+            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued")))
 
     # ---- frames --------------------------------------------------------------------------
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         try:
             if frame.type == MsgType.KV_LAYER:
                 header, blob = m.decode_kv(frame)
-                if header.rid not in self.node.aborted:  # (KV still on the line when it was aborted)
+                if header.rid not in self.host.aborted:  # (KV still on the line when it was aborted)
                     await self._on_layer(conn, self._job(header.rid, name), codec.decode(blob))
             else:
                 await self.on_peer_body(conn, name, m.decode(frame))
@@ -89,24 +87,39 @@ class DecodeSide:
             if job is not None:
                 await self.fail(job, e)
             elif rid:
-                await self.node.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
+                await self.host.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
 
     def held(self) -> int:
         return len(self.jobs)
 
+    def close(self) -> None:
+        pass
+
+    def optional(self, r: m.Reserve) -> bool:
+        """Whether the request can do without this instance (a relay's, with an MD to
+        fall back on): then a full pool refuses it at once instead of holding it back."""
+        return False
+
+    def refusal(self, r: m.Reserve) -> str | None:
+        """Why this instance will not hold `r` now (None: it will, queued if need be)."""
+        if self.host.full():
+            return f"{self.host.spec.name} holds {self.held()} requests, its limit"
+        return None
+
     async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
         if isinstance(body, m.Reserve):
-            if body.rid in self.node.aborted:
+            if body.rid in self.host.aborted:
                 return
-            if self.node.full():
-                await self.node.send(conn, m.ReserveAck(body.rid, error=f"{self.node.spec.name} holds "
-                                                        f"{self.held()} requests, its limit"))
+            refusal = self.refusal(body)
+            if refusal:
+                await self.host.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
                 return
             job = self.jobs[body.rid] = self.job_type(body, name, conn)
-            self.node.spawn(self._reserve(job))
+            self.host.took()
+            self.host.spawn(self._reserve(job))
         elif isinstance(body, m.KVDone):
-            if body.rid in self.node.aborted:  # confirm it anyway: P counts it off the line
-                await self.node.send(conn, m.KVAck(body.rid, 0, done=True))
+            if body.rid in self.host.aborted:  # confirm it anyway: P counts it off the line
+                await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
                 return
             job = self._job(body.rid, name)
             if job.importing is not None:
@@ -114,28 +127,28 @@ class DecodeSide:
             if job.ended:
                 return
             job.loaded, job.first_token = True, body.first_token
-            await self.node.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
+            await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
                 job.output = [body.first_token]
                 await self.run(job, emit_from=0)
             else:
                 await self.on_loaded(job)
         elif isinstance(body, m.Abort):  # P drops what it reserved or sent, for nothing
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None:
                 await self.end(job)
         else:
-            raise m.BadMessage(f"{type(body).__name__} is not for a {self.node.spec.role} instance")
+            raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
 
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Abort):
-            self.node.aborted.add(body.rid)
+            self.host.aborted.add(body.rid)
             job = self.jobs.get(body.rid)
             if job is not None:
                 await self.end(job)
         else:
-            self.node.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.node.spec.role} "
+            self.host.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.host.spec.role} "
                                                    "instance", getattr(body, "rid", None)))
 
     def _job(self, rid: str, peer: str) -> DecodeJob:
@@ -146,27 +159,19 @@ class DecodeSide:
 
     # ---- reservation and KV --------------------------------------------------------------
     async def _await_prefix(self, job: DecodeJob) -> None:
-        """An agent's next turn arrives as soon as the last one ends, often before the
-        last one's KV (or, when a relay finished it, its output) has landed here. When a
-        request that is not producing (its KV still on the line, or waiting for a relay)
-        holds most of this prompt, more than the cache does, wait for it to settle,
-        bounded, rather than have the same KV cross the line twice. A producing request
-        keeps its pages until it finishes: nothing to wait for."""
+        """Wait, bounded, for a request still landing here that holds most of this prompt
+        (`pdd.policy.prefix`), rather than have the same KV cross the line twice."""
         deadline = time.monotonic() + PREFIX_WAIT_S
         prompt = job.reserve.prompt
         while True:
             cached = await self.engine.cached_prefix(prompt)
-            best, holder = max(cached + self.engine.page_size, len(prompt) // 2), None
-            for other in self.jobs.values():
-                if other is not job and not other.settled.is_set() and other.reserve.use_cache:
-                    shared = _common_prefix(other.reserve.prompt + other.output, prompt)
-                    if shared >= best:
-                        best, holder = shared, other
+            others = [o for o in self.jobs.values() if o is not job and not o.settled.is_set() and o.reserve.use_cache]
+            i = prefix_holder(prompt, cached, self.engine.page_size, [o.reserve.prompt + o.output for o in others])
             left = deadline - time.monotonic()
-            if holder is None or left <= 0:
+            if i is None or left <= 0:
                 return
             try:
-                await asyncio.wait_for(holder.settled.wait(), left)
+                await asyncio.wait_for(others[i].settled.wait(), left)
             except asyncio.TimeoutError:
                 return
 
@@ -174,31 +179,31 @@ class DecodeSide:
         r = job.reserve
         if r.use_cache:
             await self._await_prefix(job)
-        started, attempt = time.monotonic(), 0
-        while not job.ended:
-            try:
-                hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
-            except OutOfPages as e:
-                delay = reserve_retry_delay(attempt, time.monotonic() - started, RESERVE_WAIT_S)
-                if delay is None:
-                    await self._refuse(job, f"decode instance full: {e}")
-                    return
-                attempt += 1
-                await asyncio.sleep(delay)
-                continue
-            except Exception as e:
-                await self._refuse(job, str(e))
-                return
-            if job.ended:  # released or aborted while the engine reserved
-                await self.engine.release(r.rid)
-                return
-            job.reserved = True
-            await self.node.send(job.owner, m.ReserveAck(r.rid, hit))
+        if job.ended:
             return
+        try:
+            if self.optional(r):  # a loaded relay turns it away at once: P sends it P -> MD
+                hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
+            else:
+                hit = await self.line.take(job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache),
+                                           lambda: job.ended)
+                if hit is None:
+                    return
+        except OutOfPages as e:
+            await self._refuse(job, f"{self.host.spec.name} is full: {e}", busy=True)
+            return
+        except Exception as e:
+            await self._refuse(job, str(e))
+            return
+        if job.ended:  # released or aborted while the engine reserved
+            await self.engine.release(r.rid)
+            return
+        job.reserved = True
+        await self.host.send(job.owner, m.ReserveAck(r.rid, hit))
 
-    async def _refuse(self, job: DecodeJob, reason: str) -> None:
+    async def _refuse(self, job: DecodeJob, reason: str, busy: bool = False) -> None:
         self.forget(job)
-        await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason))
+        await self.host.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
     async def _on_layer(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
         job.layers.append(blob)
@@ -206,7 +211,7 @@ class DecodeSide:
             whole, job.layers = codec.join_layers(job.layers), []
             # not awaited: reading goes on (the line keeps flowing) while the engine is busy;
             # engine commands run in the order they are issued, so chunks land in order
-            job.importing = self.node.spawn(self._import(conn, job, whole))
+            job.importing = self.host.spawn(self._import(conn, job, whole))
 
     async def _import(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
         try:
@@ -215,7 +220,7 @@ class DecodeSide:
             if not job.ended:
                 await self.fail(job, e)
             return
-        await self.node.send(conn, m.KVAck(job.rid, blob.header.token_end))
+        await self.host.send(conn, m.KVAck(job.rid, blob.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
     async def run(self, job: DecodeJob, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
@@ -234,14 +239,14 @@ class DecodeSide:
                 stream.close()
                 raise
             job.stream = stream
-            self.node.spawn(self._forward(job))
+            self.host.spawn(self._forward(job))
         else:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
         job.producing = emit_from is not None
         if job.producing:
             job.settled.set()
         if emit_from is not None and emit_from < len(job.output):
-            self.node.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
+            self.host.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
 
     async def _forward(self, job: DecodeJob) -> None:
         stream, finished = job.stream, False
@@ -257,10 +262,10 @@ class DecodeSide:
                 if job.stall_from is not None:  # the first token after a handoff: how long MD stalled
                     tokens = replace(tokens, stall_ms=1000 * (time.monotonic() - job.stall_from))
                     job.stall_from = None
-                self.node.to_router(job.router_id, tokens)
+                self.host.to_router(job.router_id, tokens)
                 self.on_token(job)
         except RuntimeError as e:  # the engine failed this request: say so, don't go silent
-            await report_failure(self.node, job.router_id, job.rid, e)
+            await report_failure(self.host, job.router_id, job.rid, e)
         finally:
             stream.close()
             self.forget(job)
@@ -278,7 +283,7 @@ class DecodeSide:
 
     async def on_loaded(self, job: DecodeJob) -> None:
         """KV complete without `emit`: the main instance waits for a handoff."""
-        raise m.BadMessage(f"a {self.node.spec.role} instance cannot wait for a handoff")
+        raise m.BadMessage(f"a {self.host.spec.role} instance cannot wait for a handoff")
 
     # ---- endings -------------------------------------------------------------------------
     def forget(self, job: DecodeJob) -> None:
@@ -297,28 +302,21 @@ class DecodeSide:
 
     async def fail(self, job: DecodeJob, error: BaseException) -> None:
         await self.end(job)
-        await self.node.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
-        await report_failure(self.node, job.router_id, job.rid, error)
+        await self.host.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
+        await report_failure(self.host, job.router_id, job.rid, error)
 
     def peer_lost(self, name: str) -> None:
         """A connection from P is gone: what it reserved and had not finished sending is
         dropped, and the router hears so at once (it would otherwise wait for tokens that
         cannot come until its timeout)."""
         for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
-            self.node.spawn(self.end(job))
+            self.host.spawn(self.end(job))
             lost = ConnectionError(f"prefill instance {name} was lost before the KV was complete")
-            self.node.spawn(report_failure(self.node, job.router_id, job.rid, lost))
+            self.host.spawn(report_failure(self.host, job.router_id, job.rid, lost))
 
     def router_lost(self, router_id: str) -> None:
         """Nobody will read these tokens any more: stop computing them."""
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.node.aborted.add(job.rid)
-            self.node.spawn(self.end(job))
+            self.host.aborted.add(job.rid)
+            self.host.spawn(self.end(job))
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -22,14 +22,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.engine.engine import RequestError
+from pdd.engine_port import RequestError
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
-from pdd.instance.standalone import WholeRequests, report_failure
-from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
+from pdd.instance.host import Host, WholeRequests, report_failure
+from pdd.policy.capacity import relay_accepts
+from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
+from pdd.names import HandoffMode
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +49,11 @@ class RelayJob(DecodeJob):
 class RelayRole(DecodeSide):
     job_type = RelayJob
 
-    def __init__(self, node) -> None:
-        super().__init__(node)
-        self.policy = node.dep.policy
-        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_main_lost)
-        self.whole = WholeRequests(node)  # the anomaly filter's requests: prefilled here too
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self.policy = host.dep.policy
+        self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_main_lost)
+        self.whole = WholeRequests(host)  # the anomaly filter's requests: prefilled here too
 
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Submit):
@@ -68,6 +70,16 @@ class RelayRole(DecodeSide):
     def held(self) -> int:
         return super().held() + len(self.whole.jobs)
 
+    def optional(self, r: m.Reserve) -> bool:
+        return r.main is not None  # MD can produce it (later): the relay only hides latency
+
+    def refusal(self, r: m.Reserve) -> str | None:
+        load = self.engine.load()
+        if self.optional(r) and not relay_accepts(self.held(), load.waiting, load.max_running):
+            return (f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
+                    f"batch of {load.max_running})")
+        return super().refusal(r)
+
     def close(self) -> None:
         self.peers.close()
 
@@ -75,7 +87,7 @@ class RelayRole(DecodeSide):
         if isinstance(body, m.Ready):
             job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
             if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
-                job.handoff = self.node.spawn(self._hand_off(job))
+                job.handoff = self.host.spawn(self._hand_off(job))
         else:
             await super().on_peer_body(conn, name, body)
 
@@ -126,12 +138,12 @@ class RelayRole(DecodeSide):
             if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
                 await self.end(job)
                 await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
-                self.node.to_router(job.router_id, m.HandedOff(job.rid, m.ONE_SHOT, 0))
+                self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
-            plan = choose_handoff(len(job.output), load.running / max(1, load.max_running), load.waiting,
+            plan = choose_handoff(len(job.output), occupancy(load.running, load.max_running), load.waiting,
                                   self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
-            if plan.mode == m.CATCH_UP:
+            if plan.mode == HandoffMode.CATCH_UP:
                 await self._catch_up(job, conn, plan)
             await self._cut_over(job, conn, plan)
         except asyncio.CancelledError:
@@ -139,7 +151,7 @@ class RelayRole(DecodeSide):
         except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
             log.warning("handoff of %s abandoned: %s", job.rid, e)
             if job.cutting:  # its sequence is cut here: nobody produces unless the router has MD take over
-                await report_failure(self.node, job.router_id, job.rid, e)
+                await report_failure(self.host, job.router_id, job.rid, e)
 
     async def _send_chunks(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
         """Every produced token MD lacks, in chunks of `plan.chunk`."""
@@ -170,5 +182,5 @@ class RelayRole(DecodeSide):
         except RequestError:
             return  # it finished here meanwhile: on_finished sends MD the output as a fill
         await m.send(conn, m.Handoff(job.rid, job.sent, output[job.sent :], True, len(output)))
-        chunks = 1 + (job.rounds if plan.mode == m.CATCH_UP else 0)
-        self.node.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))
+        chunks = 1 + (job.rounds if plan.mode == HandoffMode.CATCH_UP else 0)
+        self.host.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))

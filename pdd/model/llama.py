@@ -9,7 +9,6 @@ Module names match Hugging Face's so checkpoints load without renaming.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdd.model.config import ModelConfig
+from pdd.model.rope import inv_freq_and_scale
 
 
 class Attention(Protocol):
@@ -38,36 +38,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    # float32 throughout, as the reference implementation does: RoPE angles grow with
-    # position, so even an ulp of difference in a frequency shows up in the logits.
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return inv.float()
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    # Llama 3.1: stretch low frequencies, keep high ones, interpolate between.
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_ctx = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-
-
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+        inv_freq, self.scale = inv_freq_and_scale(cfg.rope, cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+        # scaled always, as the reference does (YaRN's attention factor; 1.0 is exact)
+        return (emb.cos() * self.scale)[:, None, :], (emb.sin() * self.scale)[:, None, :]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,7 +65,7 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -103,9 +84,9 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

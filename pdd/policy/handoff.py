@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdd.transfer.messages import CATCH_UP, ONE_SHOT
+from pdd.names import HandoffMode
 
 BUSY = 0.75  # relay occupancy (running / max running) above which it hands off one-shot
 MAX_CATCH_UP_ROUNDS = 8  # acknowledgements after which catch-up cuts over, converged or not
+
+
+def occupancy(running: int, max_running: int) -> float:
+    """A relay's running share of what it can decode at once."""
+    return running / max(1, max_running)
 
 
 @dataclass(frozen=True)
@@ -29,11 +34,11 @@ def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: in
     """`gap_tokens`: tokens the relay produced that MD lacks; `occupancy` and `queued`:
     the relay's running share of its capacity and its waiting requests."""
     if forced != "auto":  # pinned for experiments: exactly as configured
-        return HandoffPlan(forced, chunk if forced == CATCH_UP else 0)
+        return HandoffPlan(forced, chunk if forced == HandoffMode.CATCH_UP else 0)
     if gap_tokens <= threshold or queued > 0 or occupancy >= BUSY:
-        return HandoffPlan(ONE_SHOT, 0)
+        return HandoffPlan(HandoffMode.ONE_SHOT, 0)
     # A half-busy relay is freed sooner by larger chunks: MD catches up in fewer steps.
-    return HandoffPlan(CATCH_UP, chunk if occupancy < BUSY / 2 else 2 * chunk)
+    return HandoffPlan(HandoffMode.CATCH_UP, chunk if occupancy < BUSY / 2 else 2 * chunk)
 
 
 def cut_over(produced: int, computed: int, threshold: int, rounds: int, previous_gap: int | None = None) -> bool:

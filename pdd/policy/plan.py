@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdd.policy.routing import Candidate, pick
+from pdd.names import Fallback, RoleName
 
 SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for
 SPEC_SHORT_OUTPUT = 500  # "ultra-short output (< 500 tokens)"
@@ -72,9 +73,9 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if md is None and rld is None:
         raise LookupError("no healthy decode instance")
     if md is None:  # the relay finishes the request alone: counted, never silent
-        return Plan(p.name, None, rld.name, 0, fallback="no_main")
+        return Plan(p.name, None, rld.name, 0, fallback=Fallback.NO_MAIN)
     if relay and rld is None:
-        return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback="no_relay")
+        return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback=Fallback.NO_RELAY)
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
         return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)
@@ -85,6 +86,6 @@ def missing_roles(healthy: Mapping[str, int], entry_role: str, disaggregated: bo
     would refuse a request for (a prefill/standalone entry; in P/D, a decode-side
     instance, main or relay). Empty: the deployment can serve."""
     missing = [] if healthy.get(entry_role, 0) else [entry_role]
-    if disaggregated and not (healthy.get("main", 0) or healthy.get("relay", 0)):
-        missing.append("main")
+    if disaggregated and not (healthy.get(RoleName.MAIN, 0) or healthy.get(RoleName.RELAY, 0)):
+        missing.append(RoleName.MAIN)
     return missing

@@ -29,33 +29,32 @@ from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.policy.plan import Plan, anomaly_rule, missing_roles, plan_request
-from pdd.policy.playout import Playout, next_release_s, release
-from pdd.policy.retry import retry_on_new_prefill
-from pdd.policy.routing import Candidate
+from pdd.policy.plan import missing_roles
+from pdd.policy.playout import next_release_s
+from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.pacing import Pacer
+from pdd.router.planning import Planner
 from pdd.router.members import Membership
 from pdd.tasks import Tasks
 from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
+from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
-DEFAULT_PACE_S = 0.025
-PACE_ALPHA = 0.05
 
 
 class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
-        self.max_context = 0  # set from the model config by the caller
         self.router_id = secrets.token_hex(8)
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
         self.clients = self.members.clients  # by name; instances join and leave at run time
-        self.entry_role = "standalone" if dep.mode == "colocated" else "prefill"
-        self.metrics = RouterMetrics(registry)
-        self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
+        self.planner = Planner(dep, self.clients)
+        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
+        self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
@@ -67,40 +66,31 @@ class RouterBackend:
     async def stop(self) -> None:
         await asyncio.gather(*(c.stop() for c in list(self.clients.values())))
 
-    # ---- planning --------------------------------------------------------------------------
-    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
-        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
-                for c in self.clients.values() if c.spec.role == role]
+    @property
+    def max_context(self) -> int:
+        return self.planner.max_context
 
-    def _plan(self, req: GenRequest) -> Plan:
-        p = self.dep.policy
-        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
-                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
-        disaggregated = self.entry_role == "prefill"
-        main = self._candidates("main", req.prompt, p.decode_radix_cache) if disaggregated else []
-        relay = self._candidates("relay", req.prompt) if disaggregated and self.dep.mode == "pdd" else []
-        try:
-            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
-                                main, relay, rule, p.affinity_weight, p.load_weight)
-        except LookupError as e:
-            raise BackendError(str(e), 503) from None
+    @max_context.setter
+    def max_context(self, tokens: int) -> None:  # set from the model config by the caller
+        self.planner.max_context = tokens
 
     def _work(self, request: RouterRequest) -> int:
         return len(request.req.prompt) + request.req.params.max_tokens
 
     async def _submit(self, request: RouterRequest, q: asyncio.Queue) -> None:
         plan = request.plan
+        self.planner.commit(request, +1)
         for name in request.members:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
         if plan.fallback:
-            request.fallbacks.append(plan.fallback)
-            self.metrics.fallback(plan.fallback)
+            self._fell_back(request, plan.fallback)
         r = request.req
         await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
                                                      plan.relay, self.dep.policy.decode_radix_cache))
 
     def _release(self, request: RouterRequest) -> None:
+        self.planner.commit(request, -1)
         for name in request.members:
             c = self.clients.get(name)
             if c is not None:  # (None: it left the deployment since)
@@ -109,7 +99,7 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
-        request = RouterRequest(req, self._plan(req))
+        request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
         try:
@@ -127,7 +117,7 @@ class RouterBackend:
                     if request.stranded:
                         raise BackendError(f"no instance is left to produce the request (instances "
                                            f"{', '.join(request.members)})", 503)
-                out = self._play_out(request)
+                out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
                     return
@@ -151,7 +141,7 @@ class RouterBackend:
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         left = timeout - (time.monotonic() - request.last_progress)
         due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
-                             self._playout(request))
+                             self.pacer.playout(request))
         try:
             if left <= 0:
                 raise asyncio.TimeoutError
@@ -160,33 +150,6 @@ class RouterBackend:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
-
-    def _playout(self, request: RouterRequest) -> Playout:
-        pace = self._pace.get(request.plan.main or "", DEFAULT_PACE_S)
-        return Playout(self.dep.router.handoff_reserve_tokens, pace)
-
-    def _play_out(self, request: RouterRequest) -> list[int]:
-        """The held tokens to release to the client now (`pdd.policy.playout`)."""
-        now = time.monotonic()
-        if request.merger.finished:
-            n = len(request.held)
-        else:
-            n = release(len(request.held), request.released, now - request.last_release, request.pacing,
-                        request.relay_stopped, self._playout(request))
-        out, request.held = request.held[:n], request.held[n:]
-        if out:
-            request.released += len(out)
-            request.last_release = now
-        return out
-
-    def _observe_pace(self, request: RouterRequest, source: str) -> None:
-        """The main instance's gap between tokens, which the playout reserve drains at."""
-        now = time.monotonic()
-        if source == request.plan.main:
-            if request.last_main_token is not None:
-                gap = now - request.last_main_token
-                self._pace[source] = (1 - PACE_ALPHA) * self._pace.get(source, DEFAULT_PACE_S) + PACE_ALPHA * gap
-            request.last_main_token = now
 
     @staticmethod
     def _cached(request: RouterRequest) -> int:
@@ -198,19 +161,20 @@ class RouterBackend:
             request.cached = body.cached_tokens
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
-            self._observe_pace(request, source)
+            self.pacer.observe(request, source)
             return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
+        if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
+            request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
         if isinstance(body, m.PipelineChosen):
             request.chosen = body
-            if request.plan.main and body.pipeline != m.P_RLD:
+            if request.plan.main and body.pipeline != Pipeline.P_RLD:
                 self.metrics.observe_drift(request.plan.predicted_hit - body.d_hit)
-            if body.pipeline == m.P_MD:
+            if body.pipeline == Pipeline.P_MD:
                 request.relay_done = True
-            elif body.pipeline == m.P_RLD:
+            elif body.pipeline == Pipeline.P_RLD:
                 request.main_done = True
             if body.fallback:
-                request.fallbacks.append(body.fallback)
-                self.metrics.fallback(body.fallback)
+                self._fell_back(request, body.fallback)
         elif isinstance(body, m.Result):
             request.result = body
         elif isinstance(body, m.HandedOff):
@@ -227,63 +191,56 @@ class RouterBackend:
         return c.spec.role if c is not None else ""
 
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
-        """Go on through what is left, or fail."""
-        role, plan = self._role_of(source), request.plan
-        failure = BackendError(f"{source}: {err.message}", 429 if err.busy else 503 if err.lost else 500)
-        if source == plan.entry:
-            if err.lost and request.result is not None:
-                return  # P had finished its part
-            others = any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source)
-            if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
-                                                 self.dep.router.prefill_retries, others):
-                self._release(request)
-                request.restart(self._plan(request.req))
-                self.metrics.fallback("prefill_retry")
-                request.fallbacks.append("prefill_retry")
-                await self._submit(request, q)
-                return
-            # MD will not get its KV; the relay goes on if P had sent it the request (it
-            # reports a loss itself if P died before its KV was complete)
-            if request.chosen is not None and request.relay_producing and plan.main and not request.main_done:
-                request.main_done = True
-                self.metrics.fallback("prefill_lost")
-                request.fallbacks.append("prefill_lost")
-                return
-            raise failure
-        if source == plan.relay:
-            if request.relay_done:
-                return
+        """Go on through what is left, or fail (`pdd.policy.recovery`)."""
+        plan, role = request.plan, self._role_of(source)
+        failed = Failed(entry=source == plan.entry, relay=source == plan.relay, main=source == plan.main,
+                        lost=err.lost, busy=err.busy)
+        state = State(p_done=request.result is not None, delivered=len(request.merger.delivered),
+                      attempt=request.attempt, max_attempts=self.dep.router.prefill_retries,
+                      other_entry_up=any(c.available for c in self.clients.values()
+                                         if c.spec.role == role and c.name != source),
+                      chosen=request.chosen is not None, relay_producing=request.relay_producing,
+                      has_main=plan.main is not None, main_done=request.main_done, relay_done=request.relay_done,
+                      handed_off=request.handed_off is not None)
+        action = recover(failed, state)
+        message = f"{source}: {err.message}"
+        if failed.relay and not failed.entry:
             request.relay_done = True
-            if plan.main and not request.main_done:  # MD takes over from what the client has
-                delivered = request.merger.delivered
-                self.metrics.fallback("relay_lost")
-                request.fallbacks.append("relay_lost")
-                main = self.clients.get(plan.main)
-                if main is None:
-                    raise failure
-                await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
-                return
-            raise failure
-        if source == plan.main:
-            if request.main_done:
-                return  # already written off for this request
-            if request.relay_producing:  # the relay finishes it alone
-                request.main_done = True
-                self.metrics.fallback("main_lost")
-                request.fallbacks.append("main_lost")
-                return
-            raise BackendError(LOST_AFTER_HANDOFF if request.handed_off else failure.args[0], failure.status)
-        raise failure
+        if action == Recovery.IGNORE:
+            return
+        if action == Recovery.RETRY_PREFILL:
+            self._release(request)
+            request.restart(self.planner.plan(request.req))  # (it was dispatched: no second wait for room)
+            self._fell_back(request, Fallback.PREFILL_RETRY)
+            await self._submit(request, q)
+        elif action == Recovery.RELAY_GOES_ON:
+            request.main_done = True
+            self._fell_back(request, Fallback.PREFILL_LOST if failed.entry else Fallback.MAIN_LOST)
+        elif action == Recovery.MAIN_TAKES_OVER:
+            self._fell_back(request, Fallback.RELAY_LOST)
+            main = self.clients.get(plan.main or "")
+            if main is None:
+                raise BackendError(message, failure_status(err.busy, err.lost))
+            delivered = request.merger.delivered
+            await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
+        else:
+            if failed.main and request.handed_off:
+                message = LOST_AFTER_HANDOFF
+            raise BackendError(message, failure_status(err.busy, err.lost))
+
+    def _fell_back(self, request: RouterRequest, why: Fallback) -> None:
+        request.fallbacks.append(why)
+        self.metrics.fallback(why)
 
     def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
         last = request.merger.producers[-1] if request.merger.producers else None
-        if request.pipeline == m.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
-            request.fallbacks.append("relay_finished")
-            self.metrics.fallback("relay_finished")
+        if request.pipeline == Pipeline.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
+            self._fell_back(request, Fallback.RELAY_FINISHED)
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if request.whole:  # its own prefix cache is the only one involved
-            record.update(p_hit_tokens=request.cached, d_hit_tokens=request.cached if request.plan.relay is None else 0)
+            record.p_hit_tokens = request.cached
+            record.d_hit_tokens = request.cached if request.plan.relay is None else 0
         self.metrics.finished(request, record)
         return GenEvent(new, request.merger.finish_reason, self._cached(request), record)
 
@@ -293,7 +250,7 @@ class RouterBackend:
         done = request.done_members()
         if request.merger.finished and request.merger.producers:
             done.add(request.merger.producers[-1])
-            if request.merger.producers[-1] == request.plan.relay and request.pipeline == m.P_RLD_MD:
+            if request.merger.producers[-1] == request.plan.relay and request.pipeline == Pipeline.P_RLD_MD:
                 done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
         for name in request.members:
             if name not in done and name in self.clients:
@@ -307,25 +264,28 @@ class RouterBackend:
 
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
-        return Load(running=self.in_flight, waiting=0, kv_usage=0.0)
+        return Load(running=self.in_flight, waiting=self.planner.line.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
-        missing = missing_roles(healthy, self.entry_role, self.entry_role == "prefill")
+        missing = missing_roles(healthy, self.planner.entry_role, self.planner.entry_role == RoleName.PREFILL)
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
         return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+                "dispatch_waiting": self.planner.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
-                                       "queued_tokens": c.queued_tokens,
+                                       "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
+                                       "committed_requests": c.committed_requests,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 
     async def wan_bytes(self) -> int:
-        """Bytes the WAN line carried both ways, as its emulator counted them."""
+        """Bytes the line carried both ways, as its emulator counted them; with no
+        emulator on the line, the KV bytes P sent across it (the instances' counts)."""
         link = self.dep.link
         if not link.admin_port:
-            return 0
+            return self.metrics.totals["kv_bytes:wan"]
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:
                 s = (await client.get(f"http://{link.host}:{link.admin_port}/stats")).json()

@@ -54,7 +54,7 @@ async def _serve(dep) -> None:
     capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
     backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
     await backend.start()
-    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.name, registry, dep.router.max_body_bytes,
+    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.served_name, registry, dep.router.max_body_bytes,
                     dep.router.api_key, admission=Limits(dep.router.max_running, dep.router.max_waiting))
     add_admin_routes(app, backend.members, dep)
     server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",

@@ -46,6 +46,8 @@ class InstanceClient:
         self.key = key
         self.mirror = CacheMirror(spec.engine.page_size)
         self.queued_tokens = 0  # work assigned by this router and not finished
+        self.committed_pages = 0  # KV pages the requests this router dispatched here will take
+        self.committed_requests = 0
         self.conn: FramedConnection | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._ready = asyncio.Event()

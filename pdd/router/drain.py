@@ -29,10 +29,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         dep = cfg.load(args.config)
+        base = dep.router.url
     except cfg.ConfigError as e:
         print(f"pdd drain: {e}", file=sys.stderr)
         return 2
-    base = f"http://{dep.router.host}:{dep.router.port}"
     headers = {"Authorization": f"Bearer {admin_token(dep.secret)}"}
     try:
         r = httpx.post(f"{base}{ADMIN_PREFIX}instances/{args.instance}/drain", headers=headers, timeout=10)

@@ -19,6 +19,7 @@ from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
 from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
+from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class MembershipError(ValueError):
 
 
 def member(spec: InstanceSpec) -> m.Member:
-    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, spec.wan_port)
+    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
 
 
 class Membership:
@@ -61,7 +62,7 @@ class Membership:
                 raise MembershipError(f"an instance named {spec.name!r} is already part of the deployment elsewhere")
             known.draining = False
             return False
-        if spec.role not in ("prefill", "relay", "main", "standalone"):
+        if spec.role not in (RoleName.PREFILL, RoleName.RELAY, RoleName.MAIN, RoleName.STANDALONE):
             raise MembershipError(f"unknown role {spec.role!r}")
         self.dep.address(spec, self.dep.router.dc)  # reachable from here, or ConfigError
         client = self._add(spec)

@@ -1,4 +1,5 @@
-"""What the router counts: pipelines, handoffs, producers, fallbacks, mirror drift.
+"""What the router counts: pipelines, handoffs, producers, fallbacks, mirror drift,
+hits, the bytes sent across the line, and the instances it can reach.
 
 Prometheus series on the router's `/metrics`, and the same totals as plain numbers for
 `/pdd/stats` (tests and `pdd bench` read those).
@@ -7,17 +8,45 @@ Prometheus series on the router's `/metrics`, and the same totals as plain numbe
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
+from pdd.router.client import InstanceClient
+from pdd.record import RequestRecord
 from pdd.router.request import RouterRequest
+from pdd.names import RoleName
 
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
+class _Instances:
+    """Per instance, read at scrape time: whether the router's control connection to it
+    is up (heartbeats drop a silent one), whether it drains, the work queued on it."""
+
+    def __init__(self, clients: Callable[[], Iterable[InstanceClient]]) -> None:
+        self._clients = clients
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["instance", "role", "dc"]
+        up = GaugeMetricFamily("pdd_router_instance_up", "1 while the router's connection to the instance is up",
+                               labels=labels)
+        draining = GaugeMetricFamily("pdd_router_instance_draining", "1 while the instance drains", labels=labels)
+        queued = GaugeMetricFamily("pdd_router_instance_queued_tokens", "Tokens of work the router has queued on it",
+                                   labels=labels)
+        for c in list(self._clients()):
+            key = [c.name, c.spec.role, c.spec.dc]
+            up.add_metric(key, float(c.healthy))
+            draining.add_metric(key, float(c.draining))
+            queued.add_metric(key, float(c.queued_tokens))
+        yield from (up, draining, queued)
+
+
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, clients: Callable[[], Iterable[InstanceClient]] = tuple) -> None:
         r = registry
+        r.register(_Instances(clients))
         self.pipelines = Counter("pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"], registry=r)
         self.handoffs = Counter("pdd_router_handoffs", "Relay-to-main handoffs by mode", ["mode"], registry=r)
         self.handoff_tokens = Counter("pdd_router_handoff_tokens", "Tokens handed from relays to main instances",
@@ -32,7 +61,12 @@ class RouterMetrics:
                                  ["kind"], registry=r)
         self.drift = Histogram("pdd_router_mirror_drift_tokens", "Predicted minus reserved decode-side hit tokens",
                                registry=r, buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096))
-        self.kv_bytes = Counter("pdd_router_kv_bytes", "KV bytes moved from P to the decode side", ["path"], registry=r)
+        self.kv_bytes = Counter("pdd_router_kv_bytes", "KV bytes P sent, by path: across the line (wan) or inside "
+                                "its datacenter (local)", ["path"], registry=r)
+        self.prompt_tokens = Counter("pdd_router_finished_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.hit_tokens = Counter("pdd_router_hit_tokens", "Prompt tokens of finished requests already cached, at P "
+                                  "(side=prefill) and at the decode side (side=decode)", ["side"], registry=r)
         self.failures = Counter("pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r)
         self.conflicts = Counter("pdd_router_stream_conflicts", "Output positions two producers disagreed on",
                                  registry=r)
@@ -48,24 +82,29 @@ class RouterMetrics:
         self.fallbacks.labels(kind).inc()
         self.totals[f"fallback:{kind}"] += 1
 
-    def finished(self, request: RouterRequest, record: dict) -> None:
+    def finished(self, request: RouterRequest, record: RequestRecord) -> None:
         self.completed += 1
-        self.pipelines.labels(record["pipeline"]).inc()
-        self.totals[f"pipeline:{record['pipeline']}"] += 1
-        for tier, key in (("relay", "rld_output_tokens"), ("main", "md_output_tokens")):
-            self.output_tokens.labels(tier).inc(record[key])
-            self.totals[f"tokens:{tier}"] += record[key]
-        if record["handoff"]:
-            self.handoffs.labels(record["handoff"]).inc()
-            self.totals[f"handoff:{record['handoff']}"] += 1
-            self.handoff_tokens.inc(record["handoff_tokens"])
-            if record["handoff_stall_ms"] is not None:
-                self.handoff_stall.observe(record["handoff_stall_ms"] / 1000)
-        if record["anomalous"]:
+        self.pipelines.labels(record.pipeline).inc()
+        self.totals[f"pipeline:{record.pipeline}"] += 1
+        for tier, tokens in ((RoleName.RELAY, record.rld_output_tokens), (RoleName.MAIN, record.md_output_tokens)):
+            self.output_tokens.labels(tier).inc(tokens)
+            self.totals[f"tokens:{tier}"] += tokens
+        if record.handoff:
+            self.handoffs.labels(record.handoff).inc()
+            self.totals[f"handoff:{record.handoff}"] += 1
+            self.handoff_tokens.inc(record.handoff_tokens)
+            if record.handoff_stall_ms is not None:
+                self.handoff_stall.observe(record.handoff_stall_ms / 1000)
+        if record.anomalous:
             self.anomalies.inc()
             self.totals["anomaly_filtered"] += 1
         self.conflicts.inc(request.merger.conflicts)
-        self.kv_bytes.labels("wan" if record["wan_bytes"] else "local").inc(record["kv_bytes"])
+        self.kv_bytes.labels("wan").inc(record.wan_bytes)
+        self.kv_bytes.labels("local").inc(record.kv_bytes - record.wan_bytes)
+        self.totals["kv_bytes:wan"] += record.wan_bytes
+        self.prompt_tokens.inc(len(request.req.prompt))
+        self.hit_tokens.labels("prefill").inc(record.p_hit_tokens)
+        self.hit_tokens.labels("decode").inc(record.d_hit_tokens)
 
     def snapshot(self) -> dict:
         return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

@@ -136,7 +136,8 @@ def economics(rows: Sequence[dict[str, Any]], block: int = paper.SETTING.block_t
         cached = shared_blocks(hit, PROMPT_TOKENS, block) * block
         row = {"hit": hit, "tail_cost": 1 - alone["throughput_rps"] / engine["throughput_rps"] if alone else None}
         for price in CACHED_PRICE:
-            row[f"billed_ktok_s_at_{price:g}"] = engine["throughput_rps"] * (PROMPT_TOKENS - cached + price * cached) / 1e3
+            billed = PROMPT_TOKENS - cached + price * cached
+            row[f"billed_ktok_s_at_{price:g}"] = engine["throughput_rps"] * billed / 1e3
         out.append(row)
     return out
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdd.engine.config import EngineConfig
+from pdd.engine_port import EngineConfig
 from pdd.sim.fit import Sample, fit, relative_errors
 from pdd.sim.profile import _TERMS, LocalProfile, profile_to_json
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load

@@ -67,7 +67,8 @@ def _line(args: argparse.Namespace) -> int:
     for col in ("", "mean ms", "peak ms"):
         table.add_column(col, justify="left" if not col else "right")
     table.add_row("spec", f"{r['spec']['mean_ms']:.1f}", f"{r['spec']['peak_ms']:.1f}")
-    table.add_row("TCP model, 25 Gbit/s", f"{r['tcp_model_25g']['mean_ms']:.1f}", f"{r['tcp_model_25g']['peak_ms']:.1f}")
+    tcp = r["tcp_model_25g"]
+    table.add_row("TCP model, 25 Gbit/s", f"{tcp['mean_ms']:.1f}", f"{tcp['peak_ms']:.1f}")
     e = r["emulator"]
     table.add_row(f"TCP model, {e['mbps']:g} Mbit/s", f"{r['tcp_model_at_emulator_rate']['mean_ms']:.1f}",
                   f"{r['tcp_model_at_emulator_rate']['peak_ms']:.1f}")
@@ -219,7 +220,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                        "demo first if their files are missing)")
     k.add_argument("--profile", default="pdd-profile.json")
     k.add_argument("--demo", default="pdd-demo", help="a `pdd demo --out` directory")
-    k.add_argument("--scenario", default="paper", choices=("paper", "short"), help="the scenario, if the demo has to run")
+    k.add_argument("--scenario", default="paper", choices=("paper", "short"),
+                   help="the scenario, if the demo has to run")
     k.add_argument("--out", default=None, help="JSON file for the table")
     k.set_defaults(func=_check)
 

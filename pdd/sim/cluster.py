@@ -20,6 +20,7 @@ import simpy
 from pdd.config import PolicySpec
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline
 from pdd.policy.plan import Plan, anomaly_rule, plan_request
+from pdd.policy.prefix import PREFIX_WAIT_S
 from pdd.policy.retry import reserve_retry_delay
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import LinkEstimate, kv_range, observe_rate, observe_rtt
@@ -32,10 +33,9 @@ from pdd.sim.relayed import BACKGROUND, URGENT, RelayPaths
 from pdd.sim.steps import StepModel
 from pdd.sim.tcp import Tcp, TcpLink
 from pdd.sim.workload import SimSession
-from pdd.transfer.messages import P_MD, P_RLD, P_RLD_MD
+from pdd.names import Pipeline
 
 RESERVE_WAIT_S = 45.0  # as the live decode side: a full pool holds a reservation back this long
-PREFIX_WAIT_S = 10.0  # as the live decode side: the longest wait for a request here to land a shared prefix
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class Cluster(RelayPaths):
         try:
             if plan.main is None and plan.relay is None or plan.anomalous:
                 yield from self._whole(self.instances[plan.entry], s, out, stream)
-                out.pipeline = P_RLD if plan.anomalous else None
+                out.pipeline = Pipeline.P_RLD if plan.anomalous else None
             else:
                 yield from self._disaggregated(plan, s, out, stream)
         finally:
@@ -300,7 +300,7 @@ class Cluster(RelayPaths):
             return
         yield self._until_finished(p, pseq)
         pipeline, reserved = yield from self._decide(p, md, md_res, rld is not None, out)
-        if pipeline == P_MD:
+        if pipeline == Pipeline.P_MD:
             if rld_res is not None:
                 self.env.process(self._drop_when(rld_res))
             yield from self._p_md(p, md, reserved, s, out, stream)
@@ -308,7 +308,7 @@ class Cluster(RelayPaths):
         if rld_res is not None:
             yield rld_res
         if rld is None or rld_res.value is None:
-            if pipeline == P_RLD_MD and reserved is not None:  # the relay refused: MD serves it, late
+            if pipeline == Pipeline.P_RLD_MD and reserved is not None:  # the relay refused: MD serves it, late
                 out.fallback = out.fallback or "relay_refused"
                 yield from self._p_md(p, md, reserved, s, out, stream)
                 return
@@ -316,15 +316,15 @@ class Cluster(RelayPaths):
             self._free(reserved)
             return
         out.pipeline = pipeline
-        yield from self._relayed(p, md if pipeline == P_RLD_MD else None, reserved, md_res, rld, rld_res.value, s,
-                                 out, stream)
+        yield from self._relayed(p, md if pipeline == Pipeline.P_RLD_MD else None, reserved, md_res, rld,
+                                 rld_res.value, s, out, stream)
 
     def _decide(self, p: Instance, md: Instance | None, md_res, has_relay: bool, out: Outcome):
         """P, after prefill: wait for MD's answer while P -> MD could still be in time, then
         choose. Returns (pipeline, MD's (hit, hold) or None)."""
         if md is None:
             out.fallback = out.fallback or "no_main"
-            return P_RLD, None
+            return Pipeline.P_RLD, None
         line = self.link(p, md)
         est = self.estimate(p, md)
         budget = self.spec.policy.ttft_budget_ms / 1000
@@ -337,7 +337,7 @@ class Cluster(RelayPaths):
         reserved = md_res.value if answered else None
         if answered and reserved is None:  # MD refused: the relay covers the request, counted
             out.fallback = "main_refused"
-            return (P_RLD, None) if has_relay else (P_MD, None)
+            return (Pipeline.P_RLD, None) if has_relay else (Pipeline.P_MD, None)
         delta = None
         if reserved is not None:
             out.d_hit = reserved[0]
@@ -353,7 +353,7 @@ class Cluster(RelayPaths):
 
     def _p_md(self, p: Instance, md: Instance, reserved, s: SimSession, out: Outcome,
               stream: Stream) -> Iterator[simpy.Event]:
-        out.pipeline = P_MD
+        out.pipeline = Pipeline.P_MD
         if reserved is None:
             out.failed = "the decode instance refused the reservation"
             return

@@ -12,7 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdd.bench.summary import RequestRecord, summarize
+from pdd.bench.summary import summarize
+from pdd.names import Pipeline
+from pdd.record import RequestRecord
 from pdd.sim.outcome import Outcome
 
 # The spec tracks requests in seven hit-rate buckets, 0-90 % up to 99-100 %.
@@ -32,7 +34,7 @@ def record(o: Outcome) -> RequestRecord:
         pipeline=o.pipeline, p_hit_tokens=o.p_hit, d_hit_tokens=o.d_hit, wan_bytes=int(o.wan_bytes),
         rld_output_tokens=o.rld_tokens, md_output_tokens=o.md_tokens, handoff=o.handoff,
         handoff_tokens=o.handoff_tokens, handoff_stall_ms=_ms(o.handoff_stall_s), fallback=o.fallback,
-        anomalous=o.anomalous, anomaly_filtered=o.anomalous and o.pipeline == "P-RLD",
+        planned_anomalous=o.anomalous, anomalous=o.anomalous and o.pipeline == Pipeline.P_RLD,
         error=o.failed if o.failed else (None if o.end_s is not None else "unfinished when the simulation stopped"))
 
 

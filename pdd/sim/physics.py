@@ -100,7 +100,8 @@ class Physics:
         tokens = np.asarray(load.new_tokens, dtype=float)
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
-        dense = np.maximum(2.0 * m.dense_params * tokens / (g * bf16), m.dense_params * m.dense_bytes_per_param / (g * bw))
+        dense = np.maximum(2.0 * m.dense_params * tokens / (g * bf16),
+                           m.dense_params * m.dense_bytes_per_param / (g * bw))
         experts = np.zeros_like(tokens)
         comm = np.zeros_like(tokens)
         if m.moe_layers:

@@ -22,7 +22,7 @@ from pdd.sim.instance import Instance
 from pdd.sim.sequence import Hold, SimSeq
 from pdd.sim.outcome import Outcome, Stream
 from pdd.sim.workload import SimSession
-from pdd.transfer.messages import CATCH_UP
+from pdd.names import HandoffMode
 
 if TYPE_CHECKING:
     from pdd.sim.cluster import DeploymentSpec
@@ -134,7 +134,7 @@ class RelayPaths:
                       blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
         finished = self._until_finished(md, mseq, submit=False)
         sent = 0
-        if plan.mode == CATCH_UP:
+        if plan.mode == HandoffMode.CATCH_UP:
             rounds, previous = 0, None
             while True:
                 produced = 1 + rseq.produced

@@ -148,7 +148,8 @@ class _Probe:
     def settled(self) -> bool:
         """Every judged request has finished or failed: nothing left to learn."""
         w = self.window
-        return all(o.end_s is not None or o.failed for o in self.cluster.outcomes if w.warmup_s <= o.arrival_s < w.end_s)
+        return all(o.end_s is not None or o.failed for o in self.cluster.outcomes
+                   if w.warmup_s <= o.arrival_s < w.end_s)
 
     def run(self) -> Iterator[simpy.Event]:
         env, w = self.cluster.env, self.window

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdd soak: {problem}", file=sys.stderr)
         return 2
     requests = DEFAULT_REQUESTS if args.requests is None and args.duration_s is None else args.requests
-    plan = soak_run.Plan(tuple(kinds), args.concurrency, args.seed, args.timeout_s, args.settle_s, requests,
+    plan = soak_run.SoakPlan(tuple(kinds), args.concurrency, args.seed, args.timeout_s, args.settle_s, requests,
                          args.duration_s, args.fault_every_s, args.repeats if args.matrix else 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
     print(f"pdd soak: mode {args.mode}, run directory {run_dir}", flush=True)

@@ -27,7 +27,7 @@ MAX_BACKOFF_S = 2.0
 
 
 @dataclass
-class Outcome:
+class SoakOutcome:
     """One request as the client saw it; times are seconds since the run started."""
 
     index: int
@@ -92,12 +92,12 @@ def _retry_after(response: httpx.Response) -> float:
 
 
 async def send(client: httpx.AsyncClient, url: str, model: str, req: SoakRequest, timeout_s: float,
-               t0: float) -> Outcome:
+               t0: float) -> SoakOutcome:
     """Stream `req` through the router at `url` and classify how it ended."""
     body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     start = time.monotonic()
-    out = Outcome(req.index, req.kind, start - t0, 0.0, LOST, 0, req.max_tokens)
+    out = SoakOutcome(req.index, req.kind, start - t0, 0.0, LOST, 0, req.max_tokens)
     stream = _Stream()
     try:
         async with asyncio.timeout(timeout_s):
@@ -131,7 +131,7 @@ def _json(payload: bytes) -> Any:
         return payload.decode(errors="replace")
 
 
-def _classify(out: Outcome, stream: _Stream) -> None:
+def _classify(out: SoakOutcome, stream: _Stream) -> None:
     """A stream that ended on its own: an error event, a full answer, or lost."""
     if stream.error is not None:
         out.outcome, out.detail = FAILED, f"error event: {stream.error}"
@@ -144,7 +144,7 @@ def _classify(out: Outcome, stream: _Stream) -> None:
         out.outcome = COMPLETED
 
 
-def _broken(out: Outcome, stream: _Stream, why: str) -> tuple[str, str | None]:
+def _broken(out: SoakOutcome, stream: _Stream, why: str) -> tuple[str, str | None]:
     """A stream cut off by the client's timeout or a broken connection: failed if the
     server had already said why, complete if every token and the finish had arrived."""
     if stream.error is not None:

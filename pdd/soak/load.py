@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import httpx
 
-from pdd.soak.client import FAILED, Outcome, send
+from pdd.soak.client import FAILED, SoakOutcome, send
 from pdd.soak.workload import SoakWorkload
 
 
 class Load:
     def __init__(self, url: str, model: str, workload: SoakWorkload, timeout_s: float, t0: float,
-                 on_outcome: Callable[[Outcome], None]) -> None:
+                 on_outcome: Callable[[SoakOutcome], None]) -> None:
         self.url = url
         self.model = model
         self.workload = workload
@@ -29,7 +29,7 @@ class Load:
         self.t0 = t0
         self.on_outcome = on_outcome
         self.next_index = 0  # requests sent so far, over every `drive`
-        self.outcomes: list[Outcome] = []
+        self.outcomes: list[SoakOutcome] = []
 
     async def drive(self, concurrency: int, done: Callable[[], bool]) -> None:
         """Run `concurrency` clients until `done()` holds; requests in flight then finish."""
@@ -44,7 +44,7 @@ class Load:
 
             await asyncio.gather(*(one_client() for _ in range(concurrency)))
 
-    async def send(self, client: httpx.AsyncClient) -> Outcome:
+    async def send(self, client: httpx.AsyncClient) -> SoakOutcome:
         """The next request of the workload, recorded."""
         request = self.workload.request(self.next_index)
         self.next_index += 1

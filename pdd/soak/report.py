@@ -17,22 +17,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, Outcome
+from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, SoakOutcome
 from pdd.soak.faults import FaultEvent
 
 
-def totals(outcomes: Sequence[Outcome]) -> dict[str, int]:
+def totals(outcomes: Sequence[SoakOutcome]) -> dict[str, int]:
     counts = Counter(o.outcome for o in outcomes)
     return {"sent": len(outcomes), **{k: counts[k] for k in OUTCOMES}}
 
 
-def recovery_s(fault: FaultEvent, outcomes: Sequence[Outcome]) -> float | None:
+def recovery_s(fault: FaultEvent, outcomes: Sequence[SoakOutcome]) -> float | None:
     """Seconds from the clear until the first request sent after it completed; None if none did."""
     ends = [o.end for o in outcomes if o.outcome == COMPLETED and o.start >= fault.clear]
     return min(ends) - fault.clear if ends else None
 
 
-def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[Outcome]) -> dict[int, FaultEvent]:
+def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome]) -> dict[int, FaultEvent]:
     """Request index -> the first fault whose window it shared. A request that hangs
     through several faults was hit by the first; the later ones found it broken."""
     first: dict[int, FaultEvent] = {}
@@ -43,8 +43,8 @@ def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[Outcome]) -> di
     return first
 
 
-def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequence[Outcome],
-           later: Sequence[Outcome] = (), settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
+def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome],
+           later: Sequence[SoakOutcome] = (), settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
     """One row per fault kind. `later` (probes sent after the load) counts for recovery
     only; `settled` (matrix runs): the pages each kind left held once its requests had
     ended and the pages had had their time to come back, and how long they took."""
@@ -132,6 +132,6 @@ def counter(values: Iterable[str | None]) -> dict[str, int]:
     return dict(Counter(v for v in values if v).most_common())
 
 
-def reasons(outcomes: Sequence[Outcome], outcome: str) -> dict[str, int]:
+def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str, int]:
     """How many requests ended with each reason, most common first."""
     return dict(Counter(o.detail for o in outcomes if o.outcome == outcome).most_common())

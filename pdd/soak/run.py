@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdd.soak import report
-from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, Outcome
+from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, SoakOutcome
 from pdd.soak.cluster import Cluster, self_peak_rss_kib
 from pdd.soak.faults import FaultEvent, FaultRanges, Injector, schedule
 from pdd.soak.load import Load
@@ -35,7 +35,7 @@ MATRIX_RECOVER_S = 120.0  # most time to wait for a completed request after the 
 
 
 @dataclass(frozen=True)
-class Plan:
+class SoakPlan:
     kinds: tuple[str, ...]
     concurrency: int
     seed: int
@@ -50,7 +50,7 @@ class Plan:
 class Run:
     """One soak or matrix run: its load, its faults, and the watchers around them."""
 
-    def __init__(self, cluster: Cluster, plan: Plan, console: Console, progress: Progress) -> None:
+    def __init__(self, cluster: Cluster, plan: SoakPlan, console: Console, progress: Progress) -> None:
         self.cluster = cluster
         self.plan = plan
         self.console = console
@@ -69,7 +69,7 @@ class Run:
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
-    def _seen(self, out: Outcome) -> None:
+    def _seen(self, out: SoakOutcome) -> None:
         self.counts[out.outcome] += 1
         c = self.counts
         fault = self.injector.active or "-"
@@ -217,7 +217,7 @@ def progress_bar(console: Console, quiet: bool) -> Progress:
                     console=console, disable=quiet or not console.is_terminal)
 
 
-def run(cluster: Cluster, plan: Plan, quiet: bool) -> dict[str, Any]:
+def run(cluster: Cluster, plan: SoakPlan, quiet: bool) -> dict[str, Any]:
     """Run the plan with a progress bar on stderr (hidden when quiet or not a terminal);
     what happens on the way (faults, lost requests, crashes) is printed there too."""
     with progress_bar(Console(stderr=True), quiet) as progress:

@@ -20,17 +20,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from pdd.names import PDD_PIPELINES, HandoffMode, RoleName
 from pdd.sampling import SamplingParams
 from pdd.transfer.wire import Frame, FramedConnection, MsgType, decode_json, encode_json, pack_with_header, unpack_with_header
 
 MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
 MAX_TEXT = 4096
 MAX_NAME = 128
+MAX_DICT = 64  # entries of a string table in one body (a member's addresses, one per datacenter)
 
-P_MD, P_RLD_MD, P_RLD = "P-MD", "P-RLD-MD", "P-RLD"
-PIPELINES = (P_MD, P_RLD_MD, P_RLD)
-ONE_SHOT, CATCH_UP = "one_shot", "catch_up"
-ROLES_ON_WIRE = ("router", "standalone", "prefill", "relay", "main")
+ROLES_ON_WIRE = ("router", *RoleName)
 
 
 class BadMessage(ValueError):
@@ -79,6 +78,7 @@ class ReserveAck:
     rid: str
     hit: int = 0  # tokens of the prompt already held (the authoritative decode-side hit)
     error: str | None = None
+    busy: bool = False  # with `error`: a relay too loaded to take an optional request (not a failure)
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,17 @@ class HandedOff:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Instance -> router: the request moved forward without a token (its KV is
+    crossing the line, or the line of reservations ahead of it moved), so the router's
+    no-progress timeouts do not take a slow request for a stuck one."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
+    rid: str
+    what: str = ""  # "kv": KV acknowledged; "queued": waiting for pages, the line ahead moved
+
+
+@dataclass(frozen=True)
 class Abort:
     TYPE: ClassVar[MsgType] = MsgType.ABORT
     rid: str
@@ -214,7 +225,7 @@ class Member:
     dc: str
     host: str
     kv_port: int
-    wan_port: int = 0
+    advertise: dict[str, str] = field(default_factory=dict)  # datacenter -> "HOST:PORT" (`InstanceSpec`)
 
 
 @dataclass(frozen=True)
@@ -246,11 +257,12 @@ class CacheUpdate:
 
 
 Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, PipelineChosen, Result, Handoff,
-             HandoffAck, HandedOff, Abort, Error, CacheUpdate, Member, Drain]
+             HandoffAck, HandedOff, Progress, Abort, Error, CacheUpdate, Member, Drain]
 _BY_TYPE: dict[MsgType, type] = {cls.TYPE: cls for cls in typing.get_args(Body)}
 _HINTS: dict[type, tuple[dict[str, Any], frozenset[str]]] = {}  # field types, required fields
-_CHOICES = {"pipeline": PIPELINES, "mode": (ONE_SHOT, CATCH_UP),
-            "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE}
+_CHOICES = {"pipeline": PDD_PIPELINES, "mode": tuple(HandoffMode),
+            "kind": ("stored", "removed", "snapshot", "snapshot_request"), "role": ROLES_ON_WIRE,
+            "what": ("", "kv", "queued")}
 
 
 def _hints(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
@@ -285,9 +297,17 @@ def _check(name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, list) and len(value) <= MAX_TOKENS and \
                 all(type(v) is int and 0 <= v < 1 << 64 for v in value):
             return value
+    elif typing.get_origin(tp) is dict:  # dict[str, str]: a member's advertised addresses
+        if isinstance(value, dict) and len(value) <= MAX_DICT and \
+                all(type(k) is str and type(v) is str and _short(k) and _short(v) for k, v in value.items()):
+            return value
     elif tp is SamplingParams:
         return _params(value)
     raise BadMessage(f"field {name!r} must be {getattr(tp, '__name__', tp)}, got {str(value)[:80]!r}")
+
+
+def _short(text: str) -> bool:
+    return len(text) <= MAX_NAME and _utf8(text)
 
 
 def _utf8(text: str) -> bool:

@@ -37,6 +37,8 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdd.config import parse_addr
+
 log = logging.getLogger(__name__)
 
 A_TO_B = "a_to_b"
@@ -91,15 +93,6 @@ class Route:
         if not sep:
             raise ValueError(f"route {spec!r} is not LISTEN_HOST:PORT=TARGET_HOST:PORT")
         return cls(*parse_addr(listen), *parse_addr(target))
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    """Parse `HOST:PORT` (IPv6 hosts in brackets)."""
-    host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {text!r} is not HOST:PORT")
-    return host, int(port)
 
 
 class _Shaper:

@@ -79,6 +79,7 @@ class MsgType(IntEnum):
     HANDED_OFF = 20  # RLD -> router: it stopped, MD produces from here
     MEMBER = 21  # router -> instance: an instance joined (or left) the deployment
     DRAIN = 22  # router -> instance: no new work comes; finish what you hold, then exit
+    PROGRESS = 23  # instance -> router: a request moved forward without producing a token
 
 
 class FrameError(ValueError):

@@ -9,7 +9,7 @@ for comparison. Every number of `paper` follows from the arithmetic in `PAPER_NO
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdd.workload.agentic import AgenticConfig
 
@@ -58,3 +58,44 @@ SCENARIOS = {
         notes="Short agentic turns (8-48 output tokens), every session at once, a 20 Mbit/s line "
               "with 20 ms +- 5 ms one way: the earlier demo, where relays finish most low-hit requests alone."),
 }
+
+# What every scenario above is scaled to: the embedded tiny model.
+TINY_CONTEXT = 4096
+TINY_KV_BYTES_PER_TOKEN = 4096  # 4 layers x 2 KV heads x 64 x (K, V) x fp32
+
+
+def fit_workload(config: AgenticConfig, context_tokens: int, vocab_size: int) -> tuple[AgenticConfig, float]:
+    """`config` for a served model: token IDs drawn from its vocabulary, and every length
+    (system prompt, task, tool outputs, outputs, context cap) multiplied by the model's
+    context over the tiny model's when it is shorter. Returns the config and that factor."""
+    scale = min(1.0, context_tokens / TINY_CONTEXT)
+
+    def span(bounds: tuple[int, int]) -> tuple[int, int]:
+        return max(1, round(bounds[0] * scale)), max(1, round(bounds[1] * scale))
+
+    fitted = replace(config, vocab_size=vocab_size, system_prompt_tokens=round(config.system_prompt_tokens * scale),
+                     task_tokens=span(config.task_tokens), tool_output_tokens=span(config.tool_output_tokens),
+                     large_tool_output_tokens=span(config.large_tool_output_tokens),
+                     output_tokens=span(config.output_tokens), max_context=int(config.max_context * scale))
+    return fitted, scale
+
+
+def fit_scenario(scenario: Scenario, context_tokens: int, vocab_size: int,
+                 kv_bytes_per_token: int) -> tuple[Scenario, str]:
+    """`scenario` for a served model, and a line that says what changed.
+
+    The workload is fitted to the model's context (`fit_workload`); the line's bandwidth
+    follows the model's KV bytes per token and that context factor, so that a request's
+    KV occupies the line as long as with the tiny model (a full-context miss of the
+    `paper` scenario: 2.6 s idle), which is what the scenario's numbers are built on.
+    Decode speed is the model's own: outputs are not rescaled for it.
+    """
+    workload, scale = fit_workload(scenario.workload, context_tokens, vocab_size)
+    line_scale = scale * kv_bytes_per_token / TINY_KV_BYTES_PER_TOKEN
+    fitted = replace(scenario, workload=workload, bandwidth_mbps=scenario.bandwidth_mbps * line_scale)
+    if fitted == scenario:
+        return scenario, f"scenario {scenario.name} as published (the model has the tiny model's shape)"
+    return fitted, (f"scenario {scenario.name} fitted to the model: context {context_tokens} tokens "
+                    f"(lengths x {scale:.3g}, contexts up to {workload.max_context}), vocabulary {vocab_size}, "
+                    f"{kv_bytes_per_token:,} KV bytes per token: the line at {fitted.bandwidth_mbps:.4g} Mbit/s "
+                    f"(x {line_scale:.3g}) so each request's KV takes as long on it as with the tiny model")

@@ -1,4 +1,5 @@
-"""`EngineRuntime`: the embedded `Engine` on its own thread, behind `EnginePort`.
+"""`EngineRuntime`: the embedded `Engine` on its own thread, behind `EnginePort`
+(`pdd.engine_port`); `open_embedded` is the "embedded" backend's factory.
 
 The engine is single-threaded by design; everything that touches it (adding requests,
 aborting, reserving, importing KV) is shipped to the engine thread as a command and
@@ -14,12 +15,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from pdd.engine.engine import Engine, StepOutput
-from pdd.instance.engine_port import CacheListener, EngineLoad
+from pdd.engine.engine import Engine
+from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.sampling import SamplingParams
 
@@ -69,7 +71,7 @@ class EngineRuntime:
     def start_thread(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self._stop.set()
         self._cmds.put((lambda e: None, None, None))
         self._thread.join(timeout=10)
@@ -228,3 +230,10 @@ def _settle(fut: asyncio.Future, result: Any, error: Exception | None) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
+
+
+def open_embedded(model_dir: Path, config: EngineConfig, threads: int, eos_ids: frozenset[int]) -> EngineRuntime:
+    """The embedded engine over `model_dir`, stepping on its own thread."""
+    runtime = EngineRuntime(Engine(model_dir, config, eos_ids=eos_ids), threads)
+    runtime.start_thread()
+    return runtime

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.instance.node import Tombstones
+from pdd.instance.host import Host, Tombstones
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection
@@ -41,8 +41,8 @@ class MainJob(DecodeJob):
 class MainRole(DecodeSide):
     job_type = MainJob
 
-    def __init__(self, node) -> None:
-        super().__init__(node)
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
         # The relay's frames and P's reservation come on different connections; after a
         # stalled line a relay's handoff (a fill, say) can overtake the reservation. It is
         # kept here, bounded, and applied when the reservation lands: refused, it would
@@ -67,7 +67,7 @@ class MainRole(DecodeSide):
             self.early.pop(body.rid, None)
 
     def _keep_early(self, h: m.Handoff, conn: FramedConnection) -> None:
-        if h.rid in self.ended or h.rid in self.node.aborted:  # the relay hears so and finishes alone
+        if h.rid in self.ended or h.rid in self.host.aborted:  # the relay hears so and finishes alone
             raise m.BadMessage(f"request {h.rid!r} is not held here")
         self.early.setdefault(h.rid, []).append((h, conn))
         while len(self.early) > MAX_EARLY:
@@ -77,7 +77,7 @@ class MainRole(DecodeSide):
         if isinstance(body, m.Handoff):  # the relay was lost: take over from what the client has
             job = self.jobs.get(body.rid)
             if job is None or job.router_id != router_id:
-                self.node.to_router(router_id, m.Error(f"request {body.rid!r} is not held here", body.rid))
+                self.host.to_router(router_id, m.Error(f"request {body.rid!r} is not held here", body.rid))
                 return
             try:
                 await self._on_handoff(job, body, None)
@@ -109,7 +109,7 @@ class MainRole(DecodeSide):
             await self._apply(job)
 
     async def on_loaded(self, job: MainJob) -> None:
-        self.node.spawn(self._watch(job))
+        self.host.spawn(self._watch(job))
         await self._apply(job)
 
     async def _watch(self, job: MainJob) -> None:
@@ -144,4 +144,4 @@ class MainRole(DecodeSide):
         if job.fill:
             await self._apply(job)
         elif job.relay_conn is not None:
-            await self.node.send(job.relay_conn, m.HandoffAck(job.rid, computed))
+            await self.host.send(job.relay_conn, m.HandoffAck(job.rid, computed))

@@ -1,0 +1,190 @@
+"""The engine port: everything an instance asks of the engine that computes for it.
+
+The instance roles (prefill, relay, main decode, standalone), the benchmarks and the
+calibration reach an engine only through `EnginePort`, and build one only through
+`open_engine`, which picks the implementation named by `[engine] backend` from a
+small registry (`register_engine`). So another engine (vLLM on GPUs, through its KV
+connector and prefix cache) sits behind the same router, policies and wire protocol.
+Every type and error that crosses the port is defined here; KV crosses as
+`pdd.kv.codec.KVBlob`, the project's engine-neutral layout (token-major
+`[layers, tokens, kv_heads, head_dim]` with chained block hashes), which each engine
+converts to and from its own pages.
+
+This module imports no torch: deployment files are parsed (`EngineConfig`) by
+processes that never load a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from pdd.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pdd.kv.codec import KVBlob
+
+CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored" / "removed", block hashes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's sizes and numerics: the `[engine]` table."""
+
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 2048  # KV pool size
+    max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it)
+    max_running: int = 64  # most sequences computed at once
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_dtype: str = ""  # KV pool dtype; empty: same as dtype
+    # most requests an instance holds at once (computing, queued, or moving KV); past
+    # this it refuses new ones as busy
+    max_requests: int = 256
+    backend: str = "embedded"  # the implementation (`register_engine`)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine {name} must be at least 1")
+
+
+class RequestError(ValueError):
+    """A request this engine can never serve as asked (too long, a duplicate id, not
+    reserved, tokens out of the vocabulary): the caller's mistake, not load."""
+
+
+class OutOfPages(RuntimeError):
+    """The KV pool cannot hold this now; it may once other requests finish."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step did for one request."""
+
+    rid: str
+    token: int | None  # the token sampled this step, if any
+    finish_reason: str | None  # "stop", "length", or "abort" (stopped from outside)
+    cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
+    position: int = -1  # output position of `token` (0: the first generated token)
+    caught_up: int | None = None  # a shadow request computed every given token: how many outputs it holds
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    max_running: int
+    pages: int
+    free_pages: int
+    cached_pages: int  # held by the prefix cache only: evictable
+
+
+class OutputStream(Protocol):
+    """One request's step outputs (tokens, its finish, catch-up progress), in order."""
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]: ...
+
+    def close(self) -> None: ...
+
+
+class EnginePort(Protocol):
+    """What every engine promises. Commands about one request take effect in the order
+    they are issued. A request is known by its id from `generate` or `reserve` until
+    it finishes (and, with `hold`, until `release`). Aborting a request that is not
+    there is not an error."""
+
+    page_size: int
+    max_context: int  # prompt + output tokens one request may hold
+    kv_bytes_per_token: int  # of this engine's KV, as exported
+
+    def generate(self, rid: str, prompt: list[int], params: SamplingParams,
+                 hold: bool = False) -> AsyncIterator[StepOutput]:
+        """Run a request from its prompt (reusing the prefix cache) and stream its outputs;
+        leaving the stream early aborts it. With `hold`, its KV stays put after it
+        finishes, for `export_kv`, until `release`. RequestError if it can never run."""
+
+    def watch(self, rid: str) -> OutputStream:
+        """Subscribe to a reserved request's outputs; call before `start`, so none is missed."""
+
+    async def reserve(self, rid: str, prompt: list[int], params: SamplingParams, use_cache: bool = True) -> int:
+        """Make room for a request whose prompt KV will be imported: lock the longest
+        cached prefix (with `use_cache`; at least the last prompt token is left out)
+        and take pages for the rest of the prompt now, so every import that follows
+        fits. Returns the cached length in tokens. OutOfPages when the pool cannot hold
+        the prompt now (nothing is kept); RequestError if it never could."""
+
+    async def cached_prefix(self, tokens: list[int]) -> int:
+        """Tokens of this prompt the prefix cache holds now; nothing is locked."""
+
+    async def import_kv(self, rid: str, blob: KVBlob) -> None:
+        """Write KV into a reserved request exactly where its computed part ends (the
+        block hashes must match its prompt). Ranges follow each other; the last
+        prompt token may be left for `start`."""
+
+    async def export_kv(self, rid: str, start: int, end: int) -> KVBlob:
+        """KV of tokens [start, end) of a running or held request (all layers)."""
+
+    async def start(self, rid: str, tokens: list[int], shadow: bool = False, step_cap: int = 0) -> int:
+        """Extend a reserved request by output tokens others produced and decode on:
+        everything not yet computed (the last prompt token, then `tokens`) is computed,
+        at most `step_cap` tokens a step (0: the step budget), and the next token
+        sampled. With `shadow` (a catch-up chunk, or a fill) the tokens are computed
+        but nothing is sampled: the request reports `caught_up` and waits for more.
+        A later `start` without `shadow` ends the catch-up. Returns the request's
+        cached prompt tokens."""
+
+    async def cut(self, rid: str) -> list[int]:
+        """Stop a request now (a relay handing it over) and return its output; watchers
+        see an "abort" finish; its KV goes to the prefix cache. RequestError if it has
+        already finished."""
+
+    async def release(self, rid: str) -> None:
+        """Let go of a held or reserved request: its computed KV stays in the prefix cache."""
+
+    def abort(self, rid: str) -> None:
+        """Stop a request from anywhere without waiting; watchers see an "abort" finish."""
+
+    async def cache_snapshot(self) -> tuple[int, list[int]]:
+        """Every cached block hash, with the number of the last cache event included."""
+
+    def set_cache_listener(self, listener: CacheListener) -> None:
+        """Called (on the caller's loop) for every cache event, numbered in order."""
+
+    def load(self) -> EngineLoad: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None:
+        """Stop the engine; nothing may be called after."""
+
+
+# ---- the registry ------------------------------------------------------------------------
+# backend name -> "module:function"; the function takes (model_dir, config, threads,
+# eos_ids) and returns a running EnginePort. Imported only when used: the router and
+# the CLI never load an engine they do not run.
+EngineFactory = Callable[[Path, EngineConfig, int, frozenset[int]], EnginePort]
+_ENGINES: dict[str, str] = {"embedded": "pdd.engine.runtime:open_embedded"}
+
+
+def register_engine(name: str, target: str) -> None:
+    """Make `[engine] backend = name` build engines with `target` ("module:function")."""
+    _ENGINES[name] = target
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
+                eos_ids: frozenset[int] = frozenset()) -> EnginePort:
+    """A running engine of `config.backend` over the model in `model_dir`."""
+    target = _ENGINES.get(config.backend)
+    if target is None:
+        raise ValueError(f"unknown engine backend {config.backend!r}; have {engine_names()}")
+    module, _, function = target.partition(":")
+    factory: EngineFactory = getattr(importlib.import_module(module), function)
+    return factory(Path(model_dir), config, threads, eos_ids)

@@ -1,0 +1,126 @@
+"""What a role needs from the instance that hosts it, and what every role shares.
+
+The node (`pdd.instance.node`) accepts connections and dispatches frames to its role;
+the roles (prefill, relay, main, standalone) own the requests. Roles see their node
+only through `Host`, so neither imports the other: the instance's entry point wires
+a role (`pdd.instance.roles`) into a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from pdd.config import Deployment, InstanceSpec
+from pdd.engine_port import EnginePort, StepOutput
+from pdd.transfer import messages as m
+from pdd.transfer import wire
+from pdd.transfer.wire import FramedConnection
+
+MAX_TOMBSTONES = 4096
+
+
+class Tombstones:
+    """Recently ended request ids, so a request that arrives after its abort never runs."""
+
+    def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
+        self._ids: dict[str, None] = {}
+        self._limit = limit
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        while len(self._ids) > self._limit:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids
+
+
+class Host(Protocol):
+    spec: InstanceSpec
+    dep: Deployment  # (replaced as members join: read it at use)
+    engine: EnginePort
+    key: bytes  # for the framed connections this instance opens
+    aborted: Tombstones
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
+
+    async def send(self, conn: FramedConnection, body: Any) -> bool:
+        """Send, or log why not (False): a peer that went away is its reader's business."""
+
+    def to_router(self, router_id: str, body: Any) -> None:
+        """Queue a body for one router, in order; dropped if that router is gone."""
+
+    def full(self) -> bool:
+        """Whether a new request would take this instance past `max_requests`."""
+
+    def took(self) -> None:
+        """A role took a request (the node keeps the high-water mark)."""
+
+
+class Role(Protocol):
+    async def on_router(self, router_id: str, body: Any) -> None:
+        """A body from a router (SUBMIT, ABORT, a takeover HANDOFF)."""
+
+    def held(self) -> int:
+        """Requests this instance holds now (what `max_requests` bounds)."""
+
+    async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
+        """A frame from another instance that connected here."""
+
+    def peer_lost(self, name: str) -> None:
+        """A connection from another instance (by its name) is gone."""
+
+    def router_lost(self, router_id: str) -> None:
+        """A router is gone: nobody will read its requests' tokens."""
+
+    def close(self) -> None:
+        """The instance stops: close what the role opened."""
+
+
+def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
+    return m.Tokens(rid, max(out.position, 0), [] if out.token is None else [out.token], out.finish_reason,
+                    out.cached_tokens)
+
+
+async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:
+    """Tell the router a request failed here; the instance keeps serving. A peer that
+    was lost or timed out is the deployment's failure, not the request's (503)."""
+    lost = isinstance(error, (ConnectionError, asyncio.TimeoutError))
+    host.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost))
+
+
+class WholeRequests:
+    """Requests this instance prefills and decodes itself: every request of a standalone
+    instance, and the anomaly filter's requests on a relay."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.jobs: dict[str, tuple[str, asyncio.Task]] = {}  # rid -> (router id, its task)
+
+    def submit(self, router_id: str, s: m.Submit) -> None:
+        if s.rid not in self.host.aborted and s.rid not in self.jobs:
+            self.jobs[s.rid] = (router_id, self.host.spawn(self._run(router_id, s)))
+            self.host.took()
+
+    def abort(self, rid: str) -> None:
+        self.host.aborted.add(rid)
+        if rid in self.jobs:
+            self.host.engine.abort(rid)
+
+    async def _run(self, router_id: str, s: m.Submit) -> None:
+        try:
+            async for out in self.host.engine.generate(s.rid, s.prompt, s.params):
+                if out.finish_reason != "abort":
+                    self.host.to_router(router_id, tokens_of(s.rid, out))
+        except Exception as e:
+            await report_failure(self.host, router_id, s.rid, e)
+        finally:
+            self.jobs.pop(s.rid, None)
+
+    def router_lost(self, router_id: str) -> None:
+        for rid, (owner, task) in list(self.jobs.items()):
+            if owner == router_id:  # nobody will read these tokens: stop computing them
+                self.host.aborted.add(rid)
+                task.cancel()

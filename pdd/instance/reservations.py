@@ -1,0 +1,73 @@
+"""The line of reservations a full decode instance holds back until pages free up.
+
+The router dispatches a request only once its decode instance has room for it
+(`pdd.policy.capacity`), so this line is short; it absorbs what the router cannot
+see (another router's requests, a relay's fill still computing, shared prefixes it
+counted once too few). A reservation here waits as long as it takes — pages come back
+as the requests ahead finish — and leaves only when it is granted or its request
+ends (an abort, a lost P or router). First come, first served: a large prompt is not
+passed over forever by small ones. Each time the line moves, the requests still in it
+are reported as progressing, so the router does not take them for stuck ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from pdd.engine_port import OutOfPages
+from pdd.policy.retry import reserve_retry_delay
+
+J = TypeVar("J")
+PROGRESS_EVERY_S = 1.0  # at most this often, a waiting request is reported as moving
+
+
+class ReservationLine(Generic[J]):
+    def __init__(self, on_moved: Callable[[J], None]) -> None:
+        self._line: deque[J] = deque()
+        self._moved = asyncio.Event()
+        self._on_moved = on_moved
+        self._reported: dict[int, float] = {}  # id(job) -> when last reported
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    async def take(self, job: J, attempt: Callable[[], Awaitable[int]], ended: Callable[[], bool]) -> int | None:
+        """`attempt()` (a reservation raising OutOfPages while the pool is full) once
+        `job` is first in line, retried as pages may have freed; its result, or None if
+        the request ended while waiting."""
+        self._line.append(job)
+        tries = 0
+        try:
+            while not ended():
+                if self._line[0] is job:
+                    try:
+                        return await attempt()
+                    except OutOfPages:
+                        tries += 1
+                delay = reserve_retry_delay(tries, 0.0, math.inf)
+                try:
+                    await asyncio.wait_for(self._moved.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            return None
+        finally:
+            head = self._line[0] is job
+            self._line.remove(job)
+            self._reported.pop(id(job), None)
+            if head:
+                self._advance()
+
+    def _advance(self) -> None:
+        """The head left: wake the next, and report everyone still waiting as moving."""
+        self._moved.set()
+        self._moved = asyncio.Event()
+        now = time.monotonic()
+        for job in self._line:
+            if now - self._reported.get(id(job), 0.0) >= PROGRESS_EVERY_S:
+                self._reported[id(job)] = now
+                self._on_moved(job)

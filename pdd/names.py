@@ -1,0 +1,63 @@
+"""One word per concept: the names every part of pdd shares, as enums.
+
+A leaf module (it imports nothing of pdd): the policies, the wire messages, the
+config, the router, the instances, the simulator and the benchmarks all name
+pipelines, handoffs, roles, modes and fallbacks from here. The values are what the
+config files, the wire, the JSON reports and the metrics' labels carry; a `StrEnum`
+member is equal to its value, so a value read from any of them compares as is.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Pipeline(StrEnum):
+    """The path a request's KV and tokens take (PDD_SPEC item 4)."""
+
+    P_MD = "P-MD"  # P prefills, MD decodes
+    P_RLD_MD = "P-RLD-MD"  # the relay decodes while MD's KV crosses, then hands over
+    P_RLD = "P-RLD"  # the relay alone: the anomaly filter's requests, or a counted fallback
+    COLOCATED = "colocated"  # one standalone instance does everything (not a PDD pipeline)
+
+
+PDD_PIPELINES = (Pipeline.P_MD, Pipeline.P_RLD_MD, Pipeline.P_RLD)
+
+
+class HandoffMode(StrEnum):
+    """How a relay hands a request to MD (PDD_SPEC item 3)."""
+
+    ONE_SHOT = "one_shot"
+    CATCH_UP = "catch_up"
+
+
+class RoleName(StrEnum):
+    """What an instance does. `main` is the spec's MD (MainDecode), `relay` its RLD."""
+
+    STANDALONE = "standalone"  # prefill and decode, no disaggregation
+    PREFILL = "prefill"
+    RELAY = "relay"
+    MAIN = "main"
+
+
+class Mode(StrEnum):
+    """How a deployment places its roles."""
+
+    COLOCATED = "colocated"  # one standalone instance
+    PD_SAME_DC = "pd-same-dc"  # P and MD in datacenter A
+    PD_CROSS_DC = "pd-cross-dc"  # P in A, MD in B, no relay
+    PDD = "pdd"  # P and the relay in A, MD in B
+
+
+class Fallback(StrEnum):
+    """Why a request ran other than planned; every one is counted (`pdd_router_fallbacks`)."""
+
+    NO_MAIN = "no_main"  # no MD was up: the relay produced it alone
+    NO_RELAY = "no_relay"  # no relay was up: P -> MD
+    MAIN_REFUSED = "main_refused"  # MD refused the reservation: the relay produced it alone
+    RELAY_BUSY = "relay_busy"  # the relay was loaded: P -> MD, a later first token
+    RELAY_LOST = "relay_lost"  # the relay was lost: MD took over from what the client had
+    MAIN_LOST = "main_lost"  # MD was lost before the handoff: the relay finished it
+    PREFILL_LOST = "prefill_lost"  # P was lost after the relay had its KV: the relay finished it
+    PREFILL_RETRY = "prefill_retry"  # P was lost before the first token: retried on another
+    RELAY_FINISHED = "relay_finished"  # the relay finished before MD had its KV

@@ -1,0 +1,109 @@
+"""Addresses in the deployment file: an instance is reached where it listens, from
+every datacenter, unless it advertises another address to a datacenter (a NAT, a
+public address, or a `pdd wan` hop, which is what `pdd up` puts on each route that
+crosses its emulated line)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdd import config as cfg
+from pdd.deploy import Launcher, resolve
+from pdd.router.members import member
+from pdd.transfer import messages as m
+from pdd.transfer.wire import Frame, encode_json
+
+TWO_SITES = """
+mode = "pdd"
+[router]
+dc = "A"
+host = "10.1.0.10"
+[[instances]]
+name = "p0"
+role = "prefill"
+dc = "A"
+host = "10.1.0.11"
+port = 8100
+kv_port = 9100
+[[instances]]
+name = "md0"
+role = "main"
+dc = "B"
+host = "0.0.0.0"
+port = 8100
+kv_port = 9100
+advertise = { A = "203.0.113.7:19100", B = "10.2.0.10:9100" }
+[[instances]]
+name = "md1"
+role = "main"
+dc = "B"
+host = "10.2.0.11"
+port = 8100
+kv_port = 9100
+"""
+
+
+def _parse(text: str) -> cfg.Deployment:
+    import tomllib
+
+    return cfg.parse(tomllib.loads(text))
+
+
+def test_an_instance_is_reached_at_its_own_address_across_the_line_unless_it_advertises_another():
+    dep = _parse(TWO_SITES)
+    md0, md1, p0 = dep.instance("md0"), dep.instance("md1"), dep.instance("p0")
+    assert dep.address(md1, "A") == dep.address(md1, "B") == ("10.2.0.11", 9100)  # a routed line: nothing to say
+    assert dep.address(p0, "B") == ("10.1.0.11", 9100)
+    assert dep.address(md0, "A") == ("203.0.113.7", 19100)  # behind a NAT, seen from A
+    assert dep.address(md0, "B") == ("10.2.0.10", 9100)
+
+
+def test_a_wildcard_listener_must_say_where_it_is_reached():
+    dep = _parse(TWO_SITES)
+    md0 = replace(dep.instance("md0"), advertise={"A": "203.0.113.7:19100"})
+    with pytest.raises(cfg.ConfigError, match=r"advertise\.B"):
+        dep.address(md0, "B")
+    router = replace(dep.router, host="0.0.0.0")
+    with pytest.raises(cfg.ConfigError, match=r"\[router\] advertise"):
+        router.url
+    assert replace(router, advertise="10.1.0.10:8000").url == "http://10.1.0.10:8000"
+    assert dep.router.url == "http://10.1.0.10:8000"
+
+
+@pytest.mark.parametrize("line, match", [
+    ('advertise = { A = "no-port" }', r"advertise\.A"),
+    ('advertise = { A = "h:0" }', r"advertise\.A"),
+    ('advertise = { A = 9100 }', r"advertise\.A"),
+    ('advertise = "h:1"', "advertise must be a table"),
+    ('wan_port = 9200', "unknown keys.*wan_port"),
+])
+def test_bad_addresses_are_refused_by_name(line, match):
+    with pytest.raises(cfg.ConfigError, match=match):
+        _parse(TWO_SITES + line + "\n")
+    with pytest.raises(cfg.ConfigError, match="advertise"):
+        _parse(TWO_SITES.replace('[router]\n', '[router]\nadvertise = "nowhere"\n'))
+
+
+def test_advertised_addresses_survive_the_file_a_join_and_the_member_frame():
+    dep = _parse(TWO_SITES)
+    assert _parse(cfg.dump(dep)).instances == dep.instances
+    md0 = dep.instance("md0")
+    assert cfg.instance_from_dict(cfg.instance_to_dict(md0), dep.engine) == md0  # `pdd serve --join`'s body
+    body = m.decode(Frame(m.MsgType.MEMBER, 0, encode_json(m.to_dict(member(md0)))))
+    assert body.advertise == md0.advertise
+
+
+def test_pdd_up_puts_its_emulator_on_every_route_across_the_line_and_only_there(tiny_model_dir, tmp_path):
+    dep = resolve(cfg.Deployment(), "pdd", 0)
+    link = dep.link
+    hops = {i.name: i.advertise for i in dep.instances}
+    assert set(hops["md0"]) == {"A"} and not hops["p0"] and not hops["rld0"]
+    md0 = dep.instance("md0")
+    assert dep.address(md0, "A") == cfg.parse_addr(hops["md0"]["A"]) and hops["md0"]["A"].startswith(link.host)
+    assert dep.address(md0, "B") == (md0.host, md0.kv_port)
+    assert f"--route={hops['md0']['A']}={md0.host}:{md0.kv_port}" in Launcher(dep, tmp_path).wan_args()
+    assert link.admin_port
+    same = resolve(cfg.Deployment(), "pd-same-dc", 0)
+    assert not any(i.advertise for i in same.instances) and not same.link.admin_port
