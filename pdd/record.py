@@ -33,6 +33,7 @@ class RequestRecord:
     # ---- what the client saw ----
     start_s: float | None = None
     prompt_tokens: int = 0
+    max_tokens: int = 0  # what it asked for at most (0: not recorded)
     output_tokens: int = 0
     ttft_ms: float | None = None
     tpot_ms: float | None = None

@@ -11,8 +11,8 @@ the plan's entry), so its long prefill does not hold up P's queue either.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 from pdd.policy.routing import Candidate, pick
 from pdd.names import Fallback, RoleName
@@ -79,6 +79,31 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
         return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)
+
+
+def plan_with_room(prompt_tokens: int, max_tokens: int, entry: list[Candidate], main: list[Candidate],
+                   relay: list[Candidate], rule: AnomalyRule, has_room: Callable[[Candidate], bool],
+                   affinity_weight: float = 1.0, load_weight: float = 1.0) -> Plan | None:
+    """`plan_request` as the router dispatches (`pdd.policy.capacity`): only onto a
+    decode-side instance that has room for the request now (`has_room`), None while
+    there is none (the request waits its turn). While MD is up it is never passed by for
+    the relay: the request waits for room at MD, and a relay without room only stops
+    the anomaly filter from sending it there (a relay behind MD is optional: it turns
+    work away itself). Without MD, the relay produces alone and must have room."""
+    def roomy(cands: list[Candidate]) -> list[Candidate]:
+        return [replace(c, healthy=c.healthy and has_room(c)) for c in cands]
+
+    if any(c.healthy for c in main):
+        main = roomy(main)
+        if not any(c.healthy for c in main):
+            return None
+        if not any(c.healthy for c in roomy(relay)):
+            rule = replace(rule, enabled=False)
+    elif any(c.healthy for c in relay):
+        relay = roomy(relay)
+        if not any(c.healthy for c in relay):
+            return None
+    return plan_request(prompt_tokens, max_tokens, entry, main, relay, rule, affinity_weight, load_weight)
 
 
 def missing_roles(healthy: Mapping[str, int], entry_role: str, disaggregated: bool) -> list[str]:
