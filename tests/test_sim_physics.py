@@ -152,7 +152,7 @@ def test_a_whole_deployment_runs_the_same_with_and_without_stretches() -> None:
     slow, slow_events = simulate(dataclasses.replace(spec, stretches=False), sessions)
     key = lambda o: (o.session, o.turn)  # noqa: E731
     for a, b in zip(sorted(fast, key=key), sorted(slow, key=key)):
-        assert (a.pipeline, a.handoff, a.tokens, a.rld_tokens, a.failed) == \
-               (b.pipeline, b.handoff, b.tokens, b.rld_tokens, b.failed), (a, b)
-        assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9) and a.end_s == pytest.approx(b.end_s, rel=1e-9)
+        assert (a.pipeline, a.handoff, a.output_tokens, a.rld_output_tokens, a.error) == \
+               (b.pipeline, b.handoff, b.output_tokens, b.rld_output_tokens, b.error), (a, b)
+        assert a.ttft_ms == pytest.approx(b.ttft_ms, rel=1e-9) and a.e2e_ms == pytest.approx(b.e2e_ms, rel=1e-9)
     assert fast_events < slow_events / 5  # what the stretches are for

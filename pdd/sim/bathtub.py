@@ -81,11 +81,12 @@ def point(spec: DeploymentSpec, hit: float, seed: int, window: Window) -> dict[s
     # at least `MIN_JUDGED` completions judged, so a low hit's throughput is not one request's grain
     window = replace(window, end_s=max(window.end_s, window.warmup_s + MIN_JUDGED / capacity))
     drawn = group_sessions(hit, rate, int(rate * window.end_s) + 1, PROMPT_TOKENS, OUTPUT_TOKENS, block, seed)
-    outcomes, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
-    first = [o for o in outcomes if o.first_token_s is not None and window.warmup_s <= o.first_token_s < window.end_s]
+    records, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
+    first = [r for r in records if r.ttft_ms is not None
+             and window.warmup_s <= r.start_s + r.ttft_ms / 1000 < window.end_s]
     seconds = window.end_s - window.warmup_s
     return {"hit": hit, "seed": seed, "throughput_rps": len(first) / seconds, "capacity_rps": capacity,
-            "p_hit_rate": sum(o.p_hit for o in first) / sum(o.prompt_tokens for o in first) if first else 0.0}
+            "p_hit_rate": sum(r.p_hit_tokens for r in first) / sum(r.prompt_tokens for r in first) if first else 0.0}
 
 
 def sweep(hits: Sequence[float] = HITS, seeds: Sequence[float] = SEEDS, window: Window = Window(5.0, 25.0, 0.0),

@@ -16,7 +16,8 @@ import simpy
 
 from pdd import config as cfg
 from pdd.sim.profile import LocalProfile
-from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome, RoleSpec
+from pdd.record import RequestRecord
+from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
 from pdd.sim.hardware import Line
 from pdd.sim.workload import agentic_sessions
 from pdd.workload.scenarios import Scenario
@@ -31,7 +32,8 @@ def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: 
     nice = dep.topology.prefill_nice > 0
     roles = tuple(RoleSpec(i.role, i.dc, 1, profile.steps, i.engine.num_pages * i.engine.page_size,
                            i.engine.max_batch_tokens, i.engine.max_running,
-                           cpu_priority=1 if nice and i.role == "prefill" else 0) for i in instances)
+                           cpu_priority=1 if nice and i.role == "prefill" else 0, max_requests=i.engine.max_requests)
+                  for i in instances)
     pages = {i.engine.page_size for i in instances}
     if len(pages) != 1:
         raise ValueError("the simulator needs one page size across the deployment")
@@ -41,7 +43,7 @@ def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: 
 
 
 def simulate_demo(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: Scenario, requests: int,
-                  rate: float, seed: int = 0) -> list[Outcome]:
+                  rate: float, seed: int = 0) -> list[RequestRecord]:
     """What `pdd demo` would measure for `mode`, by simulation."""
     spec = local_spec(dep, mode, profile, scenario)
     sessions = agentic_sessions(replace(scenario.workload, seed=seed), requests, rate)

@@ -57,7 +57,7 @@ class Setting:
     policy: PolicySpec = POLICY
     block_tokens: int = 256  # cache granularity
     max_batch_tokens: int = 16384  # chunked prefill: tokens per step
-    max_running: int = 1024  # the engine's slot limit; KV memory binds long before it
+    max_running: int = 1024  # the engine's slot limit, and its most requests held; KV memory binds long before
 
     def chip(self, name: str) -> Chip:
         return {"A": self.a, "B": self.b}[name]
@@ -81,7 +81,8 @@ class Setting:
         if gpus is None:
             raise ValueError(f"{self.model.name} does not fit on 4 nodes of {self.chip(hw).name}")
         return RoleSpec(name, dc, count, Physics(self.chip(hw), self.model, gpus, self.eff),
-                        self.kv_capacity_tokens(hw, gpus), self.max_batch_tokens, self.max_running, hw, gpus)
+                        self.kv_capacity_tokens(hw, gpus), self.max_batch_tokens, self.max_running, hw, gpus,
+                        max_requests=self.max_running)
 
     def deployment(self, name: str, roles: tuple[RoleSpec, ...], gbps: float = LINE_GBPS) -> DeploymentSpec:
         return DeploymentSpec(name, roles, line(gbps, self.one_way_ms), rdma(), self.model.kv_bytes_per_token,

@@ -31,7 +31,7 @@ import simpy
 
 from pdd.sim.cluster import Cluster, DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.sim.outcome import Outcome
+from pdd.record import RequestRecord
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
@@ -48,8 +48,9 @@ class Window:
     end_s: float
     tail_s: float
 
-    def judged(self, outcomes: list[Outcome]) -> list[Outcome]:
-        return [o for o in outcomes if self.warmup_s <= o.arrival_s < self.end_s]
+    def judged(self, records: list[RequestRecord]) -> list[RequestRecord]:
+        """(A turn never sent, after an earlier one of its session failed, has no arrival.)"""
+        return [r for r in records if r.start_s is not None and self.warmup_s <= r.start_s < self.end_s]
 
 
 Sessions = Callable[[float, float], list[SimSession]]  # (session rate, arrivals until s) -> sessions
@@ -133,23 +134,18 @@ class _Probe:
 
     def misses(self) -> tuple[int, int]:
         """(judged requests so far, those certainly out of the SLO)."""
-        now, w = self.cluster.env.now, self.window
-        judged = missed = 0
-        for o in self.cluster.outcomes:
-            if not w.warmup_s <= o.arrival_s < w.end_s:
-                continue
-            judged += 1
-            waited = (o.first_token_s if o.first_token_s is not None else now) - o.arrival_s
-            if o.failed or waited > self.slo_s[0] or \
-                    (o.tpot_s is not None and o.tpot_s > self.slo_s[1]):
+        now = self.cluster.env.now
+        judged = self.window.judged(self.cluster.records)
+        missed = 0
+        for r in judged:
+            waited = r.ttft_ms / 1000 if r.ttft_ms is not None else now - r.start_s
+            if r.error or waited > self.slo_s[0] or (r.tpot_ms is not None and r.tpot_ms > 1000 * self.slo_s[1]):
                 missed += 1
-        return judged, missed
+        return len(judged), missed
 
     def settled(self) -> bool:
         """Every judged request has finished or failed: nothing left to learn."""
-        w = self.window
-        return all(o.end_s is not None or o.failed for o in self.cluster.outcomes
-                   if w.warmup_s <= o.arrival_s < w.end_s)
+        return all(r.e2e_ms is not None or r.error is not None for r in self.window.judged(self.cluster.records))
 
     def run(self) -> Iterator[simpy.Event]:
         env, w = self.cluster.env, self.window
@@ -171,8 +167,8 @@ class _Probe:
 
 
 def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
-             warm: Sequence[Hashable] = ()) -> tuple[list[Outcome], int]:
-    """The outcomes (unfinished ones too, when the horizon stops the run), and how many
+             warm: Sequence[Hashable] = ()) -> tuple[list[RequestRecord], int]:
+    """The records (unfinished ones too, when the horizon stops the run), and how many
     events the simulation processed. `warm`: blocks every instance holds at the start,
     as a deployment that has served them a while does."""
     env = simpy.Environment()
@@ -184,7 +180,7 @@ def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float 
     while env.peek() < horizon_s:
         env.step()
         events += 1
-    return cluster.outcomes, events
+    return cluster.records, events
 
 
 def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]],
@@ -238,11 +234,11 @@ def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Wi
     while env.peek() < horizon and not (probe.failed_early or probe.done):
         env.step()
         events += 1
-    judged = window.judged(cluster.outcomes)
+    judged = window.judged(cluster.records)
     seconds = (env.now if probe.failed_early else window.end_s) - window.warmup_s
     result = summary(judged, *slo)
     util = utilisation(spec, marks, seconds, slo[1] / 1000)
-    result |= {"events": events, "simulated_requests": len(cluster.outcomes), "session_rate": rate,
+    result |= {"events": events, "simulated_requests": len(cluster.records), "session_rate": rate,
                "offered_rps": len(judged) / max(seconds, 1e-9), "stopped_early": probe.failed_early,
                "utilisation": util, "binding": binding(util)}
     if probe.failed_early:

@@ -49,6 +49,7 @@ class Hold:
         if not self.released:
             self.released = True
             self.inst.used -= self.tokens
+            self.inst.holds -= 1
             self.inst.cache.unpin(self.pinned)
             self.inst.cache.shrink(self.inst.cache_room())
             self.settle()
