@@ -117,6 +117,25 @@ def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
             assert HEADROOM * r["capacity_rps"] / r["cost_per_hour"] < best[r["family"]]["bcr"], r
 
 
+def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bisection that comes back to a rate (the ends, a bracket widened downwards)
+    reuses its run: the simulation is deterministic."""
+    from pdd.sim import runner
+
+    probed: list[float] = []
+
+    def run_window(spec, sessions, rate, *args, **kwargs):
+        probed.append(rate)
+        return {"slo_attainment": 1.0 if rate <= 3.0 else 0.0, "offered_rps": rate}
+
+    monkeypatch.setattr(runner, "run_window", run_window)
+    runs: dict = {}
+    first = runner.find_goodput(None, None, (0, 0), runner.Window(0, 1, 0), 1.0, 64.0, steps=4, runs=runs)
+    again = runner.find_goodput(None, None, (0, 0), runner.Window(0, 1, 0), 1.0, 64.0, steps=4, runs=runs)
+    assert first == again and first["offered_rps"] <= 3.0
+    assert len(probed) == len(set(probed)) == len(runs)
+
+
 def test_more_decode_instances_never_lose_goodput() -> None:
     probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
     rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1)

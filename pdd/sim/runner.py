@@ -250,17 +250,22 @@ def find_goodput(spec: DeploymentSpec, sessions: Sessions, slo: tuple[float, flo
                  window: Window | Callable[[float], Window], low: float, high: float,
                  on_try: Callable[[float, dict[str, Any]], None] | None = None, steps: int = 7,
                  warm: Sequence[Hashable] = (), stop_early: bool = True,
-                 attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any] | None:
+                 attainment: float = GOODPUT_ATTAINMENT,
+                 runs: dict[float, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The steady-state run at the highest session rate in [low, high] at which
     `attainment` of requests meet `slo` (None when even `low` misses it). `window`: one
-    for every rate, or per session rate (to judge about as many requests at each)."""
-    runs: dict[float, dict[str, Any]] = {}
+    for every rate, or per session rate (to judge about as many requests at each).
+    `runs`: the runs already made of this deployment and workload, by session rate; a
+    rate found there is not run again (the simulation is deterministic), and new ones
+    are added."""
+    runs = {} if runs is None else runs
 
     def attained(rate: float) -> float:
-        at = window(rate) if callable(window) else window
-        runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
-        if on_try is not None:
-            on_try(rate, runs[rate])
+        if rate not in runs:
+            at = window(rate) if callable(window) else window
+            runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
+            if on_try is not None:
+                on_try(rate, runs[rate])
         return runs[rate]["slo_attainment"] or 0.0
 
     best = goodput(attained, low, high, steps, attainment)
