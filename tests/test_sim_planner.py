@@ -15,7 +15,8 @@ from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.metrics import goodput
 from pdd.sim.plan_cli import add_plan_arguments, plan_main
-from pdd.sim.planner import FAMILIES, Layout, Probe, agentic, best_per_family, candidates, mooncake, search
+from pdd.sim.planner import (FAMILIES, Layout, Probe, agentic, best_per_family, candidates, mooncake, search,
+                             search_resolution)
 from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TraceRecord
 
@@ -82,10 +83,20 @@ def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
     assert goodput(lambda r: 0.95 if r < 10 else 0.5, 1.0, 64.0, 6, attainment=0.99) == 0.0
 
 
+def _layouts() -> list[Layout]:
+    return [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("same-dc-pd-b", "cross-dc-pd")]
+
+
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    layouts = [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("same-dc-pd-b", "cross-dc-pd")]
-    return search(layouts, agentic(SMALL), TINY_PROBE, workers=1)
+    """Every simulated layout's goodput (`exact`)."""
+    return search(_layouts(), agentic(SMALL), TINY_PROBE, workers=1, exact=True)
+
+
+@pytest.fixture(scope="module")
+def decided() -> list[dict]:
+    """The default search: a layout is probed first at the rate that would beat its family's best."""
+    return search(_layouts(), agentic(SMALL), TINY_PROBE, workers=1)
 
 
 def test_each_family_is_ranked_by_the_best_layout_it_simulated(rows: list[dict]) -> None:
@@ -117,6 +128,24 @@ def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
             assert HEADROOM * r["capacity_rps"] / r["cost_per_hour"] < best[r["family"]]["bcr"], r
 
 
+def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided: list[dict]) -> None:
+    """The default search finds each family's best as the exact one does (to the
+    bisection's resolution); a layout it left with a bound only has, searched exactly,
+    no better BCR than that best; and it takes fewer probes."""
+    resolution = search_resolution(TINY_PROBE)
+    exact_best, best = best_per_family(rows), best_per_family(decided)
+    assert set(best) == set(exact_best)
+    exact = {r["layout"]: r for r in rows}
+    bounded = [r for r in decided if r["simulated"] and r["goodput_rps"] is None]
+    assert bounded, "no layout was decided by one probe: the test would not exercise it"
+    for family, chosen in best.items():
+        assert chosen["bcr"] == pytest.approx(exact_best[family]["bcr"], rel=resolution)
+    for r in bounded:
+        assert r["below_rps"] < best[r["family"]]["bcr"] * r["cost_per_hour"] * (1 + resolution), r
+        assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
+    assert sum(r["probes"] for r in decided) < sum(r["probes"] for r in rows)
+
+
 def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bisection that comes back to a rate (the ends, a bracket widened downwards)
     reuses its run: the simulation is deterministic."""
@@ -136,9 +165,36 @@ def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(probed) == len(set(probed)) == len(runs)
 
 
+@pytest.mark.parametrize("threshold_x", [0.5, 1.6])
+def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, threshold_x: float) -> None:
+    """A layout that misses the SLO at the rate that would beat its family's best gets a
+    bound from that one probe; one that meets it is searched upwards and gets its goodput,
+    at least that rate and within the bisection's resolution of its threshold."""
+    from pdd.sim import planner, runner
+
+    workload, beat_rps = agentic(SMALL), 6.0
+    threshold_rps = threshold_x * beat_rps
+
+    def run_window(spec, sessions, rate, *args, **kwargs):
+        rps = rate * workload.turns
+        return {"slo_attainment": 1.0 if rps <= threshold_rps else 0.0, "offered_rps": rps, "ttft_ms": {},
+                "utilisation": {}, "binding": "-"}
+
+    monkeypatch.setattr(runner, "run_window", run_window)
+    monkeypatch.setattr(planner, "run_window", run_window)
+    row = planner.goodput_of(Layout(1, 1, 0, "B", "B"), paper.SETTING, workload, TINY_PROBE, 8.0, beat_rps)
+    if threshold_rps < beat_rps:
+        assert row["goodput_rps"] is None and row["below_rps"] == beat_rps and row["probes"] == 1
+    else:
+        assert beat_rps <= row["goodput_rps"] <= threshold_rps
+        assert row["goodput_rps"] >= threshold_rps / (1 + search_resolution(TINY_PROBE))
+        assert row["below_rps"] is None
+
+
 def test_more_decode_instances_never_lose_goodput() -> None:
     probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
-    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1)
+    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1,
+                  exact=True)
     one, two = (next(r for r in rows if r["main"] == n) for n in (1, 2))
     assert one["goodput_rps"] > 0
     assert two["goodput_rps"] >= one["goodput_rps"]

@@ -64,6 +64,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attainment", type=float, default=Probe.attainment,
                    help="share of requests within the SLO that goodput requires (default 0.9)")
     p.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
+    p.add_argument("--exact", action="store_true",
+                   help="find every simulated layout's goodput (default: only until it is shown not to beat its "
+                        "family's best, one probe at the rate that would)")
     p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -94,10 +97,14 @@ def _table(rows: list[dict[str, Any]], total: int, title: str):
     for col in ("#", "layout", "GPUs", "goodput req/s", "capacity", "cost/h", "BCR", "binding", "TTFT p50/p99 ms"):
         table.add_column(col, justify="left" if col in ("layout", "GPUs", "binding") else "right")
     for i, r in enumerate(rows, 1):
-        ttft = "-" if r["ttft_p50_ms"] is None else f"{r['ttft_p50_ms']:,.0f}/{r['ttft_p99_ms']:,.0f}"
-        table.add_row(str(i), r["layout"], "+".join(f"{n}{k}" for k, n in r["gpus"].items()),
-                      f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['capacity_rps']:.1f}",
-                      f"{r['cost_per_hour']:.1f}", f"{r['bcr']:.3f}", r["binding"], ttft)
+        ttft = "-" if r["ttft_p50_ms"] is None or r["goodput_rps"] is None else \
+            f"{r['ttft_p50_ms']:,.0f}/{r['ttft_p99_ms']:,.0f}"
+        if r["goodput_rps"] is None:  # shown not to beat its family's best: a bound
+            goodput, bcr = f"< {r['below_rps']:.1f}", f"< {r['below_rps'] / r['cost_per_hour']:.3f}"
+        else:
+            goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['bcr']:.3f}"
+        table.add_row(str(i), r["layout"], "+".join(f"{n}{k}" for k, n in r["gpus"].items()), goodput,
+                      f"{r['capacity_rps']:.1f}", f"{r['cost_per_hour']:.1f}", bcr, r["binding"], ttft)
     return table
 
 
@@ -132,7 +139,7 @@ def plan_main(args: argparse.Namespace) -> int:
         task = bar.add_task("layouts", total=len(layouts))
         rows = search(layouts, workload, probe, workers=args.workers,
                       progress=lambda done, total, msg: bar.update(task, completed=done, total=total,
-                                                                   description=msg))
+                                                                   description=msg), exact=args.exact)
     wall = time.perf_counter() - started
     out = Console()
     simulated = sum(r["simulated"] for r in rows)
@@ -141,7 +148,9 @@ def plan_main(args: argparse.Namespace) -> int:
     families = best_per_family(rows)
     out.print(_table(list(families.values()), len(families), "each family's best"))
     out.print(f"Assumptions: {assumption_line(probe, workload)}")
-    out.print(f"{len(layouts)} layouts, {simulated} simulated, in {wall:.0f} s ({args.workers} worker(s)).")
+    probes = sum(r["probes"] for r in rows)
+    out.print(f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s "
+              f"({args.workers} worker(s)).")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         slim = [{k: v for k, v in r.items() if k != "run"} for r in rows]

@@ -23,7 +23,7 @@ from pdd.sim import paper
 from pdd.sim.bounds import Shape, capacity_rps, shape_of
 from pdd.sim.cluster import DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT
-from pdd.sim.runner import Sessions, Window, find_goodput, steady_sessions, tail_s, turns_per_session
+from pdd.sim.runner import Sessions, Window, find_goodput, run_window, steady_sessions, tail_s, turns_per_session
 from pdd.sim.workload import SimSession, trace_sessions
 from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
@@ -199,20 +199,45 @@ class Probe:
         return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
-def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe: Probe,
-               capacity: float) -> dict[str, Any]:
+def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe: Probe, capacity: float,
+               beat_rps: float | None = None) -> dict[str, Any]:
     """The layout's goodput, searched around its analytic capacity: the bracket
     [capacity / 3, `HEADROOM` x capacity] (the capacity is an estimate: relays decode
     too, and requests vary around the means it takes), widened downwards while even its
-    bottom misses."""
+    bottom misses.
+
+    With `beat_rps` (the goodput at which it would beat the best BCR its family has
+    shown), one probe at that rate comes first: a layout that misses the SLO there
+    cannot win, and its row says only that (`goodput_rps` None, `below_rps`); one that
+    meets it is searched upwards from there."""
     spec = replace(layout.spec(setting), block_tokens=workload.block_tokens)
     sessions, turns = workload.sessions(), workload.turns
-    high, low, best, tried = HEADROOM * capacity, capacity / 3, None, 0
-    while best is None and tried < 3:
-        best = find_goodput(spec, sessions, probe.slo, lambda rate: probe.window(rate * turns, workload),
-                            low / turns, high / turns, steps=probe.steps, attainment=probe.attainment)
-        high, low, tried = low, low / 4, tried + 1
-    return _row(layout, setting, best, capacity)
+    runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
+
+    def searched(low: float, high: float, steps: int) -> dict[str, Any] | None:
+        return find_goodput(spec, sessions, probe.slo, lambda rate: probe.window(rate * turns, workload),
+                            low / turns, high / turns, steps=steps, attainment=probe.attainment, runs=runs)
+
+    if beat_rps is not None:
+        rate = beat_rps / turns
+        run = runs[rate] = run_window(spec, sessions, rate, probe.window(beat_rps, workload), probe.slo,
+                                      stop_early=True, attainment=probe.attainment)
+        if (run["slo_attainment"] or 0.0) < probe.attainment:
+            return _row(layout, setting, run, capacity) | {"goodput_rps": None, "bcr": None, "probes": 1,
+                                                            "below_rps": beat_rps}
+        high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
+        best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
+    else:
+        high, low, best, tried = HEADROOM * capacity, capacity / 3, None, 0
+        while best is None and tried < 3:
+            best = searched(low, high, probe.steps)
+            high, low, tried = low, low / 4, tried + 1
+    return _row(layout, setting, best, capacity) | {"probes": len(runs)}
+
+
+def steps_for(ratio: float, probe: Probe) -> int:
+    """Bisection steps that resolve a bracket of `ratio` as finely as the full one."""
+    return max(1, math.ceil(math.log2(math.log(ratio) / math.log(1 + search_resolution(probe)))))
 
 
 def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float) -> dict[str, Any]:
@@ -226,7 +251,7 @@ def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, cap
             "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
             "slo_attainment": run["slo_attainment"] if run else None,
             "utilisation": run["utilisation"] if run else {}, "binding": run["binding"] if run else "-",
-            "run": run}
+            "below_rps": None, "probes": 0, "run": run}
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
@@ -234,12 +259,15 @@ OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simula
 
 def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe(),
            setting: paper.Setting = paper.SETTING, workers: int = 2,
-           progress: OnProgress | None = None) -> list[dict[str, Any]]:
+           progress: OnProgress | None = None, exact: bool = False) -> list[dict[str, Any]]:
     """Every layout's row, best BCR first: simulated ones with their goodput, pruned ones
     with their capacity (`simulated` False). Each family's layouts go in order of
     capacity per cost; the next is simulated only while `HEADROOM` x its capacity per
-    cost can beat its family's best BCR so far. Up to `workers` layouts run at once,
-    one process each, a family with none running first."""
+    cost can beat its family's best BCR so far, and (unless `exact`) first at the one
+    rate that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
+    win has a bound for its goodput, not a value. Up to `workers` layouts run at once, one
+    process each, a family with none running first; one whose family has no best yet
+    waits for it."""
     shape = workload.shape()
     caps = {lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape,
                               probe.slo[1] / 1000)["rps"] for lay in layouts}
@@ -250,21 +278,24 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
     rows: list[dict[str, Any]] = []
     running: dict[Future, str] = {}
 
-    def next_layout() -> Layout | None:
+    def next_layout() -> tuple[Layout, float | None] | None:
         busy = set(running.values())
         for f in sorted(queues, key=lambda f: (f in busy, -len(queues[f]))):
             queue = queues[f]
             while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
                 lay = queue.pop(0)
                 rows.append(_row(lay, setting, None, caps[lay]) | {"simulated": False})
-            if queue:
-                return queue.pop(0)
+            if not queue or (not exact and f in busy and not best[f]):
+                continue
+            lay = queue.pop(0)
+            return lay, None if exact or not best[f] else best[f] * cost[lay]
         return None
 
     with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
         while True:
-            while len(running) < workers and (lay := next_layout()) is not None:
-                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay])] = lay.family
+            while len(running) < workers and (picked := next_layout()) is not None:
+                lay, beat = picked
+                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay], beat)] = lay.family
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -272,11 +303,19 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                 running.pop(future)
                 row = future.result()
                 rows.append(row)
-                best[row["family"]] = max(best[row["family"]], row["bcr"])
+                best[row["family"]] = max(best[row["family"]], row["bcr"] or 0.0)
                 if progress is not None:
-                    progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: "
-                             f"{row['goodput_rps']:.1f} req/s")
-    return sorted(rows, key=lambda r: (-r["bcr"], r["cost_per_hour"]))
+                    progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: " + (
+                        f"{row['goodput_rps']:.1f} req/s" if row["goodput_rps"] is not None
+                        else f"below {row['below_rps']:.1f} req/s"))
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: dict[str, Any]) -> tuple[int, float, float]:
+    """Best BCR first; then the layouts shown not to win, by the bound on theirs; pruned last."""
+    if row["bcr"] is not None:
+        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"]
+    return 1, -row["below_rps"] / row["cost_per_hour"], row["cost_per_hour"]
 
 
 class _Inline:
@@ -296,17 +335,18 @@ class _Inline:
 
 
 def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each family's layout of the highest BCR among those simulated."""
+    """Each family's layout of the highest BCR among those whose goodput was found."""
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
-        if r["simulated"] and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
+        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best
+                                                         or r["bcr"] > best[r["family"]]["bcr"]):
             best[r["family"]] = r
     return best
 
 
 def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dict[str, Any] | None:
     """The cheapest simulated layout of a family that reaches `target_rps` (None: none does)."""
-    able = [r for r in family_rows if r["simulated"] and r["goodput_rps"] >= target_rps]
+    able = [r for r in family_rows if r["simulated"] and (r["goodput_rps"] or 0.0) >= target_rps]
     return min(able, key=lambda r: r["cost_per_hour"]) if able else None
 
 

@@ -63,8 +63,8 @@ def run_sweep(probe: Probe = Probe(steps=3), workers: int = 2,
 
     def searched(name: str, setting: paper.Setting) -> list[dict[str, Any]]:
         layouts = candidates(MAX_GPUS, LINES_GBPS, ("A", "B"), setting)
-        return search(layouts, workload, probe, setting, workers,
-                      lambda done, total, msg: progress(f"{name}: {done}/{total} {msg}"))
+        return search(layouts, workload, probe, setting, workers,  # exact: prices re-rank every goodput
+                      lambda done, total, msg: progress(f"{name}: {done}/{total} {msg}"), exact=True)
 
     base_rows = searched("as stated", paper.SETTING)
     result: dict[str, Any] = {"as stated": _summary(base_rows)}
