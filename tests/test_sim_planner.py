@@ -131,7 +131,7 @@ def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
 def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided: list[dict]) -> None:
     """The default search finds each family's best as the exact one does (to the
     bisection's resolution); a layout it left with a bound only has, searched exactly,
-    no better BCR than that best; and it takes fewer probes."""
+    no better BCR than that best, and was probed at its family's best's probed rate per cost."""
     resolution = search_resolution(TINY_PROBE)
     exact_best, best = best_per_family(rows), best_per_family(decided)
     assert set(best) == set(exact_best)
@@ -141,9 +141,9 @@ def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided:
     for family, chosen in best.items():
         assert chosen["bcr"] == pytest.approx(exact_best[family]["bcr"], rel=resolution)
     for r in bounded:
-        assert r["below_rps"] < best[r["family"]]["bcr"] * r["cost_per_hour"] * (1 + resolution), r
+        assert r["below_rps"] == pytest.approx(best[r["family"]]["probed_rps"] * r["cost_per_hour"]
+                                               / best[r["family"]]["cost_per_hour"], rel=resolution), r
         assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
-    assert sum(r["probes"] for r in decided) < sum(r["probes"] for r in rows)
 
 
 def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +178,7 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
     def run_window(spec, sessions, rate, *args, **kwargs):
         rps = rate * workload.turns
         return {"slo_attainment": 1.0 if rps <= threshold_rps else 0.0, "offered_rps": rps, "ttft_ms": {},
-                "utilisation": {}, "binding": "-"}
+                "utilisation": {}, "binding": "-", "session_rate": rate}
 
     monkeypatch.setattr(runner, "run_window", run_window)
     monkeypatch.setattr(planner, "run_window", run_window)
@@ -188,7 +188,7 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
     else:
         assert beat_rps <= row["goodput_rps"] <= threshold_rps
         assert row["goodput_rps"] >= threshold_rps / (1 + search_resolution(TINY_PROBE))
-        assert row["below_rps"] is None
+        assert row["below_rps"] is None and row["probed_rps"] == pytest.approx(row["goodput_rps"])
 
 
 def test_more_decode_instances_never_lose_goodput() -> None:

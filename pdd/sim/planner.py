@@ -206,10 +206,14 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
     too, and requests vary around the means it takes), widened downwards while even its
     bottom misses.
 
-    With `beat_rps` (the goodput at which it would beat the best BCR its family has
+    With `beat_rps` (the rate, probed, at which it would beat the best BCR its family has
     shown), one probe at that rate comes first: a layout that misses the SLO there
     cannot win, and its row says only that (`goodput_rps` None, `below_rps`); one that
-    meets it is searched upwards from there."""
+    meets it is searched upwards from there. `probed_rps`: the rate its goodput was
+    probed at (session rate x turns), which is what `beat_rps` is made of: the goodput
+    itself is the rate judged, and closed-loop sessions arrive faster than probed when
+    turns end sooner than the warm start's nominal ones (by up to a third here), so a
+    goodput is no rate to probe another layout at."""
     spec = replace(layout.spec(setting), block_tokens=workload.block_tokens)
     sessions, turns = workload.sessions(), workload.turns
     runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
@@ -232,7 +236,8 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
         while best is None and tried < 3:
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
-    return _row(layout, setting, best, capacity) | {"probes": len(runs)}
+    return _row(layout, setting, best, capacity) | {"probes": len(runs),
+                                                    "probed_rps": best["session_rate"] * turns if best else None}
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
@@ -251,7 +256,7 @@ def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, cap
             "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
             "slo_attainment": run["slo_attainment"] if run else None,
             "utilisation": run["utilisation"] if run else {}, "binding": run["binding"] if run else "-",
-            "below_rps": None, "probes": 0, "run": run}
+            "below_rps": None, "probed_rps": None, "probes": 0, "run": run}
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
@@ -275,6 +280,7 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
     queues = {f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
               for f in sorted({lay.family for lay in layouts})}
     best = {f: 0.0 for f in queues}
+    pace = {f: 0.0 for f in queues}  # the probed rate per cost of the family's best: what beat_rps scales
     rows: list[dict[str, Any]] = []
     running: dict[Future, str] = {}
 
@@ -288,7 +294,7 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
             if not queue or (not exact and f in busy and not best[f]):
                 continue
             lay = queue.pop(0)
-            return lay, None if exact or not best[f] else best[f] * cost[lay]
+            return lay, None if exact or not best[f] else pace[f] * cost[lay]
         return None
 
     with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
@@ -303,7 +309,9 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                 running.pop(future)
                 row = future.result()
                 rows.append(row)
-                best[row["family"]] = max(best[row["family"]], row["bcr"] or 0.0)
+                if (row["bcr"] or 0.0) > best[row["family"]]:
+                    best[row["family"]] = row["bcr"]
+                    pace[row["family"]] = row["probed_rps"] / row["cost_per_hour"]
                 if progress is not None:
                     progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: " + (
                         f"{row['goodput_rps']:.1f} req/s" if row["goodput_rps"] is not None
