@@ -191,6 +191,25 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
         assert row["below_rps"] is None and row["probed_rps"] == pytest.approx(row["goodput_rps"])
 
 
+def test_a_probe_lost_in_its_tail_stops_there() -> None:
+    """A window too short for the early stop inside it (two checks) is judged in its
+    tail: once the certain misses exceed what the attainment allows, the verdict cannot
+    change, and the run stops with the one it would have reached."""
+    from dataclasses import replace
+
+    from pdd.sim.runner import CHECK_S, Window, run_window, tail_s
+
+    workload, slo = agentic(SMALL), TINY_PROBE.slo
+    spec = replace(Layout(1, 1, 0, "B", "B").spec(), block_tokens=workload.block_tokens)
+    window = Window(5.0, 5.0 + 1.5 * CHECK_S, tail_s(workload.longest_output, slo))
+    stopped, whole = (run_window(spec, workload.sessions(), 30.0 / workload.turns, window, slo, stop_early=stop)
+                      for stop in (True, False))
+    assert whole["slo_attainment"] < TINY_PROBE.attainment and not whole["stopped_early"]
+    assert stopped["stopped_early"] and stopped["slo_attainment"] < TINY_PROBE.attainment
+    assert stopped["events"] < whole["events"]
+    assert stopped["offered_rps"] == pytest.approx(whole["offered_rps"])
+
+
 def test_more_decode_instances_never_lose_goodput() -> None:
     probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
     rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1,

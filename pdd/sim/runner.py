@@ -16,7 +16,8 @@ Early stopping. A probe above goodput is the dearest (its queues grow without bo
 and its verdict is known long before it ends: once the judged requests that have
 certainly missed the SLO (finished late, or waiting longer than the TTFT target for a
 first token) outnumber what the attainment allows of every request the window will
-judge, the probe stops and fails.
+judge, the probe stops and fails: in the window, or in its tail, where it would otherwise
+run on until the last judged request ends.
 """
 
 from __future__ import annotations
@@ -153,17 +154,25 @@ class _Probe:
         self.marks["start"] = self.snapshot()
         while env.now < w.end_s:
             yield env.timeout(min(CHECK_S, w.end_s - env.now))
-            if self.stop_early and env.now > w.warmup_s + 2 * CHECK_S:
-                judged, missed = self.misses()
-                expected = judged * (w.end_s - w.warmup_s) / (env.now - w.warmup_s)
-                if missed > (1 - self.attainment) * expected:
-                    self.failed_early = True
-                    self.marks["end"] = self.snapshot()
-                    return
+            if self.stop_early and env.now > w.warmup_s + 2 * CHECK_S and self.lost():
+                self.failed_early = True
+                self.marks["end"] = self.snapshot()
+                return
         self.marks["end"] = self.snapshot()
         while not self.settled():  # the tail: only until the last judged request is done
             yield env.timeout(CHECK_S)
+            if self.stop_early and self.lost():  # every request is judged now: the verdict is certain
+                self.failed_early = True
+                return
         self.done = True
+
+    def lost(self) -> bool:
+        """The certain misses outnumber what the attainment allows of every request the
+        window will judge (extrapolated from those so far while it is open)."""
+        w, now = self.window, self.cluster.env.now
+        judged, missed = self.misses()
+        expected = judged * (w.end_s - w.warmup_s) / (min(now, w.end_s) - w.warmup_s)
+        return missed > (1 - self.attainment) * expected
 
 
 def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
@@ -235,7 +244,7 @@ def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Wi
         env.step()
         events += 1
     judged = window.judged(cluster.records)
-    seconds = (env.now if probe.failed_early else window.end_s) - window.warmup_s
+    seconds = (min(env.now, window.end_s) if probe.failed_early else window.end_s) - window.warmup_s
     result = summary(judged, *slo)
     util = utilisation(spec, marks, seconds, slo[1] / 1000)
     result |= {"events": events, "simulated_requests": len(cluster.records), "session_rate": rate,
