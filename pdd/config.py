@@ -216,12 +216,24 @@ class TopologySpec:
     # priority, as on their own hardware their long prefills would not take the CPU
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
+    # "native": every instance runs at this machine's speed; "emulated": each on its own
+    # emulated accelerator (`pdd.engine.pacing`): P and RLD on the spec's chip A, MD on
+    # B, a standalone instance on A; time then runs `dilation` times slower than on those
+    # chips, and `pdd up` stretches the line and the policy's latency budget alike
+    hardware: str = "native"
+    dilation: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.main < 1 or self.relay < 0:
             raise ValueError("a deployment needs at least one prefill and one main instance")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
+        if self.hardware not in ("native", "emulated") or not self.dilation >= 1.0:
+            raise ValueError("hardware must be native or emulated, and dilation at least 1")
+
+    def chip(self, role: str) -> str:
+        """The emulated chip a role runs on (`native` when nothing is emulated)."""
+        return "native" if self.hardware == "native" else "B" if role == RoleName.MAIN else "A"
 
 
 @dataclass(frozen=True)
@@ -390,11 +402,18 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     (pd-same-dc) or B (pd-cross-dc, pdd)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
-    eng, a = dep.engine, dep.link.a
+    top, a = dep.topology, dep.link.a
+
+    def spec(name: str, role: str, dc: str) -> InstanceSpec:
+        # pd-same-dc is the spec's homogeneous baseline: every chip of it is A
+        chip = top.chip(RoleName.PREFILL if mode == Mode.PD_SAME_DC else role)
+        engine = dep.engine if chip == "native" else replace(dep.engine, hardware=chip, dilation=top.dilation)
+        return InstanceSpec(name, role, dc, engine=engine)
+
     if mode == Mode.COLOCATED:
-        return (InstanceSpec("standalone0", RoleName.STANDALONE, a, engine=eng),)
+        return (spec("standalone0", RoleName.STANDALONE, a),)
     d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
-    ps = [InstanceSpec(f"p{i}", RoleName.PREFILL, a, engine=eng) for i in range(dep.topology.prefill)]
-    rs = [InstanceSpec(f"rld{i}", RoleName.RELAY, a, engine=eng) for i in range(dep.topology.relay if mode == Mode.PDD else 0)]
-    ds = [InstanceSpec(f"md{i}", RoleName.MAIN, d_dc, engine=eng) for i in range(dep.topology.main)]
+    ps = [spec(f"p{i}", RoleName.PREFILL, a) for i in range(top.prefill)]
+    rs = [spec(f"rld{i}", RoleName.RELAY, a) for i in range(top.relay if mode == Mode.PDD else 0)]
+    ds = [spec(f"md{i}", RoleName.MAIN, d_dc) for i in range(top.main)]
     return tuple(ps + rs + ds)

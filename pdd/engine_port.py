@@ -45,11 +45,17 @@ class EngineConfig:
     # this it refuses new ones as busy
     max_requests: int = 256
     backend: str = "embedded"  # the implementation (`register_engine`)
+    # "native": steps take what this machine takes; "A" / "B": at least what that chip of
+    # the simulator's catalog would (`pdd.engine.pacing`), `dilation` times slower
+    hardware: str = "native"
+    dilation: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be at least 1")
+        if not self.dilation >= 1.0:
+            raise ValueError("engine dilation must be at least 1 (emulated time runs slower, never faster)")
 
 
 class RequestError(ValueError):
