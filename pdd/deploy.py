@@ -201,7 +201,8 @@ class Launcher:
             print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
-            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL else 0
+            # natively, prefill would take decode's CPU; an emulated chip paces itself
+            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL and inst.engine.hardware == "native" else 0
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
             print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):
