@@ -6,10 +6,9 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from procs import metrics, standalone
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
