@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import pdd_up
+from procs import metrics, pdd_up
 
 from pdd.bench.client import run_bench
 from pdd.bench.summary import summarize
@@ -223,12 +223,23 @@ def test_bad_frames_are_rejected_and_counted():
         rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
+        # /metrics says the same: four at MD, none where no bad frame went (a request's frames are no rejects)
+        counted = {name: metrics(url)["pdd_rejected_frames"] for name, url in {**dep.http, "router": dep.url}.items()}
+        assert counted == {"p0": 0, "md0": 4, "router": 0}, counted
 
 
-def test_sigterm_stops_every_process():
-    with pdd_up("--mode", "pd-cross-dc") as dep:
-        assert set(dep.pids) == {"wan", "p0", "md0", "router"}
-        dep.proc.send_signal(signal.SIGTERM)  # the launcher alone, as a user's Ctrl-C would
+@pytest.mark.parametrize("sig,mode,processes", [(signal.SIGTERM, "pd-cross-dc", {"wan", "p0", "md0", "router"}),
+                                                (signal.SIGINT, "pdd", {"wan", "p0", "rld0", "md0", "router"})],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_every_process(sig, mode, processes):
+    """SIGTERM to the launcher alone (a service manager's stop); SIGINT to its whole
+    process group, as a terminal's Ctrl-C sends it."""
+    with pdd_up("--mode", mode) as dep:
+        assert set(dep.pids) == processes
+        if sig == signal.SIGINT:
+            os.killpg(dep.proc.pid, sig)
+        else:
+            dep.proc.send_signal(sig)
         assert dep.proc.wait(30) == 0
         for pid in dep.pids.values():
             with pytest.raises(ProcessLookupError):
