@@ -12,7 +12,8 @@ import asyncio
 from collections.abc import Callable
 
 from pdd import config as cfg
-from pdd.instance.peers import BACKGROUND, CONTROL, URGENT, PeerPool
+from pdd.instance.peers import PeerPool
+from pdd.policy.transfer import Priority
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wan import Route, WanLine, WanRelay
@@ -55,7 +56,7 @@ async def _traffic() -> tuple[list[tuple[str, MsgType]], int]:
     await relay.start()
     p0 = cfg.InstanceSpec("p0", "prefill", "A")
     md0 = cfg.InstanceSpec("md0", "main", "B", kv_port=server.sockets[0].getsockname()[1],
-                           wan_port=relay.listen_ports[0])
+                           advertise={"A": f"127.0.0.1:{relay.listen_ports[0]}"})  # P, in A, goes through the line
     dep = cfg.Deployment(instances=(p0, md0))
 
     async def ignore(_peer: str, _body: object) -> None:
@@ -72,14 +73,14 @@ async def _traffic() -> tuple[list[tuple[str, MsgType]], int]:
         return sum(1 for ch, t in arrived if ch == channel and t == what)
 
     try:
-        for channel in (CONTROL, URGENT, BACKGROUND):  # every connection open before the traffic
+        for channel in Priority:  # every connection open before the traffic
             await pool.get("md0", channel)
-        background = asyncio.ensure_future(kv(BACKGROUND, BACKGROUND_FRAMES))
+        background = asyncio.ensure_future(kv(Priority.BACKGROUND, BACKGROUND_FRAMES))
         await _until(lambda: count("background") >= 8)  # the line is full of it
         sent_after = count("background")
         await pool.send("md0", m.Reserve("later", [1, 2, 3], SamplingParams(max_tokens=4)))
         await _until(lambda: any(t == MsgType.RESERVE for _, t in arrived))
-        await kv(URGENT, URGENT_FRAMES)
+        await kv(Priority.URGENT, URGENT_FRAMES)
         await background
         await _until(lambda: count("background") == BACKGROUND_FRAMES and count("urgent") == URGENT_FRAMES)
         return arrived, sent_after
