@@ -1,14 +1,14 @@
 """The user-facing commands end to end, each at its smallest, against the contracts in
-DESIGN.md and the README: `pdd demo` through the real modes, `pdd sim --paper`,
-`pdd sim calibrate` and `check`, `pdd bench engine` and `handoff`. Each runs as a user
-would run it (a process, its exit code, the JSON it writes), so a command that crashes,
-writes the wrong shape or drops a field fails here. (`pdd sim` is kept to its CLI
-contract, so these tests hold across rewrites of the simulator.)"""
+DESIGN.md and the README: `pdd demo` through the four real modes, `pdd sim calibrate`
+and `check`, `pdd bench engine` and `handoff`. Each runs as a user would run it (a
+process, its exit code, the JSON it writes), so a command that crashes, writes the
+wrong shape or drops a field fails here. (`pdd sim` is held to its CLI contract only,
+so these tests stay valid across rewrites of the simulator. `pdd sim --paper` is not
+here: its smallest run searches every layout of the 88-GPU scenario, minutes at best.)"""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -30,8 +30,8 @@ def _pdd(*args: str, timeout: float = 300) -> tuple[int, str]:
 def demo(tmp_path_factory) -> Path:
     """One small `pdd demo` through every real mode (each a `pdd up` process tree)."""
     out = tmp_path_factory.mktemp("demo")
-    code, output = _pdd("demo", "--scenario", "short", "--requests", str(DEMO_REQUESTS), "--out", str(out), "--quiet",
-                        timeout=600)
+    code, output = _pdd("demo", "--modes", ",".join(MODES), "--scenario", "short", "--requests", str(DEMO_REQUESTS),
+                        "--out", str(out), "--quiet", timeout=600)
     assert code == 0, output[-3000:]
     return out
 
@@ -61,28 +61,11 @@ def test_demo_runs_every_real_mode_and_writes_its_report(demo):
         assert (demo / name).stat().st_size > 0, name
 
 
-def test_sim_paper_writes_the_three_deployments(tmp_path):
-    out = tmp_path / "paper.json"
-    code, output = _pdd("sim", "--paper", "--requests", "20", "--low", "0.2", "--high", "0.4", "--window-s", "5",
-                        "--out", str(out))
-    assert code == 0, output[-3000:]
-    configs = json.loads(out.read_text())["configs"]
-    assert set(configs) == {"same-dc-pd", "cross-dc-pd", "pdd"}
-    for name, r in configs.items():
-        assert QUANTILES <= set(r["ttft_ms"]) and QUANTILES <= set(r["tpot_ms"]), name
-        assert r["goodput_rps"] > 0 and r["cost"] > 0 and math.isclose(r["bcr"], r["goodput_rps"] / r["cost"]), r
-    assert configs["same-dc-pd"]["gpus"] == {"A": 88, "B": 0} and configs["same-dc-pd"]["wan_gbps"] == 0
-    for name in ("cross-dc-pd", "pdd"):
-        assert configs[name]["gpus"] == {"A": 40, "B": 32} and configs[name]["wan_gbps"] > 0, configs[name]
-
-
-def test_sim_calibrate_writes_a_profile_the_simulator_loads(profile):
-    from pdd.sim.calibrate import load_profile
-
-    loaded = load_profile(str(profile))
-    assert loaded.steps.base_s > 0 or loaded.steps.per_token_s > 0
-    assert loaded.request_overhead_s == 0.0  # --skip-http
-    assert json.loads(profile.read_text())["samples"] > 0
+def test_sim_calibrate_writes_a_profile(profile):
+    """What it measured, fitted; `pdd sim check` below is what reads it back."""
+    written = json.loads(profile.read_text())
+    assert written["samples"] > 0 and written["fitted"], written
+    assert written["request_overhead_s"] == 0.0  # --skip-http: the request path was not measured
 
 
 def test_sim_check_puts_the_demo_against_its_simulation(demo, profile, tmp_path):
