@@ -113,9 +113,10 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def pdd_up(*args: str, timeout: float = 120.0) -> Iterator[Deployment]:
-    """`pdd up ARGS --port 0`, torn down (whole process group) on exit."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> Iterator[Deployment]:
+    """`pdd up ARGS --port 0` (with `env` added to the environment), torn down (whole
+    process group) on exit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "up", "--port", "0", *args], env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
