@@ -486,8 +486,9 @@ def pack_with_header(header: dict[str, Any], blob: bytes | memoryview) -> bytes:
     return b"".join([_HEADER_LEN.pack(len(encoded)), encoded, blob])
 
 
-def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """Split a `pack_with_header` payload; the blob is a zero-copy view."""
+def split_with_header(payload: bytes | memoryview) -> tuple[memoryview, memoryview]:
+    """The JSON header's bytes and the blob of a `pack_with_header` payload, both zero-copy
+    views (so a typed decoder reads the header without a dict in between)."""
     view = memoryview(payload).cast("B")
     if len(view) < _HEADER_LEN.size:
         raise BadPayload("payload too short for a header length")
@@ -495,7 +496,13 @@ def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], mem
     if n > len(view) - _HEADER_LEN.size:
         raise BadPayload(f"header length {n} exceeds the {len(view) - _HEADER_LEN.size} bytes present")
     end = _HEADER_LEN.size + n
-    return decode_json(view[_HEADER_LEN.size : end]), view[end:]
+    return view[_HEADER_LEN.size : end], view[end:]
+
+
+def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Split a `pack_with_header` payload; the blob is a zero-copy view."""
+    header, blob = split_with_header(payload)
+    return decode_json(header), blob
 
 
 NONCE_BYTES = 16
