@@ -215,6 +215,9 @@ def test_bad_frames_are_rejected_and_counted():
         asyncio.run(attack())
         rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
+        metrics = httpx.get(f"{md_http}/metrics").text  # the same counts, one series per reason
+        for reason, n in rejected.items():
+            assert f'pdd_rejected_frames_total{{reason="{reason}"}} {float(n)}' in metrics
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
 
 

@@ -1,4 +1,4 @@
-"""The one framed binary protocol spoken between pdd instances.
+"""Frames: the one framed binary format spoken between pdd instances.
 
 Reservations, KV pages, token IDs and cache events all cross the WAN in these frames,
 so the format is strict: a fixed header (magic, version, type, flags, sequence number,
@@ -6,16 +6,9 @@ payload length, CRC32), the payload, and — on authenticated connections — an
 HMAC-SHA256 tag over header and payload. The length is checked against a limit
 *before* the payload is read, so a hostile or broken peer cannot make us buffer
 gigabytes. The sequence number sits inside the MAC'd header and must be exactly the
-next one expected, so replayed, reordered or dropped frames are refused as well; and
-the HELLO exchange switches each connection to its own per-direction session keys
-(from nonces of both ends), so frames recorded on one connection fail on any other.
+next one expected, so replayed, reordered or dropped frames are refused as well.
 Payloads are raw bytes or JSON objects; nothing received is ever unpickled or
-evaluated.
-
-Any violation raises a specific `FrameError` subclass; `FramedConnection.reject` (called
-by `recv`, and by `serve` for a payload the handler could not parse) counts it in the
-process-wide `REJECTS` and closes the connection, since a byte stream that has lost
-its framing cannot be trusted again.
+evaluated. Any violation raises a specific `FrameError` subclass.
 """
 
 from __future__ import annotations
@@ -24,22 +17,14 @@ import asyncio
 import hashlib
 import hmac
 import json
-import logging
-import secrets
-import ssl
 import struct
-import threading
-import time
 import zlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-log = logging.getLogger(__name__)
-
 MAGIC = b"PD"
-PROTOCOL_VERSION = 2  # 2: typed bodies with token positions, the relay tier
+PROTOCOL_VERSION = 3  # 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys
 FLAG_AUTH = 0x01
 _KNOWN_FLAGS = FLAG_AUTH
 # magic, version, type, flags, sequence, payload length, CRC32 of payload
@@ -49,7 +34,6 @@ DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 # Until the HELLO exchange has proven the peer holds the key, a frame may carry no more
 # than a HELLO needs: an unauthenticated peer must not make us buffer megabytes.
 HANDSHAKE_MAX_PAYLOAD = 4096
-MAX_UNAUTHENTICATED = 32  # connections a server holds that have not completed the handshake
 MAX_JSON_BYTES = 16 * 1024 * 1024
 _HEADER_LEN = struct.Struct("!I")
 
@@ -129,33 +113,6 @@ class ConnectionClosed(ConnectionError):
     must not be counted as a rejected (possibly hostile) frame.
     """
 
-
-class RejectStats:
-    """Process-wide count of rejected frames per error class, for metrics.
-
-    Thread-safe because several event loops (one per thread) may share a process.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-
-    def record(self, err: FrameError) -> None:
-        name = type(err).__name__
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + 1
-
-    def snapshot(self) -> dict[str, int]:
-        """A copy of the counts, e.g. for a Prometheus collector."""
-        with self._lock:
-            return dict(self._counts)
-
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
-
-
-REJECTS = RejectStats()
 
 
 @dataclass(frozen=True)
@@ -277,184 +234,6 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_boundary: bo
         raise ConnectionClosed("peer closed the connection in the middle of a frame") from None
 
 
-class FramedConnection:
-    """One TCP connection speaking frames, with traffic counters.
-
-    Sends may come from several tasks at once (a frame is written in one piece, so
-    frames never interleave); receives must come from a single task.
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, codec: FrameCodec) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._codec = codec
-        self.peer: Any = writer.get_extra_info("peername")
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.frames_sent = 0
-        self.frames_received = 0
-        self.rejected: FrameError | None = None
-        self.last_heard = time.monotonic()  # when the last whole frame arrived
-        self.silent_for: float | None = None  # set when `keepalive` gave up on a silent peer
-
-    async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
-        """Write one frame whole (concurrent senders never interleave), then wait for
-        the socket buffer to drain, so a slow line pushes back on the producer."""
-        self._write(msg_type, payload)
-        await self._writer.drain()
-
-    async def send_json(self, msg_type: MsgType, obj: dict[str, Any]) -> None:
-        await self.send(msg_type, encode_json(obj))
-
-    async def recv(self) -> Frame:
-        """The next frame; on a bad one, reject it (count, drop the connection) and raise."""
-        try:
-            frame = await self._codec.read(self._reader)
-        except FrameError as err:
-            self.reject(err)
-            raise
-        self.bytes_received += len(frame.payload) + self._codec.overhead
-        self.frames_received += 1
-        self.last_heard = time.monotonic()
-        return frame
-
-    async def next_frame(self) -> Frame:
-        """The next frame that is not liveness traffic: PINGs are answered here and
-        PONGs only count as having heard from the peer."""
-        while True:
-            frame = await self.recv()
-            if frame.type == MsgType.PING:
-                self._write(MsgType.PONG, frame.payload)
-            elif frame.type != MsgType.PONG:
-                return frame
-
-    def _write(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
-        """Queue one frame whole without waiting for the buffer to drain (a liveness
-        probe must not wait behind a slow line's backlog)."""
-        parts = self._codec.encode_parts(msg_type, payload)
-        self._writer.writelines(parts)
-        self.bytes_sent += sum(len(p) for p in parts)
-        self.frames_sent += 1
-
-    async def keepalive(self, interval_s: float, dead_after_s: float) -> None:
-        """PING the peer every `interval_s`; if nothing at all has arrived for
-        `dead_after_s`, drop the connection, so its reader ends and its owner treats the
-        peer as lost. A blackholed line keeps a TCP connection open and silent: without
-        this, a dead peer would look healthy until every request on it timed out. The
-        peer's reader must use `next_frame` (which answers PINGs)."""
-        while not self.closed:
-            await asyncio.sleep(interval_s)
-            silent = time.monotonic() - self.last_heard
-            if silent > dead_after_s:
-                self.silent_for = silent
-                log.warning("%s silent for %.1f s: dropping the connection", self.peer, silent)
-                self.abort()
-                return
-            self._write(MsgType.PING)
-
-    @property
-    def socket(self) -> Any:
-        """The underlying socket (for buffer sizes), if any."""
-        return self._writer.get_extra_info("socket")
-
-    @property
-    def codec(self) -> FrameCodec:
-        return self._codec
-
-    def reject(self, err: FrameError) -> None:
-        """Count a bad frame (or payload) and drop the connection, whose stream is no longer trusted.
-
-        Callers use it too when a payload fails to parse (`BadPayload`); rejecting
-        the same error twice counts it once.
-        """
-        if self.rejected is err:
-            return
-        self.rejected = err
-        REJECTS.record(err)
-        log.warning("rejected frame from %s: %s: %s", self.peer, type(err).__name__, err)
-        self.close()
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def abort(self) -> None:
-        """Close at once, dropping unsent data (a flush would wait on a dead line)."""
-        self._writer.transport.abort()
-
-    @property
-    def closed(self) -> bool:
-        return self._writer.is_closing()
-
-    async def wait_closed(self) -> None:
-        """Wait until the socket is closed; a reset while closing is not an error."""
-        try:
-            await self._writer.wait_closed()
-        except ConnectionError:
-            pass
-
-
-async def open_connection(
-    host: str,
-    port: int,
-    key: bytes | None,
-    *,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
-    connect_timeout: float | None = 10.0,
-    tls: ssl.SSLContext | None = None,
-) -> FramedConnection:
-    """Connect to a frame server (over TLS with `tls`); the timeout, which covers the TLS
-    handshake too, keeps a silent WAN from hanging us."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), connect_timeout)
-    return FramedConnection(reader, writer, FrameCodec(key, max_payload))
-
-
-Handler = Callable[[FramedConnection], Awaitable[None]]
-
-
-async def serve(
-    handler: Handler,
-    host: str,
-    port: int,
-    key: bytes | None,
-    *,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
-    tls: ssl.SSLContext | None = None,
-) -> asyncio.Server:
-    """Start a TCP server that hands every accepted connection to `handler`.
-
-    A connection whose handler fails — bad frame, peer gone, or a bug — is closed
-    and logged; the server keeps serving everyone else.
-    """
-
-    pending: set[FramedConnection] = set()  # accepted, not yet authenticated
-
-    async def on_accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
-        pending.difference_update([c for c in pending if c.codec.authenticated or c.closed])
-        if key and len(pending) >= MAX_UNAUTHENTICATED:
-            log.warning("refused a connection from %s: %d others have not completed the handshake", conn.peer,
-                        len(pending))
-            conn.close()
-            await conn.wait_closed()
-            return
-        pending.add(conn)
-        try:
-            await handler(conn)
-        except FrameError as err:
-            conn.reject(err)  # a no-op when recv() already rejected it
-        except ConnectionError as err:
-            log.debug("connection from %s ended: %s", conn.peer, err)
-        except asyncio.TimeoutError:
-            log.warning("connection from %s dropped: no complete handshake in time", conn.peer)
-        except Exception:
-            log.exception("handler for %s failed", conn.peer)
-        finally:
-            pending.discard(conn)
-            conn.close()
-            await conn.wait_closed()
-
-    return await asyncio.start_server(on_accept, host, port, ssl=tls)
-
 
 def encode_json(obj: dict[str, Any]) -> bytes:
     """Compact UTF-8 JSON of a dict; NaN/Infinity are refused since JSON has none."""
@@ -504,70 +283,3 @@ def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], mem
     header, blob = split_with_header(payload)
     return decode_json(header), blob
 
-
-NONCE_BYTES = 16
-
-
-def session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
-    """(client-to-server, server-to-client) keys of one connection.
-
-    Sequence numbers alone stop replay within a connection; fresh nonces from both
-    ends make a recorded connection worthless on any other, and one key per direction
-    stops a frame from being reflected back to its sender.
-    """
-    def derive(label: bytes) -> bytes:
-        return hmac.new(key, b"pdd/session/v1\x00" + label + client_nonce + server_nonce, hashlib.sha256).digest()
-
-    return derive(b"c2s"), derive(b"s2c")
-
-
-def _nonce_of(frame: Frame) -> tuple[dict[str, Any], bytes]:
-    if frame.type != MsgType.HELLO:
-        raise BadPayload(f"expected HELLO, got {frame.type.name}")
-    msg = frame.json()
-    try:
-        nonce = bytes.fromhex(msg.get("nonce", ""))
-    except (TypeError, ValueError):
-        nonce = b""
-    if len(nonce) != NONCE_BYTES:
-        raise BadPayload("HELLO carries no valid nonce")
-    return msg, nonce
-
-
-async def client_handshake(conn: FramedConnection, hello: dict[str, Any]) -> dict[str, Any]:
-    """Send HELLO with a fresh nonce, read the server's, switch to session keys."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    await conn.send_json(MsgType.HELLO, {**hello, "nonce": nonce.hex()})
-    reply, server_nonce = _nonce_of(await conn.recv())
-    if conn.codec.key:
-        c2s, s2c = session_keys(conn.codec.key, nonce, server_nonce)
-        conn.codec.rekey(send_key=c2s, recv_key=s2c)
-    return reply
-
-
-async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
-    """Read the client's HELLO, answer with a fresh nonce, switch to session keys."""
-    frame = await conn.recv()
-    try:
-        hello, client_nonce = _nonce_of(frame)
-    except BadPayload as err:
-        conn.reject(err)
-        raise
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex()})
-    if conn.codec.key:
-        c2s, s2c = session_keys(conn.codec.key, client_nonce, nonce)
-        conn.codec.rekey(send_key=s2c, recv_key=c2s)
-    return hello
-
-
-def link_key(secret: str, link_name: str) -> bytes:
-    """Derive a per-link key from the deployment's shared secret (HKDF-expand style).
-
-    Each link gets its own key, so a key leaked from one link's endpoints does not
-    authenticate traffic on another.
-    """
-    if not secret:
-        raise ValueError("the shared secret must not be empty")
-    info = b"pdd/link-key/v1\x00" + link_name.encode("utf-8")
-    return hmac.new(secret.encode("utf-8"), info, hashlib.sha256).digest()
