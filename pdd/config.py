@@ -70,7 +70,7 @@ class LinkSpec:
     """The line between two datacenters. Its bandwidth and delay are what P assumes of
     it until it has measured the line (and what `pdd up`'s emulator enforces); `host`
     and `admin_port` name a `pdd wan` emulator's admin API, when one is on the line, for
-    the router to read the bytes it carried (0: none; the instances' counts are used)."""
+    `pdd up`, the soak and the tests to drive it (0: none)."""
 
     name: str = "wan"
     a: str = "A"
