@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdd.config import parse_addr
+from pdd.addresses import parse_addr
 from pdd.wan import LinkSettings, Route, WanLine, WanRelay, run_wan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdd.config import parse_addr
+from pdd.addresses import parse_addr
 from pdd.wan.line import JITTER_DISTS, LinkSettings
 from pdd.wan.relay import Route, WanRelay
 from pdd.wan.run import run_wan

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.config import parse_addr
+from pdd.addresses import parse_addr
 from pdd.wan.line import A_TO_B, B_TO_A, WanLine
 
 log = logging.getLogger(__name__)
