@@ -34,6 +34,8 @@ CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored"
 class EngineConfig:
     """One engine's sizes and numerics: the `[engine]` table."""
 
+    # how pydantic checks the table (`pdd.config`): unknown keys and loose types refused
+    __pydantic_config__ = {"extra": "forbid", "strict": True, "allow_inf_nan": False}
     page_size: int = 16  # tokens per KV page
     num_pages: int = 2048  # KV pool size
     max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it)

@@ -62,11 +62,17 @@ def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
 def test_agentic_run_sends_only_the_missing_kv():
     sessions = plan_sessions(AgenticConfig(seed=3, max_context=1500), 24)
     with pdd_up("--mode", "pd-cross-dc", "--drc", "on") as dep:
+        line_before = httpx.get(f"{dep.wan_admin}/stats").json()
         run = run_bench(dep.url, sessions, quiet=True)
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        line_after = httpx.get(f"{dep.wan_admin}/stats").json()
     s = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
     bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
-    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
+    line = sum(line_after[k] - line_before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
+    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
+          f"decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
+    # the instances' count (the KV payload P sent across) against the emulator's (every byte, both ways)
+    assert s["wan_bytes"] <= line <= s["wan_bytes"] * 1.05 + 24 * 16384
     assert s["completed"] == 24
     assert 0 < s["wan_bytes"] <= bound
     assert s["d_hit_tokens"] / s["prompt_tokens"] > 0.5
@@ -222,6 +228,9 @@ def test_bad_frames_are_rejected_and_counted():
         asyncio.run(attack())
         rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
+        metrics = httpx.get(f"{md_http}/metrics").text  # the same counts, one series per reason
+        for reason, n in rejected.items():
+            assert f'pdd_rejected_frames_total{{reason="{reason}"}} {float(n)}' in metrics
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
         # /metrics says the same: four at MD, none where no bad frame went (a request's frames are no rejects)
         counted = {name: metrics(url)["pdd_rejected_frames"] for name, url in {**dep.http, "router": dep.url}.items()}

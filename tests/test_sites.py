@@ -143,7 +143,7 @@ def test_a_wan_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp
     one_way = next(s.value for f in text_string_to_metric_families(page) for s in f.samples
                    if s.name == "pdd_line_one_way_delay_seconds" and s.labels["dc"] == "B")
     assert one_way >= 0.025, "P measured the hop's delay on the line"
-    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router reads the hop's byte count"
+    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router sums the KV bytes P counted across the line"
 
 
 def test_every_process_runs_in_its_host_namespace_from_the_deployment_file(site):
