@@ -16,7 +16,8 @@ from pdd.instance.peers import PeerPool
 from pdd.policy.transfer import Priority
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
-from pdd.transfer.wan import Route, WanLine, WanRelay
+from pdd.wan.line import WanLine
+from pdd.wan.relay import Route, WanRelay
 from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 
 KEY = b"k" * 32
