@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import kv_bytes_per_token, metrics, pdd_process, pdd_up, standalone, wait_until
+from procs import kv_bytes_per_token, metrics, pdd_process, pdd_up, rejected_frames, standalone, wait_until
 
 from pdd.engine_port import EngineConfig
 
@@ -469,7 +469,7 @@ def test_wan_fault_mid_run_ends_requests_cleanly_and_the_deployment_recovers(fau
         after = [_complete(dep.url, p, n) for p in prompts[:2]]
         for name, url in http.items():
             wait_until(lambda url=url: _settled(url), 30, f"{name} holds nothing after the fault")
-        rejected = {name: metrics(url)["pdd_rejected_frames"] for name, url in http.items()}
+        rejected = {name: rejected_frames(url) for name, url in http.items()}
     summary = [("ok" if o["error"] is None else f"{o.get('status')} {o['error']['message'][:60]}") for o in outcomes]
     print(f"\n{fault} ({state['connections']} connections on the line): all ended {resolved:.1f} s after it; "
           f"{summary}; longest waits between tokens {[round(o.get('max_gap_s', 0), 1) for o in outcomes]} s")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import metrics, pdd_up
+from procs import pdd_up, rejected_frames
 
 from pdd.bench.client import run_bench
 from pdd.bench.summary import summarize
@@ -233,7 +233,7 @@ def test_bad_frames_are_rejected_and_counted():
             assert f'pdd_rejected_frames_total{{reason="{reason}"}} {float(n)}' in metrics
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
         # /metrics says the same: four at MD, none where no bad frame went (a request's frames are no rejects)
-        counted = {name: metrics(url)["pdd_rejected_frames"] for name, url in {**dep.http, "router": dep.url}.items()}
+        counted = {name: rejected_frames(url) for name, url in {**dep.http, "router": dep.url}.items()}
         assert counted == {"p0": 0, "md0": 4, "router": 0}, counted
 
 
