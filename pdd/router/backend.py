@@ -49,10 +49,10 @@ class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
         self.router_id = secrets.token_hex(8)
-        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
+        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
+        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.planner = Planner(dep, self.clients)
-        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
         self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
@@ -271,7 +271,8 @@ class RouterBackend:
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+        return {"wan_bytes": self.wan_bytes(), "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
+                **self.metrics.snapshot(), "membership": self.members.stats(),
                 "dispatch_waiting": self.planner.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
                                        "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
