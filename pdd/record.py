@@ -20,7 +20,7 @@ from typing import Any
 # The `pdd` object of a response: these fields, by these names (README, "Using it").
 SERVED = ("pipeline", "p_hit_tokens", "d_hit_tokens", "d_hit_predicted", "mirror_drift_tokens", "kv_predicted_ms",
           "kv_bytes", "wan_bytes", "rld_output_tokens", "md_output_tokens", "handoff", "handoff_tokens",
-          "handoff_chunks", "handoff_stall_ms", "anomalous", "fallback", "retries", "instances")
+          "handoff_chunks", "handoff_stall_ms", "anomalous", "fallback", "retries", "instances", "seed")
 
 
 @dataclass
@@ -60,6 +60,7 @@ class RequestRecord:
     fallback: str | None = None  # what the request survived, or how it ended off plan (comma-separated)
     retries: int = 0
     instances: dict[str, str | None] = field(default_factory=dict)
+    seed: int | None = None  # a sampling request's: the client's, or the server's (its answer can be replayed)
 
     @property
     def completed(self) -> bool:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi.exceptions import RequestValidationError
+from msgspec.structs import replace  # sampling params are a msgspec struct
 
 from pdd.api.protocol import ApiError, _Common
 from pdd.record import RequestRecord

@@ -84,16 +84,27 @@ async def fetch_model(client: httpx.AsyncClient, url: str) -> str:
         raise BenchError(f"cannot read a model id from {url}/v1/models: {exc}") from exc
 
 
-async def fetch_wan_bytes(client: httpx.AsyncClient, url: str) -> int | None:
-    """The server's WAN byte counter, or None where it keeps none (a plain server)."""
-    try:
-        response = await client.get(f"{url}/pdd/stats")
-        if response.status_code != 200:
+KV_SETTLE_S = 60.0  # the longest a run waits for KV copies still crossing after its last token
+
+
+async def fetch_wan_bytes(client: httpx.AsyncClient, url: str, settle_s: float = 0.0) -> int | None:
+    """The server's WAN byte counter, or None where it keeps none (a plain server). With
+    `settle_s`, first wait (that long at most) for the KV transfers still open: a request
+    the relay finished has its copy to MD crossing after its last token, and P counts the
+    bytes when the copy is over."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            response = await client.get(f"{url}/pdd/stats")
+            if response.status_code != 200:
+                return None
+            stats = response.json()
+            value = stats.get("wan_bytes")
+        except (httpx.HTTPError, ValueError, AttributeError):
             return None
-        value = response.json().get("wan_bytes")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+        if not stats.get("kv_open") or time.monotonic() >= deadline:
+            return value if isinstance(value, int) else None
+        await asyncio.sleep(0.2)
 
 
 @dataclass
@@ -257,7 +268,7 @@ async def replay(url: str, sessions: Sequence[Session], *, model: str | None = N
         async with asyncio.TaskGroup() as group:
             for session in sessions:
                 group.create_task(_run_session(client, target, session, run_start, emit))
-        wan_after = await fetch_wan_bytes(client, url)
+        wan_after = await fetch_wan_bytes(client, url, KV_SETTLE_S)
     records.sort(key=lambda r: (r.session, r.turn))
     wan = wan_after - wan_before if wan_before is not None and wan_after is not None else None
     return BenchRun(records, model, wan)

@@ -25,6 +25,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=d.max_requests,
                    help="most requests held at once; past it, new ones get 429")
     p.add_argument("--engine", default=d.backend, choices=engine_names(), help="engine backend")
+    p.add_argument("--hardware", default=d.hardware,
+                   help="native, or an emulated accelerator (A, B): every step takes at least its time")
+    p.add_argument("--dilation", type=float, default=d.dilation, help="emulated time runs this many times slower")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
         engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
-                              args.dtype, args.kv_dtype, args.max_requests, args.engine)
+                              args.dtype, args.kv_dtype, args.max_requests, args.engine, args.hardware, args.dilation)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)
     try:

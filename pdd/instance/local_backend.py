@@ -34,7 +34,8 @@ class LocalBackend:
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
                 event.record = RequestRecord(pipeline=Pipeline.COLOCATED, p_hit_tokens=out.cached_tokens,
-                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced)
+                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced,
+                                             seed=req.params.seed)
             yield event
 
     def load(self) -> Load:

@@ -94,7 +94,10 @@ class PeerPool:
         conn = await self.get(name, priority)
         y = self._yields.setdefault(name, _Yield())
         if priority == Priority.BACKGROUND:
-            await y.quiet.wait()
+            # woken by the end of one urgent frame, it is no turn if the next has begun: a
+            # transfer sends frame after frame, and a stale wake-up would slip one in between
+            while y.urgent:
+                await y.quiet.wait()
         else:
             y.urgent += 1
             y.quiet.clear()

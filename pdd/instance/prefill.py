@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.instance.peers import PeerPool
 from pdd.instance.host import Host, report_failure

@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
@@ -50,10 +49,10 @@ class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
         self.router_id = secrets.token_hex(8)
-        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
+        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
+        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.planner = Planner(dep, self.clients)
-        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
         self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
@@ -272,7 +271,8 @@ class RouterBackend:
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+        return {"wan_bytes": self.wan_bytes(), "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
+                **self.metrics.snapshot(), "membership": self.members.stats(),
                 "dispatch_waiting": self.planner.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
                                        "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
@@ -280,15 +280,8 @@ class RouterBackend:
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 
-    async def wan_bytes(self) -> int:
-        """Bytes the line carried both ways, as its emulator counted them; with no
-        emulator on the line, the KV bytes P sent across it (the instances' counts)."""
-        link = self.dep.link
-        if not link.admin_port:
-            return self.metrics.totals["kv_bytes:wan"]
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                s = (await client.get(f"http://{link.host}:{link.admin_port}/stats")).json()
-        except (httpx.HTTPError, ValueError):
-            return 0
-        return int(s.get("bytes_a_to_b", 0)) + int(s.get("bytes_b_to_a", 0))
+    def wan_bytes(self) -> int:
+        """The KV bytes P sent across the line, as the instances count them (each request's
+        RESULT). Not the WAN emulator's count: the emulator is a lab tool, and a real line
+        has none (tests and the demo read its count as a cross-check)."""
+        return self.metrics.totals["kv_bytes:wan"]

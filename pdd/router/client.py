@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.config import InstanceSpec, LivenessSpec
+from pdd.names import RoleName
 from pdd.router.mirror import CacheMirror
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -33,11 +34,16 @@ class InstanceDown(ConnectionError):
 class InstanceClient:
     def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
                  liveness: LivenessSpec = LivenessSpec(), roster: Callable[[], list[m.Member]] | None = None,
-                 on_left: Callable[[InstanceClient], None] | None = None, tls: ssl.SSLContext | None = None) -> None:
+                 on_left: Callable[[InstanceClient], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_result: Callable[[m.Result], None] | None = None) -> None:
         self.spec = spec
         self.liveness = liveness
         self._roster = roster  # the deployment's members, told to the instance on every connect
         self._on_left = on_left  # called once a draining instance's connection ends
+        # every RESULT, also one arriving after its request ended (the relay finished it while
+        # P's copy to MD still crossed): the bytes crossed all the same
+        self._on_result = on_result
+        self.kv_open: set[str] = set()  # submitted to this P, its RESULT not in yet
         self.draining = False  # no new work goes here
         self._tls = tls
         self.router_id = router_id
@@ -83,6 +89,10 @@ class InstanceClient:
     async def send(self, body: Any) -> None:
         if not self.healthy:
             raise InstanceDown(f"instance {self.name} is not connected")
+        if isinstance(body, m.Submit) and self.spec.role == RoleName.PREFILL:
+            self.kv_open.add(body.rid)
+        elif isinstance(body, m.Abort):
+            self.kv_open.discard(body.rid)
         try:
             await m.send(self.conn, body)
         except (ConnectionError, RuntimeError) as e:
@@ -136,10 +146,15 @@ class InstanceClient:
                     resync_asked = True
                     await m.send(conn, m.CacheUpdate("snapshot_request"))
                 continue
+            if isinstance(body, (m.Result, m.Error)):
+                self.kv_open.discard(getattr(body, "rid", None) or "")
+            if isinstance(body, m.Result) and self._on_result is not None:
+                self._on_result(body)
             q = self._queues.get(getattr(body, "rid", None) or "")
             if q is not None:
                 q.put_nowait((self.name, body))
 
     def _fail_all(self, reason: str) -> None:
+        self.kv_open.clear()
         for rid, q in self._queues.items():
             q.put_nowait((self.name, m.Error(reason, rid, lost=True)))

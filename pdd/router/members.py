@@ -13,6 +13,7 @@ router forget it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdd.config import Deployment, InstanceSpec
 from pdd.router.client import InstanceClient, InstanceDown
@@ -33,8 +34,10 @@ def member(spec: InstanceSpec) -> m.Member:
 
 
 class Membership:
-    def __init__(self, dep: Deployment, key: bytes, router_id: str) -> None:
+    def __init__(self, dep: Deployment, key: bytes, router_id: str,
+                 on_result: Callable[[m.Result], None] | None = None) -> None:
         self.dep = dep
+        self._on_result = on_result
         self._key, self._router_id = key, router_id
         self._tls = client_context(dep.tls)
         self.clients: dict[str, InstanceClient] = {}
@@ -46,7 +49,8 @@ class Membership:
 
     def _add(self, spec: InstanceSpec) -> InstanceClient:
         client = InstanceClient(spec, *self.dep.address(spec, self.dep.router.dc), self._key, self._router_id,
-                                self.dep.liveness, roster=self.roster, on_left=self._on_left, tls=self._tls)
+                                self.dep.liveness, roster=self.roster, on_left=self._on_left, tls=self._tls,
+                                on_result=self._on_result)
         self.clients[spec.name] = client
         return client
 

@@ -17,6 +17,7 @@ from pdd.router.client import InstanceClient
 from pdd.record import RequestRecord
 from pdd.router.request import RouterRequest
 from pdd.names import RoleName
+from pdd.transfer import messages as m
 
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -99,12 +100,16 @@ class RouterMetrics:
             self.anomalies.inc()
             self.totals["anomaly_filtered"] += 1
         self.conflicts.inc(request.merger.conflicts)
-        self.kv_bytes.labels("wan").inc(record.wan_bytes)
-        self.kv_bytes.labels("local").inc(record.kv_bytes - record.wan_bytes)
-        self.totals["kv_bytes:wan"] += record.wan_bytes
         self.prompt_tokens.inc(len(request.req.prompt))
         self.hit_tokens.labels("prefill").inc(record.p_hit_tokens)
         self.hit_tokens.labels("decode").inc(record.d_hit_tokens)
+
+    def kv_sent(self, result: m.Result) -> None:
+        """P's KV transfers of a request are over: count what crossed, when it says so (after
+        the request ended, too, when the relay finished it before MD's copy landed)."""
+        self.kv_bytes.labels("wan").inc(result.wan_bytes)
+        self.kv_bytes.labels("local").inc(result.kv_bytes - result.wan_bytes)
+        self.totals["kv_bytes:wan"] += result.wan_bytes
 
     def snapshot(self) -> dict:
         return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

@@ -130,4 +130,5 @@ class RouterRequest:
             fallback=",".join(self.fallbacks) or None,
             retries=self.attempt,
             instances={"entry": self.plan.entry, "relay": relay, "main": self.plan.main},
+            seed=self.req.params.seed,
         )

@@ -22,7 +22,7 @@ import simpy
 from pdd.sim.hardware import LINE_ONE_WAY_MS, Line
 from pdd.sim.link import SharedLink
 from pdd.sim.tcp import HANDOFF_BYTES, HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, handoff_times_s
-from pdd.transfer.wan import Route, WanLine, WanRelay
+from pdd.wan import Route, WanLine, WanRelay
 
 
 async def _emulated(mbps: float, delay_ms: float, runs: int, nbytes: int) -> list[float]:
