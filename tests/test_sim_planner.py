@@ -15,8 +15,17 @@ from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.metrics import goodput
 from pdd.sim.plan_cli import add_plan_arguments, plan_main
-from pdd.sim.planner import (FAMILIES, Layout, Probe, agentic, best_per_family, candidates, mooncake, search,
-                             search_resolution)
+from pdd.sim.planner import (
+    FAMILIES,
+    Layout,
+    Probe,
+    agentic,
+    best_per_family,
+    candidates,
+    mooncake,
+    search,
+    search_resolution,
+)
 from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TraceRecord
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import simpy
 
+from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.record import RequestRecord
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
