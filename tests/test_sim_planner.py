@@ -150,7 +150,7 @@ def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided:
     for family, chosen in best.items():
         assert chosen["bcr"] == pytest.approx(exact_best[family]["bcr"], rel=resolution)
     for r in bounded:
-        assert r["below_rps"] == pytest.approx(best[r["family"]]["probed_rps"] * r["cost_per_hour"]
+        assert r["missed_rps"] == pytest.approx(best[r["family"]]["probed_rps"] * r["cost_per_hour"]
                                                / best[r["family"]]["cost_per_hour"], rel=resolution), r
         assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
 
@@ -193,11 +193,11 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(planner, "run_window", run_window)
     row = planner.goodput_of(Layout(1, 1, 0, "B", "B"), paper.SETTING, workload, TINY_PROBE, 8.0, beat_rps)
     if threshold_rps < beat_rps:
-        assert row["goodput_rps"] is None and row["below_rps"] == beat_rps and row["probes"] == 1
+        assert row["goodput_rps"] is None and row["missed_rps"] == beat_rps and row["probes"] == 1
     else:
         assert beat_rps <= row["goodput_rps"] <= threshold_rps
         assert row["goodput_rps"] >= threshold_rps / (1 + search_resolution(TINY_PROBE))
-        assert row["below_rps"] is None and row["probed_rps"] == pytest.approx(row["goodput_rps"])
+        assert row["missed_rps"] is None and row["probed_rps"] == pytest.approx(row["goodput_rps"])
 
 
 def test_a_probe_lost_in_its_tail_stops_there() -> None:

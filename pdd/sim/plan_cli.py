@@ -99,8 +99,8 @@ def _table(rows: list[dict[str, Any]], total: int, title: str):
     for i, r in enumerate(rows, 1):
         ttft = "-" if r["ttft_p50_ms"] is None or r["goodput_rps"] is None else \
             f"{r['ttft_p50_ms']:,.0f}/{r['ttft_p99_ms']:,.0f}"
-        if r["goodput_rps"] is None:  # shown not to beat its family's best: a bound
-            goodput, bcr = f"< {r['below_rps']:.1f}", f"< {r['below_rps'] / r['cost_per_hour']:.3f}"
+        if r["goodput_rps"] is None:  # missed the SLO at the rate that would beat its family's best
+            goodput, bcr = f"missed {r['missed_rps']:.1f}", "-"
         else:
             goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['bcr']:.3f}"
         table.add_row(str(i), r["layout"], "+".join(f"{n}{k}" for k, n in r["gpus"].items()), goodput,

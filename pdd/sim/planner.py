@@ -208,7 +208,7 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
 
     With `beat_rps` (the rate, probed, at which it would beat the best BCR its family has
     shown), one probe at that rate comes first: a layout that misses the SLO there
-    cannot win, and its row says only that (`goodput_rps` None, `below_rps`); one that
+    cannot win, and its row says only that (`goodput_rps` None, `missed_rps`: the rate); one that
     meets it is searched upwards from there. `probed_rps`: the rate its goodput was
     probed at (session rate x turns), which is what `beat_rps` is made of: the goodput
     itself is the rate judged, and closed-loop sessions arrive faster than probed when
@@ -228,7 +228,7 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
                                       stop_early=True, attainment=probe.attainment)
         if (run["slo_attainment"] or 0.0) < probe.attainment:
             return _row(layout, setting, run, capacity) | {"goodput_rps": None, "bcr": None, "probes": 1,
-                                                            "below_rps": beat_rps}
+                                                            "missed_rps": beat_rps}
         high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
         best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
     else:
@@ -256,7 +256,7 @@ def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, cap
             "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
             "slo_attainment": run["slo_attainment"] if run else None,
             "utilisation": run["utilisation"] if run else {}, "binding": run["binding"] if run else "-",
-            "below_rps": None, "probed_rps": None, "probes": 0, "run": run}
+            "missed_rps": None, "probed_rps": None, "probes": 0, "run": run}
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
@@ -270,7 +270,7 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
     capacity per cost; the next is simulated only while `HEADROOM` x its capacity per
     cost can beat its family's best BCR so far, and (unless `exact`) first at the one
     rate that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
-    win has a bound for its goodput, not a value. Up to `workers` layouts run at once, one
+    win has the rate it missed at, not a goodput. Up to `workers` layouts run at once, one
     process each, a family with none running first; one whose family has no best yet
     waits for it."""
     shape = workload.shape()
@@ -315,15 +315,15 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                 if progress is not None:
                     progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: " + (
                         f"{row['goodput_rps']:.1f} req/s" if row["goodput_rps"] is not None
-                        else f"below {row['below_rps']:.1f} req/s"))
+                        else f"missed at {row['missed_rps']:.1f} req/s"))
     return sorted(rows, key=_rank)
 
 
 def _rank(row: dict[str, Any]) -> tuple[int, float, float]:
-    """Best BCR first; then the layouts shown not to win, by the bound on theirs; pruned last."""
+    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last."""
     if row["bcr"] is not None:
         return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"]
-    return 1, -row["below_rps"] / row["cost_per_hour"], row["cost_per_hour"]
+    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"]
 
 
 class _Inline:
