@@ -93,7 +93,8 @@ async def _traffic() -> tuple[list[tuple[str, MsgType]], int]:
 
 def test_a_reservation_overtakes_kv_and_urgent_kv_overtakes_background():
     arrived, sent_after = asyncio.run(_traffic())
-    channels = ["reserve" if t == MsgType.RESERVE else ch for ch, t in arrived if t in (MsgType.RESERVE, MsgType.KV_LAYER)]
+    channels = ["reserve" if t == MsgType.RESERVE else ch
+                for ch, t in arrived if t in (MsgType.RESERVE, MsgType.KV_LAYER)]
     reserve = channels.index("reserve")
     first_urgent = channels.index("urgent")
     last_urgent = len(channels) - 1 - channels[::-1].index("urgent")

@@ -44,7 +44,8 @@ class OpenAIServer:
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -164,8 +165,8 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                                  client, slot)
+        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens,
+                                  COMPLETION_DEFAULT_MAX_TOKENS, client, slot)
 
     async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)

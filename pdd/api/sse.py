@@ -25,14 +25,16 @@ async def sse_events(chat: bool, base: dict, pieces: AsyncIterator[tuple[str, li
 
     try:
         if chat:
-            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+            opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [opening]})}\n\n"
         async for delta, ids in pieces:
             if out.finish_reason:
                 yield chunk(delta, ids, out.finish_reason, {"pdd": out.served()})
             else:
                 yield chunk(delta, ids, None)
         if include_usage:
-            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage(prompt_len, out), 'pdd': out.served()})}\n\n"
+            tail = {**base, "object": obj, "choices": [], "usage": usage(prompt_len, out), "pdd": out.served()}
+            yield f"data: {json.dumps(tail)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
     finally:

@@ -24,9 +24,9 @@ CacheEvent = tuple[str, list[int]]  # ("stored" | "removed", block hashes)
 class TreeNode:
     key: tuple[int, ...]
     page: int
-    parent: "TreeNode | None"
+    parent: TreeNode | None
     hash: int
-    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -87,7 +87,7 @@ class RadixCache:
         """
         node, stored, duplicates = self.root, [], []
         now = next(self._clock)
-        for key, page in zip(self._pages(tokens), pages):
+        for key, page in zip(self._pages(tokens), pages, strict=True):  # one page per full page of tokens
             child = node.children.get(key)
             if child is None:
                 child = TreeNode(key=key, page=page, parent=node, hash=chain_hash(node.hash, key))

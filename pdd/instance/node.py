@@ -18,12 +18,12 @@ from typing import Any
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
+from pdd.names import RoleName
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
-from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0

@@ -49,7 +49,8 @@ class PeerPool:
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
-        self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
+        # keyed by (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
+        self._conns: dict[tuple[str, int], FramedConnection] = {}
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats

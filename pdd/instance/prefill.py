@@ -20,14 +20,14 @@ from typing import Any
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
-from pdd.instance.peers import PeerPool
 from pdd.instance.host import Host, report_failure
+from pdd.instance.peers import PeerPool
 from pdd.kv import codec
+from pdd.names import Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
-from pdd.policy.transfer import LOCAL_PRIOR, LinkEstimate, LineMeter, Priority, kv_chunks, kv_range
+from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_range
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.names import Pipeline
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
@@ -174,7 +174,7 @@ class PrefillRole:
     async def _tell(self, peer: str, body: Any) -> None:
         try:
             await self.peers.send(peer, body)
-        except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+        except (TimeoutError, OSError, wire.FrameError) as e:
             log.debug("cannot reach %s: %s", peer, e)
 
     async def _reserve(self, job: PrefillJob, peer: str, main: str | None = None) -> None:
@@ -192,7 +192,7 @@ class PrefillRole:
         is full, and a lost one is dropped by liveness)."""
         try:
             ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if ack.error:
             raise RuntimeError(f"{peer} refused: {ack.error}")
@@ -230,7 +230,7 @@ class PrefillRole:
         if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # the delta over the line, at the same time
             paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None)
         job.exports = len(paths)
-        outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
+        outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True), strict=True))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
         if len(failed) == len(outcomes):
             raise next(iter(failed.values()))
@@ -312,10 +312,10 @@ class PrefillRole:
             try:
                 await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
-                    raise asyncio.TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
-                                               f"for {ACK_TIMEOUT_S:g} s") from None
+                    raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
+                                       f"for {ACK_TIMEOUT_S:g} s") from None
 
     async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
                        priority: int) -> int:

@@ -22,8 +22,8 @@ from msgspec.structs import replace  # messages and sampling params are msgspec 
 
 from pdd.engine_port import OutOfPages, OutputStream
 from pdd.instance.host import Host, report_failure, tokens_of
-from pdd.kv import codec
 from pdd.instance.reservations import ReservationLine
+from pdd.kv import codec
 from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -174,7 +174,7 @@ class DecodeSide:
                 return
             try:
                 await asyncio.wait_for(others[i].settled.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _reserve(self, job: DecodeJob) -> None:

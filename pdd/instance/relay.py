@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.engine_port import RequestError
+from pdd.instance.host import Host, WholeRequests, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
-from pdd.instance.host import Host, WholeRequests, report_failure
+from pdd.names import HandoffMode
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
-from pdd.names import HandoffMode
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class RelayRole(DecodeSide):
                 conn = await self.peers.get(job.reserve.main)
                 await m.send(conn, m.Handoff(job.rid, job.sent, job.output[job.sent :], False,
                                              step_cap=self.policy.catch_up_chunk, fill=True))
-            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+            except (TimeoutError, OSError, wire.FrameError) as e:
                 log.debug("no fill of %s for %s: %s", job.rid, job.reserve.main, e)
 
     def forget(self, job: DecodeJob) -> None:
@@ -148,7 +148,7 @@ class RelayRole(DecodeSide):
             await self._cut_over(job, conn, plan)
         except asyncio.CancelledError:
             pass
-        except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+        except (TimeoutError, OSError, wire.FrameError) as e:
             log.warning("handoff of %s abandoned: %s", job.rid, e)
             if job.cutting:  # its sequence is cut here: nobody produces unless the router has MD take over
                 await report_failure(self.host, job.router_id, job.rid, e)

@@ -218,7 +218,8 @@ def _init_weights(
     """Draw the weights in a fixed order from `gen`; see the module docstring for why.
 
     Every op here is correctly rounded IEEE arithmetic (math.sqrt, not pow) on exact
-    inputs, so the bits do not depend on the CPU or its libm; `_copy_readout` handles the one place that needs reductions.
+    inputs, so the bits do not depend on the CPU or its libm; `_copy_readout` handles the one
+    place that needs reductions.
     """
     d = config["hidden_size"]
     n_layers = config["num_hidden_layers"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdd.policy.transfer import LinkEstimate, finish_s
 from pdd.names import Fallback, Pipeline
+from pdd.policy.transfer import LinkEstimate, finish_s
 
 
 @dataclass(frozen=True)

@@ -28,19 +28,19 @@ from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
+from pdd.names import Fallback, Pipeline, RoleName
 from pdd.policy.plan import missing_roles
 from pdd.policy.playout import next_release_s
 from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.members import Membership
+from pdd.router.metrics import RouterMetrics
 from pdd.router.pacing import Pacer
 from pdd.router.planning import Planner
-from pdd.router.members import Membership
-from pdd.tasks import Tasks
-from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
-from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ class RouterBackend:
                              self.pacer.playout(request))
         try:
             if left <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             return await asyncio.wait_for(q.get(), left if due is None else min(due, left))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None

@@ -104,7 +104,8 @@ class InstanceClient:
             conn, beat = None, None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0, tls=self._tls)
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
+                hello = {"role": "router", "router_id": self.router_id}
+                await asyncio.wait_for(wire.client_handshake(conn, hello), 10.0)
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
@@ -113,7 +114,7 @@ class InstanceClient:
                 await self._read(conn)
             except asyncio.CancelledError:
                 raise
-            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+            except (TimeoutError, OSError, wire.FrameError) as e:
                 log.warning("instance %s: %s", self.name, e)
             except Exception:  # a malformed message: drop the connection, never the client
                 log.exception("instance %s sent something unusable", self.name)

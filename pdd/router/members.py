@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
-from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
-from pdd.names import RoleName
+from pdd.transfer.tls import client_context
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 from pdd.api.backend import GenRequest
+from pdd.names import Pipeline
 from pdd.policy.plan import Plan
 from pdd.record import RequestRecord
 from pdd.router.merge import TokenMerger
 from pdd.transfer import messages as m
-from pdd.names import Pipeline
 
 LOST_AFTER_HANDOFF = "the main decode instance was lost after the relay handed the request over"
 

@@ -146,7 +146,7 @@ class _RelayedConnection:
                 up_reader, self._upstream = await asyncio.wait_for(
                     asyncio.open_connection(target_host, target_port), CONNECT_TIMEOUT_S
                 )
-            except (OSError, asyncio.TimeoutError) as err:
+            except (TimeoutError, OSError) as err:
                 self._line.connect_errors += 1
                 log.warning("wan: cannot reach %s:%d: %s", target_host, target_port, err)
                 return
@@ -227,7 +227,7 @@ class WanRelay:
     def stats(self) -> dict[str, Any]:
         routes = [
             {"listen": f"{r.listen_host}:{port}", "target": f"{r.target_host}:{r.target_port}"}
-            for r, port in zip(self.routes, self.listen_ports)
+            for r, port in zip(self.routes, self.listen_ports, strict=True)
         ]
         return {**self.line.stats(), "routes": routes}
 
