@@ -16,9 +16,9 @@ from pdd.instance.peers import PeerPool
 from pdd.policy.transfer import Priority
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
+from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 from pdd.wan.line import WanLine
 from pdd.wan.relay import Route, WanRelay
-from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 
 KEY = b"k" * 32
 FRAME_BYTES = 64 * 1024  # one KV layer frame
