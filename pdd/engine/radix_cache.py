@@ -63,18 +63,19 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 break
-            if touch:
+            if now is not None:
                 child.last_access = now
             node = child
             pages.append(child.page)
         return Match(pages, node)
 
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode | None) -> None:
+        """Pin `node`'s path against eviction (None, a sequence that matched nothing yet: no-op)."""
         while node is not self.root and node is not None:
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode | None) -> None:
         while node is not self.root and node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
@@ -128,8 +128,10 @@ class Node:
 
     # ---- cache events ------------------------------------------------------------------
     def _publish(self, seq: int, kind: str, hashes: list[int]) -> None:
+        # `CacheListener` types the kind as str; the engine's radix cache emits only these two
+        event = cast(Literal["stored", "removed"], kind)
         for conn in list(self.routers.values()):
-            self.spawn(self.send(conn, m.CacheUpdate(kind, seq, hashes)))
+            self.spawn(self.send(conn, m.CacheUpdate(event, seq, hashes)))
 
     async def _send_snapshot(self, conn: FramedConnection) -> None:
         """All cached hashes and the number of the last event they include.

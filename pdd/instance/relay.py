@@ -46,11 +46,9 @@ class RelayJob(DecodeJob):
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # a new token or acknowledgement
 
 
-class RelayRole(DecodeSide):
-    job_type = RelayJob
-
+class RelayRole(DecodeSide[RelayJob]):
     def __init__(self, host: Host) -> None:
-        super().__init__(host)
+        super().__init__(host, RelayJob)
         self.policy = host.dep.policy
         self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_main_lost)
         self.whole = WholeRequests(host)  # the anomaly filter's requests: prefilled here too
@@ -87,7 +85,7 @@ class RelayRole(DecodeSide):
         if isinstance(body, m.Ready):
             job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
             if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
-                job.handoff = self.host.spawn(self._hand_off(job))
+                job.handoff = self.host.spawn(self._hand_off(job, job.reserve.main))
         else:
             await super().on_peer_body(conn, name, body)
 
@@ -107,7 +105,7 @@ class RelayRole(DecodeSide):
             except (TimeoutError, OSError, wire.FrameError) as e:
                 log.debug("no fill of %s for %s: %s", job.rid, job.reserve.main, e)
 
-    def forget(self, job: DecodeJob) -> None:
+    def forget(self, job: RelayJob) -> None:
         super().forget(job)
         if isinstance(job, RelayJob) and job.handoff is not None and not job.cutting \
                 and job.handoff is not asyncio.current_task():
@@ -132,9 +130,9 @@ class RelayRole(DecodeSide):
                 job.handoff.cancel()  # no handoff: the relay finishes the request
 
     # ---- the handoff -----------------------------------------------------------------------
-    async def _hand_off(self, job: RelayJob) -> None:
+    async def _hand_off(self, job: RelayJob, main: str) -> None:
         try:
-            conn = await self.peers.get(job.reserve.main)
+            conn = await self.peers.get(main)
             if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
                 await self.end(job)
                 await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
