@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,14 +56,17 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+        # the request model validated its shape: a batch of one is unwrapped above, so what is
+        # left is a list of token ids (the checker cannot follow the unwrapping)
+        ids = cast(list[int], prompt)
         vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt)
+        return list(ids)
 
     # ---- generation ------------------------------------------------------------------------
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome,
-                   slot: Slot) -> AsyncIterator[tuple[str, list[int]]]:
+                   slot: Slot) -> AsyncGenerator[tuple[str, list[int]], None]:
         """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
         give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
@@ -105,7 +109,7 @@ class OpenAIServer:
         self.metrics.generation_tokens.inc(n)
         self.metrics.cache_hit_tokens.inc(out.cached_tokens)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
-        if first is not None and n > 1:
+        if first is not None and last is not None and n > 1:  # (set together, by the first token)
             self.metrics.tpot.observe((last - first) / (n - 1))
 
     @staticmethod

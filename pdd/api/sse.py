@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdd.api.protocol import ApiError
 from pdd.api.shaping import Outcome, usage
 
 
-async def sse_events(chat: bool, base: dict, pieces: AsyncIterator[tuple[str, list[int]]], out: Outcome,
+async def sse_events(chat: bool, base: dict, pieces: AsyncGenerator[tuple[str, list[int]], None], out: Outcome,
                      prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
     """A generation as OpenAI's server-sent events: one chunk per piece, the record on the
     last, usage if asked, an error as an event (the status is sent already), [DONE]."""

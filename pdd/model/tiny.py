@@ -126,7 +126,7 @@ def make_tiny(
     print(f"pdd: building tiny model in {out}", file=sys.stderr)
 
     tokenizer = _train_tokenizer(vocab_size)
-    special_ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    special_ids = [_token_id(tokenizer, t) for t in SPECIAL_TOKENS]
     bos_id, eos_id, _, im_end_id, pad_id = special_ids
     head_dim = hidden // heads
     config = {
@@ -210,6 +210,14 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
     return tokenizer
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of a special token the trainer was given (so it is in the vocabulary)."""
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"{token!r} is not in the trained vocabulary")
+    return token_id
 
 
 def _init_weights(

@@ -30,7 +30,7 @@ class MembershipError(ValueError):
 
 
 def member(spec: InstanceSpec) -> m.Member:
-    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
+    return m.Member(spec.name, RoleName(spec.role), spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
 
 
 class Membership:

@@ -94,7 +94,7 @@ class RouterRequest:
     @property
     def relay_stopped(self) -> bool:
         """Handed over, and the main instance's first token has not arrived yet."""
-        return self.handed_off is not None and self.merger.count(self.plan.main) == 0
+        return self.handed_off is not None and (self.plan.main is None or self.merger.count(self.plan.main) == 0)
 
     def done_members(self) -> set[str]:
         """Instances with nothing left of this request: no abort needs to reach them."""

@@ -134,6 +134,6 @@ def counter(values: Iterable[str | None]) -> dict[str, int]:
     return dict(Counter(v for v in values if v).most_common())
 
 
-def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str, int]:
-    """How many requests ended with each reason, most common first."""
+def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str | None, int]:
+    """How many requests ended with each reason (None: none was given), most common first."""
     return dict(Counter(o.detail for o in outcomes if o.outcome == outcome).most_common())
