@@ -114,7 +114,8 @@ VARIANTS = {
     "pd-cross-dc": ("pd-cross-dc", {}, FAST_LINE),
     "P-MD": ("pdd", {"pipeline": "P-MD"}, FAST_LINE),
     # no delay: MD's first tokens may reach the router before the relay's last ones
-    "one-shot": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "one_shot"}, {**FAST_LINE, "delay_ms": 0.0, "jitter_ms": 0.0}),
+    "one-shot": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "one_shot"},
+                 {**FAST_LINE, "delay_ms": 0.0, "jitter_ms": 0.0}),
     # the smallest chunk that gains on the relay: MD computes 2 handed-over tokens a step while
     # the relay makes 1 (a chunk of 1 only keeps pace, and catches up only when MD steps faster)
     "catch-up-2": ("pdd", {"pipeline": "P-RLD-MD", "handoff": "catch_up", "catch_up_chunk": 2, "handoff_threshold": 2},
@@ -216,7 +217,8 @@ num_pages = 210
     prompts = [[rng.randrange(16, 4096) for _ in range(300)] for _ in range(5)]
     with pdd_up("--config", conf) as dep:
         first = [_stream(dep.url, p, 300) for p in prompts]
-        turns = [p + f["ids"] + [rng.randrange(16, 4096) for _ in range(600)] for p, f in zip(prompts[:2], first)]
+        turns = [p + f["ids"] + [rng.randrange(16, 4096) for _ in range(600)]
+                 for p, f in zip(prompts[:2], first, strict=False)]  # two of the answered prompts get a next turn
         # the line holds both reservations until the router has planned both turns: its mirror
         # cannot know what the first reservation will evict, however the two threads are scheduled
         dep.fault(stall_s=30.0)
@@ -380,7 +382,8 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
     with pdd_up("--config", conf, "--mode", "pd-cross-dc") as dep, ThreadPoolExecutor(1) as pool:
         http = dep.http
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
-        wait_until(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30, "MD decodes")
+        wait_until(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30,
+                   "MD decodes")
         dep.fault(blackhole=True)
         cut = time.monotonic()
         got = running.result(timeout=60)
@@ -400,7 +403,8 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         rejoined = time.monotonic() - healed
         again = _stream(dep.url, _prompts()[0], 40)
         _settled([http["p0"], http["md0"]], timeout=30)
-    print(f"\nblackhole: stream failed {got['ended'] - cut:.1f} s after the cut; MD back {rejoined:.1f} s after it healed")
+    print(f"\nblackhole: stream failed {got['ended'] - cut:.1f} s after the cut; "
+          f"MD back {rejoined:.1f} s after it healed")
     assert again["error"] is None and len(again["ids"]) == 40
 
 
@@ -525,7 +529,7 @@ def test_a_client_disconnect_aborts_the_request_on_the_relay(patient):
             "ignore_eos": True, "stream": True}
     with _stalled(dep):
         with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
-            for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+            for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
                 if n == 3:
                     break
         wait_until(lambda: _stats(rld)["engine"]["aborted"] > before["aborted"], 30, "the relay aborts")

@@ -15,8 +15,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def _too_large(limit: int) -> bytes:
-    return json.dumps({"error": {"message": f"the request body exceeds {limit:,} bytes", "type": "invalid_request_error",
-                                 "param": None, "code": "request_too_large"}}).encode()
+    return json.dumps({"error": {"message": f"the request body exceeds {limit:,} bytes",
+                                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
 
 
 class BodyLimit:

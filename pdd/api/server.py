@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,7 +45,8 @@ class OpenAIServer:
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -54,14 +56,17 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+        # the request model validated its shape: a batch of one is unwrapped above, so what is
+        # left is a list of token ids (the checker cannot follow the unwrapping)
+        ids = cast(list[int], prompt)
         vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt)
+        return list(ids)
 
     # ---- generation ------------------------------------------------------------------------
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome,
-                   slot: Slot) -> AsyncIterator[tuple[str, list[int]]]:
+                   slot: Slot) -> AsyncGenerator[tuple[str, list[int]], None]:
         """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
         give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
@@ -104,7 +109,7 @@ class OpenAIServer:
         self.metrics.generation_tokens.inc(n)
         self.metrics.cache_hit_tokens.inc(out.cached_tokens)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
-        if first is not None and n > 1:
+        if first is not None and last is not None and n > 1:  # (set together, by the first token)
             self.metrics.tpot.observe((last - first) / (n - 1))
 
     @staticmethod
@@ -164,8 +169,8 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                                  client, slot)
+        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens,
+                                  COMPLETION_DEFAULT_MAX_TOKENS, client, slot)
 
     async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)

@@ -31,7 +31,8 @@ class Outcome:
         return self.record.served() if self.record else {}
 
 
-def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, default_max: int, limit: int) -> SamplingParams:
+def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, default_max: int,
+                    limit: int) -> SamplingParams:
     """The request's sampling parameters, checked against the model's context `limit`."""
     if req.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -40,16 +41,16 @@ def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, defau
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
-                       param="prompt", code="context_length_exceeded")
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; "
+                       f"the prompt has {prompt_len} tokens.", param="prompt", code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(default_max, limit - prompt_len)
     if max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
     if prompt_len + max_tokens > limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
-                       param="max_tokens", code="context_length_exceeded")
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                       f"{max_tokens} for the completion).", param="max_tokens", code="context_length_exceeded")
     try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
         temperature, top_p = float(req.temperature), float(req.top_p)
     except OverflowError:

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pdd.record import RequestRecord
 from pdd.workload.types import Session
 
+
 class BenchError(RuntimeError):
     """The run cannot start (e.g. no model id could be found)."""
 

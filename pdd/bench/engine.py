@@ -89,7 +89,8 @@ async def _engine_numbers(engine: EnginePort, repeats: int) -> dict[str, float]:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     t0, ttft, n = time.perf_counter(), None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()

@@ -66,7 +66,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
         return r.status_code, None if after.isdigit() and int(after) >= 1 else f"{r.status_code} without Retry-After"
     if r.status_code != 200:
         return r.status_code, f"{r.status_code}: {raw[:200].decode(errors='replace')}"
-    ids, finish = [], None
+    ids: list[int] = []
+    finish: str | None = None
     try:
         if stream:
             for line in raw.decode().splitlines():

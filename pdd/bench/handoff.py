@@ -152,7 +152,7 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
 
     async def decoder(i: int) -> None:
         last = None
-        async for out in engine.generate(f"b{i}", [rng.randrange(16, 4000) for _ in range(200)],
+        async for _ in engine.generate(f"b{i}", [rng.randrange(16, 4000) for _ in range(200)],
                                          SamplingParams(max_tokens=engine.max_context - 200, ignore_eos=True)):
             now = time.perf_counter()
             if i == 0 and last is not None:

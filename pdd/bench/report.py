@@ -188,8 +188,8 @@ def _producer_plot(summaries: Summaries) -> Figure | None:
     modes = list(summaries)
     rld = [summaries[m].get("rld_output_tokens") or 0 for m in modes]
     md = [summaries[m].get("md_output_tokens") or 0 for m in modes]
-    counts = {p: [(summaries[m].get("pipelines") or {}).get(p) or 0 for m in modes]
-              for p in PIPELINES}
+    counts: dict[str, list[int]] = {p: [(summaries[m].get("pipelines") or {}).get(p) or 0 for m in modes]
+                                    for p in PIPELINES}
     if not any(rld) and not any(md) and not any(any(c) for c in counts.values()):
         return None
     figure, (left, right) = _figure(2, len(modes))

@@ -180,7 +180,8 @@ def format_hardware_table(summary_by_name: Mapping[str, Mapping[str, Any]]) -> T
     """Each mode's instances: the chip each ran on, its prefill and decode step times
     (emulated), and how many steps overran their emulated time (then the CPU, not the
     chip, set the pace). None when no summary carries instances."""
-    rows = [(mode, name, inst) for mode, s in summary_by_name.items() for name, inst in (s.get("instances") or {}).items()]
+    rows = [(mode, name, inst) for mode, s in summary_by_name.items()
+            for name, inst in (s.get("instances") or {}).items()]
     if not rows:
         return None
     table = Table(title="hardware: each instance's accelerator and step times")

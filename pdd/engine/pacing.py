@@ -45,7 +45,7 @@ class PaceStats:
     real_s: float = 0.0
     slept_s: float = 0.0
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | None]:  # None: no step of that kind yet
         return {"steps": self.steps, "overruns": self.overruns,
                 "prefill_step_ms": 1000 * self.prefill_s / self.prefill_steps if self.prefill_steps else None,
                 "decode_step_ms": 1000 * self.decode_s / self.decode_steps if self.decode_steps else None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine_port import EnginePort, RequestError
@@ -17,7 +17,7 @@ class LocalBackend:
         self.max_context = engine.max_context
         self._node_stats = node_stats  # the framed node's counts (a P/D instance)
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         try:
             async for event in self._generate(req):
                 yield event

@@ -13,17 +13,17 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
+from pdd.names import RoleName
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
-from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
@@ -128,8 +128,10 @@ class Node:
 
     # ---- cache events ------------------------------------------------------------------
     def _publish(self, seq: int, kind: str, hashes: list[int]) -> None:
+        # `CacheListener` types the kind as str; the engine's radix cache emits only these two
+        event = cast(Literal["stored", "removed"], kind)
         for conn in list(self.routers.values()):
-            self.spawn(self.send(conn, m.CacheUpdate(kind, seq, hashes)))
+            self.spawn(self.send(conn, m.CacheUpdate(event, seq, hashes)))
 
     async def _send_snapshot(self, conn: FramedConnection) -> None:
         """All cached hashes and the number of the last event they include.

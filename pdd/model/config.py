@@ -108,7 +108,7 @@ class ModelConfig:
         return float(self.rope["rope_theta"])
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read `cfg`; UnsupportedCheckpoint names the first field pdd cannot compute."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_TYPES:
@@ -149,7 +149,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         source = Path(path) / "config.json"
         with open(source, encoding="utf-8") as f:
             raw = json.load(f)

@@ -10,7 +10,6 @@ keeps in its JSON side files: special token ids, EOS sets and the Jinja chat tem
 from __future__ import annotations
 
 import functools
-
 import json
 from collections.abc import Sequence
 from datetime import datetime

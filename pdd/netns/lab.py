@@ -161,7 +161,7 @@ class Lab:
         _ip("ip", "netns", "exec", self.line_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         rate = f"{self.line_mbps:g}mbit"
         burst = str(max(32 * 1024, int(self.line_mbps * 125_000 * 0.002)))  # 2 ms of line, at least 32 KiB
-        for site, i in self.sites.items():
+        for site in self.sites:
             switch = self.tag + f"sw{site.lower()}"
             _ip("ip", "netns", "add", switch)
             _ip("ip", "-n", switch, "link", "add", "br0", "type", "bridge")

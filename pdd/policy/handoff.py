@@ -25,7 +25,7 @@ def occupancy(running: int, max_running: int) -> float:
 
 @dataclass(frozen=True)
 class HandoffPlan:
-    mode: str
+    mode: HandoffMode
     chunk: int  # catch-up: most handed-over tokens MD computes in one step
 
 
@@ -34,7 +34,8 @@ def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: in
     """`gap_tokens`: tokens the relay produced that MD lacks; `occupancy` and `queued`:
     the relay's running share of its capacity and its waiting requests."""
     if forced != "auto":  # pinned for experiments: exactly as configured
-        return HandoffPlan(forced, chunk if forced == HandoffMode.CATCH_UP else 0)
+        mode = HandoffMode(forced)  # the config allows only its modes besides "auto"
+        return HandoffPlan(mode, chunk if mode == HandoffMode.CATCH_UP else 0)
     if gap_tokens <= threshold or queued > 0 or occupancy >= BUSY:
         return HandoffPlan(HandoffMode.ONE_SHOT, 0)
     # A half-busy relay is freed sooner by larger chunks: MD catches up in fewer steps.

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdd.policy.transfer import LinkEstimate, finish_s
 from pdd.names import Fallback, Pipeline
+from pdd.policy.transfer import LinkEstimate, finish_s
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequ
     if not has_relay:
         return Decision(Pipeline.P_MD, predicted)
     if forced != "auto":
-        return Decision(forced, predicted)
+        return Decision(Pipeline(forced), predicted)  # the config allows only P-MD and P-RLD-MD here
     if predicted is not None and predicted <= budget_s:
         return Decision(Pipeline.P_MD, predicted)
     return Decision(Pipeline.P_RLD_MD, predicted)

@@ -21,26 +21,26 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
+from pdd.names import Fallback, Pipeline, RoleName
 from pdd.policy.plan import missing_roles
 from pdd.policy.playout import next_release_s
 from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.members import Membership
+from pdd.router.metrics import RouterMetrics
 from pdd.router.pacing import Pacer
 from pdd.router.planning import Planner
-from pdd.router.members import Membership
-from pdd.tasks import Tasks
-from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
-from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class RouterBackend:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
         if plan.fallback:
-            self._fell_back(request, plan.fallback)
+            self._fell_back(request, Fallback(plan.fallback))
         r = request.req
         await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
                                                      plan.relay, self.dep.policy.decode_radix_cache))
@@ -97,7 +97,7 @@ class RouterBackend:
                 c.queued_tokens -= self._work(request)
 
     # ---- a request -------------------------------------------------------------------------
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
@@ -143,9 +143,9 @@ class RouterBackend:
                              self.pacer.playout(request))
         try:
             if left <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             return await asyncio.wait_for(q.get(), left if due is None else min(due, left))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
@@ -209,7 +209,9 @@ class RouterBackend:
             return
         if action == Recovery.RETRY_PREFILL:
             self._release(request)
-            request.restart(self.planner.plan(request.req))  # (it was dispatched: no second wait for room)
+            retry = self.planner.plan(request.req)  # (it was dispatched: no second wait for room)
+            assert retry is not None  # without `room`, a plan or BackendError, never None
+            request.restart(retry)
             self._fell_back(request, Fallback.PREFILL_RETRY)
             await self._submit(request, q)
         elif action == Recovery.RELAY_GOES_ON:
@@ -250,7 +252,9 @@ class RouterBackend:
         if request.merger.finished and request.merger.producers:
             done.add(request.merger.producers[-1])
             if request.merger.producers[-1] == request.plan.relay and request.pipeline == Pipeline.P_RLD_MD:
-                done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
+                done.add(request.plan.entry)  # they finish MD's copy (a fill)
+                if request.plan.main is not None:
+                    done.add(request.plan.main)
         for name in request.members:
             if name not in done and name in self.clients:
                 self._aborts.spawn(self._abort(self.clients[name], request.rid))

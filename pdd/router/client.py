@@ -87,14 +87,15 @@ class InstanceClient:
         self._queues.pop(rid, None)
 
     async def send(self, body: Any) -> None:
-        if not self.healthy:
+        conn = self.conn
+        if conn is None or conn.closed:  # not `healthy`
             raise InstanceDown(f"instance {self.name} is not connected")
         if isinstance(body, m.Submit) and self.spec.role == RoleName.PREFILL:
             self.kv_open.add(body.rid)
         elif isinstance(body, m.Abort):
             self.kv_open.discard(body.rid)
         try:
-            await m.send(self.conn, body)
+            await m.send(conn, body)
         except (ConnectionError, RuntimeError) as e:
             raise InstanceDown(f"instance {self.name}: {e}") from None
 
@@ -104,7 +105,8 @@ class InstanceClient:
             conn, beat = None, None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0, tls=self._tls)
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
+                hello = {"role": "router", "router_id": self.router_id}
+                await asyncio.wait_for(wire.client_handshake(conn, hello), 10.0)
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
@@ -113,7 +115,7 @@ class InstanceClient:
                 await self._read(conn)
             except asyncio.CancelledError:
                 raise
-            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+            except (TimeoutError, OSError, wire.FrameError) as e:
                 log.warning("instance %s: %s", self.name, e)
             except Exception:  # a malformed message: drop the connection, never the client
                 log.exception("instance %s sent something unusable", self.name)
@@ -124,9 +126,9 @@ class InstanceClient:
                     conn.close()
                 self._ready.clear()
                 self.mirror.stale = True
-                if self.conn is not None:  # once per lost connection, not per failed reconnect
-                    self.conn = None
-                    silent = f" (silent for {conn.silent_for:.1f} s)" if conn.silent_for else ""
+                lost, self.conn = self.conn, None
+                if lost is not None:  # once per lost connection, not per failed reconnect
+                    silent = f" (silent for {lost.silent_for:.1f} s)" if lost.silent_for else ""
                     self._fail_all(f"lost the connection to instance {self.name}{silent}")
             if self.draining and self._on_left is not None:  # it finished and left: stop calling it
                 self._on_left(self)

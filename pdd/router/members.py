@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
-from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
-from pdd.names import RoleName
+from pdd.transfer.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class MembershipError(ValueError):
 
 
 def member(spec: InstanceSpec) -> m.Member:
-    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
+    return m.Member(spec.name, RoleName(spec.role), spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
 
 
 class Membership:

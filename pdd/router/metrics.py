@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pdd.router.client import InstanceClient
-from pdd.record import RequestRecord
-from pdd.router.request import RouterRequest
 from pdd.names import RoleName
+from pdd.record import RequestRecord
+from pdd.router.client import InstanceClient
+from pdd.router.request import RouterRequest
 from pdd.transfer import messages as m
 
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -48,7 +48,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, clients: Callable[[], Iterable[InstanceClient]] = tuple) -> None:
         r = registry
         r.register(_Instances(clients))
-        self.pipelines = Counter("pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"], registry=r)
+        self.pipelines = Counter("pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"],
+                                 registry=r)
         self.handoffs = Counter("pdd_router_handoffs", "Relay-to-main handoffs by mode", ["mode"], registry=r)
         self.handoff_tokens = Counter("pdd_router_handoff_tokens", "Tokens handed from relays to main instances",
                                       registry=r)
@@ -68,7 +69,8 @@ class RouterMetrics:
                                      registry=r)
         self.hit_tokens = Counter("pdd_router_hit_tokens", "Prompt tokens of finished requests already cached, at P "
                                   "(side=prefill) and at the decode side (side=decode)", ["side"], registry=r)
-        self.failures = Counter("pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r)
+        self.failures = Counter("pdd_router_failures", "Requests failed by an instance, a link or a timeout",
+                                registry=r)
         self.conflicts = Counter("pdd_router_stream_conflicts", "Output positions two producers disagreed on",
                                  registry=r)
         self.completed = 0

@@ -38,7 +38,8 @@ class Planner:
 
     def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
         """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
-        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
+        page_size = self.clients[name].spec.engine.page_size
+        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, page_size)
 
     def _fits(self, name: str, need: int) -> bool:
         c = self.clients[name]

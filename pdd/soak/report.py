@@ -44,7 +44,8 @@ def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome]) -
 
 
 def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome],
-           later: Sequence[SoakOutcome] = (), settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
+           later: Sequence[SoakOutcome] = (),
+           settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
     """One row per fault kind. `later` (probes sent after the load) counts for recovery
     only; `settled` (matrix runs): the pages each kind left held once its requests had
     ended and the pages had had their time to come back, and how long they took."""
@@ -104,7 +105,8 @@ def print_summary(console: Console, report: dict[str, Any]) -> None:
     table.add_row("faults injected", f"{len(report['faults'])}  ({_kind_counts(report['faults'])})")
     table.add_row("pages held when the load ended", str(report["held_pages_after_load"]))
     leaked = report["leaked_pages"]
-    table.add_row("leaked pages", f"{leaked}  ({'still held' if leaked else 'all back'} after {report['settle_s']:.0f} s)")
+    held = "still held" if leaked else "all back"
+    table.add_row("leaked pages", f"{leaked}  ({held} after {report['settle_s']:.0f} s)")
     table.add_row("crashes", str(len(report["crashes"])))
     table.add_row("healthy at the end", "yes" if report["healthy_at_end"] else "NO")
     probes = report["probes"]
@@ -132,6 +134,6 @@ def counter(values: Iterable[str | None]) -> dict[str, int]:
     return dict(Counter(v for v in values if v).most_common())
 
 
-def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str, int]:
-    """How many requests ended with each reason, most common first."""
+def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str | None, int]:
+    """How many requests ended with each reason (None: none was given), most common first."""
     return dict(Counter(o.detail for o in outcomes if o.outcome == outcome).most_common())

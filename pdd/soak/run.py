@@ -132,7 +132,11 @@ class Run:
                 await asyncio.sleep(MATRIX_WARM_S)
                 event = await self.injector.inject(kind)
                 self._fault_done(event)
-                await _until(lambda e=event: report.recovery_s(e, self.load.outcomes) is not None, MATRIX_RECOVER_S)
+
+                def recovered(e: FaultEvent = event) -> bool:
+                    return report.recovery_s(e, self.load.outcomes) is not None
+
+                await _until(recovered, MATRIX_RECOVER_S)
                 await asyncio.sleep(MATRIX_COOL_S)
                 stop.set()
                 await load

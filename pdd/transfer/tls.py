@@ -57,7 +57,7 @@ def make_self_signed(out: Path, days: int, hosts: list[str]) -> tuple[Path, Path
             alt.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             alt.append(x509.DNSName(h))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))

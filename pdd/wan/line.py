@@ -116,8 +116,10 @@ class WanLine:
         self, bandwidth_mbps: float | None = None, delay_ms: float | None = None, jitter_ms: float | None = None
     ) -> None:
         """Change the line at run time; data already on the line keeps its timing."""
-        given = {"bandwidth_mbps": bandwidth_mbps, "delay_ms": delay_ms, "jitter_ms": jitter_ms}
-        self.settings = replace(self.settings, **{k: float(v) for k, v in given.items() if v is not None})
+        s = self.settings
+        self.settings = replace(s, bandwidth_mbps=s.bandwidth_mbps if bandwidth_mbps is None else float(bandwidth_mbps),
+                                delay_ms=s.delay_ms if delay_ms is None else float(delay_ms),
+                                jitter_ms=s.jitter_ms if jitter_ms is None else float(jitter_ms))
 
     def stall(self, seconds: float) -> None:
         """Hold all traffic for `seconds` from now, losing nothing; `stall(0)` ends a stall."""

@@ -223,7 +223,7 @@ async def serve(
             conn.reject(err)  # a no-op when recv() already rejected it
         except ConnectionError as err:
             log.debug("connection from %s ended: %s", conn.peer, err)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("connection from %s dropped: no complete handshake in time", conn.peer)
         except Exception:
             log.exception("handler for %s failed", conn.peer)

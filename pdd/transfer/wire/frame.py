@@ -172,7 +172,7 @@ class FrameCodec:
             MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload)
         )
         self.send_seq += 1
-        if not self._key:
+        if not self._send_key:  # set exactly when the connection has a key (the link's, then the session's)
             return [header, payload]
         return [header, payload, _mac(self._send_key, header, payload)]
 
@@ -201,7 +201,7 @@ class FrameCodec:
         if authenticated and not self._key:
             raise BadMac("authenticated frame on a connection without a key")
         payload = await _read_exactly(reader, length, at_boundary=False)
-        if self._key:
+        if self._recv_key:  # set exactly when the connection has a key
             tag = await _read_exactly(reader, TAG_SIZE, at_boundary=False)
             if not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
                 raise BadMac("message authentication code does not match")
