@@ -18,9 +18,27 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # The `pdd` object of a response: these fields, by these names (README, "Using it").
-SERVED = ("pipeline", "p_hit_tokens", "d_hit_tokens", "d_hit_predicted", "mirror_drift_tokens", "kv_predicted_ms",
-          "kv_bytes", "wan_bytes", "rld_output_tokens", "md_output_tokens", "handoff", "handoff_tokens",
-          "handoff_chunks", "handoff_stall_ms", "anomalous", "fallback", "retries", "instances", "seed")
+SERVED = (
+    "pipeline",
+    "p_hit_tokens",
+    "d_hit_tokens",
+    "d_hit_predicted",
+    "mirror_drift_tokens",
+    "kv_predicted_ms",
+    "kv_bytes",
+    "wan_bytes",
+    "rld_output_tokens",
+    "md_output_tokens",
+    "handoff",
+    "handoff_tokens",
+    "handoff_chunks",
+    "handoff_stall_ms",
+    "anomalous",
+    "fallback",
+    "retries",
+    "instances",
+    "seed",
+)
 
 
 @dataclass

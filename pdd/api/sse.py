@@ -9,8 +9,14 @@ from pdd.api.protocol import ApiError
 from pdd.api.shaping import Outcome, usage
 
 
-async def sse_events(chat: bool, base: dict, pieces: AsyncGenerator[tuple[str, list[int]], None], out: Outcome,
-                     prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+async def sse_events(
+    chat: bool,
+    base: dict,
+    pieces: AsyncGenerator[tuple[str, list[int]], None],
+    out: Outcome,
+    prompt_len: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     """A generation as OpenAI's server-sent events: one chunk per piece, the record on the
     last, usage if asked, an error as an event (the status is sent already), [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"

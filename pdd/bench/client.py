@@ -146,16 +146,15 @@ class _Stream:
 
 async def _read_stream(response: httpx.Response, stream: _Stream) -> None:
     if response.status_code != 200:
-        raise _RequestFailed(f"HTTP {response.status_code}: "
-                             f"{_error_message(await response.aread())}")
+        raise _RequestFailed(f"HTTP {response.status_code}: {_error_message(await response.aread())}")
     event = None
     async for line in response.aiter_lines():
         if not line:
             event = None  # a blank line ends an SSE event
         elif line.startswith("event:"):
-            event = line[len("event:"):].strip()
+            event = line[len("event:") :].strip()
         elif line.startswith("data:"):
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return
             try:
@@ -187,16 +186,28 @@ def _fill(record: RequestRecord, stream: _Stream, ended: float) -> None:
     record.apply_served(stream.pdd)
 
 
-async def send_completion(client: httpx.AsyncClient, target: Target, record: RequestRecord,
-                          prompt: list[int], max_tokens: int, run_start: float) -> list[int] | None:
+async def send_completion(
+    client: httpx.AsyncClient,
+    target: Target,
+    record: RequestRecord,
+    prompt: list[int],
+    max_tokens: int,
+    run_start: float,
+) -> list[int] | None:
     """Send one streamed completion, fill `record` in, return the output token IDs.
 
     Returns None when the output IDs are unknown: the request failed (`record.error`
     says why) or the server sent text without `token_ids`.
     """
-    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     started = time.perf_counter()
     record.start_s = started - run_start
     stream = _Stream(started)
@@ -220,14 +231,21 @@ async def send_completion(client: httpx.AsyncClient, target: Target, record: Req
     return stream.output_ids
 
 
-async def _run_session(client: httpx.AsyncClient, target: Target, session: Session,
-                       run_start: float, emit: Callable[[RequestRecord], None]) -> None:
+async def _run_session(
+    client: httpx.AsyncClient, target: Target, session: Session, run_start: float, emit: Callable[[RequestRecord], None]
+) -> None:
     await asyncio.sleep(max(0.0, run_start + session.start_s - time.perf_counter()))
     context: list[int] = []
     broken: str | None = None
     for k, turn in enumerate(session.turns):
-        record = RequestRecord(id=f"{session.id}-{k}", session=session.id, turn=k, start_s=None,
-                               prompt_tokens=0, planned_anomalous=session.anomalous)
+        record = RequestRecord(
+            id=f"{session.id}-{k}",
+            session=session.id,
+            turn=k,
+            start_s=None,
+            prompt_tokens=0,
+            planned_anomalous=session.anomalous,
+        )
         if broken is not None:
             record.error = f"not sent: {broken}"
             emit(record)
@@ -244,9 +262,14 @@ async def _run_session(client: httpx.AsyncClient, target: Target, session: Sessi
             context = prompt + output
 
 
-async def replay(url: str, sessions: Sequence[Session], *, model: str | None = None,
-                 timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None) -> BenchRun:
+async def replay(
+    url: str,
+    sessions: Sequence[Session],
+    *,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> BenchRun:
     """Run every session concurrently, each at its start time, its turns in order.
 
     `on_record` sees each record as it completes (for progress display). The server's
@@ -275,23 +298,26 @@ async def replay(url: str, sessions: Sequence[Session], *, model: str | None = N
     return BenchRun(records, model, wan)
 
 
-def run_bench(url: str, sessions: Sequence[Session], *, model: str | None = None,
-              timeout_s: float = 120.0, quiet: bool = False) -> BenchRun:
+def run_bench(
+    url: str, sessions: Sequence[Session], *, model: str | None = None, timeout_s: float = 120.0, quiet: bool = False
+) -> BenchRun:
     """`replay` with a progress bar on stderr (hidden when quiet or not a terminal)."""
     console = Console(stderr=True)
     total = sum(len(s.turns) for s in sessions)
     failed = 0
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console,
-                  disable=quiet or not console.is_terminal) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+    ) as progress:
         task = progress.add_task("requests", total=total)
 
         def advance(record: RequestRecord) -> None:
             nonlocal failed
             failed += record.error is not None
-            progress.update(task, advance=1,
-                            description=f"requests ({failed} failed)" if failed else "requests")
+            progress.update(task, advance=1, description=f"requests ({failed} failed)" if failed else "requests")
 
-        return asyncio.run(replay(url, sessions, model=model, timeout_s=timeout_s,
-                                  on_record=advance))
-
+        return asyncio.run(replay(url, sessions, model=model, timeout_s=timeout_s, on_record=advance))

@@ -95,8 +95,9 @@ class EngineRuntime:
         self._watches[rid] = w
         return w
 
-    async def generate(self, rid: str, prompt: list[int], params: SamplingParams,
-                       hold: bool = False) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+    ) -> AsyncIterator[StepOutput]:
         """Stream a request's sampled tokens; leaving early (or being cancelled) aborts it."""
         w = self.watch(rid)
         done = False
@@ -116,8 +117,9 @@ class EngineRuntime:
         return await self.call(lambda e: e.reserve(rid, prompt, params, use_cache))
 
     async def cached_prefix(self, tokens: list[int]) -> int:
-        return await self.call(lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages
-                               * e.pool.page_size)
+        return await self.call(
+            lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages * e.pool.page_size
+        )
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
         await self.call(lambda e: e.import_kv(rid, blob))
@@ -150,18 +152,30 @@ class EngineRuntime:
 
     def load(self) -> EngineLoad:
         e = self.engine
-        return EngineLoad(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-                          max_running=e.scheduler.max_running, pages=e.pool.num_pages,
-                          free_pages=e.pool.free_pages, cached_pages=e.cache.cached_pages)
+        return EngineLoad(
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            max_running=e.scheduler.max_running,
+            pages=e.pool.num_pages,
+            free_pages=e.pool.free_pages,
+            cached_pages=e.cache.cached_pages,
+        )
 
     def stats(self) -> dict:
         e = self.engine
         s = e.stats
-        return {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
-                "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
-                "aborted": s.aborted, "preemptions": e.scheduler.preemptions,
-                "pacing": {"hardware": NATIVE} if self.pacer is None else
-                          {**self.pacer.describe, **self.pacer.stats.to_dict()}}
+        return {
+            "steps": s.steps,
+            "computed_tokens": s.computed_tokens,
+            "prefill_tokens": s.prefill_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
+            "decode_tokens": s.decode_tokens,
+            "aborted": s.aborted,
+            "preemptions": e.scheduler.preemptions,
+            "pacing": {"hardware": NATIVE}
+            if self.pacer is None
+            else {**self.pacer.describe, **self.pacer.stats.to_dict()},
+        }
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_cache_event(self, event: tuple[str, list[int]]) -> None:
@@ -259,9 +273,11 @@ def open_embedded(model_dir: Path, config: EngineConfig, threads: int, eos_ids: 
     """The embedded engine over `model_dir`, stepping on its own thread (paced as the
     configured hardware when it is emulated)."""
     engine = Engine(model_dir, config, eos_ids=eos_ids)
-    pacer = None if config.hardware == NATIVE else StepPacer(config.hardware,
-                                                              token_scale(engine.model_cfg.max_position),
-                                                              config.dilation)
+    pacer = (
+        None
+        if config.hardware == NATIVE
+        else StepPacer(config.hardware, token_scale(engine.model_cfg.max_position), config.dilation)
+    )
     runtime = EngineRuntime(engine, threads, pacer)
     runtime.start_thread()
     return runtime

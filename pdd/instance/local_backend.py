@@ -33,16 +33,26 @@ class LocalBackend:
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
-                event.record = RequestRecord(pipeline=Pipeline.COLOCATED, p_hit_tokens=out.cached_tokens,
-                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced,
-                                             seed=req.params.seed)
+                event.record = RequestRecord(
+                    pipeline=Pipeline.COLOCATED,
+                    p_hit_tokens=out.cached_tokens,
+                    d_hit_tokens=out.cached_tokens,
+                    md_output_tokens=produced,
+                    seed=req.params.seed,
+                )
             yield event
 
     def load(self) -> Load:
         load = self.engine.load()
         used = load.pages - load.free_pages - load.cached_pages
-        return Load(running=load.running, waiting=load.waiting, kv_usage=used / load.pages,
-                    cached_pages=load.cached_pages, free_pages=load.free_pages, used_pages=used)
+        return Load(
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=used / load.pages,
+            cached_pages=load.cached_pages,
+            free_pages=load.free_pages,
+            used_pages=used,
+        )
 
     def health(self) -> dict:
         return {"status": "ok"}

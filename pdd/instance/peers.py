@@ -44,8 +44,9 @@ class _Yield:
 
 
 class PeerPool:
-    def __init__(self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody,
-                 on_lost: OnLost) -> None:
+    def __init__(
+        self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody, on_lost: OnLost
+    ) -> None:
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
@@ -72,9 +73,12 @@ class PeerPool:
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
             try:
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": self._spec.role, "name": self._spec.name,
-                                                                    "channel": CHANNEL_NAMES[channel]}),
-                                       HELLO_TIMEOUT_S)
+                await asyncio.wait_for(
+                    wire.client_handshake(
+                        conn, {"role": self._spec.role, "name": self._spec.name, "channel": CHANNEL_NAMES[channel]}
+                    ),
+                    HELLO_TIMEOUT_S,
+                )
             except BaseException:
                 conn.close()
                 raise
@@ -85,12 +89,12 @@ class PeerPool:
                 self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
 
-
     async def send(self, name: str, body: Any) -> None:
         await m.send(await self.get(name), body)
 
-    async def send_bulk(self, name: str, priority: Priority, body: Any = None,
-                        kv: tuple[str, bytes] | None = None) -> int:
+    async def send_bulk(
+        self, name: str, priority: Priority, body: Any = None, kv: tuple[str, bytes] | None = None
+    ) -> int:
         """One frame on the Priority.URGENT or Priority.BACKGROUND connection: a body (ordered after the KV
         sent before it there) or a KV layer `(rid, blob)`; the payload bytes sent."""
         conn = await self.get(name, priority)

@@ -77,8 +77,11 @@ class PrefillRole:
         dc = self.host.dep.instance(peer).dc
         if dc not in self.lines:
             link = self.host.dep.link
-            prior = LOCAL_PRIOR if dc == self.host.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
-                                                                              link.delay_ms / 1000)
+            prior = (
+                LOCAL_PRIOR
+                if dc == self.host.spec.dc
+                else LinkEstimate(link.bandwidth_mbps * 125_000, link.delay_ms / 1000)
+            )
             self.lines[dc] = LineMeter(prior)
         return self.lines[dc]
 
@@ -96,8 +99,10 @@ class PrefillRole:
             if running is not None and running.task is not None:
                 running.task.cancel()
         else:
-            self.host.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
-                                                   getattr(body, "rid", None)))
+            self.host.to_router(
+                router_id,
+                m.Error(f"a prefill instance does not take {type(body).__name__}", getattr(body, "rid", None)),
+            )
 
     async def on_peer(self, conn, name, frame) -> None:
         await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
@@ -226,10 +231,15 @@ class PrefillRole:
         if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
             self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
-        log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
-                  1000 * (t_prefilled - job.submitted), 1000 * (time.monotonic() - t_prefilled))
-        self.host.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
-                                                            predicted, fallback))
+        log.debug(
+            "%s: prefill done %.0f ms after submit; decided after %.0f ms more",
+            s.rid,
+            1000 * (t_prefilled - job.submitted),
+            1000 * (time.monotonic() - t_prefilled),
+        )
+        self.host.to_router(
+            job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0, predicted, fallback)
+        )
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
             self.host.to_router(job.router_id, m.Result(s.rid))
             self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
@@ -240,8 +250,9 @@ class PrefillRole:
             paths[s.relay] = self._to_relay(job, s.relay, first)
         if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # the delta over the line, at the same time
             assert s.main is not None  # `_decide` chooses MD only where SUBMIT names one
-            paths[s.main] = self._to_main(job, s.main, first,
-                                          ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None)
+            paths[s.main] = self._to_main(
+                job, s.main, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None
+            )
         job.exports = len(paths)
         outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True), strict=True))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
@@ -276,15 +287,23 @@ class PrefillRole:
             return refused.pipeline, None, None, refused.fallback
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-        decision = choose_pipeline(delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None,
-                                   self.policy.pipeline)
+        decision = choose_pipeline(
+            delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None, self.policy.pipeline
+        )
         if decision.pipeline == Pipeline.P_RLD_MD:
             assert s.relay is not None  # `choose_pipeline` goes through the relay only when there is one
             if not await self._relay_takes(job, s.relay):
                 decision = relay_refused(decision)
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
-        log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
-                  predicted, line.estimate, line.in_flight(Priority.URGENT))
+        log.debug(
+            "%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s",
+            s.rid,
+            decision.pipeline,
+            delta,
+            predicted,
+            line.estimate,
+            line.in_flight(Priority.URGENT),
+        )
         return decision.pipeline, ack, predicted, decision.fallback
 
     async def _relay_takes(self, job: PrefillJob, relay: str) -> bool:
@@ -298,8 +317,9 @@ class PrefillRole:
 
     async def _to_relay(self, job: PrefillJob, relay: str, first: int) -> int:
         ack = await self._reservation(job, relay)
-        sent = await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
-                                   priority=Priority.URGENT)
+        sent = await self._send_kv(
+            job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True, priority=Priority.URGENT
+        )
         job.background = True  # the producer has its KV; what is left is MD's copy, if any
         return sent
 
@@ -309,8 +329,14 @@ class PrefillRole:
         if ready_to:
             job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
-        sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
-                                   priority=Priority.BACKGROUND if ready_to else Priority.URGENT)
+        sent = await self._send_kv(
+            job,
+            main,
+            *kv_range(len(job.submit.prompt), ack.hit),
+            first,
+            emit=ready_to is None,
+            priority=Priority.BACKGROUND if ready_to else Priority.URGENT,
+        )
         if ready_to:
             await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))
@@ -329,11 +355,11 @@ class PrefillRole:
                 return
             except TimeoutError:
                 if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
-                    raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
-                                       f"for {ACK_TIMEOUT_S:g} s") from None
+                    raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} for {ACK_TIMEOUT_S:g} s") from None
 
-    async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
-                       priority: Priority) -> int:
+    async def _send_kv(
+        self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool, priority: Priority
+    ) -> int:
         """Stream tokens [start, end) of the request's KV to `peer`, then KV_DONE; the
         payload bytes sent. One export (an engine command waits for the step under way:
         once, not once a chunk), then chunk by chunk, one layer per frame."""

@@ -74,7 +74,8 @@ class DecodeSide(Generic[J]):
         self.job_type = job_type
         self.jobs: dict[str, J] = {}
         self.line: ReservationLine[J] = ReservationLine(
-            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued")))
+            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued"))
+        )
 
     # ---- frames --------------------------------------------------------------------------
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
@@ -153,8 +154,12 @@ class DecodeSide(Generic[J]):
             if job is not None:
                 await self.end(job)
         else:
-            self.host.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.host.spec.role} "
-                                                   "instance", getattr(body, "rid", None)))
+            self.host.to_router(
+                router_id,
+                m.Error(
+                    f"{type(body).__name__} is not for a {self.host.spec.role} instance", getattr(body, "rid", None)
+                ),
+            )
 
     def _job(self, rid: str, peer: str) -> J:
         job = self.jobs.get(rid)
@@ -191,8 +196,9 @@ class DecodeSide(Generic[J]):
             if self.optional(r):  # a loaded relay turns it away at once: P sends it P -> MD
                 hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
             else:
-                hit = await self.line.take(job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache),
-                                           lambda: job.ended)
+                hit = await self.line.take(
+                    job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache), lambda: job.ended
+                )
                 if hit is None:
                     return
         except OutOfPages as e:
@@ -325,4 +331,3 @@ class DecodeSide(Generic[J]):
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.host.aborted.add(job.rid)
             self.host.spawn(self.end(job))
-

@@ -74,8 +74,10 @@ class RelayRole(DecodeSide[RelayJob]):
     def refusal(self, r: m.Reserve) -> str | None:
         load = self.engine.load()
         if self.optional(r) and not relay_accepts(self.held(), load.waiting, load.max_running):
-            return (f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
-                    f"batch of {load.max_running})")
+            return (
+                f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
+                f"batch of {load.max_running})"
+            )
         return super().refusal(r)
 
     def close(self) -> None:
@@ -100,15 +102,23 @@ class RelayRole(DecodeSide[RelayJob]):
         if job.reserve.main:
             try:
                 conn = await self.peers.get(job.reserve.main)
-                await m.send(conn, m.Handoff(job.rid, job.sent, job.output[job.sent :], False,
-                                             step_cap=self.policy.catch_up_chunk, fill=True))
+                await m.send(
+                    conn,
+                    m.Handoff(
+                        job.rid, job.sent, job.output[job.sent :], False, step_cap=self.policy.catch_up_chunk, fill=True
+                    ),
+                )
             except (TimeoutError, OSError, wire.FrameError) as e:
                 log.debug("no fill of %s for %s: %s", job.rid, job.reserve.main, e)
 
     def forget(self, job: RelayJob) -> None:
         super().forget(job)
-        if isinstance(job, RelayJob) and job.handoff is not None and not job.cutting \
-                and job.handoff is not asyncio.current_task():
+        if (
+            isinstance(job, RelayJob)
+            and job.handoff is not None
+            and not job.cutting
+            and job.handoff is not asyncio.current_task()
+        ):
             job.handoff.cancel()  # it ended here (finished, aborted): nothing to hand over
 
     # ---- replies from MD -------------------------------------------------------------------
@@ -139,8 +149,14 @@ class RelayRole(DecodeSide[RelayJob]):
                 self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
-            plan = choose_handoff(len(job.output), occupancy(load.running, load.max_running), load.waiting,
-                                  self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
+            plan = choose_handoff(
+                len(job.output),
+                occupancy(load.running, load.max_running),
+                load.waiting,
+                self.policy.handoff_threshold,
+                self.policy.catch_up_chunk,
+                self.policy.handoff,
+            )
             if plan.mode == HandoffMode.CATCH_UP:
                 await self._catch_up(job, conn, plan)
             await self._cut_over(job, conn, plan)

@@ -72,8 +72,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attn: Attention) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention
+    ) -> torch.Tensor:
         t, hd = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(t, self.cfg.num_heads, hd)
         k = self.k_proj(x).view(t, self.cfg.num_kv_heads, hd)

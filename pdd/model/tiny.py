@@ -200,8 +200,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer.train_from_iterator(corpus(), trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
-            f"the training corpus only supports {tokenizer.get_vocab_size()} tokens, "
-            f"not the {vocab_size} asked for"
+            f"the training corpus only supports {tokenizer.get_vocab_size()} tokens, not the {vocab_size} asked for"
         )
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -220,9 +219,7 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
     return token_id
 
 
-def _init_weights(
-    config: dict[str, Any], special_ids: list[int], gen: torch.Generator
-) -> dict[str, torch.Tensor]:
+def _init_weights(config: dict[str, Any], special_ids: list[int], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Draw the weights in a fixed order from `gen`; see the module docstring for why.
 
     Every op here is correctly rounded IEEE arithmetic (math.sqrt, not pow) on exact

@@ -33,8 +33,14 @@ def answer_wait_s(budget_s: float, link: LinkEstimate) -> float:
     return max(0.0, budget_s - link.one_way_s)
 
 
-def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequence[int], budget_s: float,
-                    has_relay: bool, forced: str = "auto") -> Decision:
+def choose_pipeline(
+    delta_bytes: int | None,
+    link: LinkEstimate,
+    in_flight: Sequence[int],
+    budget_s: float,
+    has_relay: bool,
+    forced: str = "auto",
+) -> Decision:
     """`delta_bytes`: KV MD lacks after its reservation (None: no reservation answer yet).
 
     P -> MD when that delta, queued behind what is already on the line, is predicted

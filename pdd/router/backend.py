@@ -85,8 +85,17 @@ class RouterBackend:
         if plan.fallback:
             self._fell_back(request, Fallback(plan.fallback))
         r = request.req
-        await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
-                                                     plan.relay, self.dep.policy.decode_radix_cache))
+        await self.clients[plan.entry].send(
+            m.Submit(
+                request.rid,
+                r.prompt,
+                r.params,
+                self.router_id,
+                plan.main,
+                plan.relay,
+                self.dep.policy.decode_radix_cache,
+            )
+        )
 
     def _release(self, request: RouterRequest) -> None:
         self.planner.commit(request, -1)
@@ -114,8 +123,9 @@ class RouterBackend:
                         request.held += new
                         request.last_progress = time.monotonic()
                     if request.stranded:
-                        raise BackendError(f"no instance is left to produce the request (instances "
-                                           f"{', '.join(request.members)})", 503)
+                        raise BackendError(
+                            f"no instance is left to produce the request (instances {', '.join(request.members)})", 503
+                        )
                 out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
@@ -139,8 +149,12 @@ class RouterBackend:
         messages that bring no token (a repeated loss report, say) are no progress."""
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         left = timeout - (time.monotonic() - request.last_progress)
-        due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
-                             self.pacer.playout(request))
+        due = next_release_s(
+            len(request.held),
+            time.monotonic() - request.last_release,
+            request.relay_stopped,
+            self.pacer.playout(request),
+        )
         try:
             if left <= 0:
                 raise TimeoutError
@@ -192,15 +206,26 @@ class RouterBackend:
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
         """Go on through what is left, or fail (`pdd.policy.recovery`)."""
         plan, role = request.plan, self._role_of(source)
-        failed = Failed(entry=source == plan.entry, relay=source == plan.relay, main=source == plan.main,
-                        lost=err.lost, busy=err.busy)
-        state = State(p_done=request.result is not None, delivered=len(request.merger.delivered),
-                      attempt=request.attempt, max_attempts=self.dep.router.prefill_retries,
-                      other_entry_up=any(c.available for c in self.clients.values()
-                                         if c.spec.role == role and c.name != source),
-                      chosen=request.chosen is not None, relay_producing=request.relay_producing,
-                      has_main=plan.main is not None, main_done=request.main_done, relay_done=request.relay_done,
-                      handed_off=request.handed_off is not None)
+        failed = Failed(
+            entry=source == plan.entry,
+            relay=source == plan.relay,
+            main=source == plan.main,
+            lost=err.lost,
+            busy=err.busy,
+        )
+        state = State(
+            p_done=request.result is not None,
+            delivered=len(request.merger.delivered),
+            attempt=request.attempt,
+            max_attempts=self.dep.router.prefill_retries,
+            other_entry_up=any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source),
+            chosen=request.chosen is not None,
+            relay_producing=request.relay_producing,
+            has_main=plan.main is not None,
+            main_done=request.main_done,
+            relay_done=request.relay_done,
+            handed_off=request.handed_off is not None,
+        )
         action = recover(failed, state)
         message = f"{source}: {err.message}"
         if failed.relay and not failed.entry:
@@ -275,14 +300,26 @@ class RouterBackend:
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": self.wan_bytes(), "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
-                **self.metrics.snapshot(), "membership": self.members.stats(),
-                "dispatch_waiting": self.planner.line.waiting,
-                "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
-                                       "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
-                                       "committed_requests": c.committed_requests,
-                                       "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
-                              for c in self.clients.values()}}
+        return {
+            "wan_bytes": self.wan_bytes(),
+            "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
+            **self.metrics.snapshot(),
+            "membership": self.members.stats(),
+            "dispatch_waiting": self.planner.line.waiting,
+            "instances": {
+                c.name: {
+                    "role": c.spec.role,
+                    "healthy": c.healthy,
+                    "draining": c.draining,
+                    "queued_tokens": c.queued_tokens,
+                    "committed_pages": c.committed_pages,
+                    "committed_requests": c.committed_requests,
+                    "mirror_pages": len(c.mirror.hashes),
+                    "mirror_gaps": c.mirror.gaps,
+                }
+                for c in self.clients.values()
+            },
+        }
 
     def wan_bytes(self) -> int:
         """The KV bytes P sent across the line, as the instances count them (each request's

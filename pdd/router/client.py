@@ -32,10 +32,19 @@ class InstanceDown(ConnectionError):
 
 
 class InstanceClient:
-    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
-                 liveness: LivenessSpec = LivenessSpec(), roster: Callable[[], list[m.Member]] | None = None,
-                 on_left: Callable[[InstanceClient], None] | None = None, tls: ssl.SSLContext | None = None,
-                 on_result: Callable[[m.Result], None] | None = None) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        host: str,
+        port: int,
+        key: bytes,
+        router_id: str,
+        liveness: LivenessSpec = LivenessSpec(),
+        roster: Callable[[], list[m.Member]] | None = None,
+        on_left: Callable[[InstanceClient], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+        on_result: Callable[[m.Result], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.liveness = liveness
         self._roster = roster  # the deployment's members, told to the instance on every connect

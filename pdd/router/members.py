@@ -34,8 +34,9 @@ def member(spec: InstanceSpec) -> m.Member:
 
 
 class Membership:
-    def __init__(self, dep: Deployment, key: bytes, router_id: str,
-                 on_result: Callable[[m.Result], None] | None = None) -> None:
+    def __init__(
+        self, dep: Deployment, key: bytes, router_id: str, on_result: Callable[[m.Result], None] | None = None
+    ) -> None:
         self.dep = dep
         self._on_result = on_result
         self._key, self._router_id = key, router_id
@@ -48,9 +49,17 @@ class Membership:
             self._add(spec)
 
     def _add(self, spec: InstanceSpec) -> InstanceClient:
-        client = InstanceClient(spec, *self.dep.address(spec, self.dep.router.dc), self._key, self._router_id,
-                                self.dep.liveness, roster=self.roster, on_left=self._on_left, tls=self._tls,
-                                on_result=self._on_result)
+        client = InstanceClient(
+            spec,
+            *self.dep.address(spec, self.dep.router.dc),
+            self._key,
+            self._router_id,
+            self.dep.liveness,
+            roster=self.roster,
+            on_left=self._on_left,
+            tls=self._tls,
+            on_result=self._on_result,
+        )
         self.clients[spec.name] = client
         return client
 
@@ -110,4 +119,3 @@ class Membership:
 
     def stats(self) -> dict[str, int]:
         return {"joined": self.joined, "left": self.left, "draining": sum(c.draining for c in self.clients.values())}
-

@@ -162,4 +162,3 @@ def self_peak_rss_kib() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-

@@ -43,9 +43,13 @@ def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome]) -
     return first
 
 
-def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome],
-           later: Sequence[SoakOutcome] = (),
-           settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
+def matrix(
+    kinds: Sequence[str],
+    faults: Sequence[FaultEvent],
+    outcomes: Sequence[SoakOutcome],
+    later: Sequence[SoakOutcome] = (),
+    settled: dict[str, tuple[int, float]] | None = None,
+) -> list[dict[str, Any]]:
     """One row per fault kind. `later` (probes sent after the load) counts for recovery
     only; `settled` (matrix runs): the pages each kind left held once its requests had
     ended and the pages had had their time to come back, and how long they took."""
@@ -57,11 +61,16 @@ def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequenc
         counts = Counter(o.outcome for o in seen)
         rec = [recovery_s(f, [*outcomes, *later]) for f in hits]
         done = [r for r in rec if r is not None]
-        row = {"fault": kind, "injections": len(hits), "requests": len(seen),
-               **{k: counts[k] for k in OUTCOMES},
-               "recovery_s_p50": statistics.median(done) if done else None,
-               "recovery_s_max": max(done) if done else None,
-               "not_recovered": len(rec) - len(done), "not_rejoined": sum(not f.ok for f in hits)}
+        row = {
+            "fault": kind,
+            "injections": len(hits),
+            "requests": len(seen),
+            **{k: counts[k] for k in OUTCOMES},
+            "recovery_s_p50": statistics.median(done) if done else None,
+            "recovery_s_max": max(done) if done else None,
+            "not_recovered": len(rec) - len(done),
+            "not_rejoined": sum(not f.ok for f in hits),
+        }
         if settled is not None:
             row["leaked_pages"], row["settle_s"] = settled.get(kind, (None, None))
         rows.append(row)
@@ -121,8 +130,11 @@ def print_summary(console: Console, report: dict[str, Any]) -> None:
         for reason, n in report["failed_reasons"].items():
             console.print(f"  {n:6,} x {reason}", markup=False, highlight=False, soft_wrap=True)
     for o in report["lost_requests"][:10]:
-        console.print(f"lost request {o['index']} ({o['kind']}, {o['start']:.1f}-{o['end']:.1f} s): {o['detail']}",
-                      markup=False, soft_wrap=True)
+        console.print(
+            f"lost request {o['index']} ({o['kind']}, {o['start']:.1f}-{o['end']:.1f} s): {o['detail']}",
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(matrix_markdown(report["matrix"]), markup=False, highlight=False, soft_wrap=True)
 
 

@@ -74,4 +74,3 @@ async def _serve_until_signal(routes: list[Route], settings: LinkSettings, admin
         sys.stdout.flush()
 
     await run_wan(routes, settings, admin, announce, stop)
-

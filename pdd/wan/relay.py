@@ -40,7 +40,6 @@ class Route:
         return cls(*parse_addr(listen), *parse_addr(target))
 
 
-
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A listener whose connections inherit a small receive buffer (set before listen)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -206,8 +205,9 @@ class WanRelay:
 
     async def add_route(self, route: Route) -> int:
         """Listen on one more route across the same line (an instance that joined); its port."""
-        server = await asyncio.start_server(lambda r, w: self._on_accept(route, r, w),
-                                            sock=_listening_socket(route.listen_host, route.listen_port))
+        server = await asyncio.start_server(
+            lambda r, w: self._on_accept(route, r, w), sock=_listening_socket(route.listen_host, route.listen_port)
+        )
         self._servers.append(server)
         self.routes.append(route)
         self.listen_ports.append(server.sockets[0].getsockname()[1])
