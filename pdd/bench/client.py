@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pdd.progress import progress_bar
 from pdd.record import RequestRecord
 from pdd.workload.types import Session
 
@@ -305,14 +305,7 @@ def run_bench(
     console = Console(stderr=True)
     total = sum(len(s.turns) for s in sessions)
     failed = 0
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet or not console.is_terminal,
-    ) as progress:
+    with progress_bar(console, quiet) as progress:
         task = progress.add_task("requests", total=total)
 
         def advance(record: RequestRecord) -> None:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from pdd.progress import progress_bar
 from pdd.soak import report
 from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, SoakOutcome
 from pdd.soak.cluster import Cluster, self_peak_rss_kib
@@ -231,17 +232,6 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-
-
-def progress_bar(console: Console, quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet or not console.is_terminal,
-    )
 
 
 def run(cluster: Cluster, plan: SoakPlan, quiet: bool) -> dict[str, Any]:
