@@ -149,7 +149,8 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
     if want == "P-RLD-MD":  # every request was handed over, in the configured mode
         mode_name = policy["handoff"]
         print(f"\n{variant}: (relay tokens, handed over, chunks, MD stall ms)",
-              [(r["rld_output_tokens"], r["handoff_tokens"], r["handoff_chunks"], r["handoff_stall_ms"] and round(r["handoff_stall_ms"], 1)) for r in records])
+              [(r["rld_output_tokens"], r["handoff_tokens"], r["handoff_chunks"],
+                r["handoff_stall_ms"] and round(r["handoff_stall_ms"], 1)) for r in records])
         assert {r["handoff"] for r in records} == {mode_name}, records
         assert all(r["md_output_tokens"] > 0 for r in records), records
         assert all(r["handoff_stall_ms"] is not None for r in records)

@@ -386,10 +386,9 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
 
     from pdd.instance import prefill as live_prefill
     from pdd.instance import receiver
-    from pdd.sim import prefill as sim_prefill
-    from pdd.sim import relayed
-    from pdd.sim import reserve
     from pdd.policy.transfer import LineMeter
+    from pdd.sim import prefill as sim_prefill
+    from pdd.sim import relayed, reserve
 
     calls: dict[str, int] = {}
 

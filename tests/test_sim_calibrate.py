@@ -196,3 +196,38 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{path.name}: {n}" for n in names if n == "pdd.engine" or n.startswith("pdd.engine.")]
     assert not offenders
+
+
+def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `pdd up` measurement's glue (it once imported a class pdd.demo no longer has):
+    the deployment it starts is asked for its router and stopped; the overhead is the
+    median TTFT less one prefill step. The deployment and the bench are stand-ins: a real
+    `pdd up` takes longer than the suite can spend (test_cli_e2e calibrates --skip-http)."""
+    import types
+
+    from pdd import demo
+    from pdd.bench import client
+    from pdd.record import RequestRecord
+    from pdd.sim.calibrate import request_overhead_s
+
+    seen: list[str] = []
+
+    class Deployment:
+        def __init__(self, mode: str, config: Path | None) -> None:
+            seen.append(mode)
+
+        def wait_router(self, timeout_s: float) -> str:
+            return "http://127.0.0.1:1"
+
+        def stop(self) -> None:
+            seen.append("stopped")
+
+    def bench(url: str, sessions: list, quiet: bool) -> types.SimpleNamespace:
+        ttfts = [40.0, 10.0, 30.0, None, 20.0]
+        return types.SimpleNamespace(records=[RequestRecord(id=str(i), ttft_ms=t) for i, t in enumerate(ttfts)])
+
+    monkeypatch.setattr(demo, "DemoDeployment", Deployment)
+    monkeypatch.setattr(client, "run_bench", bench)
+    got = request_overhead_s(TRUTH, requests=5, prompt_tokens=64)
+    assert seen == ["colocated", "stopped"]
+    assert got == pytest.approx(0.030 - TRUTH.step_s(chunk_load(0, 64)))

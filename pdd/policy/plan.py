@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from pdd.policy.routing import Candidate, pick
 from pdd.names import Fallback, RoleName
+from pdd.policy.routing import Candidate, pick
 
 SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for
 SPEC_SHORT_OUTPUT = 500  # "ultra-short output (< 500 tokens)"
@@ -70,9 +70,10 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if not main:
         return Plan(p.name, None, None, 0)
     md, rld = choose(main), choose(relay) if relay else None
-    if md is None and rld is None:
-        raise LookupError("no healthy decode instance")
-    if md is None:  # the relay finishes the request alone: counted, never silent
+    if md is None:
+        if rld is None:
+            raise LookupError("no healthy decode instance")
+        # the relay finishes the request alone: counted, never silent
         return Plan(p.name, None, rld.name, 0, fallback=Fallback.NO_MAIN)
     if relay and rld is None:
         return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback=Fallback.NO_RELAY)

@@ -60,7 +60,7 @@ def group_sessions(hit: float, rate: float, requests: int, prompt_tokens: int, o
     return [SimSession(i, float(start), turn, 0,
                        trace_keys=tuple(("group", int(g), b) if b < shared else (i, b)
                                         for b in range(prompt_tokens // block)))
-            for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests)))]
+            for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests), strict=True))]
 
 
 def deployment(max_chunks: int, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
@@ -82,14 +82,14 @@ def point(spec: DeploymentSpec, hit: float, seed: int, window: Window) -> dict[s
     window = replace(window, end_s=max(window.end_s, window.warmup_s + MIN_JUDGED / capacity))
     drawn = group_sessions(hit, rate, int(rate * window.end_s) + 1, PROMPT_TOKENS, OUTPUT_TOKENS, block, seed)
     records, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
-    first = [r for r in records if r.ttft_ms is not None
+    first = [r for r in records if r.ttft_ms is not None and r.start_s is not None  # (one with a TTFT was sent)
              and window.warmup_s <= r.start_s + r.ttft_ms / 1000 < window.end_s]
     seconds = window.end_s - window.warmup_s
     return {"hit": hit, "seed": seed, "throughput_rps": len(first) / seconds, "capacity_rps": capacity,
             "p_hit_rate": sum(r.p_hit_tokens for r in first) / sum(r.prompt_tokens for r in first) if first else 0.0}
 
 
-def sweep(hits: Sequence[float] = HITS, seeds: Sequence[float] = SEEDS, window: Window = Window(5.0, 25.0, 0.0),
+def sweep(hits: Sequence[float] = HITS, seeds: Sequence[int] = SEEDS, window: Window = Window(5.0, 25.0, 0.0),
           progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per scheduler and hit: P's throughput over seeds (mean, standard deviation)."""
     rows = []
@@ -113,7 +113,7 @@ def valleys(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for name in SCHEDULERS:
         curve = [r for r in rows if r["scheduler"] == name]
-        for a, b, c in zip(curve, curve[1:], curve[2:]):
+        for a, b, c in zip(curve, curve[1:], curve[2:], strict=False):  # each point with its two neighbours
             if b["throughput_rps"] + b["std_rps"] < min(a["throughput_rps"], c["throughput_rps"]):
                 found.append({"scheduler": name, "hit": b["hit"], "throughput_rps": b["throughput_rps"],
                               "neighbours_rps": (a["throughput_rps"], c["throughput_rps"])})

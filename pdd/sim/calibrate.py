@@ -32,13 +32,13 @@ def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 6
     instance's framed link) less what its one prefill step costs: the path's own time,
     which the simulator adds to every request. The median of `requests`, one at a time."""
     from pdd.bench.client import run_bench
-    from pdd.demo import Deployment
+    from pdd.demo import DemoDeployment
     from pdd.workload.types import Session, Turn
 
     rng = random.Random(0)
     sessions = [Session(i, (Turn(tuple(rng.randrange(16, 4000) for _ in range(prompt_tokens)), 1),), start_s=0.3 * i)
                 for i in range(requests)]
-    deployment = Deployment("colocated", None)
+    deployment = DemoDeployment("colocated", None)
     try:
         url = deployment.wait_router(120.0)
         records = run_bench(url, sessions, quiet=True).records

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd import config as cfg
-from pdd.sim.profile import LocalProfile
 from pdd.sim.local import simulate_demo
 from pdd.sim.metrics import summary
+from pdd.sim.profile import LocalProfile
 from pdd.workload.scenarios import SCENARIOS
 
 P50_TOLERANCE, P99_TOLERANCE = 0.25, 0.50

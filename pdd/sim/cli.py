@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -47,8 +48,11 @@ def _sweep(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in result["variants"].items():
         fam, delta = v["families"], v["pdd_vs_same_dc"]
-        cell = lambda f: "-" if f not in fam else f"{fam[f]['layout']}: {fam[f]['goodput_rps']:.1f} req/s, " \
-            f"BCR {fam[f]['bcr']:.3f}"  # noqa: E731
+
+        def cell(f: str, fam: dict[str, Any] = fam) -> str:
+            return "-" if f not in fam else f"{fam[f]['layout']}: {fam[f]['goodput_rps']:.1f} req/s, " \
+                f"BCR {fam[f]['bcr']:.3f}"
+
         table.add_row(name, cell("same-dc-pd"), cell("pdd"), " / ".join(
             "-" if delta.get(k) is None else f"{delta[k]:+.1%}" for k in ("goodput", "cost", "bcr")))
     console.print(table)
@@ -101,7 +105,7 @@ def _bathtub(args: argparse.Namespace) -> int:
         low = min(money, key=lambda r: r[key])
         console.print(f"input tokens billed a second (cached at {price:.0%}): {money[0][key]:.1f}K at 0 % hit, "
                       f"lowest {low[key]:.1f}K at {low['hit']:.0%}, {money[-1][key]:.1f}K at {money[-1]['hit']:.0%}")
-    peaks = [b for a, b, c in zip(money, money[1:], money[2:])
+    peaks = [b for a, b, c in zip(money, money[1:], money[2:], strict=False)  # each hit with its two neighbours
              if b["tail_cost"] is not None and a["tail_cost"] is not None and c["tail_cost"] is not None
              and b["tail_cost"] > max(a["tail_cost"], c["tail_cost"]) and b["tail_cost"] > 0.01]
     console.print("tails alone cost most at " + (", ".join(f"{p['hit']:.0%} ({p['tail_cost']:.1%})" for p in peaks)
@@ -116,9 +120,9 @@ def _bathtub(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.bench.summary import format_table
-    from pdd.sim.profile import load_profile
     from pdd.sim.local import simulate_demo
     from pdd.sim.metrics import summary
+    from pdd.sim.profile import load_profile
     from pdd.workload.scenarios import SCENARIOS
 
     console = Console()
@@ -155,8 +159,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Calibrate and run the demo first when their files are missing: one command."""
-    from pdd.sim.profile import load_profile
     from pdd.sim.check import check, load_report, print_check
+    from pdd.sim.profile import load_profile
 
     console = Console()
     profile, report = Path(args.profile), Path(args.demo) / "report.json"

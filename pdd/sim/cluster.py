@@ -17,7 +17,7 @@ extends. Each request is a `pdd.record.RequestRecord`, filled as the router fill
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Generator, Hashable, Iterator, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import simpy
@@ -32,6 +32,7 @@ from pdd.record import RequestRecord
 from pdd.sim.hardware import Line
 from pdd.sim.instance import Instance
 from pdd.sim.link import SharedLink
+from pdd.sim.parts import Proc
 from pdd.sim.prefill import PrefillPaths
 from pdd.sim.relayed import RelayPaths
 from pdd.sim.reserve import Reservations
@@ -135,7 +136,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
     def start(self, s: SimSession) -> None:
         self.env.process(self._session(s))
 
-    def _session(self, s: SimSession) -> Iterator[simpy.Event]:
+    def _session(self, s: SimSession) -> Proc:
         yield self.env.timeout(max(0.0, s.start_s - self.env.now))
         for k, turn in enumerate(s.turns):
             rec = RequestRecord(id=f"{s.id}-{k}", session=s.id, turn=k, planned_anomalous=s.anomalous,
@@ -162,7 +163,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         return meter
 
     def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int],
-             priority: int) -> Iterator[simpy.Event]:
+             priority: int) -> Proc:
         """KV of prompt `tokens` from P `a` to `b`, on their connection. P's meter follows
         it as the live one does (`begin`, `acked`); the simulator moves it as one
         transfer, so it is acknowledged once, when it has landed."""
@@ -233,7 +234,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
             self._room.succeed()
 
     # ---- one request ---------------------------------------------------------------------
-    def _serve(self, s: SimSession, rec: RequestRecord) -> Iterator[simpy.Event]:
+    def _serve(self, s: SimSession, rec: RequestRecord) -> Proc:
         yield self.env.timeout(self.spec.request_overhead_s)
         plan = yield from self._dispatch(s, rec)
         rec.anomalous, rec.d_hit_predicted = plan.anomalous, plan.predicted_hit
@@ -267,7 +268,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
             keys = self._key_cache[s.id] = s.keys(max(tokens, self.spec.max_context), block)
         return keys[: tokens // block]
 
-    def _whole(self, inst: Instance, s: SimSession, rec: RequestRecord, stream: Stream) -> Iterator[simpy.Event]:
+    def _whole(self, inst: Instance, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
         """Prefill and decode on one instance (colocated; the relay for a filtered request)."""
         prompt = rec.prompt_tokens
         hit = inst.hit_tokens(self._keys(s, prompt), prompt)

@@ -102,23 +102,25 @@ def _config(spec: paper.DeploymentSpec, row: dict[str, Any], result: dict[str, A
 
 
 def _slo_sensitivity(best: dict[str, dict[str, Any]], setting: paper.Setting, probe: Probe,
-                     progress: Callable[[str], None]) -> dict[str, dict[str, float]]:
+                     progress: Callable[[str], None]) -> dict[str, dict[str, dict[str, float]]]:
     """Each family's best layout's goodput under other SLOs (searched around its goodput
     at the default one): TTFT 2 and 10 s at 90 %, and 5 s at 99 % attainment."""
     workload = agentic(paper.WORKLOAD)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for ttft_ms, attainment in SLO_VARIANTS:
         key = f"TTFT {ttft_ms / 1000:g} s, P{100 * attainment:g}"
         out[key] = {}
         variant = replace(probe, slo=(ttft_ms, probe.slo[1]), attainment=attainment, steps=3)
+
+        def window(rate: float, v: Probe = variant) -> Window:  # (bound: the search runs it in this round)
+            return v.window(rate * workload.turns, workload)
+
         for family, row in best.items():
             progress(f"SLO {key}: {family}")
             spec = _layout(row).spec(setting)
             g = row["goodput_rps"] or 1.0
-            run = find_goodput(spec, workload.sessions(), variant.slo,
-                               lambda rate: variant.window(rate * workload.turns, workload),
-                               g / 4 / workload.turns, 1.5 * g / workload.turns, steps=variant.steps,
-                               attainment=attainment)
+            run = find_goodput(spec, workload.sessions(), variant.slo, window, g / 4 / workload.turns,
+                               1.5 * g / workload.turns, steps=variant.steps, attainment=attainment)
             rps = run["offered_rps"] if run else 0.0
             out[key][family] = {"goodput_rps": rps, "bcr": rps / row["cost_per_hour"]}
     return out

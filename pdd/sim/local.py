@@ -15,10 +15,10 @@ from dataclasses import replace
 import simpy
 
 from pdd import config as cfg
-from pdd.sim.profile import LocalProfile
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
 from pdd.sim.hardware import Line
+from pdd.sim.profile import LocalProfile
 from pdd.sim.workload import agentic_sessions
 from pdd.workload.scenarios import Scenario
 

@@ -27,7 +27,7 @@ import asyncio
 import bisect
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -220,7 +220,7 @@ class _Meter:
             if task is not None:
                 task.cancel()
             for stream in streams:
-                await stream.aclose()  # leaving a generate stream aborts its request
+                await _leave(stream)
 
     async def _blob(self, prefix: list[int]) -> Any:
         """The prefix's KV, as P would send it: computed and held, exported, let go."""
@@ -274,7 +274,14 @@ async def _follow(stream: AsyncIterator[StepOutput], batch: _Batch) -> None:
             if out.token is not None:
                 batch.seen(out)
     finally:
-        await stream.aclose()
+        await _leave(stream)
+
+
+async def _leave(stream: AsyncIterator[StepOutput]) -> None:
+    """Leave a generate stream early, which aborts its request (the port's streams are
+    async generators: closing one runs its cleanup)."""
+    assert isinstance(stream, AsyncGenerator), "EnginePort.generate streams are async generators"
+    await stream.aclose()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from pdd.bench.summary import summarize
@@ -31,9 +32,9 @@ def summary(records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: f
 def hit_buckets(records: Sequence[RequestRecord], duration_s: float) -> list[dict[str, Any]]:
     """Requests, median TTFT and output throughput per decode-side hit-rate bucket (served ones)."""
     rows = []
-    for low, high in zip(HIT_BUCKETS, HIT_BUCKETS[1:]):
+    for low, high in pairwise(HIT_BUCKETS):
         inside = [r for r in records if r.completed and low <= r.d_hit_tokens / r.prompt_tokens < high]
-        ttfts = sorted(r.ttft_ms for r in inside)
+        ttfts = sorted(r.ttft_ms for r in inside if r.ttft_ms is not None)  # (a served one has it)
         rows.append({"bucket": f"{100 * low:.0f}-{min(100.0, 100 * high):.0f} %", "requests": len(inside),
                      "ttft_p50_ms": ttfts[len(ttfts) // 2] if ttfts else None,
                      "output_tokens_per_s": sum(r.output_tokens for r in inside) / duration_s if duration_s else None})

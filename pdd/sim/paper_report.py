@@ -25,7 +25,8 @@ def _util(u: dict[str, float]) -> str:
 def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(figure, against, simulated, published) for each figure the spec gives."""
     c, p = result["configs"], result["paper"]
-    pdd, rows = c.get("pdd"), []
+    pdd = c.get("pdd")
+    rows: list[tuple[str, str, str, str]] = []
     if pdd is None:
         return rows
     vs = {name: c.get(p[f"{key}_against"]) for key, name in (("ttft", "ttft"), ("goodput", "goodput"),

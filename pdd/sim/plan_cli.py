@@ -13,8 +13,7 @@ from typing import Any
 
 from pdd.sim import paper
 from pdd.sim.hardware import LINE_PRICE_PER_GBPS_HOUR
-from pdd.sim.planner import Probe, Workload, agentic, best_per_family, candidates, mooncake, search, \
-    search_resolution
+from pdd.sim.planner import Probe, Workload, agentic, best_per_family, candidates, mooncake, search, search_resolution
 from pdd.workload.mooncake import load_trace
 
 

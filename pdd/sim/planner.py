@@ -89,7 +89,7 @@ def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str
     unknown = [h for h in hardware if h not in ("A", "B")]
     if unknown or not hardware:
         raise ValueError(f"hardware must be A or B, got {list(hardware)}")
-    size = {h: setting.instance_gpus(h) for h in hardware}
+    size = {h: setting.instance_gpus(h) or 0 for h in hardware}  # 0: no instance of it holds the model
 
     def fits(layout: Layout, smallest: int) -> bool:
         used = layout.gpus(setting)

@@ -13,7 +13,7 @@ line holds it: a required reservation has no deadline.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import simpy
@@ -23,26 +23,22 @@ from pdd.policy.capacity import RELAY_ANSWER_S
 from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline, main_refused, relay_refused
 from pdd.policy.plan import Plan
 from pdd.policy.transfer import Priority, kv_range
+from pdd.sim.parts import ClusterParts, Proc
 from pdd.sim.sequence import SimSeq
 from pdd.sim.stream import fell_back
 
 if TYPE_CHECKING:
-    from pdd.policy.transfer import LineMeter
     from pdd.record import RequestRecord
-    from pdd.sim.cluster import DeploymentSpec
     from pdd.sim.instance import Instance
+    from pdd.sim.reserve import Granted
     from pdd.sim.stream import Stream
     from pdd.sim.workload import SimSession
 
 
-class PrefillPaths:
+class PrefillPaths(ClusterParts):
     """P's half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
 
-    env: simpy.Environment
-    spec: DeploymentSpec
-    instances: dict[str, Instance]
-
-    def _disaggregated(self, plan: Plan, s: SimSession, rec: RequestRecord, stream: Stream) -> Iterator[simpy.Event]:
+    def _disaggregated(self, plan: Plan, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
         env, prompt = self.env, rec.prompt_tokens
         p = self.instances[plan.entry]
         md = self.instances[plan.main] if plan.main else None
@@ -60,6 +56,7 @@ class PrefillPaths:
         yield self._until_finished(p, pseq)
         decision = yield from self._decide(p, md, md_res, rld_res, rec)
         if decision is None:
+            assert md is not None  # only MD's refusal leaves no pipeline
             rec.error = f"{md.name} refused the reservation, and the relay did not take the request"
             if rld_res is not None:
                 self.env.process(self._drop_when(rld_res))
@@ -69,10 +66,12 @@ class PrefillPaths:
         if decision.fallback:
             fell_back(rec, decision.fallback)
         if decision.pipeline == Pipeline.P_MD:
+            assert md is not None and md_res is not None  # P -> MD is chosen only with an MD
             if rld_res is not None:
                 self.env.process(self._drop_when(rld_res))
             yield from self._p_md(p, md, md_res, s, rec, stream)
             return
+        assert rld is not None and rld_res is not None  # a relayed pipeline is chosen only with a relay
         yield rld_res  # taken already, unless the relay is the only decode side (its line may hold it)
         if rld_res.value is None:
             rec.error = f"{rld.name} refused the reservation"
@@ -86,6 +85,7 @@ class PrefillPaths:
         relay will not take the request either."""
         if md is None:  # the relay produces alone (the plan counted it: no_main)
             return Decision(Pipeline.P_RLD, None)
+        assert md_res is not None  # reserved with every MD
         meter = self.line_meter(p, md)
         budget = self.spec.policy.ttft_budget_ms / 1000
         waited = self.env.now
@@ -104,8 +104,10 @@ class PrefillPaths:
         left = budget - (self.env.now - waited)
         decision = choose_pipeline(delta, meter.estimate, meter.in_flight(Priority.URGENT), left, rld_res is not None,
                                    self.spec.policy.pipeline)
-        if decision.pipeline == Pipeline.P_RLD_MD and not (yield from self._relay_takes(rld_res)):
-            decision = relay_refused(decision)
+        if decision.pipeline == Pipeline.P_RLD_MD:
+            assert rld_res is not None  # choose_pipeline takes the relay only when there is one
+            if not (yield from self._relay_takes(rld_res)):
+                decision = relay_refused(decision)
         return decision
 
     def _relay_takes(self, rld_res: simpy.Process) -> Generator[simpy.Event, object, bool]:
@@ -114,7 +116,7 @@ class PrefillPaths:
         return rld_res.triggered and rld_res.value is not None
 
     def _p_md(self, p: Instance, md: Instance, md_res: simpy.Process, s: SimSession, rec: RequestRecord,
-              stream: Stream) -> Iterator[simpy.Event]:
+              stream: Stream) -> Proc:
         yield md_res  # its answer, however long MD's line holds it (at once when it is in)
         reserved = md_res.value
         if reserved is None:
@@ -133,24 +135,12 @@ class PrefillPaths:
             reserved[1].release()
         rec.md_output_tokens = stream.tokens
 
-    if TYPE_CHECKING:  # provided by Cluster and its other halves
-        def line_meter(self, p: Instance, peer: Instance) -> LineMeter: ...
-
-        def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int],
-                 priority: int) -> Iterator[simpy.Event]: ...
-
-        def _keys(self, s: SimSession, tokens: int) -> list: ...
-
-        def _fits(self, inst: Instance, seq: SimSeq, rec: RequestRecord) -> bool: ...
-
-        def _until_finished(self, inst: Instance, seq: SimSeq, submit: bool = True) -> simpy.Event: ...
-
+    if TYPE_CHECKING:  # provided by the cluster's other halves
         def _reserve(self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord,
-                     optional: bool) -> Generator[simpy.Event, object, tuple | None]: ...
+                     optional: bool) -> Generator[simpy.Event, object, Granted | None]: ...
 
         def _relayed(self, p: Instance, md: Instance | None, md_res: simpy.Process | None, rld: Instance,
-                     rld_reserved: tuple, s: SimSession, rec: RequestRecord,
-                     stream: Stream) -> Iterator[simpy.Event]: ...
+                     rld_reserved: Granted, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc: ...
 
         @staticmethod
-        def _drop_when(event: simpy.Event) -> Iterator[simpy.Event]: ...
+        def _drop_when(event: simpy.Event) -> Proc: ...

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdd.sim.fit import Sample, relative_errors
 from pdd.sim.steps import Fitted
 
-PROFILE_VERSION = 1
+PROFILE_VERSION: Final = 1
 TERMS = tuple(f.name for f in fields(Fitted) if f.name != "source")  # the step model's coefficients, in order
 
 _Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -69,7 +69,8 @@ class LocalProfile:
 
 def profile_to_json(profile: LocalProfile, samples: Sequence[Sample], threads: int = 1) -> dict[str, Any]:
     errors = relative_errors(profile.steps, samples)
-    return _ProfileFile(version=PROFILE_VERSION, fitted=_FittedFile(**profile.steps.to_dict()), samples=len(samples),
+    fitted = _FittedFile.model_validate(profile.steps.to_dict())
+    return _ProfileFile(version=PROFILE_VERSION, fitted=fitted, samples=len(samples),
                         median_rel_error=float(np.median(errors)), p90_rel_error=float(np.percentile(errors, 90)),
                         threads=threads, kv_bytes_per_token=profile.kv_bytes_per_token,
                         max_context=profile.max_context, request_overhead_s=profile.request_overhead_s,

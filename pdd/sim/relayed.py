@@ -11,7 +11,7 @@ cached for the next turn.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import simpy
@@ -19,34 +19,31 @@ import simpy
 from pdd.names import Fallback, HandoffMode
 from pdd.policy.handoff import choose_handoff, cut_over, occupancy
 from pdd.policy.transfer import Priority, kv_range
+from pdd.sim.parts import ClusterParts, Proc
 from pdd.sim.sequence import Hold, SimSeq
 from pdd.sim.stream import fell_back
 
 if TYPE_CHECKING:
     from pdd.record import RequestRecord
-    from pdd.sim.cluster import DeploymentSpec
     from pdd.sim.instance import Instance
-    from pdd.sim.link import SharedLink
+    from pdd.sim.reserve import Granted
     from pdd.sim.stream import Stream
-    from pdd.sim.tcp import TcpLink
     from pdd.sim.workload import SimSession
 
 
-class RelayPaths:
+class RelayPaths(ClusterParts):
     """The relayed half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
 
-    env: simpy.Environment
-    spec: DeploymentSpec
-    wan: SharedLink | TcpLink | None
-
     def _relayed(self, p: Instance, md: Instance | None, md_res: simpy.Process | None, rld: Instance,
-                 rld_reserved: tuple[int, Hold], s: SimSession, out: RequestRecord,
-                 stream: Stream) -> Iterator[simpy.Event]:
+                 rld_reserved: Granted, s: SimSession, out: RequestRecord, stream: Stream) -> Proc:
         """P -> RLD -> MD (or P -> RLD when MD is out): the relay streams at once; MD
         takes over once its KV has landed."""
         env, prompt = self.env, out.prompt_tokens
         to_rld = env.process(self.send(p, rld, out, kv_range(prompt, rld_reserved[0]), Priority.URGENT))
-        md_has_kv = env.process(self._behind_relay(p, md, md_res, out)) if md else None
+        md_has_kv: simpy.Process | None = None  # MD's KV landed: its hold, or None (refused)
+        if md is not None:
+            assert md_res is not None  # reserved with every MD
+            md_has_kv = env.process(self._behind_relay(p, md, md_res, out))
         yield to_rld
         rld_reserved[1].settle()  # the relay produces
         stream.emit(env.now)  # P's first token, streamed by the relay
@@ -64,6 +61,7 @@ class RelayPaths:
             stream.take(rseq)
             out.rld_output_tokens = stream.tokens
             return
+        assert md is not None  # md_has_kv is its landing
         yield finished | md_has_kv
         if not md_has_kv.triggered or md_has_kv.value is None:
             yield finished
@@ -84,7 +82,7 @@ class RelayPaths:
         yield from self._hand_off(rld, rseq, md, hold, s, out, stream)
 
     @staticmethod
-    def _drop_when(event: simpy.Event) -> Iterator[simpy.Event]:
+    def _drop_when(event: simpy.Event) -> Proc:
         """Give back a reservation that will not be used, once it is made: `event` gives
         (hit, hold), a hold, or None (refused)."""
         yield event
@@ -93,7 +91,7 @@ class RelayPaths:
             (value[1] if isinstance(value, tuple) else value).release()
 
     def _fill(self, rld: Instance, md: Instance, landed: simpy.Event | None, s: SimSession, out: RequestRecord,
-              mseq: SimSeq | None = None, computed: int = 0) -> Iterator[simpy.Event]:
+              mseq: SimSeq | None = None, computed: int = 0) -> Proc:
         """The relay finished the request: it sends MD the output as a fill, which MD
         computes in the shadow (at most a catch-up chunk a step) once its KV has
         `landed`, and keeps with the prompt in its cache for the session's next turn."""
@@ -103,6 +101,7 @@ class RelayPaths:
                 return
             mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=landed.value, live=False,
                           blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
+        assert mseq is not None  # without a landing to wait for, the fill continues a handoff's sequence
         yield self.env.timeout(self.link(rld, md).line.one_way_ms / 1000)
         mseq.on_computed = md.stop
         md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.spec.policy.catch_up_chunk)
@@ -120,7 +119,7 @@ class RelayPaths:
         return reserved[1]
 
     def _hand_off(self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord,
-                  stream: Stream) -> Iterator[simpy.Event]:
+                  stream: Stream) -> Proc:
         env, p = self.env, self.spec.policy
         one_way = self.link(rld, md).line.one_way_ms / 1000
         gap = 1 + rseq.produced
@@ -169,6 +168,8 @@ class RelayPaths:
         hold.settle()  # MD produces
         md.feed(mseq, relayed - sent, live=True)
         yield finished
-        out.handoff_stall_ms = 1000 * (mseq.first_s - stream.last_s)
+        first_s, last_s = mseq.first_s, stream.last_s
+        assert first_s is not None and last_s is not None  # MD produced after the relay's last token
+        out.handoff_stall_ms = 1000 * (first_s - last_s)
         stream.take(mseq)
         out.md_output_tokens = mseq.produced

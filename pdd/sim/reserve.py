@@ -17,22 +17,20 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import simpy
 
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
 from pdd.policy.retry import reserve_retry_delay
+from pdd.sim.parts import ClusterParts, Proc
 
 if TYPE_CHECKING:
-    from pdd.policy.transfer import LineMeter
     from pdd.record import RequestRecord
     from pdd.sim.instance import Instance
-    from pdd.sim.link import SharedLink
     from pdd.sim.sequence import Hold
-    from pdd.sim.tcp import TcpLink
     from pdd.sim.workload import SimSession
 
 Granted: TypeAlias = "tuple[int, Hold]"  # (the reserved hit in tokens, the pool room held)
@@ -56,7 +54,9 @@ class ReservationLine:
             yield turn
         tries = 0
         while (granted := attempt()) is None:
-            yield self.env.timeout(reserve_retry_delay(tries, 0.0, math.inf))
+            delay_s = reserve_retry_delay(tries, 0.0, math.inf)
+            assert delay_s is not None  # no limit: the line never refuses
+            yield self.env.timeout(delay_s)
             tries += 1
         self._turns.popleft()
         if self._turns:
@@ -64,17 +64,8 @@ class ReservationLine:
         return granted
 
 
-class Reservations:
+class Reservations(ClusterParts):
     """The reserving half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
-
-    env: simpy.Environment
-
-    if TYPE_CHECKING:  # provided by Cluster
-        def link(self, a: Instance, b: Instance) -> SharedLink | TcpLink: ...
-
-        def line_meter(self, p: Instance, peer: Instance) -> LineMeter: ...
-
-        def _keys(self, s: SimSession, tokens: int) -> list: ...
 
     def _reserve(self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord,
                  optional: bool) -> Generator[simpy.Event, object, Granted | None]:
@@ -112,7 +103,7 @@ class Reservations:
         granted[1].unsettled(self._keys(s, prompt + rec.max_tokens))
         return granted
 
-    def _await_prefix(self, inst: Instance, keys: list) -> Iterator[simpy.Event]:
+    def _await_prefix(self, inst: Instance, keys: list) -> Proc:
         """As the live decode side: wait (at most `PREFIX_WAIT_S`) for a request that is
         not producing yet and holds most of this prompt (`prefix_holder`), rather than
         have the same KV cross the line twice. The simulator works in blocks: the
@@ -128,7 +119,9 @@ class Reservations:
                 return
             mark = keys[least - 1]
             others = [h for h in inst.unsettled if len(h.keys) >= least and h.keys[least - 1] == mark]
-            i = prefix_holder(keys, cached, 1, [h.keys for h in others]) if others else None
+            # Block keys stand where the live side has token IDs: prefix_holder only compares them.
+            in_flight = [cast("Sequence[int]", h.keys) for h in others]
+            i = prefix_holder(cast("Sequence[int]", keys), cached, 1, in_flight) if others else None
             left = deadline - self.env.now
             if i is None or left <= 0:
                 return

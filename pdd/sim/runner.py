@@ -23,7 +23,7 @@ run on until the last judged request ends.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -33,6 +33,7 @@ import simpy
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
+from pdd.sim.parts import Proc
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
@@ -139,6 +140,7 @@ class _Probe:
         judged = self.window.judged(self.cluster.records)
         missed = 0
         for r in judged:
+            assert r.start_s is not None  # judged by its arrival
             waited = r.ttft_ms / 1000 if r.ttft_ms is not None else now - r.start_s
             if r.error or waited > self.slo_s[0] or (r.tpot_ms is not None and r.tpot_ms > 1000 * self.slo_s[1]):
                 missed += 1
@@ -148,7 +150,7 @@ class _Probe:
         """Every judged request has finished or failed: nothing left to learn."""
         return all(r.e2e_ms is not None or r.error is not None for r in self.window.judged(self.cluster.records))
 
-    def run(self) -> Iterator[simpy.Event]:
+    def run(self) -> Proc:
         env, w = self.cluster.env, self.window
         yield env.timeout(w.warmup_s)
         self.marks["start"] = self.snapshot()
@@ -222,7 +224,7 @@ def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, fl
 
 def binding(util: dict[str, float]) -> str:
     """The resource closest to its limit."""
-    return max(util, key=util.get) if util else "-"
+    return max(util, key=util.__getitem__) if util else "-"
 
 
 def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Window,

@@ -42,8 +42,9 @@ class Hold:
         """Its request produces here now, or has gone: nothing more to wait for."""
         if self in self.inst.unsettled:
             self.inst.unsettled.remove(self)
-        if not self.settled().triggered:
-            self._settled.succeed()
+        settled = self.settled()
+        if not settled.triggered:
+            settled.succeed()
 
     def release(self) -> None:
         if not self.released:
@@ -72,8 +73,8 @@ class SimSeq:
     live: bool = True
     step_cap: int = 0  # most pending tokens per step (0: the step budget)
     blocks: Sequence[Hashable] = ()  # its prompt's cache keys, inserted when it ends
-    on_computed: Callable[[SimSeq], None] | None = None  # pending reached 0
-    on_finish: Callable[[SimSeq], None] | None = None
+    on_computed: Callable[[SimSeq], object] | None = None  # pending reached 0 (what it returns is unused)
+    on_finish: Callable[[SimSeq], object] | None = None
     token_times: list[float] | None = None  # every token's time, when a test asks for them
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more

@@ -37,11 +37,15 @@ PRICES = ((1.0, 1.2), (1.0, 1.3), (1.0, 1.0), (1.0, 1.5))  # (A, B) in GPU A hou
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = best_per_family(rows)
     same, pdd = best.get("same-dc-pd"), best.get("pdd")
+
+    def of(key: str) -> tuple[float | None, float | None]:
+        """(same-dc PD's, PDD's) figure, None for a family without a layout."""
+        return None if same is None else same[key], None if pdd is None else pdd[key]
+
     return {"families": {f: {"layout": r["layout"], "goodput_rps": r["goodput_rps"], "cost": r["cost_per_hour"],
                              "bcr": r["bcr"], "binding": r["binding"]} for f, r in best.items()},
-            "pdd_vs_same_dc": {"goodput": change(same and same["goodput_rps"], pdd and pdd["goodput_rps"]),
-                               "cost": change(same and same["cost_per_hour"], pdd and pdd["cost_per_hour"]),
-                               "bcr": change(same and same["bcr"], pdd and pdd["bcr"])}}
+            "pdd_vs_same_dc": {"goodput": change(*of("goodput_rps")), "cost": change(*of("cost_per_hour")),
+                               "bcr": change(*of("bcr"))}}
 
 
 def reprice(rows: list[dict[str, Any]], setting: paper.Setting, a_price: float, b_price: float) -> list[dict]:
