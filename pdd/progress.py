@@ -1,4 +1,4 @@
-"""The progress bar long runs show on stderr (`pdd bench`, `pdd demo`, `pdd soak`)."""
+"""The progress bar long runs show on stderr (`pdd bench`, `pdd demo`, `pdd soak`, `pdd plan`, `pdd sim calibrate`)."""
 
 from __future__ import annotations
 

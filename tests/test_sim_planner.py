@@ -15,14 +15,13 @@ from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.metrics import goodput
 from pdd.sim.plan_cli import add_plan_arguments, plan_main
+from pdd.sim.plan_workload import agentic, mooncake
 from pdd.sim.planner import (
     FAMILIES,
     Layout,
     Probe,
-    agentic,
     best_per_family,
     candidates,
-    mooncake,
     search,
     search_resolution,
 )
@@ -30,9 +29,16 @@ from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TraceRecord
 
 # Short prompts and long answers: quick to simulate, and decode is what runs out first.
-SMALL = AgenticConfig(system_prompt_tokens=256, task_tokens=(512, 1024), turns=(2, 4),
-                      tool_output_tokens=(16, 64), large_tool_output_tokens=(256, 512),
-                      output_tokens=(128, 256), max_context=8192, anomalous_fraction=0.0)
+SMALL = AgenticConfig(
+    system_prompt_tokens=256,
+    task_tokens=(512, 1024),
+    turns=(2, 4),
+    tool_output_tokens=(16, 64),
+    large_tool_output_tokens=(256, 512),
+    output_tokens=(128, 256),
+    max_context=8192,
+    anomalous_fraction=0.0,
+)
 # A tight TPOT target: the decode side's capacity, a few requests a second, decides.
 TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2, min_window_s=0.0)
 
@@ -64,10 +70,13 @@ def test_candidates_at_the_spec_scale_include_its_layouts() -> None:
 def test_a_layout_places_roles_and_bills_the_line_only_across_sites() -> None:
     pdd = Layout(2, 4, 1, "A", "B", 25.0).spec()
     assert [(r.role, r.dc, r.count, r.hardware, r.gpus) for r in pdd.roles] == [
-        ("prefill", "A", 2, "A", 16), ("relay", "A", 1, "A", 16), ("main", "B", 4, "B", 8)]
-    assert paper.bill(pdd).per_hour == pytest.approx(48 * CATALOG["A"].price_per_hour
-                                                     + 32 * CATALOG["B"].price_per_hour
-                                                     + 25 * LINE_PRICE_PER_GBPS_HOUR)
+        ("prefill", "A", 2, "A", 16),
+        ("relay", "A", 1, "A", 16),
+        ("main", "B", 4, "B", 8),
+    ]
+    assert paper.bill(pdd).per_hour == pytest.approx(
+        48 * CATALOG["A"].price_per_hour + 32 * CATALOG["B"].price_per_hour + 25 * LINE_PRICE_PER_GBPS_HOUR
+    )
     same = Layout(2, 3).spec()
     assert {r.dc for r in same.roles} == {"A"} and paper.bill(same).per_hour == 80 * CATALOG["A"].price_per_hour
     with pytest.raises(ValueError):
@@ -81,6 +90,7 @@ def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
         def attainment(rate: float) -> float:
             tried.append(rate)
             return 1.0 if rate <= limit else 0.0
+
         return attainment
 
     found = goodput(under(10.0), 1.0, 64.0, 6)
@@ -150,8 +160,9 @@ def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided:
     for family, chosen in best.items():
         assert chosen["bcr"] == pytest.approx(exact_best[family]["bcr"], rel=resolution)
     for r in bounded:
-        assert r["missed_rps"] == pytest.approx(best[r["family"]]["probed_rps"] * r["cost_per_hour"]
-                                               / best[r["family"]]["cost_per_hour"], rel=resolution), r
+        assert r["missed_rps"] == pytest.approx(
+            best[r["family"]]["probed_rps"] * r["cost_per_hour"] / best[r["family"]]["cost_per_hour"], rel=resolution
+        ), r
         assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
 
 
@@ -186,8 +197,14 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
 
     def run_window(spec, sessions, rate, *args, **kwargs):
         rps = rate * workload.turns
-        return {"slo_attainment": 1.0 if rps <= threshold_rps else 0.0, "offered_rps": rps, "ttft_ms": {},
-                "utilisation": {}, "binding": "-", "session_rate": rate}
+        return {
+            "slo_attainment": 1.0 if rps <= threshold_rps else 0.0,
+            "offered_rps": rps,
+            "ttft_ms": {},
+            "utilisation": {},
+            "binding": "-",
+            "session_rate": rate,
+        }
 
     monkeypatch.setattr(runner, "run_window", run_window)
     monkeypatch.setattr(planner, "run_window", run_window)
@@ -211,8 +228,10 @@ def test_a_probe_lost_in_its_tail_stops_there() -> None:
     workload, slo = agentic(SMALL), TINY_PROBE.slo
     spec = replace(Layout(1, 1, 0, "B", "B").spec(), block_tokens=workload.block_tokens)
     window = Window(5.0, 5.0 + 1.5 * CHECK_S, tail_s(workload.longest_output, slo))
-    stopped, whole = (run_window(spec, workload.sessions(), 30.0 / workload.turns, window, slo, stop_early=stop)
-                      for stop in (True, False))
+    stopped, whole = (
+        run_window(spec, workload.sessions(), 30.0 / workload.turns, window, slo, stop_early=stop)
+        for stop in (True, False)
+    )
     assert whole["slo_attainment"] < TINY_PROBE.attainment and not whole["stopped_early"]
     assert stopped["stopped_early"] and stopped["slo_attainment"] < TINY_PROBE.attainment
     assert stopped["events"] < whole["events"]
@@ -221,8 +240,7 @@ def test_a_probe_lost_in_its_tail_stops_there() -> None:
 
 def test_more_decode_instances_never_lose_goodput() -> None:
     probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
-    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1,
-                  exact=True)
+    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1, exact=True)
     one, two = (next(r for r in rows if r["main"] == n) for n in (1, 2))
     assert one["goodput_rps"] > 0
     assert two["goodput_rps"] >= one["goodput_rps"]
@@ -243,10 +261,31 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(["--max-gpus", "16", "--line-gbps", "100", "--hardware", "B", "--requests", "20",
-                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--top", "2", "--workers", "1",
-                              "--out", str(out),
-                              "--quiet"])
+    args = parser.parse_args(
+        [
+            "--max-gpus",
+            "16",
+            "--line-gbps",
+            "100",
+            "--hardware",
+            "B",
+            "--requests",
+            "20",
+            "--warmup-s",
+            "5",
+            "--min-window-s",
+            "0",
+            "--steps",
+            "1",
+            "--top",
+            "2",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed

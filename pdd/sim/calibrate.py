@@ -36,8 +36,10 @@ def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 6
     from pdd.workload.types import Session, Turn
 
     rng = random.Random(0)
-    sessions = [Session(i, (Turn(tuple(rng.randrange(16, 4000) for _ in range(prompt_tokens)), 1),), start_s=0.3 * i)
-                for i in range(requests)]
+    sessions = [
+        Session(i, (Turn(tuple(rng.randrange(16, 4000) for _ in range(prompt_tokens)), 1),), start_s=0.3 * i)
+        for i in range(requests)
+    ]
     deployment = DemoDeployment("colocated", None)
     try:
         url = deployment.wait_router(120.0)
@@ -52,28 +54,44 @@ def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 6
 
 # ---- the command -----------------------------------------------------------------------
 
+
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a fresh tiny model)")
     p.add_argument("--out", default="pdd-profile.json", help="profile file to write")
     p.add_argument("--threads", type=int, default=1, help="torch threads the engine steps with")
-    p.add_argument("--budget-s", type=float, default=60.0,
-                   help="seconds of measuring; loading the model and warming up come on top")
-    p.add_argument("--skip-http", action="store_true",
-                   help="do not measure the request path through `pdd up` (its overhead is then 0)")
-    p.add_argument("--backend", default=EngineConfig.backend, choices=engine_names(),
-                   help=f"the engine to time, through the engine port (default {EngineConfig.backend})")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=60.0,
+        help="seconds of measuring; loading the model and warming up come on top",
+    )
+    p.add_argument(
+        "--skip-http",
+        action="store_true",
+        help="do not measure the request path through `pdd up` (its overhead is then 0)",
+    )
+    p.add_argument(
+        "--backend",
+        default=EngineConfig.backend,
+        choices=engine_names(),
+        help=f"the engine to time, through the engine port (default {EngineConfig.backend})",
+    )
 
 
 def _measure_with_bar(model_dir: str, backend: str, threads: int, budget_s: float) -> Measured:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not console.is_terminal) as bar:
+    from pdd.progress import progress_bar
+
+    with progress_bar(Console(stderr=True), quiet=False) as bar:
         task = bar.add_task("step shapes", total=None)
-        return measure(model_dir, EngineConfig(backend=backend), threads, budget_s,
-                       lambda done, total: bar.update(task, completed=done, total=total))
+        return measure(
+            model_dir,
+            EngineConfig(backend=backend),
+            threads,
+            budget_s,
+            lambda done, total: bar.update(task, completed=done, total=total),
+        )
 
 
 def _held_out(samples: list[Sample], threads: int) -> tuple[np.ndarray, int] | None:
@@ -97,11 +115,13 @@ def _report(fitted: Fitted, samples: list[Sample], held: tuple[np.ndarray, int] 
     coefficients = Table(title="step-time profile")
     coefficients.add_column("term")
     coefficients.add_column("cost", justify="right")
-    for label, value, unit, scale in (("per step", fitted.base_s, "us", 1e6),
-                                      ("per new token", fitted.per_token_s, "us", 1e6),
-                                      ("per attention pair", fitted.per_pair_s, "ns", 1e9),
-                                      ("per sequence", fitted.per_seq_s, "us", 1e6),
-                                      ("per KV token read", fitted.per_kv_token_s, "ns", 1e9)):
+    for label, value, unit, scale in (
+        ("per step", fitted.base_s, "us", 1e6),
+        ("per new token", fitted.per_token_s, "us", 1e6),
+        ("per attention pair", fitted.per_pair_s, "ns", 1e9),
+        ("per sequence", fitted.per_seq_s, "us", 1e6),
+        ("per KV token read", fitted.per_kv_token_s, "ns", 1e9),
+    ):
         coefficients.add_row(label, f"{value * scale:.4g} {unit}" if value else "0 (dropped by the fit)")
     quality = Table(title="relative error of predicted step time")
     for column in ("steps", "median", "p90"):
@@ -131,6 +151,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
     profile = LocalProfile(fitted, measured.kv_bytes_per_token, measured.max_context, overhead, os.cpu_count() or 1)
     Path(args.out).write_text(json.dumps(profile_to_json(profile, samples, args.threads), indent=2) + "\n")
     _report(fitted, samples, _held_out(samples, args.threads), args.out)
-    print(f"request path overhead: {1000 * overhead:.1f} ms per request"
-          + (" (not measured: --skip-http)" if args.skip_http else ""))
+    print(
+        f"request path overhead: {1000 * overhead:.1f} ms per request"
+        + (" (not measured: --skip-http)" if args.skip_http else "")
+    )
     return 0

@@ -94,22 +94,43 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         for r in self.spec.roles:
             for i in range(r.count):
                 name = f"{r.role}{i}@{r.dc}"
-                self.instances[name] = Instance(self.env, name, r.role, r.dc, r.steps, r.capacity_tokens,
-                                                self.spec.block_tokens, r.max_batch_tokens, r.max_running, cpu,
-                                                r.cpu_priority, self.spec.stretches, r.max_chunks, r.max_requests)
+                self.instances[name] = Instance(
+                    self.env,
+                    name,
+                    r.role,
+                    r.dc,
+                    r.steps,
+                    r.capacity_tokens,
+                    self.spec.block_tokens,
+                    r.max_batch_tokens,
+                    r.max_running,
+                    cpu,
+                    r.cpu_priority,
+                    self.spec.stretches,
+                    r.max_chunks,
+                    r.max_requests,
+                )
         dcs = sorted({r.dc for r in self.spec.roles})
         self.lans = {dc: SharedLink(self.env, self.spec.lan, f"lan-{dc}") for dc in dcs}
         self.wan: SharedLink | TcpLink | None = None
         if len(dcs) > 1:
-            self.wan = SharedLink(self.env, self.spec.wan, "wan") if self.spec.tcp is None else \
-                TcpLink(self.env, self.spec.wan, self.spec.tcp, "wan")
+            self.wan = (
+                SharedLink(self.env, self.spec.wan, "wan")
+                if self.spec.tcp is None
+                else TcpLink(self.env, self.spec.wan, self.spec.tcp, "wan")
+            )
         self.meters: dict[tuple[str, str], LineMeter] = {}  # each P's, per datacenter, as the live P keeps them
         self._key_cache: dict[int, list] = {}
         self._dispatch_line: deque[simpy.Event] = deque()  # the router's: requests waiting for room
         self._room = self.env.event()  # room came free at a decode-side instance
         p = self.spec.policy
-        self.rule = anomaly_rule(p.anomaly_filter, self.spec.max_context, p.anomaly_max_output_tokens,
-                                 p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
+        self.rule = anomaly_rule(
+            p.anomaly_filter,
+            self.spec.max_context,
+            p.anomaly_max_output_tokens,
+            p.anomaly_min_prompt_share,
+            p.anomaly_max_hit_share,
+        )
 
     # ---- the workload --------------------------------------------------------------------
     def run(self, sessions: list[SimSession], until: float | None = None) -> list[RequestRecord]:
@@ -139,15 +160,30 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
     def _session(self, s: SimSession) -> Proc:
         yield self.env.timeout(max(0.0, s.start_s - self.env.now))
         for k, turn in enumerate(s.turns):
-            rec = RequestRecord(id=f"{s.id}-{k}", session=s.id, turn=k, planned_anomalous=s.anomalous,
-                                start_s=self.env.now, prompt_tokens=turn.prompt_tokens, max_tokens=turn.max_tokens)
+            rec = RequestRecord(
+                id=f"{s.id}-{k}",
+                session=s.id,
+                turn=k,
+                planned_anomalous=s.anomalous,
+                start_s=self.env.now,
+                prompt_tokens=turn.prompt_tokens,
+                max_tokens=turn.max_tokens,
+            )
             self.records.append(rec)  # now: a run stopped at a horizon still sees it, unfinished
             yield self.env.process(self._serve(s, rec))
             if rec.error:  # as `pdd bench`: the session's later turns are never sent, and count as failed
-                self.records += [RequestRecord(id=f"{s.id}-{j}", session=s.id, turn=j, planned_anomalous=s.anomalous,
-                                               prompt_tokens=later.prompt_tokens, max_tokens=later.max_tokens,
-                                               error=f"not sent: turn {k} failed")
-                                 for j, later in enumerate(s.turns[k + 1:], start=k + 1)]
+                self.records += [
+                    RequestRecord(
+                        id=f"{s.id}-{j}",
+                        session=s.id,
+                        turn=j,
+                        planned_anomalous=s.anomalous,
+                        prompt_tokens=later.prompt_tokens,
+                        max_tokens=later.max_tokens,
+                        error=f"not sent: turn {k} failed",
+                    )
+                    for j, later in enumerate(s.turns[k + 1 :], start=k + 1)
+                ]
                 return
 
     # ---- lines -----------------------------------------------------------------------------
@@ -162,8 +198,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
             meter = self.meters[(p.name, peer.dc)] = LineMeter(LinkEstimate(line.bytes_per_s, line.one_way_ms / 1000))
         return meter
 
-    def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int],
-             priority: int) -> Proc:
+    def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int], priority: int) -> Proc:
         """KV of prompt `tokens` from P `a` to `b`, on their connection. P's meter follows
         it as the live one does (`begin`, `acked`); the simulator moves it as one
         transfer, so it is acknowledged once, when it has landed."""
@@ -181,8 +216,11 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
     # ---- the router --------------------------------------------------------------------------
     def _candidates(self, role: str, s: SimSession, prompt: int) -> list[Candidate]:
         keys = self._keys(s, prompt)
-        return [Candidate(i.name, i.hit_tokens(keys, prompt, touch=False), i.queued_tokens)
-                for i in self.instances.values() if i.role == role]
+        return [
+            Candidate(i.name, i.hit_tokens(keys, prompt, touch=False), i.queued_tokens)
+            for i in self.instances.values()
+            if i.role == role
+        ]
 
     def _need(self, rec: RequestRecord, name: str, hit_tokens: int) -> int:
         """KV pages (a page is a block here) the request takes at decode-side `name`."""
@@ -190,8 +228,9 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
 
     def _has_room(self, rec: RequestRecord, c: Candidate) -> bool:
         inst = self.instances[c.name]
-        return fits(self._need(rec, c.name, c.predicted_hit_tokens), inst.committed_pages, inst.committed_requests,
-                    inst.room)
+        return fits(
+            self._need(rec, c.name, c.predicted_hit_tokens), inst.committed_pages, inst.committed_requests, inst.room
+        )
 
     def _plan(self, s: SimSession, rec: RequestRecord) -> Plan | None:
         mode, prompt = self.spec.mode, rec.prompt_tokens
@@ -199,8 +238,17 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         main = self._candidates(RoleName.MAIN, s, prompt) if mode != "colocated" else []
         relay = self._candidates(RoleName.RELAY, s, prompt) if mode == "pdd" else []
         p = self.spec.policy
-        return plan_with_room(prompt, rec.max_tokens, self._candidates(entry, s, prompt), main, relay, self.rule,
-                              lambda c: self._has_room(rec, c), p.affinity_weight, p.load_weight)
+        return plan_with_room(
+            prompt,
+            rec.max_tokens,
+            self._candidates(entry, s, prompt),
+            main,
+            relay,
+            self.rule,
+            lambda c: self._has_room(rec, c),
+            p.affinity_weight,
+            p.load_weight,
+        )
 
     def _dispatch(self, s: SimSession, rec: RequestRecord) -> Generator[simpy.Event, object, Plan]:
         """The request's plan once its decode side has room, first come first served (the
@@ -273,8 +321,13 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         prompt = rec.prompt_tokens
         hit = inst.hit_tokens(self._keys(s, prompt), prompt)
         rec.p_hit_tokens = rec.d_hit_tokens = hit
-        seq = SimSeq(context=hit, pending=prompt - hit, produce=rec.max_tokens, hold=None,
-                     blocks=self._keys(s, prompt + rec.max_tokens))
+        seq = SimSeq(
+            context=hit,
+            pending=prompt - hit,
+            produce=rec.max_tokens,
+            hold=None,
+            blocks=self._keys(s, prompt + rec.max_tokens),
+        )
         if not self._fits(inst, seq, rec):
             return
         yield self._until_finished(inst, seq)

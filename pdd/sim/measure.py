@@ -84,9 +84,12 @@ def calibration_config(config: EngineConfig, plan: Sequence[Group] = PLAN) -> En
     """`config` with a step budget that takes the largest shape in one step and a pool
     of at least `MIN_PAGES`."""
     largest = max(g.decoders + max(g.sizes) for g in plan)
-    return replace(config, max_batch_tokens=max(config.max_batch_tokens, largest),
-                   max_running=max(config.max_running, max(g.decoders for g in plan) + 1),
-                   num_pages=max(config.num_pages, MIN_PAGES))
+    return replace(
+        config,
+        max_batch_tokens=max(config.max_batch_tokens, largest),
+        max_running=max(config.max_running, max(g.decoders for g in plan) + 1),
+        num_pages=max(config.num_pages, MIN_PAGES),
+    )
 
 
 @dataclass
@@ -153,8 +156,9 @@ class _Meter:
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
-    async def _first(self, prompt: list[int], max_tokens: int = 1,
-                     hold: bool = False) -> tuple[StepOutput, float, float, AsyncIterator[StepOutput], str]:
+    async def _first(
+        self, prompt: list[int], max_tokens: int = 1, hold: bool = False
+    ) -> tuple[StepOutput, float, float, AsyncIterator[StepOutput], str]:
         """A new request's first output, when it was sent and when the output came, its stream and id."""
         rid = self._rid()
         stream = self.port.generate(rid, prompt, self._params(max_tokens), hold)
@@ -291,8 +295,14 @@ class Measured:
     max_context: int  # prompt + output tokens one request may hold there
 
 
-def measure(model_dir: str, config: EngineConfig, threads: int = 1, budget_s: float = 60.0,
-            progress: Callable[[int, int], None] | None = None, plan: Sequence[Group] = PLAN) -> Measured:
+def measure(
+    model_dir: str,
+    config: EngineConfig,
+    threads: int = 1,
+    budget_s: float = 60.0,
+    progress: Callable[[int, int], None] | None = None,
+    plan: Sequence[Group] = PLAN,
+) -> Measured:
     """Time the engine `config.backend` names over `model_dir` in every step shape of
     `plan`. `budget_s` bounds the measuring (loading the model and warming up come on
     top); `progress(done, total)` is told of each finished shape."""

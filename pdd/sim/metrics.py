@@ -35,19 +35,30 @@ def hit_buckets(records: Sequence[RequestRecord], duration_s: float) -> list[dic
     for low, high in pairwise(HIT_BUCKETS):
         inside = [r for r in records if r.completed and low <= r.d_hit_tokens / r.prompt_tokens < high]
         ttfts = sorted(r.ttft_ms for r in inside if r.ttft_ms is not None)  # (a served one has it)
-        rows.append({"bucket": f"{100 * low:.0f}-{min(100.0, 100 * high):.0f} %", "requests": len(inside),
-                     "ttft_p50_ms": ttfts[len(ttfts) // 2] if ttfts else None,
-                     "output_tokens_per_s": sum(r.output_tokens for r in inside) / duration_s if duration_s else None})
+        rows.append(
+            {
+                "bucket": f"{100 * low:.0f}-{min(100.0, 100 * high):.0f} %",
+                "requests": len(inside),
+                "ttft_p50_ms": ttfts[len(ttfts) // 2] if ttfts else None,
+                "output_tokens_per_s": sum(r.output_tokens for r in inside) / duration_s if duration_s else None,
+            }
+        )
     return rows
 
 
-def goodput(attainment_at: Callable[[float], float], low: float, high: float, steps: int = 7,
-            attainment: float = GOODPUT_ATTAINMENT) -> float:
+def goodput(
+    attainment_at: Callable[[float], float],
+    low: float,
+    high: float,
+    steps: int = 7,
+    attainment: float = GOODPUT_ATTAINMENT,
+) -> float:
     """The highest rate in [low, high] at which `attainment_at(rate)` >= `attainment` (it
     falls as the rate rises); 0.0 when even `low` misses it. Geometric midpoints, since
     rates span decades; the ends are tried only when every midpoint fell on their side,
     because a steady-state run costs about its rate times its length, and the top is the
     dearest."""
+
     def passes(rate: float) -> bool:
         return attainment_at(rate) >= attainment
 

@@ -32,12 +32,14 @@ class ClusterParts:
     wan: SharedLink | TcpLink | None
 
     if TYPE_CHECKING:  # provided by Cluster
+
         def link(self, a: Instance, b: Instance) -> SharedLink | TcpLink: ...
 
         def line_meter(self, p: Instance, peer: Instance) -> LineMeter: ...
 
-        def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int],
-                 priority: int) -> Proc: ...
+        def send(
+            self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int], priority: int
+        ) -> Proc: ...
 
         def _keys(self, s: SimSession, tokens: int) -> list: ...
 

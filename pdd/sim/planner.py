@@ -20,13 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd.sim import paper
-from pdd.sim.bounds import Shape, capacity_rps, shape_of
+from pdd.sim.bounds import capacity_rps
 from pdd.sim.cluster import DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT
-from pdd.sim.runner import Sessions, Window, find_goodput, run_window, steady_sessions, tail_s, turns_per_session
-from pdd.sim.workload import SimSession, trace_sessions
-from pdd.workload.agentic import AgenticConfig
-from pdd.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
+from pdd.sim.plan_workload import Workload
+from pdd.sim.runner import Window, find_goodput, run_window, tail_s
 
 MIN_PREFILL_SHARE, MAX_PREFILL_SHARE = 0.15, 0.8  # of the layout's GPUs: outside, one side idles
 RELAYS = (1, 2)
@@ -65,8 +63,10 @@ class Layout:
         if not self.line_gbps:
             return f"same-dc {self.prefill}P+{self.main}D {self.prefill_hw}"
         near = f"{self.prefill}P" + (f"+{self.relays}R" if self.relays else "")
-        return f"{'pdd' if self.relays else 'cross-dc'} {near} {self.prefill_hw} | {self.main}MD {self.main_hw} " \
-               f"{self.line_gbps:g}G"
+        return (
+            f"{'pdd' if self.relays else 'cross-dc'} {near} {self.prefill_hw} | {self.main}MD {self.main_hw} "
+            f"{self.line_gbps:g}G"
+        )
 
     def spec(self, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
         far = "B" if self.line_gbps else "A"
@@ -81,8 +81,9 @@ class Layout:
         return (self.prefill + self.relays) * near + self.main * far
 
 
-def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str],
-               setting: paper.Setting = paper.SETTING) -> list[Layout]:
+def candidates(
+    max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str], setting: paper.Setting = paper.SETTING
+) -> list[Layout]:
     """Layouts that spend the budget (no instance of either kind would still fit): same-dc
     PD on each hardware, and for each line P (and relays) on `hardware[0]` with MD on
     `hardware[-1]`, within a sensible share of prefill GPUs."""
@@ -93,8 +94,9 @@ def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str
 
     def fits(layout: Layout, smallest: int) -> bool:
         used = layout.gpus(setting)
-        share = (layout.prefill * size[layout.prefill_hw]) / (layout.prefill * size[layout.prefill_hw]
-                                                             + layout.main * size[layout.main_hw])
+        share = (layout.prefill * size[layout.prefill_hw]) / (
+            layout.prefill * size[layout.prefill_hw] + layout.main * size[layout.main_hw]
+        )
         return used <= max_gpus < used + smallest and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
 
     layouts: list[Layout] = []
@@ -119,64 +121,9 @@ def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str
 
 # ---- the workload a probe replays ----------------------------------------------------------
 
-@dataclass(frozen=True)
-class Workload:
-    """What a goodput probe replays, as plain data (it travels to worker processes):
-    the agentic sessions of `config`, or the trace `records` rescaled to each rate."""
-
-    name: str
-    config: AgenticConfig | None = None
-    records: tuple[TraceRecord, ...] = ()
-    max_context: int = paper.WORKLOAD.max_context
-
-    @property
-    def turns(self) -> float:
-        return turns_per_session(self.config) if self.config is not None else 1.0
-
-    @property
-    def longest_output(self) -> int:
-        if self.config is not None:
-            return self.config.output_tokens[1]
-        return max(r.output_length for r in self.records)
-
-    @property
-    def block_tokens(self) -> int:
-        return paper.SETTING.block_tokens if self.config is not None else TRACE_BLOCK_TOKENS
-
-    def sessions(self) -> Sessions:
-        if self.config is not None:
-            return steady_sessions(self.config)
-        records = self.records
-        natural = len(records) / ((records[-1].timestamp_ms - records[0].timestamp_ms) / 1000)
-
-        def replay(rate: float, end_s: float) -> list[SimSession]:
-            drawn = trace_sessions(records, time_scale=rate / natural, max_context=self.max_context)
-            return [s for s in drawn if s.start_s < end_s]
-
-        return replay
-
-    def shape(self) -> Shape:
-        if self.config is not None:
-            return shape_of(self.config)
-        requests = [(min(r.input_length, self.max_context), 0) for r in self.records]
-        return Shape(requests, float(sum(r.output_length for r in self.records) / len(self.records)),
-                     float(sum(p for p, _ in requests) / len(requests)))
-
-
-def agentic(config: AgenticConfig = paper.WORKLOAD) -> Workload:
-    return Workload("agentic", config)
-
-
-def mooncake(records: Sequence[TraceRecord], max_context: int = paper.WORKLOAD.max_context) -> Workload:
-    """The trace, its arrival times squeezed or stretched to the probed rate (its
-    burstiness kept); a probe longer than the trace offers less than its rate, and its
-    measured rate says so."""
-    if len(records) < 2 or records[-1].timestamp_ms == records[0].timestamp_ms:
-        raise ValueError("the trace needs at least two distinct timestamps to be replayed at a rate")
-    return Workload("mooncake", None, tuple(records), max_context)
-
 
 # ---- the search ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -199,8 +146,14 @@ class Probe:
         return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
-def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe: Probe, capacity: float,
-               beat_rps: float | None = None) -> dict[str, Any]:
+def goodput_of(
+    layout: Layout,
+    setting: paper.Setting,
+    workload: Workload,
+    probe: Probe,
+    capacity: float,
+    beat_rps: float | None = None,
+) -> dict[str, Any]:
     """The layout's goodput, searched around its analytic capacity: the bracket
     [capacity / 3, `HEADROOM` x capacity] (the capacity is an estimate: relays decode
     too, and requests vary around the means it takes), widened downwards while even its
@@ -219,16 +172,36 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
     runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
 
     def searched(low: float, high: float, steps: int) -> dict[str, Any] | None:
-        return find_goodput(spec, sessions, probe.slo, lambda rate: probe.window(rate * turns, workload),
-                            low / turns, high / turns, steps=steps, attainment=probe.attainment, runs=runs)
+        return find_goodput(
+            spec,
+            sessions,
+            probe.slo,
+            lambda rate: probe.window(rate * turns, workload),
+            low / turns,
+            high / turns,
+            steps=steps,
+            attainment=probe.attainment,
+            runs=runs,
+        )
 
     if beat_rps is not None:
         rate = beat_rps / turns
-        run = runs[rate] = run_window(spec, sessions, rate, probe.window(beat_rps, workload), probe.slo,
-                                      stop_early=True, attainment=probe.attainment)
+        run = runs[rate] = run_window(
+            spec,
+            sessions,
+            rate,
+            probe.window(beat_rps, workload),
+            probe.slo,
+            stop_early=True,
+            attainment=probe.attainment,
+        )
         if (run["slo_attainment"] or 0.0) < probe.attainment:
-            return _row(layout, setting, run, capacity) | {"goodput_rps": None, "bcr": None, "probes": 1,
-                                                            "missed_rps": beat_rps}
+            return _row(layout, setting, run, capacity) | {
+                "goodput_rps": None,
+                "bcr": None,
+                "probes": 1,
+                "missed_rps": beat_rps,
+            }
         high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
         best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
     else:
@@ -236,8 +209,10 @@ def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe
         while best is None and tried < 3:
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
-    return _row(layout, setting, best, capacity) | {"probes": len(runs),
-                                                    "probed_rps": best["session_rate"] * turns if best else None}
+    return _row(layout, setting, best, capacity) | {
+        "probes": len(runs),
+        "probed_rps": best["session_rate"] * turns if best else None,
+    }
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
@@ -249,22 +224,45 @@ def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, cap
     bill = paper.bill(layout.spec(setting), setting)
     rps = run["offered_rps"] if run else 0.0
     ttft = run["ttft_ms"] if run else {}
-    return {"layout": layout.name, "family": layout.family, "prefill": layout.prefill, "relays": layout.relays,
-            "main": layout.main, "prefill_hw": layout.prefill_hw, "main_hw": layout.main_hw,
-            "line_gbps": layout.line_gbps, "gpus": bill.gpus, "cost_per_hour": bill.per_hour,
-            "capacity_rps": capacity, "goodput_rps": rps, "bcr": rps / bill.per_hour, "simulated": True,
-            "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
-            "slo_attainment": run["slo_attainment"] if run else None,
-            "utilisation": run["utilisation"] if run else {}, "binding": run["binding"] if run else "-",
-            "missed_rps": None, "probed_rps": None, "probes": 0, "run": run}
+    return {
+        "layout": layout.name,
+        "family": layout.family,
+        "prefill": layout.prefill,
+        "relays": layout.relays,
+        "main": layout.main,
+        "prefill_hw": layout.prefill_hw,
+        "main_hw": layout.main_hw,
+        "line_gbps": layout.line_gbps,
+        "gpus": bill.gpus,
+        "cost_per_hour": bill.per_hour,
+        "capacity_rps": capacity,
+        "goodput_rps": rps,
+        "bcr": rps / bill.per_hour,
+        "simulated": True,
+        "ttft_p50_ms": ttft.get("p50"),
+        "ttft_p99_ms": ttft.get("p99"),
+        "slo_attainment": run["slo_attainment"] if run else None,
+        "utilisation": run["utilisation"] if run else {},
+        "binding": run["binding"] if run else "-",
+        "missed_rps": None,
+        "probed_rps": None,
+        "probes": 0,
+        "run": run,
+    }
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
 
 
-def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe(),
-           setting: paper.Setting = paper.SETTING, workers: int = 2,
-           progress: OnProgress | None = None, exact: bool = False) -> list[dict[str, Any]]:
+def search(
+    layouts: Sequence[Layout],
+    workload: Workload,
+    probe: Probe = Probe(),
+    setting: paper.Setting = paper.SETTING,
+    workers: int = 2,
+    progress: OnProgress | None = None,
+    exact: bool = False,
+) -> list[dict[str, Any]]:
     """Every layout's row, best BCR first: simulated ones with their goodput, pruned ones
     with their capacity (`simulated` False). Each family's layouts go in order of
     capacity per cost; the next is simulated only while `HEADROOM` x its capacity per
@@ -274,11 +272,17 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
     process each, a family with none running first; one whose family has no best yet
     waits for it."""
     shape = workload.shape()
-    caps = {lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape,
-                              probe.slo[1] / 1000)["rps"] for lay in layouts}
+    caps = {
+        lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape, probe.slo[1] / 1000)[
+            "rps"
+        ]
+        for lay in layouts
+    }
     cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
-    queues = {f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
-              for f in sorted({lay.family for lay in layouts})}
+    queues = {
+        f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
+        for f in sorted({lay.family for lay in layouts})
+    }
     best = {f: 0.0 for f in queues}
     pace = {f: 0.0 for f in queues}  # the probed rate per cost of the family's best: what beat_rps scales
     rows: list[dict[str, Any]] = []
@@ -313,9 +317,16 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                     best[row["family"]] = row["bcr"]
                     pace[row["family"]] = row["probed_rps"] / row["cost_per_hour"]
                 if progress is not None:
-                    progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: " + (
-                        f"{row['goodput_rps']:.1f} req/s" if row["goodput_rps"] is not None
-                        else f"missed at {row['missed_rps']:.1f} req/s"))
+                    progress(
+                        sum(r["simulated"] for r in rows),
+                        len(layouts),
+                        f"{row['layout']}: "
+                        + (
+                            f"{row['goodput_rps']:.1f} req/s"
+                            if row["goodput_rps"] is not None
+                            else f"missed at {row['missed_rps']:.1f} req/s"
+                        ),
+                    )
     return sorted(rows, key=_rank)
 
 
@@ -346,8 +357,7 @@ def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     """Each family's layout of the highest BCR among those whose goodput was found."""
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
-        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best
-                                                         or r["bcr"] > best[r["family"]]["bcr"]):
+        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
             best[r["family"]] = r
     return best
 
@@ -360,4 +370,4 @@ def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dic
 
 def search_resolution(probe: Probe) -> float:
     """The goodput bisection's step, as a fraction: from capacity / 4 to 1.1 capacity."""
-    return math.exp(math.log(4.4) / 2 ** probe.steps) - 1
+    return math.exp(math.log(4.4) / 2**probe.steps) - 1

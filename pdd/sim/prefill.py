@@ -46,8 +46,13 @@ class PrefillPaths(ClusterParts):
         md_res = env.process(self._reserve(p, md, s, rec, False)) if md else None
         rld_res = env.process(self._reserve(p, rld, s, rec, md is not None)) if rld else None
         rec.p_hit_tokens = p.hit_tokens(self._keys(s, prompt), prompt)
-        pseq = SimSeq(context=rec.p_hit_tokens, pending=prompt - rec.p_hit_tokens, produce=1, hold=None,
-                      blocks=self._keys(s, prompt))
+        pseq = SimSeq(
+            context=rec.p_hit_tokens,
+            pending=prompt - rec.p_hit_tokens,
+            produce=1,
+            hold=None,
+            blocks=self._keys(s, prompt),
+        )
         if not self._fits(p, pseq, rec):
             for res in (md_res, rld_res):
                 if res is not None:
@@ -76,11 +81,18 @@ class PrefillPaths(ClusterParts):
         if rld_res.value is None:
             rec.error = f"{rld.name} refused the reservation"
             return
-        yield from self._relayed(p, md if decision.pipeline == Pipeline.P_RLD_MD else None, md_res, rld,
-                                 rld_res.value, s, rec, stream)
+        yield from self._relayed(
+            p, md if decision.pipeline == Pipeline.P_RLD_MD else None, md_res, rld, rld_res.value, s, rec, stream
+        )
 
-    def _decide(self, p: Instance, md: Instance | None, md_res: simpy.Process | None,
-                rld_res: simpy.Process | None, rec: RequestRecord) -> Generator[simpy.Event, object, Decision | None]:
+    def _decide(
+        self,
+        p: Instance,
+        md: Instance | None,
+        md_res: simpy.Process | None,
+        rld_res: simpy.Process | None,
+        rec: RequestRecord,
+    ) -> Generator[simpy.Event, object, Decision | None]:
         """P, after prefill: the pipeline (a `Decision`), or None when MD refused and the
         relay will not take the request either."""
         if md is None:  # the relay produces alone (the plan counted it: no_main)
@@ -102,8 +114,14 @@ class PrefillPaths(ClusterParts):
             rec.d_hit_tokens = reserved[0]
             delta = int((rec.prompt_tokens - reserved[0]) * self.spec.kv_bytes_per_token)
         left = budget - (self.env.now - waited)
-        decision = choose_pipeline(delta, meter.estimate, meter.in_flight(Priority.URGENT), left, rld_res is not None,
-                                   self.spec.policy.pipeline)
+        decision = choose_pipeline(
+            delta,
+            meter.estimate,
+            meter.in_flight(Priority.URGENT),
+            left,
+            rld_res is not None,
+            self.spec.policy.pipeline,
+        )
         if decision.pipeline == Pipeline.P_RLD_MD:
             assert rld_res is not None  # choose_pipeline takes the relay only when there is one
             if not (yield from self._relay_takes(rld_res)):
@@ -115,8 +133,9 @@ class PrefillPaths(ClusterParts):
         yield rld_res | self.env.timeout(RELAY_ANSWER_S)
         return rld_res.triggered and rld_res.value is not None
 
-    def _p_md(self, p: Instance, md: Instance, md_res: simpy.Process, s: SimSession, rec: RequestRecord,
-              stream: Stream) -> Proc:
+    def _p_md(
+        self, p: Instance, md: Instance, md_res: simpy.Process, s: SimSession, rec: RequestRecord, stream: Stream
+    ) -> Proc:
         yield md_res  # its answer, however long MD's line holds it (at once when it is in)
         reserved = md_res.value
         if reserved is None:
@@ -127,8 +146,13 @@ class PrefillPaths(ClusterParts):
         reserved[1].settle()  # MD produces
         stream.emit(self.env.now)  # P's first token, streamed by MD as the KV lands
         if rec.max_tokens > 1:
-            seq = SimSeq(context=rec.prompt_tokens, pending=0, produce=rec.max_tokens - 1, hold=reserved[1],
-                         blocks=self._keys(s, rec.prompt_tokens + rec.max_tokens))
+            seq = SimSeq(
+                context=rec.prompt_tokens,
+                pending=0,
+                produce=rec.max_tokens - 1,
+                hold=reserved[1],
+                blocks=self._keys(s, rec.prompt_tokens + rec.max_tokens),
+            )
             yield self._until_finished(md, seq)
             stream.take(seq)
         else:
@@ -136,11 +160,22 @@ class PrefillPaths(ClusterParts):
         rec.md_output_tokens = stream.tokens
 
     if TYPE_CHECKING:  # provided by the cluster's other halves
-        def _reserve(self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord,
-                     optional: bool) -> Generator[simpy.Event, object, Granted | None]: ...
 
-        def _relayed(self, p: Instance, md: Instance | None, md_res: simpy.Process | None, rld: Instance,
-                     rld_reserved: Granted, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc: ...
+        def _reserve(
+            self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
+        ) -> Generator[simpy.Event, object, Granted | None]: ...
+
+        def _relayed(
+            self,
+            p: Instance,
+            md: Instance | None,
+            md_res: simpy.Process | None,
+            rld: Instance,
+            rld_reserved: Granted,
+            s: SimSession,
+            rec: RequestRecord,
+            stream: Stream,
+        ) -> Proc: ...
 
         @staticmethod
         def _drop_when(event: simpy.Event) -> Proc: ...

@@ -70,11 +70,18 @@ class LocalProfile:
 def profile_to_json(profile: LocalProfile, samples: Sequence[Sample], threads: int = 1) -> dict[str, Any]:
     errors = relative_errors(profile.steps, samples)
     fitted = _FittedFile.model_validate(profile.steps.to_dict())
-    return _ProfileFile(version=PROFILE_VERSION, fitted=fitted, samples=len(samples),
-                        median_rel_error=float(np.median(errors)), p90_rel_error=float(np.percentile(errors, 90)),
-                        threads=threads, kv_bytes_per_token=profile.kv_bytes_per_token,
-                        max_context=profile.max_context, request_overhead_s=profile.request_overhead_s,
-                        cores=profile.cores).model_dump()
+    return _ProfileFile(
+        version=PROFILE_VERSION,
+        fitted=fitted,
+        samples=len(samples),
+        median_rel_error=float(np.median(errors)),
+        p90_rel_error=float(np.percentile(errors, 90)),
+        threads=threads,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        max_context=profile.max_context,
+        request_overhead_s=profile.request_overhead_s,
+        cores=profile.cores,
+    ).model_dump()
 
 
 def load_profile(path: str | Path) -> LocalProfile:
@@ -84,5 +91,10 @@ def load_profile(path: str | Path) -> LocalProfile:
         raise ValueError(f"{path}: not a JSON step-time profile ({e})") from None
     except ValidationError as e:
         raise ValueError(f"{path}: not a version {PROFILE_VERSION} step-time profile: {e}") from None
-    return LocalProfile(Fitted(**data.fitted.model_dump()), data.kv_bytes_per_token, data.max_context,
-                        data.request_overhead_s, data.cores)
+    return LocalProfile(
+        Fitted(**data.fitted.model_dump()),
+        data.kv_bytes_per_token,
+        data.max_context,
+        data.request_overhead_s,
+        data.cores,
+    )

@@ -34,8 +34,17 @@ if TYPE_CHECKING:
 class RelayPaths(ClusterParts):
     """The relayed half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
 
-    def _relayed(self, p: Instance, md: Instance | None, md_res: simpy.Process | None, rld: Instance,
-                 rld_reserved: Granted, s: SimSession, out: RequestRecord, stream: Stream) -> Proc:
+    def _relayed(
+        self,
+        p: Instance,
+        md: Instance | None,
+        md_res: simpy.Process | None,
+        rld: Instance,
+        rld_reserved: Granted,
+        s: SimSession,
+        out: RequestRecord,
+        stream: Stream,
+    ) -> Proc:
         """P -> RLD -> MD (or P -> RLD when MD is out): the relay streams at once; MD
         takes over once its KV has landed."""
         env, prompt = self.env, out.prompt_tokens
@@ -53,8 +62,9 @@ class RelayPaths(ClusterParts):
             if md_has_kv is not None:
                 self.env.process(self._drop_when(md_has_kv))
             return
-        rseq = SimSeq(context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1],
-                      blocks=self._keys(s, prompt))
+        rseq = SimSeq(
+            context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1], blocks=self._keys(s, prompt)
+        )
         finished = self._until_finished(rld, rseq)
         if md_has_kv is None:
             yield finished
@@ -90,8 +100,16 @@ class RelayPaths(ClusterParts):
         if value is not None:
             (value[1] if isinstance(value, tuple) else value).release()
 
-    def _fill(self, rld: Instance, md: Instance, landed: simpy.Event | None, s: SimSession, out: RequestRecord,
-              mseq: SimSeq | None = None, computed: int = 0) -> Proc:
+    def _fill(
+        self,
+        rld: Instance,
+        md: Instance,
+        landed: simpy.Event | None,
+        s: SimSession,
+        out: RequestRecord,
+        mseq: SimSeq | None = None,
+        computed: int = 0,
+    ) -> Proc:
         """The relay finished the request: it sends MD the output as a fill, which MD
         computes in the shadow (at most a catch-up chunk a step) once its KV has
         `landed`, and keeps with the prompt in its cache for the session's next turn."""
@@ -99,15 +117,22 @@ class RelayPaths(ClusterParts):
             yield landed
             if landed.value is None:
                 return
-            mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=landed.value, live=False,
-                          blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
+            mseq = SimSeq(
+                context=out.prompt_tokens,
+                pending=0,
+                produce=0,
+                hold=landed.value,
+                live=False,
+                blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+            )
         assert mseq is not None  # without a landing to wait for, the fill continues a handoff's sequence
         yield self.env.timeout(self.link(rld, md).line.one_way_ms / 1000)
         mseq.on_computed = md.stop
         md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.spec.policy.catch_up_chunk)
 
-    def _behind_relay(self, p: Instance, md: Instance, md_res: simpy.Process,
-                      out: RequestRecord) -> Generator[simpy.Event, object, Hold | None]:
+    def _behind_relay(
+        self, p: Instance, md: Instance, md_res: simpy.Process, out: RequestRecord
+    ) -> Generator[simpy.Event, object, Hold | None]:
         """The delta to MD, in the background (once MD has answered, if it had not in
         time); MD's hold once it has landed, None if MD refused."""
         yield md_res
@@ -118,16 +143,29 @@ class RelayPaths(ClusterParts):
         yield from self.send(p, md, out, kv_range(out.prompt_tokens, reserved[0]), Priority.BACKGROUND)
         return reserved[1]
 
-    def _hand_off(self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord,
-                  stream: Stream) -> Proc:
+    def _hand_off(
+        self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord, stream: Stream
+    ) -> Proc:
         env, p = self.env, self.spec.policy
         one_way = self.link(rld, md).line.one_way_ms / 1000
         gap = 1 + rseq.produced
-        plan = choose_handoff(gap, occupancy(len(rld.running), rld.max_running), len(rld.waiting),
-                              p.handoff_threshold, p.catch_up_chunk, p.handoff)
+        plan = choose_handoff(
+            gap,
+            occupancy(len(rld.running), rld.max_running),
+            len(rld.waiting),
+            p.handoff_threshold,
+            p.catch_up_chunk,
+            p.handoff,
+        )
         out.handoff = plan.mode
-        mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=hold, live=False,
-                      blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
+        mseq = SimSeq(
+            context=out.prompt_tokens,
+            pending=0,
+            produce=0,
+            hold=hold,
+            live=False,
+            blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+        )
         finished = self._until_finished(md, mseq, submit=False)
         sent = 0
         if plan.mode == HandoffMode.CATCH_UP:

@@ -67,8 +67,9 @@ class ReservationLine:
 class Reservations(ClusterParts):
     """The reserving half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
 
-    def _reserve(self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord,
-                 optional: bool) -> Generator[simpy.Event, object, Granted | None]:
+    def _reserve(
+        self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
+    ) -> Generator[simpy.Event, object, Granted | None]:
         """RESERVE from P: (hit, hold) once the answer is back at P, None if refused."""
         sent = self.env.now
         one_way = self.link(p, inst).line.one_way_ms / 1000
@@ -78,8 +79,9 @@ class Reservations(ClusterParts):
         self.line_meter(p, inst).round_trip(self.env.now - sent)
         return granted
 
-    def _held_at(self, inst: Instance, s: SimSession, rec: RequestRecord,
-                 optional: bool) -> Generator[simpy.Event, object, Granted | None]:
+    def _held_at(
+        self, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
+    ) -> Generator[simpy.Event, object, Granted | None]:
         if optional and not relay_accepts(inst.held, len(inst.waiting), inst.max_running):
             return None
         if inst.held >= inst.max_requests:

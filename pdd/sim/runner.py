@@ -80,7 +80,7 @@ def _resume(s: SimSession, history: float) -> SimSession | None:
         if t > 0:
             if k + 1 == len(s.turns):
                 return None
-            return replace(s, start_s=t, turns=s.turns[k + 1:], warm_tokens=turn.prompt_tokens + turn.max_tokens)
+            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=turn.prompt_tokens + turn.max_tokens)
     return None
 
 
@@ -177,8 +177,9 @@ class _Probe:
         return missed > (1 - self.attainment) * expected
 
 
-def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
-             warm: Sequence[Hashable] = ()) -> tuple[list[RequestRecord], int]:
+def simulate(
+    spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf, warm: Sequence[Hashable] = ()
+) -> tuple[list[RequestRecord], int]:
     """The records (unfinished ones too, when the horizon stops the run), and how many
     events the simulation processed. `warm`: blocks every instance holds at the start,
     as a deployment that has served them a while does."""
@@ -194,8 +195,9 @@ def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float 
     return cluster.records, events
 
 
-def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]],
-                seconds: float, tpot_s: float) -> dict[str, float]:
+def utilisation(
+    spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]], seconds: float, tpot_s: float
+) -> dict[str, float]:
     """How close each resource ran to its limit over the window: a prefill instance's
     share of time in steps (it queues work); a decoding one's mean step over the TPOT
     target (it always has steps to run; their length is what the SLO bounds) and its
@@ -227,9 +229,16 @@ def binding(util: dict[str, float]) -> str:
     return max(util, key=util.__getitem__) if util else "-"
 
 
-def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Window,
-               slo: tuple[float, float], warm: Sequence[Hashable] = (), stop_early: bool = False,
-               attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any]:
+def run_window(
+    spec: DeploymentSpec,
+    sessions: Sessions,
+    rate: float,
+    window: Window,
+    slo: tuple[float, float],
+    warm: Sequence[Hashable] = (),
+    stop_early: bool = False,
+    attainment: float = GOODPUT_ATTAINMENT,
+) -> dict[str, Any]:
     """The steady-state summary at a session rate; `offered_rps`: judged arrivals per
     second; `utilisation` and `binding`: what the deployment ran out of."""
     env = simpy.Environment()
@@ -249,20 +258,34 @@ def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Wi
     seconds = (min(env.now, window.end_s) if probe.failed_early else window.end_s) - window.warmup_s
     result = summary(judged, *slo)
     util = utilisation(spec, marks, seconds, slo[1] / 1000)
-    result |= {"events": events, "simulated_requests": len(cluster.records), "session_rate": rate,
-               "offered_rps": len(judged) / max(seconds, 1e-9), "stopped_early": probe.failed_early,
-               "utilisation": util, "binding": binding(util)}
+    result |= {
+        "events": events,
+        "simulated_requests": len(cluster.records),
+        "session_rate": rate,
+        "offered_rps": len(judged) / max(seconds, 1e-9),
+        "stopped_early": probe.failed_early,
+        "utilisation": util,
+        "binding": binding(util),
+    }
     if probe.failed_early:
         result["slo_attainment"] = min(result["slo_attainment"] or 0.0, attainment - 1e-6)
     return result
 
 
-def find_goodput(spec: DeploymentSpec, sessions: Sessions, slo: tuple[float, float],
-                 window: Window | Callable[[float], Window], low: float, high: float,
-                 on_try: Callable[[float, dict[str, Any]], None] | None = None, steps: int = 7,
-                 warm: Sequence[Hashable] = (), stop_early: bool = True,
-                 attainment: float = GOODPUT_ATTAINMENT,
-                 runs: dict[float, dict[str, Any]] | None = None) -> dict[str, Any] | None:
+def find_goodput(
+    spec: DeploymentSpec,
+    sessions: Sessions,
+    slo: tuple[float, float],
+    window: Window | Callable[[float], Window],
+    low: float,
+    high: float,
+    on_try: Callable[[float, dict[str, Any]], None] | None = None,
+    steps: int = 7,
+    warm: Sequence[Hashable] = (),
+    stop_early: bool = True,
+    attainment: float = GOODPUT_ATTAINMENT,
+    runs: dict[float, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
     """The steady-state run at the highest session rate in [low, high] at which
     `attainment` of requests meet `slo` (None when even `low` misses it). `window`: one
     for every rate, or per session rate (to judge about as many requests at each).

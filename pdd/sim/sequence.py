@@ -147,7 +147,7 @@ class _Stretch:
             upto = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
         if upto <= self.applied:
             return
-        times = self.ends[self.applied:upto]
+        times = self.ends[self.applied : upto]
         count, first, last = len(times), float(times[0]), float(times[-1])
         inner = float(np.max(np.diff(times))) if count > 1 else 0.0
         for seq in self.seqs:
