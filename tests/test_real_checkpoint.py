@@ -105,8 +105,12 @@ def test_pdd_mode_on_the_checkpoint_equals_one_instance_and_transformers(synth: 
           [(r["pdd"]["rld_output_tokens"], r["pdd"]["md_output_tokens"], r["pdd"]["handoff"]) for r in runs + [chat]])
     assert [r["choices"][0]["token_ids"] for r in runs] == colocated
     assert chat["choices"][0]["token_ids"] == colocated_chat["choices"][0]["token_ids"]
-    assert all(r["pdd"]["pipeline"] == "P-RLD-MD" and r["pdd"]["handoff"] == "catch_up" for r in runs + [chat])
-    assert all(r["pdd"]["rld_output_tokens"] > 0 and r["pdd"]["md_output_tokens"] > 0 for r in runs + [chat])
+    # every request through the relay; those MD took over (on a loaded machine the relay may
+    # finish one alone first) by catch-up, and at least one was
+    assert all(r["pdd"]["pipeline"] == "P-RLD-MD" for r in runs + [chat])
+    handed = [r["pdd"]["handoff"] for r in runs + [chat] if r["pdd"]["md_output_tokens"] > 0]
+    assert handed and set(handed) == {"catch_up"}, handed
+    assert all(r["pdd"]["rld_output_tokens"] > 0 for r in runs + [chat])
 
 
 def test_a_model_not_cached_or_not_supported_stops_up_and_serve_with_the_reason(
