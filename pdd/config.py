@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +269,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"[{where}] has unknown keys: {sorted(unknown)}")
     values = {}
     for key, value in raw.items():
-        default = known[key].default
-        if isinstance(default, bool):
+        f = known[key]
+        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        if isinstance(default, dict):  # a free-form table passed through (an engine's own arguments)
+            ok = isinstance(value, dict)
+        elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, (int, float)):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -297,7 +300,10 @@ def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
     if inst.role not in ROLES:
         raise ConfigError(f"[{where}] role must be one of {ROLES}")
     checked = _build(EngineConfig, overrides, where + ".engine")
-    return replace(inst, advertise=advertise, engine=replace(engine, **{k: getattr(checked, k) for k in overrides}))
+    changed = {k: getattr(checked, k) for k in overrides}
+    if "vllm" in changed:  # an instance's vLLM arguments add to (and override) the deployment's
+        changed["vllm"] = {**engine.vllm, **changed["vllm"]}
+    return replace(inst, advertise=advertise, engine=replace(engine, **changed))
 
 
 def _advertise(raw: Any, where: str) -> dict[str, str]:
@@ -358,6 +364,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):  # an inline table
         return "{ " + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdd.sampling import SamplingParams
 
@@ -45,6 +45,9 @@ class EngineConfig:
     # this it refuses new ones as busy
     max_requests: int = 256
     backend: str = "embedded"  # the implementation (`register_engine`)
+    # vLLM's own engine arguments (`AsyncEngineArgs` fields: tensor_parallel_size, gpu_memory_utilization,
+    # ...), passed through when backend = "vllm": the `[engine.vllm]` table, or `pdd serve --vllm-arg`
+    vllm: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
@@ -167,7 +170,7 @@ class EnginePort(Protocol):
 # eos_ids) and returns a running EnginePort. Imported only when used: the router and
 # the CLI never load an engine they do not run.
 EngineFactory = Callable[[Path, EngineConfig, int, frozenset[int]], EnginePort]
-_ENGINES: dict[str, str] = {"embedded": "pdd.engine.runtime:open_embedded"}
+_ENGINES: dict[str, str] = {}
 
 
 def register_engine(name: str, target: str) -> None:
@@ -188,3 +191,7 @@ def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
     module, _, function = target.partition(":")
     factory: EngineFactory = getattr(importlib.import_module(module), function)
     return factory(Path(model_dir), config, threads, eos_ids)
+
+
+register_engine("embedded", "pdd.engine.runtime:open_embedded")
+register_engine("vllm", "pdd.engines.vllm.engine:open_vllm")  # the `pdd[vllm]` extra

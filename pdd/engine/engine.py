@@ -22,12 +22,10 @@ from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import Sequence, Status
 from pdd.kv import codec
-from pdd.kv.blocks import block_hashes
+from pdd.kv.blocks import HASH_BLOCK, block_hashes
 from pdd.model.loader import load_model
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.sampling import SamplingParams
-
-HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
 
 
 @dataclass
@@ -150,14 +148,10 @@ class Engine:
 
     def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
         cfg = self.model_cfg
-        if (h.num_layers, h.kv_heads, h.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-            raise RequestError("imported KV has another model shape")
-        if (h.layer_start, h.layer_end) != (0, cfg.num_layers):
-            raise RequestError(f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {cfg.num_layers}")
-        if h.token_start != seq.num_computed or h.token_end > seq.prompt_len:
-            raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {seq.num_computed}")
-        if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
-            raise RequestError("imported KV belongs to another prompt (block hashes differ)")
+        why = codec.check_continuation(h, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), seq.tokens,
+                                       seq.num_computed, seq.prompt_len)
+        if why:
+            raise RequestError(why)
 
     def start(self, rid: str, tokens: list[int] = (), shadow: bool = False, step_cap: int = 0) -> Sequence:
         """Make a reserved sequence schedulable, appending already-generated tokens.

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from pdd.kv.blocks import block_hashes
+
 MAGIC = b"PDKV"
 VERSION = 1
 _PREFIX = struct.Struct("!4sHI")  # magic, version, header length
@@ -146,3 +148,20 @@ def join_layers(parts: list[KVBlob]) -> KVBlob:
             raise KVFormatError("KV layer slices describe different tokens")
     header = replace(first, layer_end=last.layer_end)
     return KVBlob(header, torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
+
+
+def check_continuation(h: KVHeader, shape: tuple[int, int, int], tokens: list[int], computed: int,
+                       prompt_len: int) -> str | None:
+    """Why imported KV cannot land in a request that has computed `computed` tokens of
+    `tokens` (None: it can): the model's (layers, kv heads, head dim) `shape`, every
+    layer, the range continuing where the request's KV ends, within its prompt, and
+    the same prompt (block hashes). Every engine refuses the same things."""
+    if (h.num_layers, h.kv_heads, h.head_dim) != shape:
+        return "imported KV has another model shape"
+    if (h.layer_start, h.layer_end) != (0, shape[0]):
+        return f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {shape[0]}"
+    if h.token_start != computed or h.token_end > prompt_len:
+        return f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {computed}"
+    if block_hashes(tokens[: h.token_end], h.block_size) != h.block_hashes:
+        return "imported KV belongs to another prompt (block hashes differ)"
+    return None
