@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pdd.engine_port import EngineConfig
+from pdd.engine_port import EngineConfig, for_backend
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
@@ -303,7 +303,10 @@ def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
     changed = {k: getattr(checked, k) for k in overrides}
     if "vllm" in changed:  # an instance's vLLM arguments add to (and override) the deployment's
         changed["vllm"] = {**engine.vllm, **changed["vllm"]}
-    return replace(inst, advertise=advertise, engine=replace(engine, **changed))
+    merged = replace(engine, **changed)
+    if "backend" in overrides:
+        merged = for_backend(merged, merged.backend, "page_size" in overrides)
+    return replace(inst, advertise=advertise, engine=merged)
 
 
 def _advertise(raw: Any, where: str) -> dict[str, str]:
@@ -336,6 +339,8 @@ def parse(raw: dict) -> Deployment:
         raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
     kwargs: dict[str, Any] = {k: _build(cls, raw[k], k) for k, cls in sections.items() if k in raw}
     engine = kwargs.get("engine", EngineConfig())
+    if "engine" in raw:
+        engine = kwargs["engine"] = for_backend(engine, engine.backend, "page_size" in raw["engine"])
     insts = tuple(_instance(item, engine, i) for i, item in enumerate(raw.get("instances", [])))
     names = [i.name for i in insts]
     if len(set(names)) != len(names):

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdd.engine_port import engine_names, for_backend
 from pdd.names import Mode
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD)
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
 REQUEST_TIMEOUT_S = 120.0
@@ -157,7 +158,8 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
     scenario = _scenario(args)
     sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
     line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
-            f"--jitter-ms={scenario.jitter_ms}", *(["--model", args.model] if args.model else [])]
+            f"--jitter-ms={scenario.jitter_ms}", *(["--model", args.model] if args.model else []),
+            *(["--engine", args.engine] if args.engine else [])]
     deployment = DemoDeployment(mode, args.config, line)
     try:
         with (contextlib.nullcontext() if args.quiet or not console.is_terminal
@@ -188,6 +190,8 @@ def fitted_scenario(args: argparse.Namespace) -> tuple[Scenario, str]:
     from pdd.model.tokenizer import Tokenizer
 
     dep = cfg.load(args.config)
+    if args.engine:
+        dep = dataclasses.replace(dep, engine=for_backend(dep.engine, args.engine))
     model_dir = resolve_model(args.model or dep.model.path)
     model = ModelConfig.from_dir(model_dir)
     vocab = min(model.vocab_size, Tokenizer.from_dir(model_dir).vocab_size)
@@ -212,6 +216,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--config", str(args.config)]
     if args.model:
         parts += ["--model", args.model]
+    if args.engine:
+        parts += ["--engine", args.engine]
     return shlex.join(parts)
 
 
@@ -324,6 +330,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="DIR|ORG/NAME",
                         help="model directory or hub name in the local Hugging Face cache, passed to `pdd up` "
                              "(default: the config's, else the tiny model); the scenario is fitted to it")
+    parser.add_argument("--engine", choices=engine_names(),
+                        help="run every instance of every mode on this engine backend, passed to `pdd up` "
+                             "(default: the config's)")
     # The same SLO defaults as `pdd bench`, so attainment reads the same in both.
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")

@@ -27,9 +27,10 @@ from typing import IO
 import httpx
 
 from pdd import config as cfg
+from pdd.engine_port import engine_names, for_backend
 from pdd.names import RoleName
 
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
                                    "(default: the config's [model] path, else the embedded tiny model)")
     p.add_argument("--port", type=int, help="router port (0: any free port)")
+    p.add_argument("--engine", choices=engine_names(),
+                   help="run every instance on this engine backend (default: the config's [engine] backend)")
     p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
     p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
@@ -47,6 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="the router requires `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: [router] api_key, else $PDD_API_KEY)")
     p.set_defaults(func=run)
+
+
+def with_engine(dep: cfg.Deployment, backend: str) -> cfg.Deployment:
+    """Every instance of `dep` (and those its mode will place) on `backend`."""
+    return replace(dep, engine=for_backend(dep.engine, backend),
+                   instances=tuple(replace(i, engine=for_backend(i.engine, backend)) for i in dep.instances))
 
 
 def free_port() -> int:
@@ -198,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
+    if args.engine is not None:
+        dep = with_engine(dep, args.engine)
     try:
         dep = resolve(replace(dep, policy=policy, link=link, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run

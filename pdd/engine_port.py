@@ -17,8 +17,9 @@ processes that never load a model.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -171,11 +172,40 @@ class EnginePort(Protocol):
 # the CLI never load an engine they do not run.
 EngineFactory = Callable[[Path, EngineConfig, int, frozenset[int]], EnginePort]
 _ENGINES: dict[str, str] = {}
+_PAGE_SIZES: dict[str, int] = {}  # a backend's own default page size, where pdd's does not suit it
 
 
-def register_engine(name: str, target: str) -> None:
-    """Make `[engine] backend = name` build engines with `target` ("module:function")."""
+def register_engine(name: str, target: str, page_size: int | None = None) -> None:
+    """Make `[engine] backend = name` build engines with `target` ("module:function");
+    `page_size`: the page size it runs when none is chosen."""
     _ENGINES[name] = target
+    if page_size is not None:
+        _PAGE_SIZES[name] = page_size
+
+
+def for_backend(config: EngineConfig, backend: str, page_size_chosen: bool = False) -> EngineConfig:
+    """`config` run by `backend`: in that backend's default page size unless one was
+    chosen (pdd's own default is not a choice), the pool keeping its token capacity."""
+    page = _PAGE_SIZES.get(backend)
+    if page is None or page_size_chosen or config.page_size != EngineConfig.page_size:
+        return replace(config, backend=backend)
+    tokens = config.num_pages * config.page_size
+    return replace(config, backend=backend, page_size=page, num_pages=max(1, tokens // page))
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` command-line pairs as an engine's own arguments (VALUE read as JSON,
+    else taken as a string): `pdd serve --vllm-arg tensor_parallel_size=2`."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def engine_names() -> list[str]:
@@ -194,4 +224,5 @@ def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
 
 
 register_engine("embedded", "pdd.engine.runtime:open_embedded")
-register_engine("vllm", "pdd.engines.vllm.engine:open_vllm")  # the `pdd[vllm]` extra
+# the `pdd[vllm]` extra; vLLM's CPU attention takes blocks of a multiple of 32 tokens
+register_engine("vllm", "pdd.engines.vllm.engine:open_vllm", page_size=32)

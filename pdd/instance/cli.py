@@ -9,13 +9,14 @@ import os
 from pathlib import Path
 
 from pdd.config import ROLES
-from pdd.engine_port import EngineConfig, engine_names
+from pdd.engine_port import EngineConfig, engine_names, engine_options, for_backend
 from pdd.names import RoleName
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per KV page (default {d.page_size}; vllm: {for_backend(d, 'vllm').page_size})")
     p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool size in pages")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one engine step")
     p.add_argument("--max-running", type=int, default=d.max_running, help="most sequences computed at once")
@@ -25,6 +26,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=d.max_requests,
                    help="most requests held at once; past it, new ones get 429")
     p.add_argument("--engine", default=d.backend, choices=engine_names(), help="engine backend")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="one of vLLM's own engine arguments (with --engine vllm; repeatable): "
+                        "tensor_parallel_size=2, gpu_memory_utilization=0.85, ... (VALUE is JSON, else a string)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
 
+    d_page = EngineConfig.page_size
+
     logging.basicConfig(level=getattr(logging, os.environ.get("PDD_LOG", "INFO")), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
         if not args.instance:
@@ -67,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
         if not args.model:
             raise SystemExit("pdd serve: --model DIR is required without --config")
-        engine = EngineConfig(args.page_size, args.num_pages, args.max_batch_tokens, args.max_running, args.device,
-                              args.dtype, args.kv_dtype, args.max_requests, args.engine)
+        engine = for_backend(EngineConfig(args.page_size or d_page, args.num_pages, args.max_batch_tokens,
+                                          args.max_running, args.device, args.dtype, args.kv_dtype, args.max_requests,
+                                          vllm=engine_options(args.vllm_arg)), args.engine, args.page_size is not None)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)
     try:

@@ -15,13 +15,16 @@ building the engine (the workers connect during vLLM's start-up).
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -83,8 +86,20 @@ class Channel:
         self._sock.close()
 
 
+def die_with_parent() -> None:
+    """Have the kernel kill this process when the one that started it dies (Linux).
+
+    vLLM's engine core and workers are processes of the instance's: an instance that is
+    killed (or stops while vLLM's teardown hangs) must not leave them running, holding
+    memory and cores, with nothing to talk to."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def connect(path: str, token: str, hello: dict[str, Any]) -> Channel:
     """A connector's channel to its instance: the token proves it was started by it."""
+    die_with_parent()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     channel = Channel(sock)

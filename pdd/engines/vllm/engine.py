@@ -125,11 +125,16 @@ class VllmEngine(Requests):
 
     # ---- EnginePort: KV --------------------------------------------------------------------
     async def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
+        """Checked and claimed at once, so chunks imported back to back (their writes in
+        flight together) must follow each other in the order they were issued."""
         req = self.reservation(rid)
-        await req.reserved
+        if not req.reserved.done():
+            raise RequestError(f"request {rid!r} is not reserved yet")
         self.kv.check_import(blob, req.prompt, req.imported, len(req.prompt))
-        await self.kv.write(req.blocks, blob)
         req.imported = blob.header.token_end
+        write = asyncio.ensure_future(self.kv.write(req.blocks, blob))
+        req.writes.append(write)
+        await write
         self.counters["imported_tokens"] += blob.header.num_tokens
 
     async def export_kv(self, rid: str, start: int, end: int) -> codec.KVBlob:

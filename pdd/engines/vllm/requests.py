@@ -137,6 +137,7 @@ class Requests:
             raise RequestError(f"{len(req.outputs) + len(tokens)} output tokens exceed max_tokens "
                                f"{req.params.max_tokens}")
         if not req.loaded:
+            await asyncio.gather(*req.writes)  # (an import that failed fails this too)
             if req.imported < len(req.prompt) - 1:
                 raise RequestError(f"imported KV ends at {req.imported}: vLLM needs the prompt's KV up to its last "
                                    f"token ({len(req.prompt)})")

@@ -25,6 +25,7 @@ is computed the same way, in the shadow. The rules vLLM imposes on such chunks:
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,7 @@ from pdd.engine_port import StepOutput
 from pdd.engines.vllm.draw import draw_args
 from pdd.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 LOAD, SHADOW, FINAL = "load", "shadow", "final"  # what a session's input chunk is for
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -74,7 +76,8 @@ class Request:
     watchers: list[Watch] = field(default_factory=list)
     hit: int = 0  # prompt tokens vLLM held at admission (the reservation's local hit)
     blocks: list[int] = field(default_factory=list)  # the reservation's (or a hold's) block ids
-    imported: int = 0  # prompt tokens whose KV is in (from the hit on)
+    imported: int = 0  # prompt tokens whose KV is in or on its way in (from the hit on)
+    writes: list[asyncio.Future] = field(default_factory=list)  # imports being written
     loaded: bool = False  # the scheduler was told the KV is complete
     producing: bool = False  # a final chunk was sent: outputs are streamed
     reserved: asyncio.Future | None = None
@@ -130,6 +133,7 @@ def deliver(req: Request, out: Any) -> bool:
     c = out.outputs[0]
     tokens, reason = list(c.token_ids), c.finish_reason
     if reason is not None and reason not in FINISH_REASONS:
+        log.warning("vLLM ended request %s: %s (%s)", req.rid, reason, c.stop_reason)
         req.emit(RuntimeError(f"vLLM ended request {req.rid}: {reason}"))
         return True
     kind = req.chunks[0][0] if req.session and req.chunks else FINAL
