@@ -70,3 +70,13 @@ def tiny_model_dir(pdd_home: Path) -> Path:
     from pdd.model.store import resolve_model
 
     return resolve_model("")
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tiny_model_dir: Path):
+    """A plain `vllm serve` on the tiny model (fp32), started once for every vLLM test module."""
+    pytest.importorskip("vllm")
+    from procs import plain_vllm
+
+    with plain_vllm(tiny_model_dir) as ref:
+        yield ref
