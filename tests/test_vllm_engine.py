@@ -181,6 +181,12 @@ def test_the_next_turn_hits_vllms_own_cache(engines, vllm_reference):
     seq, hashes = engines.run(engines.vllm.cache_snapshot())
     assert set(block_hashes(turn, PAGE)[: held // PAGE]) <= set(hashes)  # the router's mirror reads the same
     hits = engines.vllm.stats()["prefix_cache_hits"]
+    async def uncached() -> int:  # the cross-datacenter PD baseline: nothing of vLLM's cache is reused
+        hit = await engines.vllm.reserve("nc", turn, GREEDY, use_cache=False)
+        await engines.vllm.release("nc")
+        return hit
+
+    assert engines.run(uncached()) == 0
     hit, out2, _ = engines.run(_move(engines.embedded, engines.vllm, "t2", turn, GREEDY))
     assert hit == held and out2 == vllm_reference.greedy(turn, GREEDY.max_tokens)
     assert engines.vllm.stats()["prefix_cache_hits"] - hits >= held  # vLLM's own counter

@@ -100,6 +100,7 @@ def test_vllm_blocks_are_named_by_pdds_chained_hashes():
     assert stored == block_hashes(tokens, 32)  # what the router's mirror computes for the prompt
     assert names.cached_prefix(block_hashes(tokens + [1] * 40, 32)) == 3
     assert names.stored(b"zz", [b"d"], tokens[:32], 32) == [] and names.unknown_parents == 1
+    assert names.stored(None, [b"s"], tokens[:32], 32, [("pdd-uncached:r1",)]) == []  # an uncached import's salt
     assert names.removed([b"b", b"x"]) == [stored[1]]
     assert names.cached_prefix(block_hashes(tokens, 32)) == 1
     seq, hashes = names.snapshot()

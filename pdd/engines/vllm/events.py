@@ -8,7 +8,8 @@ the instance's page size. An instance on vLLM has one page size, vLLM's block si
 and only full blocks are ever cached, so each vLLM block is exactly one pdd page:
 its pdd hash is `chain_hash(pdd hash of its parent, its tokens)`, and `VllmHashes`
 keeps vLLM's hash -> pdd's hash for every cached block, which is also what a
-snapshot reports.
+snapshot reports. Blocks hashed with extra keys (an uncached import's salt) are left
+out: no unsalted prompt can hit them, so the router must not count them.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ class VllmHashes:
         self.lock = threading.Lock()
 
     def stored(self, parent: bytes | int | None, hashes: list[bytes | int], token_ids: list[int],
-               block_size: int) -> list[int]:
+               block_size: int, extra_keys: list[tuple[object, ...] | None] | None = None) -> list[int]:
         if block_size != self.page_size:
             raise ValueError(f"vLLM cached blocks of {block_size} tokens; this instance's page is {self.page_size}")
+        if any(extra_keys or ()):  # salted: hashed apart from every prompt the router hashes
+            return []
         if parent is None:
             prev = ROOT_HASH
         elif parent in self.names:
@@ -142,7 +145,8 @@ class EventSubscriber:
             with self.hashes.lock:
                 if kind == "BlockStored":
                     names, what = self.hashes.stored(event.parent_block_hash, list(event.block_hashes),
-                                                     list(event.token_ids), event.block_size), "stored"
+                                                     list(event.token_ids), event.block_size,
+                                                     event.extra_keys), "stored"
                 elif kind == "BlockRemoved":
                     names, what = self.hashes.removed(list(event.block_hashes)), "removed"
                 else:  # AllBlocksCleared

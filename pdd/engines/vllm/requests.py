@@ -111,8 +111,12 @@ class Requests:
         req.reserved = self.loop.create_future()
         req.inputs = asyncio.Queue()
         extra = {"kv_transfer_params": {"pdd": {"rid": rid, "op": "import"}}}
-        req.inputs.put_nowait(StreamingInput({"prompt_token_ids": list(prompt)},
-                                             streams.chunk_params(extra, skip_cache=not use_cache)))
+        first: dict[str, Any] = {"prompt_token_ids": list(prompt)}
+        if not use_cache:
+            # vLLM's own switch (skip_reading_prefix_cache) turns the connector's load off
+            # too; a salt of the request's own makes vLLM's hashes match nothing cached
+            first["cache_salt"] = f"{streams.UNCACHED_SALT}{rid}"
+        req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra)))
         req.chunks.append((LOAD, 0))
         req.task = asyncio.ensure_future(self._consume(req, self.llm.generate(streams.chunk_stream(req),
                                                                               streams.chunk_params(), rid)))

@@ -39,6 +39,7 @@ from pdd.sampling import SamplingParams
 log = logging.getLogger(__name__)
 LOAD, SHADOW, FINAL = "load", "shadow", "final"  # what a session's input chunk is for
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+UNCACHED_SALT = "pdd-uncached:"  # an import that reuses nothing: its blocks are hashed apart from everyone's
 
 
 class Watch:
@@ -109,13 +110,13 @@ def vllm_params(params: SamplingParams, seed: int, first_position: int, max_toke
                       output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=args or None)
 
 
-def chunk_params(extra: dict[str, Any] | None = None, skip_cache: bool = False) -> Any:
+def chunk_params(extra: dict[str, Any] | None = None) -> Any:
     """A chunk computed only for its KV: one greedy token, dropped."""
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind
 
     return VllmParams(max_tokens=1, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-                      detokenize=False, extra_args=extra, skip_reading_prefix_cache=skip_cache or None)
+                      detokenize=False, extra_args=extra)
 
 
 async def chunk_stream(req: Request) -> AsyncIterator[Any]:
