@@ -20,7 +20,7 @@ _COMMANDS: dict[str, str] = {
     "router": "pdd.router.cli",
     "drain": "pdd.router.drain",
     "up": "pdd.deploy",
-    "wan": "pdd.transfer.wan",
+    "wan": "pdd.wan.cli",
     "cert": "pdd.transfer.tls",
     "netns": "pdd.netns.cli",
     "soak": "pdd.soak.cli",

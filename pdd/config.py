@@ -16,12 +16,18 @@ hop per route: `pdd up` puts it on every cross-datacenter route of its one machi
 
 from __future__ import annotations
 
+import functools
+import json
 import secrets
 import tomllib
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
+import tomli_w
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.engine_port import EngineConfig, for_backend
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
@@ -29,32 +35,19 @@ ROLES = tuple(RoleName)
 MODES = tuple(Mode)
 
 
+# Every table is checked by pydantic: unknown keys, loose types (a string for a number,
+# 1 for true, 2.5 for an integer) and nan or inf are refused, naming the key (see `_validate`).
+STRICT_TABLE = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+T = TypeVar("T")
+
+
 class ConfigError(ValueError):
     pass
 
 
-def parse_addr(text: str) -> tuple[str, int]:
-    """Parse `HOST:PORT` (IPv6 hosts in brackets)."""
-    host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {text!r} is not HOST:PORT")
-    return host, int(port)
-
-
-def callable_at(addr: Any) -> bool:
-    """Whether `addr` is an address one can connect to: "HOST:PORT" with a port."""
-    try:
-        return isinstance(addr, str) and parse_addr(addr)[1] > 0
-    except ValueError:
-        return False
-
-
-UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "")  # a socket can listen on these; nobody can be told to call them
-
-
 @dataclass(frozen=True)
 class ModelSpec:
+    __pydantic_config__ = STRICT_TABLE
     path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
     name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
 
@@ -70,8 +63,9 @@ class LinkSpec:
     """The line between two datacenters. Its bandwidth and delay are what P assumes of
     it until it has measured the line (and what `pdd up`'s emulator enforces); `host`
     and `admin_port` name a `pdd wan` emulator's admin API, when one is on the line, for
-    the router to read the bytes it carried (0: none; the instances' counts are used)."""
+    `pdd up`, the soak and the tests to drive it (0: none)."""
 
+    __pydantic_config__ = STRICT_TABLE
     name: str = "wan"
     a: str = "A"
     b: str = "B"
@@ -84,6 +78,7 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class InstanceSpec:
+    __pydantic_config__ = STRICT_TABLE
     name: str
     role: str
     dc: str = "A"
@@ -95,11 +90,19 @@ class InstanceSpec:
     advertise: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = EngineConfig()
 
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        for dc, addr in self.advertise.items():
+            if not callable_at(addr):
+                raise ValueError(f"advertise.{dc} must be \"HOST:PORT\", got {addr!r}")
+
 
 @dataclass(frozen=True)
 class PolicySpec:
     """Knobs of the decisions in `pdd.policy` (see each function for the rule)."""
 
+    __pydantic_config__ = STRICT_TABLE
     decode_radix_cache: bool = True  # decode side keeps prefixes; only the delta crosses
     kv_chunk_tokens: int = 64  # tokens per KV chunk (one frame per layer; imported as it lands)
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
@@ -135,12 +138,14 @@ class PolicySpec:
 
 @dataclass(frozen=True)
 class SLOSpec:
+    __pydantic_config__ = STRICT_TABLE
     ttft_ms: float = 2000.0
     tpot_ms: float = 200.0
 
 
 @dataclass(frozen=True)
 class RouterSpec:
+    __pydantic_config__ = STRICT_TABLE
     dc: str = "A"
     host: str = "127.0.0.1"  # listens here
     port: int = 8000
@@ -179,6 +184,7 @@ class LivenessSpec:
     requests go on through what is left or fail at once, and no new work goes to it.
     A blackholed line keeps TCP open and silent, so only heartbeats can tell."""
 
+    __pydantic_config__ = STRICT_TABLE
     heartbeat_s: float = 1.0
     dead_after_s: float = 5.0
 
@@ -192,6 +198,7 @@ class TLSSpec:
     """TLS on every framed connection (`pdd.transfer.tls`); empty paths: off. Each end
     presents `cert` and verifies the other's against `ca` (`pdd cert` makes a pair)."""
 
+    __pydantic_config__ = STRICT_TABLE
     cert: str = ""
     key: str = ""
     ca: str = ""
@@ -209,6 +216,7 @@ class TLSSpec:
 class TopologySpec:
     """What `pdd up` expands into instances."""
 
+    __pydantic_config__ = STRICT_TABLE
     prefill: int = 1
     relay: int = 1  # pdd mode only
     main: int = 1  # main decode instances (MD)
@@ -216,16 +224,29 @@ class TopologySpec:
     # priority, as on their own hardware their long prefills would not take the CPU
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
+    # "native": every instance runs at this machine's speed; "emulated": each on its own
+    # emulated accelerator (`pdd.engine.pacing`): P and RLD on the spec's chip A, MD on
+    # B, a standalone instance on A; time then runs `dilation` times slower than on those
+    # chips, and `pdd up` stretches the line and the policy's latency budget alike
+    hardware: str = "native"
+    dilation: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.main < 1 or self.relay < 0:
             raise ValueError("a deployment needs at least one prefill and one main instance")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
+        if self.hardware not in ("native", "emulated") or not self.dilation >= 1.0:
+            raise ValueError("hardware must be native or emulated, and dilation at least 1")
+
+    def chip(self, role: str) -> str:
+        """The emulated chip a role runs on (`native` when nothing is emulated)."""
+        return "native" if self.hardware == "native" else "B" if role == RoleName.MAIN else "A"
 
 
 @dataclass(frozen=True)
 class Deployment:
+    __pydantic_config__ = STRICT_TABLE
     mode: str = Mode.PD_CROSS_DC
     secret: str = ""
     model: ModelSpec = ModelSpec()
@@ -238,6 +259,13 @@ class Deployment:
     tls: TLSSpec = TLSSpec()
     topology: TopologySpec = TopologySpec()
     instances: tuple[InstanceSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        names = [i.name for i in self.instances]
+        if len(set(names)) != len(names):
+            raise ValueError("instance names must be unique")
 
     def instance(self, name: str) -> InstanceSpec:
         for inst in self.instances:
@@ -259,139 +287,99 @@ class Deployment:
         return inst.host, inst.kv_port
 
 
-def _build(cls: type, raw: Any, where: str) -> Any:
-    """A dataclass from a TOML table, with unknown keys and wrong types refused by name."""
+_WORDS = {"string_type": "must be a string", "int_type": "must be an integer", "float_type": "must be a number",
+          "finite_number": "must be a finite number", "bool_type": "must be true or false", "missing": "is missing",
+          "dict_type": "must be a table", "dataclass_type": "must be a table"}
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
+
+
+def _validate(cls: type[T], raw: Any, where: str) -> T:
+    """`cls` from a TOML table, checked by pydantic, through JSON: in strict mode pydantic builds
+    a dataclass from a JSON object but not from a dict. TOML's values are JSON's but dates,
+    which no key takes: they become an array, which none takes either, so the error names the key."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table")
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(raw) - set(known)
-    if unknown:
-        raise ConfigError(f"[{where}] has unknown keys: {sorted(unknown)}")
-    values = {}
-    for key, value in raw.items():
-        f = known[key]
-        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
-        if isinstance(default, dict):  # a free-form table passed through (an engine's own arguments)
-            ok = isinstance(value, dict)
-        elif isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, (int, float)):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            value = type(default)(value) if ok else value
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ConfigError(f"[{where}] {key} has the wrong type ({type(value).__name__})")
-        values[key] = value
+        raise ConfigError(f"[{where}] must be a table" if where else "a deployment must be a table")
     try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"[{where}] {e}") from None
+        return cast(T, _adapter(cls).validate_json(json.dumps(raw, default=lambda v: [str(v)])))
+    except ValidationError as e:
+        raise ConfigError(_explain(e, where)) from None
 
 
-def _instance(raw: Any, engine: EngineConfig, index: int) -> InstanceSpec:
-    if not isinstance(raw, dict) or "name" not in raw or "role" not in raw:
-        raise ConfigError(f"[[instances]] #{index + 1} needs a name and a role")
-    raw = dict(raw)
-    overrides = raw.pop("engine", {})
-    where = f"instances.{raw['name']}"
-    advertise = _advertise(raw.pop("advertise", {}), where)
-    inst = _build(InstanceSpec, raw, where)
-    if inst.role not in ROLES:
-        raise ConfigError(f"[{where}] role must be one of {ROLES}")
-    checked = _build(EngineConfig, overrides, where + ".engine")
-    changed = {k: getattr(checked, k) for k in overrides}
-    if "vllm" in changed:  # an instance's vLLM arguments add to (and override) the deployment's
-        changed["vllm"] = {**engine.vllm, **changed["vllm"]}
-    merged = replace(engine, **changed)
-    if "backend" in overrides:
-        merged = for_backend(merged, merged.backend, "page_size" in overrides)
-    return replace(inst, advertise=advertise, engine=merged)
+def _explain(err: ValidationError, where: str) -> str:
+    unknown: dict[str, list[str]] = {}
+    problems = []
+    for e in err.errors():
+        loc = [str(part) for part in e["loc"]]
+        # a table's own check (__post_init__) names its keys; a deployment's first step is its table
+        split = len(loc) if e["type"] == "value_error" else int(not where and len(loc) > 1)
+        table, key = ".".join([where, *loc[:split]]).strip("."), ".".join(loc[split:])
+        head = f"[{table}] " if table else ""
+        if e["type"] == "unexpected_keyword_argument":
+            unknown.setdefault(head, []).append(key)
+        else:
+            problems.append(head + (e["msg"].removeprefix("Value error, ") if e["type"] == "value_error"
+                                    else f"{key} {_WORDS.get(e['type'], e['msg'])}"))
+    problems += [f"{head}has unknown keys: {sorted(keys)}" if head else f"unknown top-level keys: {sorted(keys)}"
+                 for head, keys in unknown.items()]
+    return "; ".join(problems)
 
 
-def _advertise(raw: Any, where: str) -> dict[str, str]:
-    """An instance's `advertise` table: datacenter -> "HOST:PORT", each checked."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] advertise must be a table of datacenter = \"HOST:PORT\"")
-    for dc, addr in raw.items():
-        if not callable_at(addr):
-            raise ConfigError(f"[{where}] advertise.{dc} must be \"HOST:PORT\", got {addr!r}")
-    return dict(raw)
-
-
-def instance_from_dict(raw: Any, engine: EngineConfig) -> InstanceSpec:
-    """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join),
-    checked as strictly as the config file is."""
-    return _instance(raw, engine, 0)
+def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> InstanceSpec:
+    """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join), checked
+    as strictly as the config file is. Its `engine` table overrides the deployment's."""
+    name = raw.get("name") if isinstance(raw, dict) else None
+    where = f"instances.{name}" if isinstance(name, str) else f"instances #{index + 1}"
+    overrides = raw.get("engine", {}) if isinstance(raw, dict) else None
+    if isinstance(overrides, dict):
+        merged = {**asdict(engine), **overrides}
+        if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to (and override) the deployment's
+            merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
+        raw = {**raw, "engine": merged}
+    inst = _validate(InstanceSpec, raw, where)
+    if isinstance(overrides, dict) and "backend" in overrides:  # in that backend's page size, unless one was chosen
+        inst = replace(inst, engine=for_backend(inst.engine, inst.engine.backend, "page_size" in overrides))
+    return inst
 
 
 def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
-    return {**{f.name: getattr(inst, f.name) for f in fields(inst) if f.name not in ("engine", "advertise")},
-            "advertise": dict(inst.advertise),
-            "engine": {f.name: getattr(inst.engine, f.name) for f in fields(inst.engine)}}
+    return asdict(inst)
 
 
 def parse(raw: dict) -> Deployment:
-    sections = {"model": ModelSpec, "engine": EngineConfig, "link": LinkSpec, "policy": PolicySpec,
-                "slo": SLOSpec, "router": RouterSpec, "liveness": LivenessSpec, "tls": TLSSpec, "topology": TopologySpec}
-    unknown = set(raw) - set(sections) - {"mode", "secret", "instances"}
-    if unknown:
-        raise ConfigError(f"unknown top-level keys: {sorted(unknown)}")
-    kwargs: dict[str, Any] = {k: _build(cls, raw[k], k) for k, cls in sections.items() if k in raw}
-    engine = kwargs.get("engine", EngineConfig())
-    if "engine" in raw:
-        engine = kwargs["engine"] = for_backend(engine, engine.backend, "page_size" in raw["engine"])
-    insts = tuple(_instance(item, engine, i) for i, item in enumerate(raw.get("instances", [])))
-    names = [i.name for i in insts]
-    if len(set(names)) != len(names):
-        raise ConfigError("instance names must be unique")
-    mode = raw.get("mode", Deployment.mode)
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}")
-    return Deployment(mode=mode, secret=str(raw.get("secret", "")), instances=insts, **kwargs)
+    """A deployment from a parsed TOML document; `ConfigError` names what is wrong."""
+    dep = _validate(Deployment, {k: v for k, v in raw.items() if k != "instances"}, "")
+    if isinstance(raw.get("engine"), dict):
+        dep = replace(dep, engine=for_backend(dep.engine, dep.engine.backend, "page_size" in raw["engine"]))
+    items = raw.get("instances", [])
+    if not isinstance(items, list):
+        raise ConfigError("instances must be an array of tables ([[instances]])")
+    instances = tuple(instance_from_dict(item, dep.engine, i) for i, item in enumerate(items))
+    try:
+        return replace(dep, instances=instances)
+    except ValueError as e:  # two instances of one name
+        raise ConfigError(str(e)) from None
 
 
 def load(path: str | Path | None) -> Deployment:
-    """The deployment in `path`, or the built-in default one."""
+    """The deployment in `path`, or the built-in default one; errors name the file."""
     if path is None:
         return Deployment()
     try:
         with open(path, "rb") as f:
             return parse(tomllib.load(f))
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, ConfigError) as e:
         raise ConfigError(f"{path}: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table
-        return "{ " + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _toml_table(header: str, obj: Any) -> list[str]:
-    lines = [header] + [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
-                        if not isinstance(getattr(obj, f.name), EngineConfig)]
-    if isinstance(obj, InstanceSpec):  # TOML: this subtable belongs to the last [[instances]]
-        lines += _toml_table("[instances.engine]", obj.engine)
-    return lines
-
-
 def dump(dep: Deployment) -> str:
     """TOML text of a deployment, readable back by `parse`."""
-    out = [f"mode = {_toml_value(dep.mode)}", f"secret = {_toml_value(dep.secret)}", ""]
-    for name in ("model", "engine", "link", "policy", "slo", "router", "liveness", "tls", "topology"):
-        out += _toml_table(f"[{name}]", getattr(dep, name)) + [""]
-    for inst in dep.instances:
-        out += _toml_table("[[instances]]", inst) + [""]
-    return "\n".join(out)
+    return tomli_w.dumps({**asdict(dep), "instances": [asdict(inst) for inst in dep.instances]})
 
 
 def with_secret(dep: Deployment) -> Deployment:
@@ -403,11 +391,18 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     (pd-same-dc) or B (pd-cross-dc, pdd)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
-    eng, a = dep.engine, dep.link.a
+    top, a = dep.topology, dep.link.a
+
+    def spec(name: str, role: str, dc: str) -> InstanceSpec:
+        # pd-same-dc is the spec's homogeneous baseline: every chip of it is A
+        chip = top.chip(RoleName.PREFILL if mode == Mode.PD_SAME_DC else role)
+        engine = dep.engine if chip == "native" else replace(dep.engine, hardware=chip, dilation=top.dilation)
+        return InstanceSpec(name, role, dc, engine=engine)
+
     if mode == Mode.COLOCATED:
-        return (InstanceSpec("standalone0", RoleName.STANDALONE, a, engine=eng),)
+        return (spec("standalone0", RoleName.STANDALONE, a),)
     d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
-    ps = [InstanceSpec(f"p{i}", RoleName.PREFILL, a, engine=eng) for i in range(dep.topology.prefill)]
-    rs = [InstanceSpec(f"rld{i}", RoleName.RELAY, a, engine=eng) for i in range(dep.topology.relay if mode == Mode.PDD else 0)]
-    ds = [InstanceSpec(f"md{i}", RoleName.MAIN, d_dc, engine=eng) for i in range(dep.topology.main)]
+    ps = [spec(f"p{i}", RoleName.PREFILL, a) for i in range(top.prefill)]
+    rs = [spec(f"rld{i}", RoleName.RELAY, a) for i in range(top.relay if mode == Mode.PDD else 0)]
+    ds = [spec(f"md{i}", RoleName.MAIN, d_dc) for i in range(top.main)]
     return tuple(ps + rs + ds)

@@ -32,13 +32,18 @@ from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 if TYPE_CHECKING:
     from rich.console import Console
 
-DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD)
+# The four modes, then the two PD modes at PDD's hardware: as many instances as PDD's
+# P, RLD and MD (same-dc: all on A; cross-dc: P on A, two MD on B)
+DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD, f"{Mode.PD_SAME_DC}:main=2",
+                 f"{Mode.PD_CROSS_DC}:main=2")
+DEFAULT_DILATION = 3.0
 START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
 REQUEST_TIMEOUT_S = 120.0
 _TAIL_LINES = 30
 _ROUTER_LINE = re.compile(r"router:\s+(https?://\S+)")
+_INSTANCE_LINE = re.compile(r"instance (\S+) \(.*\): (https?://\S+)")
 _MODE_CHOICES = re.compile(r"--mode[ =]\{([^}]*)\}")
 
 
@@ -92,6 +97,8 @@ class DemoDeployment:
         if config is not None:
             args += ["--config", str(config)]
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.instances: dict[str, str] = {}  # name -> HTTP URL, as `pdd up` announces them
+        self.pacing = ""  # `pdd up`'s pacing line
         self._url: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(
             up_command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -105,6 +112,11 @@ class DemoDeployment:
         found = False
         for line in self.proc.stdout:
             self.tail.append(line.rstrip("\n"))
+            instance = _INSTANCE_LINE.fullmatch(line.strip())
+            if instance is not None:
+                self.instances[instance.group(1)] = instance.group(2)
+            elif line.startswith("pacing: "):
+                self.pacing = line.strip()
             match = None if found else _ROUTER_LINE.fullmatch(line.strip())
             if match is not None:
                 found = True
@@ -158,7 +170,8 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
     scenario = _scenario(args)
     sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
     line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
-            f"--jitter-ms={scenario.jitter_ms}", *(["--model", args.model] if args.model else []),
+            f"--jitter-ms={scenario.jitter_ms}", f"--hardware={args.hardware}", f"--dilation={args.dilation}",
+            *(["--model", args.model] if args.model else []),
             *(["--engine", args.engine] if args.engine else [])]
     deployment = DemoDeployment(mode, args.config, line)
     try:
@@ -169,11 +182,27 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
             console.print(f"{mode}: serving at {url}, replaying {args.requests} requests",
                           markup=False, highlight=False)
         run = run_bench(url, sessions, timeout_s=REQUEST_TIMEOUT_S, quiet=args.quiet)
+        instances = _instance_steps(deployment.instances)
     finally:
         deployment.stop()
-    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms,
-                        slo_tpot_ms=args.slo_tpot_ms)
+    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms * args.dilation,
+                        slo_tpot_ms=args.slo_tpot_ms * args.dilation)
+    summary["pacing"] = deployment.pacing
+    summary["instances"] = instances
     return summary, [r.to_dict() for r in run.records]
+
+
+def _instance_steps(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each instance's pacing: its chip, its prefill and decode step times, its overruns."""
+    import httpx
+
+    out = {}
+    for name, url in urls.items():
+        try:
+            out[name] = httpx.get(f"{url}/pdd/stats", timeout=5).json()["engine"]["pacing"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
@@ -211,6 +240,7 @@ def _command_line(args: argparse.Namespace) -> str:
     """An equivalent `pdd demo` command line, so a report says how to reproduce it."""
     parts = ["pdd", "demo", "--scenario", args.scenario, "--out", str(args.out), "--modes", ",".join(args.modes),
              "--requests", str(args.requests), "--rate", str(args.rate), "--seed", str(args.seed),
+             "--hardware", args.hardware, "--dilation", f"{args.dilation:g}",
              "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     if args.config is not None:
         parts += ["--config", str(args.config)]
@@ -236,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdd.bench.client import BenchError
     from pdd.bench.report import write_report, write_requests
-    from pdd.bench.summary import format_table
+    from pdd.bench.summary import format_hardware_table, format_table
     err = Console(stderr=True)
     scenario = _scenario(args)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -274,6 +304,11 @@ def run(args: argparse.Namespace) -> int:
         table = format_table(summaries)
         table.title = "pdd demo"
         out.print(table)
+        hardware = format_hardware_table(summaries)
+        if hardware is not None:
+            out.print(hardware)
+        for line in sorted({s.get("pacing", "") for s in summaries.values()} - {""}):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
     meta = {
         "date": started,
         "command": _command_line(args),
@@ -287,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model or None,
             "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms,
+            "hardware": args.hardware,
+            "dilation": args.dilation,
             "scenario": scenario.name,
             "line": {"bandwidth_mbps": scenario.bandwidth_mbps, "delay_ms": scenario.delay_ms,
                      "jitter_ms": scenario.jitter_ms},
@@ -336,6 +373,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # The same SLO defaults as `pdd bench`, so attainment reads the same in both.
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")
+    parser.add_argument("--hardware", choices=("emulated", "native"), default="emulated",
+                        help="emulated (default): each instance paced as its own accelerator (P, RLD on the spec's "
+                             "A, MD on B; pd-same-dc all on A), real tokens in emulated time; native: every "
+                             "instance at this machine's speed, sharing its CPU")
+    parser.add_argument("--dilation", type=float, default=DEFAULT_DILATION,
+                        help=f"emulated time runs this many times slower than the chips, so this CPU keeps up "
+                             f"(default {DEFAULT_DILATION:g}); the line and the SLOs are stretched alike")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
     def func(args: argparse.Namespace) -> int:
@@ -348,6 +392,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             parser.error(f"--config {args.config}: no such file")
         if not args.rate > 0:
             parser.error("--rate must be > 0 (inf starts every session at once)")
+        if args.hardware == "native":
+            args.dilation = 1.0  # nothing is emulated, so nothing is stretched
+        if not args.dilation >= 1:
+            parser.error("--dilation must be at least 1")
         try:
             args.fitted, args.fit_note = fitted_scenario(args)
         except (OSError, ValueError) as exc:  # no such model, one pdd cannot run, a bad config

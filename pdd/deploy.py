@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -46,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
     p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
     p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
+    p.add_argument("--hardware", choices=("native", "emulated"),
+                   help="native: every instance at this machine's speed; emulated: each paced as its own "
+                        "accelerator (P, RLD on the spec's A, MD on B), real tokens in emulated time")
+    p.add_argument("--dilation", type=float, help="emulated time runs this many times slower than the chips "
+                                                  "(the line and the latency budget are stretched alike)")
+    p.add_argument("--prefill", type=int, help="prefill instances (default: the config's [topology])")
+    p.add_argument("--main", type=int, help="main decode instances (default: the config's [topology])")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
     p.add_argument("--api-key", default=None, help="the router requires `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: [router] api_key, else $PDD_API_KEY)")
@@ -58,8 +66,30 @@ def with_engine(dep: cfg.Deployment, backend: str) -> cfg.Deployment:
                    instances=tuple(replace(i, engine=for_backend(i.engine, backend)) for i in dep.instances))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free to listen on now, for a child to bind a moment later. Drawn below the
+    ephemeral range: a port the kernel hands out there is also what every outgoing
+    connection takes its local port from, so another process's connect() could take
+    it in between; below it only another listener could, and the draw is random."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: what the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -77,6 +107,26 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def stretch(link: cfg.LinkSpec, policy: cfg.PolicySpec, dilation: float) -> tuple[cfg.LinkSpec, cfg.PolicySpec]:
+    """The line and P's latency budget in emulated time, which runs `dilation` times
+    slower than the emulated chips: every ratio between compute, the line and the
+    budget stays what it is at the chips' speed."""
+    return (replace(link, bandwidth_mbps=link.bandwidth_mbps / dilation, delay_ms=link.delay_ms * dilation,
+                    jitter_ms=link.jitter_ms * dilation),
+            replace(policy, ttft_budget_ms=policy.ttft_budget_ms * dilation))
+
+
+def pacing_line(dep: cfg.Deployment) -> str:
+    """What pacing the deployment's instances run under, for every report to print."""
+    top = dep.topology
+    if top.hardware == "native":
+        return "pacing: native (every instance at this machine's speed, sharing its CPU)"
+    chips = ", ".join(f"{i.name} on {i.engine.hardware}" for i in dep.instances)
+    return (f"pacing: emulated accelerators ({chips}; the spec's A for compute, B for bandwidth and memory): real "
+            f"tokens in emulated time, {top.dilation:g}x slower than the chips; the line and the latency budget "
+            f"stretched alike ({dep.link.bandwidth_mbps:g} Mbit/s, {dep.link.delay_ms:g} ms one-way)")
 
 
 def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
@@ -160,7 +210,8 @@ class Launcher:
             print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
                   f"admin http://{link.host}:{link.admin_port}", flush=True)
         for inst in dep.instances:
-            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL else 0
+            # natively, prefill would take decode's CPU; an emulated chip paces itself
+            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL and inst.engine.hardware == "native" else 0
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
             print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
         for name, proc in list(self.children):
@@ -205,6 +256,17 @@ def run(args: argparse.Namespace) -> int:
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
+    placed = (("hardware", args.hardware), ("dilation", args.dilation), ("prefill", args.prefill), ("main", args.main))
+    try:
+        topology = replace(dep.topology, **{k: v for k, v in placed if v is not None})
+    except ValueError as e:
+        print(f"pdd up: {e}", file=sys.stderr)
+        return 2
+    dep = replace(dep, topology=topology)
+    if topology.hardware == "emulated":
+        link, policy = stretch(link, policy, topology.dilation)
+        dep = replace(dep, slo=replace(dep.slo, ttft_ms=dep.slo.ttft_ms * topology.dilation,
+                                       tpot_ms=dep.slo.tpot_ms * topology.dilation))
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
     if args.engine is not None:
@@ -226,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         print(f"pdd up: mode {mode}, run directory {run_dir}", flush=True)
+        print(pacing_line(dep), flush=True)
         launcher.start()
         launcher.watch(stop)
     except RuntimeError as e:

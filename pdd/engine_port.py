@@ -35,6 +35,8 @@ CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored"
 class EngineConfig:
     """One engine's sizes and numerics: the `[engine]` table."""
 
+    # how pydantic checks the table (`pdd.config`): unknown keys and loose types refused
+    __pydantic_config__ = {"extra": "forbid", "strict": True, "allow_inf_nan": False}
     page_size: int = 16  # tokens per KV page
     num_pages: int = 2048  # KV pool size
     max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it)
@@ -49,11 +51,17 @@ class EngineConfig:
     # vLLM's own engine arguments (`AsyncEngineArgs` fields: tensor_parallel_size, gpu_memory_utilization,
     # ...), passed through when backend = "vllm": the `[engine.vllm]` table, or `pdd serve --vllm-arg`
     vllm: dict[str, Any] = field(default_factory=dict)
+    # "native": steps take what this machine takes; "A" / "B": at least what that chip of
+    # the simulator's catalog would (`pdd.engine.pacing`), `dilation` times slower
+    hardware: str = "native"
+    dilation: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be at least 1")
+        if not self.dilation >= 1.0:
+            raise ValueError("engine dilation must be at least 1 (emulated time runs slower, never faster)")
 
 
 class RequestError(ValueError):

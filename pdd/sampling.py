@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass
+
+import msgspec
 
 MIN_TEMPERATURE = 1e-5
 _FLOAT_MAX = sys.float_info.max
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A struct, not a dataclass, so a SUBMIT's parameters decode (and are checked) with
+    the message around them; `msgspec.structs.replace` makes a changed copy."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0

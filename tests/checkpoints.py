@@ -92,13 +92,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[li
     try:
         with torch.no_grad():
             cache = transformers.DynamicCache(config=model.config)
-            out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+            out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
             prompt_logits = out.logits[0]
             for _ in range(steps):
                 top = torch.topk(out.logits[0, -1], 2)
                 gaps.append(float(top.values[0] - top.values[1]))
                 ids.append(int(top.indices[0]))
-                out = model(torch.tensor([ids[-1:]]), cache=cache, use_cache=True)
+                out = model(torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True)
     finally:
         torch.set_num_threads(threads)
     return ids, prompt_logits, min(gaps)

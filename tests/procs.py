@@ -78,6 +78,12 @@ def metrics(url: str) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("pdd_")}
 
 
+def rejected_frames(url: str) -> float:
+    """The frames a server rejected, over every reason (`pdd_rejected_frames_total{reason}`:
+    no series at all until the first)."""
+    return sum(v for k, v in metrics(url).items() if k.startswith("pdd_rejected_frames_total{"))
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
     """Poll `condition()` until it returns something truthy, and return that; fail naming
     `what` after `timeout` seconds."""
@@ -113,9 +119,10 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def pdd_up(*args: str, timeout: float = 120.0) -> Iterator[Deployment]:
-    """`pdd up ARGS --port 0`, torn down (whole process group) on exit."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> Iterator[Deployment]:
+    """`pdd up ARGS --port 0` (with `env` added to the environment), torn down (whole
+    process group) on exit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "up", "--port", "0", *args], env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

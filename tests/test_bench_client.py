@@ -25,6 +25,7 @@ from procs import free_port
 from pdd.bench.client import replay
 from pdd.cli import main
 from pdd.workload.types import Session, Turn
+from pdd.policy.prefix import common_prefix
 
 # A prompt ending in one of these IDs (below the workloads' low_id, so never generated)
 # makes the fake fail.
@@ -38,11 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 def fake_output(prompt: list[int], n: int) -> list[int]:
     """The fake model: deterministic output IDs that depend on the whole prompt."""
     return [(sum(prompt) * 31 + 7 * i) % 4000 + 16 for i in range(n)]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    pairs = zip(a, b, strict=False)
-    return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
 
 
 def _sse(payload: dict | str) -> str:
@@ -77,7 +73,7 @@ def make_app() -> FastAPI:
         if prompt[-1] == FAIL_HTTP:
             return JSONResponse({"error": {"message": "injected overload", "type": "server_error",
                                            "code": 500}}, status_code=500)
-        cached = max((_common_prefix(prompt, seq) for seq in cache), default=0)
+        cached = max((common_prefix(prompt, seq) for seq in cache), default=0)
         output = fake_output(prompt, n)
         cache.append(prompt + output)
         relayed = cached * 2 < len(prompt)

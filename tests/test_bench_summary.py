@@ -7,7 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from pdd.bench.summary import RequestRecord, format_table, summarize
+from pdd.bench.summary import format_table, summarize
+from pdd.record import RequestRecord
 
 CONTRACT_KEYS = {"requests", "completed", "failed", "ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms",
                  "prompt_tokens", "output_tokens", "p_hit_tokens", "d_hit_tokens", "wan_bytes",
@@ -43,11 +44,13 @@ def records() -> list[RequestRecord]:
 def test_latency_percentiles_cover_completed_requests_only(records):
     summary = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
     assert summary.keys() >= CONTRACT_KEYS
-    assert summary["ttft_ms"] == pytest.approx({"mean": 25.0, "p50": 25.0, "p90": 37.0,
-                                                "p99": 39.7})
+    quantiles = ("mean", "p50", "p90", "p99")
+    assert {q: summary["ttft_ms"][q] for q in quantiles} == pytest.approx({"mean": 25.0, "p50": 25.0, "p90": 37.0,
+                                                                          "p99": 39.7})
     # The one-token request has no TPOT and is skipped, not counted as zero.
-    assert summary["tpot_ms"] == pytest.approx({"mean": 14 / 3, "p50": 4.0, "p90": 7.2,
-                                                "p99": 7.92})
+    assert {q: summary["tpot_ms"][q] for q in quantiles} == pytest.approx({"mean": 14 / 3, "p50": 4.0, "p90": 7.2,
+                                                                          "p99": 7.92})
+    assert (summary["ttft_ms"]["n"], summary["tpot_ms"]["n"]) == (4, 3)
     assert summary["max_itl_ms"]["p99"] == 5.0
 
 
@@ -87,7 +90,8 @@ def test_colocated_and_plain_servers_are_counted_as_such():
 def test_all_failed_gives_nulls_not_errors():
     summary = summarize([_failed(0), _failed(1)], wan_bytes=None, slo_ttft_ms=1, slo_tpot_ms=1)
     assert summary["completed"] == 0 and summary["failed"] == 2
-    assert summary["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert summary["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0, "p90_ci": None,
+                                  "p99_ci": None}
     assert summary["d_hit_rate"] is None and summary["slo_attainment"] == 0
     json.dumps(summary, allow_nan=False)  # still a valid report
 
@@ -109,3 +113,15 @@ def test_table_puts_summaries_side_by_side(records):
     assert "10.0" in ttft_row and "25.0" in ttft_row
     assert "2.00 MiB" in text and "4.39 KiB" in text
     assert "80.0 %" in text  # D hit
+
+
+def test_tail_percentiles_carry_a_bootstrap_interval_that_narrows_with_more_requests():
+    few = summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    many = summarize([_ok(i, ttft=10.0 + i % 20, tpot=2.0) for i in range(400)], wan_bytes=None, slo_ttft_ms=1e9,
+                     slo_tpot_ms=1e9)
+    lo, hi = few["ttft_ms"]["p99_ci"]
+    assert lo <= few["ttft_ms"]["p99"] <= hi and lo < hi  # over 20 requests the P99 is uncertain
+    lo2, hi2 = many["ttft_ms"]["p99_ci"]
+    assert hi2 - lo2 < hi - lo
+    assert few["ttft_ms"]["p90_ci"] == summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None,
+                                                 slo_ttft_ms=1e9, slo_tpot_ms=1e9)["ttft_ms"]["p90_ci"]  # seeded

@@ -5,6 +5,8 @@ crosses its emulated line)."""
 
 from __future__ import annotations
 
+import re
+import tomllib
 from dataclasses import replace
 
 import pytest
@@ -46,8 +48,6 @@ kv_port = 9100
 
 
 def _parse(text: str) -> cfg.Deployment:
-    import tomllib
-
     return cfg.parse(tomllib.loads(text))
 
 
@@ -107,3 +107,35 @@ def test_pdd_up_puts_its_emulator_on_every_route_across_the_line_and_only_there(
     assert link.admin_port
     same = resolve(cfg.Deployment(), "pd-same-dc", 0)
     assert not any(i.advertise for i in same.instances) and not same.link.admin_port
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[link]\nbandwidth_mbps = "fast"', r"\[link\] bandwidth_mbps must be a number"),
+    ("[engine]\nnum_pages = 2.5", r"\[engine\] num_pages must be an integer"),
+    ("[policy]\ndecode_radix_cache = 1", r"\[policy\] decode_radix_cache must be true or false"),
+    ("[slo]\nttft_ms = nan", r"\[slo\] ttft_ms must be a finite number"),
+    ("[router]\nport = 80\nzzz = 1", r"\[router\] has unknown keys: \['zzz'\]"),
+    ('colour = "red"', r"unknown top-level keys: \['colour'\]"),
+    ("[model]\npath = 2024-01-01", r"\[model\] path must be a string"),
+    ('[[instances]]\nname = "a"\nrole = "main"\n[instances.engine]\nnum_pages = "many"',
+     r"\[instances\.a\] engine\.num_pages must be an integer"),
+    ('[[instances]]\nname = "a"\nrole = "king"', r"\[instances\.a\] role must be one of"),
+])
+def test_a_bad_value_is_refused_naming_the_file_and_the_key(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(cfg.ConfigError, match=re.escape(str(path)) + ": " + match):
+        cfg.load(path)
+
+
+def test_an_instances_engine_table_overrides_the_deployments():
+    dep = _parse('[engine]\nnum_pages = 100\nmax_running = 3\n'
+                 '[[instances]]\nname = "md0"\nrole = "main"\n[instances.engine]\nnum_pages = 50\n')
+    assert (dep.engine.num_pages, dep.engine.max_running) == (100, 3)
+    assert (dep.instance("md0").engine.num_pages, dep.instance("md0").engine.max_running) == (50, 3)
+
+
+@pytest.mark.parametrize("mode", cfg.MODES)
+def test_every_resolved_deployment_round_trips_through_its_file(tiny_model_dir, mode):
+    dep = resolve(cfg.Deployment(), mode, 0)
+    assert _parse(cfg.dump(dep)) == dep

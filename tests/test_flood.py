@@ -53,13 +53,13 @@ def _node(dep, name: str) -> dict:
 @pytest.mark.parametrize("mode", ["colocated", "pd-same-dc", "pd-cross-dc", "pdd"])
 def test_a_flood_is_answered_whole_or_refused_up_front(tmp_path, mode):
     with pdd_up("--config", _config(tmp_path / "d.toml", mode, SMALL)) as dep:
-        out = asyncio.run(flood(dep.url, 40, PROMPT_TOKENS, MAX_TOKENS, vocab=4096))
+        out = asyncio.run(flood(dep.url, 40, PROMPT_TOKENS, MAX_TOKENS))
         print(f"\n{mode}: sent {out.sent}, whole {out.whole}, refused {out.refused}, other {len(out.other)} "
               f"in {out.wall_s:.1f} s; statuses {dict(out.statuses)}")
         assert out.ok, out.other[:5]
         assert out.whole >= 16 and out.refused > 0  # the router's 8 + 8 ran; the rest was told to come back
         _settled(dep)
-        again = asyncio.run(flood(dep.url, 2, PROMPT_TOKENS, MAX_TOKENS, vocab=4096, seed=1))
+        again = asyncio.run(flood(dep.url, 2, PROMPT_TOKENS, MAX_TOKENS, seed=1))
         assert again.whole == 2  # the refusals were back-pressure, not a broken deployment
 
 
@@ -89,7 +89,7 @@ def test_a_small_relay_is_never_overrun_and_md_takes_the_rest(tmp_path):
     it can decode at once, and P sends the rest P -> MD, counted as a fallback."""
     sections = {"router": {"max_running": 32, "max_waiting": 64}, "link": SMALL["link"]}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_RELAY)) as dep:
-        out = asyncio.run(flood(dep.url, 48, PROMPT_TOKENS, MAX_TOKENS, vocab=4096))
+        out = asyncio.run(flood(dep.url, 48, PROMPT_TOKENS, MAX_TOKENS))
         stats = httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()
         print(f"\nsmall relay: whole {out.whole}, refused {out.refused}, other {len(out.other)}; "
               f"relay peak {_node(dep, 'rld0')['peak_held']}; router {stats}")
@@ -106,7 +106,7 @@ def test_a_slow_line_is_progress_not_a_timeout(tmp_path):
     twice the first-token timeout: the request completes, since the KV keeps moving."""
     sections = {"router": {"token_timeout_s": 3.0}, "link": {"bandwidth_mbps": 4.0, "delay_ms": 5.0, "jitter_ms": 0.0}}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pd-cross-dc", sections)) as dep:
-        out = asyncio.run(flood(dep.url, 1, 800, 4, stream_share=0.0, vocab=4096))
+        out = asyncio.run(flood(dep.url, 1, 800, 4, stream_share=0.0))
         assert out.ok and out.whole == 1, out.other
         assert out.wall_s > 2 * 3.0, out.wall_s  # the premise: slower than the timeout
 
@@ -211,12 +211,20 @@ def test_background_copies_behind_a_stalled_line_leave_p_its_places(tmp_path):
     line is back, MD's pages come back within seconds."""
     sections = {"liveness": {"heartbeat_s": 1.0, "dead_after_s": 30.0}, "link": SMALL["link"]}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_P)) as dep:
-        assert asyncio.run(flood(dep.url, 1, PROMPT_TOKENS, MAX_TOKENS, vocab=4096, seed=9)).whole == 1  # connected
+        assert asyncio.run(flood(dep.url, 1, PROMPT_TOKENS, MAX_TOKENS, seed=9)).whole == 1  # connected
         dep.fault(stall_s=8.0)
-        waves = [asyncio.run(flood(dep.url, 3, PROMPT_TOKENS, 8, vocab=4096, seed=10 + w)) for w in range(4)]
+        waves = [asyncio.run(flood(dep.url, 3, PROMPT_TOKENS, 8, seed=10 + w)) for w in range(4)]
         p = _node(dep, "p0")
         print(f"\nduring the stall: {[w.whole for w in waves]} whole of 3 a wave; P holds {p['held']} foreground")
         assert all(w.ok and w.whole == 3 for w in waves), [w.other for w in waves]
         dep.fault(stall_s=0)
         back_s = _settled(dep, 10.0)
         print(f"MD's pages all back {back_s:.1f} s after the line was")
+
+
+def test_flood_prompts_are_distinct_token_ids_of_the_vocabulary():
+    from pdd.bench.flood import _prompt
+
+    prompts = [_prompt(i, 150, 4096) for i in range(40)]
+    assert len({tuple(p) for p in prompts}) == 40  # nothing shared: each costs its full KV
+    assert all(0 < t < 4096 for p in prompts for t in p) and len(set(prompts[0])) > 100

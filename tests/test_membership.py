@@ -1,6 +1,7 @@
 """Decoupled lifecycles as real processes: a decode instance joins a running pdd-mode
-deployment and gets work; another is drained while it streams, finishes every request
-and leaves, and the router sends it nothing meanwhile."""
+deployment and gets work (and, asked to, serves the OpenAI API itself); another is
+drained while it streams, finishes every request and leaves, and the router sends it
+nothing meanwhile, though by load it would; the membership routes need the admin token."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,8 +17,10 @@ import httpx
 from procs import free_port, pdd_process, pdd_up, wait_until
 
 from pdd import config as cfg
+from pdd.api.auth import admin_token
 
 PROMPT = list(range(100, 260))
+ONLY_MD0 = list(range(1000, 1400))  # served before md1 joins: only md0 holds it
 LINE = ["--bandwidth-mbps", "200", "--delay-ms", "2", "--jitter-ms", "0.5"]
 
 
@@ -25,7 +29,7 @@ def _complete(url: str, max_tokens: int, prompt: list[int] = PROMPT) -> dict:
                                                    "temperature": 0, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    return {"ids": body["choices"][0]["token_ids"], "main": body["pdd"]["instances"]["main"]}
+    return {"ids": body["choices"][0]["token_ids"], "main": body.get("pdd", {}).get("instances", {}).get("main")}
 
 
 def _instances(url: str) -> dict:
@@ -36,7 +40,8 @@ def _instances(url: str) -> dict:
 
 def _join_main(dep, tmp_path: Path, name: str):
     """Start a new MD in datacenter B on the running deployment: a route across the
-    emulated line, a config that lists it, and `pdd serve --join`."""
+    emulated line, a config that lists it, and `pdd serve --join` (with its own OpenAI
+    API, `--openai-api`, which a P/D instance serves only when asked)."""
     conf = cfg.load(dep.run_dir / "deployment.toml")
     hop = f"127.0.0.1:{free_port()}"  # callers in A reach it through the emulator
     spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(),
@@ -45,37 +50,85 @@ def _join_main(dep, tmp_path: Path, name: str):
     httpx.post(f"{dep.wan_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
     path = tmp_path / "joined.toml"
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
-    return pdd_process(["serve", "--config", str(path), "--instance", name, "--join"],
-                       f"http://127.0.0.1:{spec.port}/health"), str(dep.run_dir / "deployment.toml")
+    http = f"http://127.0.0.1:{spec.port}"
+    return pdd_process(["serve", "--config", str(path), "--instance", name, "--join", "--openai-api"],
+                       f"{http}/health"), str(dep.run_dir / "deployment.toml"), http
+
+
+def _admin_refused(dep) -> None:
+    """The membership routes without the admin token, or with a wrong one: 401, and
+    nothing joins or drains."""
+    intruder = {"name": "intruder", "role": "main", "dc": "B", "host": "127.0.0.1", "port": free_port(),
+                "kv_port": free_port(), "advertise": {"A": f"127.0.0.1:{free_port()}"}}
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": admin_token("other secret")}):
+        joined = httpx.post(f"{dep.url}/pdd/admin/instances", json=intruder, headers=headers, timeout=10)
+        drained = httpx.post(f"{dep.url}/pdd/admin/instances/md0/drain", headers=headers, timeout=10)
+        assert (joined.status_code, drained.status_code) == (401, 401), (joined.text, drained.text)
+    instances = _instances(dep.url)
+    assert "intruder" not in instances and not instances["md0"]["draining"]
+
+
+def _main_of(url: str, max_tokens: int, prompt: list[int]) -> str:
+    return _complete(url, max_tokens, prompt)["main"]
+
+
+def _weigh_on(url: str, max_tokens: int, prompt: list[int], release: threading.Event) -> None:
+    """A streamed request left open until `release`, then abandoned (its client leaves):
+    until then it counts as queued work where it runs."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # (leaving a `for` over it would close the response at once)
+        while not next(lines).startswith("data: {"):
+            pass
+        release.wait(120)
 
 
 def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request(tmp_path):
     with pdd_up("--mode", "pdd", *LINE) as dep:
         reference = _complete(dep.url, 40)["ids"]
-        joining, conf = _join_main(dep, tmp_path, "md1")
+        assert _complete(dep.url, 4, ONLY_MD0)["main"] == "md0"
+        _admin_refused(dep)
+        joining, conf, md1_http = _join_main(dep, tmp_path, "md1")
         with joining as md1:
             wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
             with ThreadPoolExecutor(8) as pool:
                 results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
             assert all(r["ids"] == reference for r in results)
             assert "md1" in {r["main"] for r in results}, "the new instance should get work"
+            # --openai-api: the joined decode instance serves the API itself, with the same tokens
+            assert [m["id"] for m in httpx.get(f"{md1_http}/v1/models", timeout=10).json()["data"]] == ["tiny"]
+            assert _complete(md1_http, 40)["ids"] == reference
+            assert httpx.get(f"{dep.http['md0']}/v1/models", timeout=10).status_code == 404  # not asked to
 
-            with ThreadPoolExecutor(4) as pool:
-                # four long requests, some of them on md0; then md0 is drained under them
-                running = [pool.submit(_complete, dep.url, 300, PROMPT[:100 + 10 * i]) for i in range(4)]
+            with ThreadPoolExecutor(2) as pool:
+                # md0 holds one long request (its prefix cached there alone); md1, more queued
+                # work: by load the router would pick md0 next, so only the drain keeps work off it
+                on_md0 = pool.submit(_complete, dep.url, 1000, ONLY_MD0 + PROMPT[:10])
                 wait_until(lambda: _instances(dep.url)["md0"]["queued_tokens"] > 0, 30, "md0 has work")
+                release = threading.Event()
+                on_md1 = pool.submit(_weigh_on, dep.url, 1400, PROMPT[:120], release)
+                wait_until(lambda: _instances(dep.url)["md1"]["queued_tokens"] > 0, 30, "md1 has work")
+                queued = {n: i["queued_tokens"] for n, i in _instances(dep.url).items() if i["role"] == "main"}
+                assert queued["md1"] > queued["md0"] > 0, queued
                 drain = subprocess.Popen([sys.executable, "-m", "pdd.cli", "drain", "md0", "--config", conf],
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 try:
                     wait_until(lambda: _instances(dep.url).get("md0", {"draining": True})["draining"], 10, "draining")
-                    during = _complete(dep.url, 20)  # planned while md0 drains: it must go to md1
-                    out, _ = drain.communicate(timeout=120)
+                    during = [_main_of(dep.url, 8, PROMPT[: 60 + 20 * i]) for i in range(3)]
+                    still = _instances(dep.url).get("md0", {})
+                    release.set()  # md1's weight has done its part
+                    out, _ = drain.communicate(timeout=180)
                 finally:
+                    release.set()
                     drain.kill()
-                finished = [f.result(timeout=120) for f in running]
+                finished = on_md0.result(timeout=180)
+                on_md1.result(timeout=30)
+            assert still.get("draining"), "md0 left before the requests planned during its drain: nothing was tested"
+            assert during == ["md1"] * 3, during  # planned while md0 drained: never onto it
             assert drain.returncode == 0 and "md0 drained and left" in out, out
-            assert during["main"] == "md1"
-            assert all(len(f["ids"]) == 300 for f in finished)
+            assert finished["main"] == "md0" and len(finished["ids"]) == 1000  # md0 finished what it held
             assert "md0" not in _instances(dep.url)
             wait_until(lambda: _pid_gone(dep.pids["md0"]), 10, "md0's process exits")
             assert httpx.get(f"{dep.url}/health").status_code == 200

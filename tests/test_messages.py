@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import pytest
@@ -11,7 +10,7 @@ from hypothesis import strategies as st
 
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
-from pdd.transfer.wire import Frame, MsgType, encode_json
+from pdd.transfer.wire import BadPayload, Frame, MsgType, encode_json
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=2**70, stop_token_ids=(3, 4))
 SAMPLES = [
@@ -56,6 +55,17 @@ def test_every_body_round_trips():
     (m.Member("md1", "main", "B", "h", 1), "advertise", {"A": 9002}),
     (m.Member("md1", "main", "B", "h", 1), "advertise", ["A", "h:1"]),
     (m.Member("md1", "main", "B", "h", 1), "advertise", {f"dc{i}": "h:1" for i in range(65)}),
+    (m.Submit("a", [1], PARAMS), "params", {"max_tokens": 3, "beam_width": 4}),
+    (m.Submit("a", [1], PARAMS), "params", {"temperature": float("inf")}),
+    (m.CacheUpdate("stored", 1, [1]), "hashes", [2**64]),
+    (m.CacheUpdate("stored", 1, [1]), "kind", "lost"),
+    (m.Tokens("a", 0, [1]), "pos", 2**63),
+    (m.Tokens("a", 0, [1]), "rid", "a\ud800"),
+    (m.Tokens("a", 0, [1]), "finish_reason", "x" * 5000),
+    (m.Hello("router"), "role", "king"),
+    (m.PipelineChosen("a", "P-MD"), "pipeline", "colocated"),
+    (m.PipelineChosen("a", "P-MD"), "fallback", "whim"),
+    (m.Progress("a"), "what", "later"),
 ])
 def test_bad_fields_are_refused(body, field, value):
     raw = {**m.to_dict(body), field: value}
@@ -73,8 +83,17 @@ def test_unknown_and_missing_fields_are_refused():
         m.decode(Frame(MsgType.KV_LAYER, 0, b"{}"))  # KV frames are not JSON bodies
 
 
+def test_a_payload_that_is_no_json_is_a_frame_error_and_a_bad_field_is_named():
+    """Broken JSON (a lone surrogate, NaN) drops the connection; a body of the wrong shape is answered."""
+    for payload in (b'{"rid":"a\\ud800","pos":0,"tokens":[]}', b'{"rid":"a","pos":NaN,"tokens":[]}', b"{"):
+        with pytest.raises(BadPayload):
+            m.decode(Frame(MsgType.TOKENS, 0, payload))
+    with pytest.raises(m.BadMessage, match=r"\$\.tokens\[1\]"):
+        m.decode(Frame(MsgType.TOKENS, 0, b'{"rid":"a","pos":0,"tokens":[1,-2]}'))
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(m.Handoff)] + ["x"]),
+@given(st.dictionaries(st.sampled_from(list(m.Handoff.__struct_fields__) + ["x"]),
                        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5),
                                  st.lists(st.integers(), max_size=4))))
 def test_arbitrary_json_never_gets_past_validation_wrongly(raw):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import pdd_up
+from procs import pdd_up, rejected_frames
 
 from pdd.bench.client import run_bench
 from pdd.bench.summary import summarize
@@ -62,11 +62,17 @@ def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
 def test_agentic_run_sends_only_the_missing_kv():
     sessions = plan_sessions(AgenticConfig(seed=3, max_context=1500), 24)
     with pdd_up("--mode", "pd-cross-dc", "--drc", "on") as dep:
+        line_before = httpx.get(f"{dep.wan_admin}/stats").json()
         run = run_bench(dep.url, sessions, quiet=True)
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        line_after = httpx.get(f"{dep.wan_admin}/stats").json()
     s = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
     bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
-    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
+    line = sum(line_after[k] - line_before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
+    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
+          f"decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
+    # the instances' count (the KV payload P sent across) against the emulator's (every byte, both ways)
+    assert s["wan_bytes"] <= line <= s["wan_bytes"] * 1.05 + 24 * 16384
     assert s["completed"] == 24
     assert 0 < s["wan_bytes"] <= bound
     assert s["d_hit_tokens"] / s["prompt_tokens"] > 0.5
@@ -132,15 +138,21 @@ def test_kill_decode_mid_stream_fails_cleanly():
 
 
 def test_client_disconnect_aborts_the_decode_side():
+    """MD counts an abort (a request that ran to its end would not) and stopped far
+    short of the 3,000 tokens asked for."""
     with pdd_up("--mode", "pd-cross-dc") as dep:
-        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        md_http = dep.http["md0"]
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
+        before = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
         with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
             for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
                 if n == 3:
                     break
         _wait_settled(md_http)
+        after = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["decode_tokens"] - before["decode_tokens"] < 3000
 
 
 def test_decode_stops_when_its_router_is_gone():
@@ -174,8 +186,9 @@ def _gone_within(pid: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _wait_settled(instance_http: str, timeout: float = 5.0) -> None:
-    """Every page free or cached: nothing runs there (3000 tokens would run ~10 s more)."""
+def _wait_settled(instance_http: str, timeout: float = 30.0) -> None:
+    """Every page free or cached: nothing runs there. (That a request stopped early is
+    proved by the abort counter, not by how soon its pages came back.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         kv = httpx.get(f"{instance_http}/pdd/stats").json()["kv"]
@@ -215,13 +228,27 @@ def test_bad_frames_are_rejected_and_counted():
         asyncio.run(attack())
         rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
+        metrics = httpx.get(f"{md_http}/metrics").text  # the same counts, one series per reason
+        for reason, n in rejected.items():
+            assert f'pdd_rejected_frames_total{{reason="{reason}"}} {float(n)}' in metrics
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]
+        # /metrics says the same: four at MD, none where no bad frame went (a request's frames are no rejects)
+        counted = {name: rejected_frames(url) for name, url in {**dep.http, "router": dep.url}.items()}
+        assert counted == {"p0": 0, "md0": 4, "router": 0}, counted
 
 
-def test_sigterm_stops_every_process():
-    with pdd_up("--mode", "pd-cross-dc") as dep:
-        assert set(dep.pids) == {"wan", "p0", "md0", "router"}
-        dep.proc.send_signal(signal.SIGTERM)  # the launcher alone, as a user's Ctrl-C would
+@pytest.mark.parametrize("sig,mode,processes", [(signal.SIGTERM, "pd-cross-dc", {"wan", "p0", "md0", "router"}),
+                                                (signal.SIGINT, "pdd", {"wan", "p0", "rld0", "md0", "router"})],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_every_process(sig, mode, processes):
+    """SIGTERM to the launcher alone (a service manager's stop); SIGINT to its whole
+    process group, as a terminal's Ctrl-C sends it."""
+    with pdd_up("--mode", mode) as dep:
+        assert set(dep.pids) == processes
+        if sig == signal.SIGINT:
+            os.killpg(dep.proc.pid, sig)
+        else:
+            dep.proc.send_signal(sig)
         assert dep.proc.wait(30) == 0
         for pid in dep.pids.values():
             with pytest.raises(ProcessLookupError):

@@ -1,20 +1,25 @@
 """PDD mode as real processes on loopback: relay, handoff, pipelines, anomaly filter,
-alignment, and the failure paths. The oracle throughout: the tokens a request returns
-equal those of a colocated instance (greedy, and seeded sampling too)."""
+alignment, the relay's fill of MD's cache, MD waiting for a prefix still landing, and
+the failure paths. The oracle throughout: the tokens a request returns equal those of
+a colocated instance (greedy, seeded sampling, and unseeded sampling replayed with the
+seed the server chose)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import pdd_up, wait_until
+from procs import metrics, pdd_up, standalone, wait_until
+from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
@@ -56,8 +61,6 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120, 
     return out
 
 
-
-
 def _settled(urls: list[str], timeout: float = 15.0) -> None:
     """Every page free or in the prefix cache (none held by a request) on these instances."""
     deadline = time.monotonic() + timeout
@@ -70,14 +73,39 @@ def _settled(urls: list[str], timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/pdd/stats", timeout=5).json()
+
+
+def _fallbacks(url: str) -> dict[str, float]:
+    """The router's `pdd_router_fallbacks` counters, by kind."""
+    prefix = 'pdd_router_fallbacks_total{kind="'
+    return {k[len(prefix):-2]: v for k, v in metrics(url).items() if k.startswith(prefix)}
+
+
+def _said(*streams: dict) -> dict[str, int]:
+    """The fallbacks these responses' records report, by kind."""
+    return dict(Counter(k for s in streams for k in (s["record"]["fallback"] or "").split(",") if k))
+
+
+def _held(url: str) -> int:
+    """Requests the instance holds now (a decode instance: reserved there)."""
+    return _stats(url)["node"]["held"]
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def colocated(tiny_model_dir):
+    """A standalone instance of the model: `colocated(prompt, max_tokens, **sampling)`
+    is the token oracle for any request, including one replayed with a server's seed."""
+    with standalone(tiny_model_dir, pages=512) as url:
+        yield lambda prompt, max_tokens, **extra: _stream(url, prompt, max_tokens, **extra)["ids"]
+
+
+@pytest.fixture(scope="module")
+def reference(colocated) -> dict:
     """Colocated outputs: greedy and seeded, for every prompt the tests send."""
-    with pdd_up("--mode", "colocated") as dep:
-        greedy = [_stream(dep.url, p, 120)["ids"] for p in _prompts()]
-        seeded = [_stream(dep.url, p, 60, **SEEDED)["ids"] for p in _prompts()[:2]]
+    greedy = [colocated(p, 120) for p in _prompts()]
+    seeded = [colocated(p, 60, **SEEDED) for p in _prompts()[:2]]
     assert len({tuple(g) for g in greedy}) == 4 and seeded[0] != greedy[0][:60]
     return {"greedy": greedy, "seeded": seeded}
 
@@ -96,16 +124,23 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, tmp_path):
+def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, colocated, tmp_path):
     mode, policy, link = VARIANTS[variant]
     conf = _write_config(tmp_path / "pdd.toml", link=link, policy=policy)
+    unseeded_params = {k: v for k, v in SEEDED.items() if k != "seed"}
     with pdd_up("--mode", mode, "--config", conf) as dep:
         greedy = [_stream(dep.url, p, 120) for p in _prompts()]
         seeded = [_stream(dep.url, p, 60, **SEEDED) for p in _prompts()[:2]]
+        unseeded = _stream(dep.url, _prompts()[2], 60, **unseeded_params)
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
     assert [g["ids"] for g in greedy] == reference["greedy"]
     assert [s["ids"] for s in seeded] == reference["seeded"]
-    records = [g["record"] for g in greedy + seeded]
+    # no seed given: the server chose one, every producer drew from it, and it replays anywhere
+    server_seed = unseeded["record"]["seed"]
+    assert isinstance(server_seed, int), unseeded["record"]
+    assert unseeded["ids"] == colocated(_prompts()[2], 60, **unseeded_params, seed=server_seed)
+    assert unseeded["ids"] != reference["greedy"][2][:60]  # it did sample
+    records = [g["record"] for g in greedy + seeded + [unseeded]]
     want = {"pd-cross-dc": "P-MD", "P-MD": "P-MD"}.get(variant, "P-RLD-MD")
     assert {r["pipeline"] for r in records} == {want}
     if want == "P-RLD-MD":  # every request was handed over, in the configured mode
@@ -129,21 +164,22 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
     rng = random.Random(5)
     long_input = [rng.randrange(16, 4096) for _ in range(2300)]  # over half the 4,096 context, nothing cached
     with pdd_up("--config", conf) as dep:
-        before = httpx.get(f"{dep.wan_admin}/stats").json()
         short = _stream(dep.url, long_input, 4)
-        after = httpx.get(f"{dep.wan_admin}/stats").json()
-        stats_p0_prefilled = httpx.get(f"{dep.http['p0']}/pdd/stats").json()["engine"]["prefill_tokens"]
+        md_after = _stats(dep.http["md0"])
+        stats_p0_prefilled = _stats(dep.http["p0"])["engine"]["prefill_tokens"]
         other = [rng.randrange(16, 4096) for _ in range(2300)]
         normal = _stream(dep.url, other, 600)  # the same input with a long output: not anomalous
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
-    moved = sum(after[k] - before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
-    print(f"\nanomalous request: {short['record']['pipeline']}, {moved} bytes across the line; "
+    print(f"\nanomalous request: {short['record']['pipeline']}; MD after it {md_after['node']}, {md_after['kv']}; "
           f"long-output request: {normal['record']['pipeline']}, handoff {normal['record']['handoff']} "
           f"after {normal['record']['rld_output_tokens']} relay tokens")
+    # nothing of it reached MD: no reservation was ever held there, no KV imported into its pool (the
+    # line's byte counters cannot say this: heartbeats and the router's control traffic cross it too)
+    assert md_after["node"]["peak_held"] == 0 and md_after["kv"]["free"] == md_after["kv"]["pages"], md_after
     assert short["record"]["pipeline"] == "P-RLD" and short["record"]["anomalous"] and len(short["ids"]) == 4
     assert short["record"]["instances"] == {"entry": "rld0", "relay": "rld0", "main": None}  # whole, on the relay
     assert stats_p0_prefilled == 0
-    assert moved == 0 and short["record"]["wan_bytes"] == 0
+    assert short["record"]["wan_bytes"] == 0
     assert normal["record"]["pipeline"] == "P-RLD-MD" and normal["record"]["handoff"]
     assert normal["record"]["md_output_tokens"] > 0  # it did not end on the relay
     assert stats["anomaly_filtered"] == 1 and stats.get("fallback:relay_finished", 0) == 0
@@ -180,8 +216,15 @@ num_pages = 210
     with pdd_up("--config", conf) as dep:
         first = [_stream(dep.url, p, 300) for p in prompts]
         turns = [p + f["ids"] + [rng.randrange(16, 4096) for _ in range(600)] for p, f in zip(prompts[:2], first)]
+        # the line holds both reservations until the router has planned both turns: its mirror
+        # cannot know what the first reservation will evict, however the two threads are scheduled
+        dep.fault(stall_s=30.0)
         with ThreadPoolExecutor(2) as pool:
-            second = list(pool.map(lambda p: _stream(dep.url, p, 400), turns))
+            running = [pool.submit(_stream, dep.url, p, 400) for p in turns]
+            wait_until(lambda: _stats(dep.url)["instances"]["md0"]["committed_requests"] == 2, 30,
+                       "the router planned both turns")
+            dep.fault(stall_s=0)
+            second = [f.result(timeout=120) for f in running]
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
     done = first + second
     records = [r["record"] for r in done]
@@ -233,8 +276,10 @@ def test_relay_killed_mid_request_main_finishes_it(reference, tmp_path):
         got = _kill_after(dep, "rld0", dep.url, _prompts()[2], 120, after=5)
         http = dep.http
         _settled([http["p0"], http["md0"]])
+        fallbacks = _fallbacks(dep.url)
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
+    assert fallbacks == _said(got), fallbacks  # /metrics counts what the record says
 
 
 def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
@@ -244,43 +289,63 @@ def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
         http = dep.http
         _settled([http["p0"], http["rld0"]])
         assert httpx.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
+        fallbacks = _fallbacks(dep.url)
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert "main_lost" in got["record"]["fallback"] and got["record"]["rld_output_tokens"] == 120
+    assert fallbacks == _said(got), fallbacks
 
 
-@pytest.mark.parametrize("fault", ["blackhole", "stall"])
-def test_line_fault_before_the_handoff_relay_finishes_it(fault, reference, tmp_path):
+def test_line_blackholed_before_the_handoff_relay_finishes_it(reference, tmp_path):
     conf = _pdd_config(tmp_path, {"bandwidth_mbps": 4.0, "delay_ms": 2.0})
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, dep.url, _prompts()[3], 120)
-        time.sleep(0.6)  # MD has reserved; its KV crawls over the 4 Mbit/s line
-        dep.fault(**({"blackhole": True} if fault == "blackhole" else {"stall_s": 4.0}))
+        # MD has reserved; its KV (1.7 MB) takes 3 s or more on the 4 Mbit/s line
+        wait_until(lambda: _held(dep.http["md0"]) or running.done(), 30, "MD reserves")
+        dep.fault(blackhole=True)
         got = running.result(timeout=60)
-        if fault == "blackhole":
-            dep.fault(blackhole=False)  # resets what the blackhole swallowed: MD drops the request
+        dep.fault(blackhole=False)  # resets what the blackhole swallowed: MD drops the request
         http = dep.http
         _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
     assert got["error"] is None and got["ids"] == reference["greedy"][3]
     assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
 
 
-def test_line_blackholed_after_the_handoff_fails_within_seconds(reference, tmp_path):
-    conf = _pdd_config(tmp_path, FAST_LINE, {"handoff": "one_shot"}, router={"stall_timeout_s": 3.0})
+@pytest.mark.parametrize("fault", ["kill", "blackhole"])
+def test_main_lost_after_the_handoff_fails_the_request_at_once(fault, tmp_path):
+    """Once MD produces, nothing else can. Killed (-9), its connections close and the
+    router fails the request as soon as it hears: the stall timeout and the liveness
+    limit are 60 s here, so only the lost connection can end it early. Blackholed, the
+    connections stay open and silent, and the 3 s stall timeout ends it."""
+    if fault == "kill":
+        conf = _pdd_config(tmp_path, FAST_LINE, {"handoff": "one_shot"}, router={"stall_timeout_s": 60.0},
+                           liveness={"heartbeat_s": 1.0, "dead_after_s": 60.0})
+    else:
+        conf = _pdd_config(tmp_path, FAST_LINE, {"handoff": "one_shot"}, router={"stall_timeout_s": 3.0})
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         md = dep.http["md0"]
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{md}/pdd/stats").json()["engine"]["decode_tokens"] < 20:  # MD produces: handed over
-            assert time.monotonic() < deadline and not running.done()
-            time.sleep(0.05)
-        dep.fault(blackhole=True)
+        wait_until(lambda: running.done() or _stats(md)["engine"]["decode_tokens"] >= 20, 60, "MD produces")
+        assert not running.done()
         cut = time.monotonic()
-        got = running.result(timeout=60)
-        dep.fault(blackhole=False)
-        _settled([dep.http["rld0"], md], timeout=30)
-    print(f"\nafter the handoff, a blackholed line failed the request in {got['ended'] - cut:.1f} s")
-    assert got["error"] is not None and got["ended"] - cut < 10
-    assert 0 < len(got["ids"]) < 3000
+        if fault == "kill":
+            os.kill(dep.pids["md0"], signal.SIGKILL)
+        else:
+            dep.fault(blackhole=True)
+        got = running.result(timeout=120)
+        if fault == "blackhole":
+            dep.fault(blackhole=False)
+            _settled([dep.http["rld0"], md], timeout=30)
+        else:
+            _settled([dep.http["p0"], dep.http["rld0"]], timeout=30)
+    lost_s = got["ended"] - cut
+    print(f"\nafter the handoff, MD {'killed' if fault == 'kill' else 'blackholed'}: the request failed in "
+          f"{lost_s:.2f} s, after {len(got['ids'])} tokens: {got['error']}")
+    assert got["error"] is not None and 0 < len(got["ids"]) < 3000
+    if fault == "kill":
+        assert "lost after the relay handed the request over" in got["error"]["message"], got["error"]
+        assert lost_s < 30  # half the timeouts that would otherwise end it
+    else:
+        assert lost_s < 10  # the 3 s stall timeout (or the 5 s liveness limit), not the 60 s first-token one
 
 
 def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, tmp_path):
@@ -302,8 +367,6 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, 
 LIVENESS = {"heartbeat_s": 0.2, "dead_after_s": 1.0}
 
 
-
-
 def _healthy(dep, name: str) -> bool:
     return httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()["instances"][name]["healthy"]
 
@@ -320,13 +383,16 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         dep.fault(blackhole=True)
         cut = time.monotonic()
         got = running.result(timeout=60)
+        # the liveness limit said so ("silent"), well before the 30 s stall timeout could
         assert got["error"] is not None and "silent" in got["error"]["message"], got["error"]
-        assert got["ended"] - cut < 4.0
+        assert got["ended"] - cut < 15.0
         assert httpx.get(f"{dep.url}/health").status_code == 503
-        start = time.monotonic()
+        prefilled = _stats(http["p0"])["engine"]["prefill_tokens"]
         refused = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                              timeout=30)
-        assert refused.status_code == 503 and time.monotonic() - start < 2.0
+        # refused by the router's plan, not after a trip to P and a wait for the silent MD
+        assert refused.status_code == 503 and "no healthy decode instance" in refused.json()["error"]["message"]
+        assert _stats(http["p0"])["engine"]["prefill_tokens"] == prefilled
         dep.fault(blackhole=False)
         healed = time.monotonic()
         wait_until(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "MD rejoins")
@@ -365,3 +431,128 @@ def test_prefill_killed_after_the_first_tokens_the_decode_side_finishes(mode, re
         http = dep.http
         _settled([http[n] for n in http if n != "p0"])
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
+
+
+# ---- a line that stalls but loses nothing ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def patient(tmp_path_factory):
+    """One pdd deployment for the tests that stall the line on purpose. Its liveness
+    limit is a minute, so a stalled MD is late, never lost; every request goes through
+    the relay (P-RLD-MD pinned), whose KV comes over the fast path."""
+    conf = _pdd_config(tmp_path_factory.mktemp("patient"), FAST_LINE, liveness={"heartbeat_s": 1.0,
+                                                                                "dead_after_s": 60.0})
+    with pdd_up("--config", conf) as dep:
+        yield dep
+
+
+@contextlib.contextmanager
+def _stalled(dep):
+    """The line holds every byte (none is lost) until the block ends."""
+    dep.fault(stall_s=600.0)
+    try:
+        yield
+    finally:
+        dep.fault(stall_s=0)
+
+
+@contextlib.contextmanager
+def _narrowed(dep, bandwidth_mbps: float):
+    """The line at `bandwidth_mbps` for the block (a KV transfer takes seconds)."""
+    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": bandwidth_mbps}, timeout=5).raise_for_status()
+    try:
+        yield
+    finally:
+        httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": FAST_LINE["bandwidth_mbps"]},
+                   timeout=5).raise_for_status()
+
+
+def _bytes_to_md(dep) -> int:
+    return httpx.get(f"{dep.wan_admin}/stats", timeout=5).json()["bytes_a_to_b"]
+
+
+def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):
+    """The line stalls while MD's KV crosses it (1.7 MB at 4 Mbit/s: 3 s or more) and
+    stays stalled until the request has ended: the relay finishes it, however slowly it
+    decodes, since MD cannot be ready first."""
+    dep = patient
+    with _narrowed(dep, 4.0), ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, dep.url, _prompts()[3], 120)
+        wait_until(lambda: _held(dep.http["md0"]) or running.done(), 30, "MD reserves")
+        with _stalled(dep):
+            got = running.result(timeout=120)
+    _settled(list(dep.http.values()), timeout=60)
+    assert got["error"] is None and got["ids"] == reference["greedy"][3]
+    assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
+
+
+def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, colocated):
+    """The line stalls for the whole first turn, so the relay finishes it before MD has
+    any of its KV. Once the line moves, the relay's output reaches MD as a fill, which MD
+    computes into its cache: the next turn (prompt, output, a tool result) finds prompt
+    and output there, not the prompt alone. `pdd_router_fallbacks` counts the relay's
+    finish as the records report it."""
+    dep, md = patient, patient.http["md0"]
+    rng = random.Random(71)
+    prompt = [rng.randrange(16, 4096) for _ in range(300)]
+    fallbacks, computed = _fallbacks(dep.url), _stats(md)["engine"]["computed_tokens"]
+    with _stalled(dep):
+        first = _stream(dep.url, prompt, 40)
+    # MD gets the reservation, the KV and the fill; it computes the 40 relayed tokens and lets go
+    wait_until(lambda: _stats(md)["engine"]["computed_tokens"] - computed >= 40 and not _held(md), 60,
+               "MD computed the fill")
+    turn = prompt + first["ids"] + [rng.randrange(16, 4096) for _ in range(30)]
+    second = _stream(dep.url, turn, 20)
+    counted = {k: v - fallbacks.get(k, 0) for k, v in _fallbacks(dep.url).items() if v != fallbacks.get(k, 0)}
+    print(f"\nfill: first turn {first['record']['fallback']}, next turn's hit at MD "
+          f"{second['record']['d_hit_tokens']} of {len(turn)}; fallbacks counted {counted}")
+    assert first["error"] is None and first["ids"] == colocated(prompt, 40)
+    assert first["record"]["rld_output_tokens"] == 40 and "relay_finished" in first["record"]["fallback"]
+    held = (len(prompt) + len(first["ids"])) // 16 * 16  # prompt and output, in whole pages
+    assert second["record"]["d_hit_tokens"] >= held > len(prompt), second["record"]
+    assert second["error"] is None and second["ids"] == colocated(turn, 20)
+    assert counted == _said(first, second)
+
+
+def test_a_client_disconnect_aborts_the_request_on_the_relay(patient):
+    """With the line stalled, the relay alone produces; the client reads a few tokens
+    and leaves. The relay counts an abort (a request that ran to its end would not)
+    and stops far short of the 3,000 tokens asked for."""
+    dep, rld = patient, patient.http["rld0"]
+    before = _stats(rld)["engine"]
+    body = {"model": "tiny", "prompt": list(range(900, 1100)), "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with _stalled(dep):
+        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+            for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+                if n == 3:
+                    break
+        wait_until(lambda: _stats(rld)["engine"]["aborted"] > before["aborted"], 30, "the relay aborts")
+        _settled([rld, dep.http["p0"]], timeout=30)
+        after = _stats(rld)["engine"]
+    _settled([dep.http["md0"]], timeout=30)  # the late reservation, and the aborts behind it
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["decode_tokens"] - before["decode_tokens"] < 3000
+
+
+def test_md_waits_for_a_request_still_landing_most_of_the_prompt(patient, colocated):
+    """Two requests share a 1,000-token prompt. The second reaches MD while the first's
+    KV (4 MB over an 8 Mbit/s line: 4 s) is still landing: MD holds the second's
+    reservation until the first has landed, so the shared prompt crosses the line once.
+    Reserved at once, MD would hold none of it, and it would cross twice."""
+    dep, md = patient, patient.http["md0"]
+    rng = random.Random(73)
+    shared = [rng.randrange(16, 4096) for _ in range(1000)]
+    later = shared + [rng.randrange(16, 4096) for _ in range(50)]
+    with _narrowed(dep, 8.0), ThreadPoolExecutor(1) as pool:
+        before = _bytes_to_md(dep)
+        first = pool.submit(_stream, dep.url, shared, 200)
+        wait_until(lambda: _held(md) or first.done(), 30, "MD reserves the first")
+        second = _stream(dep.url, later, 8)
+        got = first.result(timeout=120)
+        wait_until(lambda: not _held(md), 60, "MD is done with both")
+        moved = _bytes_to_md(dep) - before
+    print(f"\nshared prompt: {moved:,} bytes to MD for both (the shared KV is {len(shared) * KV_BYTES_PER_TOKEN:,})")
+    assert got["error"] is None and got["ids"] == colocated(shared, 200)
+    assert second["error"] is None and second["ids"] == colocated(later, 8)
+    assert moved < 1.5 * len(shared) * KV_BYTES_PER_TOKEN

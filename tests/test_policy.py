@@ -11,6 +11,14 @@ from pdd.policy.playout import Playout, next_release_s, release
 from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import LinkEstimate, finish_s, kv_chunks, kv_range, observe_rate, observe_rtt
+from pdd.names import Fallback, Pipeline
+from pdd.policy.capacity import Room, fits, pages_needed, relay_accepts
+from pdd.policy.handoff import occupancy
+from pdd.policy.pipeline import Decision, main_refused, relay_refused
+from pdd.policy.playout import observe_pace
+from pdd.policy.prefix import common_prefix, prefix_holder
+from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
+from pdd.policy.transfer import LineMeter, LinkEstimate, Priority
 
 LINE = LinkEstimate(bytes_per_s=2_500_000, one_way_s=0.02)  # 20 Mbit/s, 20 ms
 
@@ -154,3 +162,91 @@ def test_missing_roles_are_what_a_plan_would_refuse():
     assert missing_roles({"main": 2}, "prefill", True) == ["prefill"]
     assert missing_roles({"standalone": 1}, "standalone", False) == []
     assert missing_roles({}, "standalone", False) == ["standalone"]
+
+
+# ---- capacity: the router dispatches by room, a loaded relay turns work away ------------
+
+def test_pages_needed_counts_prompt_and_output_beyond_the_cached_hit():
+    assert pages_needed(150, 16, 0, 16) == 11  # ceil(166 / 16)
+    assert pages_needed(150, 16, 128, 16) == 3  # 8 cached pages are resident already
+    assert pages_needed(150, 16, 10_000, 16) == 2  # a hit beyond the prompt counts as the prompt
+    assert pages_needed(16, 0, 16, 16) == 1  # never nothing: the last token is always computed
+
+
+def test_fits_by_pages_and_requests_and_an_idle_instance_takes_anything():
+    room = Room(pages=48, requests=4)
+    assert fits(11, 33, 3, room) and not fits(11, 38, 3, room)
+    assert not fits(1, 0, 4, room)  # max_requests
+    assert fits(500, 0, 0, room)  # idle: the engine refuses a request too big for it, clearly
+
+
+def test_a_relay_accepts_only_what_it_decodes_at_once():
+    assert relay_accepts(held=1, waiting=0, max_running=2)
+    assert not relay_accepts(held=2, waiting=0, max_running=2)
+    assert not relay_accepts(held=0, waiting=1, max_running=2)
+
+
+def test_a_refusing_relay_sends_the_request_to_md_and_a_refusing_md_to_the_relay():
+    chosen = Decision(Pipeline.P_RLD_MD, 0.2)
+    assert relay_refused(chosen) == Decision(Pipeline.P_MD, 0.2, Fallback.RELAY_BUSY)
+    assert main_refused(True) == Decision(Pipeline.P_RLD, None, Fallback.MAIN_REFUSED)
+    assert main_refused(False) is None
+
+
+# ---- recovery: the router's tree of what goes on after a failure ----------------------
+
+_STATE = dict(p_done=False, delivered=0, attempt=0, max_attempts=1, other_entry_up=True, chosen=True,
+              relay_producing=True, has_main=True, main_done=False, relay_done=False, handed_off=False)
+
+
+def _failed(where: str, lost: bool = True, busy: bool = False) -> Failed:
+    return Failed(entry=where == "entry", relay=where == "relay", main=where == "main", lost=lost, busy=busy)
+
+
+def test_a_lost_prefill_is_retried_before_the_first_token_and_the_relay_goes_on_after():
+    assert recover(_failed("entry"), State(**_STATE)) == Recovery.RETRY_PREFILL
+    later = State(**{**_STATE, "delivered": 3})
+    assert recover(_failed("entry"), later) == Recovery.RELAY_GOES_ON
+    assert recover(_failed("entry"), State(**{**_STATE, "delivered": 3, "relay_producing": False})) == Recovery.FAIL
+    assert recover(_failed("entry"), State(**{**_STATE, "p_done": True})) == Recovery.IGNORE
+    assert recover(_failed("entry", lost=False), State(**_STATE)) == Recovery.RELAY_GOES_ON  # an error: no retry
+
+
+def test_md_takes_over_from_a_lost_relay_and_the_relay_from_a_lost_md():
+    assert recover(_failed("relay"), State(**_STATE)) == Recovery.MAIN_TAKES_OVER
+    assert recover(_failed("relay"), State(**{**_STATE, "relay_done": True})) == Recovery.IGNORE
+    assert recover(_failed("relay"), State(**{**_STATE, "main_done": True})) == Recovery.FAIL
+    assert recover(_failed("main"), State(**_STATE)) == Recovery.RELAY_GOES_ON
+    after_handoff = State(**{**_STATE, "relay_producing": False, "handed_off": True})
+    assert recover(_failed("main"), after_handoff) == Recovery.FAIL
+    assert recover(_failed("main"), State(**{**_STATE, "main_done": True})) == Recovery.IGNORE
+    assert (failure_status(True, False), failure_status(False, True), failure_status(False, False)) == (429, 503, 500)
+
+
+# ---- MD waits for a request in flight that holds most of a prompt ---------------------
+
+def test_md_waits_for_the_request_in_flight_that_holds_most_of_the_prompt():
+    prompt = list(range(100))
+    turn_one = list(range(80)) + [999]  # holds 80 of the 100
+    assert prefix_holder(prompt, 0, 16, [list(range(30)), turn_one]) == 1
+    assert prefix_holder(prompt, 70, 16, [turn_one]) is None  # not a page more than the cache holds
+    assert prefix_holder(prompt, 0, 16, [list(range(40))]) is None  # under half the prompt
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_the_playout_pace_is_a_slow_average_and_occupancy_a_share():
+    assert observe_pace(0.02, 1.02) == pytest.approx(0.02 + 0.05 * 1.0)
+    assert occupancy(3, 4) == 0.75 and occupancy(1, 0) == 1.0
+
+
+def test_the_line_meter_measures_acknowledged_kv_over_windows():
+    meter = LineMeter(LinkEstimate(bytes_per_s=1e6, one_way_s=0.01))
+    meter.begin(("r", "md0"), 0, 1000, 100, Priority.BACKGROUND)
+    meter.begin(("s", "md0"), 0, 500, 100, Priority.URGENT)
+    assert meter.in_flight(Priority.URGENT) == [50_000]  # background yields to it
+    assert sorted(meter.in_flight(Priority.BACKGROUND)) == [50_000, 100_000]
+    meter.acked(("r", "md0"), 0, False, now_s=10.0)  # opens a window
+    meter.acked(("r", "md0"), 500, False, now_s=10.5)  # 50 KB in half a second
+    assert meter.estimate.bytes_per_s == pytest.approx(0.7e6 + 0.3 * 100_000)
+    meter.acked(("r", "md0"), 1000, True, now_s=10.6)
+    assert meter.in_flight(Priority.BACKGROUND) == [50_000]

@@ -17,7 +17,8 @@ import pytest
 
 from pdd import demo
 from pdd.bench.report import write_report
-from pdd.bench.summary import RequestRecord, summarize
+from pdd.bench.summary import summarize
+from pdd.record import RequestRecord
 from pdd.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -111,8 +112,9 @@ parser.add_argument("--mode", choices=["alpha", "beta", "broken"], required=True
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--config")
 parser.add_argument("--model")
-for line_option in ("--bandwidth-mbps", "--delay-ms", "--jitter-ms"):  # the scenario's line
+for line_option in ("--bandwidth-mbps", "--delay-ms", "--jitter-ms", "--dilation"):  # the line, the pacing
     parser.add_argument(line_option, type=float, required=True)
+parser.add_argument("--hardware", choices=["native", "emulated"], required=True)
 args = parser.parse_args()
 if args.mode == "broken":
     print("fake-up: the broken mode cannot start", flush=True)

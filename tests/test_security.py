@@ -36,6 +36,16 @@ async def _echo(conn: FramedConnection) -> None:
     await conn.send(MsgType.TOKENS, frame.payload)
 
 
+def _trusting_client(ca: str, cert_key: tuple[Path, Path] | None) -> ssl.SSLContext:
+    """A client that trusts the deployment's CA, so it never refuses the server itself,
+    presenting `cert_key` (or no certificate at all): a refusal is then the server's."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.check_hostname = False
+    if cert_key is not None:
+        ctx.load_cert_chain(*cert_key)
+    return ctx
+
+
 async def _exchange(port: int, tls: ssl.SSLContext | None) -> bytes:
     conn = await open_connection("127.0.0.1", port, KEY, tls=tls, connect_timeout=5)
     try:
@@ -64,6 +74,33 @@ def test_frames_cross_tls_and_nothing_else_gets_in(pair, tmp_path):
             await server.wait_closed()
 
     asyncio.run(go())
+
+
+def test_the_server_refuses_a_client_without_a_certificate_its_ca_signed(pair, tmp_path):
+    """Mutual TLS is the server's check too: a client that trusts the right CA but
+    presents a certificate another CA signed, or none, never reaches a frame handler."""
+    foreign = make_self_signed(tmp_path / "foreign", 1, ["127.0.0.1"])
+    handled: list[bytes] = []
+
+    async def echo(conn: FramedConnection) -> None:
+        await server_handshake(conn)
+        handled.append((await conn.next_frame()).payload)
+        await conn.send(MsgType.TOKENS, handled[-1])
+
+    async def go() -> None:
+        server = await serve(echo, "127.0.0.1", 0, KEY, tls=server_context(pair))
+        port = server.sockets[0].getsockname()[1]
+        try:
+            assert await _exchange(port, _trusting_client(pair.ca, (Path(pair.cert), Path(pair.key)))) == b"over tls"
+            for cert_key in (foreign, None):
+                with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)):
+                    await _exchange(port, _trusting_client(pair.ca, cert_key))
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(go())
+    assert handled == [b"over tls"]  # only the client with the deployment's certificate got in
 
 
 def test_tls_settings_come_together_or_not_at_all():

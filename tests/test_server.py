@@ -6,10 +6,9 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from procs import metrics, standalone
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +127,14 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts(server):
+    """A non-streamed request whose client gives up: the engine counts an abort (a
+    request that ran to its end would not), and it stopped far short of its tokens."""
     body = {"model": "tiny", "prompt": list(range(300, 500)), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    before = _engine(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
-    _settled(server, timeout=4)  # 3000 tokens would keep the pages busy for ~10 s more
+    _settled(server, timeout=20)
+    after = _engine(server)
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["decode_tokens"] - before["decode_tokens"] < 3000
     assert metrics(server)["pdd_requests_running"] == 0

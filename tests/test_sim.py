@@ -26,7 +26,7 @@ from pdd.names import HandoffMode, Pipeline
 
 REQUESTS = 300
 KVB = paper.MODEL.kv_bytes_per_token
-BLOCK = paper.BLOCK_TOKENS
+BLOCK = paper.SETTING.block_tokens
 
 
 def _run(spec: DeploymentSpec, sessions: list[SimSession]) -> Cluster:
@@ -82,6 +82,16 @@ def _scenarios() -> dict[str, tuple[DeploymentSpec, list[SimSession]]]:
 
 
 SCENARIOS = _scenarios()
+# Where a request may fail, and why: a pool that cannot hold it (turned away at once), or
+# one too small for the load (a reservation refused after waiting), and the later turns
+# of its session, never sent. Every other scenario serves every request.
+_TOO_SMALL = ("cannot hold", "not sent: turn")
+ALLOWED_FAILURES = {
+    "cross-dc-pd, tight MD pool": ("refused the reservation", "not sent: turn"),
+    "cross-dc-pd, MD pool too small": ("refused the reservation", "not sent: turn"),
+    "pdd, tiny relay": _TOO_SMALL,
+    "colocated, pool too small": _TOO_SMALL,
+}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -97,6 +107,14 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
     if len(outcomes) != _requests(sessions):
         problems.append(f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
                         f"{len(missing)} never recorded, e.g. {missing[:5]}")
+    allowed = ALLOWED_FAILURES.get(name, ())
+    failed = [o for o in outcomes if o.failed]
+    wrong = [o for o in failed if not any(reason in o.failed for reason in allowed)]
+    if wrong:
+        problems.append(f"{len(wrong)} requests failed that this scenario must serve, e.g. {wrong[0]}")
+    sent = [o for o in outcomes if not (o.failed or "").startswith("not sent")]
+    if 2 * (len(outcomes) - len(failed)) < len(sent):  # even a pool too small serves most it is sent
+        problems.append(f"{len(failed)} of {len(outcomes)} requests failed, of {len(sent)} sent")
     for o in outcomes:
         if o.failed:
             continue
@@ -226,8 +244,16 @@ def _lone_sessions(requests: int = 80) -> list[SimSession]:
 def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> None:
     sessions = _lone_sessions()
     runs = {}
+    # Cross-dc PD: TCP without its random draws (jitter, losses), which would fall on
+    # different rounds at different bandwidths (a timeout is no property of the
+    # bandwidth). PDD: a fluid line, the one P's prediction (`policy.transfer.finish_s`)
+    # assumes; on a TCP line a P-MD choice can be later than predicted by the slow start
+    # the prediction does not know (BENCHMARKS.md counts how often).
+    steady = None if deployment == "pdd" else \
+        dataclasses.replace(paper.SETTING.tcp, jitter_ms=0.0, loss_per_segment=0.0)
     for gbps in (10.0, 25.0, 100.0):
-        outcomes = _run(paper.paper_deployments(gbps)[deployment], sessions).outcomes
+        spec = dataclasses.replace(paper.paper_deployments(gbps)[deployment], tcp=steady)
+        outcomes = _run(spec, sessions).outcomes
         assert len(outcomes) == _requests(sessions) and not any(o.failed for o in outcomes)
         runs[gbps] = {(o.session, o.turn): o for o in outcomes}
     budget = paper.POLICY.ttft_budget_ms / 1000
@@ -240,7 +266,8 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
                 # PDD only: a faster line lets P choose P-MD for a delta that went through the
                 # relay on a slower line. By design that first token may come later than the
                 # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
-                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), (key, slow, fast)
+                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), \
+                    (key, slow, fast)
                 assert fast.ttft_s <= slow.ttft_s + budget + 1e-9, (key, slow, fast)
 
 
@@ -266,7 +293,10 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
         assert len(outcomes) == 6 and not any(o.failed for o in outcomes)
         assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
         for o in outcomes[1:]:
-            assert o.pipeline == Pipeline.P_MD, o
+            # Back to back, the second turn can arrive before the first's KV (or the relay's
+            # fill of its output) has landed at MD: its reservation waits for it, so it may
+            # go through the relay, but sends only the tail. Every later one goes P-MD.
+            assert o.pipeline == Pipeline.P_MD or (sessions is again and o.turn == 1), o
             assert o.d_hit == prompt - tail, o
             assert o.wan_bytes == tail * KVB, o
             assert o.wan_bytes <= BLOCK * KVB, o
@@ -274,21 +304,46 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
 
 # ---- 5. the simulator decides with the serving system's functions --------------------------
 
-def test_simulator_calls_the_router_and_instance_policies() -> None:
-    import pdd.instance.prefill as prefill
-    import pdd.instance.reservations as reservations
-    import pdd.instance.relay as relay
-    import pdd.router.backend as router
+# Each decision the simulator makes, the module that calls it, and the live code that
+# calls the very same function.
+POLICIES = {
+    "plan_request": ("pdd.sim.cluster", "pdd.router.planning"),
+    "anomaly_rule": ("pdd.sim.cluster", "pdd.router.planning"),
+    "choose_pipeline": ("pdd.sim.cluster", "pdd.instance.prefill"),
+    "answer_wait_s": ("pdd.sim.cluster", "pdd.instance.prefill"),
+    "kv_range": ("pdd.sim.cluster", "pdd.instance.prefill"),
+    "observe_rate": ("pdd.sim.cluster", "pdd.policy.transfer"),  # what the live P's LineMeter calls
+    "observe_rtt": ("pdd.sim.cluster", "pdd.policy.transfer"),
+    "reserve_retry_delay": ("pdd.sim.cluster", "pdd.instance.reservations"),
+    "choose_handoff": ("pdd.sim.relayed", "pdd.instance.relay"),
+    "cut_over": ("pdd.sim.relayed", "pdd.instance.relay"),
+}
+
+
+def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
+    """Every decision is the live code's own function, and a PDD run (plus one with a
+    decode pool too tight for its load, where reservations wait) calls each of them: a
+    simulator that imported them and decided otherwise would fail here."""
+    import importlib
+
+    import pdd.instance.receiver as receiver
+
+    calls: dict[str, int] = {}
+    for name, (sim_module, live_module) in POLICIES.items():
+        sim, live = importlib.import_module(sim_module), importlib.import_module(live_module)
+        assert getattr(sim, name) is getattr(live, name), name
+
+        def spy(*args, _f=getattr(sim, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(sim, name, spy)
     import pdd.sim.cluster as cluster
 
-    assert cluster.plan_request is router.plan_request
-    assert cluster.anomaly_rule is router.anomaly_rule
-    assert cluster.choose_pipeline is prefill.choose_pipeline
-    assert cluster.answer_wait_s is prefill.answer_wait_s
-    assert cluster.kv_range is prefill.kv_range
-    assert cluster.choose_handoff is relay.choose_handoff
-    assert cluster.cut_over is relay.cut_over
-    assert cluster.reserve_retry_delay is reservations.reserve_retry_delay
+    assert cluster.PREFIX_WAIT_S is receiver.PREFIX_WAIT_S
+    for name in ("pdd", "pdd, tight MD pool"):
+        _run(*SCENARIOS[name])
+    assert set(calls) == set(POLICIES), f"never called: {sorted(set(POLICIES) - set(calls))}"
 
 
 # ---- 6. the anomaly filter -----------------------------------------------------------------

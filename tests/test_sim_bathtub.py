@@ -1,6 +1,6 @@
-"""The bathtub sweep: its workload hits what it is asked to, more cache never lowers
-goodput, the line's demand follows the uncached share, and the plots are written.
-Small prompts and few requests keep it fast; no timing is asserted."""
+"""The bathtub sweep: its workload hits what it is asked to, in several prefix groups;
+a tail that cannot ride with another request's chunk costs P throughput; valleys are
+found where they are; the plot is written. Small sizes; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -9,61 +9,59 @@ from pathlib import Path
 import pytest
 
 from pdd.sim import paper
-from pdd.sim.bathtub import bathtub, fixed_hit_sessions, plot_bathtub, plot_wan, shared_blocks
+from pdd.sim.bathtub import (SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep,
+                             valleys)
 from pdd.sim.runner import Window, simulate
 
-PROMPT, OUTPUT, BLOCK = 4096, 16, paper.BLOCK_TOKENS
-REFERENCE_RPS = 2.0
+PROMPT, OUTPUT, BLOCK = 4096, 16, paper.SETTING.block_tokens
 
 
 def _cross_dc_pd():
-    """One P on GPU A, one MD on GPU B across the line: the decode side's hit decides
-    what crosses it."""
     return paper.deployment("small-pd", (paper.role("prefill", "A", 1, "A"), paper.role("main", "B", 1, "B")))
 
 
-def test_same_draws_at_every_rate() -> None:
-    slow = fixed_hit_sessions(0.5, 1.0, 20, PROMPT, OUTPUT, BLOCK)
-    fast = fixed_hit_sessions(0.5, 4.0, 20, PROMPT, OUTPUT, BLOCK)
-    assert [s.start_s / 4 for s in slow] == pytest.approx([s.start_s for s in fast])
-    assert all(a.start_s < b.start_s for a, b in zip(slow, slow[1:]))
-
-
 @pytest.mark.parametrize("hit", [0.0, 0.3, 0.9])
-def test_every_request_after_the_first_hits_the_requested_share(hit: float) -> None:
-    # Far apart (0.01 / s), so each request has left its prefix in both caches before the next.
-    outcomes, _ = simulate(_cross_dc_pd(), fixed_hit_sessions(hit, 0.01, 6, PROMPT, OUTPUT, BLOCK))
-    outcomes.sort(key=lambda o: o.session)
-    assert [o.failed for o in outcomes] == [None] * 6
-    assert outcomes[0].d_hit == 0
-    for o in outcomes[1:]:
-        assert o.d_hit / PROMPT == pytest.approx(hit, abs=BLOCK / (2 * PROMPT))
-        assert o.p_hit == o.d_hit == shared_blocks(hit, PROMPT, BLOCK) * BLOCK
+def test_every_request_hits_its_groups_share(hit: float) -> None:
+    sessions = group_sessions(hit, 0.01, 12, PROMPT, OUTPUT, BLOCK, groups=3)
+    groups = {s.trace_keys[0][1] for s in sessions if hit > 0}
+    assert hit == 0 or len(groups) > 1  # not one prefix for all
+    outcomes, _ = simulate(_cross_dc_pd(), sessions)
+    seen: set[int] = set()
+    for o in sorted(outcomes, key=lambda o: o.session):
+        assert o.failed is None
+        group = sessions[o.session].trace_keys[0][1] if hit > 0 else None
+        if hit > 0 and group in seen:  # its group's prefix was left in both caches by an earlier request
+            assert o.p_hit == o.d_hit == shared_blocks(hit, PROMPT, BLOCK) * BLOCK
+        seen.add(group)
 
 
-@pytest.fixture(scope="module")
-def rows() -> list[dict]:
-    return bathtub(_cross_dc_pd(), [0.0, 0.95], (1000.0, paper.SLO_TPOT_MS), Window(5.0, 25.0, 3.0), PROMPT, OUTPUT,
-                   low=0.5, high=200.0, reference_rate=REFERENCE_RPS)
+def test_a_tail_that_runs_alone_costs_throughput() -> None:
+    """At a high hit every request is one small tail after a long cached prefix: when a
+    step may hold only one request's chunk, each tail pays a whole step (every expert's
+    weights, the all-to-all, the fixed costs) alone."""
+    window = Window(2.0, 6.0, 0.0)
+    batched = point(deployment(SCHEDULERS["engine (tails batch)"]), 0.98, 0, window)
+    alone = point(deployment(SCHEDULERS["one chunk a step (tails alone)"]), 0.98, 0, window)
+    assert alone["throughput_rps"] < 0.9 * batched["throughput_rps"]
+    assert batched["p_hit_rate"] == pytest.approx(0.98, abs=0.01)
 
 
-def test_more_cache_never_lowers_goodput(rows: list[dict]) -> None:
-    cold, warm = rows
-    assert 0 < cold["goodput_rps"] <= warm["goodput_rps"]
-    assert warm["d_hit_rate"] == pytest.approx(0.95, abs=BLOCK / (2 * PROMPT))
+def test_the_sweep_reports_a_spread_over_seeds() -> None:
+    rows = sweep([0.9], [0, 1], Window(2.0, 5.0, 0.0))
+    assert {r["scheduler"] for r in rows} == set(SCHEDULERS)
+    assert all(r["seeds"] == 2 and r["std_rps"] >= 0 and r["throughput_rps"] > 0 for r in rows)
 
 
-def test_the_line_must_carry_what_the_decode_side_lacks(rows: list[dict]) -> None:
-    """The caches start warm, so every request, the first included, sends only its tail."""
-    kv = _cross_dc_pd().kv_bytes_per_token
-    for row in rows:
-        tail = PROMPT - shared_blocks(row["hit"], PROMPT, BLOCK) * BLOCK
-        assert row["wan_gbps_needed"] == pytest.approx(REFERENCE_RPS * tail * kv * 8 / 1e9)
-        assert row["line_gbps"] == paper.LINE_GBPS
+def test_valleys_are_where_throughput_dips_beyond_its_spread() -> None:
+    def row(hit: float, rps: float, std: float = 0.1) -> dict:
+        return {"scheduler": next(iter(SCHEDULERS)), "hit": hit, "throughput_rps": rps, "std_rps": std}
+
+    rows = [row(0.18, 2.0), row(0.20, 1.5), row(0.22, 2.1), row(0.24, 2.2), row(0.26, 2.15, 0.2), row(0.28, 2.3)]
+    assert [v["hit"] for v in valleys(rows)] == [0.20]  # 0.26 dips, but within its spread
 
 
-@pytest.mark.parametrize("plot", [plot_bathtub, plot_wan])
-def test_plots_are_written(rows: list[dict], plot, tmp_path: Path) -> None:
-    path = tmp_path / "plot.png"
-    plot(rows, path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_the_plot_is_written(tmp_path: Path) -> None:
+    rows = [{"scheduler": name, "hit": h, "throughput_rps": 1 + h, "std_rps": 0.1} for name in SCHEDULERS
+            for h in (0.0, 0.5)]
+    plot(rows, tmp_path / "bathtub.png")
+    assert (tmp_path / "bathtub.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
-from pdd.sim.calibrate import LocalProfile, _nnls, fit, load_profile, measure, profile_to_json
+from pdd.sim.calibrate import measure
+from pdd.sim.fit import _nnls, fit
+from pdd.sim.profile import LocalProfile, load_profile, profile_to_json
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
 TRUTH = Fitted(base_s=1.5e-3, per_token_s=9e-5, per_pair_s=7e-8, per_seq_s=2e-5, per_kv_token_s=1.2e-6)
@@ -96,7 +98,7 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
                       progress=lambda done, total: calls.append((done, total)))
     assert torch.get_num_threads() == threads
     loads = [load for load, _ in samples]
-    assert loads[:2] == [StepLoad(32, 32 * 33 / 2, 1, 32), StepLoad(100, 100 * 101 / 2, 1, 100)]
+    assert loads[:2] == [chunk_load(0, 32), chunk_load(0, 100)]
     assert all(load in scheduled for load in loads)
     assert all(t > 0 for _, t in samples)
     assert calls[0][0] == 1 and calls[-1][0] == len(samples) and calls[-1][1] >= len(samples)

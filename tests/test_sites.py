@@ -143,7 +143,7 @@ def test_a_wan_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp
     one_way = next(s.value for f in text_string_to_metric_families(page) for s in f.samples
                    if s.name == "pdd_line_one_way_delay_seconds" and s.labels["dc"] == "B")
     assert one_way >= 0.025, "P measured the hop's delay on the line"
-    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router reads the hop's byte count"
+    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router sums the KV bytes P counted across the line"
 
 
 def test_every_process_runs_in_its_host_namespace_from_the_deployment_file(site):
@@ -162,12 +162,17 @@ def test_every_process_runs_in_its_host_namespace_from_the_deployment_file(site)
 def test_parity_decode_side_hit_and_line_bytes(site, reference, tiny_model_dir):
     before = site.net.line_bytes()
     first = [site.complete(p, FIRST_TOKENS) for p in reference["first"]]
+    page = site.dep.engine.page_size
+    # Each first turn ends on the relay while MD's copy still crosses, behind the later
+    # turns' urgent KV. A next turn sent before its copy lands is served by the relay
+    # (MD holds no prefix yet): right, but not what this test measures, so it waits.
+    kept = sum((len(p) + len(a)) // page for p, a in zip(reference["first"], reference["answers"]))
+    wait_until(lambda: site.instances()["md0"]["mirror_pages"] >= kept, 30, "MD holds every first turn")
     second = [site.complete(p, NEXT_TOKENS) for p in reference["second"]]
     time.sleep(0.5)  # the last acknowledgements and cache events cross too
     after = site.net.line_bytes()
     got = first + second
     assert [g["ids"] for g in got] == reference["answers"]
-    page = site.dep.engine.page_size
     for p, a, g in zip(reference["first"], reference["answers"], second):  # MD kept turn one: it hits
         assert g["pdd"]["d_hit_tokens"] >= (len(p) + len(a)) // page * page - page, g["pdd"]
     bpt = kv_bytes_per_token(tiny_model_dir)

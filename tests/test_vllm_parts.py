@@ -245,6 +245,9 @@ def test_engine_table_becomes_vllms_arguments(tiny_model_dir):
                             model, "", "", "", "")
     with pytest.raises(ValueError, match="multiple of 32"):
         vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=16), model, "", "", "", "")
+    with pytest.raises(ValueError, match="emulated chip"):  # pacing is the embedded engine's
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, hardware="A"), model, "", "", "",
+                            "")
 
 
 def test_vllm_table_and_backend_page_size_in_the_deployment_file():

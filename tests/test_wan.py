@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdd.transfer.wan import LinkSettings, Route, WanLine, WanRelay, parse_addr, run_wan
+from pdd.addresses import parse_addr
+from pdd.wan import LinkSettings, Route, WanLine, WanRelay, run_wan
 
 REPO = Path(__file__).resolve().parents[1]
 MBIT = 1e6

@@ -100,7 +100,7 @@ def test_message_numbers_are_stable() -> None:
         "HELLO": 1, "RESERVE": 2, "RESERVE_ACK": 3, "KV_LAYER": 4, "KV_DONE": 5, "TOKENS": 6,
         "CACHE_EVENT": 7, "ABORT": 8, "ERROR": 9, "PING": 10, "PONG": 11, "RELEASE": 12, "RESULT": 13, "SUBMIT": 14,
         "PIPELINE": 15, "KV_ACK": 16, "READY": 17, "HANDOFF": 18, "HANDOFF_ACK": 19, "HANDED_OFF": 20,
-        "MEMBER": 21, "DRAIN": 22,
+        "MEMBER": 21, "DRAIN": 22, "PROGRESS": 23,
     }  # fmt: skip
 
 
@@ -258,6 +258,26 @@ def test_pack_with_header_round_trip_and_bounds() -> None:
     for bad in (b"", b"\x00\x00", struct.pack("!I", 100) + b"{}", struct.pack("!I", 2) + b"[]", packed[:-1]):
         with pytest.raises(BadPayload):
             unpack_with_header(bad)
+
+
+def _rfc5869(ikm: bytes, salt: bytes, info: bytes, length: int) -> bytes:
+    """HKDF-SHA256 as RFC 5869 writes it, from hmac alone: what the keys must be."""
+    prk = hmac.new(salt or bytes(32), ikm, hashlib.sha256).digest()
+    out, block = b"", b""
+    for i in range(1, -(-length // 32) + 1):
+        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
+        out += block
+    return out[:length]
+
+
+def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
+    """The derivations are on the wire: changing one is a new PROTOCOL_VERSION."""
+    assert PROTOCOL_VERSION == 3
+    assert KEY == _rfc5869(b"correct horse battery staple", b"", b"pdd/link-key/v2\x00dc-a/p0->dc-b/md0", 32)
+    c, s = b"c" * wire.NONCE_BYTES, b"s" * wire.NONCE_BYTES
+    both = _rfc5869(KEY, c + s, b"pdd/session/v2", 64)
+    assert wire.session_keys(KEY, c, s) == (both[:32], both[32:])
+    assert wire.session_keys(KEY, s, c) != wire.session_keys(KEY, c, s)
 
 
 def test_link_key_derivation() -> None:

@@ -7,9 +7,10 @@ differ only in how tokens are produced, which is this interface.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from pdd.record import RequestRecord
 from pdd.sampling import SamplingParams
 
 
@@ -34,7 +35,7 @@ class GenEvent:
     finish_reason: str | None = None
     cached_tokens: int = 0
     # Set on the last event: where the request ran (pipeline, hit tokens, WAN bytes, ...).
-    record: dict = field(default_factory=dict)
+    record: RequestRecord | None = None
 
 
 @dataclass(frozen=True)

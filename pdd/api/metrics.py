@@ -31,8 +31,7 @@ class ServingMetrics:
               "not counted)", registry=r).set_function(lambda: load().kv_usage)
         Gauge("pdd_kv_free_pages", "KV pages free", registry=r).set_function(lambda: load().free_pages)
         Gauge("pdd_kv_used_pages", "KV pages running requests hold", registry=r).set_function(lambda: load().used_pages)
-        Gauge("pdd_rejected_frames", "Inter-instance frames rejected (bad MAC, length, garbage)",
-              registry=r).set_function(REJECTS.total)
+        r.register(REJECTS.counter)  # process-wide: one counter, in the registry of every app of the process
         Gauge("pdd_prefix_cache_pages", "KV pages held by the prefix cache", registry=r).set_function(lambda: load().cached_pages)
 
 

@@ -24,12 +24,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pdd.bench.summary import RequestRecord
+from pdd.record import RequestRecord
 from pdd.workload.types import Session
-
-_PDD_COUNTS = ("p_hit_tokens", "d_hit_tokens", "wan_bytes", "rld_output_tokens",
-               "md_output_tokens", "handoff_tokens")
-
 
 class BenchError(RuntimeError):
     """The run cannot start (e.g. no model id could be found)."""
@@ -173,17 +169,10 @@ def _fill(record: RequestRecord, stream: _Stream, ended: float) -> None:
     if record.output_tokens > 1:
         record.tpot_ms = (record.e2e_ms - record.ttft_ms) / (record.output_tokens - 1)
     record.max_itl_ms = None if stream.max_gap is None else stream.max_gap * 1000.0
-    if stream.pdd is None:
+    if stream.pdd is None:  # a server without pdd's record (vLLM, say): its cache is both sides'
         record.p_hit_tokens = record.d_hit_tokens = record.cached_tokens
         return
-    record.pipeline = stream.pdd.get("pipeline")
-    record.handoff = stream.pdd.get("handoff")
-    record.fallback = stream.pdd.get("fallback")
-    record.anomaly_filtered = bool(stream.pdd.get("anomalous"))
-    stall = stream.pdd.get("handoff_stall_ms")
-    record.handoff_stall_ms = None if stall is None else float(stall)
-    for name in _PDD_COUNTS:
-        setattr(record, name, int(stream.pdd.get(name) or 0))
+    record.apply_served(stream.pdd)
 
 
 async def send_completion(client: httpx.AsyncClient, target: Target, record: RequestRecord,
@@ -226,7 +215,7 @@ async def _run_session(client: httpx.AsyncClient, target: Target, session: Sessi
     broken: str | None = None
     for k, turn in enumerate(session.turns):
         record = RequestRecord(id=f"{session.id}-{k}", session=session.id, turn=k, start_s=None,
-                               prompt_tokens=0, anomalous=session.anomalous)
+                               prompt_tokens=0, planned_anomalous=session.anomalous)
         if broken is not None:
             record.error = f"not sent: {broken}"
             emit(record)

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 REFUSED = (429, 503)
+DEFAULT_VOCAB = 4096  # a server that does not say its vocabulary: the tiny model's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,12 +89,17 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 
 
 async def flood(url: str, requests: int, prompt_tokens: int = 1000, max_tokens: int = 32, stream_share: float = 0.5,
-                model: str | None = None, vocab: int = 256, timeout_s: float = 600.0, seed: int = 0) -> FloodOutcome:
-    """Send `requests` at once and sort every answer (`FloodOutcome`)."""
+                model: str | None = None, vocab: int | None = None, timeout_s: float = 600.0,
+                seed: int = 0) -> FloodOutcome:
+    """Send `requests` at once and sort every answer (`FloodOutcome`). Prompt token IDs
+    are drawn below `vocab` (default: the served model's, from /v1/models)."""
     limits = httpx.Limits(max_connections=requests + 8, max_keepalive_connections=requests + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
-        if model is None:
-            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        served = (await client.get(f"{url}/v1/models")).json()["data"][0]
+        model = model or served["id"]
+        vocab = vocab or int(served.get("vocab_size") or DEFAULT_VOCAB)
+        if vocab < 2:
+            raise ValueError(f"a vocabulary of {vocab} token IDs cannot make distinct prompts")
         started = time.monotonic()
         streamed = round(requests * stream_share)
         results = await asyncio.gather(*(
@@ -114,8 +120,11 @@ async def flood(url: str, requests: int, prompt_tokens: int = 1000, max_tokens: 
 def run(args: argparse.Namespace) -> int:
     if not args.url:
         raise SystemExit("pdd bench flood: --url is required")
-    out = asyncio.run(flood(args.url, args.requests, args.prompt_tokens, args.max_tokens, args.stream_share,
-                            args.model, args.vocab_size, args.timeout_s, args.seed))
+    try:
+        out = asyncio.run(flood(args.url, args.requests, args.prompt_tokens, args.max_tokens, args.stream_share,
+                                args.model, args.vocab_size, args.timeout_s, args.seed))
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise SystemExit(f"pdd bench flood: cannot flood {args.url}: {type(e).__name__}: {e}") from None
     table = Table(title=f"flood: {out.sent} requests at once ({args.prompt_tokens}-token prompts, "
                         f"{args.max_tokens} tokens each)")
     for col in ("sent", "200 whole", "429/503 + Retry-After", "other", "wall s"):

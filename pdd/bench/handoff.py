@@ -30,7 +30,7 @@ from rich.table import Table
 from pdd.engine_port import EnginePort, StepOutput
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.transfer.wan import Route, WanLine, WanRelay
+from pdd.wan import Route, WanLine, WanRelay
 from pdd.workload.scenarios import SCENARIOS
 
 KEY = wire.link_key("pdd bench handoff", "line")

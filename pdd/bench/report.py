@@ -19,8 +19,9 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from rich.table import Table
 
-from pdd.bench.summary import PIPELINES, format_table
+from pdd.bench.summary import PIPELINES, format_hardware_table, format_table
 
 _QUANTILES = ("p50", "p90", "p99")
 _QUANTILE_COLORS = ("#4c72b0", "#dd8452", "#c44e52")
@@ -300,7 +301,11 @@ def _meta_html(meta: Mapping[str, Any]) -> str:
 
 def _table_html(summaries: Summaries) -> str:
     """The console table's rows and columns, so the page and the terminal agree."""
-    columns = format_table(summaries).columns
+    return _rich_html(format_table(summaries))
+
+
+def _rich_html(table: Table) -> str:
+    columns = table.columns
     head = "".join(f"<th>{_esc(c.header)}</th>" for c in columns)
     cells = [[str(cell) for cell in c.cells] for c in columns]
     body = "".join(
@@ -315,10 +320,12 @@ def _html(summaries: Summaries, *, title: str, meta: Mapping[str, Any],
     figures = "".join(
         f'<figure><img src="{_esc(name)}" alt="{_esc(caption)}">'
         f"<figcaption>{_esc(caption)}</figcaption></figure>" for name, caption in plots)
+    hardware = format_hardware_table(summaries)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_esc(title)}</h1>{_meta_html(meta)}"
         f"<h2>Key numbers</h2>{_table_html(summaries)}"
+        f"{'' if hardware is None else '<h2>Hardware</h2>' + _rich_html(hardware)}"
         f"<h2>Plots</h2>{figures or '<p>No plot: every value was zero or missing.</p>'}"
         "</body></html>\n")

@@ -9,75 +9,37 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 from rich.table import Table
 
 from pdd.names import PDD_PIPELINES, HandoffMode
+from pdd.record import RequestRecord
 
 PIPELINES = PDD_PIPELINES
 HANDOFFS = tuple(HandoffMode)
 LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms")
 
 
-@dataclass
-class RequestRecord:
-    """What the client measured for one request; failed requests are records too.
-
-    Times are milliseconds, `start_s` is seconds since the run started (None for a turn
-    never sent because an earlier turn of its session failed). `e2e_ms` of a failed
-    request is the time until it failed, so the run's duration includes it. Hits come
-    from the server's `pdd` record, or from `cached_tokens` when the server has none.
-    """
-
-    id: str
-    session: int
-    turn: int
-    start_s: float | None
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-    max_itl_ms: float | None = None
-    cached_tokens: int = 0
-    pipeline: str | None = None
-    p_hit_tokens: int = 0
-    d_hit_tokens: int = 0
-    wan_bytes: int = 0
-    rld_output_tokens: int = 0
-    md_output_tokens: int = 0
-    handoff: str | None = None
-    handoff_tokens: int = 0  # tokens the relay handed over by ID
-    handoff_stall_ms: float | None = None  # MD's extend stall at the handoff
-    fallback: str | None = None  # what the request survived, or how it ended off plan
-    anomalous: bool = False  # the workload made it anomalous (long input, short output)
-    anomaly_filtered: bool = False  # the router's filter kept it on the relay
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RequestRecord:
-        """Rebuild a record from `to_dict` output (e.g. a bench JSON file); unknown keys
-        are ignored so files from newer versions still load."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    @property
-    def completed(self) -> bool:
-        return self.error is None
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0  # the same data always gives the same interval
 
 
-def _stats(values: list[float | None]) -> dict[str, float | None]:
+def _stats(values: list[float | None]) -> dict[str, Any]:
+    """Mean and percentiles, how many values they rest on (`n`), and a 95 % bootstrap
+    interval for P90 and P99: over a few dozen requests a P99 is one request or two,
+    and the interval says how far another run's could fall."""
     present = [v for v in values if v is not None]
     if not present:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(present, [50, 90, 99]).tolist()
-    return {"mean": float(np.mean(present)), "p50": p50, "p90": p90, "p99": p99}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0, "p90_ci": None, "p99_ci": None}
+    data = np.asarray(present, dtype=float)
+    p50, p90, p99 = np.percentile(data, [50, 90, 99]).tolist()
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    resampled = np.percentile(rng.choice(data, size=(BOOTSTRAP_RESAMPLES, len(data))), [90, 99], axis=1)
+    (lo90, hi90), (lo99, hi99) = np.percentile(resampled, [2.5, 97.5], axis=1).T.tolist()
+    return {"mean": float(data.mean()), "p50": p50, "p90": p90, "p99": p99, "n": len(data),
+            "p90_ci": [lo90, hi90], "p99_ci": [lo99, hi99]}
 
 
 def _within_slo(record: RequestRecord, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
@@ -133,7 +95,7 @@ def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
         "handoffs": handoffs,
         "handoff_tokens": sum(r.handoff_tokens for r in done),
         "handoff_stall_ms": _stats([r.handoff_stall_ms for r in done]),
-        "anomaly_filtered": sum(r.anomaly_filtered for r in done),
+        "anomaly_filtered": sum(r.anomalous for r in done),
         "fallbacks": dict(sorted(fallbacks.items())),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
@@ -170,12 +132,20 @@ def _counts(counts: Mapping[str, int]) -> str:
     return "  ".join(f"{name} {n}" for name, n in counts.items()) or "-"
 
 
+def _tail(stats: Mapping[str, Any], q: str) -> str:
+    """A tail percentile with its 95 % interval: `p99 (lo-hi)`."""
+    ci = stats.get(f"{q}_ci")
+    return _num(stats[q]) + (f" ({ci[0]:,.0f}-{ci[1]:,.0f})" if ci else "")
+
+
 _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("requests (ok / failed)", lambda s: f"{s['completed']} / {s['failed']}"),
-    *[(f"{label} {q} (ms)", lambda s, k=key, q=q: _num(s[k][q]))
+    *[(f"{label} {q} (ms){' [95% CI]' if q != 'p50' else ''}",
+       lambda s, k=key, q=q: _num(s[k][q]) if q == "p50" else _tail(s[k], q))
       for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
       for q in ("p50", "p90", "p99")],
-    ("max ITL p99 (ms)", lambda s: _num(s["max_itl_ms"]["p99"])),
+    ("max ITL p99 (ms) [95% CI]", lambda s: _tail(s["max_itl_ms"], "p99")),
+    ("percentiles rest on", lambda s: f"{s['ttft_ms'].get('n', s['completed'])} requests"),
     ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
     ("output tokens", lambda s: f"{s['output_tokens']:,}"),
     ("P hit", lambda s: _pct(s["p_hit_rate"])),
@@ -203,4 +173,24 @@ def format_table(summary_by_name: Mapping[str, Mapping[str, Any]]) -> Table:
         table.add_column(name, justify="right")
     for label, cell in _ROWS:
         table.add_row(label, *(cell(s) for s in summary_by_name.values()))
+    return table
+
+
+def format_hardware_table(summary_by_name: Mapping[str, Mapping[str, Any]]) -> Table | None:
+    """Each mode's instances: the chip each ran on, its prefill and decode step times
+    (emulated), and how many steps overran their emulated time (then the CPU, not the
+    chip, set the pace). None when no summary carries instances."""
+    rows = [(mode, name, inst) for mode, s in summary_by_name.items() for name, inst in (s.get("instances") or {}).items()]
+    if not rows:
+        return None
+    table = Table(title="hardware: each instance's accelerator and step times")
+    for column in ("mode", "instance", "chip", "prefill step (ms)", "decode step (ms)", "overrun steps"):
+        table.add_column(column, justify="left" if column in ("mode", "instance", "chip") else "right")
+    for mode, name, inst in rows:
+        if inst.get("hardware", "native") == "native":
+            chip = "native (this CPU)"
+        else:
+            chip = f"{inst['hardware']}: {inst.get('chip')} x{inst.get('gpus')}, time x{inst.get('dilation', 1):g}"
+        overruns = "-" if not inst.get("steps") else f"{inst['overruns']:,} of {inst['steps']:,}"
+        table.add_row(mode, name, chip, _num(inst.get("prefill_step_ms")), _num(inst.get("decode_step_ms")), overruns)
     return table

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from pdd.engine.engine import Engine
+from pdd.engine.pacing import NATIVE, StepPacer, token_scale
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.sampling import SamplingParams
@@ -54,8 +56,9 @@ class _Watch:
 
 
 class EngineRuntime:
-    def __init__(self, engine: Engine, threads: int = 1) -> None:
+    def __init__(self, engine: Engine, threads: int = 1, pacer: StepPacer | None = None) -> None:
         self.engine = engine
+        self.pacer = pacer  # emulated accelerator: every step takes at least its time
         self.page_size = engine.pool.page_size
         self.max_context = min(engine.model_cfg.max_position, engine.pool.num_pages * engine.pool.page_size)
         self.kv_bytes_per_token = engine.pool.bytes_per_token()
@@ -152,7 +155,9 @@ class EngineRuntime:
         s = e.stats
         return {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
                 "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
-                "aborted": s.aborted, "preemptions": e.scheduler.preemptions}
+                "aborted": s.aborted, "preemptions": e.scheduler.preemptions,
+                "pacing": {"hardware": NATIVE} if self.pacer is None else
+                          {**self.pacer.describe, **self.pacer.stats.to_dict()}}
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_cache_event(self, event: tuple[str, list[int]]) -> None:
@@ -193,13 +198,26 @@ class EngineRuntime:
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             try:
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                self._pace(time.perf_counter() - started)
             except Exception as e:
                 log.exception("engine step failed; failing its requests")
                 self._fail_all(e)
                 continue
             stalled = not outputs
             self._dispatch(outputs)
+
+    def _pace(self, real_s: float) -> None:
+        """Hold the step until the emulated chip would have finished it (its outputs
+        leave only then, as from an accelerator that is still busy)."""
+        computed = self.engine.last_step
+        if self.pacer is None or not computed:
+            return
+        emulated = self.pacer.step_s(computed)
+        self.pacer.tally(computed, emulated, real_s)
+        if emulated > real_s:
+            self._stop.wait(emulated - real_s)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
@@ -233,7 +251,11 @@ def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
 
 
 def open_embedded(model_dir: Path, config: EngineConfig, threads: int, eos_ids: frozenset[int]) -> EngineRuntime:
-    """The embedded engine over `model_dir`, stepping on its own thread."""
-    runtime = EngineRuntime(Engine(model_dir, config, eos_ids=eos_ids), threads)
+    """The embedded engine over `model_dir`, stepping on its own thread (paced as the
+    configured hardware when it is emulated)."""
+    engine = Engine(model_dir, config, eos_ids=eos_ids)
+    pacer = None if config.hardware == NATIVE else StepPacer(config.hardware, token_scale(engine.model_cfg.max_position),
+                                                              config.dilation)
+    runtime = EngineRuntime(engine, threads, pacer)
     runtime.start_thread()
     return runtime

@@ -29,6 +29,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="one of vLLM's own engine arguments (with --engine vllm; repeatable): "
                         "tensor_parallel_size=2, gpu_memory_utilization=0.85, ... (VALUE is JSON, else a string)")
+    p.add_argument("--hardware", default=d.hardware,
+                   help="native, or an emulated accelerator (A, B): every step takes at least its time")
+    p.add_argument("--dilation", type=float, default=d.dilation, help="emulated time runs this many times slower")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("pdd serve: --model DIR is required without --config")
         engine = for_backend(EngineConfig(args.page_size or d_page, args.num_pages, args.max_batch_tokens,
                                           args.max_running, args.device, args.dtype, args.kv_dtype, args.max_requests,
+                                          hardware=args.hardware, dilation=args.dilation,
                                           vllm=engine_options(args.vllm_arg)), args.engine, args.page_size is not None)
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)

@@ -27,8 +27,10 @@ class Tombstones:
     def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
         self._ids: dict[str, None] = {}
         self._limit = limit
+        self.count = 0  # requests ever added (an abort that reached this instance is visible in its stats)
 
     def add(self, rid: str) -> None:
+        self.count += rid not in self._ids
         self._ids[rid] = None
         while len(self._ids) > self._limit:
             del self._ids[next(iter(self._ids))]

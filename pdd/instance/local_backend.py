@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine_port import EnginePort, RequestError
 from pdd.names import Pipeline
+from pdd.record import RequestRecord
 from pdd.transfer.wire import REJECTS
 
 
@@ -32,10 +33,9 @@ class LocalBackend:
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
-                event.record = {
-                    "pipeline": Pipeline.COLOCATED, "p_hit_tokens": out.cached_tokens, "d_hit_tokens": out.cached_tokens,
-                    "wan_bytes": 0, "rld_output_tokens": 0, "md_output_tokens": produced, "handoff": None,
-                }
+                event.record = RequestRecord(pipeline=Pipeline.COLOCATED, p_hit_tokens=out.cached_tokens,
+                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced,
+                                             seed=req.params.seed)
             yield event
 
     def load(self) -> Load:

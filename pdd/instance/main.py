@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.instance.host import Tombstones
+from pdd.instance.host import Host, Tombstones
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection

@@ -106,7 +106,7 @@ class Node:
     def stats(self) -> dict:
         waiting = getattr(self.role, "line", None)
         return {"role": self.spec.role, "held": self.role.held(), "peak_held": self.peak_held,
-                "reservations_waiting": len(waiting) if waiting is not None else 0}
+                "reservations_waiting": len(waiting) if waiting is not None else 0, "aborted": self.aborted.count}
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self._tasks.spawn(coro)

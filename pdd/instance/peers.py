@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.policy.transfer import Priority
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -27,8 +28,7 @@ from pdd.transfer.wire import FramedConnection
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 BULK_SNDBUF = 64 * 1024
-CONTROL, URGENT, BACKGROUND = -1, 0, 1  # connections by what they carry
-CHANNEL_NAMES = {CONTROL: "control", URGENT: "urgent", BACKGROUND: "background"}
+CHANNEL_NAMES = {Priority.CONTROL: "control", Priority.URGENT: "urgent", Priority.BACKGROUND: "background"}
 
 OnBody = Callable[[str, Any], Awaitable[None]]
 OnLost = Callable[[str], None]
@@ -49,7 +49,7 @@ class PeerPool:
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
-        self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, CONTROL / URGENT / BACKGROUND)
+        self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats
@@ -58,7 +58,7 @@ class PeerPool:
         """Whether traffic to `name` crosses the line between datacenters."""
         return self._deployment().instance(name).dc != self._spec.dc
 
-    async def get(self, name: str, channel: int = CONTROL) -> FramedConnection:
+    async def get(self, name: str, channel: int = Priority.CONTROL) -> FramedConnection:
         async with self._lock:
             conn = self._conns.get((name, channel))
             if conn is not None and not conn.closed:
@@ -66,7 +66,7 @@ class PeerPool:
             dep = self._deployment()
             host, port = dep.address(dep.instance(name), self._spec.dc)
             conn = await wire.open_connection(host, port, self._key, tls=self._tls)
-            if channel != CONTROL:
+            if channel != Priority.CONTROL:
                 sock = conn.socket
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
@@ -79,7 +79,7 @@ class PeerPool:
                 raise
             self._conns[(name, channel)] = conn
             self._tasks.spawn(self._read(name, channel, conn))
-            if channel == CONTROL:
+            if channel == Priority.CONTROL:
                 live = self._deployment().liveness
                 self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
@@ -89,12 +89,15 @@ class PeerPool:
         await m.send(await self.get(name), body)
 
     async def send_bulk(self, name: str, priority: int, body: Any = None, kv: tuple[str, bytes] | None = None) -> int:
-        """One frame on the URGENT or BACKGROUND connection: a body (ordered after the KV
+        """One frame on the Priority.URGENT or Priority.BACKGROUND connection: a body (ordered after the KV
         sent before it there) or a KV layer `(rid, blob)`; the payload bytes sent."""
         conn = await self.get(name, priority)
         y = self._yields.setdefault(name, _Yield())
-        if priority == BACKGROUND:
-            await y.quiet.wait()
+        if priority == Priority.BACKGROUND:
+            # woken by the end of one urgent frame, it is no turn if the next has begun: a
+            # transfer sends frame after frame, and a stale wake-up would slip one in between
+            while y.urgent:
+                await y.quiet.wait()
         else:
             y.urgent += 1
             y.quiet.clear()
@@ -104,7 +107,7 @@ class PeerPool:
             await m.send(conn, body)
             return 0
         finally:
-            if priority != BACKGROUND:
+            if priority != Priority.BACKGROUND:
                 y.urgent -= 1
                 if not y.urgent:
                     y.quiet.set()
@@ -127,8 +130,8 @@ class PeerPool:
             if self._conns.get((name, channel)) is conn:
                 del self._conns[(name, channel)]
             conn.close()
-            if channel == CONTROL and conn.silent_for:  # the peer is gone: so are its KV connections
-                for ch in (URGENT, BACKGROUND):
+            if channel == Priority.CONTROL and conn.silent_for:  # the peer is gone: so are its KV connections
+                for ch in (Priority.URGENT, Priority.BACKGROUND):
                     other = self._conns.pop((name, ch), None)
                     if other is not None:
                         other.abort()

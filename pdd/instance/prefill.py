@@ -3,7 +3,7 @@
 While P prefills, the main decode instance reserves (one WAN round trip, overlapped)
 and answers the hit it holds; P sends exactly the KV after that hit, chunk by chunk,
 one layer per frame. The pipeline is chosen here, from that reserved hit and what P
-knows of the line (`Line`), by `pdd.policy.pipeline`. P tells the router the
+knows of the line (`pdd.policy.transfer.LineMeter`), by `pdd.policy.pipeline`. P tells the router the
 pipeline and hits as soon as they are known, and the bytes moved when done.
 
 One `PrefillJob` holds a request's state; replies from decode-side instances are
@@ -15,84 +15,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.instance.peers import BACKGROUND, URGENT, PeerPool
+from msgspec.structs import replace  # messages and sampling params are msgspec structs
+
+from pdd.instance.peers import PeerPool
 from pdd.instance.host import Host, report_failure
 from pdd.kv import codec
-from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline
-from pdd.policy.transfer import LinkEstimate, kv_chunks, kv_range, observe_rate, observe_rtt
+from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
+from pdd.policy.transfer import LOCAL_PRIOR, LinkEstimate, LineMeter, Priority, kv_chunks, kv_range
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.names import Fallback, Pipeline
+from pdd.names import Pipeline
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
 RELAY_ANSWER_S = 1.0  # the relay is next door: an answer later than this is a loaded relay
 PROGRESS_EVERY_S = 1.0
-RATE_WINDOW_S = 0.1
-LOCAL_PRIOR = LinkEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
-
-
-@dataclass
-class _Transfer:
-    start: int
-    end: int
-    bytes_per_token: int
-    priority: int
-    acked: int = 0
-
-    @property
-    def remaining_bytes(self) -> int:
-        return (self.end - max(self.acked, self.start)) * self.bytes_per_token
-
-
-class Line:
-    """What this P knows of the path to one datacenter: the estimate it keeps from
-    reservation round trips and acknowledged KV, and the KV it has in flight there.
-
-    Rates are measured over windows of at least `RATE_WINDOW_S` between
-    acknowledgements while transfers are in flight: acknowledgements come in bursts
-    (the far side imports between its steps), and a window opened on an idle line
-    would count the delay as slowness."""
-
-    def __init__(self, prior: LinkEstimate) -> None:
-        self.estimate = prior
-        self._transfers: dict[tuple[str, str], _Transfer] = {}  # (request, peer)
-        self._window: float | None = None  # when the current measuring window opened
-        self._window_bytes = 0
-
-    def in_flight(self, priority: int) -> list[int]:
-        """What a transfer of this priority shares the line with (lower ones yield to it)."""
-        return [t.remaining_bytes for t in self._transfers.values() if t.priority <= priority]
-
-    def begin(self, key: tuple[str, str], start: int, end: int, bytes_per_token: int, priority: int) -> None:
-        self._transfers[key] = _Transfer(start, end, bytes_per_token, priority)
-
-    def acked(self, key: tuple[str, str], token_end: int, done: bool) -> None:
-        t = self._transfers.get(key)
-        if t is None:
-            return
-        now = time.monotonic()
-        if self._window is None:
-            self._window, self._window_bytes = now, 0
-        else:
-            self._window_bytes += (token_end - max(t.acked, t.start)) * t.bytes_per_token
-            if now - self._window >= RATE_WINDOW_S:
-                self.estimate = observe_rate(self.estimate, self._window_bytes, now - self._window)
-                self._window, self._window_bytes = now, 0
-        t.acked = max(t.acked, token_end)
-        if done:
-            self.end(key)
-
-    def end(self, key: tuple[str, str]) -> None:
-        self._transfers.pop(key, None)
-        if not self._transfers:
-            self._window = None
-
-    def round_trip(self, seconds: float) -> None:
-        self.estimate = observe_rtt(self.estimate, seconds)
 
 
 @dataclass(eq=False)
@@ -127,18 +67,18 @@ class PrefillRole:
         self.policy = host.dep.policy
         self.jobs: dict[str, PrefillJob] = {}
         self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_peer_lost)
-        self.lines: dict[str, Line] = {}  # by datacenter
+        self.lines: dict[str, LineMeter] = {}  # by datacenter
 
     def close(self) -> None:
         self.peers.close()
 
-    def _line(self, peer: str) -> Line:
+    def _line(self, peer: str) -> LineMeter:
         dc = self.host.dep.instance(peer).dc
         if dc not in self.lines:
             link = self.host.dep.link
             prior = LOCAL_PRIOR if dc == self.host.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
                                                                               link.delay_ms / 1000)
-            self.lines[dc] = Line(prior)
+            self.lines[dc] = LineMeter(prior)
         return self.lines[dc]
 
     # ---- from routers --------------------------------------------------------------------
@@ -178,7 +118,7 @@ class PrefillRole:
     async def _on_reply(self, peer: str, body: Any) -> None:
         rid = getattr(body, "rid", None)
         if isinstance(body, m.KVAck):
-            self._line(peer).acked((body.rid, peer), body.token_end, body.done)
+            self._line(peer).acked((body.rid, peer), body.token_end, body.done, time.monotonic())
         job = self.jobs.get(rid) if rid else None
         if job is None:
             return
@@ -314,23 +254,21 @@ class PrefillRole:
         try:
             ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
         except (RuntimeError, ConnectionError) as e:
-            if not s.relay or not await self._relay_takes(job):
+            refused = main_refused(s.relay is not None and await self._relay_takes(job))
+            if refused is None:
                 raise
             log.warning("%s: %s; the relay finishes it", s.rid, e)
-            return Pipeline.P_RLD, None, None, Fallback.MAIN_REFUSED
+            return refused.pipeline, None, None, refused.fallback
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-
-        def choose(relay: bool) -> Decision:
-            return choose_pipeline(delta, line.estimate, line.in_flight(URGENT), left, relay, self.policy.pipeline)
-
-        decision, fallback = choose(s.relay is not None), None
+        decision = choose_pipeline(delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None,
+                                   self.policy.pipeline)
         if decision.pipeline == Pipeline.P_RLD_MD and not await self._relay_takes(job):
-            decision, fallback = choose(False), Fallback.RELAY_BUSY  # MD produces, later: the relay is not overrun
+            decision = relay_refused(decision)
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
         log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
-                  predicted, line.estimate, line.in_flight(URGENT))
-        return decision.pipeline, ack, predicted, fallback
+                  predicted, line.estimate, line.in_flight(Priority.URGENT))
+        return decision.pipeline, ack, predicted, decision.fallback
 
     async def _relay_takes(self, job: PrefillJob) -> bool:
         """Whether the relay holds the request: it answers at once, and turns it away
@@ -345,7 +283,7 @@ class PrefillRole:
         relay = job.submit.relay
         ack = await self._ack(job, relay, None)
         sent = await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
-                                   priority=URGENT)
+                                   priority=Priority.URGENT)
         job.background = True  # the producer has its KV; what is left is MD's copy, if any
         return sent
 
@@ -357,7 +295,7 @@ class PrefillRole:
             job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
         sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
-                                   priority=BACKGROUND if ready_to else URGENT)
+                                   priority=Priority.BACKGROUND if ready_to else Priority.URGENT)
         if ready_to:
             await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))

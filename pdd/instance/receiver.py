@@ -15,19 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.engine_port import OutOfPages, OutputStream
 from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.kv import codec
 from pdd.instance.reservations import ReservationLine
+from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
 
 log = logging.getLogger(__name__)
-PREFIX_WAIT_S = 10.0  # longest wait for a request here to land a prefix a new one shares
 
 
 @dataclass(eq=False)
@@ -159,27 +161,19 @@ class DecodeSide:
 
     # ---- reservation and KV --------------------------------------------------------------
     async def _await_prefix(self, job: DecodeJob) -> None:
-        """An agent's next turn arrives as soon as the last one ends, often before the
-        last one's KV (or, when a relay finished it, its output) has landed here. When a
-        request that is not producing (its KV still on the line, or waiting for a relay)
-        holds most of this prompt, more than the cache does, wait for it to settle,
-        bounded, rather than have the same KV cross the line twice. A producing request
-        keeps its pages until it finishes: nothing to wait for."""
+        """Wait, bounded, for a request still landing here that holds most of this prompt
+        (`pdd.policy.prefix`), rather than have the same KV cross the line twice."""
         deadline = time.monotonic() + PREFIX_WAIT_S
         prompt = job.reserve.prompt
         while True:
             cached = await self.engine.cached_prefix(prompt)
-            best, holder = max(cached + self.engine.page_size, len(prompt) // 2), None
-            for other in self.jobs.values():
-                if other is not job and not other.settled.is_set() and other.reserve.use_cache:
-                    shared = _common_prefix(other.reserve.prompt + other.output, prompt)
-                    if shared >= best:
-                        best, holder = shared, other
+            others = [o for o in self.jobs.values() if o is not job and not o.settled.is_set() and o.reserve.use_cache]
+            i = prefix_holder(prompt, cached, self.engine.page_size, [o.reserve.prompt + o.output for o in others])
             left = deadline - time.monotonic()
-            if holder is None or left <= 0:
+            if i is None or left <= 0:
                 return
             try:
-                await asyncio.wait_for(holder.settled.wait(), left)
+                await asyncio.wait_for(others[i].settled.wait(), left)
             except asyncio.TimeoutError:
                 return
 
@@ -328,10 +322,3 @@ class DecodeSide:
             self.host.aborted.add(job.rid)
             self.host.spawn(self.end(job))
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

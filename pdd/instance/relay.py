@@ -27,7 +27,7 @@ from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.instance.host import Host, WholeRequests, report_failure
 from pdd.policy.capacity import relay_accepts
-from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over
+from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
@@ -141,7 +141,7 @@ class RelayRole(DecodeSide):
                 self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
-            plan = choose_handoff(len(job.output), load.running / max(1, load.max_running), load.waiting,
+            plan = choose_handoff(len(job.output), occupancy(load.running, load.max_running), load.waiting,
                                   self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
             if plan.mode == HandoffMode.CATCH_UP:
                 await self._catch_up(job, conn, plan)

@@ -18,6 +18,11 @@ BUSY = 0.75  # relay occupancy (running / max running) above which it hands off 
 MAX_CATCH_UP_ROUNDS = 8  # acknowledgements after which catch-up cuts over, converged or not
 
 
+def occupancy(running: int, max_running: int) -> float:
+    """A relay's running share of what it can decode at once."""
+    return running / max(1, max_running)
+
+
 @dataclass(frozen=True)
 class HandoffPlan:
     mode: str

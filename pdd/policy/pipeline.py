@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdd.policy.transfer import LinkEstimate, finish_s
-from pdd.names import Pipeline
+from pdd.names import Fallback, Pipeline
 
 
 @dataclass(frozen=True)
 class Decision:
-    pipeline: str
+    pipeline: Pipeline
     predicted_s: float | None  # when MD's delta was predicted to arrive (None: unknown)
+    fallback: Fallback | None = None  # why this is not what the plan asked for
 
 
 def answer_wait_s(budget_s: float, link: LinkEstimate) -> float:
@@ -48,3 +49,16 @@ def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequ
     if predicted is not None and predicted <= budget_s:
         return Decision(Pipeline.P_MD, predicted)
     return Decision(Pipeline.P_RLD_MD, predicted)
+
+
+def relay_refused(decision: Decision) -> Decision:
+    """The relay turned the request away (it is loaded, `pdd.policy.capacity`): MD
+    produces it, with a later first token, and the relay is not overrun."""
+    return Decision(Pipeline.P_MD, decision.predicted_s, Fallback.RELAY_BUSY)
+
+
+def main_refused(relay_takes: bool) -> Decision | None:
+    """MD refused the reservation (an error, not a full pool: that one waits): the relay
+    produces the request alone, counted; None when the relay will not take it either,
+    and the request fails."""
+    return Decision(Pipeline.P_RLD, None, Fallback.MAIN_REFUSED) if relay_takes else None

@@ -45,3 +45,13 @@ def next_release_s(held: int, since_last_s: float, relay_stopped: bool, playout:
     if not held or not relay_stopped:
         return None
     return max(0.0, playout.spacing_s - since_last_s)
+
+
+PACE_ALPHA = 0.05  # weight of the newest gap in the main instance's pace
+DEFAULT_PACE_S = 0.025  # until one is measured
+
+
+def observe_pace(pace_s: float, gap_s: float) -> float:
+    """The main instance's gap between tokens, a slow moving average: the reserve drains
+    at its usual pace, not at one stalled step's."""
+    return (1 - PACE_ALPHA) * pace_s + PACE_ALPHA * gap_s

@@ -24,45 +24,37 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from dataclasses import replace
-
-import httpx
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
-from pdd.policy.capacity import Room, fits, pages_needed
-from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, missing_roles, plan_request
-from pdd.policy.playout import Playout, next_release_s, release
-from pdd.policy.retry import retry_on_new_prefill
-from pdd.policy.routing import Candidate
+from pdd.policy.plan import missing_roles
+from pdd.policy.playout import next_release_s
+from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
-from pdd.router.dispatch import DispatchLine
+from pdd.router.pacing import Pacer
+from pdd.router.planning import Planner
 from pdd.router.members import Membership
 from pdd.tasks import Tasks
 from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
-from pdd.names import Fallback, Mode, Pipeline, RoleName
+from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
-DEFAULT_PACE_S = 0.025
-PACE_ALPHA = 0.05
 
 
 class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
-        self.max_context = 0  # set from the model config by the caller
         self.router_id = secrets.token_hex(8)
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
         self.clients = self.members.clients  # by name; instances join and leave at run time
-        self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
+        self.planner = Planner(dep, self.clients)
         self.metrics = RouterMetrics(registry, lambda: self.clients.values())
-        self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
+        self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
-        self.line = DispatchLine()  # admitted requests waiting for room at their decode side
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -73,93 +65,31 @@ class RouterBackend:
     async def stop(self) -> None:
         await asyncio.gather(*(c.stop() for c in list(self.clients.values())))
 
-    # ---- planning --------------------------------------------------------------------------
-    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
-        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
-                for c in self.clients.values() if c.spec.role == role]
+    @property
+    def max_context(self) -> int:
+        return self.planner.max_context
 
-    def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
-        """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
-        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
-
-    def _fits(self, name: str, need: int) -> bool:
-        c = self.clients[name]
-        return fits(need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages,
-                                                                        c.spec.engine.max_requests))
-
-    def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
-        """The candidates, those without room for `req` marked unavailable."""
-        return [replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
-                for c in cands]
-
-    def _plan(self, req: GenRequest, room: bool = False) -> Plan | None:
-        """The request's instances. With `room`, only decode-side instances that have room
-        for it now: None while every one that is up is full (the request waits its turn).
-        BackendError 503 when an instance every request needs is down."""
-        p = self.dep.policy
-        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
-                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
-        disaggregated = self.entry_role == RoleName.PREFILL
-        main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
-        relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
-        if room and disaggregated:
-            roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
-            if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
-                if not any(c.healthy for c in roomy_main):
-                    return None
-                main = roomy_main
-                if not any(c.healthy for c in roomy_relay):  # the relay cannot run it whole now
-                    rule = AnomalyRule(False, rule.max_output_tokens, rule.min_prompt_tokens, rule.max_hit_share)
-            elif any(c.healthy for c in relay):  # the relay alone produces: it needs room
-                if not any(c.healthy for c in roomy_relay):
-                    return None
-                relay = roomy_relay
-        try:
-            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
-                                main, relay, rule, p.affinity_weight, p.load_weight)
-        except LookupError as e:
-            raise BackendError(str(e), 503) from None
-
-    async def _dispatch(self, req: GenRequest) -> RouterRequest:
-        """Plan the request once its decode side has room, first come first served."""
-        def attempt() -> RouterRequest | None:
-            plan = self._plan(req, room=True)
-            return None if plan is None else RouterRequest(req, plan)
-
-        return await self.line.turn(attempt)
-
-    def _commit(self, request: RouterRequest, sign: int) -> None:
-        """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
-        MD, or the relay when it produces alone. (A relay behind MD is optional: it
-        turns work away itself.)"""
-        plan = request.plan
-        name = plan.main or plan.relay
-        c = self.clients.get(name) if name else None
-        if c is None:
-            return
-        c.committed_pages += sign * self._need(request.req, name, plan.predicted_hit if plan.main else 0)
-        c.committed_requests += sign
-        if sign < 0:
-            self.line.changed()
+    @max_context.setter
+    def max_context(self, tokens: int) -> None:  # set from the model config by the caller
+        self.planner.max_context = tokens
 
     def _work(self, request: RouterRequest) -> int:
         return len(request.req.prompt) + request.req.params.max_tokens
 
     async def _submit(self, request: RouterRequest, q: asyncio.Queue) -> None:
         plan = request.plan
-        self._commit(request, +1)
+        self.planner.commit(request, +1)
         for name in request.members:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
         if plan.fallback:
-            request.fallbacks.append(plan.fallback)
-            self.metrics.fallback(plan.fallback)
+            self._fell_back(request, plan.fallback)
         r = request.req
         await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
                                                      plan.relay, self.dep.policy.decode_radix_cache))
 
     def _release(self, request: RouterRequest) -> None:
-        self._commit(request, -1)
+        self.planner.commit(request, -1)
         for name in request.members:
             c = self.clients.get(name)
             if c is not None:  # (None: it left the deployment since)
@@ -168,7 +98,7 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
-        request = await self._dispatch(req)
+        request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
         try:
@@ -186,7 +116,7 @@ class RouterBackend:
                     if request.stranded:
                         raise BackendError(f"no instance is left to produce the request (instances "
                                            f"{', '.join(request.members)})", 503)
-                out = self._play_out(request)
+                out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
                     return
@@ -210,7 +140,7 @@ class RouterBackend:
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         left = timeout - (time.monotonic() - request.last_progress)
         due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
-                             self._playout(request))
+                             self.pacer.playout(request))
         try:
             if left <= 0:
                 raise asyncio.TimeoutError
@@ -219,33 +149,6 @@ class RouterBackend:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
-
-    def _playout(self, request: RouterRequest) -> Playout:
-        pace = self._pace.get(request.plan.main or "", DEFAULT_PACE_S)
-        return Playout(self.dep.router.handoff_reserve_tokens, pace)
-
-    def _play_out(self, request: RouterRequest) -> list[int]:
-        """The held tokens to release to the client now (`pdd.policy.playout`)."""
-        now = time.monotonic()
-        if request.merger.finished:
-            n = len(request.held)
-        else:
-            n = release(len(request.held), request.released, now - request.last_release, request.pacing,
-                        request.relay_stopped, self._playout(request))
-        out, request.held = request.held[:n], request.held[n:]
-        if out:
-            request.released += len(out)
-            request.last_release = now
-        return out
-
-    def _observe_pace(self, request: RouterRequest, source: str) -> None:
-        """The main instance's gap between tokens, which the playout reserve drains at."""
-        now = time.monotonic()
-        if source == request.plan.main:
-            if request.last_main_token is not None:
-                gap = now - request.last_main_token
-                self._pace[source] = (1 - PACE_ALPHA) * self._pace.get(source, DEFAULT_PACE_S) + PACE_ALPHA * gap
-            request.last_main_token = now
 
     @staticmethod
     def _cached(request: RouterRequest) -> int:
@@ -257,7 +160,7 @@ class RouterBackend:
             request.cached = body.cached_tokens
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
-            self._observe_pace(request, source)
+            self.pacer.observe(request, source)
             return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
         if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
             request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
@@ -270,8 +173,7 @@ class RouterBackend:
             elif body.pipeline == Pipeline.P_RLD:
                 request.main_done = True
             if body.fallback:
-                request.fallbacks.append(body.fallback)
-                self.metrics.fallback(body.fallback)
+                self._fell_back(request, body.fallback)
         elif isinstance(body, m.Result):
             request.result = body
         elif isinstance(body, m.HandedOff):
@@ -288,63 +190,56 @@ class RouterBackend:
         return c.spec.role if c is not None else ""
 
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
-        """Go on through what is left, or fail."""
-        role, plan = self._role_of(source), request.plan
-        failure = BackendError(f"{source}: {err.message}", 429 if err.busy else 503 if err.lost else 500)
-        if source == plan.entry:
-            if err.lost and request.result is not None:
-                return  # P had finished its part
-            others = any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source)
-            if err.lost and retry_on_new_prefill(len(request.merger.delivered), request.attempt,
-                                                 self.dep.router.prefill_retries, others):
-                self._release(request)
-                request.restart(self._plan(request.req))  # (it was dispatched: no second wait for room)
-                self.metrics.fallback(Fallback.PREFILL_RETRY)
-                request.fallbacks.append(Fallback.PREFILL_RETRY)
-                await self._submit(request, q)
-                return
-            # MD will not get its KV; the relay goes on if P had sent it the request (it
-            # reports a loss itself if P died before its KV was complete)
-            if request.chosen is not None and request.relay_producing and plan.main and not request.main_done:
-                request.main_done = True
-                self.metrics.fallback(Fallback.PREFILL_LOST)
-                request.fallbacks.append(Fallback.PREFILL_LOST)
-                return
-            raise failure
-        if source == plan.relay:
-            if request.relay_done:
-                return
+        """Go on through what is left, or fail (`pdd.policy.recovery`)."""
+        plan, role = request.plan, self._role_of(source)
+        failed = Failed(entry=source == plan.entry, relay=source == plan.relay, main=source == plan.main,
+                        lost=err.lost, busy=err.busy)
+        state = State(p_done=request.result is not None, delivered=len(request.merger.delivered),
+                      attempt=request.attempt, max_attempts=self.dep.router.prefill_retries,
+                      other_entry_up=any(c.available for c in self.clients.values()
+                                         if c.spec.role == role and c.name != source),
+                      chosen=request.chosen is not None, relay_producing=request.relay_producing,
+                      has_main=plan.main is not None, main_done=request.main_done, relay_done=request.relay_done,
+                      handed_off=request.handed_off is not None)
+        action = recover(failed, state)
+        message = f"{source}: {err.message}"
+        if failed.relay and not failed.entry:
             request.relay_done = True
-            if plan.main and not request.main_done:  # MD takes over from what the client has
-                delivered = request.merger.delivered
-                self.metrics.fallback(Fallback.RELAY_LOST)
-                request.fallbacks.append(Fallback.RELAY_LOST)
-                main = self.clients.get(plan.main)
-                if main is None:
-                    raise failure
-                await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
-                return
-            raise failure
-        if source == plan.main:
-            if request.main_done:
-                return  # already written off for this request
-            if request.relay_producing:  # the relay finishes it alone
-                request.main_done = True
-                self.metrics.fallback(Fallback.MAIN_LOST)
-                request.fallbacks.append(Fallback.MAIN_LOST)
-                return
-            raise BackendError(LOST_AFTER_HANDOFF if request.handed_off else failure.args[0], failure.status)
-        raise failure
+        if action == Recovery.IGNORE:
+            return
+        if action == Recovery.RETRY_PREFILL:
+            self._release(request)
+            request.restart(self.planner.plan(request.req))  # (it was dispatched: no second wait for room)
+            self._fell_back(request, Fallback.PREFILL_RETRY)
+            await self._submit(request, q)
+        elif action == Recovery.RELAY_GOES_ON:
+            request.main_done = True
+            self._fell_back(request, Fallback.PREFILL_LOST if failed.entry else Fallback.MAIN_LOST)
+        elif action == Recovery.MAIN_TAKES_OVER:
+            self._fell_back(request, Fallback.RELAY_LOST)
+            main = self.clients.get(plan.main or "")
+            if main is None:
+                raise BackendError(message, failure_status(err.busy, err.lost))
+            delivered = request.merger.delivered
+            await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
+        else:
+            if failed.main and request.handed_off:
+                message = LOST_AFTER_HANDOFF
+            raise BackendError(message, failure_status(err.busy, err.lost))
+
+    def _fell_back(self, request: RouterRequest, why: Fallback) -> None:
+        request.fallbacks.append(why)
+        self.metrics.fallback(why)
 
     def _finish(self, request: RouterRequest, new: list[int]) -> GenEvent:
         last = request.merger.producers[-1] if request.merger.producers else None
         if request.pipeline == Pipeline.P_RLD_MD and last == request.plan.relay:  # never silent: it ended on the relay
-            request.fallbacks.append(Fallback.RELAY_FINISHED)
-            self.metrics.fallback(Fallback.RELAY_FINISHED)
+            self._fell_back(request, Fallback.RELAY_FINISHED)
         drift = request.plan.predicted_hit - request.chosen.d_hit if request.chosen and request.plan.main else None
         record = request.record(drift)
         if request.whole:  # its own prefix cache is the only one involved
-            record.update(p_hit_tokens=request.cached, d_hit_tokens=request.cached if request.plan.relay is None else 0)
+            record.p_hit_tokens = request.cached
+            record.d_hit_tokens = request.cached if request.plan.relay is None else 0
         self.metrics.finished(request, record)
         return GenEvent(new, request.merger.finish_reason, self._cached(request), record)
 
@@ -368,31 +263,24 @@ class RouterBackend:
 
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
-        return Load(running=self.in_flight, waiting=self.line.waiting, kv_usage=0.0)
+        return Load(running=self.in_flight, waiting=self.planner.line.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
-        missing = missing_roles(healthy, self.entry_role, self.entry_role == RoleName.PREFILL)
+        missing = missing_roles(healthy, self.planner.entry_role, self.planner.entry_role == RoleName.PREFILL)
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": await self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
-                "dispatch_waiting": self.line.waiting,
+        return {"wan_bytes": self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
+                "dispatch_waiting": self.planner.line.waiting,
                 "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
                                        "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
                                        "committed_requests": c.committed_requests,
                                        "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
                               for c in self.clients.values()}}
 
-    async def wan_bytes(self) -> int:
-        """Bytes the line carried both ways, as its emulator counted them; with no
-        emulator on the line, the KV bytes P sent across it (the instances' counts)."""
-        link = self.dep.link
-        if not link.admin_port:
-            return self.metrics.totals["kv_bytes:wan"]
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                s = (await client.get(f"http://{link.host}:{link.admin_port}/stats")).json()
-        except (httpx.HTTPError, ValueError):
-            return 0
-        return int(s.get("bytes_a_to_b", 0)) + int(s.get("bytes_b_to_a", 0))
+    def wan_bytes(self) -> int:
+        """The KV bytes P sent across the line, as the instances count them (each request's
+        RESULT). Not the WAN emulator's count: the emulator is a lab tool, and a real line
+        has none (tests and the demo read its count as a cross-check)."""
+        return self.metrics.totals["kv_bytes:wan"]

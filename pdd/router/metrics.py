@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdd.router.client import InstanceClient
+from pdd.record import RequestRecord
 from pdd.router.request import RouterRequest
 from pdd.names import RoleName
 
@@ -81,29 +82,29 @@ class RouterMetrics:
         self.fallbacks.labels(kind).inc()
         self.totals[f"fallback:{kind}"] += 1
 
-    def finished(self, request: RouterRequest, record: dict) -> None:
+    def finished(self, request: RouterRequest, record: RequestRecord) -> None:
         self.completed += 1
-        self.pipelines.labels(record["pipeline"]).inc()
-        self.totals[f"pipeline:{record['pipeline']}"] += 1
-        for tier, key in ((RoleName.RELAY, "rld_output_tokens"), (RoleName.MAIN, "md_output_tokens")):
-            self.output_tokens.labels(tier).inc(record[key])
-            self.totals[f"tokens:{tier}"] += record[key]
-        if record["handoff"]:
-            self.handoffs.labels(record["handoff"]).inc()
-            self.totals[f"handoff:{record['handoff']}"] += 1
-            self.handoff_tokens.inc(record["handoff_tokens"])
-            if record["handoff_stall_ms"] is not None:
-                self.handoff_stall.observe(record["handoff_stall_ms"] / 1000)
-        if record["anomalous"]:
+        self.pipelines.labels(record.pipeline).inc()
+        self.totals[f"pipeline:{record.pipeline}"] += 1
+        for tier, tokens in ((RoleName.RELAY, record.rld_output_tokens), (RoleName.MAIN, record.md_output_tokens)):
+            self.output_tokens.labels(tier).inc(tokens)
+            self.totals[f"tokens:{tier}"] += tokens
+        if record.handoff:
+            self.handoffs.labels(record.handoff).inc()
+            self.totals[f"handoff:{record.handoff}"] += 1
+            self.handoff_tokens.inc(record.handoff_tokens)
+            if record.handoff_stall_ms is not None:
+                self.handoff_stall.observe(record.handoff_stall_ms / 1000)
+        if record.anomalous:
             self.anomalies.inc()
             self.totals["anomaly_filtered"] += 1
         self.conflicts.inc(request.merger.conflicts)
-        self.kv_bytes.labels("wan").inc(record["wan_bytes"])
-        self.kv_bytes.labels("local").inc(record["kv_bytes"] - record["wan_bytes"])
-        self.totals["kv_bytes:wan"] += record["wan_bytes"]
+        self.kv_bytes.labels("wan").inc(record.wan_bytes)
+        self.kv_bytes.labels("local").inc(record.kv_bytes - record.wan_bytes)
+        self.totals["kv_bytes:wan"] += record.wan_bytes
         self.prompt_tokens.inc(len(request.req.prompt))
-        self.hit_tokens.labels("prefill").inc(record["p_hit_tokens"])
-        self.hit_tokens.labels("decode").inc(record["d_hit_tokens"])
+        self.hit_tokens.labels("prefill").inc(record.p_hit_tokens)
+        self.hit_tokens.labels("decode").inc(record.d_hit_tokens)
 
     def snapshot(self) -> dict:
         return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

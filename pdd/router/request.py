@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pdd.api.backend import GenRequest
 from pdd.policy.plan import Plan
+from pdd.record import RequestRecord
 from pdd.router.merge import TokenMerger
 from pdd.transfer import messages as m
 from pdd.names import Pipeline
@@ -106,27 +107,28 @@ class RouterRequest:
             done.add(self.plan.main)
         return done
 
-    def record(self, drift: int | None) -> dict:
-        """The `pdd` object of the response."""
+    def record(self, drift: int | None) -> RequestRecord:
+        """Where the request ran: the server's part of its record (the `pdd` object)."""
         c, r, mg = self.chosen, self.result, self.merger
         relay = self.plan.relay
-        return {
-            "pipeline": self.pipeline,
-            "p_hit_tokens": c.p_hit if c else 0,
-            "d_hit_tokens": r.d_hit if r and r.d_hit is not None else (c.d_hit if c else 0),
-            "d_hit_predicted": self.plan.predicted_hit,
-            "mirror_drift_tokens": drift,
-            "kv_predicted_ms": c.predicted_ms if c else None,
-            "kv_bytes": r.kv_bytes if r else 0,
-            "wan_bytes": r.wan_bytes if r else 0,
-            "rld_output_tokens": mg.count(relay) if relay else 0,
-            "md_output_tokens": len(mg.delivered) - (mg.count(relay) if relay else 0),
-            "handoff": self.handed_off.mode if self.handed_off else None,
-            "handoff_tokens": self.handed_off.upto if self.handed_off else 0,
-            "handoff_chunks": self.handed_off.chunks if self.handed_off else 0,
-            "handoff_stall_ms": self.stall_ms,
-            "anomalous": self.plan.anomalous,
-            "fallback": ",".join(self.fallbacks) or None,
-            "retries": self.attempt,
-            "instances": {"entry": self.plan.entry, "relay": relay, "main": self.plan.main},
-        }
+        return RequestRecord(
+            pipeline=self.pipeline,
+            p_hit_tokens=c.p_hit if c else 0,
+            d_hit_tokens=r.d_hit if r and r.d_hit is not None else (c.d_hit if c else 0),
+            d_hit_predicted=self.plan.predicted_hit,
+            mirror_drift_tokens=drift,
+            kv_predicted_ms=c.predicted_ms if c else None,
+            kv_bytes=r.kv_bytes if r else 0,
+            wan_bytes=r.wan_bytes if r else 0,
+            rld_output_tokens=mg.count(relay) if relay else 0,
+            md_output_tokens=len(mg.delivered) - (mg.count(relay) if relay else 0),
+            handoff=self.handed_off.mode if self.handed_off else None,
+            handoff_tokens=self.handed_off.upto if self.handed_off else 0,
+            handoff_chunks=self.handed_off.chunks if self.handed_off else 0,
+            handoff_stall_ms=self.stall_ms,
+            anomalous=self.plan.anomalous,
+            fallback=",".join(self.fallbacks) or None,
+            retries=self.attempt,
+            instances={"entry": self.plan.entry, "relay": relay, "main": self.plan.main},
+            seed=self.req.params.seed,
+        )

@@ -1,41 +1,27 @@
-"""Goodput against a fixed prefix-cache hit rate: the spec's bathtub, as this simulator sees it.
+"""Throughput against the prefix-cache hit rate: the spec's bathtub, as the physics has it.
 
-PDD_SPEC § The bathtub says benefit against hit rate is bathtub-shaped, with singular
+PDD_SPEC § The bathtub: benefit against hit rate is bathtub-shaped, with singular
 points around 20, 40 and 70 % hit where the uncached tail chunk is small, cannot be
-batched with other work, and drags throughput down. If that held, more cache would not
-always be worth buying, so this sweep holds everything but the hit rate fixed: one
-request shape whose prompts share exactly `hit` of their blocks, on caches that start
-warm at P and at the decode side alike, and it reports the goodput at each hit rate.
+batched with other requests, and drags throughput down. What makes a small tail dear
+is in the step model (`pdd.sim.physics`): a chunk of a few hundred tokens still reads
+every expert's weights once, attends to its whole cached prefix, and pays a per-chunk
+cost; what decides whether it is batched is the scheduler.
 
-Why this simulator cannot show the valley. A step costs the roofline of what it
-computes (`steps.Roofline`), under continuous batching with chunked prefill
-(`instance.Instance`, 16K tokens a step):
-- a prompt's last chunk shares its step with other requests' chunks and decodes. With
-  63K prompts that last chunk is smallest at 20 % (2.5K tokens) and 70 % (3K), the
-  spec's points, but it never runs alone, and it costs only its share of the step;
-- a step is memory-bound (reading the active weights, 0.85 ms on 8 x GPU A) only below
-  about 53 new tokens. The smallest tail here (768 tokens at 99 %) is compute-bound, so
-  the only fixed cost is the 4 ms step overhead, and every sequence in the step shares it;
-- an uncached token attends to a longer cached context as the hit rate rises, so P's
-  time per uncached token grows from 37 us at 0 % to 62 us at 99 % (it falls 49x for
-  84x fewer tokens). That is a smaller gain than the tail shrinks by, but still a gain;
-- the decode side computes nothing of the prompt, and the line carries the tail's KV,
-  in proportion to 1 - hit.
-Every cost falls monotonically as the hit rate rises, so goodput only rises (the
-numbers are in BENCHMARKS.md). A valley needs a cost that does not amortize across a
-step: a scheduler that runs one prefill chunk per step, a per-sequence cost
-(`steps.Fitted`'s `per_seq_s`, fitted on a real engine), or a kernel that is less
-efficient with few query rows against a long KV.
-
-Each point is judged in steady state (`runner.Window`): requests arrive for a warm-up
-and a judged window, and only the window's are judged, so neither the ramp-up nor the
-drain after the last arrival flatters a rate.
+The sweep holds everything but the hit rate fixed: single-turn 63K-token prompts in
+`GROUPS` prefix groups (so requests do not all share one prefix), each sharing the
+first `hit` of its prompt with its group, on caches warm with every group's prefix; P
+is offered more than it can prefill, so what it completes a second is its throughput.
+Two schedulers: the live engine's (`pdd.engine.scheduler`: a step takes chunks of as
+many requests as its token budget holds, so a tail rides along with the next request's
+head) and one whose steps hold one request's chunk (a tail runs alone). Each point is
+repeated over seeds: the mean and the spread are reported.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,162 +30,133 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pdd.sim import paper
+from pdd.sim.bounds import Shape, prefill_rps
 from pdd.sim.cluster import DeploymentSpec
-from pdd.sim.metrics import GOODPUT_ATTAINMENT
-from pdd.sim.runner import Window, find_goodput, run_window, tail_s
+from pdd.sim.runner import Window, simulate
 from pdd.sim.workload import SimSession, SimTurn
 
-_DPI = 110
-_LOG_RATIO = 30.0  # as pdd.bench.report: above this max/min a linear axis flattens the low end
+GROUPS = 16
+PROMPT_TOKENS, OUTPUT_TOKENS = 63 * 1024, 16  # a short output: only P's work differs with the hit
+HITS = tuple(h / 100 for h in range(0, 100, 2))
+SEEDS = (0, 1, 2)
+OVERLOAD = 1.5  # offered load over P's analytic capacity
+MIN_JUDGED = 150
+SCHEDULERS = {"engine (tails batch)": 0, "one chunk a step (tails alone)": 1}
 
 
 def shared_blocks(hit: float, prompt_tokens: int, block: int) -> int:
-    """Leading blocks every request shares: `hit` of the prompt, to block granularity."""
+    """Leading blocks a request shares with its group: `hit` of the prompt, to block granularity."""
     return min(round(hit * prompt_tokens / block), prompt_tokens // block)
 
 
-def fixed_hit_sessions(hit: float, rate: float, requests: int, prompt_tokens: int, output_tokens: int, block: int,
-                       seed: int = 0) -> list[SimSession]:
-    """Single-turn requests, a Poisson process of `rate` a second, whose prompts share
-    their first `hit` with every other request and nothing after: once one request has
-    left the prefix in a cache, every later one hits `hit` there. The same seed gives the
-    same draws at every rate (arrival times scale with 1 / rate), so a goodput search
-    compares loads, not samples."""
+def group_sessions(hit: float, rate: float, requests: int, prompt_tokens: int, output_tokens: int, block: int,
+                   seed: int = 0, groups: int = GROUPS) -> list[SimSession]:
+    """Single-turn requests, a Poisson process of `rate` a second, each in one of `groups`
+    prefix groups (drawn at random) whose first `hit` of the prompt it shares."""
+    rng = np.random.default_rng(seed)
     shared = shared_blocks(hit, prompt_tokens, block)
-    starts = np.cumsum(np.random.default_rng(seed).exponential(1.0, requests)) / rate
+    starts = np.cumsum(rng.exponential(1.0, requests)) / rate
     turn = (SimTurn(prompt_tokens, output_tokens),)
     return [SimSession(i, float(start), turn, 0,
-                       trace_keys=tuple(("shared", b) if b < shared else (i, b) for b in range(prompt_tokens // block)))
-            for i, start in enumerate(starts)]
+                       trace_keys=tuple(("group", int(g), b) if b < shared else (i, b)
+                                        for b in range(prompt_tokens // block)))
+            for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests)))]
 
 
-def _point(spec: DeploymentSpec, hit: float, slo: tuple[float, float], window: Window, prompt_tokens: int,
-           output_tokens: int, low: float, high: float, reference_rate: float,
-           progress: Callable[[str], None] | None) -> dict[str, Any]:
-    warm = [("shared", b) for b in range(shared_blocks(hit, prompt_tokens, spec.block_tokens))]
-
-    def sessions(rate: float, end_s: float) -> list[SimSession]:
-        drawn = fixed_hit_sessions(hit, rate, math.ceil(rate * end_s) + 1, prompt_tokens, output_tokens,
-                                   spec.block_tokens)
-        return [s for s in drawn if s.start_s < end_s]
-
-    def note(rate: float, run: dict[str, Any]) -> None:
-        if progress is not None:
-            progress(f"{spec.name} hit {hit:.0%}: {rate:.2f} req/s -> {run['slo_attainment'] or 0.0:.1%} in SLO")
-
-    # Single-turn requests: the session rate is the request rate. ~15 % precision shows a valley.
-    best = find_goodput(spec, sessions, slo, window, low, high, note, steps=5, warm=warm)
-    at = best or run_window(spec, sessions, low, window, slo, warm)
-    return {
-        "deployment": spec.name, "hit": hit, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1], "window_s": [window.warmup_s, window.end_s],
-        "goodput_rps": best["session_rate"] if best else 0.0, "d_hit_rate": at["d_hit_rate"],
-        "slo_attainment": at["slo_attainment"],
-        "ttft_p50_ms": at["ttft_ms"]["p50"], "ttft_p99_ms": at["ttft_ms"]["p99"], "tpot_p99_ms": at["tpot_ms"]["p99"],
-        "wan_gbps": _gbps(at["wan_bytes"], window.end_s - window.warmup_s),
-        "rld_share": at["rld_output_tokens"] / at["output_tokens"] if at["output_tokens"] else 0.0,
-        "reference_rps": reference_rate,
-        "wan_gbps_needed": _demand_gbps(at, reference_rate),
-        "line_gbps": spec.wan.gbps if len({r.dc for r in spec.roles}) > 1 else None,
-    }
+def deployment(max_chunks: int, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
+    """One P and three decode instances on GPU A in one site: P is what runs out."""
+    p = replace(setting.role("prefill", "A", 1, "A"), max_chunks=max_chunks)
+    return setting.deployment("bathtub", (p, setting.role("main", "A", 3, "A")))
 
 
-def _gbps(nbytes: float, seconds: float | None) -> float:
-    return 8 * nbytes / seconds / 1e9 if seconds else 0.0
+def point(spec: DeploymentSpec, hit: float, seed: int, window: Window) -> dict[str, Any]:
+    """P's throughput (requests whose first token came in the window, per second) at one hit."""
+    block = spec.block_tokens
+    shared = shared_blocks(hit, PROMPT_TOKENS, block)
+    p = next(r for r in spec.roles if r.role == "prefill")
+    capacity = prefill_rps(p, Shape([(PROMPT_TOKENS, shared * block)], OUTPUT_TOKENS, PROMPT_TOKENS))
+    rate = OVERLOAD * capacity
+    warm = [("group", g, b) for g in range(GROUPS) for b in range(shared)]
+
+    # at least `MIN_JUDGED` completions judged, so a low hit's throughput is not one request's grain
+    window = replace(window, end_s=max(window.end_s, window.warmup_s + MIN_JUDGED / capacity))
+    drawn = group_sessions(hit, rate, int(rate * window.end_s) + 1, PROMPT_TOKENS, OUTPUT_TOKENS, block, seed)
+    outcomes, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
+    first = [o for o in outcomes if o.first_token_s is not None and window.warmup_s <= o.first_token_s < window.end_s]
+    seconds = window.end_s - window.warmup_s
+    return {"hit": hit, "seed": seed, "throughput_rps": len(first) / seconds, "capacity_rps": capacity,
+            "p_hit_rate": sum(o.p_hit for o in first) / sum(o.prompt_tokens for o in first) if first else 0.0}
 
 
-def _demand_gbps(run: dict[str, Any], rate: float) -> float:
-    """`rate` requests a second, each sending what a served request of `run` sent."""
-    return _gbps(run["wan_bytes"] * rate / run["completed"], 1.0) if run["completed"] else 0.0
-
-
-def bathtub(spec: DeploymentSpec, hits: Sequence[float], slo: tuple[float, float], window: Window,
-            prompt_tokens: int = 63 * 1024, output_tokens: int = 1024, *, low: float, high: float,
-            reference_rate: float, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per hit rate: goodput (req/s in [low, high], 0.0 when even `low` misses
-    the SLO); what the run at that rate measured: TTFT, the relay's share of output
-    tokens and the line's use (`wan_gbps`, the judged requests' bytes over the window);
-    and the line's bandwidth needed at `reference_rate`: that rate times the bytes a
-    served request sent (a line slower than the demand would cap what it carries)."""
-    return [_point(spec, hit, slo, window, prompt_tokens, output_tokens, low, high, reference_rate, progress)
-            for hit in hits]
-
-
-HITS = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
-
-
-def bathtub_figures(out: Path, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """`pdd sim --paper --plots DIR`: the sweep for the same-datacenter baseline and PDD
-    of the published comparison, written as bathtub.png and wan.png."""
-    specs = paper.paper_deployments()
-    slo = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
-    # Single-turn requests reach steady state within one answer (~10 s): a short window will do.
-    window = Window(20.0, 60.0, tail_s(1024, slo))
-    rows = [row for name in ("same-dc-pd", "pdd")
-            for row in bathtub(specs[name], HITS, slo, window, low=0.5, high=120.0, reference_rate=10.0,
-                               progress=progress)]
-    out.mkdir(parents=True, exist_ok=True)
-    plot_bathtub(rows, out / "bathtub.png")
-    plot_wan(rows, out / "wan.png")
+def sweep(hits: Sequence[float] = HITS, seeds: Sequence[float] = SEEDS, window: Window = Window(5.0, 25.0, 0.0),
+          progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per scheduler and hit: P's throughput over seeds (mean, standard deviation)."""
+    rows = []
+    for name, max_chunks in SCHEDULERS.items():
+        spec = deployment(max_chunks)
+        for hit in hits:
+            runs = [point(spec, hit, seed, window) for seed in seeds]
+            values = [r["throughput_rps"] for r in runs]
+            rows.append({"scheduler": name, "hit": hit, "throughput_rps": statistics.mean(values),
+                         "std_rps": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "p_hit_rate": statistics.mean(r["p_hit_rate"] for r in runs),
+                         "capacity_rps": runs[0]["capacity_rps"], "seeds": len(values)})
+            if progress is not None:
+                progress(f"{name}, hit {hit:.0%}: {rows[-1]['throughput_rps']:.2f} req/s")
     return rows
 
 
-# ---------------------------------------------------------------------------- plots
-
-def _by_deployment(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(row["deployment"], []).append(row)
-    return groups
-
-
-def _setting(rows: Sequence[dict[str, Any]]) -> str:
-    r = rows[0]
-    return (f"{r['prompt_tokens'] / 1024:.0f}K-token prompts, {r['output_tokens']} output tokens, "
-            f"judged over {r['window_s'][1] - r['window_s'][0]:g} s after {r['window_s'][0]:g} s of warm-up")
+def valleys(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Hit rates where throughput falls below both neighbours' by more than the spread:
+    the singular points, per scheduler."""
+    found = []
+    for name in SCHEDULERS:
+        curve = [r for r in rows if r["scheduler"] == name]
+        for a, b, c in zip(curve, curve[1:], curve[2:]):
+            if b["throughput_rps"] + b["std_rps"] < min(a["throughput_rps"], c["throughput_rps"]):
+                found.append({"scheduler": name, "hit": b["hit"], "throughput_rps": b["throughput_rps"],
+                              "neighbours_rps": (a["throughput_rps"], c["throughput_rps"])})
+    return found
 
 
-def _save(figure: Figure, path: Path) -> None:
+CACHED_PRICE = (0.10, 0.25)  # a cached input token billed at this share of an uncached one (PDD_SPEC)
+
+
+def economics(rows: Sequence[dict[str, Any]], block: int = paper.SETTING.block_tokens) -> list[dict[str, Any]]:
+    """Per hit: input tokens billed a second by one P (uncached ones whole, cached ones
+    at 10 and 25 %), with the engine's scheduler; and what tails that run alone cost
+    (1 - their throughput over the engine's): where that peaks, the singular points."""
+    names = list(SCHEDULERS)
+    by = {(r["scheduler"], round(r["hit"], 4)): r for r in rows}
+    out = []
+    for hit in sorted({round(r["hit"], 4) for r in rows}):
+        engine, alone = by.get((names[0], hit)), by.get((names[1], hit))
+        if engine is None:
+            continue
+        cached = shared_blocks(hit, PROMPT_TOKENS, block) * block
+        row = {"hit": hit, "tail_cost": 1 - alone["throughput_rps"] / engine["throughput_rps"] if alone else None}
+        for price in CACHED_PRICE:
+            billed = PROMPT_TOKENS - cached + price * cached
+            row[f"billed_ktok_s_at_{price:g}"] = engine["throughput_rps"] * billed / 1e3
+        out.append(row)
+    return out
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Throughput against hit rate, per scheduler, with one standard deviation over seeds."""
+    figure = Figure(figsize=(8, 4.8), layout="constrained")
+    ax = figure.subplots()
+    for name in SCHEDULERS:
+        curve = [r for r in rows if r["scheduler"] == name]
+        ax.errorbar([100 * r["hit"] for r in curve], [r["throughput_rps"] for r in curve],
+                    yerr=[r["std_rps"] for r in curve], marker=".", capsize=2, label=name)
+    for x in (20, 40, 70):
+        ax.axvline(x, color="grey", linestyle=":", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix-cache hit rate (% of a 63K-token prompt, in 16 prefix groups)")
+    ax.set_ylabel("P throughput (req/s, one P of 16 x GPU A)")
+    ax.set_title("Prefill throughput against the hit rate (dotted: the spec's 20 / 40 / 70 %)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     FigureCanvasAgg(figure)
-    figure.savefig(path, dpi=_DPI)
-
-
-def plot_bathtub(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Goodput against hit rate, one line per deployment: where a valley would show."""
-    figure = Figure(figsize=(7.5, 4.6), layout="constrained")
-    ax = figure.subplots()
-    for name, group in _by_deployment(rows).items():
-        ax.plot([100 * r["hit"] for r in group], [r["goodput_rps"] for r in group], marker="o", label=name)
-    first = rows[0]
-    ax.set_xlabel("prefix-cache hit rate (% of prompt tokens, at P and decode side)")
-    ax.set_ylabel(f"goodput (req/s, {100 * GOODPUT_ATTAINMENT:.0f} % within "
-                  f"TTFT {first['slo_ttft_ms'] / 1000:g} s, TPOT {first['slo_tpot_ms']:g} ms)")
-    ax.set_title(f"Simulated goodput against a fixed hit rate\n{_setting(rows)}", fontsize=10)
-    goodputs = [r["goodput_rps"] for r in rows]
-    if min(goodputs) > 0 and max(goodputs) / min(goodputs) > _LOG_RATIO:
-        ax.set_yscale("log")  # a dip at low hit, where goodput is small, must still show
-    else:
-        ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(figure, path)
-
-
-def plot_wan(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """The line's bandwidth a load needs against hit rate: what a given line can carry."""
-    figure = Figure(figsize=(7.5, 4.6), layout="constrained")
-    ax = figure.subplots()
-    for name, group in _by_deployment(rows).items():
-        line = ax.plot([100 * r["hit"] for r in group], [r["wan_gbps_needed"] for r in group], marker="o",
-                       label=name)[0]
-        if group[0]["line_gbps"]:
-            ax.axhline(group[0]["line_gbps"], color=line.get_color(), linestyle="--", linewidth=1,
-                       label=f"{name}: its line, {group[0]['line_gbps']:g} Gbit/s")
-    ax.set_xlabel("prefix-cache hit rate (% of prompt tokens, at P and decode side)")
-    ax.set_ylabel("WAN bandwidth needed (Gbit/s)")
-    ax.set_title(f"Simulated WAN bandwidth needed at {rows[0]['reference_rps']:g} req/s\n{_setting(rows)}",
-                 fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(figure, path)
+    figure.savefig(path, dpi=110)

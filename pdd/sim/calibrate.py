@@ -12,30 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdd.engine_port import EngineConfig
+from pdd.sim.fit import Sample, fit, relative_errors
+from pdd.sim.profile import _TERMS, LocalProfile, profile_to_json
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
     from pdd.engine.sequence import Sequence as EngineSequence
 
-Sample = tuple[StepLoad, float]  # what a step computed, and its seconds
-PROFILE_VERSION = 1
-_TERMS = ("base_s", "per_token_s", "per_pair_s", "per_seq_s", "per_kv_token_s")  # Fitted's, in order
 # Runs of each shape; the median one is kept, since the machine is shared and noisy. Cheap
 # shapes get more: a millisecond step is the one a stray scheduler tick distorts most.
 _MIN_RUNS, _MAX_RUNS, _CHEAP_S = 3, 7, 0.05
@@ -185,132 +181,6 @@ def measure(model_dir: str, config: EngineConfig, threads: int = 1, budget_s: fl
         return meter.samples()
     finally:
         torch.set_num_threads(previous)
-
-
-# ---- fitting ---------------------------------------------------------------------------
-
-def _design(loads: Sequence[StepLoad]) -> np.ndarray:
-    return np.array([[1.0, x.new_tokens, x.attn_pairs, x.seqs, x.kv_read_tokens] for x in loads], dtype=float)
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b| over x >= 0, by Lawson and Hanson's active set: a coefficient is
-    freed while the residual still pulls it up, and a free one that the unconstrained
-    solution would push negative is walked back to zero and pinned there again."""
-    n = a.shape[1]
-    x, free = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 1e-12 * max(1.0, float(np.abs(a.T @ b).max()))
-    for _ in range(10 * n):
-        pull = a.T @ (b - a @ x)
-        if free.all() or pull[~free].max() <= tol:
-            break
-        free[np.argmax(np.where(free, -np.inf, pull))] = True
-        while True:
-            z = np.zeros(n)
-            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-            if (z[free] > 0).all():
-                break
-            back = free & (z <= 0)
-            gap = x[back] - z[back]
-            x += np.min(np.where(gap > 0, x[back] / np.where(gap > 0, gap, 1.0), 0.0)) * (z - x)
-            free &= x > 0
-            x[~free] = 0.0
-        x = z
-    return x
-
-
-def _machine() -> str:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{cpus}"
-    except OSError:
-        pass
-    return f"{platform.machine()} x{cpus}"
-
-
-def fit(samples: Sequence[Sample], threads: int = 1) -> Fitted:
-    """Non-negative least squares, each step weighted by 1/t: the fit minimises relative
-    error, so a 2 ms decode step counts as much as a 1 s prefill (unweighted, the long
-    prefills would own the fit), and no term can buy accuracy by going negative, which
-    would price some unseen step at less than nothing."""
-    if not samples:
-        raise ValueError("no steps to fit")
-    times = np.array([t for _, t in samples], dtype=float)
-    if not (times > 0).all():
-        raise ValueError("step times must be positive")
-    a = _design([load for load, _ in samples]) / times[:, None]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0  # a term no step exercises stays 0
-    coef = _nnls(a / scale, np.ones(len(samples))) / scale  # columns span ~10 decades: solve them at one scale
-    source = f"{_machine()}, {threads} torch thread(s), {date.today().isoformat()}, {len(samples)} steps"
-    return Fitted(*(float(c) for c in coef), source=source)
-
-
-def relative_errors(fitted: Fitted, samples: Sequence[Sample]) -> np.ndarray:
-    return np.array([abs(fitted.step_s(load) - t) / t for load, t in samples])
-
-
-# ---- the profile file ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LocalProfile:
-    """This machine, as `pdd sim calibrate` measured it: what `pdd.sim.local` needs to
-    simulate a deployment of the served model here."""
-
-    steps: Fitted
-    kv_bytes_per_token: int
-    max_context: int
-    request_overhead_s: float  # an idle request's path through router and HTTP, beyond its engine step
-    cores: int
-
-
-def profile_to_json(profile: LocalProfile, samples: Sequence[Sample], threads: int = 1) -> dict[str, Any]:
-    errors = relative_errors(profile.steps, samples)
-    return {"version": PROFILE_VERSION, "fitted": profile.steps.to_dict(), "samples": len(samples),
-            "median_rel_error": float(np.median(errors)), "p90_rel_error": float(np.percentile(errors, 90)),
-            "threads": threads, "kv_bytes_per_token": profile.kv_bytes_per_token,
-            "max_context": profile.max_context, "request_overhead_s": profile.request_overhead_s,
-            "cores": profile.cores}
-
-
-def _check_number(path: str | Path, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{path}: {name} must be a non-negative number, not {value!r}")
-    return float(value)
-
-
-def _check_count(path: str | Path, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path}: {name} must be a positive integer, not {value!r}")
-    return value
-
-
-def load_profile(path: str | Path) -> LocalProfile:
-    """Check every field, so a truncated or hand-edited profile fails here, by name,
-    rather than as a simulation with nonsense step times."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON step-time profile ({e})") from None
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{path}: not a version {PROFILE_VERSION} step-time profile")
-    fitted = data.get("fitted")
-    if not isinstance(fitted, dict) or set(fitted) != {*_TERMS, "source"}:
-        raise ValueError(f"{path}: 'fitted' must hold exactly {', '.join(_TERMS)} and source")
-    if not isinstance(fitted["source"], str):
-        raise ValueError(f"{path}: fitted.source must be a string")
-    for name in ("median_rel_error", "p90_rel_error"):
-        _check_number(path, name, data.get(name))
-    for name in ("samples", "threads"):
-        _check_count(path, name, data.get(name))
-    coef = [_check_number(path, f"fitted.{name}", fitted[name]) for name in _TERMS]
-    return LocalProfile(Fitted(*coef, source=fitted["source"]),
-                        _check_count(path, "kv_bytes_per_token", data.get("kv_bytes_per_token")),
-                        _check_count(path, "max_context", data.get("max_context")),
-                        _check_number(path, "request_overhead_s", data.get("request_overhead_s")),
-                        _check_count(path, "cores", data.get("cores")))
 
 
 def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 64) -> float:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd import config as cfg
-from pdd.sim.calibrate import LocalProfile
+from pdd.sim.profile import LocalProfile
 from pdd.sim.local import simulate_demo
 from pdd.sim.metrics import summary
 from pdd.workload.scenarios import SCENARIOS

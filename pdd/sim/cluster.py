@@ -12,26 +12,29 @@ catch-up handoff of token IDs that MD extends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import simpy
 
 from pdd.config import PolicySpec
-from pdd.policy.handoff import choose_handoff, cut_over
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline
 from pdd.policy.plan import Plan, anomaly_rule, plan_request
+from pdd.policy.prefix import PREFIX_WAIT_S
 from pdd.policy.retry import reserve_retry_delay
 from pdd.policy.routing import Candidate
-from pdd.policy.transfer import LinkEstimate, kv_range
+from pdd.policy.transfer import LinkEstimate, kv_range, observe_rate, observe_rtt
 from pdd.sim.hardware import Line
-from pdd.sim.instance import Hold, Instance, SimSeq
+from pdd.sim.instance import Instance
+from pdd.sim.sequence import Hold, SimSeq
 from pdd.sim.link import SharedLink
+from pdd.sim.outcome import Outcome, Stream
+from pdd.sim.relayed import BACKGROUND, URGENT, RelayPaths
 from pdd.sim.steps import StepModel
+from pdd.sim.tcp import Tcp, TcpLink
 from pdd.sim.workload import SimSession
-from pdd.names import HandoffMode, Pipeline
+from pdd.names import Pipeline
 
-URGENT, BACKGROUND = 0, 1
 RESERVE_WAIT_S = 45.0  # as the live decode side: a full pool holds a reservation back this long
 
 
@@ -49,6 +52,7 @@ class RoleSpec:
     hardware: str = ""  # catalog name, for the cost
     gpus: int = 0
     cpu_priority: int = 0  # on shared cores, lower runs first
+    max_chunks: int = 0  # prefill chunks a step may hold (0: the engine's rule, as many as its budget takes)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class DeploymentSpec:
     policy: PolicySpec = PolicySpec()
     cores: int | None = None  # every instance shares this many cores (one machine); None: own hardware
     request_overhead_s: float = 0.0  # the router's and the HTTP path's own time before a request is planned
+    tcp: Tcp | None = None  # the line between datacenters as TCP sees it (None: a fluid pipe, as `pdd wan` is)
+    stretches: bool = True  # decode stretches (pdd.sim.instance); off: one event per step
 
     @property
     def mode(self) -> str:
@@ -71,71 +77,7 @@ class DeploymentSpec:
 
 
 @dataclass
-class Outcome:
-    """One request, as `pdd bench` records it."""
-
-    session: int
-    turn: int
-    arrival_s: float
-    prompt_tokens: int
-    max_tokens: int
-    ttft_s: float | None = None
-    end_s: float | None = None
-    tokens: int = 0
-    max_itl_s: float = 0.0
-    pipeline: str | None = None
-    handoff: str | None = None
-    handoff_tokens: int = 0
-    handoff_stall_s: float | None = None
-    rld_tokens: int = 0
-    md_tokens: int = 0
-    wan_bytes: float = 0.0
-    p_hit: int = 0
-    d_hit: int = 0
-    anomalous: bool = False
-    fallback: str | None = None
-    failed: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.end_s is None or self.tokens < 2:
-            return None
-        return (self.end_s - self.arrival_s - self.ttft_s) / (self.tokens - 1)
-
-
-@dataclass
-class _Stream:
-    """The client's view of one request: positions arrive in order, whoever produced them."""
-
-    arrival_s: float
-    first_s: float | None = None
-    last_s: float | None = None
-    tokens: int = 0
-    max_gap_s: float = 0.0
-
-    def emit(self, at: float) -> None:
-        if self.first_s is None:
-            self.first_s = at
-        else:
-            self.max_gap_s = max(self.max_gap_s, at - self.last_s)
-        self.last_s = at
-        self.tokens += 1
-
-    def take(self, seq: SimSeq) -> None:
-        """A producer's tokens after the ones already seen."""
-        if seq.produced == 0:
-            return
-        if self.last_s is not None:
-            self.max_gap_s = max(self.max_gap_s, seq.first_s - self.last_s)
-        elif self.first_s is None:
-            self.first_s = seq.first_s
-        self.max_gap_s = max(self.max_gap_s, seq.max_gap_s)
-        self.last_s = seq.last_s
-        self.tokens += seq.produced
-
-
-@dataclass
-class Cluster:
+class Cluster(RelayPaths):
     env: simpy.Environment
     spec: DeploymentSpec
     outcomes: list[Outcome] = field(default_factory=list)
@@ -148,10 +90,17 @@ class Cluster:
                 name = f"{r.role}{i}@{r.dc}"
                 self.instances[name] = Instance(self.env, name, r.role, r.dc, r.steps, r.capacity_tokens,
                                                 self.spec.block_tokens, r.max_batch_tokens, r.max_running, cpu,
-                                                r.cpu_priority)
+                                                r.cpu_priority, self.spec.stretches, r.max_chunks)
         dcs = sorted({r.dc for r in self.spec.roles})
         self.lans = {dc: SharedLink(self.env, self.spec.lan, f"lan-{dc}") for dc in dcs}
-        self.wan = SharedLink(self.env, self.spec.wan, "wan") if len(dcs) > 1 else None
+        self.wan: SharedLink | TcpLink | None = None
+        if len(dcs) > 1:
+            self.wan = SharedLink(self.env, self.spec.wan, "wan") if self.spec.tcp is None else \
+                TcpLink(self.env, self.spec.wan, self.spec.tcp, "wan")
+        # What each P knows of each line: the live prefill instance's estimate, kept from
+        # reservation round trips and delivered KV with the same functions.
+        self.estimates: dict[tuple[str, str], LinkEstimate] = {}
+        self._key_cache: dict[int, list] = {}
         p = self.spec.policy
         self.rule = anomaly_rule(p.anomaly_filter, self.spec.max_context, p.anomaly_max_output_tokens,
                                  p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
@@ -162,6 +111,21 @@ class Cluster:
             self.start(s)
         self.env.run(until=until)
         return self.outcomes
+
+    def warm(self, sessions: list[SimSession], blocks: Sequence[Hashable] = ()) -> None:
+        """Caches as a deployment that has served a while holds them: `blocks` on every
+        instance, and each resumed session's context (`warm_tokens`) on one entry and one
+        main instance, which the router's affinity then keeps it on."""
+        for inst in self.instances.values():
+            inst.cache.insert(list(blocks))
+        entry = [i for i in self.instances.values() if i.role in ("prefill", "standalone")]
+        main = [i for i in self.instances.values() if i.role == "main"]
+        for s in sessions:
+            if s.warm_tokens:
+                keys = self._keys(s, s.warm_tokens)
+                for group in (entry, main):
+                    if group:
+                        group[s.id % len(group)].cache.insert(keys)
 
     def start(self, s: SimSession) -> None:
         self.env.process(self._session(s))
@@ -178,12 +142,25 @@ class Cluster:
                                                  anomalous=s.anomalous, failed=f"not sent: turn {k} failed"))
                 return
 
-    def link(self, a: Instance, b: Instance) -> SharedLink:
+    def link(self, a: Instance, b: Instance) -> SharedLink | TcpLink:
         return self.lans[a.dc] if a.dc == b.dc or self.wan is None else self.wan
+
+    def estimate(self, p: Instance, peer: Instance) -> LinkEstimate:
+        line = self.link(p, peer).line
+        return self.estimates.get((p.name, peer.dc), LinkEstimate(line.bytes_per_s, line.one_way_ms / 1000))
+
+    def send(self, a: Instance, b: Instance, nbytes: float, priority: int) -> Iterator[simpy.Event]:
+        """KV from `a` to `b` on their connection; `a`'s estimate learns from its delivery."""
+        started = self.env.now
+        yield self.link(a, b).send(nbytes, priority, (a.name, b.name))
+        est = self.estimate(a, b)
+        seconds = self.env.now - started - est.one_way_s
+        if nbytes > 0 and seconds > 0:
+            self.estimates[(a.name, b.dc)] = observe_rate(est, int(nbytes), seconds)
 
     # ---- one request ---------------------------------------------------------------------
     def _candidates(self, role: str, s: SimSession, prompt: int) -> list[Candidate]:
-        keys = s.keys(prompt, self.spec.block_tokens)
+        keys = self._keys(s, prompt)
         return [Candidate(i.name, i.hit_tokens(keys, prompt, touch=False), i.queued_tokens)
                 for i in self.instances.values() if i.role == role]
 
@@ -205,7 +182,7 @@ class Cluster:
         work = out.prompt_tokens + out.max_tokens
         for n in members:
             self.instances[n].queued_tokens += work
-        stream = _Stream(out.arrival_s)
+        stream = Stream(out)
         try:
             if plan.main is None and plan.relay is None or plan.anomalous:
                 yield from self._whole(self.instances[plan.entry], s, out, stream)
@@ -222,9 +199,15 @@ class Cluster:
             out.max_itl_s = stream.max_gap_s
 
     def _keys(self, s: SimSession, tokens: int) -> list:
-        return s.keys(tokens, self.spec.block_tokens)
+        """The first `tokens` // block keys of a session's context (one list per session,
+        sliced: every turn's keys are a prefix of the longest)."""
+        block = self.spec.block_tokens
+        keys = self._key_cache.get(s.id)
+        if keys is None or len(keys) < tokens // block:
+            keys = self._key_cache[s.id] = s.keys(max(tokens, self.spec.max_context), block)
+        return keys[: tokens // block]
 
-    def _whole(self, inst: Instance, s: SimSession, out: Outcome, stream: _Stream) -> Iterator[simpy.Event]:
+    def _whole(self, inst: Instance, s: SimSession, out: Outcome, stream: Stream) -> Iterator[simpy.Event]:
         """Prefill and decode on one instance (colocated; the relay for a filtered request)."""
         prompt = out.prompt_tokens
         hit = inst.hit_tokens(self._keys(s, prompt), prompt)
@@ -255,12 +238,14 @@ class Cluster:
             inst.submit(seq)
         return done
 
-    def _reserve(self, inst: Instance, s: SimSession, out: Outcome, link: SharedLink) -> Iterator[simpy.Event]:
+    def _reserve(self, p: Instance, inst: Instance, s: SimSession, out: Outcome) -> Iterator[simpy.Event]:
         """RESERVE from P: (hit, the hold) once the answer is back at P, or None when the
-        pool stayed full for `RESERVE_WAIT_S`."""
-        one_way = link.line.one_way_ms / 1000
+        pool stayed full for `RESERVE_WAIT_S`. P's estimate of the line learns the round trip."""
+        sent = self.env.now
+        one_way = self.link(p, inst).line.one_way_ms / 1000
         yield self.env.timeout(one_way)
         prompt, keys = out.prompt_tokens, self._keys(s, out.prompt_tokens)
+        yield from self._await_prefix(inst, keys, prompt)
         started, attempt = self.env.now, 0
         while True:
             hit = inst.hit_tokens(keys, prompt)
@@ -273,16 +258,39 @@ class Cluster:
                 return None
             yield self.env.timeout(delay)
             attempt += 1
+        hold.unsettled(self._keys(s, prompt + out.max_tokens))
         yield self.env.timeout(one_way)
+        self.estimates[(p.name, inst.dc)] = observe_rtt(self.estimate(p, inst), self.env.now - sent)
         return hit, hold
 
-    def _disaggregated(self, plan: Plan, s: SimSession, out: Outcome, stream: _Stream) -> Iterator[simpy.Event]:
+    def _await_prefix(self, inst: Instance, keys: list, prompt: int) -> Iterator[simpy.Event]:
+        """As the live decode side (`DecodeSide._await_prefix`): an agent's next turn
+        often arrives before the last one's KV (or a relay's fill of its output) has
+        landed. When a request that is not producing yet holds more of this prompt than
+        the cache does, and at least half, wait for it to settle (at most
+        `PREFIX_WAIT_S`) rather than send the same KV across the line twice."""
+        deadline = self.env.now + PREFIX_WAIT_S
+        block = inst.block_tokens
+        while True:
+            best = max(inst.cache.match(keys, touch=False) * block + block, prompt // 2)
+            holder = None
+            for other in inst.unsettled:
+                shared = block * next((i for i, (a, b) in enumerate(zip(other.keys, keys)) if a != b),
+                                      min(len(other.keys), len(keys)))
+                if shared >= best:
+                    best, holder = shared, other
+            left = deadline - self.env.now
+            if holder is None or left <= 0:
+                return
+            yield holder.settled() | self.env.timeout(left)
+
+    def _disaggregated(self, plan: Plan, s: SimSession, out: Outcome, stream: Stream) -> Iterator[simpy.Event]:
         env, prompt = self.env, out.prompt_tokens
         p = self.instances[plan.entry]
         md = self.instances[plan.main] if plan.main else None
         rld = self.instances[plan.relay] if plan.relay else None
-        md_res = env.process(self._reserve(md, s, out, self.link(p, md))) if md else None
-        rld_res = env.process(self._reserve(rld, s, out, self.link(p, rld))) if rld else None
+        md_res = env.process(self._reserve(p, md, s, out)) if md else None
+        rld_res = env.process(self._reserve(p, rld, s, out)) if rld else None
         out.p_hit = p.hit_tokens(self._keys(s, prompt), prompt)
         pseq = SimSeq(context=out.p_hit, pending=prompt - out.p_hit, produce=1, hold=None, blocks=self._keys(s, prompt))
         if not self._fits(p, pseq, out):
@@ -308,8 +316,8 @@ class Cluster:
             self._free(reserved)
             return
         out.pipeline = pipeline
-        yield from self._relayed(p, md if pipeline == Pipeline.P_RLD_MD else None, reserved, md_res, rld, rld_res.value, s,
-                                 out, stream)
+        yield from self._relayed(p, md if pipeline == Pipeline.P_RLD_MD else None, reserved, md_res, rld,
+                                 rld_res.value, s, out, stream)
 
     def _decide(self, p: Instance, md: Instance | None, md_res, has_relay: bool, out: Outcome):
         """P, after prefill: wait for MD's answer while P -> MD could still be in time, then
@@ -318,7 +326,7 @@ class Cluster:
             out.fallback = out.fallback or "no_main"
             return Pipeline.P_RLD, None
         line = self.link(p, md)
-        est = LinkEstimate(line.line.bytes_per_s, line.line.one_way_ms / 1000)
+        est = self.estimate(p, md)
         budget = self.spec.policy.ttft_budget_ms / 1000
         waited = self.env.now
         if has_relay:
@@ -344,15 +352,16 @@ class Cluster:
             reserved[1].release()
 
     def _p_md(self, p: Instance, md: Instance, reserved, s: SimSession, out: Outcome,
-              stream: _Stream) -> Iterator[simpy.Event]:
+              stream: Stream) -> Iterator[simpy.Event]:
         out.pipeline = Pipeline.P_MD
         if reserved is None:
             out.failed = "the decode instance refused the reservation"
             return
         start, end = kv_range(out.prompt_tokens, reserved[0])
         nbytes = (end - start) * self.spec.kv_bytes_per_token
-        yield self.link(p, md).send(nbytes, URGENT)
+        yield from self.send(p, md, nbytes, URGENT)
         out.wan_bytes += nbytes if self.link(p, md) is self.wan else 0
+        reserved[1].settle()  # MD produces
         stream.emit(self.env.now)  # P's first token, streamed by MD as the KV lands
         if out.max_tokens > 1:
             seq = SimSeq(context=out.prompt_tokens, pending=0, produce=out.max_tokens - 1, hold=reserved[1],
@@ -362,123 +371,3 @@ class Cluster:
         else:
             reserved[1].release()
         out.md_tokens = stream.tokens
-
-    def _relayed(self, p: Instance, md: Instance | None, reserved, md_res, rld: Instance,
-                 rld_reserved: tuple[int, int], s: SimSession, out: Outcome, stream: _Stream) -> Iterator[simpy.Event]:
-        """P -> RLD -> MD (or P -> RLD when MD is out): the relay streams at once; MD
-        takes over once its KV has landed."""
-        env, kvb, prompt = self.env, self.spec.kv_bytes_per_token, out.prompt_tokens
-        start, end = kv_range(prompt, rld_reserved[0])
-        to_rld = self.link(p, rld).send((end - start) * kvb, URGENT)
-        md_has_kv = env.process(self._behind_relay(p, md, reserved, md_res, out)) if md else None
-        yield to_rld
-        stream.emit(env.now)  # P's first token, streamed by the relay
-        if out.max_tokens == 1:
-            out.rld_tokens = 1
-            rld_reserved[1].release()
-            if md_has_kv is not None:
-                self.env.process(self._drop_when(md_has_kv))
-            return
-        rseq = SimSeq(context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1],
-                      blocks=self._keys(s, prompt))
-        finished = self._until_finished(rld, rseq)
-        if md_has_kv is None:
-            yield finished
-            stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            return
-        yield finished | md_has_kv
-        if not md_has_kv.triggered or md_has_kv.value is None:
-            yield finished
-            stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
-            self.env.process(self._drop_when(md_has_kv))
-            return
-        hold = md_has_kv.value
-        # READY reaches the relay: MD's acknowledgement back to P, then P -> relay.
-        yield env.timeout(self.link(p, md).line.one_way_ms / 1000 + self.link(p, rld).line.one_way_ms / 1000)
-        if rseq.done:
-            stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
-            hold.release()
-            return
-        yield from self._hand_off(rld, rseq, md, hold, s, out, stream)
-
-    @staticmethod
-    def _drop_when(event: simpy.Event) -> Iterator[simpy.Event]:
-        """Give back a reservation that will not be used, once it is made: `event` gives
-        (hit, hold), a hold, or None (refused)."""
-        yield event
-        value = event.value
-        if value is not None:
-            (value[1] if isinstance(value, tuple) else value).release()
-
-    def _behind_relay(self, p: Instance, md: Instance, reserved, md_res, out: Outcome) -> Iterator[simpy.Event]:
-        """The delta to MD, in the background (once MD has answered, if it had not in
-        time); MD's hold once it has landed, None if MD refused."""
-        if reserved is None:
-            yield md_res
-            reserved = md_res.value
-            if reserved is None:
-                return None
-            out.d_hit = reserved[0]
-        start, end = kv_range(out.prompt_tokens, reserved[0])
-        nbytes = (end - start) * self.spec.kv_bytes_per_token
-        line = self.link(p, md)
-        yield line.send(nbytes, BACKGROUND)
-        out.wan_bytes += nbytes if line is self.wan else 0
-        return reserved[1]
-
-    def _hand_off(self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: Outcome,
-                  stream: _Stream) -> Iterator[simpy.Event]:
-        env, p = self.env, self.spec.policy
-        one_way = self.link(rld, md).line.one_way_ms / 1000
-        occupancy, waiting = rld.load()
-        gap = 1 + rseq.produced
-        plan = choose_handoff(gap, occupancy, waiting, p.handoff_threshold, p.catch_up_chunk, p.handoff)
-        out.handoff = plan.mode
-        mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=hold, live=False,
-                      blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
-        finished = self._until_finished(md, mseq, submit=False)
-        sent = 0
-        if plan.mode == HandoffMode.CATCH_UP:
-            rounds, previous = 0, None
-            while True:
-                produced = 1 + rseq.produced
-                if rseq.done:  # the relay finished meanwhile: nothing left to hand over
-                    break
-                chunk = produced - sent
-                computed = env.event()
-                mseq.on_computed = lambda _s, ev=computed: ev.succeed() if not ev.triggered else None
-                yield env.timeout(one_way)
-                md.feed(mseq, chunk, live=False, step_cap=plan.chunk)
-                sent = produced
-                yield computed
-                yield env.timeout(one_way)  # the acknowledgement
-                rounds += 1
-                produced = 1 + rseq.produced
-                if rseq.done or cut_over(produced, sent, p.handoff_threshold, rounds, previous):
-                    break
-                previous = produced - sent
-            mseq.on_computed = None
-        if rseq.done:
-            stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
-            md.stop(mseq)
-            return
-        rld.stop(rseq)
-        relayed = 1 + rseq.produced
-        stream.take(rseq)
-        out.rld_tokens = relayed
-        out.handoff_tokens = relayed
-        yield env.timeout(one_way)
-        mseq.produce = out.max_tokens - relayed
-        md.feed(mseq, relayed - sent, live=True)
-        yield finished
-        out.handoff_stall_s = mseq.first_s - stream.last_s
-        stream.take(mseq)
-        out.md_tokens = mseq.produced
-

@@ -5,70 +5,42 @@ smooth), then waiting ones are admitted while the step's token budget, the runni
 slots and the pool last; every sequence computes up to its pending tokens (chunked
 prefill, extend) or one token (decode). A step's time comes from a `StepModel`; on a
 machine whose processes share cores (`cpu`), a step first waits for a core.
+
+Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
+handoff) a decoding instance runs identical steps, except that every context grows by
+one token a step. Rather than one simulation event per step (per token), the instance
+prices the whole stretch up to the next finish in one vectorized call (`steps_s`),
+and sleeps until its end or until something pokes it (a new sequence, a released
+hold, a stop); then the steps completed so far are applied and the batch is re-planned,
+exactly where step-by-step simulation would have re-planned. A sequence read during a
+stretch (`produced`, `last_s`, ...) first catches up to the steps completed by then.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import simpy
 
 from pdd.sim.cache import BlockCache
-from pdd.sim.steps import StepLoad, StepModel
+from pdd.sim.sequence import Hold, SimSeq, _Stretch
+from pdd.sim.steps import StepLoad, StepModel, decode_stretch
 
-
-@dataclass(eq=False)
-class Hold:
-    """Pool room reserved for one request on one instance, and the cached prefix blocks
-    it relies on, pinned (eviction passes them by) until the hold is released."""
-
-    inst: Instance
-    tokens: int
-    pinned: Sequence[Hashable]
-    released: bool = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.inst.used -= self.tokens
-            self.inst.cache.unpin(self.pinned)
-            self.inst.cache.shrink(self.inst.cache_room())
-
-
-@dataclass(eq=False)
-class SimSeq:
-    """One request's work on one instance.
-
-    It computes `pending` tokens (a prompt's uncached tail, or handed-over tokens), then,
-    while `live`, produces tokens until it has produced `produce` of them. A sequence
-    that is not live stops once its pending tokens are computed (a catch-up chunk) and
-    waits for more (`Instance.feed`)."""
-
-    context: int  # tokens whose KV the instance holds for it
-    pending: int
-    produce: int
-    hold: Hold | None  # its pool room (None: taken when it is admitted)
-    live: bool = True
-    step_cap: int = 0  # most pending tokens per step (0: the step budget)
-    blocks: Sequence[Hashable] = ()  # its prompt's cache keys, inserted when it ends
-    on_computed: Callable[[SimSeq], None] | None = None  # pending reached 0
-    on_finish: Callable[[SimSeq], None] | None = None
-    produced: int = 0
-    first_s: float | None = None
-    last_s: float | None = None
-    max_gap_s: float = 0.0
-    done: bool = False
-    stopped: bool = False  # cut by a handoff: produces no more
+MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
 
 
 @dataclass
 class InstanceStats:
-    """The tokens an instance computed: what each role's share of the work is read from."""
+    """What an instance did: each role's share of the work, and how busy it was."""
 
     tokens_out: int = 0
     prefill_tokens: int = 0
+    busy_s: float = 0.0  # time spent in steps
+    steps: int = 0
 
 
 @dataclass
@@ -84,6 +56,8 @@ class Instance:
     max_running: int
     cpu: simpy.PriorityResource | None = None
     cpu_priority: int = 0
+    stretches: bool = True  # decode stretches (off: one event per step, the reference)
+    max_chunks: int = 0  # prefill/extend chunks a step may hold (0: as many as the budget takes, as the engine)
     queued_tokens: int = 0  # the router's count of work assigned here and not finished
     stats: InstanceStats = field(default_factory=InstanceStats)
 
@@ -92,6 +66,7 @@ class Instance:
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.used = 0  # pool tokens held by sequences (reserved or running)
+        self.unsettled: list[Hold] = []  # reservations whose KV, handoff or fill is still to land
         self._wake = self.env.event()
         self.env.process(self._loop())
 
@@ -128,7 +103,7 @@ class Instance:
     # ---- work ----------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
-        self._poke()
+        self.poke()
 
     def feed(self, seq: SimSeq, tokens: int, live: bool, step_cap: int = 0) -> None:
         """Hand-over tokens for a sequence that waits (or has not started): compute them
@@ -137,28 +112,36 @@ class Instance:
         seq.live, seq.step_cap = live, step_cap
         if seq not in self.running and seq not in self.waiting:
             self.running.append(seq)
-        self._poke()
+        self.poke()
 
     def stop(self, seq: SimSeq) -> None:
         """A handoff cut: the sequence produces no more here and gives its room back."""
+        seq._sync()
+        if seq.done:
+            return
         seq.stopped = True
         self._end(seq)
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
 
     def _schedule(self) -> list[tuple[SimSeq, int]]:
-        budget = self.max_batch_tokens
+        budget, chunks = self.max_batch_tokens, 0
         batch: list[tuple[SimSeq, int]] = []
         for seq in self.running:
             if budget <= 0:
                 break
+            if seq.pending and self.max_chunks and chunks >= self.max_chunks:
+                continue
             n = self._tokens(seq, budget)
             if n:
                 batch.append((seq, n))
                 budget -= n
+                chunks += n > 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if self.max_chunks and chunks >= self.max_chunks:
+                break
             seq = self.waiting[0]
             if seq.hold is None and not self._admit(seq):
                 break
@@ -168,6 +151,7 @@ class Instance:
             if n:
                 batch.append((seq, n))
                 budget -= n
+                chunks += n > 1
         return batch
 
     def _admit(self, seq: SimSeq) -> bool:
@@ -178,32 +162,67 @@ class Instance:
     def _tokens(seq: SimSeq, budget: int) -> int:
         if seq.pending:
             return min(seq.pending, budget, seq.step_cap or budget)
-        return 1 if seq.live and seq.produced < seq.produce else 0
+        return 1 if seq.live and seq._produced < seq.produce else 0
 
     def _loop(self):
         env = self.env
         while True:
+            self._wake = env.event()
             batch = self._schedule()
             if not batch:
-                self._wake = env.event()
                 yield self._wake
                 continue
-            load = _load(batch)
-            seconds = self.steps.step_s(load)
+            if self.stretches and self.cpu is None and all(n == 1 and not s.pending for s, n in batch):
+                yield from self._stretch([s for s, _ in batch])
+                continue
+            seconds = self.steps.step_s(_load(batch))
+            started = env.now
             if self.cpu is not None:
                 with self.cpu.request(priority=self.cpu_priority) as core:
                     yield core
+                    started = env.now
                     yield env.timeout(seconds)
             else:
                 yield env.timeout(seconds)
+            self.stats.busy_s += env.now - started
+            self.stats.steps += 1
             self._apply(batch)
 
-    def _apply(self, batch: list[tuple[SimSeq, int]]) -> None:
-        now = self.env.now
+    def _stretch(self, seqs: list[SimSeq]):
+        """Decode `seqs` until the first of them finishes, or until poked; then apply the
+        steps completed (the one in progress included) and return to re-plan."""
+        env = self.env
+        steps = min(MAX_STRETCH_STEPS, min(s.produce - s._produced for s in seqs))
+        seconds = self.steps.steps_s(decode_stretch(sum(s.context for s in seqs), len(seqs), steps))
+        ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
+        stretch = _Stretch(self, seqs, ends)
+        for s in seqs:
+            s._stretch = stretch
+        started = env.now
+        yield env.timeout(float(ends[-1]) - env.now) | self._wake
+        done = len(ends)
+        if env.now < ends[-1]:
+            done = bisect.bisect_right(ends, env.now)
+            if done < len(ends) and ends[done] > env.now:  # the step in progress completes
+                yield env.timeout(float(ends[done]) - env.now)
+                done += 1
+        self.stats.busy_s += env.now - started
+        self.stats.steps += done
+        stretch.catch_up(done - 1)
+        for s in seqs:
+            s._stretch = None
+        self._apply([(s, 1) for s in seqs], float(ends[done - 1]))
+
+    def _apply(self, batch: list[tuple[SimSeq, int]], now: float | None = None) -> None:
+        now = self.env.now if now is None else now
         for seq, n in batch:
             if seq.done or seq.stopped:
                 continue
             seq.context += n
+            if not seq.pending and seq._produced + 1 < seq.produce:  # a decode token, not the last
+                seq._token_at(now)
+                self.stats.tokens_out += 1
+                continue
             if seq.pending:
                 seq.pending -= n
                 self.stats.prefill_tokens += n
@@ -213,18 +232,13 @@ class Instance:
                     seq.on_computed(seq)
                 if not seq.live or seq.stopped:
                     continue
-            if seq.produced < seq.produce:
+            if seq._produced < seq.produce:
                 self._token(seq, now)
 
     def _token(self, seq: SimSeq, now: float) -> None:
-        if seq.last_s is not None:
-            seq.max_gap_s = max(seq.max_gap_s, now - seq.last_s)
-        else:
-            seq.first_s = now
-        seq.last_s = now
-        seq.produced += 1
+        seq._token_at(now)
         self.stats.tokens_out += 1
-        if seq.produced >= seq.produce:
+        if seq._produced >= seq.produce:
             self._end(seq)
             if seq.on_finish is not None:
                 seq.on_finish(seq)
@@ -236,7 +250,7 @@ class Instance:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
-        self._poke()
+        self.poke()
 
     def load(self) -> tuple[float, int]:
         """(occupancy, waiting): the relay's load as `choose_handoff` reads it."""
@@ -244,12 +258,16 @@ class Instance:
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
-    new = seqs = kv = 0
-    pairs = 0.0
+    new = seqs = kv = chunks = 0
+    pairs = chunk_pairs = 0.0
     for seq, n in batch:
         start = seq.context
         new += n
         seqs += 1
         kv += start + n
-        pairs += n * start + n * (n + 1) / 2
-    return StepLoad(new, pairs, seqs, kv)
+        p = n * start + n * (n + 1) / 2
+        pairs += p
+        if n > 1:
+            chunks += 1
+            chunk_pairs += p
+    return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs)

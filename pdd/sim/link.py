@@ -26,7 +26,24 @@ class LinkStats:
     bytes: float = 0.0  # what the line carried (read by the tests' bandwidth checks)
 
 
-class SharedLink:
+class Delivery:
+    """What every line does with bytes that have left it: they arrive a one-way delay
+    later (an empty transfer takes that delay only)."""
+
+    env: simpy.Environment
+    line: Line
+
+    def _deliver(self, done: simpy.Event):
+        yield self.env.timeout(self.line.one_way_ms / 1000)
+        done.succeed()
+
+    def _empty(self) -> simpy.Event:
+        done = self.env.event()
+        self.env.process(self._deliver(done))
+        return done
+
+
+class SharedLink(Delivery):
     """`send(nbytes)` returns an event that fires when the bytes have arrived (one-way
     delay included). Urgent transfers (priority 0) share the line among themselves and
     take it ahead of background ones (priority 1), as the instances' two connections do."""
@@ -39,11 +56,11 @@ class SharedLink:
         self._wake = env.event()
         env.process(self._run())
 
-    def send(self, nbytes: float, priority: int = 0) -> simpy.Event:
-        done = self.env.event()
+    def send(self, nbytes: float, priority: int = 0, conn: object = None) -> simpy.Event:
+        """(`conn`, the connection, is TcpLink's: a fluid pipe shares per transfer.)"""
         if nbytes <= 0:
-            self.env.process(self._deliver(done))
-            return done
+            return self._empty()
+        done = self.env.event()
         self._advance()
         self.active.append(_Transfer(float(nbytes), done, priority))
         self.stats.bytes += nbytes
@@ -55,10 +72,6 @@ class SharedLink:
         """Bytes still to go of the transfers a new one at `priority` would share with."""
         self._advance()
         return [int(t.left) for t in self.active if t.priority <= priority]
-
-    def _deliver(self, done: simpy.Event):
-        yield self.env.timeout(self.line.one_way_ms / 1000)
-        done.succeed()
 
     def _sharing(self) -> list[_Transfer]:
         top = min(t.priority for t in self.active)

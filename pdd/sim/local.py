@@ -15,7 +15,7 @@ from dataclasses import replace
 import simpy
 
 from pdd import config as cfg
-from pdd.sim.calibrate import LocalProfile
+from pdd.sim.profile import LocalProfile
 from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome, RoleSpec
 from pdd.sim.hardware import Line
 from pdd.sim.workload import agentic_sessions

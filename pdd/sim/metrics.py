@@ -12,8 +12,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdd.bench.summary import RequestRecord, summarize
-from pdd.sim.cluster import Outcome
+from pdd.bench.summary import summarize
+from pdd.names import Pipeline
+from pdd.record import RequestRecord
+from pdd.sim.outcome import Outcome
 
 # The spec tracks requests in seven hit-rate buckets, 0-90 % up to 99-100 %.
 HIT_BUCKETS = (0.0, 0.90, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0001)
@@ -32,7 +34,7 @@ def record(o: Outcome) -> RequestRecord:
         pipeline=o.pipeline, p_hit_tokens=o.p_hit, d_hit_tokens=o.d_hit, wan_bytes=int(o.wan_bytes),
         rld_output_tokens=o.rld_tokens, md_output_tokens=o.md_tokens, handoff=o.handoff,
         handoff_tokens=o.handoff_tokens, handoff_stall_ms=_ms(o.handoff_stall_s), fallback=o.fallback,
-        anomalous=o.anomalous, anomaly_filtered=o.anomalous and o.pipeline == "P-RLD",
+        planned_anomalous=o.anomalous, anomalous=o.anomalous and o.pipeline == Pipeline.P_RLD,
         error=o.failed if o.failed else (None if o.end_s is not None else "unfinished when the simulation stopped"))
 
 
@@ -55,14 +57,15 @@ def hit_buckets(outcomes: Sequence[Outcome], duration_s: float) -> list[dict[str
     return rows
 
 
-def goodput(attainment_at: Callable[[float], float], low: float, high: float, steps: int = 7) -> float:
-    """The highest rate in [low, high] at which `attainment_at(rate)` >= 90 % (attainment
+def goodput(attainment_at: Callable[[float], float], low: float, high: float, steps: int = 7,
+            attainment: float = GOODPUT_ATTAINMENT) -> float:
+    """The highest rate in [low, high] at which `attainment_at(rate)` >= `attainment` (it
     falls as the rate rises); 0.0 when even `low` misses it. Geometric midpoints, since
     rates span decades; the ends are tried only when every midpoint fell on their side,
     because a steady-state run costs about its rate times its length, and the top is the
     dearest."""
     def passes(rate: float) -> bool:
-        return attainment_at(rate) >= GOODPUT_ATTAINMENT
+        return attainment_at(rate) >= attainment
 
     lo, hi = low, high
     for _ in range(steps):

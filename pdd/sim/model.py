@@ -1,62 +1,100 @@
-"""The served model, as the simulator needs it: how much arithmetic a token costs,
-how many bytes its weights and its KV take."""
+"""The served model, as the simulator needs it: which weights a step reads, how much
+arithmetic a token costs, how many bytes its KV takes.
+
+A mixture-of-experts model is not "its active parameters, read once a step": every
+token picks `top_k` of `experts` routed experts per MoE layer, so a step reads the
+weights of the experts its batch touches, which grows with the batch. The dense part
+(attention projections, shared experts, dense FFN layers, the output head) is read
+whole every step. Embedding rows are looked up, not read whole.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+INT4_GROUP32 = 0.5 + 2 / 32  # 4-bit weights with one BF16 scale per 32: what INT4 checkpoints ship
+FP8 = 1.0
+BF16 = 2.0
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    total_params: float
-    active_params: float  # per token (MoE: the routed experts plus the shared part)
-    weight_bytes_per_param: float
     layers: int
-    attn_flops_per_pair: float  # one query token against one context token, all layers
+    moe_layers: int  # layers whose FFN is routed experts (0: a dense model)
+    experts: int  # routed experts per MoE layer
+    top_k: int  # routed experts per token per MoE layer
+    expert_params: float  # one routed expert of one layer
+    dense_params: float  # read whole every step
+    embedding_params: float  # stored, looked up
+    hidden: int  # what an expert-parallel all-to-all moves per token and expert
+    expert_bytes_per_param: float
+    dense_bytes_per_param: float
+    expert_fp8: bool  # expert matmuls at FP8 peak (FP8 weights) or BF16 (4-bit weights dequantized)
+    prefill_flops_per_pair: float  # one query token against one context token, all layers (chunks)
+    decode_flops_per_pair: float  # the same in decode's form (MLA absorbed into the latent)
     kv_bytes_per_token: float
     max_context: int
     note: str = ""
 
     @property
-    def weight_bytes(self) -> float:
-        return self.total_params * self.weight_bytes_per_param
+    def routed_params(self) -> float:
+        return self.moe_layers * self.experts * self.expert_params
 
     @property
-    def active_weight_bytes(self) -> float:
-        return self.active_params * self.weight_bytes_per_param
+    def total_params(self) -> float:
+        return self.dense_params + self.embedding_params + self.routed_params
+
+    @property
+    def active_params(self) -> float:
+        """Per token: the dense part and `top_k` experts of every MoE layer."""
+        return self.dense_params + self.moe_layers * self.top_k * self.expert_params
+
+    @property
+    def expert_bytes(self) -> float:
+        """All routed experts of one layer."""
+        return self.experts * self.expert_params * self.expert_bytes_per_param
+
+    @property
+    def weight_bytes(self) -> float:
+        return (self.dense_params + self.embedding_params) * self.dense_bytes_per_param \
+            + self.routed_params * self.expert_bytes_per_param
+
+    def with_expert_precision(self, bytes_per_param: float, fp8: bool) -> ModelSpec:
+        return replace(self, expert_bytes_per_param=bytes_per_param, expert_fp8=fp8)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return asdict(self) | {"total_params": self.total_params, "active_params": self.active_params,
+                               "weight_bytes": self.weight_bytes}
 
 
-def _mla_pair_flops(layers: int, heads: int, qk_dim: int, v_dim: int) -> float:
-    return 2.0 * layers * heads * (qk_dim + v_dim)
+def _kimi_k2() -> ModelSpec:
+    """Kimi K2's published config.json: 61 layers (1 dense, 60 MoE), hidden 7,168, 384
+    routed experts of FFN width 2,048 (top 8) plus one shared, MLA with 64 heads
+    (q rank 1,536, kv rank 512, rope 64, nope 128, v 128), vocabulary 163,840; 1.03T
+    parameters, 32B active. Experts INT4 (as K2-Thinking ships), the rest BF16. KV: the
+    spec's 50 KB per token (K2's MLA latent, 576 x 61 values, is 70 KB in BF16, 35 KB
+    in FP8)."""
+    hidden, layers, heads, vocab = 7168, 61, 64, 163840
+    expert = 3 * hidden * 2048
+    attention = (hidden * 1536 + 1536 * heads * 192 + hidden * (512 + 64) + 512 * heads * 256
+                 + heads * 128 * hidden)
+    dense = layers * attention + 60 * expert + 3 * hidden * 18432 + vocab * hidden  # + shared experts, FFN 0, head
+    return ModelSpec("paper-1t", layers=layers, moe_layers=60, experts=384, top_k=8, expert_params=expert,
+                     dense_params=dense, embedding_params=vocab * hidden, hidden=hidden,
+                     expert_bytes_per_param=INT4_GROUP32, dense_bytes_per_param=BF16, expert_fp8=False,
+                     prefill_flops_per_pair=2.0 * layers * heads * (192 + 128),
+                     decode_flops_per_pair=2.0 * layers * heads * (576 + 512),
+                     kv_bytes_per_token=50e3, max_context=131072,
+                     note="Kimi-K2-like 1T MoE (384 experts, top 8), INT4 experts, BF16 rest, 50 KB KV/token")
 
 
-MODELS: dict[str, ModelSpec] = {
-    # The spec's "1T-parameter model, ~50 KB of KV per token": Kimi-K2-like (61 layers,
-    # 64 MLA heads, 32B active of 1.04T, INT4 weights as that model ships).
-    "paper-1t": ModelSpec("paper-1t", total_params=1.04e12, active_params=32e9, weight_bytes_per_param=0.5,
-                          layers=61, attn_flops_per_pair=_mla_pair_flops(61, 64, 192, 128),
-                          kv_bytes_per_token=50e3, max_context=131072,
-                          note="1T MoE, 32B active, INT4 weights, 50 KB KV/token (the spec's figure)"),
-    # The spec's compressed-KV case: ~23 GB of KV for 80 concurrent 64K requests.
-    "deepseek-v4-pro-like": ModelSpec("deepseek-v4-pro-like", total_params=671e9, active_params=37e9,
-                                      weight_bytes_per_param=1.0, layers=61,
-                                      attn_flops_per_pair=_mla_pair_flops(61, 128, 192, 128),
-                                      kv_bytes_per_token=23e9 / (80 * 65536), max_context=131072,
-                                      note="671B MoE, 37B active, FP8, compressed KV: 23 GB per 80 x 64K"),
-}
+def dense_twin(model: ModelSpec) -> ModelSpec:
+    """A dense model of the same active size: every parameter read by every step."""
+    return replace(model, name=f"{model.name}-dense", moe_layers=0, experts=0, top_k=0,
+                   dense_params=model.active_params, expert_bytes_per_param=model.dense_bytes_per_param,
+                   note=f"dense, {model.active_params / 1e9:.0f}B (the active size of {model.name})")
 
 
-def tiny_spec(layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, intermediate: int = 768,
-              vocab: int = 4096, dtype_bytes: int = 4, max_context: int = 4096) -> ModelSpec:
-    """The embedded tiny model (what `pdd demo` serves)."""
-    head_dim = hidden // heads
-    per_layer = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden + 3 * hidden * intermediate
-    params = layers * per_layer + 2 * vocab * hidden
-    return ModelSpec("tiny", total_params=params, active_params=params, weight_bytes_per_param=dtype_bytes,
-                     layers=layers, attn_flops_per_pair=4.0 * layers * heads * head_dim,
-                     kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes, max_context=max_context,
-                     note="the embedded tiny model, fp32")
+MODELS: dict[str, ModelSpec] = {"paper-1t": _kimi_k2()}
+

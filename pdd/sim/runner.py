@@ -1,43 +1,42 @@
 """Running a simulated deployment: once over a workload, or in steady state for a goodput.
 
 Agentic sessions are closed loops (a turn waits for the previous answer) lasting minutes,
-so a short run never reaches the load its rate implies: it ramps up and drains. Goodput
-is therefore judged in steady state: sessions start at `rate` per second for a whole
-window, the first `warmup_s` of arrivals are not judged, and the run stops a while
-after the window, when every judged request has either finished or missed its SLO.
+so a run that starts empty ramps up for minutes before it carries the load its rate
+implies. Goodput is therefore judged in steady state: requests arriving in a window
+after a warm-up are judged, and the run stops a while after the window, when every
+judged request has either finished or missed its SLO.
+
+Warm start. Rather than minutes of warm-up, a steady run starts from a stationary
+session mix: sessions are drawn as if they had been arriving for as long as the
+longest lasts (`history_s`), each one caught in progress resumes at its next turn, and the context its
+earlier turns left is already in the caches of the instances the router will send it
+to. Queues still have to form, which a short warm-up covers.
+
+Early stopping. A probe above goodput is the dearest (its queues grow without bound),
+and its verdict is known long before it ends: once the judged requests that have
+certainly missed the SLO (finished late, or waiting longer than the TTFT target for a
+first token) outnumber what the attainment allows of every request the window will
+judge, the probe stops and fails.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import simpy
 
-from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome
-from pdd.sim.metrics import goodput, summary
+from pdd.sim.cluster import Cluster, DeploymentSpec
+from pdd.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
+from pdd.sim.outcome import Outcome
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
-
-def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
-             warm: Sequence[Hashable] = ()) -> tuple[list[Outcome], int]:
-    """The outcomes (unfinished ones too, when the horizon stops the run), and how many
-    events the simulation processed. `warm`: blocks every instance holds at the start,
-    as a deployment that has served them a while does."""
-    env = simpy.Environment()
-    cluster = Cluster(env, spec)
-    for inst in cluster.instances.values():
-        inst.cache.insert(list(warm))
-    for s in sessions:
-        cluster.start(s)
-    events = 0
-    while env.peek() < horizon_s:
-        env.step()
-        events += 1
-    return cluster.outcomes, events
+NOMINAL_TTFT_S, NOMINAL_TPOT_S = 1.0, 0.035  # a turn's length, to place warm-started sessions
+CHECK_S = 5.0  # how often a probe looks at its misses
 
 
 @dataclass(frozen=True)
@@ -61,46 +60,218 @@ def tail_s(longest_output: int, slo: tuple[float, float]) -> float:
     return (slo[0] + slo[1] * longest_output) / 1000 + 1.0
 
 
-def steady_sessions(config: AgenticConfig) -> Sessions:
+def history_s(config: AgenticConfig) -> float:
+    """How long the longest session lasts, at the nominal turn length: a warm start
+    needs sessions drawn that far back."""
+    return config.turns[1] * (NOMINAL_TTFT_S + NOMINAL_TPOT_S * config.output_tokens[1])
+
+
+def _resume(s: SimSession, history: float) -> SimSession | None:
+    """A session drawn as if it started `history` ago: None if it has ended by now,
+    else from its next turn on, with the context its earlier turns left cached."""
+    t = s.start_s - history
+    if t >= 0:
+        return replace(s, start_s=t)
+    for k, turn in enumerate(s.turns):
+        t += NOMINAL_TTFT_S + NOMINAL_TPOT_S * turn.max_tokens
+        if t > 0:
+            if k + 1 == len(s.turns):
+                return None
+            return replace(s, start_s=t, turns=s.turns[k + 1:], warm_tokens=turn.prompt_tokens + turn.max_tokens)
+    return None
+
+
+@lru_cache(maxsize=8)
+def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[SimSession, ...]:
+    return tuple(agentic_sessions(config, requests, 1.0))
+
+
+def _drawn(config: AgenticConfig, requests: int, rate: float) -> list[SimSession]:
+    """`agentic_sessions(config, requests, rate)`, from one draw at a unit rate: start
+    times are a Poisson process, so at `rate` they are the unit-rate ones / `rate`. A
+    search probes many rates of one workload; this draws its sessions once."""
+    unit = _at_unit_rate(config, 1 << max(10, math.ceil(math.log2(requests))))
+    return [replace(s, start_s=s.start_s / rate) for s in unit]
+
+
+def steady_sessions(config: AgenticConfig, warm: bool = True) -> Sessions:
     """Agentic sessions starting at a rate until a time (the stream is planned long
-    enough, then cut there)."""
+    enough, then cut there); `warm`: from a stationary mix (see the module's note)."""
     turns = turns_per_session(config)
 
     def sessions(rate: float, end_s: float) -> list[SimSession]:
-        requests = max(1, math.ceil(1.5 * rate * end_s * turns) + 100)
-        return [s for s in agentic_sessions(config, requests, rate) if s.start_s < end_s]
+        history = history_s(config) if warm else 0.0
+        requests = max(1, math.ceil(1.5 * rate * (end_s + history) * turns) + 100)
+        drawn = _drawn(config, requests, rate)
+        if not warm:
+            return [s for s in drawn if s.start_s < end_s]
+        resumed = (_resume(s, history) for s in drawn if s.start_s < end_s + history)
+        return [s for s in resumed if s is not None]
 
     return sessions
 
 
-def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Window,
-               slo: tuple[float, float], warm: Sequence[Hashable] = ()) -> dict[str, Any]:
-    """The steady-state summary at a session rate; `offered_rps`: judged arrivals per second."""
-    outcomes, events = simulate(spec, sessions(rate, window.end_s), window.end_s + window.tail_s, warm)
-    judged = window.judged(outcomes)
-    result = summary(judged, *slo)
-    result |= {"events": events, "simulated_requests": len(outcomes), "session_rate": rate,
-               "offered_rps": len(judged) / (window.end_s - window.warmup_s)}
+@dataclass
+class _Probe:
+    """Watches a run: snapshots of every instance's work at the window's edges (what
+    binds), and the early stop."""
+
+    cluster: Cluster
+    window: Window
+    slo_s: tuple[float, float]
+    attainment: float
+    stop_early: bool
+    marks: dict[str, dict[str, tuple[float, float, float]]]
+    failed_early: bool = False
+    done: bool = False
+
+    def snapshot(self) -> dict[str, tuple[float, float, float]]:
+        c = self.cluster
+        marks = {name: (i.stats.busy_s, float(i.stats.steps), float(i.used)) for name, i in c.instances.items()}
+        marks["line"] = (c.wan.stats.bytes if c.wan is not None else 0.0, 0.0, 0.0)
+        return marks
+
+    def misses(self) -> tuple[int, int]:
+        """(judged requests so far, those certainly out of the SLO)."""
+        now, w = self.cluster.env.now, self.window
+        judged = missed = 0
+        for o in self.cluster.outcomes:
+            if not w.warmup_s <= o.arrival_s < w.end_s:
+                continue
+            judged += 1
+            waited = (o.first_token_s if o.first_token_s is not None else now) - o.arrival_s
+            if o.failed or waited > self.slo_s[0] or \
+                    (o.tpot_s is not None and o.tpot_s > self.slo_s[1]):
+                missed += 1
+        return judged, missed
+
+    def settled(self) -> bool:
+        """Every judged request has finished or failed: nothing left to learn."""
+        w = self.window
+        return all(o.end_s is not None or o.failed for o in self.cluster.outcomes
+                   if w.warmup_s <= o.arrival_s < w.end_s)
+
+    def run(self) -> Iterator[simpy.Event]:
+        env, w = self.cluster.env, self.window
+        yield env.timeout(w.warmup_s)
+        self.marks["start"] = self.snapshot()
+        while env.now < w.end_s:
+            yield env.timeout(min(CHECK_S, w.end_s - env.now))
+            if self.stop_early and env.now > w.warmup_s + 2 * CHECK_S:
+                judged, missed = self.misses()
+                expected = judged * (w.end_s - w.warmup_s) / (env.now - w.warmup_s)
+                if missed > (1 - self.attainment) * expected:
+                    self.failed_early = True
+                    self.marks["end"] = self.snapshot()
+                    return
+        self.marks["end"] = self.snapshot()
+        while not self.settled():  # the tail: only until the last judged request is done
+            yield env.timeout(CHECK_S)
+        self.done = True
+
+
+def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
+             warm: Sequence[Hashable] = ()) -> tuple[list[Outcome], int]:
+    """The outcomes (unfinished ones too, when the horizon stops the run), and how many
+    events the simulation processed. `warm`: blocks every instance holds at the start,
+    as a deployment that has served them a while does."""
+    env = simpy.Environment()
+    cluster = Cluster(env, spec)
+    cluster.warm(sessions, warm)
+    for s in sessions:
+        cluster.start(s)
+    events = 0
+    while env.peek() < horizon_s:
+        env.step()
+        events += 1
+    return cluster.outcomes, events
+
+
+def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]],
+                seconds: float, tpot_s: float) -> dict[str, float]:
+    """How close each resource ran to its limit over the window: a prefill instance's
+    share of time in steps (it queues work); a decoding one's mean step over the TPOT
+    target (it always has steps to run; their length is what the SLO bounds) and its
+    pool in use at the window's end; the line's share of its bandwidth. Per role, the
+    mean over its instances."""
+    if "start" not in marks or "end" not in marks or seconds <= 0:
+        return {}
+    start, end = marks["start"], marks["end"]
+    values: dict[str, list[float]] = {}
+    for name in start:
+        if name == "line":
+            continue
+        role = name.split("@")[0].rstrip("0123456789")
+        busy, steps = end[name][0] - start[name][0], end[name][1] - start[name][1]
+        if role == "prefill":
+            values.setdefault(role, []).append(busy / seconds)
+        else:
+            values.setdefault(role, []).append(busy / steps / tpot_s if steps else 0.0)
+            cap = next(r.capacity_tokens for r in spec.roles if r.role == role)
+            values.setdefault(f"{role}_kv", []).append(end[name][2] / cap)
+    result = {k: sum(v) / len(v) for k, v in values.items()}
+    if len({r.dc for r in spec.roles}) > 1:
+        result["line"] = (end["line"][0] - start["line"][0]) / (spec.wan.bytes_per_s * seconds)
     return result
 
 
-def find_goodput(spec: DeploymentSpec, sessions: Sessions, slo: tuple[float, float], window: Window,
-                 low: float, high: float, on_try: Callable[[float, dict[str, Any]], None] | None = None,
-                 steps: int = 7, warm: Sequence[Hashable] = ()) -> dict[str, Any] | None:
-    """The steady-state run at the highest session rate in [low, high] at which 90 % of
-    requests meet `slo` (None when even `low` misses it)."""
+def binding(util: dict[str, float]) -> str:
+    """The resource closest to its limit."""
+    return max(util, key=util.get) if util else "-"
+
+
+def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Window,
+               slo: tuple[float, float], warm: Sequence[Hashable] = (), stop_early: bool = False,
+               attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any]:
+    """The steady-state summary at a session rate; `offered_rps`: judged arrivals per
+    second; `utilisation` and `binding`: what the deployment ran out of."""
+    env = simpy.Environment()
+    cluster = Cluster(env, spec)
+    drawn = sessions(rate, window.end_s)
+    cluster.warm(drawn, warm)
+    for s in drawn:
+        cluster.start(s)
+    marks: dict[str, dict[str, tuple[float, float, float]]] = {}
+    probe = _Probe(cluster, window, (slo[0] / 1000, slo[1] / 1000), attainment, stop_early, marks)
+    env.process(probe.run())
+    events, horizon = 0, window.end_s + window.tail_s
+    while env.peek() < horizon and not (probe.failed_early or probe.done):
+        env.step()
+        events += 1
+    judged = window.judged(cluster.outcomes)
+    seconds = (env.now if probe.failed_early else window.end_s) - window.warmup_s
+    result = summary(judged, *slo)
+    util = utilisation(spec, marks, seconds, slo[1] / 1000)
+    result |= {"events": events, "simulated_requests": len(cluster.outcomes), "session_rate": rate,
+               "offered_rps": len(judged) / max(seconds, 1e-9), "stopped_early": probe.failed_early,
+               "utilisation": util, "binding": binding(util)}
+    if probe.failed_early:
+        result["slo_attainment"] = min(result["slo_attainment"] or 0.0, attainment - 1e-6)
+    return result
+
+
+def find_goodput(spec: DeploymentSpec, sessions: Sessions, slo: tuple[float, float],
+                 window: Window | Callable[[float], Window], low: float, high: float,
+                 on_try: Callable[[float, dict[str, Any]], None] | None = None, steps: int = 7,
+                 warm: Sequence[Hashable] = (), stop_early: bool = True,
+                 attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any] | None:
+    """The steady-state run at the highest session rate in [low, high] at which
+    `attainment` of requests meet `slo` (None when even `low` misses it). `window`: one
+    for every rate, or per session rate (to judge about as many requests at each)."""
     runs: dict[float, dict[str, Any]] = {}
 
-    def attainment(rate: float) -> float:
-        runs[rate] = run_window(spec, sessions, rate, window, slo, warm)
+    def attained(rate: float) -> float:
+        at = window(rate) if callable(window) else window
+        runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
         if on_try is not None:
             on_try(rate, runs[rate])
         return runs[rate]["slo_attainment"] or 0.0
 
-    best = goodput(attainment, low, high, steps)
+    best = goodput(attained, low, high, steps, attainment)
     return runs.get(best) if best else None
 
 
+@lru_cache(maxsize=8)
 def turns_per_session(config: AgenticConfig) -> float:
     """Mean turns of a session: a session rate times this is the offered request rate."""
     shapes = plan_session_shapes(config, 4000)

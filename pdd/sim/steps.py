@@ -2,9 +2,13 @@
 
 A step of continuous batching computes some new tokens (prefill chunks, extend
 tokens, one per decoding sequence) and reads the KV its sequences attend to. Two
-models price it: `Roofline` for a GPU group from its catalog figures (compute time
-against memory time, whichever is longer), and `Fitted` for a machine we measured
-(`pdd sim calibrate`), a linear model whose coefficients come from real steps.
+models price it: `Physics` for a group of accelerators from their datasheet figures
+(`pdd.sim.physics`), and `Fitted` for a machine we measured (`pdd sim calibrate`), a
+linear model whose coefficients come from real steps.
+
+Both price a load whose fields may be numpy arrays (`steps_s`): a decode stretch
+(`pdd.sim.instance`) prices all its steps in one call, with the very arithmetic a
+single step uses, so a stretch and step-by-step simulation agree to the last bit.
 """
 
 from __future__ import annotations
@@ -12,8 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from pdd.sim.hardware import Hardware
-from pdd.sim.model import ModelSpec
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -22,25 +25,40 @@ class StepLoad:
     attn_pairs: float  # sum over new tokens of the context each attends to (itself included)
     seqs: int  # sequences in the step
     kv_read_tokens: int  # context tokens whose KV the step reads, over all sequences
+    chunks: int = 0  # of `seqs`, those computing more than one token (prefill and extend chunks)
+    chunk_pairs: float = 0.0  # of `attn_pairs`, those of the chunks
 
 
 def chunk_load(start: int, n: int) -> StepLoad:
     """One sequence computing tokens [start, start + n): prefill, extend or decode."""
-    return StepLoad(n, n * start + n * (n + 1) / 2, 1, start + n)
+    pairs = n * start + n * (n + 1) / 2
+    return StepLoad(n, pairs, 1, start + n, 1 if n > 1 else 0, pairs if n > 1 else 0.0)
 
 
 def add(a: StepLoad, b: StepLoad) -> StepLoad:
     return StepLoad(a.new_tokens + b.new_tokens, a.attn_pairs + b.attn_pairs, a.seqs + b.seqs,
-                    a.kv_read_tokens + b.kv_read_tokens)
+                    a.kv_read_tokens + b.kv_read_tokens, a.chunks + b.chunks, a.chunk_pairs + b.chunk_pairs)
 
 
 EMPTY = StepLoad(0, 0.0, 0, 0)
 
 
+def decode_stretch(contexts_sum: int, seqs: int, steps: int) -> StepLoad:
+    """The loads of `steps` consecutive decode steps of `seqs` sequences whose contexts
+    add up to `contexts_sum` before the first: step j reads (and attends to) every
+    context plus j + 1 tokens per sequence. Fields are arrays over j."""
+    j = np.arange(steps, dtype=np.int64)
+    kv = contexts_sum + seqs * (j + 1)
+    return StepLoad(np.full(steps, seqs), kv.astype(float), np.full(steps, seqs), kv,  # type: ignore[arg-type]
+                    np.zeros(steps, dtype=np.int64), np.zeros(steps))  # type: ignore[arg-type]
+
+
 class StepModel(Protocol):
-    """Seconds one step of an instance takes."""
+    """Seconds steps of an instance take."""
 
     def step_s(self, load: StepLoad) -> float: ...
+
+    def steps_s(self, load: StepLoad) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -55,34 +73,12 @@ class Fitted:
     per_kv_token_s: float
     source: str = ""
 
+    def steps_s(self, load: StepLoad) -> np.ndarray:
+        return np.asarray(self.base_s + load.new_tokens * self.per_token_s + load.attn_pairs * self.per_pair_s
+                          + load.seqs * self.per_seq_s + load.kv_read_tokens * self.per_kv_token_s, dtype=float)
+
     def step_s(self, load: StepLoad) -> float:
-        return (self.base_s + load.new_tokens * self.per_token_s + load.attn_pairs * self.per_pair_s
-                + load.seqs * self.per_seq_s + load.kv_read_tokens * self.per_kv_token_s)
+        return float(self.steps_s(load))
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Roofline:
-    """A model served by `gpus` devices of one kind (tensor/expert parallel): a step
-    takes the longer of its arithmetic at `mfu` of peak and its memory traffic (the
-    active weights once, plus the KV it reads and writes) at `mbu` of peak bandwidth,
-    plus a fixed launch and communication overhead."""
-
-    hw: Hardware
-    model: ModelSpec
-    gpus: int
-    mfu: float = 0.5
-    mbu: float = 0.7
-    overhead_s: float = 0.004
-
-    def step_s(self, load: StepLoad) -> float:
-        if load.seqs == 0:
-            return 0.0
-        m = self.model
-        flops = 2.0 * m.active_params * load.new_tokens + m.attn_flops_per_pair * load.attn_pairs
-        traffic = m.active_weight_bytes + m.kv_bytes_per_token * (load.kv_read_tokens + load.new_tokens)
-        compute = flops / (self.gpus * self.hw.tflops * 1e12 * self.mfu)
-        memory = traffic / (self.gpus * self.hw.mem_bw_gbs * 1e9 * self.mbu)
-        return max(compute, memory) + self.overhead_s

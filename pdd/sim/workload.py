@@ -34,6 +34,7 @@ class SimSession:
     shared_tokens: int  # leading tokens shared with every session (the system prompt)
     anomalous: bool = False
     trace_keys: tuple[Hashable, ...] = ()  # a trace request's own block keys
+    warm_tokens: int = 0  # context its earlier turns left cached (a session resumed by a warm start)
 
     def keys(self, tokens: int, block: int) -> list[Hashable]:
         n = tokens // block

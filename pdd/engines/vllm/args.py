@@ -56,6 +56,9 @@ def engine_kwargs(model_dir: Path, config: EngineConfig, model: ModelConfig, bri
     if config.kv_dtype and config.kv_dtype != config.dtype:
         raise ValueError("on vLLM the KV cache has the model's dtype; a quantized KV cache is vLLM's own "
                          "[engine.vllm] kv_cache_dtype")
+    if config.hardware != "native":
+        raise ValueError(f"vLLM runs at its hardware's own speed: an emulated chip ([engine] hardware = "
+                         f"{config.hardware!r}) paces the embedded engine only")
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": config.dtype,

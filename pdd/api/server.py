@@ -1,0 +1,195 @@
+"""The OpenAI API's handlers: admission, tokenization, chat templates, stop strings,
+running a generation on the `Backend` and answering it whole or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+from starlette.background import BackgroundTask
+
+from pdd.api.admission import AdmissionGate, Slot
+from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.metrics import ServingMetrics
+from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
+from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
+from pdd.api.sse import sse_events
+from pdd.api.text import TextStream
+from pdd.model.tokenizer import Tokenizer
+from pdd.policy.admission import Limits
+from pdd.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None,
+                 admission: Limits) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = ServingMetrics(backend.load, registry)
+        self.gate = AdmissionGate(admission, self.metrics.registry)
+        self.created = int(time.time())
+
+    # ---- request -> (prompt ids, sampling params) ------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+
+    async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome,
+                   slot: Slot) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
+        give the admission slot back on exit."""
+        text = TextStream(self.tokenizer, stop)
+        gen = self.backend.generate(GenRequest(rid, prompt, params))
+        t0, first, last = time.monotonic(), None, None
+        self.metrics.prompt_tokens.inc(len(prompt))
+        try:
+            async for ev in gen:
+                now = time.monotonic()
+                if first is None and ev.tokens:
+                    first = now
+                    self.metrics.ttft.observe(now - t0)
+                last = now
+                out.cached_tokens = ev.cached_tokens
+                delta = "".join(text.feed(t) for t in ev.tokens)
+                out.token_ids.extend(ev.tokens)
+                if ev.record:
+                    out.record = ev.record
+                if text.stopped:
+                    out.finish_reason = "stop"
+                elif ev.finish_reason:
+                    out.finish_reason = ev.finish_reason
+                    delta += text.flush()
+                out.text.append(delta)
+                yield delta, ev.tokens
+                if out.finish_reason:
+                    break
+        except BackendError as e:
+            self.metrics.requests.labels("error").inc()
+            retry = {"Retry-After": str(self.gate.retry_after())}
+            if e.status == 429:  # an instance was full: the client may come back
+                raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded", headers=retry) from None
+            # 503: no instance can serve it now (one is down or leaving): come back later
+            raise ApiError(e.status, f"generation failed: {e}", "server_error",
+                           headers=retry if e.status == 503 else None) from None
+        finally:
+            slot.release()
+            await gen.aclose()
+        n = len(out.token_ids)
+        self.metrics.generation_tokens.inc(n)
+        self.metrics.cache_hit_tokens.inc(out.cached_tokens)
+        self.metrics.requests.labels(out.finish_reason or "abort").inc()
+        if first is not None and n > 1:
+            self.metrics.tpot.observe((last - first) / (n - 1))
+
+    @staticmethod
+    async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
+        """Run a non-streamed generation to its end; False (and aborted) if the client left."""
+        async def drain() -> None:
+            async for _ in pieces:
+                pass
+
+        task = asyncio.ensure_future(drain())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()  # re-raises an ApiError from the generation
+                return True
+            if await client.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return False
+
+    async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int,
+                      client: Request, slot: Slot) -> Response:
+        params = sampling_params(req, len(prompt), max_tokens, default_max, self.backend.max_context)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        out = Outcome()
+        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot)
+        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            # the background release covers a client gone before the stream started
+            return StreamingResponse(sse_events(chat, base, pieces, out, len(prompt), include_usage),
+                                     media_type="text/event-stream", background=BackgroundTask(slot.release))
+        if not await self._collect(pieces, client):
+            return Response(status_code=499)  # the client left; its request was aborted
+        text = "".join(out.text)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+        choice["token_ids"] = out.token_ids
+        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": usage(len(prompt), out), "pdd": out.served()}
+        return JSONResponse(body)
+
+    # ---- routes ----------------------------------------------------------------------------
+    async def admitted(self, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
+        """Run a /v1 handler in an admission slot (429 when the line is full); the slot is
+        the response's to give back, or given back here if the handler fails."""
+        slot = await self.gate.enter()
+        try:
+            return await handle(slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def completions(self, req: CompletionRequest, client: Request, slot: Slot) -> Response:
+        self._check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                                  client, slot)
+
+    async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": unicode_text(m.text(), "messages")} for m in req.messages]
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+        except Exception as e:  # a template's raise_exception, or a template bug
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        prompt = await self._encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client, slot)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
+        serves every other stream and /health meanwhile. A text too long for the context
+        whatever its tokens is refused first (the tokenizer holds the GIL while it works)."""
+        limit = self.backend.max_context
+        if len(text) > 2 * limit * self.tokenizer.longest_token_chars:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                f"{len(text):,} characters, more than that many tokens can hold.", param="prompt")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "pdd", "max_model_len": self.backend.max_context,
+                                            # pdd's extension: what `pdd bench` draws prompt token IDs below
+                                            "vocab_size": self.tokenizer.vocab_size}]}

@@ -1,0 +1,40 @@
+"""Streaming responses: OpenAI's server-sent event framing of a generation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from pdd.api.protocol import ApiError
+from pdd.api.shaping import Outcome, usage
+
+
+async def sse_events(chat: bool, base: dict, pieces: AsyncIterator[tuple[str, list[int]]], out: Outcome,
+                     prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+    """A generation as OpenAI's server-sent events: one chunk per piece, the record on the
+    last, usage if asked, an error as an event (the status is sent already), [DONE]."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, ids: list[int], finish: str | None, extra: dict | None = None) -> str:
+        if chat:
+            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        choice["token_ids"] = ids
+        return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
+
+    try:
+        if chat:
+            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+        async for delta, ids in pieces:
+            if out.finish_reason:
+                yield chunk(delta, ids, out.finish_reason, {"pdd": out.served()})
+            else:
+                yield chunk(delta, ids, None)
+        if include_usage:
+            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage(prompt_len, out), 'pdd': out.served()})}\n\n"
+    except ApiError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    finally:
+        await pieces.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,101 @@
+"""Which instances serve a request, and when it may leave for them.
+
+The router plans each request (`pdd.policy.plan`) from its mirrors of the instances'
+caches and their queued work, and dispatches it only once its decode-side instance
+has room for it (`pdd.policy.capacity`): until then it waits in the dispatch line,
+first come first served. The planner keeps what the router has committed to each
+decode-side instance (pages and requests), charging a request when it leaves and
+refunding it when it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from pdd.api.backend import BackendError, GenRequest
+from pdd.config import Deployment
+from pdd.names import Mode, RoleName
+from pdd.policy.capacity import Room, fits, pages_needed
+from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, plan_request
+from pdd.policy.routing import Candidate
+from pdd.router.client import InstanceClient
+from pdd.router.dispatch import DispatchLine
+from pdd.router.request import RouterRequest
+
+
+class Planner:
+    def __init__(self, dep: Deployment, clients: Mapping[str, InstanceClient]) -> None:
+        self.dep = dep
+        self.clients = clients  # (the router's, live: instances join and leave)
+        self.max_context = 0  # set from the model config by the caller
+        self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
+        self.line = DispatchLine()  # admitted requests waiting for room at their decode side
+
+    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
+        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
+                for c in self.clients.values() if c.spec.role == role]
+
+    def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
+        """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
+        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
+
+    def _fits(self, name: str, need: int) -> bool:
+        c = self.clients[name]
+        return fits(need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages,
+                                                                        c.spec.engine.max_requests))
+
+    def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates, those without room for `req` marked unavailable."""
+        return [replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
+                for c in cands]
+
+    def plan(self, req: GenRequest, room: bool = False) -> Plan | None:
+        """The request's instances. With `room`, only decode-side instances that have room
+        for it now: None while every one that is up is full (the request waits its turn).
+        BackendError 503 when an instance every request needs is down."""
+        p = self.dep.policy
+        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
+                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
+        disaggregated = self.entry_role == RoleName.PREFILL
+        main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
+        relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
+        if room and disaggregated:
+            roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
+            if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
+                if not any(c.healthy for c in roomy_main):
+                    return None
+                main = roomy_main
+                if not any(c.healthy for c in roomy_relay):  # the relay cannot run it whole now
+                    rule = AnomalyRule(False, rule.max_output_tokens, rule.min_prompt_tokens, rule.max_hit_share)
+            elif any(c.healthy for c in relay):  # the relay alone produces: it needs room
+                if not any(c.healthy for c in roomy_relay):
+                    return None
+                relay = roomy_relay
+        try:
+            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
+                                main, relay, rule, p.affinity_weight, p.load_weight)
+        except LookupError as e:
+            raise BackendError(str(e), 503) from None
+
+    async def dispatch(self, req: GenRequest) -> RouterRequest:
+        """Plan the request once its decode side has room, first come first served."""
+        def attempt() -> RouterRequest | None:
+            plan = self.plan(req, room=True)
+            return None if plan is None else RouterRequest(req, plan)
+
+        return await self.line.turn(attempt)
+
+    def commit(self, request: RouterRequest, sign: int) -> None:
+        """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
+        MD, or the relay when it produces alone. (A relay behind MD is optional: it
+        turns work away itself.)"""
+        plan = request.plan
+        name = plan.main or plan.relay
+        c = self.clients.get(name) if name else None
+        if c is None:
+            return
+        c.committed_pages += sign * self._need(request.req, c.name, plan.predicted_hit if plan.main else 0)
+        c.committed_requests += sign
+        if sign < 0:
+            self.line.changed()

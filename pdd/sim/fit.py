@@ -1,0 +1,79 @@
+"""Fitting a `Fitted` step model to measured engine steps (`pdd sim calibrate`):
+non-negative least squares, relative error."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from pdd.sim.steps import Fitted, StepLoad
+
+Sample = tuple[StepLoad, float]  # what a step computed, and its seconds
+
+
+def _design(loads: Sequence[StepLoad]) -> np.ndarray:
+    return np.array([[1.0, x.new_tokens, x.attn_pairs, x.seqs, x.kv_read_tokens] for x in loads], dtype=float)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min |a x - b| over x >= 0, by Lawson and Hanson's active set: a coefficient is
+    freed while the residual still pulls it up, and a free one that the unconstrained
+    solution would push negative is walked back to zero and pinned there again."""
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a.T @ b).max()))
+    for _ in range(10 * n):
+        pull = a.T @ (b - a @ x)
+        if free.all() or pull[~free].max() <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, pull))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                break
+            back = free & (z <= 0)
+            gap = x[back] - z[back]
+            x += np.min(np.where(gap > 0, x[back] / np.where(gap > 0, gap, 1.0), 0.0)) * (z - x)
+            free &= x > 0
+            x[~free] = 0.0
+        x = z
+    return x
+
+
+def _machine() -> str:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{cpus}"
+    except OSError:
+        pass
+    return f"{platform.machine()} x{cpus}"
+
+
+def fit(samples: Sequence[Sample], threads: int = 1) -> Fitted:
+    """Non-negative least squares, each step weighted by 1/t: the fit minimises relative
+    error, so a 2 ms decode step counts as much as a 1 s prefill (unweighted, the long
+    prefills would own the fit), and no term can buy accuracy by going negative, which
+    would price some unseen step at less than nothing."""
+    if not samples:
+        raise ValueError("no steps to fit")
+    times = np.array([t for _, t in samples], dtype=float)
+    if not (times > 0).all():
+        raise ValueError("step times must be positive")
+    a = _design([load for load, _ in samples]) / times[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0  # a term no step exercises stays 0
+    coef = _nnls(a / scale, np.ones(len(samples))) / scale  # columns span ~10 decades: solve them at one scale
+    source = f"{_machine()}, {threads} torch thread(s), {date.today().isoformat()}, {len(samples)} steps"
+    return Fitted(*(float(c) for c in coef), source=source)
+
+
+def relative_errors(fitted: Fitted, samples: Sequence[Sample]) -> np.ndarray:
+    return np.array([abs(fitted.step_s(load) - t) / t for load, t in samples])

@@ -1,0 +1,145 @@
+"""A step's time on a group of accelerators, from the physics of what it computes.
+
+A step runs the model's layers one after another, and each part is bound by its own
+roofline: the time of its arithmetic at a fraction of peak, or of its memory traffic
+at a fraction of bandwidth, whichever is longer; the parts add up.
+
+- Dense weights (attention projections, shared experts, dense FFN layers, the output
+  head) are read whole every step: 2 FLOPs per parameter per new token.
+- Routed experts: a step reads the experts its batch touches. A token picks `top_k`
+  of `experts`, so an expert is touched by a batch of T tokens with probability
+  1 - (1 - k/E)^T: a batch of 15 touches 27 % of 384 experts at top 8, a batch of 128
+  93 %. Under expert parallelism each GPU holds E/G experts and the step waits for the
+  GPU that touched the most (the expected maximum of G binomials: the imbalance term);
+  its tokens, likewise, are the most any GPU got (Poisson dispersion) times the
+  routing skew left after load balancing. A chunk of a few hundred tokens is thus as
+  dear as reading every expert once: a tail chunk's cost does not shrink with it.
+- Attention: FLOPs of every (query, context) pair, in prefill's form for chunks and
+  in decode's (MLA absorbed into its latent) for one-token steps, against reading
+  every context token's KV.
+- Expert-parallel all-to-all: dispatch (FP8) and combine (BF16) of every token-expert
+  assignment that leaves its GPU, over NVLink within a node, over the network when an
+  instance spans nodes; its bytes hide under compute up to `ep_overlap`, its latency
+  (two all-to-alls per MoE layer) does not.
+- Fixed costs: a launch per step (CUDA graphs), and per chunk (its scheduling,
+  page-table and KV-transfer setup), which no batching shares.
+
+`breakdown` gives each part, so every result can say what its steps were bound by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from pdd.sim.hardware import Chip
+from pdd.sim.model import ModelSpec
+from pdd.sim.steps import StepLoad
+
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What fraction of the datasheet a real kernel reaches, and the fixed costs."""
+
+    mfu: float = 0.6  # large GEMMs, of dense tensor peak
+    attn_mfu: float = 0.4  # FlashAttention/FlashMLA-class kernels, of BF16 peak
+    mbu: float = 0.8  # streaming reads (weights, KV), of HBM bandwidth
+    step_overhead_s: float = 0.5e-3  # one launch of the step's graph, sampling
+    chunk_overhead_s: float = 1.0e-3  # per prefill/extend chunk: scheduling, pages, KV-transfer setup
+    a2a_latency_up_s: float = 20e-6  # one all-to-all inside a node (NVLink)
+    a2a_latency_out_s: float = 60e-6  # one all-to-all across nodes (RDMA)
+    ep_overlap: float = 1.0  # share of the compute time under which all-to-all bytes hide
+    routing_skew: float = 1.1  # hottest GPU's expert tokens over the mean, after load balancing
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@lru_cache(maxsize=65536)
+def touched_max(experts: int, top_k: int, gpus: int, tokens: int) -> float:
+    """Expected number of distinct experts the most-touched of `gpus` GPUs (each
+    holding experts / gpus of them) reads, for a batch of `tokens` routed uniformly:
+    E[max of gpus iid Binomial(m, q)], q = 1 - (1 - k/E)^tokens."""
+    if tokens <= 0 or experts == 0:
+        return 0.0
+    m = max(1, experts // gpus)
+    q = 1.0 - (1.0 - top_k / experts) ** tokens
+    if q >= 1.0 - 1e-12:
+        return float(m)
+    if gpus == 1:
+        return m * q
+    pmf = [math.comb(m, j) * q ** j * (1 - q) ** (m - j) for j in range(m + 1)]
+    cdf, expected = 0.0, 0.0
+    for j in range(m):
+        cdf += pmf[j]
+        expected += 1.0 - cdf ** gpus
+    return expected
+
+
+@dataclass(frozen=True)
+class Physics:
+    """`gpus` devices of `chip` serving `model`, tensor-parallel attention and
+    expert-parallel MoE."""
+
+    chip: Chip
+    model: ModelSpec
+    gpus: int
+    eff: Efficiency = Efficiency()
+
+    def _peak(self, fp8: bool) -> float:
+        return (self.chip.fp8_tflops if fp8 else self.chip.bf16_tflops) * 1e12
+
+    def parts(self, load: StepLoad) -> dict[str, np.ndarray | float]:
+        """Seconds of each part of a step (fields of `load` may be arrays)."""
+        m, e, g = self.model, self.eff, self.gpus
+        tokens = np.asarray(load.new_tokens, dtype=float)
+        bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
+        bf16 = self._peak(False) * e.mfu
+        dense = np.maximum(2.0 * m.dense_params * tokens / (g * bf16),
+                           m.dense_params * m.dense_bytes_per_param / (g * bw))
+        experts = np.zeros_like(tokens)
+        comm = np.zeros_like(tokens)
+        if m.moe_layers:
+            flat = tokens.reshape(-1)
+            if (flat == flat[0]).all():  # a stretch, or one step: one batch size
+                touched = np.full_like(tokens, touched_max(m.experts, m.top_k, g, int(flat[0])))
+            else:
+                touched = np.array([touched_max(m.experts, m.top_k, g, int(t)) for t in flat]).reshape(tokens.shape)
+            weights = touched * m.expert_params * m.expert_bytes_per_param / bw
+            per_gpu = tokens * m.top_k / g
+            hottest = e.routing_skew * (per_gpu + np.sqrt(2.0 * per_gpu * math.log(g))) if g > 1 else per_gpu
+            compute = 2.0 * m.expert_params * hottest / (self._peak(m.expert_fp8) * e.mfu)
+            experts = m.moe_layers * np.maximum(compute, weights)
+            if g > 1:
+                link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
+                comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
+        decode_pairs = np.asarray(load.attn_pairs, dtype=float) - np.asarray(load.chunk_pairs, dtype=float)
+        flops = m.prefill_flops_per_pair * np.asarray(load.chunk_pairs, dtype=float) \
+            + m.decode_flops_per_pair * decode_pairs
+        kv = m.kv_bytes_per_token * (np.asarray(load.kv_read_tokens, dtype=float) + tokens)
+        attention = np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
+        compute_s = dense + experts + attention
+        latency = 0.0
+        if m.moe_layers and g > 1:
+            latency = 2 * m.moe_layers * (e.a2a_latency_up_s if g <= GPUS_PER_NODE else e.a2a_latency_out_s)
+        fixed = e.step_overhead_s + e.chunk_overhead_s * np.asarray(load.chunks, dtype=float)
+        return {"dense": dense, "experts": experts, "attention": attention,
+                "all_to_all": np.maximum(0.0, comm - e.ep_overlap * compute_s) + latency, "fixed": fixed}
+
+    def steps_s(self, load: StepLoad) -> np.ndarray:
+        p = self.parts(load)
+        return np.asarray(p["dense"] + p["experts"] + p["attention"] + p["all_to_all"] + p["fixed"], dtype=float)
+
+    def step_s(self, load: StepLoad) -> float:
+        if not np.any(np.asarray(load.seqs)):
+            return 0.0
+        return float(self.steps_s(load))
+
+    def describe(self) -> dict[str, object]:
+        return {"chip": self.chip.to_dict(), "gpus": self.gpus, "efficiency": self.eff.to_dict(),
+                "model": self.model.name}

@@ -1,0 +1,285 @@
+"""Frames: the one framed binary format spoken between pdd instances.
+
+Reservations, KV pages, token IDs and cache events all cross the WAN in these frames,
+so the format is strict: a fixed header (magic, version, type, flags, sequence number,
+payload length, CRC32), the payload, and — on authenticated connections — an
+HMAC-SHA256 tag over header and payload. The length is checked against a limit
+*before* the payload is read, so a hostile or broken peer cannot make us buffer
+gigabytes. The sequence number sits inside the MAC'd header and must be exactly the
+next one expected, so replayed, reordered or dropped frames are refused as well.
+Payloads are raw bytes or JSON objects; nothing received is ever unpickled or
+evaluated. Any violation raises a specific `FrameError` subclass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+MAGIC = b"PD"
+PROTOCOL_VERSION = 3  # 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys
+FLAG_AUTH = 0x01
+_KNOWN_FLAGS = FLAG_AUTH
+# magic, version, type, flags, sequence, payload length, CRC32 of payload
+HEADER = struct.Struct("!2sBBBQII")
+TAG_SIZE = hashlib.sha256().digest_size
+DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
+# Until the HELLO exchange has proven the peer holds the key, a frame may carry no more
+# than a HELLO needs: an unauthenticated peer must not make us buffer megabytes.
+HANDSHAKE_MAX_PAYLOAD = 4096
+MAX_JSON_BYTES = 16 * 1024 * 1024
+_HEADER_LEN = struct.Struct("!I")
+
+
+class MsgType(IntEnum):
+    """Message types. The numbers are on the wire: never renumber, only append."""
+
+    HELLO = 1  # first frame of a connection: who is speaking, which role
+    RESERVE = 2  # router/P -> MD: lock the longest cached prefix of a prompt
+    RESERVE_ACK = 3  # MD -> P: the authoritative hit length
+    KV_LAYER = 4  # P -> RLD/MD: KV pages of one layer (pack_with_header payload)
+    KV_DONE = 5  # P -> RLD/MD: all KV of a request has been sent
+    TOKENS = 6  # produced token IDs with their output position
+    CACHE_EVENT = 7  # decode-side radix cache stored/removed events
+    ABORT = 8  # cancel a request and free what it holds
+    ERROR = 9  # the peer could not do what was asked
+    PING = 10  # liveness and round-trip probe
+    PONG = 11  # answer to PING, echoing its payload
+    RELEASE = 12  # (protocol 1: drop a reservation; protocol 2 drops with ABORT)
+    RESULT = 13  # final outcome of a request (finish reason, counts)
+    SUBMIT = 14  # router -> P or standalone: run this request
+    PIPELINE = 15  # P -> router: the pipeline chosen from the reserved hit
+    KV_ACK = 16  # decode side -> P: KV imported so far
+    READY = 17  # P -> RLD: MD holds the prompt's KV, hand off
+    HANDOFF = 18  # RLD (or router) -> MD: output token IDs to extend and take over
+    HANDOFF_ACK = 19  # MD -> RLD: catch-up tokens computed so far
+    HANDED_OFF = 20  # RLD -> router: it stopped, MD produces from here
+    MEMBER = 21  # router -> instance: an instance joined (or left) the deployment
+    DRAIN = 22  # router -> instance: no new work comes; finish what you hold, then exit
+    PROGRESS = 23  # instance -> router: a request moved forward without producing a token
+
+
+class FrameError(ValueError):
+    """A frame that must not be accepted; the connection carrying it is dropped."""
+
+
+class BadMagic(FrameError):
+    pass
+
+
+class BadVersion(FrameError):
+    pass
+
+
+class BadFlags(FrameError):
+    pass
+
+
+class UnknownType(FrameError):
+    pass
+
+
+class TooLarge(FrameError):
+    pass
+
+
+class BadChecksum(FrameError):
+    pass
+
+
+class BadMac(FrameError):
+    pass
+
+
+class BadSequence(FrameError):
+    pass
+
+
+class BadPayload(FrameError):
+    pass
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the stream (at a frame boundary or mid-frame).
+
+    Not a `FrameError`: a peer going away, or a WAN drop, is a network event and
+    must not be counted as a rejected (possibly hostile) frame.
+    """
+
+
+
+@dataclass(frozen=True)
+class Frame:
+    type: MsgType
+    seq: int
+    payload: bytes
+
+    def json(self) -> dict[str, Any]:
+        """The payload decoded as a JSON object (raises `BadPayload` otherwise)."""
+        return decode_json(self.payload)
+
+
+class FrameCodec:
+    """Encodes and decodes frames for one connection, one counter per direction.
+
+    With a key, every frame sent is authenticated and every frame received must be;
+    without one, authenticated frames are refused too (a key mismatch between peers
+    should fail loudly, not be silently ignored).
+    """
+
+    def __init__(self, key: bytes | None, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        if key is not None and not key:
+            raise ValueError("an authentication key must not be empty")
+        self._key = key  # the long-lived link key; frames use the per-direction keys below
+        self._send_key = key
+        self._recv_key = key
+        self.max_payload = max_payload
+        self._read_limit = HANDSHAKE_MAX_PAYLOAD if key else max_payload
+        self.authenticated = False  # the handshake has switched to session keys
+        self.send_seq = 0
+        self.recv_seq = 0
+
+    @property
+    def key(self) -> bytes | None:
+        return self._key
+
+    def rekey(self, send_key: bytes, recv_key: bytes) -> None:
+        """Switch to this connection's session keys (see `client_handshake`): the peer
+        has proven it holds the link key, so full-size frames are accepted from now on."""
+        self._send_key, self._recv_key = send_key, recv_key
+        self._read_limit = self.max_payload
+        self.authenticated = True
+
+    @property
+    def overhead(self) -> int:
+        """Bytes a frame adds to its payload on this connection."""
+        return HEADER.size + (TAG_SIZE if self._key else 0)
+
+    def encode_parts(self, msg_type: MsgType, payload: bytes | memoryview) -> list[bytes | memoryview]:
+        """The frame as separate buffers, so a large KV payload is never copied."""
+        msg_type = MsgType(msg_type)
+        if len(payload) > self.max_payload:
+            raise TooLarge(f"payload of {len(payload)} bytes exceeds the limit of {self.max_payload}")
+        flags = FLAG_AUTH if self._key else 0
+        header = HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload)
+        )
+        self.send_seq += 1
+        if not self._key:
+            return [header, payload]
+        return [header, payload, _mac(self._send_key, header, payload)]
+
+    def encode(self, msg_type: MsgType, payload: bytes | memoryview) -> bytes:
+        return b"".join(self.encode_parts(msg_type, payload))
+
+    async def read(self, reader: asyncio.StreamReader) -> Frame:
+        """Read exactly one frame, validating everything before returning it.
+
+        Only what is needed to delimit the frame (magic, version, length, whether a
+        tag follows) is checked before the MAC; everything else is checked after it,
+        so on an authenticated connection any tampering there shows up as `BadMac`.
+        """
+        header = await _read_exactly(reader, HEADER.size, at_boundary=True)
+        magic, version, raw_type, flags, seq, length, crc = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise BadMagic(f"bad magic {magic!r}")
+        if version != PROTOCOL_VERSION:
+            raise BadVersion(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+        if length > self._read_limit:
+            raise TooLarge(f"frame announces {length} bytes, the limit is {self._read_limit}"
+                           + ("" if self.authenticated or not self._key else " before the handshake"))
+        authenticated = bool(flags & FLAG_AUTH)
+        if self._key and not authenticated:
+            raise BadMac("unauthenticated frame on a connection that requires authentication")
+        if authenticated and not self._key:
+            raise BadMac("authenticated frame on a connection without a key")
+        payload = await _read_exactly(reader, length, at_boundary=False)
+        if self._key:
+            tag = await _read_exactly(reader, TAG_SIZE, at_boundary=False)
+            if not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
+                raise BadMac("message authentication code does not match")
+        if flags & ~_KNOWN_FLAGS:
+            raise BadFlags(f"unknown flag bits {flags:#04x}")
+        try:
+            msg_type = MsgType(raw_type)
+        except ValueError:
+            raise UnknownType(f"unknown message type {raw_type}") from None
+        if seq != self.recv_seq:
+            raise BadSequence(f"sequence number {seq}, expected {self.recv_seq}")
+        if zlib.crc32(payload) != crc:
+            raise BadChecksum("payload CRC32 does not match")
+        self.recv_seq += 1
+        return Frame(msg_type, seq, payload)
+
+
+def _mac(key: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, header, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_boundary: bool) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as err:
+        if at_boundary and not err.partial:
+            raise ConnectionClosed("peer closed the connection") from None
+        raise ConnectionClosed("peer closed the connection in the middle of a frame") from None
+
+
+
+def encode_json(obj: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON of a dict; NaN/Infinity are refused since JSON has none."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a JSON payload must be an object, not {type(obj).__name__}")
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadPayload(f"JSON constant {name} is not allowed")
+
+
+def decode_json(payload: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """Parse a JSON-object payload, refusing anything oversized, non-UTF-8 or odd."""
+    if len(payload) > max_bytes:
+        raise BadPayload(f"JSON payload of {len(payload)} bytes exceeds {max_bytes}")
+    try:
+        obj = json.loads(bytes(payload).decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4300 digits
+        raise BadPayload(f"invalid JSON payload: {err}") from None
+    if not isinstance(obj, dict):
+        raise BadPayload(f"JSON payload must be an object, got {type(obj).__name__}")
+    return obj
+
+
+def pack_with_header(header: dict[str, Any], blob: bytes | memoryview) -> bytes:
+    """u32 header length + JSON header + raw bytes: how binary frames (KV) describe themselves."""
+    encoded = encode_json(header)
+    return b"".join([_HEADER_LEN.pack(len(encoded)), encoded, blob])
+
+
+def split_with_header(payload: bytes | memoryview) -> tuple[memoryview, memoryview]:
+    """The JSON header's bytes and the blob of a `pack_with_header` payload, both zero-copy
+    views (so a typed decoder reads the header without a dict in between)."""
+    view = memoryview(payload).cast("B")
+    if len(view) < _HEADER_LEN.size:
+        raise BadPayload("payload too short for a header length")
+    (n,) = _HEADER_LEN.unpack_from(view)
+    if n > len(view) - _HEADER_LEN.size:
+        raise BadPayload(f"header length {n} exceeds the {len(view) - _HEADER_LEN.size} bytes present")
+    end = _HEADER_LEN.size + n
+    return view[_HEADER_LEN.size : end], view[end:]
+
+
+def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Split a `pack_with_header` payload; the blob is a zero-copy view."""
+    header, blob = split_with_header(payload)
+    return decode_json(header), blob
+

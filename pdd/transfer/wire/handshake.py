@@ -1,0 +1,86 @@
+"""The HELLO exchange and the keys it switches a connection to.
+
+Each link has its own key, derived from the deployment's shared secret; the HELLO
+exchange then switches each connection to its own per-direction session keys (from
+nonces of both ends), so frames recorded on one connection fail on any other. Both
+derivations are HKDF-SHA256 (RFC 5869, from `cryptography`); changing either changes
+the wire, so it bumps `PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from pdd.transfer.wire.connection import FramedConnection
+from pdd.transfer.wire.frame import BadPayload, Frame, MsgType
+
+KEY_BYTES = 32
+NONCE_BYTES = 16
+
+
+def session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
+    """(client-to-server, server-to-client) keys of one connection.
+
+    Sequence numbers alone stop replay within a connection; fresh nonces from both
+    ends make a recorded connection worthless on any other, and one key per direction
+    stops a frame from being reflected back to its sender.
+    """
+    both = HKDF(SHA256(), 2 * KEY_BYTES, salt=client_nonce + server_nonce, info=b"pdd/session/v2").derive(key)
+    return both[:KEY_BYTES], both[KEY_BYTES:]
+
+
+def _nonce_of(frame: Frame) -> tuple[dict[str, Any], bytes]:
+    if frame.type != MsgType.HELLO:
+        raise BadPayload(f"expected HELLO, got {frame.type.name}")
+    msg = frame.json()
+    try:
+        nonce = bytes.fromhex(msg.get("nonce", ""))
+    except (TypeError, ValueError):
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise BadPayload("HELLO carries no valid nonce")
+    return msg, nonce
+
+
+async def client_handshake(conn: FramedConnection, hello: dict[str, Any]) -> dict[str, Any]:
+    """Send HELLO with a fresh nonce, read the server's, switch to session keys."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await conn.send_json(MsgType.HELLO, {**hello, "nonce": nonce.hex()})
+    reply, server_nonce = _nonce_of(await conn.recv())
+    if conn.codec.key:
+        c2s, s2c = session_keys(conn.codec.key, nonce, server_nonce)
+        conn.codec.rekey(send_key=c2s, recv_key=s2c)
+    return reply
+
+
+async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
+    """Read the client's HELLO, answer with a fresh nonce, switch to session keys."""
+    frame = await conn.recv()
+    try:
+        hello, client_nonce = _nonce_of(frame)
+    except BadPayload as err:
+        conn.reject(err)
+        raise
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex()})
+    if conn.codec.key:
+        c2s, s2c = session_keys(conn.codec.key, client_nonce, nonce)
+        conn.codec.rekey(send_key=s2c, recv_key=c2s)
+    return hello
+
+
+def link_key(secret: str, link_name: str) -> bytes:
+    """Derive a per-link key from the deployment's shared secret.
+
+    Each link gets its own key, so a key leaked from one link's endpoints does not
+    authenticate traffic on another.
+    """
+    if not secret:
+        raise ValueError("the shared secret must not be empty")
+    info = b"pdd/link-key/v2\x00" + link_name.encode("utf-8")
+    return HKDF(SHA256(), KEY_BYTES, salt=None, info=info).derive(secret.encode("utf-8"))
+

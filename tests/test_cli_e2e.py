@@ -1,0 +1,102 @@
+"""The user-facing commands end to end, each at its smallest, against the contracts in
+DESIGN.md and the README: `pdd demo` through the four real modes, `pdd sim calibrate`
+and `check`, `pdd bench engine` and `handoff`. Each runs as a user would run it (a
+process, its exit code, the JSON it writes), so a command that crashes, writes the
+wrong shape or drops a field fails here. (`pdd sim` is held to its CLI contract only,
+so these tests stay valid across rewrites of the simulator. `pdd sim --paper` is not
+here: its smallest run searches every layout of the 88-GPU scenario, minutes at best.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from procs import pdd_process
+
+MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
+DEMO_REQUESTS = 2
+QUANTILES = {"mean", "p50", "p90", "p99"}
+
+
+def _pdd(*args: str, timeout: float = 300) -> tuple[int, str]:
+    """Run `pdd ARGS` to its end: (exit code, what it printed)."""
+    with pdd_process(list(args)) as proc:
+        output, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """One small `pdd demo` through every real mode (each a `pdd up` process tree)."""
+    out = tmp_path_factory.mktemp("demo")
+    code, output = _pdd("demo", "--modes", ",".join(MODES), "--scenario", "short", "--requests", str(DEMO_REQUESTS),
+                        "--out", str(out), "--quiet", timeout=600)
+    assert code == 0, output[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, tiny_model_dir) -> Path:
+    """A step-time profile of this machine, from a one-second `pdd sim calibrate`."""
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    code, output = _pdd("sim", "calibrate", "--model", str(tiny_model_dir), "--budget-s", "1", "--skip-http",
+                        "--out", str(out))
+    assert code == 0, output[-3000:]
+    return out
+
+
+def test_demo_runs_every_real_mode_and_writes_its_report(demo):
+    report = json.loads((demo / "report.json").read_text())
+    assert tuple(report["modes"]) == MODES
+    for mode, s in report["modes"].items():
+        assert (s["requests"], s["completed"], s["failed"]) == (DEMO_REQUESTS, DEMO_REQUESTS, 0), (mode, s)
+        assert QUANTILES <= set(s["ttft_ms"]) and s["ttft_ms"]["p50"] > 0 and s["output_tokens"] > 0, (mode, s)
+        assert sum(s["pipelines"].values()) == DEMO_REQUESTS, (mode, s["pipelines"])
+        crosses = mode in ("pd-cross-dc", "pdd")
+        assert (s["wan_bytes"] > 0) == crosses, (mode, s["wan_bytes"])  # only those modes have a line to cross
+    assert report["modes"]["pdd"]["rld_output_tokens"] > 0  # the relay produced in PDD mode, and only there
+    assert all(report["modes"][m]["rld_output_tokens"] == 0 for m in MODES[:3])
+    for name in ("report.html", "ttft.png", "wan.png"):
+        assert (demo / name).stat().st_size > 0, name
+
+
+def test_sim_calibrate_writes_a_profile(profile):
+    """What it measured, fitted; `pdd sim check` below is what reads it back."""
+    written = json.loads(profile.read_text())
+    assert written["samples"] > 0 and written["fitted"], written
+    assert written["request_overhead_s"] == 0.0  # --skip-http: the request path was not measured
+
+
+def test_sim_check_puts_the_demo_against_its_simulation(demo, profile, tmp_path):
+    out = tmp_path / "check.json"
+    code, output = _pdd("sim", "check", "--profile", str(profile), "--demo", str(demo), "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == set(MODES) and result["requests"] == DEMO_REQUESTS
+    for mode, row in result["modes"].items():
+        assert row["p50"]["measured"] > 0 and row["p50"]["predicted"] > 0, (mode, row)
+    # exit 0 when every mode's prediction is within tolerance, 1 when one is not (a small demo may miss)
+    assert code == (0 if all(r["within"] for r in result["modes"].values()) else 1), output[-3000:]
+    assert "simulated vs measured" in output
+
+
+def test_bench_engine_measures_prefill_and_decode(tmp_path, tiny_model_dir):
+    out = tmp_path / "engine.json"
+    code, output = _pdd("bench", "engine", "--model", str(tiny_model_dir), "--repeats", "1", "--skip-http",
+                        "--out", str(out))
+    assert code == 0, output[-3000:]
+    results = json.loads(out.read_text())
+    assert {"prefill_512_tok_s", "decode_batch1_tok_s", "decode_batch8_tok_s"} <= set(results), results
+    assert all(v > 0 for v in results.values()), results
+
+
+def test_bench_handoff_ships_and_recomputes(tmp_path):
+    out = tmp_path / "handoff.json"
+    tokens = 20
+    code, output = _pdd("bench", "handoff", "--trials", "2", "--handoff-tokens", str(tokens), "--context-tokens", "200",
+                        "--batch", "2", "--out", str(out))
+    assert code == 0, output[-3000:]
+    r = json.loads(out.read_text())
+    assert r["handoff_tokens"] == tokens and r["ship"]["bytes"] >= tokens * 2 * 4 * 2 * 64 * 4  # their K and V
+    for part in ("ship", "copy", "recompute_alone", "recompute_in_batch"):
+        assert r[part]["mean_ms"] > 0, (part, r[part])

@@ -1,0 +1,67 @@
+"""Emulated accelerators: every step of a paced engine takes at least what its chip
+would take, A and B differ as the spec's chips do, and `pdd up` places and stretches
+a deployment for them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdd import config as cfg
+from pdd.deploy import stretch
+from pdd.engine.pacing import StepPacer, token_scale
+from pdd.engine_port import EngineConfig, open_engine
+from pdd.names import Mode, RoleName
+from pdd.sampling import SamplingParams
+
+
+def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():
+    a, b = StepPacer("A", 16.0), StepPacer("B", 16.0)
+    prefill, decode = [(0, 2048)], [(2000, 1)] * 16
+    assert a.step_s(prefill) < b.step_s(prefill)  # A: compute per price
+    assert b.step_s(decode) < a.step_s(decode)  # B: bandwidth
+    assert StepPacer("A", 16.0, dilation=3.0).step_s(prefill) == pytest.approx(3 * a.step_s(prefill))
+    assert a.step_s([(4000, 1)]) > a.step_s([(100, 1)])  # a decode reads its whole context
+    assert token_scale(4096) == 16 and token_scale(1 << 20) == 1
+    with pytest.raises(ValueError, match="unknown hardware"):
+        StepPacer("Z80", 16.0)
+
+
+def test_a_paced_engine_takes_at_least_its_chips_time(tiny_model_dir):
+    engine = open_engine(tiny_model_dir, EngineConfig(hardware="B", dilation=8.0))
+
+    async def run() -> tuple[float, list[int]]:
+        started = time.perf_counter()
+        tokens = [o.token async for o in engine.generate("r", list(range(20, 400)), SamplingParams(max_tokens=12,
+                                                                                                  ignore_eos=True))
+                  if o.token is not None]
+        return time.perf_counter() - started, tokens
+
+    try:
+        elapsed, tokens = asyncio.run(run())
+        pacing = engine.stats()["pacing"]
+    finally:
+        engine.close()
+    emulated_s = (pacing["prefill_step_ms"] or 0) / 1000 + (pacing["decode_step_ms"] or 0) / 1000 * 11
+    assert len(tokens) == 12 and pacing["hardware"] == "B" and pacing["steps"] == 12
+    assert elapsed >= emulated_s * 0.99, (elapsed, emulated_s, pacing)
+    native = open_engine(tiny_model_dir, EngineConfig())
+    try:
+        assert native.stats()["pacing"] == {"hardware": "native"}
+    finally:
+        native.close()
+
+
+def test_pdd_up_puts_p_and_the_relay_on_a_md_on_b_and_same_dc_pd_all_on_a():
+    dep = cfg.Deployment(topology=cfg.TopologySpec(hardware="emulated", dilation=3.0, main=2))
+    chips = {i.name: (i.engine.hardware, i.engine.dilation) for i in cfg.instances_for_mode(dep, Mode.PDD)}
+    assert chips == {"p0": ("A", 3.0), "rld0": ("A", 3.0), "md0": ("B", 3.0), "md1": ("B", 3.0)}
+    assert {i.engine.hardware for i in cfg.instances_for_mode(dep, Mode.PD_SAME_DC)} == {"A"}
+    assert [i.engine.hardware for i in cfg.instances_for_mode(dep, Mode.COLOCATED)] == ["A"]
+    native = cfg.instances_for_mode(cfg.Deployment(), Mode.PDD)
+    assert {i.engine.hardware for i in native} == {"native"} and native[0].role == RoleName.PREFILL
+    link, policy = stretch(cfg.LinkSpec(bandwidth_mbps=60.0, delay_ms=2.0, jitter_ms=0.5),
+                           cfg.PolicySpec(ttft_budget_ms=60.0), 3.0)
+    assert (link.bandwidth_mbps, link.delay_ms, link.jitter_ms, policy.ttft_budget_ms) == (20.0, 6.0, 1.5, 180.0)

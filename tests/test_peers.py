@@ -1,0 +1,108 @@
+"""The connections an instance keeps to a peer across the line (`pdd.instance.peers`),
+live: real framed connections through the WAN emulator to a far end that records what
+arrives when. README: "each instance keeps a control, an urgent-KV and a background-KV
+connection per peer, so a reservation never waits behind megabytes of KV and
+background KV yields to urgent KV". The line's rate makes each claim a count of frames,
+not a timing: what arrived at the far end between two events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pdd import config as cfg
+from pdd.instance.peers import PeerPool
+from pdd.policy.transfer import Priority
+from pdd.sampling import SamplingParams
+from pdd.transfer import messages as m
+from pdd.wan.line import WanLine
+from pdd.wan.relay import Route, WanRelay
+from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
+
+KEY = b"k" * 32
+FRAME_BYTES = 64 * 1024  # one KV layer frame
+BACKGROUND_FRAMES = 128  # 8 MiB: two seconds of a 32 Mbit/s line
+URGENT_FRAMES = 64  # 4 MiB
+# What may sit between the sender's yield and the far end (the KV connection's send
+# buffer, the emulator's receive buffer, what is on the line): about ten frames. A
+# control frame that shared a KV connection would wait behind all of it; one urgent
+# transfer that KV of lower priority did not yield to would share the line with it
+# frame for frame, about URGENT_FRAMES of it.
+RESERVE_AHEAD_MAX = 3
+BACKGROUND_DURING_URGENT_MAX = URGENT_FRAMES // 2
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.005)
+
+
+async def _traffic() -> tuple[list[tuple[str, MsgType]], int]:
+    """Background KV flowing, then a reservation, then urgent KV, sent by a PeerPool in
+    datacenter A to a peer in B through a 32 Mbit/s line: what reached the peer, in order
+    of arrival, as (channel, frame type), and how many background frames had arrived when
+    the reservation was sent."""
+    arrived: list[tuple[str, MsgType]] = []
+
+    async def far_end(conn: FramedConnection) -> None:
+        channel = (await server_handshake(conn))["channel"]
+        while True:
+            arrived.append((channel, (await conn.next_frame()).type))
+
+    server = await serve(far_end, "127.0.0.1", 0, KEY)
+    relay = WanRelay(WanLine(32, 2.0), [Route("127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1])])
+    await relay.start()
+    p0 = cfg.InstanceSpec("p0", "prefill", "A")
+    md0 = cfg.InstanceSpec("md0", "main", "B", kv_port=server.sockets[0].getsockname()[1],
+                           advertise={"A": f"127.0.0.1:{relay.listen_ports[0]}"})  # P, in A, goes through the line
+    dep = cfg.Deployment(instances=(p0, md0))
+
+    async def ignore(_peer: str, _body: object) -> None:
+        pass
+
+    pool = PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None)
+    blob = b"\x00" * FRAME_BYTES
+
+    async def kv(priority: int, frames: int) -> None:
+        for _ in range(frames):
+            await pool.send_bulk("md0", priority, kv=("r", blob))
+
+    def count(channel: str, what: MsgType = MsgType.KV_LAYER) -> int:
+        return sum(1 for ch, t in arrived if ch == channel and t == what)
+
+    try:
+        for channel in Priority:  # every connection open before the traffic
+            await pool.get("md0", channel)
+        background = asyncio.ensure_future(kv(Priority.BACKGROUND, BACKGROUND_FRAMES))
+        await _until(lambda: count("background") >= 8)  # the line is full of it
+        sent_after = count("background")
+        await pool.send("md0", m.Reserve("later", [1, 2, 3], SamplingParams(max_tokens=4)))
+        await _until(lambda: any(t == MsgType.RESERVE for _, t in arrived))
+        await kv(Priority.URGENT, URGENT_FRAMES)
+        await background
+        await _until(lambda: count("background") == BACKGROUND_FRAMES and count("urgent") == URGENT_FRAMES)
+        return arrived, sent_after
+    finally:
+        pool.close()
+        await relay.stop()
+        server.close()
+
+
+def test_a_reservation_overtakes_kv_and_urgent_kv_overtakes_background():
+    arrived, sent_after = asyncio.run(_traffic())
+    channels = ["reserve" if t == MsgType.RESERVE else ch for ch, t in arrived if t in (MsgType.RESERVE, MsgType.KV_LAYER)]
+    reserve = channels.index("reserve")
+    first_urgent = channels.index("urgent")
+    last_urgent = len(channels) - 1 - channels[::-1].index("urgent")
+    ahead = channels[:reserve].count("background") - sent_after
+    background_during_urgent = channels[first_urgent:last_urgent].count("background")
+    print(f"\nbackground frames that arrived after the reservation was sent, ahead of it: {ahead} "
+          f"({sent_after} of {BACKGROUND_FRAMES} had arrived); during the {URGENT_FRAMES} urgent frames: "
+          f"{background_during_urgent}")
+    # sent while megabytes of background KV were still to cross, it did not wait for them
+    assert ahead <= RESERVE_AHEAD_MAX, channels
+    assert background_during_urgent <= BACKGROUND_DURING_URGENT_MAX, channels
+    assert channels[last_urgent + 1:].count("background") > BACKGROUND_FRAMES // 3  # it waited, it was not done

@@ -1,0 +1,151 @@
+"""The router's OpenAI API in front of a pdd-mode deployment, for what the README says
+it does beyond generating: the key from $PDD_API_KEY, a body over `max_body_bytes`
+refused with 413 before it is parsed, `top_k` and `stop_token_ids` honoured by every
+instance that produces a position (P, the relay, MD after the handoff), and a 429's
+Retry-After computed from the service times it measured. One deployment serves the
+module: every request crosses P, the relay and MD (P-RLD-MD pinned, handed over)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from procs import metrics, pdd_up, wait_until
+
+API_KEY = "k3y-from-the-environment"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_BODY_BYTES = 65536
+CONFIG = f"""mode = "pdd"
+[router]
+max_body_bytes = {MAX_BODY_BYTES}
+max_running = 1
+max_waiting = 2
+[policy]
+pipeline = "P-RLD-MD"
+[link]
+bandwidth_mbps = 200.0
+delay_ms = 2.0
+jitter_ms = 0.5
+"""
+PROMPT = list(range(700, 1000))
+HOT = {"temperature": 25.0, "seed": 7}  # the tiny model is decisive: it takes heat to sample off greedy
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    conf = tmp_path_factory.mktemp("router") / "d.toml"
+    conf.write_text(CONFIG)
+    with pdd_up("--config", str(conf), env={"PDD_API_KEY": API_KEY}) as dep:
+        yield dep.url
+
+
+def _idle(url: str) -> None:
+    """No request holds or waits for a slot (the last one's end has reached the router)."""
+    wait_until(lambda: metrics(url)["pdd_admission_running"] == 0 == metrics(url)["pdd_admission_waiting"], 10,
+               "the router idle")
+
+
+def _complete(url: str, max_tokens: int, **extra) -> dict:
+    _idle(url)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _handed_over(body: dict) -> None:
+    """Both the relay and MD produced some of it."""
+    record = body["pdd"]
+    assert record["pipeline"] == "P-RLD-MD" and record["handoff"] and record["md_output_tokens"] > 0, record
+
+
+def test_the_api_key_comes_from_the_environment(router):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert httpx.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    assert httpx.get(f"{router}/health").status_code == 200  # the load balancer's probe needs no key
+
+
+def test_a_body_over_the_limit_is_413_at_the_router(router):
+    big = json.dumps({"model": "tiny", "prompt": "a " * MAX_BODY_BYTES, "max_tokens": 1}).encode()
+    r = httpx.post(f"{router}/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    # no content-length: counted as it arrives
+    r = httpx.post(f"{router}/v1/completions", content=iter([big[:40000], big[40000:]]),
+                   headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413, r.text
+
+
+def test_top_k_reaches_every_producer(router):
+    """At a temperature that samples far off greedy, top_k=1 leaves only the greedy
+    token: every position equals greedy only if each producer applied it."""
+    greedy = _complete(router, 60, ignore_eos=True)
+    hot = _complete(router, 60, ignore_eos=True, **HOT)
+    top1 = _complete(router, 60, ignore_eos=True, top_k=1, **HOT)
+    for body in (greedy, hot, top1):
+        _handed_over(body)
+    ids = [b["choices"][0]["token_ids"] for b in (greedy, hot, top1)]
+    assert ids[1] != ids[0]  # the premise: this heat does sample
+    assert ids[2] == ids[0]
+
+
+def test_stop_token_ids_reach_every_producer(router):
+    greedy = _complete(router, 60)["choices"][0]["token_ids"]
+    # a token that first appears late, after the relay has handed over
+    at = next(i for i in range(30, len(greedy)) if greedy[i] not in greedy[:i])
+    stopped = _complete(router, 60, stop_token_ids=[greedy[at]])
+    _handed_over(stopped)
+    assert stopped["pdd"]["handoff_tokens"] <= at, stopped["pdd"]  # MD produced the stop position
+    assert stopped["choices"][0]["token_ids"] == greedy[: at + 1]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+async def _shed_after_slow_service(url: str, hold_s: float, slow: int) -> httpx.Response:
+    """`slow` requests that each hold the router's only slot for `hold_s` (the client
+    reads a token, waits, leaves), then the slot and both places in line taken: the next
+    request is shed, and its 429 is returned."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
+
+        async def hold(seconds: float) -> None:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()  # (leaving an `async for` would close the response at once)
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                await asyncio.sleep(seconds)  # connected, reading nothing: the slot stays taken
+                await lines.aclose()
+
+        for _ in range(slow):
+            await hold(hold_s)
+            await asyncio.to_thread(_idle, url)
+        holders = [asyncio.ensure_future(hold(60)) for _ in range(3)]  # one runs, two wait in line
+        try:
+            await asyncio.to_thread(wait_until, lambda: metrics(url)["pdd_admission_waiting"] == 2, 30, "a full line")
+            return await client.post("/v1/completions", json={**body, "stream": False})
+        finally:
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+
+
+def test_retry_after_follows_the_service_times_the_router_measured(router):
+    """Three requests held for 3 s each pull the router's running mean of service times
+    (new weight 0.2) to at least 3 - 3 x 0.8^3 = 1.46 s, whatever came before; a request
+    shed behind one running and two waiting is told to come back once the line would
+    have cleared: (2 + 1) x that mean / 1 slot, at least 5 s (its prior of 1 s alone
+    would say 3)."""
+    _idle(router)
+    started = time.monotonic()
+    shed = asyncio.run(_shed_after_slow_service(router, 3.0, 3))
+    print(f"\nshed after {time.monotonic() - started:.0f} s of slow service: Retry-After {shed.headers.get('retry-after')}")
+    assert shed.status_code == 429 and shed.json()["error"]["type"] == "rate_limit_exceeded", shed.text
+    assert int(shed.headers["retry-after"]) >= 5
+    _idle(router)
