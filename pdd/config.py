@@ -336,7 +336,7 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> Instan
     overrides = raw.get("engine", {}) if isinstance(raw, dict) else None
     if isinstance(overrides, dict):
         merged = {**asdict(engine), **overrides}
-        if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to (and override) the deployment's
+        if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to the deployment's
             merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
         raw = {**raw, "engine": merged}
     inst = _validate(InstanceSpec, raw, where)

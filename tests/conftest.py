@@ -34,7 +34,7 @@ def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
     report.longrepr = (f"skipped in CI ({reason}): with CI set, a skip is a failure — install the test extras "
-                       f"(pip install -e '.[test]') and commit the data the test reads, or mark the test "
+                       f"(pip install -e '.[test,vllm]') and commit the data the test reads, or mark the test "
                        f"@pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
 
 

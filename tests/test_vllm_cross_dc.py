@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from procs import VLLM_START_S, kv_bytes_per_token, pdd_up, vllm_settled
-from vllm_scenarios import OUTPUT, pipelines, rid, shapes, write_config
+from vllm_scenarios import pipelines, rid, shapes, write_config
 
 pytest.importorskip("vllm")
 
@@ -25,10 +25,10 @@ def test_cross_dc_pd_on_vllm_equals_plain_vllm(dep, vllm_reference, tiny_model_d
     prompts, done = pipelines(dep, vllm_reference, seed=300)
     assert shapes(done) == [("P-MD", None)] * len(done)
     md0 = httpx.get(f"{dep.http['md0']}/pdd/stats").json()["engine"]
-    for p, g in zip(prompts, done):
+    for p, g in zip(prompts, done, strict=True):
         r = g["record"]
         missed = (len(p) - r["d_hit_tokens"]) * bpt
         assert missed <= r["wan_bytes"] <= 1.05 * missed, r
         assert md0["computed_by_request"][rid(g)] == len(g["ids"])  # the prompt's last token, then one a step
-    assert all(g["record"]["d_hit_tokens"] >= len(p) - 20 - 32 for p, g in zip(prompts[3:6], done[3:6]))
+    assert all(g["record"]["d_hit_tokens"] >= len(p) - 20 - 32 for p, g in zip(prompts[3:6], done[3:6], strict=True))
     vllm_settled([dep.http["p0"], dep.http["md0"]])

@@ -47,7 +47,13 @@ class Engines:
         self.vllm, self.embedded = self.run(make(), timeout=300)
 
     def run(self, coro: Coroutine, timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        except TimeoutError:  # say where every request of vLLM's stood, for the hang's diagnosis
+            held = {rid: (r.reserved, list(r.chunks), r.loaded, r.producing, r.ended, len(r.outputs))
+                    for rid, r in self.vllm.reqs.items()}
+            raise AssertionError(f"not within {timeout} s; vLLM's requests (reserved, chunks, loaded, producing, "
+                                 f"ended, outputs): {held}; stats {self.vllm.stats()}") from None
 
     def close(self) -> None:
         self.vllm.close()
@@ -94,7 +100,8 @@ async def _continue(engine, rid: str, first: int, rounds: list[list[int]] = ()) 
     return out, caught
 
 
-async def _move(src, dst, rid: str, prompt: list[int], params: SamplingParams, rounds=()) -> tuple[int, list[int], list]:
+async def _move(src, dst, rid: str, prompt: list[int], params: SamplingParams,
+                rounds=()) -> tuple[int, list[int], list]:
     first = await _prefill(src, f"{rid}-p", prompt, params)
     hit = await dst.reserve(rid, prompt, params)
     blob = await src.export_kv(f"{rid}-p", hit, len(prompt))

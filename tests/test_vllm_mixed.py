@@ -54,7 +54,7 @@ def test_every_pipeline_and_handoff_equals_plain_vllm_across_engines(dep, vllm_r
     prompts, done = pipelines(dep, vllm_reference, seed=100)
     assert_pdd_shapes(done)
     md_page = 32 if "md0" in dep.on_vllm else 16
-    for t, g in zip(prompts[3:6], done[3:6]):  # second turns: only what MD's own cache lacks crossed
+    for t, g in zip(prompts[3:6], done[3:6], strict=True):  # second turns: only what MD's own cache lacks crossed
         r = g["record"]
         missed = (len(t) - r["d_hit_tokens"]) * bpt
         assert r["d_hit_tokens"] % md_page == 0 and r["d_hit_tokens"] >= len(t) - 20 - md_page

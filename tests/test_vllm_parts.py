@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("vllm")
 
 from pdd import config as cfg  # noqa: E402
-from pdd.engine_port import EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engine.sampler import sample  # noqa: E402
+from pdd.engine_port import EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
 from pdd.engines.vllm import bridge  # noqa: E402
 from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
@@ -29,7 +29,6 @@ from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
 from pdd.model.config import ModelConfig  # noqa: E402
 from pdd.sampling import SamplingParams  # noqa: E402
-
 
 # ---- layouts -------------------------------------------------------------------------------
 
@@ -237,7 +236,8 @@ def test_engine_table_becomes_vllms_arguments(tiny_model_dir):
     assert (kw["block_size"], kw["num_gpu_blocks_override"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == \
         (32, 101, 8, 512)
     assert kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.5
-    assert kw["kv_cache_memory_bytes"] == 101 * 32 * 4 * 2 * 2 * 64 * 4  # blocks x tokens x layers x K,V x heads x dim x fp32
+    # blocks x tokens x layers x K,V x heads x dim x fp32
+    assert kw["kv_cache_memory_bytes"] == 101 * 32 * 4 * 2 * 2 * 64 * 4
     assert kw["kv_transfer_config"]["kv_connector_module_path"] == "pdd.engines.vllm.connector"
     assert kw["distributed_executor_backend"] == "uni" and kw["logits_processors"][0].endswith(":PddDraw")
     with pytest.raises(ValueError, match="block_size"):
@@ -254,7 +254,8 @@ def test_vllm_table_and_backend_page_size_in_the_deployment_file():
     dep = cfg.parse({"engine": {"backend": "vllm", "vllm": {"tensor_parallel_size": 2}},
                      "instances": [{"name": "md0", "role": "main", "dc": "B",
                                     "engine": {"vllm": {"gpu_memory_utilization": 0.9}}},
-                                   {"name": "p0", "role": "prefill", "engine": {"backend": "embedded", "page_size": 16}}]})
+                                   {"name": "p0", "role": "prefill",
+                                    "engine": {"backend": "embedded", "page_size": 16}}]})
     md, p = dep.instances
     assert (dep.engine.page_size, dep.engine.num_pages) == (32, 1024)  # vLLM's default page, same token capacity
     assert md.engine.vllm == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9}

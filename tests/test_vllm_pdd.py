@@ -40,7 +40,7 @@ def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, vllm_reference, tiny_m
     # a second turn: only the KV MD's vLLM lacks crosses, and the router's mirror (fed by
     # vLLM's KV events under pdd's hashes) predicted exactly the hit vLLM reserved
     p0, md0 = _engine(dep, "p0"), _engine(dep, "md0")
-    for t, g in zip(prompts[3:6], done[3:6]):
+    for t, g in zip(prompts[3:6], done[3:6], strict=True):
         r = g["record"]
         missed = (len(t) - r["d_hit_tokens"]) * bpt
         assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
@@ -60,7 +60,8 @@ def test_client_disconnects_give_vllms_blocks_back(dep):
     stats = vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
     assert all(s["used_blocks"] == 0 for s in stats)
     aborted = httpx.get(f"{dep.url}/pdd/stats").json()
-    print(f"\nafter 3 disconnects: {[(s['used_blocks'], s['aborted']) for s in stats]}, router {aborted.get('aborted')}")
+    print(f"\nafter 3 disconnects: {[(s['used_blocks'], s['aborted']) for s in stats]}, "
+          f"router {aborted.get('aborted')}")
 
 
 def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, vllm_reference):
@@ -73,7 +74,8 @@ def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, vllm_refer
     httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
     long_prompt = prompt(40, 600)
     got = {"ids": []}
-    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=180) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):

@@ -36,7 +36,7 @@ def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict
     """(prompts, results): three fresh prompts, their second turns, one stalled request."""
     fresh = [prompt(seed + i, 600) for i in range(3)]
     first = [stream_completion(dep.url, p, OUTPUT) for p in fresh]
-    turns = [p + g["ids"] + prompt(seed + 10 + i, 20) for i, (p, g) in enumerate(zip(fresh, first))]
+    turns = [p + g["ids"] + prompt(seed + 10 + i, 20) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
     second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
     # the line holds everything long enough for the relay to produce CATCH_UP_TOKENS (at
     # this machine's pace, from the second turns), and the request runs four times longer
@@ -54,7 +54,7 @@ def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict
           [(g["record"]["pipeline"], g["record"]["handoff"], g["record"]["rld_output_tokens"],
             g["record"]["md_output_tokens"], g["record"]["d_hit_tokens"], g["record"]["d_hit_predicted"])
            for g in done])
-    for g, p in zip(done, prompts):
+    for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == reference.greedy(p, len(g["ids"])), g["record"]
     return prompts, done
 

@@ -56,7 +56,7 @@ class PddDraw(LogitsProcessor):
         draws = [self.rows[i] for i in rows]
         tokens = sample(logits[rows].float(), [d.params for d in draws], [d.seed for d in draws],
                         [d.first_position + len(d.outputs) for d in draws])
-        for i, token in zip(rows, tokens):
+        for i, token in zip(rows, tokens, strict=True):
             logits[i] = float("-inf")
             logits[i, token] = 0.0
         return logits

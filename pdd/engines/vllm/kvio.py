@@ -90,7 +90,7 @@ class WorkerKV:
         header = {"op": "read", "blocks": blocks, "token_start": start, "token_end": end}
         parts = await asyncio.gather(*(self._ask(w, header) for w in self.ranks))
         ks, vs = [], []
-        for w, raw in zip(self.ranks, parts):
+        for w, raw in zip(self.ranks, parts, strict=True):
             flat = torch.frombuffer(bytearray(raw), dtype=codec.DTYPES[w.dtype])
             kv = flat.view(2, w.layers, end - start, w.heads, w.head_dim)
             ks.append(kv[0])

@@ -107,7 +107,7 @@ class WorkerSide:
         if flat.numel() != 2 * shape[0] * shape[1] * shape[2] * shape[3]:
             raise ValueError(f"KV payload of {flat.numel()} values does not fill {shape} twice")
         k, v = flat.view(2, *shape)
-        for layer, lk, lv in zip(self.layers, k, v):
+        for layer, lk, lv in zip(self.layers, k, v, strict=True):
             layer.write(slots, lk, lv)
 
     def _read(self, header: dict[str, Any]) -> bytes:
