@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from procs import VLLM_START_S, kv_bytes_per_token, pdd_up, vllm_settled
-from vllm_scenarios import pipelines, rid, shapes, write_config
+from procs import kv_bytes_per_token, vllm_settled
+from vllm_scenarios import deployment, pipelines, rid, shapes
 
 pytest.importorskip("vllm")
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    conf = write_config(tmp_path_factory.mktemp("vllm-cross-dc") / "pd.toml", "pd-cross-dc")
-    with pdd_up("--config", conf, "--engine", "vllm", timeout=VLLM_START_S) as d:
+    with deployment(tmp_path_factory, "pd-cross-dc", "--engine", "vllm") as d:
         yield d
 
 

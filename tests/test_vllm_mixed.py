@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from procs import VLLM_START_S, kv_bytes_per_token, pdd_up, stream_completion, vllm_settled
-from vllm_scenarios import assert_pdd_shapes, pipelines, prompt, write_config
+from procs import kv_bytes_per_token, stream_completion, vllm_settled
+from vllm_scenarios import assert_pdd_shapes, deployment, pipelines, prompt
 
 pytest.importorskip("vllm")
 
@@ -36,8 +36,7 @@ def _instances(on_vllm: set[str]) -> str:
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def dep(request, tmp_path_factory):
     on_vllm = LAYOUTS[request.param]
-    conf = write_config(tmp_path_factory.mktemp(request.param) / "pdd.toml", "pdd", _instances(on_vllm))
-    with pdd_up("--config", conf, timeout=VLLM_START_S) as d:
+    with deployment(tmp_path_factory, "pdd", instances=_instances(on_vllm), name=request.param) as d:
         d.on_vllm = on_vllm
         yield d
 

@@ -15,16 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import VLLM_START_S, kv_bytes_per_token, pdd_up, stream_completion, vllm_settled, wait_until
-from vllm_scenarios import OUTPUT, assert_pdd_shapes, pipelines, prompt, rid, write_config
+from procs import kv_bytes_per_token, stream_completion, vllm_settled, wait_until
+from vllm_scenarios import OUTPUT, assert_pdd_shapes, deployment, pipelines, prompt, rid
 
 pytest.importorskip("vllm")
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    conf = write_config(tmp_path_factory.mktemp("vllm-pdd") / "pdd.toml", "pdd")
-    with pdd_up("--config", conf, "--engine", "vllm", timeout=VLLM_START_S) as d:
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm") as d:
         yield d
 
 

@@ -9,11 +9,13 @@ threshold), catch-up chunks of 32.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
-from procs import stream_completion
+from procs import VLLM_START_S, Deployment, pdd_up, stream_completion
 
 LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 POLICY = {"handoff_threshold": 64, "catch_up_chunk": 32}
@@ -30,6 +32,14 @@ def write_config(path: Path, mode: str, instances: str = "") -> str:
     path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
                     + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items()) + instances)
     return str(path)
+
+
+@contextlib.contextmanager
+def deployment(tmp_path_factory, mode: str, *args: str, instances: str = "", name: str = "") -> Iterator[Deployment]:
+    """`pdd up` of `mode` under this module's line and policy, given vLLM's time to start."""
+    conf = write_config(tmp_path_factory.mktemp(name or mode) / "pdd.toml", mode, instances)
+    with pdd_up("--config", conf, *args, timeout=VLLM_START_S) as d:
+        yield d
 
 
 def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
