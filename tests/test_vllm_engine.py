@@ -11,7 +11,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Coroutine
-from dataclasses import replace
+from msgspec.structs import replace  # sampling params are a msgspec struct
 from typing import Any
 
 import pytest

@@ -8,7 +8,7 @@ every producer, whichever engine); only the missed KV crosses."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace  # sampling params are a msgspec struct
 
 import httpx
 import pytest

@@ -35,11 +35,13 @@ if TYPE_CHECKING:
 
 
 class PddConnector(KVConnectorBase_V1):
+    _scheduler: SchedulerSide  # (only on the scheduler side)
+    _worker: WorkerSide  # (only on a worker)
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self._scheduler = self._worker = None
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # (vLLM passes None too)
+        extra = self._kv_transfer_config.kv_connector_extra_config  # (the base refuses a missing config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config.cache_config.block_size, extra)
         else:

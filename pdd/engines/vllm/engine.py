@@ -128,7 +128,7 @@ class VllmEngine(Requests):
         """Checked and claimed at once, so chunks imported back to back (their writes in
         flight together) must follow each other in the order they were issued."""
         req = self.reservation(rid)
-        if not req.reserved.done():
+        if req.reserved is None or not req.reserved.done():
             raise RequestError(f"request {rid!r} is not reserved yet")
         self.kv.check_import(blob, req.prompt, req.imported, len(req.prompt))
         req.imported = blob.header.token_end
@@ -157,7 +157,12 @@ class VllmEngine(Requests):
 
     def set_cache_listener(self, listener: CacheListener) -> None:
         loop = asyncio.get_running_loop()
-        self.events.listener = lambda seq, kind, hashes: loop.call_soon_threadsafe(listener, seq, kind, hashes)
+        if self.events is None:
+            raise RuntimeError("vLLM is closed")
+        def on_event(seq: int, kind: str, hashes: list[int]) -> None:  # (a subscriber thread)
+            loop.call_soon_threadsafe(listener, seq, kind, hashes)
+
+        self.events.listener = on_event
 
     # ---- EnginePort: load, stats, close ----------------------------------------------------
     def load(self) -> EngineLoad:

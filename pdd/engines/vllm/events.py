@@ -138,16 +138,17 @@ class EventSubscriber:
             req.close()
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
         self._next = seq + 1
         batch = self._decoder.decode(payload)
         for event in batch.events:
-            kind = type(event).__name__
             with self.hashes.lock:
-                if kind == "BlockStored":
+                if isinstance(event, BlockStored):
                     names, what = self.hashes.stored(event.parent_block_hash, list(event.block_hashes),
                                                      list(event.token_ids), event.block_size,
                                                      event.extra_keys), "stored"
-                elif kind == "BlockRemoved":
+                elif isinstance(event, BlockRemoved):
                     names, what = self.hashes.removed(list(event.block_hashes)), "removed"
                 else:  # AllBlocksCleared
                     names, what = self.hashes.cleared(), "removed"

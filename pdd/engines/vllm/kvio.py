@@ -50,7 +50,8 @@ class WorkerKV:
 
     def answer(self, header: dict[str, Any], payload: bytes) -> None:
         """A worker's reply (bridge thread)."""
-        pending = self._waiting.pop(header.get("seq"), None)
+        seq = header.get("seq")
+        pending = self._waiting.pop(seq, None) if isinstance(seq, int) else None
         if pending is None:
             return
         loop, fut = pending

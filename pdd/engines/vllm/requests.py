@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pdd.engine_port import OutOfPages, RequestError, StepOutput
@@ -21,12 +22,23 @@ log = logging.getLogger(__name__)
 
 
 class Requests:
+    # the engine's (`VllmEngine`): vLLM itself, the bridge to its scheduler side, the counters
     llm: Any
+    counters: dict[str, int]
+    tell_scheduler: Callable[[str, str], None]
+    record_finished: Callable[[str, int], None]
 
     def __init__(self, eos_ids: frozenset[int], vocab_size: int, max_context: int) -> None:
         self.eos_ids, self.vocab_size, self.limit = eos_ids, vocab_size, max_context
         self.reqs: dict[str, Request] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The loop requests run on (set by the first request: nothing is held before one)."""
+        if self.loop is None:
+            raise RuntimeError("no request has run on this engine yet")
+        return self.loop
 
     # ---- checks ----------------------------------------------------------------------
     def _new(self, rid: str, prompt: list[int], params: SamplingParams, session: bool, hold: bool = False) -> Request:
@@ -65,7 +77,7 @@ class Requests:
         w = Watch(lambda: None)
         req.watchers.append(w)
         if hold:
-            req.held = self.loop.create_future()
+            req.held = self._loop.create_future()
         sp = streams.vllm_params(params, req.seed, 0, params.max_tokens, self.eos_ids,
                                  {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}})
         req.task = asyncio.ensure_future(self._consume(req, self.llm.generate({"prompt_token_ids": prompt}, sp, rid)))
@@ -108,15 +120,14 @@ class Requests:
         from vllm.engine.protocol import StreamingInput
 
         req = self._new(rid, prompt, params, session=True)
-        req.reserved = self.loop.create_future()
-        req.inputs = asyncio.Queue()
+        req.reserved = self._loop.create_future()
         extra = {"kv_transfer_params": {"pdd": {"rid": rid, "op": "import"}}}
         first: dict[str, Any] = {"prompt_token_ids": list(prompt)}
         if not use_cache:
             # vLLM's own switch (skip_reading_prefix_cache) turns the connector's load off
             # too; a salt of the request's own makes vLLM's hashes match nothing cached
             first["cache_salt"] = f"{streams.UNCACHED_SALT}{rid}"
-        req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra)))
+        req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra)))  # type: ignore[arg-type]
         req.chunks.append((LOAD, 0))
         req.task = asyncio.ensure_future(self._consume(req, self.llm.generate(streams.chunk_stream(req),
                                                                               streams.chunk_params(), rid)))
@@ -154,14 +165,14 @@ class Requests:
             if not send:  # nothing to compute yet: caught up at once
                 req.emit(StepOutput(rid, None, None, caught_up=len(req.outputs)))
                 return req.hit
-            chunk = StreamingInput({"prompt_token_ids": send}, streams.chunk_params())
+            chunk = StreamingInput({"prompt_token_ids": send}, streams.chunk_params())  # type: ignore[arg-type]
             req.chunks.append((SHADOW, len(req.outputs)))
         else:
             left = req.params.max_tokens - len(req.outputs)
             if not send or left < 1:
                 raise RequestError("nothing left to compute: a continuation needs a token and a position to sample")
             req.pending = []
-            chunk = StreamingInput({"prompt_token_ids": send},
+            chunk = StreamingInput({"prompt_token_ids": send},  # type: ignore[arg-type]
                                    streams.vllm_params(req.params, req.seed, len(req.outputs), left, self.eos_ids))
             req.chunks.append((FINAL, len(req.outputs)))
             req.producing = True
@@ -195,7 +206,7 @@ class Requests:
         if req.task is not None:
             req.task.cancel()  # vLLM's generate aborts the request as it is cancelled
         if req.hold and req.ended:  # finished and held: nothing runs, the hold must go
-            self.loop.create_task(asyncio.to_thread(self.tell_scheduler, "free", rid))
+            self._loop.create_task(asyncio.to_thread(self.tell_scheduler, "free", rid))
         self.counters["aborted"] += was_running
         req.emit(StepOutput(rid, None, "abort"))
 
@@ -214,7 +225,7 @@ class Requests:
             self.record_finished(header["rid"], header["computed"])
         if req is None:
             if op == "finished" and header.get("held") is not None:  # released before it was held
-                self.loop.create_task(asyncio.to_thread(self.tell_scheduler, "free", header["rid"]))
+                self._loop.create_task(asyncio.to_thread(self.tell_scheduler, "free", header["rid"]))
             return
         if op == "reserved" and req.reserved is not None and not req.reserved.done():
             req.blocks = header["blocks"]

@@ -73,7 +73,7 @@ class Request:
     outputs: list[int] = field(default_factory=list)  # output tokens by position: given or produced
     pending: list[int] = field(default_factory=list)  # given, not yet sent to vLLM (a shadow chunk's last)
     chunks: deque[tuple[str, int]] = field(default_factory=deque)  # sent chunks not yet done: (kind, outputs held)
-    inputs: asyncio.Queue | None = None  # the session's next input chunks (None ends it)
+    inputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # a session's next input chunks (None ends it)
     watchers: list[Watch] = field(default_factory=list)
     hit: int = 0  # prompt tokens vLLM held at admission (the reservation's local hit)
     blocks: list[int] = field(default_factory=list)  # the reservation's (or a hold's) block ids
