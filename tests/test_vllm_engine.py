@@ -11,10 +11,10 @@ import asyncio
 import random
 import threading
 from collections.abc import Coroutine
-from msgspec.structs import replace  # sampling params are a msgspec struct
 from typing import Any
 
 import pytest
+from msgspec.structs import replace  # sampling params are a msgspec struct
 
 pytest.importorskip("vllm")
 

@@ -8,10 +8,9 @@ every producer, whichever engine); only the missed KV crosses."""
 
 from __future__ import annotations
 
-from msgspec.structs import replace  # sampling params are a msgspec struct
-
 import httpx
 import pytest
+from msgspec.structs import replace  # sampling params are a msgspec struct
 from procs import kv_bytes_per_token, stream_completion, vllm_settled
 from vllm_scenarios import assert_pdd_shapes, deployment, pipelines, prompt
 
