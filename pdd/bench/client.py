@@ -184,7 +184,7 @@ async def send_completion(client: httpx.AsyncClient, target: Target, record: Req
     """
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+            "ignore_eos": True, "return_token_ids": True}  # (pdd always returns them; vLLM when asked)
     started = time.perf_counter()
     record.start_s = started - run_start
     stream = _Stream(started)
