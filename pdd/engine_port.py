@@ -113,8 +113,9 @@ class EnginePort(Protocol):
     max_context: int  # prompt + output tokens one request may hold
     kv_bytes_per_token: int  # of this engine's KV, as exported
 
-    def generate(self, rid: str, prompt: list[int], params: SamplingParams,
-                 hold: bool = False) -> AsyncIterator[StepOutput]:
+    def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+    ) -> AsyncIterator[StepOutput]:
         """Run a request from its prompt (reusing the prefix cache) and stream its outputs;
         leaving the stream early aborts it. With `hold`, its KV stays put after it
         finishes, for `export_kv`, until `release`. RequestError if it can never run."""
@@ -220,8 +221,9 @@ def engine_names() -> list[str]:
     return sorted(_ENGINES)
 
 
-def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
-                eos_ids: frozenset[int] = frozenset()) -> EnginePort:
+def open_engine(
+    model_dir: str | Path, config: EngineConfig, threads: int = 1, eos_ids: frozenset[int] = frozenset()
+) -> EnginePort:
     """A running engine of `config.backend` over the model in `model_dir`."""
     target = _ENGINES.get(config.backend)
     if target is None:

@@ -18,9 +18,27 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # The `pdd` object of a response: these fields, by these names (README, "Using it").
-SERVED = ("pipeline", "p_hit_tokens", "d_hit_tokens", "d_hit_predicted", "mirror_drift_tokens", "kv_predicted_ms",
-          "kv_bytes", "wan_bytes", "rld_output_tokens", "md_output_tokens", "handoff", "handoff_tokens",
-          "handoff_chunks", "handoff_stall_ms", "anomalous", "fallback", "retries", "instances", "seed")
+SERVED = (
+    "pipeline",
+    "p_hit_tokens",
+    "d_hit_tokens",
+    "d_hit_predicted",
+    "mirror_drift_tokens",
+    "kv_predicted_ms",
+    "kv_bytes",
+    "wan_bytes",
+    "rld_output_tokens",
+    "md_output_tokens",
+    "handoff",
+    "handoff_tokens",
+    "handoff_chunks",
+    "handoff_stall_ms",
+    "anomalous",
+    "fallback",
+    "retries",
+    "instances",
+    "seed",
+)
 
 
 @dataclass
@@ -33,6 +51,7 @@ class RequestRecord:
     # ---- what the client saw ----
     start_s: float | None = None
     prompt_tokens: int = 0
+    max_tokens: int = 0  # what it asked for at most (0: not recorded)
     output_tokens: int = 0
     ttft_ms: float | None = None
     tpot_ms: float | None = None

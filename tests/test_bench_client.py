@@ -24,8 +24,8 @@ from procs import free_port
 
 from pdd.bench.client import replay
 from pdd.cli import main
-from pdd.workload.types import Session, Turn
 from pdd.policy.prefix import common_prefix
+from pdd.workload.types import Session, Turn
 
 # A prompt ending in one of these IDs (below the workloads' low_id, so never generated)
 # makes the fake fail.

@@ -116,7 +116,8 @@ def test_table_puts_summaries_side_by_side(records):
 
 
 def test_tail_percentiles_carry_a_bootstrap_interval_that_narrows_with_more_requests():
-    few = summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    few = summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None, slo_ttft_ms=1e9,
+                    slo_tpot_ms=1e9)
     many = summarize([_ok(i, ttft=10.0 + i % 20, tpot=2.0) for i in range(400)], wan_bytes=None, slo_ttft_ms=1e9,
                      slo_tpot_ms=1e9)
     lo, hi = few["ttft_ms"]["p99_ci"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from checkpoints import edit_config, hf_greedy, hf_model, rewrite_as_4x, save_random
 
-from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
+from pdd.engine_port import EngineConfig
 from pdd.model.config import ModelConfig, UnsupportedCheckpoint
 from pdd.model.loader import load_model
 from pdd.sampling import SamplingParams

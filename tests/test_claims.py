@@ -277,8 +277,8 @@ def test_router_reconnects_when_a_killed_instance_returns(colocated):
             assert _complete(dep.url, prompt, 20)["choices"][0]["token_ids"] == colocated(prompt, 20)
             for k, (name, role, field) in enumerate((("md0", "main", "main"), ("p0", "prefill", "entry"))):
                 os.kill(dep.pids[name], signal.SIGKILL)
-                wait_until(lambda role=role: _health(dep.url) == (503, {"status": "unavailable", "missing": [role]}), 10,
-                          f"router reports {role} missing")
+                missing = (503, {"status": "unavailable", "missing": [role]})
+                wait_until(lambda missing=missing: _health(dep.url) == missing, 10, f"router reports {role} missing")
                 r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, 4, False), timeout=30)
                 assert r.status_code == 503, r.text
                 _assert_openai_error(r.json()["error"])

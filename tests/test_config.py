@@ -67,7 +67,7 @@ def test_a_wildcard_listener_must_say_where_it_is_reached():
         dep.address(md0, "B")
     router = replace(dep.router, host="0.0.0.0")
     with pytest.raises(cfg.ConfigError, match=r"\[router\] advertise"):
-        router.url
+        _ = router.url
     assert replace(router, advertise="10.1.0.10:8000").url == "http://10.1.0.10:8000"
     assert dep.router.url == "http://10.1.0.10:8000"
 

@@ -7,11 +7,10 @@ import random
 import pytest
 import torch
 
-from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.engine_port import RequestError
-from pdd.sampling import SamplingParams
+from pdd.engine_port import EngineConfig, RequestError
 from pdd.kv import codec
+from pdd.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -117,7 +116,8 @@ def test_sampling_is_seeded_and_bounded(engine):
     assert a == b and a != c
     greedy = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
     assert engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True)) == greedy
-    assert engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True)) == greedy
+    nucleus = SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True)
+    assert engine.generate([prompt], nucleus) == greedy
 
 
 def test_stop_token_and_abort(engine):

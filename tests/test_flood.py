@@ -161,7 +161,7 @@ async def _reserve_three(port: int, key: bytes) -> list[tuple[str, int | None]]:
         while True:
             try:
                 body = m.decode(await asyncio.wait_for(conn.next_frame(), timeout))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             if isinstance(body, m.ReserveAck):
                 return body

@@ -43,9 +43,8 @@ from schemathesis import GenerationMode
 from test_messages import SAMPLES
 from test_wire import FIELDS, KEY, OTHER_KEY
 
-from pdd.engine_port import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.engine_port import RequestError
+from pdd.engine_port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.sampling import SamplingParams
@@ -274,7 +273,8 @@ def test_a_mutated_stream_is_refused_and_never_read_as_other_frames(frames: list
         return
     got = receive(key, mutated)
     decoded = [(f.type, f.seq, f.payload) for f in got.frames]
-    first_change = next((i for i, (a, b) in enumerate(zip(stream, mutated)) if a != b), min(len(stream), len(mutated)))
+    first_change = next((i for i, (a, b) in enumerate(zip(stream, mutated, strict=False)) if a != b),
+                        min(len(stream), len(mutated)))
     ends = [sum(map(len, wire[: i + 1])) for i in range(len(wire))]
     intact = sum(end <= first_change for end in ends)  # frames wholly before the damage
     assert len(decoded) >= intact and decoded[:intact] == originals[:intact]
@@ -282,7 +282,7 @@ def test_a_mutated_stream_is_refused_and_never_read_as_other_frames(frames: list
         assert decoded == originals[: len(decoded)], "an authenticated line accepted a frame it was not sent"
         if clean_close(got.error):  # whatever the damage, it did not pass as the end of the stream
             assert mutated == b"".join(wire[: len(decoded)])
-    elif len(mutated) == len(stream) and sum(a != b for a, b in zip(stream, mutated)) == 1:
+    elif len(mutated) == len(stream) and sum(a != b for a, b in zip(stream, mutated, strict=True)) == 1:
         # one byte changed in place: inside a payload or its CRC, the CRC catches it
         k = intact
         if first_change - (ends[k] - len(wire[k])) >= FIELDS["crc"].start:

@@ -34,7 +34,8 @@ def test_any_integer_seed_samples_and_repeats(server, seed):
 
 @pytest.mark.parametrize("path,raw", [
     ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800abc", "max_tokens": 2}'),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}'),
+    ("/v1/chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}'),
 ])
 def test_a_lone_surrogate_is_a_client_error(server, path, raw):
     r = httpx.post(f"{server}{path}", content=raw.encode(), headers={"content-type": "application/json"}, timeout=30)

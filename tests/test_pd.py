@@ -29,7 +29,8 @@ def _requests(seed: int = 0) -> list[list[int]]:
     """Four prompts sharing a prefix, then three unrelated 200-token ones."""
     rng = random.Random(seed)
     base = [rng.randrange(16, 4096) for _ in range(300)]
-    shared = [base[:n] + [rng.randrange(16, 4096) for _ in range(k)] for n, k in ((300, 5), (40, 0), (300, 90), (17, 3))]
+    shared = [base[:n] + [rng.randrange(16, 4096) for _ in range(k)]
+              for n, k in ((300, 5), (40, 0), (300, 90), (17, 3))]
     return shared + [[rng.randrange(16, 4096) for _ in range(200)] for _ in range(3)]
 
 
@@ -110,7 +111,7 @@ num_pages = 15
     assert [g["choices"][0]["token_ids"] for g in second] == want
     print(f"\nsecond-round decode-side hits {[g['pdd']['d_hit_tokens'] for g in second]}, mirror drift {drift}")
     assert any(g["pdd"]["d_hit_tokens"] < 192 for g in second), "the small pool should have evicted"
-    for g, p in zip(first + second, prompts + prompts):  # bytes follow the reservation
+    for g, p in zip(first + second, prompts + prompts, strict=True):  # bytes follow the reservation
         kv = (len(p) - g["pdd"]["d_hit_tokens"]) * KV_BYTES_PER_TOKEN
         assert kv <= g["pdd"]["wan_bytes"] <= kv * 1.05 + 4096
 
@@ -133,7 +134,8 @@ def test_kill_decode_mid_stream_fails_cleanly():
         # No decode instance left: /health says so (a load balancer stops sending here), and requests get 503.
         health = httpx.get(f"{dep.url}/health")
         assert health.status_code == 503 and health.json() == {"status": "unavailable", "missing": ["main"]}
-        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}, timeout=30)
+        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
+                       timeout=30)
         assert r.status_code == 503 and "error" in r.json()
 
 
@@ -146,7 +148,7 @@ def test_client_disconnect_aborts_the_decode_side():
                 "ignore_eos": True, "stream": True}
         before = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
         with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
-            for n, _ in enumerate(l for l in r.iter_lines() if l.startswith("data: {")):
+            for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
                 if n == 3:
                     break
         _wait_settled(md_http)
@@ -157,7 +159,7 @@ def test_client_disconnect_aborts_the_decode_side():
 
 def test_decode_stops_when_its_router_is_gone():
     with pdd_up("--mode", "pd-cross-dc") as dep:
-        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        md_http = next(line for line in dep.lines if line.startswith("instance md0")).split()[-1]
         assert httpx.get(f"{md_http}/v1/models").status_code == 404  # a P/D instance is reached through the router
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -213,11 +215,12 @@ def _instance_port(dep, name: str) -> int:
 def test_bad_frames_are_rejected_and_counted():
     with pdd_up("--mode", "pd-cross-dc", "--keep") as dep:
         port = _instance_port(dep, "md0")
-        md_http = next(l for l in dep.lines if l.startswith("instance md0")).split()[-1]
+        md_http = next(line for line in dep.lines if line.startswith("instance md0")).split()[-1]
 
         async def attack() -> None:
             bad_key = wire.FrameCodec(b"not the deployment secret")
-            for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: pdd\r\n\r\n", bad_key.encode(wire.MsgType.HELLO, b'{"role":"router"}'),
+            for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: pdd\r\n\r\n",
+                            bad_key.encode(wire.MsgType.HELLO, b'{"role":"router"}'),
                             b"PD" + struct.pack("!BBBQII", wire.PROTOCOL_VERSION, 1, 1, 0, 1 << 31, 0)):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(payload)

@@ -16,9 +16,9 @@ from pdd.instance.peers import PeerPool
 from pdd.policy.transfer import Priority
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
+from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 from pdd.wan.line import WanLine
 from pdd.wan.relay import Route, WanRelay
-from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 
 KEY = b"k" * 32
 FRAME_BYTES = 64 * 1024  # one KV layer frame
@@ -93,7 +93,8 @@ async def _traffic() -> tuple[list[tuple[str, MsgType]], int]:
 
 def test_a_reservation_overtakes_kv_and_urgent_kv_overtakes_background():
     arrived, sent_after = asyncio.run(_traffic())
-    channels = ["reserve" if t == MsgType.RESERVE else ch for ch, t in arrived if t in (MsgType.RESERVE, MsgType.KV_LAYER)]
+    channels = ["reserve" if t == MsgType.RESERVE else ch
+                for ch, t in arrived if t in (MsgType.RESERVE, MsgType.KV_LAYER)]
     reserve = channels.index("reserve")
     first_urgent = channels.index("urgent")
     last_urgent = len(channels) - 1 - channels[::-1].index("urgent")

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.policy.handoff import MAX_CATCH_UP_ROUNDS, choose_handoff, cut_over
-from pdd.policy.pipeline import answer_wait_s, choose_pipeline
-from pdd.policy.plan import anomaly_rule, is_anomalous, plan_request
-from pdd.policy.playout import Playout, next_release_s, release
-from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
-from pdd.policy.routing import Candidate
-from pdd.policy.transfer import LinkEstimate, finish_s, kv_chunks, kv_range, observe_rate, observe_rtt
 from pdd.names import Fallback, Pipeline
 from pdd.policy.capacity import Room, fits, pages_needed, relay_accepts
-from pdd.policy.handoff import occupancy
-from pdd.policy.pipeline import Decision, main_refused, relay_refused
-from pdd.policy.playout import observe_pace
+from pdd.policy.handoff import MAX_CATCH_UP_ROUNDS, choose_handoff, cut_over, occupancy
+from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline, main_refused, relay_refused
+from pdd.policy.plan import anomaly_rule, is_anomalous, plan_request
+from pdd.policy.playout import Playout, next_release_s, observe_pace, release
 from pdd.policy.prefix import common_prefix, prefix_holder
 from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
-from pdd.policy.transfer import LineMeter, LinkEstimate, Priority
+from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
+from pdd.policy.routing import Candidate
+from pdd.policy.transfer import (
+    LineMeter,
+    LinkEstimate,
+    Priority,
+    finish_s,
+    kv_chunks,
+    kv_range,
+    observe_rate,
+    observe_rtt,
+)
 
 LINE = LinkEstimate(bytes_per_s=2_500_000, one_way_s=0.02)  # 20 Mbit/s, 20 ms
 

@@ -18,8 +18,8 @@ import pytest
 from pdd import demo
 from pdd.bench.report import write_report
 from pdd.bench.summary import summarize
-from pdd.record import RequestRecord
 from pdd.cli import main
+from pdd.record import RequestRecord
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TESTS = Path(__file__).resolve().parent

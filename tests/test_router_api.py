@@ -145,7 +145,8 @@ def test_retry_after_follows_the_service_times_the_router_measured(router):
     _idle(router)
     started = time.monotonic()
     shed = asyncio.run(_shed_after_slow_service(router, 3.0, 3))
-    print(f"\nshed after {time.monotonic() - started:.0f} s of slow service: Retry-After {shed.headers.get('retry-after')}")
+    print(f"\nshed after {time.monotonic() - started:.0f} s of slow service: "
+          f"Retry-After {shed.headers.get('retry-after')}")
     assert shed.status_code == 429 and shed.json()["error"]["type"] == "rate_limit_exceeded", shed.text
     assert int(shed.headers["retry-after"]) >= 5
     _idle(router)

@@ -10,6 +10,8 @@ import openai
 import pytest
 from procs import metrics, standalone
 
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
@@ -36,7 +38,7 @@ def test_openai_client_streams_chat(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["tiny"]
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        model="tiny", messages=CHAT,
         max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -44,7 +46,7 @@ def test_openai_client_streams_chat(server):
     assert finish in (["length"], ["stop"])
     assert chunks[-1].usage.completion_tokens >= 1 and chunks[-1].usage.prompt_tokens > 5
     full = client.chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        model="tiny", messages=CHAT,
         max_tokens=12, temperature=0)
     assert full.choices[0].message.content == text
     _settled(server)

@@ -17,12 +17,13 @@ import random
 import pytest
 import simpy
 
+from pdd.names import Fallback, HandoffMode, Pipeline
+from pdd.record import RequestRecord
 from pdd.sim import paper
-from pdd.sim.cluster import Cluster, DeploymentSpec, Outcome
+from pdd.sim.cluster import Cluster, DeploymentSpec
 from pdd.sim.hardware import line
 from pdd.sim.link import SharedLink
 from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
-from pdd.names import HandoffMode, Pipeline
 
 REQUESTS = 300
 KVB = paper.MODEL.kv_bytes_per_token
@@ -98,7 +99,7 @@ ALLOWED_FAILURES = {
 def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> None:
     spec, sessions = SCENARIOS[name]
     cluster = _run(spec, sessions)
-    outcomes = cluster.outcomes
+    outcomes = cluster.records
     problems = []
     seen = {(o.session, o.turn) for o in outcomes}
     missing = [(s.id, k) for s in sessions for k in range(len(s.turns)) if (s.id, k) not in seen]
@@ -108,18 +109,18 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
         problems.append(f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
                         f"{len(missing)} never recorded, e.g. {missing[:5]}")
     allowed = ALLOWED_FAILURES.get(name, ())
-    failed = [o for o in outcomes if o.failed]
-    wrong = [o for o in failed if not any(reason in o.failed for reason in allowed)]
+    failed = [o for o in outcomes if o.error]
+    wrong = [o for o in failed if not any(reason in o.error for reason in allowed)]
     if wrong:
         problems.append(f"{len(wrong)} requests failed that this scenario must serve, e.g. {wrong[0]}")
-    sent = [o for o in outcomes if not (o.failed or "").startswith("not sent")]
+    sent = [o for o in outcomes if not (o.error or "").startswith("not sent")]
     if 2 * (len(outcomes) - len(failed)) < len(sent):  # even a pool too small serves most it is sent
         problems.append(f"{len(failed)} of {len(outcomes)} requests failed, of {len(sent)} sent")
     for o in outcomes:
-        if o.failed:
+        if o.error:
             continue
-        if not (o.ttft_s is not None and o.ttft_s > 0 and o.end_s is not None
-                and o.end_s >= o.arrival_s + o.ttft_s - 1e-9 and o.tokens == o.max_tokens):
+        if not (o.ttft_ms is not None and o.ttft_ms > 0 and o.e2e_ms is not None
+                and o.e2e_ms >= o.ttft_ms - 1e-6 and o.output_tokens == o.max_tokens):
             problems.append(f"neither served in full nor failed: {o}")
     leaked = {n: i.used for n, i in cluster.instances.items() if i.used != 0}
     if leaked:
@@ -136,19 +137,65 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
     assert not problems, "\n".join(problems)
 
 
-def test_relay_refusal_leaves_the_request_to_the_main_instance() -> None:
-    """A P-RLD-MD request whose relay cannot hold it, while MD reserved it: live, P's KV
-    reaches MD anyway and MD takes over from P's token (pdd/instance/prefill.py `_serve`:
-    "MD has the KV but nobody produces"). It is late (the relay refuses after
-    RESERVE_WAIT_S), but it is served, not failed."""
+def test_a_relay_that_cannot_hold_the_request_leaves_it_to_the_main_instance() -> None:
+    """A P-RLD-MD request the relay cannot hold, while MD reserved it: the relay turns it
+    away at once (pdd/instance/relay.py), and P sends it P -> MD, counted as the live P
+    counts it (`policy.pipeline.relay_refused`): served, not failed, and not late."""
     R = paper.role
     spec = paper.deployment("small-relay", (R("prefill", "A", 1, "A"), _capacity("relay", 10_000),
                                             R("main", "B", 1, "B")))
     cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(20_000, 200),), 0)])
-    (o,) = cluster.outcomes
-    assert o.failed is None, o
-    assert o.tokens == o.max_tokens and o.md_tokens == o.max_tokens, o
+    (o,) = cluster.records
+    assert o.error is None, o
+    assert o.pipeline == Pipeline.P_MD and o.fallback == Fallback.RELAY_BUSY, o
+    assert o.output_tokens == o.max_tokens and o.md_output_tokens == o.max_tokens, o
+    assert o.ttft_ms < 5000, o  # no wait for a refusal: the relay answers at once
     assert all(i.used == 0 for i in cluster.instances.values())
+
+
+def test_under_overload_every_admitted_request_completes_and_a_small_relay_stays_within_its_batch() -> None:
+    """Far more sessions than one MD pool holds, and a relay that decodes two at once: as
+    live, the router holds each request until MD has room and MD's own line has no
+    deadline, so every request completes, many after waiting well past the old 45 s
+    refusal; the relay turns optional requests away (P -> MD, `relay_busy`) rather
+    than hold more than it decodes in one batch."""
+    R = paper.role
+    relay = dataclasses.replace(R("relay", "A", 1, "A"), max_running=2)
+    spec = paper.deployment("overload", (R("prefill", "A", 1, "A"), relay, _capacity("main", 100_000, dc="B", hw="B")))
+    sessions = agentic_sessions(dataclasses.replace(paper.WORKLOAD, anomalous_fraction=0.0), 500, 50.0)
+    cluster = _run(spec, sessions)
+    records = cluster.records
+    assert len(records) == _requests(sessions)
+    assert [o for o in records if o.error is not None] == []
+    assert all(o.output_tokens == o.max_tokens for o in records)
+    assert sum(o.ttft_ms > 45_000 for o in records) > len(records) // 4  # they waited, and were served
+    assert sum(Fallback.RELAY_BUSY in (o.fallback or "") for o in records) > 0  # the relay turned some away
+    assert cluster.instances["relay0@A"].stats.peak_held <= relay.max_running
+    # the router, not MD's line, holds the waiting requests (without dispatch by room MD would hold them all)
+    assert cluster.instances["main0@B"].stats.peak_held <= len(sessions) // 2
+    assert all(i.used == 0 and i.committed_requests == 0 and i.held == 0 for i in cluster.instances.values())
+
+
+def test_a_full_main_instance_holds_a_reservation_as_long_as_it_takes() -> None:
+    """MD's pool taken by work the router cannot see (another router's, say) for a
+    minute: the request the router dispatched waits in MD's line, past the 45 s after
+    which the decode side used to refuse it, and is served once the pool frees."""
+    R = paper.role
+    spec = paper.deployment("busy-md", (R("prefill", "A", 1, "A"), _capacity("main", 100_000, dc="B", hw="B")))
+    env = simpy.Environment()
+    cluster = Cluster(env, spec)
+    md = cluster.instances["main0@B"]
+    foreign = md.hold(90_000)
+
+    def release_later():
+        yield env.timeout(60.0)
+        foreign.release()
+
+    env.process(release_later())
+    (o,) = cluster.run([SimSession(0, 0.0, (SimTurn(20_000, 100),), 0)])
+    assert o.error is None and o.output_tokens == 100, o
+    assert o.ttft_ms > 60_000, o
+    assert md.used == 0 and md.held == 0
 
 
 # ---- 2. the line ---------------------------------------------------------------------------
@@ -253,22 +300,22 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
         dataclasses.replace(paper.SETTING.tcp, jitter_ms=0.0, loss_per_segment=0.0)
     for gbps in (10.0, 25.0, 100.0):
         spec = dataclasses.replace(paper.paper_deployments(gbps)[deployment], tcp=steady)
-        outcomes = _run(spec, sessions).outcomes
-        assert len(outcomes) == _requests(sessions) and not any(o.failed for o in outcomes)
+        outcomes = _run(spec, sessions).records
+        assert len(outcomes) == _requests(sessions) and not any(o.error for o in outcomes)
         runs[gbps] = {(o.session, o.turn): o for o in outcomes}
     budget = paper.POLICY.ttft_budget_ms / 1000
     for low, high in ((10.0, 25.0), (25.0, 100.0)):
         for key, slow in runs[low].items():
             fast = runs[high][key]
             if fast.pipeline == slow.pipeline:
-                assert fast.ttft_s <= slow.ttft_s + 1e-9, (deployment, key, low, high, slow, fast)
+                assert fast.ttft_ms <= slow.ttft_ms + 1e-6, (deployment, key, low, high, slow, fast)
             else:
                 # PDD only: a faster line lets P choose P-MD for a delta that went through the
                 # relay on a slower line. By design that first token may come later than the
                 # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
                 assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), \
                     (key, slow, fast)
-                assert fast.ttft_s <= slow.ttft_s + budget + 1e-9, (key, slow, fast)
+                assert fast.ttft_ms <= slow.ttft_ms + 1000 * budget + 1e-6, (key, slow, fast)
 
 
 # ---- 4. a fully cached prompt sends (almost) nothing --------------------------------------
@@ -289,15 +336,15 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
     traced = [SimSession(i, 1000.0 * i, (SimTurn(prompt, 64),), 0, trace_keys=keys) for i in range(6)]
     tail = prompt - min(prompt // BLOCK * BLOCK, prompt - 1)
     for sessions in (again, traced):
-        outcomes = sorted(_run(spec, sessions).outcomes, key=lambda o: o.arrival_s)
-        assert len(outcomes) == 6 and not any(o.failed for o in outcomes)
+        outcomes = sorted(_run(spec, sessions).records, key=lambda o: o.start_s)
+        assert len(outcomes) == 6 and not any(o.error for o in outcomes)
         assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
         for o in outcomes[1:]:
             # Back to back, the second turn can arrive before the first's KV (or the relay's
             # fill of its output) has landed at MD: its reservation waits for it, so it may
             # go through the relay, but sends only the tail. Every later one goes P-MD.
             assert o.pipeline == Pipeline.P_MD or (sessions is again and o.turn == 1), o
-            assert o.d_hit == prompt - tail, o
+            assert o.d_hit_tokens == prompt - tail, o
             assert o.wan_bytes == tail * KVB, o
             assert o.wan_bytes <= BLOCK * KVB, o
 
@@ -307,43 +354,114 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
 # Each decision the simulator makes, the module that calls it, and the live code that
 # calls the very same function.
 POLICIES = {
-    "plan_request": ("pdd.sim.cluster", "pdd.router.planning"),
+    "plan_with_room": ("pdd.sim.cluster", "pdd.policy.plan"),  # = the router's plan(room=True): see below
     "anomaly_rule": ("pdd.sim.cluster", "pdd.router.planning"),
-    "choose_pipeline": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "answer_wait_s": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "kv_range": ("pdd.sim.cluster", "pdd.instance.prefill"),
-    "observe_rate": ("pdd.sim.cluster", "pdd.policy.transfer"),  # what the live P's LineMeter calls
-    "observe_rtt": ("pdd.sim.cluster", "pdd.policy.transfer"),
-    "reserve_retry_delay": ("pdd.sim.cluster", "pdd.instance.reservations"),
+    "fits": ("pdd.sim.cluster", "pdd.router.planning"),
+    "pages_needed": ("pdd.sim.cluster", "pdd.router.planning"),
+    "relay_accepts": ("pdd.sim.reserve", "pdd.instance.relay"),
+    "prefix_holder": ("pdd.sim.reserve", "pdd.instance.receiver"),
+    "reserve_retry_delay": ("pdd.sim.reserve", "pdd.instance.reservations"),
+    "choose_pipeline": ("pdd.sim.prefill", "pdd.instance.prefill"),
+    "answer_wait_s": ("pdd.sim.prefill", "pdd.instance.prefill"),
+    "main_refused": ("pdd.sim.prefill", "pdd.instance.prefill"),
+    "relay_refused": ("pdd.sim.prefill", "pdd.instance.prefill"),
+    "kv_range": ("pdd.sim.prefill", "pdd.instance.prefill"),
     "choose_handoff": ("pdd.sim.relayed", "pdd.instance.relay"),
     "cut_over": ("pdd.sim.relayed", "pdd.instance.relay"),
+    "occupancy": ("pdd.sim.relayed", "pdd.instance.relay"),
 }
+# P's line estimate: the live prefill instance's `LineMeter`, every method it uses.
+METER = ("begin", "acked", "end", "in_flight", "round_trip")
+# Runs that take every path: a tight MD pool (its reservations wait in line), one too
+# small for the longest requests (MD refuses them: the relay produces alone), a relay
+# too small (it turns requests away: P -> MD).
+PATHS = ("pdd", "pdd, tight MD pool", "pdd, MD pool too small", "pdd, tiny relay")
 
 
 def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
-    """Every decision is the live code's own function, and a PDD run (plus one with a
-    decode pool too tight for its load, where reservations wait) calls each of them: a
-    simulator that imported them and decided otherwise would fail here."""
+    """Every decision is the live code's own function and constant, and runs that take
+    every path call each of them: a simulator that imported them and decided otherwise
+    would fail here."""
     import importlib
 
-    import pdd.instance.receiver as receiver
+    from pdd.instance import prefill as live_prefill
+    from pdd.instance import receiver
+    from pdd.policy.transfer import LineMeter
+    from pdd.sim import prefill as sim_prefill
+    from pdd.sim import relayed, reserve
 
     calls: dict[str, int] = {}
+
+    def spying(name: str, f):
+        def spy(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return f(*args, **kwargs)
+        return spy
+
     for name, (sim_module, live_module) in POLICIES.items():
         sim, live = importlib.import_module(sim_module), importlib.import_module(live_module)
         assert getattr(sim, name) is getattr(live, name), name
-
-        def spy(*args, _f=getattr(sim, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _f(*args, **kwargs)
-
-        monkeypatch.setattr(sim, name, spy)
-    import pdd.sim.cluster as cluster
-
-    assert cluster.PREFIX_WAIT_S is receiver.PREFIX_WAIT_S
-    for name in ("pdd", "pdd, tight MD pool"):
+        monkeypatch.setattr(sim, name, spying(name, getattr(sim, name)))
+    assert live_prefill.LineMeter is LineMeter
+    for method in METER:
+        monkeypatch.setattr(LineMeter, method, spying(f"LineMeter.{method}", getattr(LineMeter, method)))
+    assert reserve.PREFIX_WAIT_S is receiver.PREFIX_WAIT_S
+    assert sim_prefill.Priority is live_prefill.Priority and relayed.Priority is live_prefill.Priority
+    assert sim_prefill.RELAY_ANSWER_S == live_prefill.RELAY_ANSWER_S
+    for name in PATHS:
         _run(*SCENARIOS[name])
-    assert set(calls) == set(POLICIES), f"never called: {sorted(set(POLICIES) - set(calls))}"
+    expected = set(POLICIES) | {f"LineMeter.{m}" for m in METER}
+    assert set(calls) == expected, f"never called: {sorted(expected - set(calls))}"
+
+
+def test_the_simulators_dispatch_is_the_routers() -> None:
+    """`plan_with_room`, which the simulator plans with, decides exactly as the router's
+    `Planner.plan(room=True)` (pdd/router/planning.py) over the same instances: which
+    MD and relay, when to wait (None), when the anomaly filter is off."""
+    import random
+    from types import SimpleNamespace
+
+    from pdd.config import PolicySpec
+    from pdd.names import Mode, RoleName
+    from pdd.policy.capacity import Room, fits, pages_needed
+    from pdd.policy.plan import anomaly_rule, plan_with_room
+    from pdd.policy.routing import Candidate
+    from pdd.router.planning import Planner
+
+    rng = random.Random(5)
+    policy = PolicySpec(affinity_weight=2.0)
+    page, pages, max_requests, max_context = 16, 64, 4, 1024
+    engine = SimpleNamespace(page_size=page, num_pages=pages, max_requests=max_requests)
+    for case in range(400):
+        clients = {}
+        for role, count in ((RoleName.PREFILL, 2), (RoleName.MAIN, rng.randint(0, 3)),
+                            (RoleName.RELAY, rng.randint(0, 1))):
+            for i in range(count):
+                hit = rng.choice([0, 64, 512, 900])
+                clients[f"{role}{i}"] = SimpleNamespace(
+                    name=f"{role}{i}", spec=SimpleNamespace(role=role, engine=engine),
+                    queued_tokens=rng.randint(0, 3000), available=role == RoleName.PREFILL or rng.random() > 0.15,
+                    committed_pages=rng.randint(0, pages), committed_requests=rng.randint(0, max_requests),
+                    mirror=SimpleNamespace(predicted_hit=lambda p, h=hit: h))
+        if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
+            continue  # (the router answers 503 there; not a dispatch decision)
+        planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy), clients)
+        planner.max_context = max_context
+        prompt, max_tokens = rng.choice([100, 600, 1000]), rng.choice([4, 100, 400])
+        req = SimpleNamespace(prompt=[1] * prompt, params=SimpleNamespace(max_tokens=max_tokens))
+        cands = {role: [Candidate(c.name, c.mirror.predicted_hit(req.prompt), c.queued_tokens, c.available)
+                        for c in clients.values() if c.spec.role == role] for role in RoleName}
+
+        def has_room(c: Candidate, clients=clients, prompt=prompt, max_tokens=max_tokens) -> bool:
+            k = clients[c.name]
+            return fits(pages_needed(prompt, max_tokens, c.predicted_hit_tokens, page), k.committed_pages,
+                        k.committed_requests, Room(pages, max_requests))
+
+        rule = anomaly_rule(policy.anomaly_filter, max_context, policy.anomaly_max_output_tokens,
+                            policy.anomaly_min_prompt_share, policy.anomaly_max_hit_share)
+        ours = plan_with_room(prompt, max_tokens, cands[RoleName.PREFILL], cands[RoleName.MAIN],
+                              cands[RoleName.RELAY], rule, has_room, policy.affinity_weight, policy.load_weight)
+        assert ours == planner.plan(req, room=True), case
 
 
 # ---- 6. the anomaly filter -----------------------------------------------------------------
@@ -352,10 +470,10 @@ def test_anomalous_request_runs_wholly_on_the_relay() -> None:
     spec = paper.paper_deployments()["pdd"]
     prompt = 40_000  # over half the 64K context, fresh: a low hit everywhere
     cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(prompt, 32),), 0, anomalous=True)])
-    (o,) = cluster.outcomes
-    assert o.failed is None and o.anomalous
+    (o,) = cluster.records
+    assert o.error is None and o.anomalous
     assert o.pipeline == Pipeline.P_RLD
-    assert o.tokens == o.rld_tokens == 32 and o.md_tokens == 0
+    assert o.output_tokens == o.rld_output_tokens == 32 and o.md_output_tokens == 0
     assert o.wan_bytes == 0 and o.handoff is None
     # its prefill ran on the relay, not on P's queue; the main instances saw nothing
     by_role = {}
@@ -373,23 +491,23 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     # with a short output, but MD now holds its prefix, so it is not anomalous, and its
     # small delta goes P-MD
     session = SimSession(0, 0.0, (SimTurn(prompt, output), SimTurn(prompt + output + 1_000, 32)), 0)
-    first, second = sorted(_run(spec, [session]).outcomes, key=lambda o: o.turn)
-    assert first.failed is None and not first.anomalous
+    first, second = sorted(_run(spec, [session]).records, key=lambda o: o.turn)
+    assert first.error is None and not first.anomalous
     assert first.pipeline == Pipeline.P_RLD_MD
     assert first.handoff in (HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP)
-    assert first.handoff_tokens >= 1 and first.md_tokens >= 1
-    assert first.rld_tokens + first.md_tokens == first.tokens == output
+    assert first.handoff_tokens >= 1 and first.md_output_tokens >= 1
+    assert first.rld_output_tokens + first.md_output_tokens == first.output_tokens == output
     assert first.wan_bytes == prompt * KVB
     assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
-    assert second.failed is None and not second.anomalous and second.pipeline == Pipeline.P_MD
-    assert second.d_hit >= prompt
+    assert second.error is None and not second.anomalous and second.pipeline == Pipeline.P_MD
+    assert second.d_hit_tokens >= prompt
 
 
 # ---- 7. determinism ------------------------------------------------------------------------
 
 def test_same_sessions_same_outcomes() -> None:
-    def once() -> list[Outcome]:
-        return _run(paper.paper_deployments()["pdd"], agentic_sessions(paper.WORKLOAD, REQUESTS, 2.0)).outcomes
+    def once() -> list[RequestRecord]:
+        return _run(paper.paper_deployments()["pdd"], agentic_sessions(paper.WORKLOAD, REQUESTS, 2.0)).records
 
     a, b = once(), once()
     assert len(a) == REQUESTS

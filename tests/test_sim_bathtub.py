@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdd.sim import paper
-from pdd.sim.bathtub import (SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep,
-                             valleys)
+from pdd.sim.bathtub import SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep, valleys
 from pdd.sim.runner import Window, simulate
 
 PROMPT, OUTPUT, BLOCK = 4096, 16, paper.SETTING.block_tokens
@@ -25,13 +24,13 @@ def test_every_request_hits_its_groups_share(hit: float) -> None:
     sessions = group_sessions(hit, 0.01, 12, PROMPT, OUTPUT, BLOCK, groups=3)
     groups = {s.trace_keys[0][1] for s in sessions if hit > 0}
     assert hit == 0 or len(groups) > 1  # not one prefix for all
-    outcomes, _ = simulate(_cross_dc_pd(), sessions)
+    records, _ = simulate(_cross_dc_pd(), sessions)
     seen: set[int] = set()
-    for o in sorted(outcomes, key=lambda o: o.session):
-        assert o.failed is None
+    for o in sorted(records, key=lambda o: o.session):
+        assert o.error is None
         group = sessions[o.session].trace_keys[0][1] if hit > 0 else None
         if hit > 0 and group in seen:  # its group's prefix was left in both caches by an earlier request
-            assert o.p_hit == o.d_hit == shared_blocks(hit, PROMPT, BLOCK) * BLOCK
+            assert o.p_hit_tokens == o.d_hit_tokens == shared_blocks(hit, PROMPT, BLOCK) * BLOCK
         seen.add(group)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
-from pdd.sim.calibrate import measure
 from pdd.sim.fit import _nnls, fit
+from pdd.sim.measure import Group, measure
 from pdd.sim.profile import LocalProfile, load_profile, profile_to_json
 from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
@@ -75,9 +75,24 @@ def test_nnls_finds_the_constrained_optimum(seed: int) -> None:
     np.testing.assert_allclose(_nnls(a, b), _brute_force_nnls(a, b), atol=1e-9)
 
 
+_OPENED: list[EngineConfig] = []
+
+
+def _recorded_engine(model_dir: Path, config: EngineConfig, threads: int, eos_ids: frozenset[int]):
+    """A backend of its own name for the test: the embedded engine, its opening recorded."""
+    from pdd.engine.runtime import open_embedded
+
+    _OPENED.append(config)
+    return open_embedded(model_dir, config, threads, eos_ids)
+
+
 def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration reaches the engine only through the port (the backend `[engine]
+    backend` names), and works out each step's load from outputs alone: every load it
+    reports is exactly a step the engine scheduled."""
     import torch
 
+    from pdd import engine_port
     from pdd.engine.scheduler import Scheduler
 
     scheduled: list[StepLoad] = []
@@ -94,14 +109,26 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     monkeypatch.setattr(Scheduler, "schedule", recording)
     threads = torch.get_num_threads()
     calls: list[tuple[int, int]] = []
-    samples = measure(str(tiny_model_dir), EngineConfig(), threads=1, budget_s=0.5,
-                      progress=lambda done, total: calls.append((done, total)))
+    monkeypatch.setitem(engine_port._ENGINES, "recorded", f"{__name__}:_recorded_engine")
+    # every kind of shape, small: prefills alone, a cached tail, decode batches, extends and
+    # a prefill beside decoders that started in different steps
+    plan = (Group(0, 0, False, (32, 100)), Group(64, 0, True, (8,)), Group(64, 5, True, (0, 1, 8)),
+            Group(32, 3, False, (0, 40)))
+    measured = measure(str(tiny_model_dir), EngineConfig(backend="recorded"), threads=1, budget_s=60.0,
+                       progress=lambda done, total: calls.append((done, total)), plan=plan)
+    assert [c.backend for c in _OPENED] == ["recorded"]
+    samples = measured.samples
     assert torch.get_num_threads() == threads
     loads = [load for load, _ in samples]
-    assert loads[:2] == [chunk_load(0, 32), chunk_load(0, 100)]
-    assert all(load in scheduled for load in loads)
+    assert len(loads) == sum(len(g.sizes) for g in plan)
+    assert loads[:3] == [chunk_load(0, 32), chunk_load(0, 100), chunk_load(64, 8)]
+    assert {load.seqs for load in loads} == {1, 5, 6, 3, 4}
+    # every load was worked out from outputs alone: each is exactly a step the engine ran
+    missing = [load for load in loads if load not in scheduled]
+    assert not missing, missing
     assert all(t > 0 for _, t in samples)
     assert calls[0][0] == 1 and calls[-1][0] == len(samples) and calls[-1][1] >= len(samples)
+    assert measured.kv_bytes_per_token > 0 and measured.max_context > 0
 
 
 def test_profile_round_trip(tmp_path: Path) -> None:
@@ -151,5 +178,56 @@ def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> Non
 
 
 def test_importing_the_module_does_not_import_torch() -> None:
-    code = "import sys, pdd.sim.calibrate; assert 'torch' not in sys.modules"
+    code = "import sys, pdd.sim.calibrate, pdd.sim.measure; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
+    """Nothing in pdd/sim imports the embedded engine (issue 13 § 1): calibration goes
+    through `pdd.engine_port`, so any backend can be calibrated."""
+    import ast
+
+    import pdd.sim
+
+    offenders = []
+    for path in sorted(Path(pdd.sim.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names if n == "pdd.engine" or n.startswith("pdd.engine.")]
+    assert not offenders
+
+
+def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `pdd up` measurement's glue (it once imported a class pdd.demo no longer has):
+    the deployment it starts is asked for its router and stopped; the overhead is the
+    median TTFT less one prefill step. The deployment and the bench are stand-ins: a real
+    `pdd up` takes longer than the suite can spend (test_cli_e2e calibrates --skip-http)."""
+    import types
+
+    from pdd import demo
+    from pdd.bench import client
+    from pdd.record import RequestRecord
+    from pdd.sim.calibrate import request_overhead_s
+
+    seen: list[str] = []
+
+    class Deployment:
+        def __init__(self, mode: str, config: Path | None) -> None:
+            seen.append(mode)
+
+        def wait_router(self, timeout_s: float) -> str:
+            return "http://127.0.0.1:1"
+
+        def stop(self) -> None:
+            seen.append("stopped")
+
+    def bench(url: str, sessions: list, quiet: bool) -> types.SimpleNamespace:
+        ttfts = [40.0, 10.0, 30.0, None, 20.0]
+        return types.SimpleNamespace(records=[RequestRecord(id=str(i), ttft_ms=t) for i, t in enumerate(ttfts)])
+
+    monkeypatch.setattr(demo, "DemoDeployment", Deployment)
+    monkeypatch.setattr(client, "run_bench", bench)
+    got = request_overhead_s(TRUTH, requests=5, prompt_tokens=64)
+    assert seen == ["colocated", "stopped"]
+    assert got == pytest.approx(0.030 - TRUTH.step_s(chunk_load(0, 64)))

@@ -12,10 +12,10 @@ import pytest
 
 from pdd import config as cfg
 from pdd.cli import main
-from pdd.sim.profile import LocalProfile, profile_to_json
 from pdd.sim.check import check
 from pdd.sim.local import simulate_demo
 from pdd.sim.metrics import summary
+from pdd.sim.profile import LocalProfile, profile_to_json
 from pdd.sim.steps import Fitted, StepLoad
 from pdd.workload.scenarios import SCENARIOS
 

@@ -13,10 +13,10 @@ import simpy
 from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_ONE_WAY_MS, Line
 from pdd.sim.instance import Instance
-from pdd.sim.sequence import SimSeq
 from pdd.sim.model import MODELS, dense_twin
 from pdd.sim.physics import Physics, touched_max
 from pdd.sim.runner import simulate
+from pdd.sim.sequence import SimSeq
 from pdd.sim.steps import chunk_load, decode_stretch
 from pdd.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLink, calibrate_one_way_ms, handoff_times_s
 from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
@@ -128,7 +128,7 @@ def _decode_run(stretches: bool) -> list[SimSeq]:
         yield env.timeout(0.3)
         inst.stop(seqs[3])
 
-    for (at, *_), seq in zip(plan, seqs):
+    for (at, *_), seq in zip(plan, seqs, strict=True):
         env.process(arrive(at, seq))
     env.process(stop_one())
     env.run()
@@ -137,7 +137,7 @@ def _decode_run(stretches: bool) -> list[SimSeq]:
 
 def test_the_decode_stretch_equals_per_step_simulation() -> None:
     fast, slow = _decode_run(True), _decode_run(False)
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow, strict=True):
         assert a.produced == b.produced and a.done == b.done and a.stopped == b.stopped
         assert a.token_times == pytest.approx(b.token_times, rel=1e-12, abs=1e-12)
         assert a.max_gap_s == pytest.approx(b.max_gap_s, rel=1e-9)
@@ -151,8 +151,8 @@ def test_a_whole_deployment_runs_the_same_with_and_without_stretches() -> None:
     fast, fast_events = simulate(spec, sessions)
     slow, slow_events = simulate(dataclasses.replace(spec, stretches=False), sessions)
     key = lambda o: (o.session, o.turn)  # noqa: E731
-    for a, b in zip(sorted(fast, key=key), sorted(slow, key=key)):
-        assert (a.pipeline, a.handoff, a.tokens, a.rld_tokens, a.failed) == \
-               (b.pipeline, b.handoff, b.tokens, b.rld_tokens, b.failed), (a, b)
-        assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9) and a.end_s == pytest.approx(b.end_s, rel=1e-9)
+    for a, b in zip(sorted(fast, key=key), sorted(slow, key=key), strict=True):
+        assert (a.pipeline, a.handoff, a.output_tokens, a.rld_output_tokens, a.error) == \
+               (b.pipeline, b.handoff, b.output_tokens, b.rld_output_tokens, b.error), (a, b)
+        assert a.ttft_ms == pytest.approx(b.ttft_ms, rel=1e-9) and a.e2e_ms == pytest.approx(b.e2e_ms, rel=1e-9)
     assert fast_events < slow_events / 5  # what the stretches are for

@@ -15,14 +15,30 @@ from pdd.sim import paper
 from pdd.sim.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.metrics import goodput
 from pdd.sim.plan_cli import add_plan_arguments, plan_main
-from pdd.sim.planner import FAMILIES, Layout, Probe, agentic, best_per_family, candidates, mooncake, search
+from pdd.sim.plan_workload import agentic, mooncake
+from pdd.sim.planner import (
+    FAMILIES,
+    Layout,
+    Probe,
+    best_per_family,
+    candidates,
+    search,
+    search_resolution,
+)
 from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TraceRecord
 
 # Short prompts and long answers: quick to simulate, and decode is what runs out first.
-SMALL = AgenticConfig(system_prompt_tokens=256, task_tokens=(512, 1024), turns=(2, 4),
-                      tool_output_tokens=(16, 64), large_tool_output_tokens=(256, 512),
-                      output_tokens=(128, 256), max_context=8192, anomalous_fraction=0.0)
+SMALL = AgenticConfig(
+    system_prompt_tokens=256,
+    task_tokens=(512, 1024),
+    turns=(2, 4),
+    tool_output_tokens=(16, 64),
+    large_tool_output_tokens=(256, 512),
+    output_tokens=(128, 256),
+    max_context=8192,
+    anomalous_fraction=0.0,
+)
 # A tight TPOT target: the decode side's capacity, a few requests a second, decides.
 TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2, min_window_s=0.0)
 
@@ -54,10 +70,13 @@ def test_candidates_at_the_spec_scale_include_its_layouts() -> None:
 def test_a_layout_places_roles_and_bills_the_line_only_across_sites() -> None:
     pdd = Layout(2, 4, 1, "A", "B", 25.0).spec()
     assert [(r.role, r.dc, r.count, r.hardware, r.gpus) for r in pdd.roles] == [
-        ("prefill", "A", 2, "A", 16), ("relay", "A", 1, "A", 16), ("main", "B", 4, "B", 8)]
-    assert paper.bill(pdd).per_hour == pytest.approx(48 * CATALOG["A"].price_per_hour
-                                                     + 32 * CATALOG["B"].price_per_hour
-                                                     + 25 * LINE_PRICE_PER_GBPS_HOUR)
+        ("prefill", "A", 2, "A", 16),
+        ("relay", "A", 1, "A", 16),
+        ("main", "B", 4, "B", 8),
+    ]
+    assert paper.bill(pdd).per_hour == pytest.approx(
+        48 * CATALOG["A"].price_per_hour + 32 * CATALOG["B"].price_per_hour + 25 * LINE_PRICE_PER_GBPS_HOUR
+    )
     same = Layout(2, 3).spec()
     assert {r.dc for r in same.roles} == {"A"} and paper.bill(same).per_hour == 80 * CATALOG["A"].price_per_hour
     with pytest.raises(ValueError):
@@ -71,6 +90,7 @@ def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
         def attainment(rate: float) -> float:
             tried.append(rate)
             return 1.0 if rate <= limit else 0.0
+
         return attainment
 
     found = goodput(under(10.0), 1.0, 64.0, 6)
@@ -82,10 +102,20 @@ def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
     assert goodput(lambda r: 0.95 if r < 10 else 0.5, 1.0, 64.0, 6, attainment=0.99) == 0.0
 
 
+def _layouts() -> list[Layout]:
+    return [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("same-dc-pd-b", "cross-dc-pd")]
+
+
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    layouts = [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("same-dc-pd-b", "cross-dc-pd")]
-    return search(layouts, agentic(SMALL), TINY_PROBE, workers=1)
+    """Every simulated layout's goodput (`exact`)."""
+    return search(_layouts(), agentic(SMALL), TINY_PROBE, workers=1, exact=True)
+
+
+@pytest.fixture(scope="module")
+def decided() -> list[dict]:
+    """The default search: a layout is probed first at the rate that would beat its family's best."""
+    return search(_layouts(), agentic(SMALL), TINY_PROBE, workers=1)
 
 
 def test_each_family_is_ranked_by_the_best_layout_it_simulated(rows: list[dict]) -> None:
@@ -117,9 +147,100 @@ def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
             assert HEADROOM * r["capacity_rps"] / r["cost_per_hour"] < best[r["family"]]["bcr"], r
 
 
+def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided: list[dict]) -> None:
+    """The default search finds each family's best as the exact one does (to the
+    bisection's resolution); a layout it left with a bound only has, searched exactly,
+    no better BCR than that best, and was probed at its family's best's probed rate per cost."""
+    resolution = search_resolution(TINY_PROBE)
+    exact_best, best = best_per_family(rows), best_per_family(decided)
+    assert set(best) == set(exact_best)
+    exact = {r["layout"]: r for r in rows}
+    bounded = [r for r in decided if r["simulated"] and r["goodput_rps"] is None]
+    assert bounded, "no layout was decided by one probe: the test would not exercise it"
+    for family, chosen in best.items():
+        assert chosen["bcr"] == pytest.approx(exact_best[family]["bcr"], rel=resolution)
+    for r in bounded:
+        assert r["missed_rps"] == pytest.approx(
+            best[r["family"]]["probed_rps"] * r["cost_per_hour"] / best[r["family"]]["cost_per_hour"], rel=resolution
+        ), r
+        assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
+
+
+def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bisection that comes back to a rate (the ends, a bracket widened downwards)
+    reuses its run: the simulation is deterministic."""
+    from pdd.sim import runner
+
+    probed: list[float] = []
+
+    def run_window(spec, sessions, rate, *args, **kwargs):
+        probed.append(rate)
+        return {"slo_attainment": 1.0 if rate <= 3.0 else 0.0, "offered_rps": rate}
+
+    monkeypatch.setattr(runner, "run_window", run_window)
+    runs: dict = {}
+    first = runner.find_goodput(None, None, (0, 0), runner.Window(0, 1, 0), 1.0, 64.0, steps=4, runs=runs)
+    again = runner.find_goodput(None, None, (0, 0), runner.Window(0, 1, 0), 1.0, 64.0, steps=4, runs=runs)
+    assert first == again and first["offered_rps"] <= 3.0
+    assert len(probed) == len(set(probed)) == len(runs)
+
+
+@pytest.mark.parametrize("threshold_x", [0.5, 1.6])
+def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, threshold_x: float) -> None:
+    """A layout that misses the SLO at the rate that would beat its family's best gets a
+    bound from that one probe; one that meets it is searched upwards and gets its goodput,
+    at least that rate and within the bisection's resolution of its threshold."""
+    from pdd.sim import planner, runner
+
+    workload, beat_rps = agentic(SMALL), 6.0
+    threshold_rps = threshold_x * beat_rps
+
+    def run_window(spec, sessions, rate, *args, **kwargs):
+        rps = rate * workload.turns
+        return {
+            "slo_attainment": 1.0 if rps <= threshold_rps else 0.0,
+            "offered_rps": rps,
+            "ttft_ms": {},
+            "utilisation": {},
+            "binding": "-",
+            "session_rate": rate,
+        }
+
+    monkeypatch.setattr(runner, "run_window", run_window)
+    monkeypatch.setattr(planner, "run_window", run_window)
+    row = planner.goodput_of(Layout(1, 1, 0, "B", "B"), paper.SETTING, workload, TINY_PROBE, 8.0, beat_rps)
+    if threshold_rps < beat_rps:
+        assert row["goodput_rps"] is None and row["missed_rps"] == beat_rps and row["probes"] == 1
+    else:
+        assert beat_rps <= row["goodput_rps"] <= threshold_rps
+        assert row["goodput_rps"] >= threshold_rps / (1 + search_resolution(TINY_PROBE))
+        assert row["missed_rps"] is None and row["probed_rps"] == pytest.approx(row["goodput_rps"])
+
+
+def test_a_probe_lost_in_its_tail_stops_there() -> None:
+    """A window too short for the early stop inside it (two checks) is judged in its
+    tail: once the certain misses exceed what the attainment allows, the verdict cannot
+    change, and the run stops with the one it would have reached."""
+    from dataclasses import replace
+
+    from pdd.sim.runner import CHECK_S, Window, run_window, tail_s
+
+    workload, slo = agentic(SMALL), TINY_PROBE.slo
+    spec = replace(Layout(1, 1, 0, "B", "B").spec(), block_tokens=workload.block_tokens)
+    window = Window(5.0, 5.0 + 1.5 * CHECK_S, tail_s(workload.longest_output, slo))
+    stopped, whole = (
+        run_window(spec, workload.sessions(), 30.0 / workload.turns, window, slo, stop_early=stop)
+        for stop in (True, False)
+    )
+    assert whole["slo_attainment"] < TINY_PROBE.attainment and not whole["stopped_early"]
+    assert stopped["stopped_early"] and stopped["slo_attainment"] < TINY_PROBE.attainment
+    assert stopped["events"] < whole["events"]
+    assert stopped["offered_rps"] == pytest.approx(whole["offered_rps"])
+
+
 def test_more_decode_instances_never_lose_goodput() -> None:
     probe = Probe(requests=60, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 12.0), steps=3, min_window_s=0.0)
-    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1)
+    rows = search([Layout(1, 1, 0, "B", "B"), Layout(1, 2, 0, "B", "B")], agentic(SMALL), probe, workers=1, exact=True)
     one, two = (next(r for r in rows if r["main"] == n) for n in (1, 2))
     assert one["goodput_rps"] > 0
     assert two["goodput_rps"] >= one["goodput_rps"]
@@ -140,10 +261,31 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(["--max-gpus", "16", "--line-gbps", "100", "--hardware", "B", "--requests", "20",
-                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--top", "2", "--workers", "1",
-                              "--out", str(out),
-                              "--quiet"])
+    args = parser.parse_args(
+        [
+            "--max-gpus",
+            "16",
+            "--line-gbps",
+            "100",
+            "--hardware",
+            "B",
+            "--requests",
+            "20",
+            "--warmup-s",
+            "5",
+            "--min-window-s",
+            "0",
+            "--steps",
+            "1",
+            "--top",
+            "2",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from procs import kv_bytes_per_token, standalone, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdd import config as cfg
 from pdd.netns.cli import LabLauncher, hosts, lab_deployment
@@ -93,7 +93,7 @@ def reference(tiny_model_dir) -> dict:
             return r.json()["choices"][0]["token_ids"]
 
         answers = [ids(p, FIRST_TOKENS) for p in first]
-        second = [_follow_up(p, a, k) for k, (p, a) in enumerate(zip(first, answers))]
+        second = [_follow_up(p, a, k) for k, (p, a) in enumerate(zip(first, answers, strict=True))]
         return {"first": first, "second": second, "answers": answers + [ids(p, NEXT_TOKENS) for p in second],
                 "long": ids(first[0][:300], 400)}
 
@@ -166,25 +166,25 @@ def test_parity_decode_side_hit_and_line_bytes(site, reference, tiny_model_dir):
     # Each first turn ends on the relay while MD's copy still crosses, behind the later
     # turns' urgent KV. A next turn sent before its copy lands is served by the relay
     # (MD holds no prefix yet): right, but not what this test measures, so it waits.
-    kept = sum((len(p) + len(a)) // page for p, a in zip(reference["first"], reference["answers"]))
+    kept = sum((len(p) + len(a)) // page for p, a in zip(reference["first"], reference["answers"], strict=False))
     wait_until(lambda: site.instances()["md0"]["mirror_pages"] >= kept, 30, "MD holds every first turn")
     second = [site.complete(p, NEXT_TOKENS) for p in reference["second"]]
     time.sleep(0.5)  # the last acknowledgements and cache events cross too
     after = site.net.line_bytes()
     got = first + second
     assert [g["ids"] for g in got] == reference["answers"]
-    for p, a, g in zip(reference["first"], reference["answers"], second):  # MD kept turn one: it hits
+    for p, a, g in zip(reference["first"], reference["answers"], second, strict=False):  # MD kept turn one: it hits
         assert g["pdd"]["d_hit_tokens"] >= (len(p) + len(a)) // page * page - page, g["pdd"]
     bpt = kv_bytes_per_token(tiny_model_dir)
     prompts = reference["first"] + reference["second"]
-    missed = sum((len(p) - g["pdd"]["d_hit_tokens"]) * bpt for p, g in zip(prompts, got))
+    missed = sum((len(p) - g["pdd"]["d_hit_tokens"]) * bpt for p, g in zip(prompts, got, strict=True))
     line = sum(after[s] - before[s] for s in after)
     print(f"\nline (kernel, both ways) {line:,} B; missed KV {missed:,} B ({line / missed:.4f}x); into B "
           f"{after['B'] - before['B']:,}, into A {after['A'] - before['A']:,}; P counted "
           f"{[g['pdd']['wan_bytes'] for g in got]}; pipelines {[g['pdd']['pipeline'] for g in got]}; "
           f"handoffs {[g['pdd']['handoff'] for g in got]}")
     assert missed <= line <= 1.05 * missed
-    for p, g in zip(prompts, got):  # P's own count, where it reached the router before the request ended
+    for p, g in zip(prompts, got, strict=True):  # P's own count, where it reached the router before the request ended
         kv = (len(p) - g["pdd"]["d_hit_tokens"]) * bpt
         assert g["pdd"]["wan_bytes"] == 0 and g["pdd"]["fallback"] == "relay_finished" or \
             kv <= g["pdd"]["wan_bytes"] <= kv * 1.02 + 4096, g["pdd"]

@@ -118,7 +118,8 @@ EXPECTED = {"whole": COMPLETED, "truncated": LOST, "short": LOST, "reset": LOST,
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     model = json.loads(await reader.readexactly(length))["model"]
     if model == "busy":
         body = json.dumps(ERROR).encode()

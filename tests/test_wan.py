@@ -93,7 +93,8 @@ async def tcp_server(handler: Callable[..., Coroutine[Any, Any, None]]) -> Async
 
 
 @asynccontextmanager
-async def wan(target_port: int, bandwidth_mbps: float = 100, delay_ms: float = 1, **kw: Any) -> AsyncIterator[tuple[WanLine, int]]:
+async def wan(target_port: int, bandwidth_mbps: float = 100, delay_ms: float = 1,
+              **kw: Any) -> AsyncIterator[tuple[WanLine, int]]:
     line = WanLine(bandwidth_mbps, delay_ms, **kw)
     relay = WanRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", target_port)])
     await relay.start()
@@ -171,18 +172,19 @@ def test_concurrent_connections_share_the_line() -> None:
             await relay.start()
             try:
                 ports = [relay.listen_ports[0], relay.listen_ports[0], relay.listen_ports[1]]
-                results = await asyncio.gather(*(push(port, p) for port, p in zip(ports, parts)))
+                results = await asyncio.gather(*(push(port, p) for port, p in zip(ports, parts, strict=True)))
             finally:
                 await relay.stop()
             assert line.bytes_a_to_b == sum(map(len, parts)) and line.connections_total == 3
-            for part, (_, digest, nbytes, _) in zip(parts, results):
+            for part, (_, digest, nbytes, _) in zip(parts, results, strict=True):
                 assert (digest, nbytes) == (hashlib.sha256(part).hexdigest(), len(part))
             start = min(r[0] for r in results)
             total = sum(r[2] for r in results) * 8 / (max(r[3] for r in results) - start) / MBIT
             return total, [r[2] * 8 / (r[3] - start) / MBIT for r in results]
 
     total, each = run(go())
-    print(f"\n3 streams (2 routes) through a 100 Mbit/s line: {total:.1f} Mbit/s total, each {[round(x, 1) for x in each]}")
+    print(f"\n3 streams (2 routes) through a 100 Mbit/s line: {total:.1f} Mbit/s total, "
+          f"each {[round(x, 1) for x in each]}")
     assert total <= 100  # the streams share one line's rate (how close they get is printed: a benchmark)
     assert min(each) >= max(each) / 3  # none is starved: a busy machine slows them all alike
 
@@ -197,7 +199,8 @@ def test_one_way_delay_shows_in_round_trip() -> None:
                 writer.close()
 
     rtts = run(go())
-    print(f"\nRTT over a 20 ms one-way line: min {min(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.1f} ms")
+    print(f"\nRTT over a 20 ms one-way line: min {min(rtts) * 1e3:.1f} ms, "
+          f"median {statistics.median(rtts) * 1e3:.1f} ms")
     assert min(rtts) >= 0.040
     assert statistics.median(rtts) < 0.200
 

@@ -189,7 +189,8 @@ def test_oversized_frame_is_refused_before_its_payload_arrives() -> None:
 
     async def go() -> None:
         reader = asyncio.StreamReader()
-        reader.feed_data(HEADER.pack(b"PD", PROTOCOL_VERSION, MsgType.KV_LAYER, 0, 0, 2**31, 0))  # and nothing more, no EOF
+        # a header and nothing more, no EOF
+        reader.feed_data(HEADER.pack(b"PD", PROTOCOL_VERSION, MsgType.KV_LAYER, 0, 0, 2**31, 0))
         with pytest.raises(TooLarge):
             await asyncio.wait_for(FrameCodec(None, max_payload=1 << 20).read(reader), 5)
 

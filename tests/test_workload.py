@@ -194,7 +194,7 @@ def test_published_trace_loads_and_keeps_its_shared_prefixes():
     for i, a in enumerate(records):  # equal leading hash ids, and only they, give equal leading tokens
         for j in range(i):
             b = records[j]
-            k = next((n for n, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)) if x != y),
+            k = next((n for n, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids, strict=False)) if x != y),
                      min(len(a.hash_ids), len(b.hash_ids)))
             shared = min(k * block, len(prompts[i]), len(prompts[j]))
             assert prompts[i][:shared] == prompts[j][:shared]

@@ -60,9 +60,13 @@ class AdmissionGate:
             self.shed += 1
             self._shed.inc()
             after = self.retry_after()
-            raise ApiError(429, f"the server is at capacity ({self.running} running, {self.waiting} waiting); "
-                                f"retry after {after} s", "rate_limit_exceeded", code="overloaded",
-                           headers={"Retry-After": str(after)})
+            raise ApiError(
+                429,
+                f"the server is at capacity ({self.running} running, {self.waiting} waiting); retry after {after} s",
+                "rate_limit_exceeded",
+                code="overloaded",
+                headers={"Retry-After": str(after)},
+            )
         if decision == RUN:
             self.running += 1
             return Slot(self)

@@ -29,9 +29,16 @@ from pdd.policy.admission import Limits
 log = logging.getLogger(__name__)
 
 
-def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str = "", openai_api: bool = True,
-              admission: Limits = Limits(256, 256)) -> FastAPI:
+def build_app(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    model_name: str,
+    registry: CollectorRegistry | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str = "",
+    openai_api: bool = True,
+    admission: Limits = Limits(256, 256),
+) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
     server = OpenAIServer(backend, tokenizer, model_name, registry, admission)
@@ -62,7 +69,6 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, registry:
     async def health() -> JSONResponse:
         state = backend.health()
         return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
-
 
     @app.get("/metrics")
     async def metrics() -> Response:

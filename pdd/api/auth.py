@@ -13,9 +13,16 @@ from typing import Any
 
 from pdd.transfer.wire import link_key
 
-_UNAUTHORIZED = json.dumps({"error": {"message": "a valid API key is required: Authorization: Bearer KEY",
-                                      "type": "invalid_request_error", "param": None,
-                                      "code": "invalid_api_key"}}).encode()
+_UNAUTHORIZED = json.dumps(
+    {
+        "error": {
+            "message": "a valid API key is required: Authorization: Bearer KEY",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+).encode()
 
 
 ADMIN_PREFIX = "/pdd/admin/"
@@ -39,10 +46,17 @@ class RequireApiKey:
         if scope["type"] == "http" and scope["path"].startswith(self._prefix):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(_UNAUTHORIZED)).encode()),
-                                        (b"www-authenticate", b"Bearer")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                            (b"www-authenticate", b"Bearer"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": _UNAUTHORIZED})
                 return
         await self.app(scope, receive, send)

@@ -6,7 +6,7 @@ differ only in how tokens are produced, which is this interface.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,7 +51,7 @@ class Load:
 class Backend(Protocol):
     max_context: int
 
-    def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         """Stream tokens; closing the iterator early aborts the request."""
 
     def load(self) -> Load: ...

@@ -15,8 +15,16 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def _too_large(limit: int) -> bytes:
-    return json.dumps({"error": {"message": f"the request body exceeds {limit:,} bytes", "type": "invalid_request_error",
-                                 "param": None, "code": "request_too_large"}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": f"the request body exceeds {limit:,} bytes",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
+    ).encode()
 
 
 class BodyLimit:
@@ -58,7 +66,15 @@ class BodyLimit:
 
     async def _refuse(self, send: Any) -> None:
         body = _too_large(self.limit)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -18,21 +18,34 @@ class ServingMetrics:
     def __init__(self, load: Callable[[], Load], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pdd_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("pdd_time_per_output_token_seconds", "Mean time per output token after the first",
-                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "pdd_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "pdd_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.requests = Counter("pdd_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("pdd_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("pdd_generation_tokens", "Tokens generated", registry=r)
-        self.cache_hit_tokens = Counter("pdd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cache_hit_tokens = Counter(
+            "pdd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
         Gauge("pdd_requests_running", "Requests being computed", registry=r).set_function(lambda: load().running)
         Gauge("pdd_requests_waiting", "Requests queued", registry=r).set_function(lambda: load().waiting)
-        Gauge("pdd_kv_cache_usage", "Fraction of KV pages running requests hold (cached prefixes are evictable, "
-              "not counted)", registry=r).set_function(lambda: load().kv_usage)
+        Gauge(
+            "pdd_kv_cache_usage",
+            "Fraction of KV pages running requests hold (cached prefixes are evictable, not counted)",
+            registry=r,
+        ).set_function(lambda: load().kv_usage)
         Gauge("pdd_kv_free_pages", "KV pages free", registry=r).set_function(lambda: load().free_pages)
         Gauge("pdd_kv_used_pages", "KV pages running requests hold", registry=r).set_function(lambda: load().used_pages)
         r.register(REJECTS.counter)  # process-wide: one counter, in the registry of every app of the process
-        Gauge("pdd_prefix_cache_pages", "KV pages held by the prefix cache", registry=r).set_function(lambda: load().cached_pages)
+        Gauge("pdd_prefix_cache_pages", "KV pages held by the prefix cache", registry=r).set_function(
+            lambda: load().cached_pages
+        )
 
 
 class LineMetrics:
@@ -44,10 +57,12 @@ class LineMetrics:
         self._lines = lines
 
     def collect(self) -> Iterator[Metric]:
-        rate = GaugeMetricFamily("pdd_line_bandwidth_bytes_per_second", "Measured rate of the path to a datacenter",
-                                 labels=["dc"])
-        delay = GaugeMetricFamily("pdd_line_one_way_delay_seconds", "Measured one-way delay to a datacenter",
-                                  labels=["dc"])
+        rate = GaugeMetricFamily(
+            "pdd_line_bandwidth_bytes_per_second", "Measured rate of the path to a datacenter", labels=["dc"]
+        )
+        delay = GaugeMetricFamily(
+            "pdd_line_one_way_delay_seconds", "Measured one-way delay to a datacenter", labels=["dc"]
+        )
         for dc, est in dict(self._lines()).items():
             rate.add_metric([dc], est.bytes_per_s)
             delay.add_metric([dc], est.one_way_s)

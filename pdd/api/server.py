@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,8 +33,14 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, model_name: str, registry: CollectorRegistry | None,
-                 admission: Limits) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        model_name: str,
+        registry: CollectorRegistry | None,
+        admission: Limits,
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -44,7 +51,9 @@ class OpenAIServer:
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found"
+            )
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -54,14 +63,18 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+        # the request model validated its shape: a batch of one is unwrapped above, so what is
+        # left is a list of token ids (the checker cannot follow the unwrapping)
+        ids = cast(list[int], prompt)
         vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt)
+        return list(ids)
 
     # ---- generation ------------------------------------------------------------------------
-    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome,
-                   slot: Slot) -> AsyncIterator[tuple[str, list[int]]]:
+    async def _run(
+        self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome, slot: Slot
+    ) -> AsyncGenerator[tuple[str, list[int]], None]:
         """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
         give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
@@ -95,8 +108,9 @@ class OpenAIServer:
             if e.status == 429:  # an instance was full: the client may come back
                 raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded", headers=retry) from None
             # 503: no instance can serve it now (one is down or leaving): come back later
-            raise ApiError(e.status, f"generation failed: {e}", "server_error",
-                           headers=retry if e.status == 503 else None) from None
+            raise ApiError(
+                e.status, f"generation failed: {e}", "server_error", headers=retry if e.status == 503 else None
+            ) from None
         finally:
             slot.release()
             await gen.aclose()
@@ -104,12 +118,13 @@ class OpenAIServer:
         self.metrics.generation_tokens.inc(n)
         self.metrics.cache_hit_tokens.inc(out.cached_tokens)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
-        if first is not None and n > 1:
+        if first is not None and last is not None and n > 1:  # (set together, by the first token)
             self.metrics.tpot.observe((last - first) / (n - 1))
 
     @staticmethod
     async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
         """Run a non-streamed generation to its end; False (and aborted) if the client left."""
+
         async def drain() -> None:
             async for _ in pieces:
                 pass
@@ -125,8 +140,16 @@ class OpenAIServer:
                 await asyncio.gather(task, return_exceptions=True)
                 return False
 
-    async def respond(self, chat: bool, req: _Common, prompt: list[int], max_tokens: int | None, default_max: int,
-                      client: Request, slot: Slot) -> Response:
+    async def respond(
+        self,
+        chat: bool,
+        req: _Common,
+        prompt: list[int],
+        max_tokens: int | None,
+        default_max: int,
+        client: Request,
+        slot: Slot,
+    ) -> Response:
         params = sampling_params(req, len(prompt), max_tokens, default_max, self.backend.max_context)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Outcome()
@@ -135,8 +158,11 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background release covers a client gone before the stream started
-            return StreamingResponse(sse_events(chat, base, pieces, out, len(prompt), include_usage),
-                                     media_type="text/event-stream", background=BackgroundTask(slot.release))
+            return StreamingResponse(
+                sse_events(chat, base, pieces, out, len(prompt), include_usage),
+                media_type="text/event-stream",
+                background=BackgroundTask(slot.release),
+            )
         if not await self._collect(pieces, client):
             return Response(status_code=499)  # the client left; its request was aborted
         text = "".join(out.text)
@@ -145,8 +171,13 @@ class OpenAIServer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
         choice["token_ids"] = out.token_ids
-        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage(len(prompt), out), "pdd": out.served()}
+        body = {
+            **base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [choice],
+            "usage": usage(len(prompt), out),
+            "pdd": out.served(),
+        }
         return JSONResponse(body)
 
     # ---- routes ----------------------------------------------------------------------------
@@ -164,8 +195,9 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        return await self.respond(False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                                  client, slot)
+        return await self.respond(
+            False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, client, slot
+        )
 
     async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)
@@ -184,12 +216,26 @@ class OpenAIServer:
         whatever its tokens is refused first (the tokenizer holds the GIL while it works)."""
         limit = self.backend.max_context
         if len(text) > 2 * limit * self.tokenizer.longest_token_chars:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                f"{len(text):,} characters, more than that many tokens can hold.", param="prompt")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(text):,} characters, more than that many tokens can hold.",
+                param="prompt",
+            )
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "pdd", "max_model_len": self.backend.max_context,
-                                            # pdd's extension: what `pdd bench` draws prompt token IDs below
-                                            "vocab_size": self.tokenizer.vocab_size}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "pdd",
+                    "max_model_len": self.backend.max_context,
+                    # pdd's extension: what `pdd bench` draws prompt token IDs below
+                    "vocab_size": self.tokenizer.vocab_size,
+                }
+            ],
+        }

@@ -31,7 +31,9 @@ class Outcome:
         return self.record.served() if self.record else {}
 
 
-def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, default_max: int, limit: int) -> SamplingParams:
+def sampling_params(
+    req: _Common, prompt_len: int, max_tokens: int | None, default_max: int, limit: int
+) -> SamplingParams:
     """The request's sampling parameters, checked against the model's context `limit`."""
     if req.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -40,16 +42,25 @@ def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, defau
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
-                       param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = min(default_max, limit - prompt_len)
     if max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
     if prompt_len + max_tokens > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
-                       param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
         temperature, top_p = float(req.temperature), float(req.top_p)
     except OverflowError:
@@ -57,9 +68,15 @@ def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, defau
     if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
         raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
-                                stop_token_ids=tuple(req.stop_token_ids))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids),
+        )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     if params.seed is None and not params.greedy:
@@ -71,8 +88,12 @@ def sampling_params(req: _Common, prompt_len: int, max_tokens: int | None, defau
 
 def usage(prompt_len: int, out: Outcome) -> dict:
     n = len(out.token_ids)
-    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": n,
+        "total_tokens": prompt_len + n,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
 
 
 def unicode_text(text: str, param: str) -> str:
@@ -81,8 +102,9 @@ def unicode_text(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"{param} is not valid Unicode text ({e.reason} at position {e.start})",
-                       param=param) from None
+        raise ApiError(
+            400, f"{param} is not valid Unicode text ({e.reason} at position {e.start})", param=param
+        ) from None
     return text
 
 

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdd.api.protocol import ApiError
 from pdd.api.shaping import Outcome, usage
 
 
-async def sse_events(chat: bool, base: dict, pieces: AsyncIterator[tuple[str, list[int]]], out: Outcome,
-                     prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+async def sse_events(
+    chat: bool,
+    base: dict,
+    pieces: AsyncGenerator[tuple[str, list[int]], None],
+    out: Outcome,
+    prompt_len: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     """A generation as OpenAI's server-sent events: one chunk per piece, the record on the
     last, usage if asked, an error as an event (the status is sent already), [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -25,14 +31,16 @@ async def sse_events(chat: bool, base: dict, pieces: AsyncIterator[tuple[str, li
 
     try:
         if chat:
-            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+            opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [opening]})}\n\n"
         async for delta, ids in pieces:
             if out.finish_reason:
                 yield chunk(delta, ids, out.finish_reason, {"pdd": out.served()})
             else:
                 yield chunk(delta, ids, None)
         if include_usage:
-            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage(prompt_len, out), 'pdd': out.served()})}\n\n"
+            tail = {**base, "object": obj, "choices": [], "usage": usage(prompt_len, out), "pdd": out.served()}
+            yield f"data: {json.dumps(tail)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
     finally:

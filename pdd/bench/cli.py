@@ -41,40 +41,70 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # (`--model` is the served model id for serve and the model directory for engine):
     # one option, several targets, instead of a clash that would break `pdd bench`.
     parser = sub.add_parser(
-        "bench", help="replay a workload against a server, or benchmark one engine",
-        description=__doc__.splitlines()[0], conflict_handler="resolve")
+        "bench",
+        help="replay a workload against a server, or benchmark one engine",
+        description=__doc__.splitlines()[0],
+        conflict_handler="resolve",
+    )
     for module in _IN_PROCESS.values():
         importlib.import_module(module).add_arguments(parser)
-    parser.add_argument("target", nargs="?", choices=("serve", *_IN_PROCESS), default="serve",
-                        help="serve: a live OpenAI-compatible server (default); engine: one engine "
-                             "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
-                             "--requests distinct requests at once against --url, every outcome counted")
+    parser.add_argument(
+        "target",
+        nargs="?",
+        choices=("serve", *_IN_PROCESS),
+        default="serve",
+        help="serve: a live OpenAI-compatible server (default); engine: one engine "
+        "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
+        "--requests distinct requests at once against --url, every outcome counted",
+    )
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
-    parser.add_argument("--workload", type=_workload, default=("agentic", None),
-                        metavar="agentic|mooncake:PATH", help="default: agentic")
-    parser.add_argument("--requests", type=int, default=100,
-                        help="agentic: total turns; mooncake: first N trace lines (default 100)")
-    parser.add_argument("--rate", type=float, default=math.inf,
-                        help="agentic session starts per second, Poisson; inf = all at once")
+    parser.add_argument(
+        "--workload",
+        type=_workload,
+        default=("agentic", None),
+        metavar="agentic|mooncake:PATH",
+        help="default: agentic",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=100, help="agentic: total turns; mooncake: first N trace lines (default 100)"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=math.inf, help="agentic session starts per second, Poisson; inf = all at once"
+    )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", help="serve: model id (default: the first from /v1/models); "
-                                         "engine: model directory (default: a fresh tiny model)")
+    parser.add_argument(
+        "--model",
+        help="serve: model id (default: the first from /v1/models); "
+        "engine: model directory (default: a fresh tiny model)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument("--scenario", choices=("paper", "short"), default="paper",
-                        help="agentic: the workload shape of that demo scenario (default paper)")
-    parser.add_argument("--scale", type=int,
-                        help="mooncake: divide lengths by this (512-token blocks -> 512/scale); default: "
-                             "the smallest scale from 16 up at which the trace fits the served model's context")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="mooncake: divide arrival times by this")
-    parser.add_argument("--vocab-size", type=int,
-                        help="prompt token IDs are drawn below this (default: the served model's vocabulary, "
-                             "from /v1/models; 4096 if it does not say)")
-    parser.add_argument("--max-context", type=int,
-                        help="cap on prompt + output tokens (default: agentic, the scenario's, its lengths scaled "
-                             "down to a served context shorter than the tiny model's; mooncake, the served context)")
+    parser.add_argument(
+        "--scenario",
+        choices=("paper", "short"),
+        default="paper",
+        help="agentic: the workload shape of that demo scenario (default paper)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=int,
+        help="mooncake: divide lengths by this (512-token blocks -> 512/scale); default: "
+        "the smallest scale from 16 up at which the trace fits the served model's context",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="mooncake: divide arrival times by this")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="prompt token IDs are drawn below this (default: the served model's vocabulary, "
+        "from /v1/models; 4096 if it does not say)",
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        help="cap on prompt + output tokens (default: agentic, the scenario's, its lengths scaled "
+        "down to a served context shorter than the tiny model's; mooncake, the served context)",
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=lambda args: _run(parser, args))
@@ -107,21 +137,27 @@ def _plan(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
 
         from pdd.workload.agentic import plan_sessions
         from pdd.workload.scenarios import SCENARIOS, fit_workload
+
         config = replace(SCENARIOS[args.scenario].workload, seed=args.seed, vocab_size=vocab, **cap)
         if context is not None and not cap:
             config, scale = fit_workload(config, context, vocab)
             if scale < 1:
-                print(f"pdd bench: the served context is {context} tokens: scenario {args.scenario}'s lengths "
-                      f"x {scale:.3g}, contexts up to {config.max_context}", file=sys.stderr)
+                print(
+                    f"pdd bench: the served context is {context} tokens: scenario {args.scenario}'s lengths "
+                    f"x {scale:.3g}, contexts up to {config.max_context}",
+                    file=sys.stderr,
+                )
         sessions = plan_sessions(config, args.requests, args.rate)
         return sessions, {"kind": kind, "scenario": args.scenario, **asdict(config)}
     from pdd.workload.mooncake import MooncakeConfig, fit_to_context, load_trace, trace_sessions
+
     records = load_trace(path, limit=args.requests)
     base = MooncakeConfig(scale=args.scale or 16, time_scale=args.time_scale, seed=args.seed, vocab_size=vocab, **cap)
     if args.scale is None and args.max_context is None:
         if context is None:
-            print("pdd bench: the server does not say its context length; mooncake lengths / 16, uncut",
-                  file=sys.stderr)
+            print(
+                "pdd bench: the server does not say its context length; mooncake lengths / 16, uncut", file=sys.stderr
+            )
         else:
             base, note = fit_to_context(records, base, context)
             print(f"pdd bench: {note}", file=sys.stderr)
@@ -151,27 +187,32 @@ def _bench(args: argparse.Namespace, sessions: list[Session], workload: dict[str
 
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     try:
-        run = run_bench(args.url, sessions, model=args.model, timeout_s=args.timeout_s,
-                        quiet=args.quiet)
+        run = run_bench(args.url, sessions, model=args.model, timeout_s=args.timeout_s, quiet=args.quiet)
     except BenchError as exc:
         print(f"pdd bench: {exc}", file=sys.stderr)
         return 1
-    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms,
-                        slo_tpot_ms=args.slo_tpot_ms)
-    config = {"url": args.url, "model": run.model, "started_at": started_at,
-              "requests": args.requests,
-              # JSON has no infinity: null means every session started at once.
-              "rate": args.rate if math.isfinite(args.rate) else None,
-              "timeout_s": args.timeout_s, "workload": workload}
+    summary = summarize(
+        run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms
+    )
+    config = {
+        "url": args.url,
+        "model": run.model,
+        "started_at": started_at,
+        "requests": args.requests,
+        # JSON has no infinity: null means every session started at once.
+        "rate": args.rate if math.isfinite(args.rate) else None,
+        "timeout_s": args.timeout_s,
+        "workload": workload,
+    }
     if args.out is not None:
-        _write_json(args.out, {"summary": summary,
-                               "requests": [r.to_dict() for r in run.records],
-                               "config": config})
+        _write_json(args.out, {"summary": summary, "requests": [r.to_dict() for r in run.records], "config": config})
     Console().print(format_table({workload["kind"]: summary}))
     if summary["completed"] == 0:
         sent = [r for r in run.records if r.start_s is not None]
-        print("pdd bench: every request failed; first error: "
-              f"{sent[0].error if sent else 'nothing was sent'}", file=sys.stderr)
+        print(
+            f"pdd bench: every request failed; first error: {sent[0].error if sent else 'nothing was sent'}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

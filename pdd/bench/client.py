@@ -22,10 +22,11 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pdd.progress import progress_bar
 from pdd.record import RequestRecord
 from pdd.workload.types import Session
+
 
 class BenchError(RuntimeError):
     """The run cannot start (e.g. no model id could be found)."""
@@ -84,16 +85,27 @@ async def fetch_model(client: httpx.AsyncClient, url: str) -> str:
         raise BenchError(f"cannot read a model id from {url}/v1/models: {exc}") from exc
 
 
-async def fetch_wan_bytes(client: httpx.AsyncClient, url: str) -> int | None:
-    """The server's WAN byte counter, or None where it keeps none (a plain server)."""
-    try:
-        response = await client.get(f"{url}/pdd/stats")
-        if response.status_code != 200:
+KV_SETTLE_S = 60.0  # the longest a run waits for KV copies still crossing after its last token
+
+
+async def fetch_wan_bytes(client: httpx.AsyncClient, url: str, settle_s: float = 0.0) -> int | None:
+    """The server's WAN byte counter, or None where it keeps none (a plain server). With
+    `settle_s`, first wait (that long at most) for the KV transfers still open: a request
+    the relay finished has its copy to MD crossing after its last token, and P counts the
+    bytes when the copy is over."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            response = await client.get(f"{url}/pdd/stats")
+            if response.status_code != 200:
+                return None
+            stats = response.json()
+            value = stats.get("wan_bytes")
+        except (httpx.HTTPError, ValueError, AttributeError):
             return None
-        value = response.json().get("wan_bytes")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+        if not stats.get("kv_open") or time.monotonic() >= deadline:
+            return value if isinstance(value, int) else None
+        await asyncio.sleep(0.2)
 
 
 @dataclass
@@ -134,16 +146,15 @@ class _Stream:
 
 async def _read_stream(response: httpx.Response, stream: _Stream) -> None:
     if response.status_code != 200:
-        raise _RequestFailed(f"HTTP {response.status_code}: "
-                             f"{_error_message(await response.aread())}")
+        raise _RequestFailed(f"HTTP {response.status_code}: {_error_message(await response.aread())}")
     event = None
     async for line in response.aiter_lines():
         if not line:
             event = None  # a blank line ends an SSE event
         elif line.startswith("event:"):
-            event = line[len("event:"):].strip()
+            event = line[len("event:") :].strip()
         elif line.startswith("data:"):
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return
             try:
@@ -175,16 +186,29 @@ def _fill(record: RequestRecord, stream: _Stream, ended: float) -> None:
     record.apply_served(stream.pdd)
 
 
-async def send_completion(client: httpx.AsyncClient, target: Target, record: RequestRecord,
-                          prompt: list[int], max_tokens: int, run_start: float) -> list[int] | None:
+async def send_completion(
+    client: httpx.AsyncClient,
+    target: Target,
+    record: RequestRecord,
+    prompt: list[int],
+    max_tokens: int,
+    run_start: float,
+) -> list[int] | None:
     """Send one streamed completion, fill `record` in, return the output token IDs.
 
     Returns None when the output IDs are unknown: the request failed (`record.error`
     says why) or the server sent text without `token_ids`.
     """
-    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True, "return_token_ids": True}  # (pdd always returns them; vLLM when asked)
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "return_token_ids": True,  # pdd always returns token ids, vLLM when asked
+    }
     started = time.perf_counter()
     record.start_s = started - run_start
     stream = _Stream(started)
@@ -208,14 +232,21 @@ async def send_completion(client: httpx.AsyncClient, target: Target, record: Req
     return stream.output_ids
 
 
-async def _run_session(client: httpx.AsyncClient, target: Target, session: Session,
-                       run_start: float, emit: Callable[[RequestRecord], None]) -> None:
+async def _run_session(
+    client: httpx.AsyncClient, target: Target, session: Session, run_start: float, emit: Callable[[RequestRecord], None]
+) -> None:
     await asyncio.sleep(max(0.0, run_start + session.start_s - time.perf_counter()))
     context: list[int] = []
     broken: str | None = None
     for k, turn in enumerate(session.turns):
-        record = RequestRecord(id=f"{session.id}-{k}", session=session.id, turn=k, start_s=None,
-                               prompt_tokens=0, planned_anomalous=session.anomalous)
+        record = RequestRecord(
+            id=f"{session.id}-{k}",
+            session=session.id,
+            turn=k,
+            start_s=None,
+            prompt_tokens=0,
+            planned_anomalous=session.anomalous,
+        )
         if broken is not None:
             record.error = f"not sent: {broken}"
             emit(record)
@@ -232,9 +263,14 @@ async def _run_session(client: httpx.AsyncClient, target: Target, session: Sessi
             context = prompt + output
 
 
-async def replay(url: str, sessions: Sequence[Session], *, model: str | None = None,
-                 timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None) -> BenchRun:
+async def replay(
+    url: str,
+    sessions: Sequence[Session],
+    *,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> BenchRun:
     """Run every session concurrently, each at its start time, its turns in order.
 
     `on_record` sees each record as it completes (for progress display). The server's
@@ -257,29 +293,25 @@ async def replay(url: str, sessions: Sequence[Session], *, model: str | None = N
         async with asyncio.TaskGroup() as group:
             for session in sessions:
                 group.create_task(_run_session(client, target, session, run_start, emit))
-        wan_after = await fetch_wan_bytes(client, url)
+        wan_after = await fetch_wan_bytes(client, url, KV_SETTLE_S)
     records.sort(key=lambda r: (r.session, r.turn))
     wan = wan_after - wan_before if wan_before is not None and wan_after is not None else None
     return BenchRun(records, model, wan)
 
 
-def run_bench(url: str, sessions: Sequence[Session], *, model: str | None = None,
-              timeout_s: float = 120.0, quiet: bool = False) -> BenchRun:
+def run_bench(
+    url: str, sessions: Sequence[Session], *, model: str | None = None, timeout_s: float = 120.0, quiet: bool = False
+) -> BenchRun:
     """`replay` with a progress bar on stderr (hidden when quiet or not a terminal)."""
     console = Console(stderr=True)
     total = sum(len(s.turns) for s in sessions)
     failed = 0
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console,
-                  disable=quiet or not console.is_terminal) as progress:
+    with progress_bar(console, quiet) as progress:
         task = progress.add_task("requests", total=total)
 
         def advance(record: RequestRecord) -> None:
             nonlocal failed
             failed += record.error is not None
-            progress.update(task, advance=1,
-                            description=f"requests ({failed} failed)" if failed else "requests")
+            progress.update(task, advance=1, description=f"requests ({failed} failed)" if failed else "requests")
 
-        return asyncio.run(replay(url, sessions, model=model, timeout_s=timeout_s,
-                                  on_record=advance))
-
+        return asyncio.run(replay(url, sessions, model=model, timeout_s=timeout_s, on_record=advance))

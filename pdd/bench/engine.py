@@ -42,8 +42,9 @@ def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded") -> d
     """Prefill and decode throughput of one engine, through the engine port (any backend)."""
     from pdd.engine_port import EngineConfig, open_engine
 
-    engine = open_engine(model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64,
-                                                 backend=backend))
+    engine = open_engine(
+        model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64, backend=backend)
+    )
     try:
         return asyncio.run(_engine_numbers(engine, repeats))
     finally:
@@ -59,8 +60,9 @@ async def _engine_numbers(engine: EnginePort, repeats: int) -> dict[str, float]:
     async def run(prompt: list[int], max_tokens: int) -> list[float]:
         """When each output token came (perf_counter seconds)."""
         times = []
-        async for out in engine.generate(f"b{next(counter)}", prompt, SamplingParams(max_tokens=max_tokens,
-                                                                                     ignore_eos=True)):
+        async for out in engine.generate(
+            f"b{next(counter)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        ):
             if out.token is not None:
                 times.append(time.perf_counter())
         return times
@@ -89,7 +91,14 @@ async def _engine_numbers(engine: EnginePort, repeats: int) -> dict[str, float]:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0, ttft, n = time.perf_counter(), None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -122,9 +131,26 @@ async def _http_numbers(url: str, repeats: int) -> dict[str, float]:
 def http_numbers(model_dir: str, repeats: int, threads: int = 1) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--model", model_dir, "--port", str(port),
-                             "--served-model-name", "bench", "--num-pages", "4096", "--threads", str(threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdd.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "bench",
+            "--num-pages",
+            "4096",
+            "--threads",
+            str(threads),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_http(f"{url}/health", proc, 60)
         return asyncio.run(_http_numbers(url, repeats))

@@ -51,11 +51,18 @@ def _prompt(i: int, tokens: int, vocab: int) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(tokens)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               stream: bool) -> tuple[int | str, str | None]:
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, stream: bool
+) -> tuple[int | str, str | None]:
     """(HTTP status or "error", None when whole / refused properly, else what was wrong)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": stream}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             raw = await r.aread()
@@ -66,7 +73,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
         return r.status_code, None if after.isdigit() and int(after) >= 1 else f"{r.status_code} without Retry-After"
     if r.status_code != 200:
         return r.status_code, f"{r.status_code}: {raw[:200].decode(errors='replace')}"
-    ids, finish = [], None
+    ids: list[int] = []
+    finish: str | None = None
     try:
         if stream:
             for line in raw.decode().splitlines():
@@ -88,9 +96,17 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return 200, None
 
 
-async def flood(url: str, requests: int, prompt_tokens: int = 1000, max_tokens: int = 32, stream_share: float = 0.5,
-                model: str | None = None, vocab: int | None = None, timeout_s: float = 600.0,
-                seed: int = 0) -> FloodOutcome:
+async def flood(
+    url: str,
+    requests: int,
+    prompt_tokens: int = 1000,
+    max_tokens: int = 32,
+    stream_share: float = 0.5,
+    model: str | None = None,
+    vocab: int | None = None,
+    timeout_s: float = 600.0,
+    seed: int = 0,
+) -> FloodOutcome:
     """Send `requests` at once and sort every answer (`FloodOutcome`). Prompt token IDs
     are drawn below `vocab` (default: the served model's, from /v1/models)."""
     limits = httpx.Limits(max_connections=requests + 8, max_keepalive_connections=requests + 8)
@@ -102,9 +118,12 @@ async def flood(url: str, requests: int, prompt_tokens: int = 1000, max_tokens: 
             raise ValueError(f"a vocabulary of {vocab} token IDs cannot make distinct prompts")
         started = time.monotonic()
         streamed = round(requests * stream_share)
-        results = await asyncio.gather(*(
-            _one(client, url, model, _prompt(seed * 1_000_003 + i, prompt_tokens, vocab), max_tokens, i < streamed)
-            for i in range(requests)))
+        results = await asyncio.gather(
+            *(
+                _one(client, url, model, _prompt(seed * 1_000_003 + i, prompt_tokens, vocab), max_tokens, i < streamed)
+                for i in range(requests)
+            )
+        )
         out = FloodOutcome(requests, time.monotonic() - started)
     for status, wrong in results:
         out.statuses[str(status)] += 1
@@ -121,12 +140,24 @@ def run(args: argparse.Namespace) -> int:
     if not args.url:
         raise SystemExit("pdd bench flood: --url is required")
     try:
-        out = asyncio.run(flood(args.url, args.requests, args.prompt_tokens, args.max_tokens, args.stream_share,
-                                args.model, args.vocab_size, args.timeout_s, args.seed))
+        out = asyncio.run(
+            flood(
+                args.url,
+                args.requests,
+                args.prompt_tokens,
+                args.max_tokens,
+                args.stream_share,
+                args.model,
+                args.vocab_size,
+                args.timeout_s,
+                args.seed,
+            )
+        )
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise SystemExit(f"pdd bench flood: cannot flood {args.url}: {type(e).__name__}: {e}") from None
-    table = Table(title=f"flood: {out.sent} requests at once ({args.prompt_tokens}-token prompts, "
-                        f"{args.max_tokens} tokens each)")
+    table = Table(
+        title=f"flood: {out.sent} requests at once ({args.prompt_tokens}-token prompts, {args.max_tokens} tokens each)"
+    )
     for col in ("sent", "200 whole", "429/503 + Retry-After", "other", "wall s"):
         table.add_column(col, justify="right")
     table.add_row(str(out.sent), str(out.whole), str(out.refused), str(len(out.other)), f"{out.wall_s:.1f}")

@@ -86,8 +86,11 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
 def measure(model_dir: str, args: argparse.Namespace) -> dict:
     from pdd.engine_port import EngineConfig, open_engine
 
-    config = EngineConfig(num_pages=8192, max_batch_tokens=args.context_tokens + args.handoff_tokens + 64,
-                          backend=getattr(args, "engine", "embedded"))
+    config = EngineConfig(
+        num_pages=8192,
+        max_batch_tokens=args.context_tokens + args.handoff_tokens + 64,
+        backend=getattr(args, "engine", "embedded"),
+    )
     engine = open_engine(model_dir, config)
     try:
         return asyncio.run(_measure(engine, args))
@@ -152,8 +155,11 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
 
     async def decoder(i: int) -> None:
         last = None
-        async for out in engine.generate(f"b{i}", [rng.randrange(16, 4000) for _ in range(200)],
-                                         SamplingParams(max_tokens=engine.max_context - 200, ignore_eos=True)):
+        async for _ in engine.generate(
+            f"b{i}",
+            [rng.randrange(16, 4000) for _ in range(200)],
+            SamplingParams(max_tokens=engine.max_context - 200, ignore_eos=True),
+        ):
             now = time.perf_counter()
             if i == 0 and last is not None:
                 gaps.append(now - last)
@@ -170,13 +176,15 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
         for _ in range(args.trials):
             before = len(gaps)
             batched.append(await extend_s())
-            plain.extend(gaps[max(0, before - 3):before])
+            plain.extend(gaps[max(0, before - 3) : before])
     finally:
         for task in decoders:
             task.cancel()
         await asyncio.gather(*decoders, return_exceptions=True)
     return {
-        "handoff_tokens": k, "context_tokens": n, "batch": args.batch,
+        "handoff_tokens": k,
+        "context_tokens": n,
+        "batch": args.batch,
         "line": {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms},
         "ship": {"bytes": wire_bytes, **_stats(ship)},
         "copy": _stats(copy),
@@ -197,15 +205,19 @@ def run(args: argparse.Namespace) -> int:
 
             model_dir = str(make_tiny(Path(tmp) / "tiny"))
         r = measure(model_dir, args)
-    table = Table(title=f"pdd bench handoff: {r['handoff_tokens']} tokens after {r['context_tokens']}, "
-                        f"line {args.bandwidth_mbps:g} Mbit/s, {args.delay_ms:g} ms +- {args.jitter_ms:g} ms")
+    table = Table(
+        title=f"pdd bench handoff: {r['handoff_tokens']} tokens after {r['context_tokens']}, "
+        f"line {args.bandwidth_mbps:g} Mbit/s, {args.delay_ms:g} ms +- {args.jitter_ms:g} ms"
+    )
     for column in ("", "mean (ms)", "max (ms)", "std (ms)"):
         table.add_column(column, justify="right" if column else "left")
-    rows = [(f"ship their KV over the line ({r['ship']['bytes']:,} bytes)", r["ship"]),
-            ("  + decode and import it", r["copy"]),
-            ("recompute by extend, alone", r["recompute_alone"]),
-            (f"recompute by extend, with {r['batch']} decodes in the step", r["recompute_in_batch"]),
-            ("  (that decode step without the extend)", r["decode_step_in_batch"])]
+    rows = [
+        (f"ship their KV over the line ({r['ship']['bytes']:,} bytes)", r["ship"]),
+        ("  + decode and import it", r["copy"]),
+        ("recompute by extend, alone", r["recompute_alone"]),
+        (f"recompute by extend, with {r['batch']} decodes in the step", r["recompute_in_batch"]),
+        ("  (that decode step without the extend)", r["decode_step_in_batch"]),
+    ]
     for label, s in rows:
         table.add_row(label, f"{s['mean_ms']:.1f}", f"{s['max_ms']:.1f}", f"{s['std_ms']:.1f}")
     Console().print(table)

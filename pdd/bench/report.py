@@ -32,8 +32,7 @@ _DPI = 110
 Summaries = Mapping[str, Mapping[str, Any]]
 
 
-def write_report(out_dir: Path, summaries: dict[str, dict], *, title: str,
-                 meta: dict) -> dict[str, Path]:
+def write_report(out_dir: Path, summaries: dict[str, dict], *, title: str, meta: dict) -> dict[str, Path]:
     """Write the report files into `out_dir`; return them by kind ("json", "html", plots).
 
     Modes appear in the order of `summaries`. A plot whose values are all zero or missing
@@ -42,8 +41,7 @@ def write_report(out_dir: Path, summaries: dict[str, dict], *, title: str,
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {"json": out_dir / "report.json"}
-    _write_atomic(written["json"], json.dumps({"modes": summaries, "meta": meta}, indent=2,
-                                              allow_nan=False) + "\n")
+    _write_atomic(written["json"], json.dumps({"modes": summaries, "meta": meta}, indent=2, allow_nan=False) + "\n")
     for name, _, draw in _PLOTS:
         path = out_dir / f"{name}.png"
         figure = draw(summaries)
@@ -76,6 +74,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 # ---------------------------------------------------------------------------- plots
 
+
 def _present(values: Sequence[float | None]) -> list[float]:
     return [v for v in values if v is not None and v > 0]
 
@@ -88,8 +87,7 @@ def _figure(panels: int, modes: int) -> tuple[Figure, list[Axes]]:
 
 def _no_data(ax: Axes, title: str) -> None:
     ax.set_title(title)
-    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes,
-            color="grey")
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -120,16 +118,14 @@ def _quantile_panel(ax: Axes, summaries: Summaries, key: str, title: str) -> Non
         heights = [math.nan if v is None else v for v in rows[q]]
         offsets = [x + (i - 1) * width for x in range(len(modes))]
         bars = ax.bar(offsets, heights, width, label=q, color=color)
-        ax.bar_label(bars, labels=["" if v is None else _short(v) for v in rows[q]],
-                     fontsize=7, padding=1)
+        ax.bar_label(bars, labels=["" if v is None else _short(v) for v in rows[q]], fontsize=7, padding=1)
     if max(present) / min(present) > _LOG_RATIO:
         ax.set_yscale("log")
     _label_panel(ax, modes, "ms", title)
 
 
 def _ttft_plot(summaries: Summaries) -> Figure | None:
-    if not _present([(s.get("ttft_ms") or {}).get(q) for s in summaries.values()
-                     for q in _QUANTILES]):
+    if not _present([(s.get("ttft_ms") or {}).get(q) for s in summaries.values() for q in _QUANTILES]):
         return None
     figure, (ax,) = _figure(1, len(summaries))
     _quantile_panel(ax, summaries, "ttft_ms", "Time to first token")
@@ -138,8 +134,7 @@ def _ttft_plot(summaries: Summaries) -> Figure | None:
 
 def _decode_plot(summaries: Summaries) -> Figure | None:
     keys = ("tpot_ms", "max_itl_ms")
-    if not _present([(s.get(k) or {}).get(q) for s in summaries.values() for k in keys
-                     for q in _QUANTILES]):
+    if not _present([(s.get(k) or {}).get(q) for s in summaries.values() for k in keys for q in _QUANTILES]):
         return None
     figure, (left, right) = _figure(2, len(summaries))
     _quantile_panel(left, summaries, "tpot_ms", "Time per output token")
@@ -148,7 +143,7 @@ def _decode_plot(summaries: Summaries) -> Figure | None:
 
 
 def _byte_unit(largest: float) -> tuple[str, float]:
-    for unit, size in (("GiB", 1024.0 ** 3), ("MiB", 1024.0 ** 2), ("KiB", 1024.0)):
+    for unit, size in (("GiB", 1024.0**3), ("MiB", 1024.0**2), ("KiB", 1024.0)):
         if largest >= size:
             return unit, size
     return "B", 1.0
@@ -171,10 +166,8 @@ def _wan_plot(summaries: Summaries) -> Figure | None:
     else:
         _no_data(left, "Bytes across the WAN")
     if _present(hits):
-        bars = right.bar(modes, [math.nan if h is None else 100 * h for h in hits],
-                         color="#8172b3")
-        right.bar_label(bars, labels=["" if h is None else f"{100 * h:.1f} %" for h in hits],
-                        fontsize=8, padding=1)
+        bars = right.bar(modes, [math.nan if h is None else 100 * h for h in hits], color="#8172b3")
+        right.bar_label(bars, labels=["" if h is None else f"{100 * h:.1f} %" for h in hits], fontsize=8, padding=1)
         right.set_ylim(0, 110)
         right.set_ylabel("% of prompt tokens")
         right.set_title("Decode-side prefix-cache hit rate")
@@ -188,8 +181,9 @@ def _producer_plot(summaries: Summaries) -> Figure | None:
     modes = list(summaries)
     rld = [summaries[m].get("rld_output_tokens") or 0 for m in modes]
     md = [summaries[m].get("md_output_tokens") or 0 for m in modes]
-    counts = {p: [(summaries[m].get("pipelines") or {}).get(p) or 0 for m in modes]
-              for p in PIPELINES}
+    counts: dict[str, list[int]] = {
+        p: [(summaries[m].get("pipelines") or {}).get(p) or 0 for m in modes] for p in PIPELINES
+    }
     if not any(rld) and not any(md) and not any(any(c) for c in counts.values()):
         return None
     figure, (left, right) = _figure(2, len(modes))
@@ -199,13 +193,16 @@ def _producer_plot(summaries: Summaries) -> Figure | None:
         # bar reaches 100 % and baselines read as "no relay" rather than as missing.
         other = [max(0, t - r - d) for t, r, d in zip(totals, rld, md, strict=True)]
         bottom = [0.0] * len(modes)
-        for label, part, color in (("RelayDecode", rld, "#dd8452"),
-                                   ("MainDecode", md, "#4c72b0"),
-                                   ("baseline decoder", other, "#bbbbbb")):
+        for label, part, color in (
+            ("RelayDecode", rld, "#dd8452"),
+            ("MainDecode", md, "#4c72b0"),
+            ("baseline decoder", other, "#bbbbbb"),
+        ):
             share = [100 * p / t if t else 0.0 for p, t in zip(part, totals, strict=True)]
             bars = left.bar(modes, share, bottom=bottom, label=label, color=color)
-            left.bar_label(bars, labels=[f"{s:.1f} %" if s >= 3 else "" for s in share],
-                           label_type="center", fontsize=8)
+            left.bar_label(
+                bars, labels=[f"{s:.1f} %" if s >= 3 else "" for s in share], label_type="center", fontsize=8
+            )
             bottom = [b + s for b, s in zip(bottom, share, strict=True)]
         # Headroom above 100 % keeps the legend off the bars and their labels.
         left.set_ylim(0, 118)
@@ -239,24 +236,37 @@ def _handoff_plot(summaries: Summaries) -> Figure | None:
         return None
     figure, (left, right) = _figure(2, len(modes))
     _quantile_panel(left, summaries, "handoff_stall_ms", "MD's extend stall at a handoff")
-    kinds = {"one-shot handoff": ("handoffs", "one_shot"), "catch-up handoff": ("handoffs", "catch_up"),
-             "ended on the relay": ("fallbacks", "relay_finished")}
-    counts = {label: [(summaries[m].get(key) or {}).get(name, 0) for m in modes]
-              for label, (key, name) in kinds.items()}
+    kinds = {
+        "one-shot handoff": ("handoffs", "one_shot"),
+        "catch-up handoff": ("handoffs", "catch_up"),
+        "ended on the relay": ("fallbacks", "relay_finished"),
+    }
+    counts = {
+        label: [(summaries[m].get(key) or {}).get(name, 0) for m in modes] for label, (key, name) in kinds.items()
+    }
     _count_panel(right, modes, counts, "Requests through a relay")
     return figure
 
 
 _PLOTS: list[tuple[str, str, Callable[[Summaries], Figure | None]]] = [
     ("ttft", "Time to first token, p50 / p90 / p99 per mode.", _ttft_plot),
-    ("decode", "Time per output token and the longest stall between two tokens "
-               "(a handoff's extend step shows up here).", _decode_plot),
-    ("wan", "Bytes that crossed the WAN, and the decode side's prefix-cache hit rate "
-            "that keeps them low.", _wan_plot),
-    ("producers", "Share of output tokens produced by RelayDecode and MainDecode, and "
-                  "requests per pipeline.", _producer_plot),
-    ("handoffs", "The stall of MainDecode's extend step when a relay hands a request over by "
-                 "token IDs, and how requests through a relay ended.", _handoff_plot),
+    (
+        "decode",
+        "Time per output token and the longest stall between two tokens (a handoff's extend step shows up here).",
+        _decode_plot,
+    ),
+    ("wan", "Bytes that crossed the WAN, and the decode side's prefix-cache hit rate that keeps them low.", _wan_plot),
+    (
+        "producers",
+        "Share of output tokens produced by RelayDecode and MainDecode, and requests per pipeline.",
+        _producer_plot,
+    ),
+    (
+        "handoffs",
+        "The stall of MainDecode's extend step when a relay hands a request over by "
+        "token IDs, and how requests through a relay ended.",
+        _handoff_plot,
+    ),
 ]
 
 
@@ -309,23 +319,24 @@ def _rich_html(table: Table) -> str:
     head = "".join(f"<th>{_esc(c.header)}</th>" for c in columns)
     cells = [[str(cell) for cell in c.cells] for c in columns]
     body = "".join(
-        "<tr>" + f"<th>{_esc(row[0])}</th>"
-        + "".join(f'<td class="num">{_esc(v)}</td>' for v in row[1:]) + "</tr>"
-        for row in zip(*cells, strict=True))
+        "<tr>" + f"<th>{_esc(row[0])}</th>" + "".join(f'<td class="num">{_esc(v)}</td>' for v in row[1:]) + "</tr>"
+        for row in zip(*cells, strict=True)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _html(summaries: Summaries, *, title: str, meta: Mapping[str, Any],
-          plots: list[tuple[str, str]]) -> str:
+def _html(summaries: Summaries, *, title: str, meta: Mapping[str, Any], plots: list[tuple[str, str]]) -> str:
     figures = "".join(
-        f'<figure><img src="{_esc(name)}" alt="{_esc(caption)}">'
-        f"<figcaption>{_esc(caption)}</figcaption></figure>" for name, caption in plots)
+        f'<figure><img src="{_esc(name)}" alt="{_esc(caption)}"><figcaption>{_esc(caption)}</figcaption></figure>'
+        for name, caption in plots
+    )
     hardware = format_hardware_table(summaries)
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_esc(title)}</h1>{_meta_html(meta)}"
         f"<h2>Key numbers</h2>{_table_html(summaries)}"
         f"{'' if hardware is None else '<h2>Hardware</h2>' + _rich_html(hardware)}"
         f"<h2>Plots</h2>{figures or '<p>No plot: every value was zero or missing.</p>'}"
-        "</body></html>\n")
+        "</body></html>\n"
+    )

@@ -38,26 +38,39 @@ def _stats(values: list[float | None]) -> dict[str, Any]:
     rng = np.random.default_rng(BOOTSTRAP_SEED)
     resampled = np.percentile(rng.choice(data, size=(BOOTSTRAP_RESAMPLES, len(data))), [90, 99], axis=1)
     (lo90, hi90), (lo99, hi99) = np.percentile(resampled, [2.5, 97.5], axis=1).T.tolist()
-    return {"mean": float(data.mean()), "p50": p50, "p90": p90, "p99": p99, "n": len(data),
-            "p90_ci": [lo90, hi90], "p99_ci": [lo99, hi99]}
+    return {
+        "mean": float(data.mean()),
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "n": len(data),
+        "p90_ci": [lo90, hi90],
+        "p99_ci": [lo99, hi99],
+    }
 
 
 def _within_slo(record: RequestRecord, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
     # A one-token answer has no TPOT; it meets the TPOT SLO trivially.
-    return (record.completed and record.ttft_ms is not None and record.ttft_ms <= slo_ttft_ms
-            and (record.tpot_ms is None or record.tpot_ms <= slo_tpot_ms))
+    return (
+        record.completed
+        and record.ttft_ms is not None
+        and record.ttft_ms <= slo_ttft_ms
+        and (record.tpot_ms is None or record.tpot_ms <= slo_tpot_ms)
+    )
 
 
 def _duration_s(records: list[RequestRecord]) -> float | None:
-    spans = [(r.start_s, r.start_s + r.e2e_ms / 1000.0)
-             for r in records if r.start_s is not None and r.e2e_ms is not None]
+    spans = [
+        (r.start_s, r.start_s + r.e2e_ms / 1000.0) for r in records if r.start_s is not None and r.e2e_ms is not None
+    ]
     if not spans:
         return None
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
-def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
-              slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
+def summarize(
+    records: Iterable[RequestRecord], *, wan_bytes: int | None, slo_ttft_ms: float, slo_tpot_ms: float
+) -> dict[str, Any]:
     """The DESIGN summary of a run.
 
     Latency statistics, token sums and hit counts cover completed requests only (a
@@ -99,8 +112,9 @@ def summarize(records: Iterable[RequestRecord], *, wan_bytes: int | None,
         "fallbacks": dict(sorted(fallbacks.items())),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
-        "slo_attainment": (sum(_within_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records)
-                           / len(records)) if records else None,
+        "slo_attainment": (sum(_within_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records) / len(records))
+        if records
+        else None,
         "duration_s": duration,
         "output_tokens_per_s": output_tokens / duration if duration else None,
     }
@@ -140,10 +154,14 @@ def _tail(stats: Mapping[str, Any], q: str) -> str:
 
 _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("requests (ok / failed)", lambda s: f"{s['completed']} / {s['failed']}"),
-    *[(f"{label} {q} (ms){' [95% CI]' if q != 'p50' else ''}",
-       lambda s, k=key, q=q: _num(s[k][q]) if q == "p50" else _tail(s[k], q))
-      for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
-      for q in ("p50", "p90", "p99")],
+    *[
+        (
+            f"{label} {q} (ms){' [95% CI]' if q != 'p50' else ''}",
+            lambda s, k=key, q=q: _num(s[k][q]) if q == "p50" else _tail(s[k], q),
+        )
+        for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
+        for q in ("p50", "p90", "p99")
+    ],
     ("max ITL p99 (ms) [95% CI]", lambda s: _tail(s["max_itl_ms"], "p99")),
     ("percentiles rest on", lambda s: f"{s['ttft_ms'].get('n', s['completed'])} requests"),
     ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
@@ -155,8 +173,10 @@ _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("MD output tokens", lambda s: _share(s["md_output_tokens"], s["output_tokens"])),
     ("pipelines", lambda s: _counts({k: n for k, n in s["pipelines"].items() if n})),
     ("handoffs", lambda s: _counts(s["handoffs"])),
-    ("handoff stall p50 / p99 (ms)",
-     lambda s: f"{_num(s['handoff_stall_ms']['p50'])} / {_num(s['handoff_stall_ms']['p99'])}"),
+    (
+        "handoff stall p50 / p99 (ms)",
+        lambda s: f"{_num(s['handoff_stall_ms']['p50'])} / {_num(s['handoff_stall_ms']['p99'])}",
+    ),
     ("anomaly-filtered", lambda s: f"{s['anomaly_filtered']:,}"),
     ("fallbacks", lambda s: _counts(s["fallbacks"])),
     ("SLO attainment", lambda s: _pct(s["slo_attainment"])),
@@ -180,7 +200,9 @@ def format_hardware_table(summary_by_name: Mapping[str, Mapping[str, Any]]) -> T
     """Each mode's instances: the chip each ran on, its prefill and decode step times
     (emulated), and how many steps overran their emulated time (then the CPU, not the
     chip, set the pace). None when no summary carries instances."""
-    rows = [(mode, name, inst) for mode, s in summary_by_name.items() for name, inst in (s.get("instances") or {}).items()]
+    rows = [
+        (mode, name, inst) for mode, s in summary_by_name.items() for name, inst in (s.get("instances") or {}).items()
+    ]
     if not rows:
         return None
     table = Table(title="hardware: each instance's accelerator and step times")

@@ -45,12 +45,15 @@ class PaceStats:
     real_s: float = 0.0
     slept_s: float = 0.0
 
-    def to_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "overruns": self.overruns,
-                "prefill_step_ms": 1000 * self.prefill_s / self.prefill_steps if self.prefill_steps else None,
-                "decode_step_ms": 1000 * self.decode_s / self.decode_steps if self.decode_steps else None,
-                "real_ms_per_step": 1000 * self.real_s / self.steps if self.steps else None,
-                "paced_share": 1 - self.overruns / self.steps if self.steps else None}
+    def to_dict(self) -> dict[str, float | None]:  # None: no step of that kind yet
+        return {
+            "steps": self.steps,
+            "overruns": self.overruns,
+            "prefill_step_ms": 1000 * self.prefill_s / self.prefill_steps if self.prefill_steps else None,
+            "decode_step_ms": 1000 * self.decode_s / self.decode_steps if self.decode_steps else None,
+            "real_ms_per_step": 1000 * self.real_s / self.steps if self.steps else None,
+            "paced_share": 1 - self.overruns / self.steps if self.steps else None,
+        }
 
 
 @dataclass
@@ -71,8 +74,14 @@ class StepPacer:
             raise ValueError(f"unknown hardware {self.hardware!r}: {NATIVE}, or one of {sorted(CATALOG)}")
         chip, gpus = CATALOG[self.hardware], SETTING.instance_gpus(self.hardware) or 8
         self._physics = Physics(chip, SETTING.model, gpus, SETTING.eff)
-        self.describe = {"hardware": self.hardware, "chip": chip.name, "gpus": gpus, "model": SETTING.model.name,
-                         "token_scale": self.scale, "dilation": self.dilation}
+        self.describe = {
+            "hardware": self.hardware,
+            "chip": chip.name,
+            "gpus": gpus,
+            "model": SETTING.model.name,
+            "token_scale": self.scale,
+            "dilation": self.dilation,
+        }
 
     def step_s(self, computed: Sequence[tuple[int, int]]) -> float:
         """`computed`: (start, tokens) of each sequence in the step, as the engine ran it."""

@@ -24,9 +24,9 @@ CacheEvent = tuple[str, list[int]]  # ("stored" | "removed", block hashes)
 class TreeNode:
     key: tuple[int, ...]
     page: int
-    parent: "TreeNode | None"
+    parent: TreeNode | None
     hash: int
-    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -63,18 +63,19 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 break
-            if touch:
+            if now is not None:
                 child.last_access = now
             node = child
             pages.append(child.page)
         return Match(pages, node)
 
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode | None) -> None:
+        """Pin `node`'s path against eviction (None, a sequence that matched nothing yet: no-op)."""
         while node is not self.root and node is not None:
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode | None) -> None:
         while node is not self.root and node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
@@ -87,7 +88,7 @@ class RadixCache:
         """
         node, stored, duplicates = self.root, [], []
         now = next(self._clock)
-        for key, page in zip(self._pages(tokens), pages):
+        for key, page in zip(self._pages(tokens), pages, strict=True):  # one page per full page of tokens
             child = node.children.get(key)
             if child is None:
                 child = TreeNode(key=key, page=page, parent=node, hash=chain_hash(node.hash, key))

@@ -30,6 +30,9 @@ from pdd.sampling import SamplingParams
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STALL_WAIT_S = 0.005  # nothing schedulable: wait this long for a command (abort, release) to change that
+# Where a command's result goes: a future and the loop that owns it (None: nobody waits for it).
+_Reply = tuple[asyncio.Future[Any], asyncio.AbstractEventLoop]
+_Command = tuple[Callable[[Engine], Any], _Reply | None]
 
 
 class _Watch:
@@ -63,7 +66,7 @@ class EngineRuntime:
         self.max_context = min(engine.model_cfg.max_position, engine.pool.num_pages * engine.pool.page_size)
         self.kv_bytes_per_token = engine.pool.bytes_per_token()
         self._threads = threads
-        self._cmds: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None, asyncio.AbstractEventLoop | None]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._watches: dict[str, _Watch] = {}
         self._listener: tuple[CacheListener, asyncio.AbstractEventLoop] | None = None
         self._event_seq = 0
@@ -76,14 +79,14 @@ class EngineRuntime:
 
     def close(self) -> None:
         self._stop.set()
-        self._cmds.put((lambda e: None, None, None))
+        self._cmds.put((lambda e: None, None))
         self._thread.join(timeout=10)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._cmds.put((fn, fut, loop))
+        self._cmds.put((fn, (fut, loop)))
         return await fut
 
     # ---- EnginePort --------------------------------------------------------------------
@@ -92,7 +95,9 @@ class EngineRuntime:
         self._watches[rid] = w
         return w
 
-    async def generate(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+    ) -> AsyncIterator[StepOutput]:
         """Stream a request's sampled tokens; leaving early (or being cancelled) aborts it."""
         w = self.watch(rid)
         done = False
@@ -112,8 +117,9 @@ class EngineRuntime:
         return await self.call(lambda e: e.reserve(rid, prompt, params, use_cache))
 
     async def cached_prefix(self, tokens: list[int]) -> int:
-        return await self.call(lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages
-                               * e.pool.page_size)
+        return await self.call(
+            lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages * e.pool.page_size
+        )
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
         await self.call(lambda e: e.import_kv(rid, blob))
@@ -136,7 +142,7 @@ class EngineRuntime:
         await self.call(lambda e: e.release(rid))
 
     def abort(self, rid: str) -> None:
-        self._cmds.put((lambda e: self._abort_now(rid), None, None))
+        self._cmds.put((lambda e: self._abort_now(rid), None))
 
     async def cache_snapshot(self) -> tuple[int, list[int]]:
         return await self.call(lambda e: (self._event_seq, e.cache.hashes()))
@@ -146,18 +152,30 @@ class EngineRuntime:
 
     def load(self) -> EngineLoad:
         e = self.engine
-        return EngineLoad(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-                          max_running=e.scheduler.max_running, pages=e.pool.num_pages,
-                          free_pages=e.pool.free_pages, cached_pages=e.cache.cached_pages)
+        return EngineLoad(
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            max_running=e.scheduler.max_running,
+            pages=e.pool.num_pages,
+            free_pages=e.pool.free_pages,
+            cached_pages=e.cache.cached_pages,
+        )
 
     def stats(self) -> dict:
         e = self.engine
         s = e.stats
-        return {"steps": s.steps, "computed_tokens": s.computed_tokens, "prefill_tokens": s.prefill_tokens,
-                "cached_prompt_tokens": s.cached_prompt_tokens, "decode_tokens": s.decode_tokens,
-                "aborted": s.aborted, "preemptions": e.scheduler.preemptions,
-                "pacing": {"hardware": NATIVE} if self.pacer is None else
-                          {**self.pacer.describe, **self.pacer.stats.to_dict()}}
+        return {
+            "steps": s.steps,
+            "computed_tokens": s.computed_tokens,
+            "prefill_tokens": s.prefill_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
+            "decode_tokens": s.decode_tokens,
+            "aborted": s.aborted,
+            "preemptions": e.scheduler.preemptions,
+            "pacing": {"hardware": NATIVE}
+            if self.pacer is None
+            else {**self.pacer.describe, **self.pacer.stats.to_dict()},
+        }
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_cache_event(self, event: tuple[str, list[int]]) -> None:
@@ -171,15 +189,16 @@ class EngineRuntime:
             self.engine.abort(rid)
             self._dispatch([StepOutput(rid, None, "abort")])
 
-    def _run_command(self, fn: Callable[[Engine], Any], fut: asyncio.Future | None, loop: asyncio.AbstractEventLoop | None) -> None:
+    def _run_command(self, fn: Callable[[Engine], Any], reply: _Reply | None) -> None:
         try:
             result, error = fn(self.engine), None
         except Exception as e:  # reported to the caller, never kills the engine thread
             result, error = None, e
-        if fut is None:
+        if reply is None:
             if error:
                 log.warning("engine command failed: %s", error)
             return
+        fut, loop = reply
         loop.call_soon_threadsafe(_settle, fut, result, error)
 
     def _loop(self) -> None:
@@ -236,7 +255,7 @@ class EngineRuntime:
                 w.loop.call_soon_threadsafe(w.queue.put_nowait, RuntimeError(f"engine failure: {error}"))
 
 
-def _settle(fut: asyncio.Future, result: Any, error: Exception | None) -> None:
+def _settle(fut: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if fut.cancelled():
         return
     if error is not None:
@@ -254,8 +273,11 @@ def open_embedded(model_dir: Path, config: EngineConfig, threads: int, eos_ids: 
     """The embedded engine over `model_dir`, stepping on its own thread (paced as the
     configured hardware when it is emulated)."""
     engine = Engine(model_dir, config, eos_ids=eos_ids)
-    pacer = None if config.hardware == NATIVE else StepPacer(config.hardware, token_scale(engine.model_cfg.max_position),
-                                                              config.dilation)
+    pacer = (
+        None
+        if config.hardware == NATIVE
+        else StepPacer(config.hardware, token_scale(engine.model_cfg.max_position), config.dilation)
+    )
     runtime = EngineRuntime(engine, threads, pacer)
     runtime.start_thread()
     return runtime

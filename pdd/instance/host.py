@@ -82,8 +82,9 @@ class Role(Protocol):
 
 
 def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
-    return m.Tokens(rid, max(out.position, 0), [] if out.token is None else [out.token], out.finish_reason,
-                    out.cached_tokens)
+    return m.Tokens(
+        rid, max(out.position, 0), [] if out.token is None else [out.token], out.finish_reason, out.cached_tokens
+    )
 
 
 async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine_port import EnginePort, RequestError
@@ -17,7 +17,7 @@ class LocalBackend:
         self.max_context = engine.max_context
         self._node_stats = node_stats  # the framed node's counts (a P/D instance)
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         try:
             async for event in self._generate(req):
                 yield event
@@ -33,16 +33,26 @@ class LocalBackend:
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if out.finish_reason:
-                event.record = RequestRecord(pipeline=Pipeline.COLOCATED, p_hit_tokens=out.cached_tokens,
-                                             d_hit_tokens=out.cached_tokens, md_output_tokens=produced,
-                                             seed=req.params.seed)
+                event.record = RequestRecord(
+                    pipeline=Pipeline.COLOCATED,
+                    p_hit_tokens=out.cached_tokens,
+                    d_hit_tokens=out.cached_tokens,
+                    md_output_tokens=produced,
+                    seed=req.params.seed,
+                )
             yield event
 
     def load(self) -> Load:
         load = self.engine.load()
         used = load.pages - load.free_pages - load.cached_pages
-        return Load(running=load.running, waiting=load.waiting, kv_usage=used / load.pages,
-                    cached_pages=load.cached_pages, free_pages=load.free_pages, used_pages=used)
+        return Load(
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=used / load.pages,
+            cached_pages=load.cached_pages,
+            free_pages=load.free_pages,
+            used_pages=used,
+        )
 
     def health(self) -> dict:
         return {"status": "ok"}

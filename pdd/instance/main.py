@@ -38,11 +38,9 @@ class MainJob(DecodeJob):
     fill: bool = False  # the relay finished: compute its output for the cache, then let go
 
 
-class MainRole(DecodeSide):
-    job_type = MainJob
-
+class MainRole(DecodeSide[MainJob]):
     def __init__(self, host: Host) -> None:
-        super().__init__(host)
+        super().__init__(host, MainJob)
         # The relay's frames and P's reservation come on different connections; after a
         # stalled line a relay's handoff (a fill, say) can overtake the reservation. It is
         # kept here, bounded, and applied when the reservation lands: refused, it would
@@ -61,8 +59,9 @@ class MainRole(DecodeSide):
         await super().on_peer_body(conn, name, body)
         if isinstance(body, m.Reserve):
             early, job = self.early.pop(body.rid, []), self.jobs.get(body.rid)
-            for h, reply_to in early if job is not None else []:
-                await self._on_handoff(job, h, reply_to)
+            if job is not None:
+                for h, reply_to in early:
+                    await self._on_handoff(job, h, reply_to)
         elif isinstance(body, m.Abort):
             self.early.pop(body.rid, None)
 
@@ -88,7 +87,7 @@ class MainRole(DecodeSide):
                 self.early.pop(body.rid, None)
             await super().on_router(router_id, body)
 
-    def forget(self, job: DecodeJob) -> None:
+    def forget(self, job: MainJob) -> None:
         self.ended.add(job.rid)
         super().forget(job)
 
@@ -134,6 +133,7 @@ class MainRole(DecodeSide):
             return
         h, job.final = job.final, None
         if not job.output:  # nothing was relayed (a takeover before any token): start at P's token
+            assert job.first_token is not None  # KV_DONE set it with `loaded`, which every caller waits for
             job.output = [job.first_token]
         job.stall_from = time.monotonic()
         job.relay_conn = None

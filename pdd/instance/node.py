@@ -13,17 +13,17 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
+from pdd.names import RoleName
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import server_context
 from pdd.transfer.wire import FramedConnection
-from pdd.names import RoleName
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
@@ -31,8 +31,9 @@ DRAIN_QUIET_S = 1.0
 
 
 class Node:
-    def __init__(self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes,
-                 make_role: Callable[[Host], Role]) -> None:
+    def __init__(
+        self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes, make_role: Callable[[Host], Role]
+    ) -> None:
         self.spec = spec
         self.dep = dep
         self.engine = engine
@@ -49,8 +50,9 @@ class Node:
 
     async def start(self) -> None:
         self.engine.set_cache_listener(self._publish)
-        self.server = await wire.serve(self._handle, self.spec.host, self.spec.kv_port, self.key,
-                                       tls=server_context(self.dep.tls))
+        self.server = await wire.serve(
+            self._handle, self.spec.host, self.spec.kv_port, self.key, tls=server_context(self.dep.tls)
+        )
 
     async def stop(self) -> None:
         if self.server:
@@ -66,8 +68,15 @@ class Node:
         if member.role not in ROLES:
             log.warning("ignoring member %s with role %r", member.name, member.role)
             return
-        spec = InstanceSpec(member.name, member.role, member.dc, member.host, kv_port=member.kv_port,
-                            advertise=dict(member.advertise), engine=self.dep.engine)
+        spec = InstanceSpec(
+            member.name,
+            member.role,
+            member.dc,
+            member.host,
+            kv_port=member.kv_port,
+            advertise=dict(member.advertise),
+            engine=self.dep.engine,
+        )
         others = tuple(i for i in self.dep.instances if i.name != member.name)
         self.dep = replace(self.dep, instances=(*others, spec))
 
@@ -105,8 +114,13 @@ class Node:
 
     def stats(self) -> dict:
         waiting = getattr(self.role, "line", None)
-        return {"role": self.spec.role, "held": self.role.held(), "peak_held": self.peak_held,
-                "reservations_waiting": len(waiting) if waiting is not None else 0, "aborted": self.aborted.count}
+        return {
+            "role": self.spec.role,
+            "held": self.role.held(),
+            "peak_held": self.peak_held,
+            "reservations_waiting": len(waiting) if waiting is not None else 0,
+            "aborted": self.aborted.count,
+        }
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self._tasks.spawn(coro)
@@ -128,8 +142,10 @@ class Node:
 
     # ---- cache events ------------------------------------------------------------------
     def _publish(self, seq: int, kind: str, hashes: list[int]) -> None:
+        # `CacheListener` types the kind as str; the engine's radix cache emits only these two
+        event = cast(Literal["stored", "removed"], kind)
         for conn in list(self.routers.values()):
-            self.spawn(self.send(conn, m.CacheUpdate(kind, seq, hashes)))
+            self.spawn(self.send(conn, m.CacheUpdate(event, seq, hashes)))
 
     async def _send_snapshot(self, conn: FramedConnection) -> None:
         """All cached hashes and the number of the last event they include.
@@ -183,8 +199,10 @@ class Node:
                 elif isinstance(body, m.Drain):
                     self.drain()
                 elif isinstance(body, m.Submit) and self.full():
-                    await self.send(conn, m.Error(f"{self.spec.name} holds {self.role.held()} requests, its limit",
-                                                  body.rid, busy=True))
+                    await self.send(
+                        conn,
+                        m.Error(f"{self.spec.name} holds {self.role.held()} requests, its limit", body.rid, busy=True),
+                    )
                 else:
                     await self.role.on_router(router_id, body)
         finally:

@@ -44,12 +44,14 @@ class _Yield:
 
 
 class PeerPool:
-    def __init__(self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody,
-                 on_lost: OnLost) -> None:
+    def __init__(
+        self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody, on_lost: OnLost
+    ) -> None:
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
-        self._conns: dict[tuple[str, int], FramedConnection] = {}  # (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
+        # keyed by (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
+        self._conns: dict[tuple[str, Priority], FramedConnection] = {}
         self._yields: dict[str, _Yield] = {}
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats
@@ -58,7 +60,7 @@ class PeerPool:
         """Whether traffic to `name` crosses the line between datacenters."""
         return self._deployment().instance(name).dc != self._spec.dc
 
-    async def get(self, name: str, channel: int = Priority.CONTROL) -> FramedConnection:
+    async def get(self, name: str, channel: Priority = Priority.CONTROL) -> FramedConnection:
         async with self._lock:
             conn = self._conns.get((name, channel))
             if conn is not None and not conn.closed:
@@ -71,9 +73,12 @@ class PeerPool:
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
             try:
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": self._spec.role, "name": self._spec.name,
-                                                                    "channel": CHANNEL_NAMES[channel]}),
-                                       HELLO_TIMEOUT_S)
+                await asyncio.wait_for(
+                    wire.client_handshake(
+                        conn, {"role": self._spec.role, "name": self._spec.name, "channel": CHANNEL_NAMES[channel]}
+                    ),
+                    HELLO_TIMEOUT_S,
+                )
             except BaseException:
                 conn.close()
                 raise
@@ -84,11 +89,12 @@ class PeerPool:
                 self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
 
-
     async def send(self, name: str, body: Any) -> None:
         await m.send(await self.get(name), body)
 
-    async def send_bulk(self, name: str, priority: int, body: Any = None, kv: tuple[str, bytes] | None = None) -> int:
+    async def send_bulk(
+        self, name: str, priority: Priority, body: Any = None, kv: tuple[str, bytes] | None = None
+    ) -> int:
         """One frame on the Priority.URGENT or Priority.BACKGROUND connection: a body (ordered after the KV
         sent before it there) or a KV layer `(rid, blob)`; the payload bytes sent."""
         conn = await self.get(name, priority)
@@ -112,7 +118,7 @@ class PeerPool:
                 if not y.urgent:
                     y.quiet.set()
 
-    async def _read(self, name: str, channel: int, conn: FramedConnection) -> None:
+    async def _read(self, name: str, channel: Priority, conn: FramedConnection) -> None:
         try:
             while True:
                 frame = await conn.next_frame()

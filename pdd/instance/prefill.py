@@ -15,19 +15,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
-from pdd.instance.peers import PeerPool
 from pdd.instance.host import Host, report_failure
+from pdd.instance.peers import PeerPool
 from pdd.kv import codec
+from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
-from pdd.policy.transfer import LOCAL_PRIOR, LinkEstimate, LineMeter, Priority, kv_chunks, kv_range
+from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_range
 from pdd.transfer import messages as m
 from pdd.transfer import wire
-from pdd.names import Pipeline
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
@@ -41,13 +42,13 @@ class PrefillJob:
 
     submit: m.Submit
     router_id: str
-    acks: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its ReserveAck
-    loaded: dict[str, asyncio.Future] = field(default_factory=dict)  # peer -> its KVAck(done)
+    acks: dict[str, asyncio.Future[m.ReserveAck]] = field(default_factory=dict)  # peer -> its ReserveAck
+    loaded: dict[str, asyncio.Future[m.KVAck]] = field(default_factory=dict)  # peer -> its KVAck(done)
     reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
     exports: int = 0  # transfers still to export P's KV: the pages go back once none is left
     background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     submitted: float = field(default_factory=time.monotonic)
     last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
     progress_sent: float = 0.0  # when the router was last told the KV moves
@@ -56,7 +57,7 @@ class PrefillJob:
     def rid(self) -> str:
         return self.submit.rid
 
-    def futures(self, peer: str) -> list[asyncio.Future]:
+    def futures(self, peer: str) -> list[asyncio.Future[Any]]:
         return [f for f in (self.acks.get(peer), self.loaded.get(peer)) if f is not None and not f.done()]
 
 
@@ -76,8 +77,11 @@ class PrefillRole:
         dc = self.host.dep.instance(peer).dc
         if dc not in self.lines:
             link = self.host.dep.link
-            prior = LOCAL_PRIOR if dc == self.host.spec.dc else LinkEstimate(link.bandwidth_mbps * 125_000,
-                                                                              link.delay_ms / 1000)
+            prior = (
+                LOCAL_PRIOR
+                if dc == self.host.spec.dc
+                else LinkEstimate(link.bandwidth_mbps * 125_000, link.delay_ms / 1000)
+            )
             self.lines[dc] = LineMeter(prior)
         return self.lines[dc]
 
@@ -91,12 +95,14 @@ class PrefillRole:
             job.task = self.host.spawn(self._run(job))
         elif isinstance(body, m.Abort):
             self.host.aborted.add(body.rid)
-            job = self.jobs.get(body.rid)
-            if job is not None and job.task is not None:
-                job.task.cancel()
+            running = self.jobs.get(body.rid)
+            if running is not None and running.task is not None:
+                running.task.cancel()
         else:
-            self.host.to_router(router_id, m.Error(f"a prefill instance does not take {type(body).__name__}",
-                                                   getattr(body, "rid", None)))
+            self.host.to_router(
+                router_id,
+                m.Error(f"a prefill instance does not take {type(body).__name__}", getattr(body, "rid", None)),
+            )
 
     async def on_peer(self, conn, name, frame) -> None:
         await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
@@ -112,7 +118,8 @@ class PrefillRole:
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.host.aborted.add(job.rid)
-            job.task.cancel()
+            if job.task is not None:
+                job.task.cancel()
 
     # ---- from decode-side instances ------------------------------------------------------
     async def _on_reply(self, peer: str, body: Any) -> None:
@@ -131,7 +138,7 @@ class PrefillRole:
         elif isinstance(body, m.KVAck) and body.done and loaded is not None and not loaded.done():
             loaded.set_result(body)
         elif isinstance(body, m.Error):
-            self._line(peer).end((rid, peer))
+            self._line(peer).end((job.rid, peer))
             for fut in job.futures(peer):
                 fut.set_exception(RuntimeError(f"{peer}: {body.message}"))
 
@@ -163,7 +170,8 @@ class PrefillRole:
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
                 self.host.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
-            for fut in [*job.acks.values(), *job.loaded.values()]:
+            answers: list[asyncio.Future[Any]] = [*job.acks.values(), *job.loaded.values()]
+            for fut in answers:
                 if not fut.done():
                     fut.cancel()
                 elif not fut.cancelled():
@@ -174,7 +182,7 @@ class PrefillRole:
     async def _tell(self, peer: str, body: Any) -> None:
         try:
             await self.peers.send(peer, body)
-        except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+        except (TimeoutError, OSError, wire.FrameError) as e:
             log.debug("cannot reach %s: %s", peer, e)
 
     async def _reserve(self, job: PrefillJob, peer: str, main: str | None = None) -> None:
@@ -192,10 +200,17 @@ class PrefillRole:
         is full, and a lost one is dropped by liveness)."""
         try:
             ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if ack.error:
             raise RuntimeError(f"{peer} refused: {ack.error}")
+        return ack
+
+    @classmethod
+    async def _reservation(cls, job: PrefillJob, peer: str) -> m.ReserveAck:
+        """The peer's reservation, however long it takes (see `_ack`)."""
+        ack = await cls._ack(job, peer, None)
+        assert ack is not None  # without a timeout, `_ack` waits for the answer
         return ack
 
     async def _serve(self, job: PrefillJob) -> None:
@@ -216,34 +231,45 @@ class PrefillRole:
         if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
             self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
-        log.debug("%s: prefill done %.0f ms after submit; decided after %.0f ms more", s.rid,
-                  1000 * (t_prefilled - job.submitted), 1000 * (time.monotonic() - t_prefilled))
-        self.host.to_router(job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0,
-                                                            predicted, fallback))
+        log.debug(
+            "%s: prefill done %.0f ms after submit; decided after %.0f ms more",
+            s.rid,
+            1000 * (t_prefilled - job.submitted),
+            1000 * (time.monotonic() - t_prefilled),
+        )
+        self.host.to_router(
+            job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0, predicted, fallback)
+        )
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
             self.host.to_router(job.router_id, m.Result(s.rid))
             self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
             return
-        paths = {}
+        paths: dict[str, Coroutine[Any, Any, int]] = {}
         if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
-            paths[s.relay] = self._to_relay(job, first)
+            assert s.relay is not None  # `_decide` chooses the relay only where SUBMIT names one
+            paths[s.relay] = self._to_relay(job, s.relay, first)
         if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # the delta over the line, at the same time
-            paths[s.main] = self._to_main(job, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None)
+            assert s.main is not None  # `_decide` chooses MD only where SUBMIT names one
+            paths[s.main] = self._to_main(
+                job, s.main, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None
+            )
         job.exports = len(paths)
-        outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True)))
+        outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True), strict=True))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
         if len(failed) == len(outcomes):
             raise next(iter(failed.values()))
-        if s.relay in failed:  # MD has the KV but nobody produces: it takes over from P's token
+        if s.relay is not None and s.relay in failed:  # MD has the KV but nobody produces: it takes over from P's token
+            assert s.main is not None  # not every path failed: MD's is the other
             log.warning("relay %s failed %s (%s); %s takes over", s.relay, s.rid, failed[s.relay], s.main)
             await self._tell(s.main, m.Handoff(s.rid, 0, [], True, 0))
-        sent = {peer: o for peer, o in outcomes.items() if peer not in failed}
+        sent = {peer: o for peer, o in outcomes.items() if not isinstance(o, BaseException)}
         wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
-        late = ack is None and s.main in sent  # MD answered after the decision: say what it held
-        self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan,
-                                                    job.acks[s.main].result().hit if late else None))
+        late_hit = None
+        if ack is None and s.main is not None and s.main in sent:  # MD answered after the decision: what it held
+            late_hit = job.acks[s.main].result().hit
+        self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan, late_hit))
 
-    async def _decide(self, job: PrefillJob) -> tuple[str, m.ReserveAck | None, float | None, str | None]:
+    async def _decide(self, job: PrefillJob) -> tuple[Pipeline, m.ReserveAck | None, float | None, Fallback | None]:
         """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
         s = job.submit
         if s.main is None:
@@ -254,48 +280,63 @@ class PrefillRole:
         try:
             ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
         except (RuntimeError, ConnectionError) as e:
-            refused = main_refused(s.relay is not None and await self._relay_takes(job))
+            refused = main_refused(s.relay is not None and await self._relay_takes(job, s.relay))
             if refused is None:
                 raise
             log.warning("%s: %s; the relay finishes it", s.rid, e)
             return refused.pipeline, None, None, refused.fallback
         delta = None if ack is None else (len(s.prompt) - ack.hit) * self.engine.kv_bytes_per_token
         left = budget - (time.monotonic() - waited)
-        decision = choose_pipeline(delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None,
-                                   self.policy.pipeline)
-        if decision.pipeline == Pipeline.P_RLD_MD and not await self._relay_takes(job):
-            decision = relay_refused(decision)
+        decision = choose_pipeline(
+            delta, line.estimate, line.in_flight(Priority.URGENT), left, s.relay is not None, self.policy.pipeline
+        )
+        if decision.pipeline == Pipeline.P_RLD_MD:
+            assert s.relay is not None  # `choose_pipeline` goes through the relay only when there is one
+            if not await self._relay_takes(job, s.relay):
+                decision = relay_refused(decision)
         predicted = None if decision.predicted_s is None else 1000 * decision.predicted_s
-        log.debug("%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s", s.rid, decision.pipeline, delta,
-                  predicted, line.estimate, line.in_flight(Priority.URGENT))
+        log.debug(
+            "%s: %s, delta %s bytes, predicted %s ms, line %s, in flight %s",
+            s.rid,
+            decision.pipeline,
+            delta,
+            predicted,
+            line.estimate,
+            line.in_flight(Priority.URGENT),
+        )
         return decision.pipeline, ack, predicted, decision.fallback
 
-    async def _relay_takes(self, job: PrefillJob) -> bool:
+    async def _relay_takes(self, job: PrefillJob, relay: str) -> bool:
         """Whether the relay holds the request: it answers at once, and turns it away
         when it is loaded (`pdd.policy.capacity.relay_accepts`)."""
         try:
-            return await self._ack(job, job.submit.relay, RELAY_ANSWER_S) is not None
+            return await self._ack(job, relay, RELAY_ANSWER_S) is not None
         except (RuntimeError, ConnectionError) as e:
             log.debug("%s: the relay does not take it: %s", job.rid, e)
             return False
 
-    async def _to_relay(self, job: PrefillJob, first: int) -> int:
-        relay = job.submit.relay
-        ack = await self._ack(job, relay, None)
-        sent = await self._send_kv(job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True,
-                                   priority=Priority.URGENT)
+    async def _to_relay(self, job: PrefillJob, relay: str, first: int) -> int:
+        ack = await self._reservation(job, relay)
+        sent = await self._send_kv(
+            job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True, priority=Priority.URGENT
+        )
         job.background = True  # the producer has its KV; what is left is MD's copy, if any
         return sent
 
-    async def _to_main(self, job: PrefillJob, first: int, ready_to: str | None) -> int:
+    async def _to_main(self, job: PrefillJob, main: str, first: int, ready_to: str | None) -> int:
         """The KV MD lacks; behind a relay, once MD confirms it has it all, READY to the relay."""
-        main = job.submit.main
-        ack = await self._ack(job, main, None)
+        ack = await self._reservation(job, main)
         if ready_to:
             job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
-        sent = await self._send_kv(job, main, *kv_range(len(job.submit.prompt), ack.hit), first, emit=ready_to is None,
-                                   priority=Priority.BACKGROUND if ready_to else Priority.URGENT)
+        sent = await self._send_kv(
+            job,
+            main,
+            *kv_range(len(job.submit.prompt), ack.hit),
+            first,
+            emit=ready_to is None,
+            priority=Priority.BACKGROUND if ready_to else Priority.URGENT,
+        )
         if ready_to:
             await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))
@@ -312,13 +353,13 @@ class PrefillRole:
             try:
                 await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
-                    raise asyncio.TimeoutError(f"{peer} acknowledged no KV of {job.rid} "
-                                               f"for {ACK_TIMEOUT_S:g} s") from None
+                    raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} for {ACK_TIMEOUT_S:g} s") from None
 
-    async def _send_kv(self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool,
-                       priority: int) -> int:
+    async def _send_kv(
+        self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool, priority: Priority
+    ) -> int:
         """Stream tokens [start, end) of the request's KV to `peer`, then KV_DONE; the
         payload bytes sent. One export (an engine command waits for the step under way:
         once, not once a chunk), then chunk by chunk, one layer per frame."""

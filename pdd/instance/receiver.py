@@ -16,14 +16,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.engine_port import OutOfPages, OutputStream
 from pdd.instance.host import Host, report_failure, tokens_of
-from pdd.kv import codec
 from pdd.instance.reservations import ReservationLine
+from pdd.kv import codec
 from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -61,17 +61,21 @@ class DecodeJob:
         return self.reserve.router_id
 
 
-class DecodeSide:
-    """Base of `MainRole` and `RelayRole`; subclasses add the handoff."""
+J = TypeVar("J", bound=DecodeJob)
 
-    job_type: type[DecodeJob] = DecodeJob
 
-    def __init__(self, host: Host) -> None:
+class DecodeSide(Generic[J]):
+    """Base of `MainRole` and `RelayRole`; subclasses add the handoff, and their jobs
+    (`job_type`) the handoff's state."""
+
+    def __init__(self, host: Host, job_type: type[J]) -> None:
         self.host = host
         self.engine = host.engine
-        self.jobs: dict[str, DecodeJob] = {}
-        self.line: ReservationLine[DecodeJob] = ReservationLine(
-            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued")))
+        self.job_type = job_type
+        self.jobs: dict[str, J] = {}
+        self.line: ReservationLine[J] = ReservationLine(
+            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued"))
+        )
 
     # ---- frames --------------------------------------------------------------------------
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
@@ -137,9 +141,9 @@ class DecodeSide:
                 await self.on_loaded(job)
         elif isinstance(body, m.Abort):  # P drops what it reserved or sent, for nothing
             self.host.aborted.add(body.rid)
-            job = self.jobs.get(body.rid)
-            if job is not None:
-                await self.end(job)
+            dropped = self.jobs.get(body.rid)
+            if dropped is not None:
+                await self.end(dropped)
         else:
             raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
 
@@ -150,17 +154,21 @@ class DecodeSide:
             if job is not None:
                 await self.end(job)
         else:
-            self.host.to_router(router_id, m.Error(f"{type(body).__name__} is not for a {self.host.spec.role} "
-                                                   "instance", getattr(body, "rid", None)))
+            self.host.to_router(
+                router_id,
+                m.Error(
+                    f"{type(body).__name__} is not for a {self.host.spec.role} instance", getattr(body, "rid", None)
+                ),
+            )
 
-    def _job(self, rid: str, peer: str) -> DecodeJob:
+    def _job(self, rid: str, peer: str) -> J:
         job = self.jobs.get(rid)
         if job is None or job.peer != peer:
             raise m.BadMessage(f"request {rid!r} is not reserved here by {peer}")
         return job
 
     # ---- reservation and KV --------------------------------------------------------------
-    async def _await_prefix(self, job: DecodeJob) -> None:
+    async def _await_prefix(self, job: J) -> None:
         """Wait, bounded, for a request still landing here that holds most of this prompt
         (`pdd.policy.prefix`), rather than have the same KV cross the line twice."""
         deadline = time.monotonic() + PREFIX_WAIT_S
@@ -174,21 +182,23 @@ class DecodeSide:
                 return
             try:
                 await asyncio.wait_for(others[i].settled.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
-    async def _reserve(self, job: DecodeJob) -> None:
+    async def _reserve(self, job: J) -> None:
         r = job.reserve
         if r.use_cache:
             await self._await_prefix(job)
         if job.ended:
             return
         try:
+            hit: int | None
             if self.optional(r):  # a loaded relay turns it away at once: P sends it P -> MD
                 hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
             else:
-                hit = await self.line.take(job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache),
-                                           lambda: job.ended)
+                hit = await self.line.take(
+                    job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache), lambda: job.ended
+                )
                 if hit is None:
                     return
         except OutOfPages as e:
@@ -203,11 +213,11 @@ class DecodeSide:
         job.reserved = True
         await self.host.send(job.owner, m.ReserveAck(r.rid, hit))
 
-    async def _refuse(self, job: DecodeJob, reason: str, busy: bool = False) -> None:
+    async def _refuse(self, job: J, reason: str, busy: bool = False) -> None:
         self.forget(job)
         await self.host.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
-    async def _on_layer(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
+    async def _on_layer(self, conn: FramedConnection, job: J, blob: codec.KVBlob) -> None:
         job.layers.append(blob)
         if blob.header.layer_end == blob.header.num_layers:  # the chunk's last layer: import it whole
             whole, job.layers = codec.join_layers(job.layers), []
@@ -215,7 +225,7 @@ class DecodeSide:
             # engine commands run in the order they are issued, so chunks land in order
             job.importing = self.host.spawn(self._import(conn, job, whole))
 
-    async def _import(self, conn: FramedConnection, job: DecodeJob, blob: codec.KVBlob) -> None:
+    async def _import(self, conn: FramedConnection, job: J, blob: codec.KVBlob) -> None:
         try:
             await self.engine.import_kv(job.rid, blob)
         except Exception as e:
@@ -225,7 +235,7 @@ class DecodeSide:
         await self.host.send(conn, m.KVAck(job.rid, blob.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
-    async def run(self, job: DecodeJob, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
+    async def run(self, job: J, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
         """Hand the engine the output tokens it lacks (`job.output[job.given:]`) and
         decode on (`shadow`: compute them only). Positions from `emit_from` on, known
         or produced, are streamed to the request's router."""
@@ -241,7 +251,7 @@ class DecodeSide:
                 stream.close()
                 raise
             job.stream = stream
-            self.host.spawn(self._forward(job))
+            self.host.spawn(self._forward(job, stream))
         else:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
         job.producing = emit_from is not None
@@ -250,8 +260,8 @@ class DecodeSide:
         if emit_from is not None and emit_from < len(job.output):
             self.host.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
 
-    async def _forward(self, job: DecodeJob) -> None:
-        stream, finished = job.stream, False
+    async def _forward(self, job: J, stream: OutputStream) -> None:
+        finished = False
         try:
             async for out in stream:
                 finished = out.finish_reason not in (None, "abort")
@@ -274,27 +284,27 @@ class DecodeSide:
         if finished:
             await self.on_finished(job)
 
-    async def on_finished(self, job: DecodeJob) -> None:
+    async def on_finished(self, job: J) -> None:
         """The request finished here (the relay hands its output over for the cache)."""
 
-    def on_token(self, job: DecodeJob) -> None:
+    def on_token(self, job: J) -> None:
         """This instance produced `job.output[-1]` (the relay watches for its handoff)."""
 
-    async def on_caught_up(self, job: DecodeJob, computed: int) -> None:
+    async def on_caught_up(self, job: J, computed: int) -> None:
         """A catch-up chunk is computed: output positions below `computed` (main only)."""
 
-    async def on_loaded(self, job: DecodeJob) -> None:
+    async def on_loaded(self, job: J) -> None:
         """KV complete without `emit`: the main instance waits for a handoff."""
         raise m.BadMessage(f"a {self.host.spec.role} instance cannot wait for a handoff")
 
     # ---- endings -------------------------------------------------------------------------
-    def forget(self, job: DecodeJob) -> None:
+    def forget(self, job: J) -> None:
         job.ended = True
         job.settled.set()
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
 
-    async def end(self, job: DecodeJob) -> None:
+    async def end(self, job: J) -> None:
         """Stop the request here and give its pages back (its KV stays in the cache)."""
         self.forget(job)
         if job.stream is not None:
@@ -302,7 +312,7 @@ class DecodeSide:
         elif job.reserved:
             await self.engine.release(job.rid)
 
-    async def fail(self, job: DecodeJob, error: BaseException) -> None:
+    async def fail(self, job: J, error: BaseException) -> None:
         await self.end(job)
         await self.host.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
         await report_failure(self.host, job.router_id, job.rid, error)
@@ -321,4 +331,3 @@ class DecodeSide:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.host.aborted.add(job.rid)
             self.host.spawn(self.end(job))
-

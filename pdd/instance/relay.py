@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.engine_port import RequestError
+from pdd.instance.host import Host, WholeRequests, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
-from pdd.instance.host import Host, WholeRequests, report_failure
+from pdd.names import HandoffMode
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
-from pdd.names import HandoffMode
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,9 @@ class RelayJob(DecodeJob):
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # a new token or acknowledgement
 
 
-class RelayRole(DecodeSide):
-    job_type = RelayJob
-
+class RelayRole(DecodeSide[RelayJob]):
     def __init__(self, host: Host) -> None:
-        super().__init__(host)
+        super().__init__(host, RelayJob)
         self.policy = host.dep.policy
         self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_main_lost)
         self.whole = WholeRequests(host)  # the anomaly filter's requests: prefilled here too
@@ -76,8 +74,10 @@ class RelayRole(DecodeSide):
     def refusal(self, r: m.Reserve) -> str | None:
         load = self.engine.load()
         if self.optional(r) and not relay_accepts(self.held(), load.waiting, load.max_running):
-            return (f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
-                    f"batch of {load.max_running})")
+            return (
+                f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
+                f"batch of {load.max_running})"
+            )
         return super().refusal(r)
 
     def close(self) -> None:
@@ -87,7 +87,7 @@ class RelayRole(DecodeSide):
         if isinstance(body, m.Ready):
             job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
             if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
-                job.handoff = self.host.spawn(self._hand_off(job))
+                job.handoff = self.host.spawn(self._hand_off(job, job.reserve.main))
         else:
             await super().on_peer_body(conn, name, body)
 
@@ -102,15 +102,23 @@ class RelayRole(DecodeSide):
         if job.reserve.main:
             try:
                 conn = await self.peers.get(job.reserve.main)
-                await m.send(conn, m.Handoff(job.rid, job.sent, job.output[job.sent :], False,
-                                             step_cap=self.policy.catch_up_chunk, fill=True))
-            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+                await m.send(
+                    conn,
+                    m.Handoff(
+                        job.rid, job.sent, job.output[job.sent :], False, step_cap=self.policy.catch_up_chunk, fill=True
+                    ),
+                )
+            except (TimeoutError, OSError, wire.FrameError) as e:
                 log.debug("no fill of %s for %s: %s", job.rid, job.reserve.main, e)
 
-    def forget(self, job: DecodeJob) -> None:
+    def forget(self, job: RelayJob) -> None:
         super().forget(job)
-        if isinstance(job, RelayJob) and job.handoff is not None and not job.cutting \
-                and job.handoff is not asyncio.current_task():
+        if (
+            isinstance(job, RelayJob)
+            and job.handoff is not None
+            and not job.cutting
+            and job.handoff is not asyncio.current_task()
+        ):
             job.handoff.cancel()  # it ended here (finished, aborted): nothing to hand over
 
     # ---- replies from MD -------------------------------------------------------------------
@@ -132,23 +140,29 @@ class RelayRole(DecodeSide):
                 job.handoff.cancel()  # no handoff: the relay finishes the request
 
     # ---- the handoff -----------------------------------------------------------------------
-    async def _hand_off(self, job: RelayJob) -> None:
+    async def _hand_off(self, job: RelayJob, main: str) -> None:
         try:
-            conn = await self.peers.get(job.reserve.main)
+            conn = await self.peers.get(main)
             if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
                 await self.end(job)
                 await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
                 self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
-            plan = choose_handoff(len(job.output), occupancy(load.running, load.max_running), load.waiting,
-                                  self.policy.handoff_threshold, self.policy.catch_up_chunk, self.policy.handoff)
+            plan = choose_handoff(
+                len(job.output),
+                occupancy(load.running, load.max_running),
+                load.waiting,
+                self.policy.handoff_threshold,
+                self.policy.catch_up_chunk,
+                self.policy.handoff,
+            )
             if plan.mode == HandoffMode.CATCH_UP:
                 await self._catch_up(job, conn, plan)
             await self._cut_over(job, conn, plan)
         except asyncio.CancelledError:
             pass
-        except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+        except (TimeoutError, OSError, wire.FrameError) as e:
             log.warning("handoff of %s abandoned: %s", job.rid, e)
             if job.cutting:  # its sequence is cut here: nobody produces unless the router has MD take over
                 await report_failure(self.host, job.router_id, job.rid, e)

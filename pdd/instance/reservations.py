@@ -52,7 +52,7 @@ class ReservationLine(Generic[J]):
                 delay = reserve_retry_delay(tries, 0.0, math.inf)
                 try:
                     await asyncio.wait_for(self._moved.wait(), delay)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             return None
         finally:

@@ -10,8 +10,12 @@ from pdd.instance.relay import RelayRole
 from pdd.instance.standalone import StandaloneRole
 from pdd.names import RoleName
 
-ROLE_CLASSES: dict[str, type] = {RoleName.STANDALONE: StandaloneRole, RoleName.PREFILL: PrefillRole, RoleName.RELAY: RelayRole,
-                                 RoleName.MAIN: MainRole}
+ROLE_CLASSES: dict[str, type] = {
+    RoleName.STANDALONE: StandaloneRole,
+    RoleName.PREFILL: PrefillRole,
+    RoleName.RELAY: RelayRole,
+    RoleName.MAIN: MainRole,
+}
 
 
 def make_role(host: Host) -> Role:

@@ -21,8 +21,10 @@ class StandaloneRole:
         elif isinstance(body, m.Abort):
             self.whole.abort(body.rid)
         else:
-            self.host.to_router(router_id, m.Error(f"a standalone instance does not take {type(body).__name__}",
-                                                   getattr(body, "rid", None)))
+            self.host.to_router(
+                router_id,
+                m.Error(f"a standalone instance does not take {type(body).__name__}", getattr(body, "rid", None)),
+            )
 
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         await self.host.send(conn, m.Error("a standalone instance takes no peer traffic"))  # none talks to it

@@ -35,8 +35,11 @@ _WHY_NOT = {
     "longrope": "not implemented (Phi-3 style per-frequency factors)",
 }
 # the parameters each type reads; transformers ignores any other key, and so do we
-_ROPE_PARAMETERS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-                    "yarn": ("factor",)}
+_ROPE_PARAMETERS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -108,7 +111,7 @@ class ModelConfig:
         return float(self.rope["rope_theta"])
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read `cfg`; UnsupportedCheckpoint names the first field pdd cannot compute."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_TYPES:
@@ -149,7 +152,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         source = Path(path) / "config.json"
         with open(source, encoding="utf-8") as f:
             raw = json.load(f)
@@ -172,8 +175,10 @@ def _refuse_unsupported(cfg: dict[str, Any]) -> None:
         raise UnsupportedCheckpoint("hidden_act", f"{act!r}: only SiLU (SwiGLU) MLPs are implemented")
     auto_map = cfg.get("auto_map") or {}
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
-        raise UnsupportedCheckpoint("auto_map", "the checkpoint ships its own modelling code "
-                                                f"({auto_map['AutoModelForCausalLM']}), which pdd does not run")
+        raise UnsupportedCheckpoint(
+            "auto_map",
+            f"the checkpoint ships its own modelling code ({auto_map['AutoModelForCausalLM']}), which pdd does not run",
+        )
 
 
 def _refuse_sliding_windows(cfg: dict[str, Any], model_type: str) -> None:
@@ -186,10 +191,13 @@ def _refuse_sliding_windows(cfg: dict[str, Any], model_type: str) -> None:
     where = "layer_types"
     if layer_types is None:
         first = cfg.get("max_window_layers", 28)
-        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                       for i in range(cfg["num_hidden_layers"])]
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
         where = "use_sliding_window"
     odd = sorted({t for t in layer_types if t != "full_attention"})
     if odd:
-        raise UnsupportedCheckpoint(where, f"layers of type {odd} (sliding_window={window}) are not implemented; "
-                                           "only full attention is")
+        raise UnsupportedCheckpoint(
+            where, f"layers of type {odd} (sliding_window={window}) are not implemented; only full attention is"
+        )

@@ -53,8 +53,8 @@ _CODE_LINES = (
     "x = torch.zeros(4, 8, dtype=torch.float32)",
     '{"role": "user", "content": "hello"}',
     "SELECT id, name FROM users WHERE age > 30;",
-    "fn main() { println!(\"{}\", 42); }",
-    "<div class=\"box\"><span>ok</span></div>",
+    'fn main() { println!("{}", 42); }',
+    '<div class="box"><span>ok</span></div>',
     "$ curl -s http://localhost:8000/v1/models | jq .",
 )
 
@@ -84,7 +84,7 @@ class SplitMix64:
     def zipf_index(self, n: int) -> int:
         """An index in [0, n) skewed towards 0, so some words are common and most rare."""
         u = (self.next_u64() >> 11) / float(1 << 53)
-        return min(n - 1, int(n ** u) - 1)
+        return min(n - 1, int(n**u) - 1)
 
 
 def _lexicon(rng: SplitMix64, size: int) -> list[str]:
@@ -92,10 +92,7 @@ def _lexicon(rng: SplitMix64, size: int) -> list[str]:
     seen: set[str] = set()
     while len(words) < size:
         syllables = 1 + rng.below(3)
-        word = "".join(
-            rng.pick(_ONSETS) + rng.pick(_VOWELS) + rng.pick(_CODAS).strip("-")
-            for _ in range(syllables)
-        )
+        word = "".join(rng.pick(_ONSETS) + rng.pick(_VOWELS) + rng.pick(_CODAS).strip("-") for _ in range(syllables))
         if word not in seen:
             seen.add(word)
             words.append(word)
@@ -126,8 +123,7 @@ def _paragraph(rng: SplitMix64, lexicon: list[str]) -> str:
         return "\n".join(rng.pick(_CODE_LINES) for _ in range(2 + rng.below(4)))
     if kind == 1:
         turns = (
-            f"<|im_start|>{rng.pick(_CHAT_ROLES)}\n{_sentence(rng, lexicon)}<|im_end|>"
-            for _ in range(1 + rng.below(3))
+            f"<|im_start|>{rng.pick(_CHAT_ROLES)}\n{_sentence(rng, lexicon)}<|im_end|>" for _ in range(1 + rng.below(3))
         )
         return "\n".join(turns)
     return " ".join(_sentence(rng, lexicon) for _ in range(1 + rng.below(6)))

@@ -9,7 +9,7 @@ Module names match Hugging Face's so checkpoints load without renaming.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor  # a buffer: registered below, typed here (nn.Module's attributes are untyped)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         inv_freq, self.scale = inv_freq_and_scale(cfg.rope, cfg.head_dim)
@@ -70,7 +72,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention
+    ) -> torch.Tensor:
         t, hd = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(t, self.cfg.num_heads, hd)
         k = self.k_proj(x).view(t, self.cfg.num_kv_heads, hd)
@@ -124,7 +128,8 @@ class CausalLM(nn.Module):
         """Hidden states (after the final norm) of the flat new tokens."""
         cos, sin = self.rotary.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
+        # nn.ModuleList yields plain Modules to the checker; these are the DecoderLayers built above
+        for i, layer in enumerate(cast(list[DecoderLayer], self.model.layers)):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, i, attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)

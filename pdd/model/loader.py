@@ -54,9 +54,13 @@ def _check_tensors(path: Path, state: dict[str, torch.Tensor], expected: dict[st
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}{hint}")
     extra = sorted(set(state) - set(expected))
     if extra:
-        raise ValueError(f"{path}: the checkpoint has {len(extra)} tensors config.json does not account for "
-                         f"(biases? more layers?), e.g. {extra[:3]}; pdd would compute without them")
+        raise ValueError(
+            f"{path}: the checkpoint has {len(extra)} tensors config.json does not account for "
+            f"(biases? more layers?), e.g. {extra[:3]}; pdd would compute without them"
+        )
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(state[name].shape)} but config.json (hidden_size, "
-                             f"num_attention_heads, num_key_value_heads, head_dim, ...) implies {shape}")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(state[name].shape)} but config.json (hidden_size, "
+                f"num_attention_heads, num_key_value_heads, head_dim, ...) implies {shape}"
+            )

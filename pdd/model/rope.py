@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+
 def inv_freq_and_scale(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies (float32) and the factor cos and sin are scaled by."""
     base = float(rope["rope_theta"])

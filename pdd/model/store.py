@@ -66,7 +66,8 @@ def _from_hub_cache(repo_id: str) -> Path:
             f"{repo_id}: no such directory, and no complete snapshot of it in the Hugging Face cache "
             f"{constants.HF_HUB_CACHE} (set HF_HOME or HF_HUB_CACHE to use another). pdd does not download: "
             f"fetch it where there is network (`hf download {repo_id}`) and copy the cache here, or pass "
-            f"a model directory. ({type(e).__name__})") from None
+            f"a model directory. ({type(e).__name__})"
+        ) from None
     if not (snapshot / "config.json").is_file():
         raise FileNotFoundError(f"{repo_id}: the cached snapshot {snapshot} has no config.json")
     return snapshot

@@ -126,7 +126,7 @@ def make_tiny(
     print(f"pdd: building tiny model in {out}", file=sys.stderr)
 
     tokenizer = _train_tokenizer(vocab_size)
-    special_ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    special_ids = [_token_id(tokenizer, t) for t in SPECIAL_TOKENS]
     bos_id, eos_id, _, im_end_id, pad_id = special_ids
     head_dim = hidden // heads
     config = {
@@ -200,8 +200,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer.train_from_iterator(corpus(), trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
-            f"the training corpus only supports {tokenizer.get_vocab_size()} tokens, "
-            f"not the {vocab_size} asked for"
+            f"the training corpus only supports {tokenizer.get_vocab_size()} tokens, not the {vocab_size} asked for"
         )
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -212,13 +211,20 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _init_weights(
-    config: dict[str, Any], special_ids: list[int], gen: torch.Generator
-) -> dict[str, torch.Tensor]:
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of a special token the trainer was given (so it is in the vocabulary)."""
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"{token!r} is not in the trained vocabulary")
+    return token_id
+
+
+def _init_weights(config: dict[str, Any], special_ids: list[int], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Draw the weights in a fixed order from `gen`; see the module docstring for why.
 
     Every op here is correctly rounded IEEE arithmetic (math.sqrt, not pow) on exact
-    inputs, so the bits do not depend on the CPU or its libm; `_copy_readout` handles the one place that needs reductions.
+    inputs, so the bits do not depend on the CPU or its libm; `_copy_readout` handles the one
+    place that needs reductions.
     """
     d = config["hidden_size"]
     n_layers = config["num_hidden_layers"]

@@ -10,7 +10,6 @@ keeps in its JSON side files: special token ids, EOS sets and the Jinja chat tem
 from __future__ import annotations
 
 import functools
-
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -93,9 +92,7 @@ class Tokenizer:
         """Text of `ids`; incomplete UTF-8 at the end decodes to U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template exactly as `transformers` does."""
         if self._template is None:
             raise ValueError("this model has no chat_template; use a plain completion prompt")
@@ -173,9 +170,7 @@ def _compile_template(source: str) -> jinja2.Template:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

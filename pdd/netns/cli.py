@@ -95,14 +95,20 @@ def with_tls(dep: cfg.Deployment, net: Lab, out: Path) -> cfg.Deployment:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("netns", help="a two-site deployment in network namespaces over a kernel-shaped line (root)")
-    p.add_argument("action", choices=("up", "bench"), help="up: serve until SIGINT/SIGTERM; bench: replay a demo "
-                                                           "scenario from the client host, print its table, stop")
+    p.add_argument(
+        "action",
+        choices=("up", "bench"),
+        help="up: serve until SIGINT/SIGTERM; bench: replay a demo "
+        "scenario from the client host, print its table, stop",
+    )
     p.add_argument("--config", help="deployment TOML for everything but the instances (default: the built-in one)")
     p.add_argument("--mode", choices=MODES, default="pdd")
-    p.add_argument("--bandwidth-mbps", type=float, help="the line's rate per direction, by tbf (default 50; bench: "
-                                                        "the scenario's)")
-    p.add_argument("--delay-ms", type=float,
-                   help="one-way delay, by a `pdd wan` hop (default 0; bench: the scenario's)")
+    p.add_argument(
+        "--bandwidth-mbps", type=float, help="the line's rate per direction, by tbf (default 50; bench: the scenario's)"
+    )
+    p.add_argument(
+        "--delay-ms", type=float, help="one-way delay, by a `pdd wan` hop (default 0; bench: the scenario's)"
+    )
     p.add_argument("--jitter-ms", type=float, help="one-way jitter bound, by the hop (as --delay-ms)")
     p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (9000: jumbo frames on the line)")
     p.add_argument("--no-tls", action="store_true", help="plain TCP between instances")
@@ -142,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
             dep = dep if args.no_tls else with_tls(dep, net, run_dir / "tls")
             launcher = LabLauncher(dep, run_dir, net)
             hop_note = f", a pdd wan hop adds {delay:g} ms ± {jitter:g} ms one way" if hop else ", no delay"
-            print(f"pdd netns: mode {args.mode}, run directory {run_dir}; line {rate:g} Mbit/s each way (tbf)"
-                  f"{hop_note}, MTU {args.mtu}{', TLS' if not args.no_tls else ''}", flush=True)
+            print(
+                f"pdd netns: mode {args.mode}, run directory {run_dir}; line {rate:g} Mbit/s each way (tbf)"
+                f"{hop_note}, MTU {args.mtu}{', TLS' if not args.no_tls else ''}",
+                flush=True,
+            )
             for h in net.hosts.values():
                 print(f"host {h.name}: {h.addr} (site {h.site}, netns {h.ns})", flush=True)
             try:
@@ -151,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
                 client = net.hosts[CLIENT].ns
                 if args.action == "bench":
                     return _bench(args, net, dep)
-                print(f"client: ip netns exec {client} COMMAND; line counters: ip netns exec {net.line_ns} "
-                      f"cat /sys/class/net/to{{a,b}}/statistics/tx_bytes", flush=True)
+                print(
+                    f"client: ip netns exec {client} COMMAND; line counters: ip netns exec {net.line_ns} "
+                    f"cat /sys/class/net/to{{a,b}}/statistics/tx_bytes",
+                    flush=True,
+                )
                 launcher.watch(stop)
             finally:
                 launcher.stop()
@@ -188,12 +200,32 @@ def _bench(args: argparse.Namespace, net: Lab, dep: cfg.Deployment) -> int:
     line = {site: n - before[site] for site, n in net.line_bytes().items()}
     summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=dep.slo.ttft_ms, slo_tpot_ms=dep.slo.tpot_ms)
     Console().print(format_table({f"{args.mode} (netns)": summary}))
-    print(f"line bytes at the kernel interfaces: {line} (total {sum(line.values()):,}); the bench's WAN bytes "
-          f"{summary['wan_bytes']:,}", flush=True)
+    print(
+        f"line bytes at the kernel interfaces: {line} (total {sum(line.values()):,}); the bench's WAN bytes "
+        f"{summary['wan_bytes']:,}",
+        flush=True,
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        config = {"scenario": sc.name, "requests": requests, "rate": rate if math.isfinite(rate) else None,
-                  "seed": args.seed, "mode": args.mode, "line": dataclasses.asdict(dep.link), "mtu": args.mtu}
-        args.out.write_text(json.dumps({"summary": summary, "line_bytes": line, "config": config,
-                                        "requests": [r.to_dict() for r in run.records]}, indent=2) + "\n")
+        config = {
+            "scenario": sc.name,
+            "requests": requests,
+            "rate": rate if math.isfinite(rate) else None,
+            "seed": args.seed,
+            "mode": args.mode,
+            "line": dataclasses.asdict(dep.link),
+            "mtu": args.mtu,
+        }
+        args.out.write_text(
+            json.dumps(
+                {
+                    "summary": summary,
+                    "line_bytes": line,
+                    "config": config,
+                    "requests": [r.to_dict() for r in run.records],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0 if summary["completed"] else 1

@@ -85,8 +85,11 @@ def _delete_namespace(ns: str) -> None:
 
 def remove_stale() -> list[str]:
     """Delete the namespaces of labs whose creating process is gone (a crashed run)."""
-    stale = [ns for ns in _namespaces() if ns.startswith(PREFIX) and ns.split("-")[1].isdigit()
-             and not _alive(int(ns.split("-")[1]))]
+    stale = [
+        ns
+        for ns in _namespaces()
+        if ns.startswith(PREFIX) and ns.split("-")[1].isdigit() and not _alive(int(ns.split("-")[1]))
+    ]
     for ns in stale:
         _delete_namespace(ns)
     return stale
@@ -161,7 +164,7 @@ class Lab:
         _ip("ip", "netns", "exec", self.line_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         rate = f"{self.line_mbps:g}mbit"
         burst = str(max(32 * 1024, int(self.line_mbps * 125_000 * 0.002)))  # 2 ms of line, at least 32 KiB
-        for site, i in self.sites.items():
+        for site in self.sites:
             switch = self.tag + f"sw{site.lower()}"
             _ip("ip", "netns", "add", switch)
             _ip("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
@@ -170,8 +173,25 @@ class Lab:
             self._veth(self.line_ns, side, switch, "line")
             _ip("ip", "-n", self.line_ns, "addr", "add", f"{self.gateway(site)}/24", "dev", side)
             # the line into this site: its rate, a queue of 20 ms (as `pdd wan`'s)
-            _ip("ip", "netns", "exec", self.line_ns, "tc", "qdisc", "add", "dev", side, "root", "tbf", "rate", rate,
-                "burst", burst, "latency", "20ms")
+            _ip(
+                "ip",
+                "netns",
+                "exec",
+                self.line_ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                side,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                "20ms",
+            )
             for k, host in enumerate(h for h in self.hosts.values() if h.site == site):
                 _ip("ip", "netns", "add", host.ns)
                 self._link_up(host.ns, "lo")
@@ -182,8 +202,25 @@ class Lab:
 
     def _veth(self, ns_a: str, name_a: str, switch: str, port: str) -> None:
         """A veth pair from `ns_a` to a port of `switch`'s bridge, both ends up."""
-        _ip("ip", "link", "add", name_a, "netns", ns_a, "mtu", str(self.mtu), "type", "veth",
-            "peer", "name", port, "netns", switch, "mtu", str(self.mtu))
+        _ip(
+            "ip",
+            "link",
+            "add",
+            name_a,
+            "netns",
+            ns_a,
+            "mtu",
+            str(self.mtu),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            switch,
+            "mtu",
+            str(self.mtu),
+        )
         _ip("ip", "-n", switch, "link", "set", port, "master", "br0")
         self._link_up(switch, port)
         self._link_up(ns_a, name_a)
@@ -210,10 +247,24 @@ class Lab:
     def spawn(self, host: str, args: Sequence[str], log: IO | None = None, nice: int = 0) -> subprocess.Popen:
         """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of its own."""
         ns = self.line_ns if host == "line" else self.hosts[host].ns
-        cmd = ["ip", "netns", "exec", ns, *(["nice", "-n", str(nice)] if nice else []),
-               sys.executable, "-m", "pdd.cli", *args]
-        return subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            *(["nice", "-n", str(nice)] if nice else []),
+            sys.executable,
+            "-m",
+            "pdd.cli",
+            *args,
+        ]
+        return subprocess.Popen(
+            cmd,
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     def line_bytes(self) -> dict[str, int]:
         """Bytes the line has carried into each site (its tbf-shaped egress: what crossed)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RELAY_ANSWER_S = 1.0  # the relay is next door: an answer later than this is a loaded relay
+
 
 def pages_needed(prompt_tokens: int, max_tokens: int, hit_tokens: int, page_size: int) -> int:
     """KV pages a decode-side instance allocates over a request's life: every page of

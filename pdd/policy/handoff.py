@@ -25,16 +25,18 @@ def occupancy(running: int, max_running: int) -> float:
 
 @dataclass(frozen=True)
 class HandoffPlan:
-    mode: str
+    mode: HandoffMode
     chunk: int  # catch-up: most handed-over tokens MD computes in one step
 
 
-def choose_handoff(gap_tokens: int, occupancy: float, queued: int, threshold: int, chunk: int,
-                   forced: str = "auto") -> HandoffPlan:
+def choose_handoff(
+    gap_tokens: int, occupancy: float, queued: int, threshold: int, chunk: int, forced: str = "auto"
+) -> HandoffPlan:
     """`gap_tokens`: tokens the relay produced that MD lacks; `occupancy` and `queued`:
     the relay's running share of its capacity and its waiting requests."""
     if forced != "auto":  # pinned for experiments: exactly as configured
-        return HandoffPlan(forced, chunk if forced == HandoffMode.CATCH_UP else 0)
+        mode = HandoffMode(forced)  # the config allows only its modes besides "auto"
+        return HandoffPlan(mode, chunk if mode == HandoffMode.CATCH_UP else 0)
     if gap_tokens <= threshold or queued > 0 or occupancy >= BUSY:
         return HandoffPlan(HandoffMode.ONE_SHOT, 0)
     # A half-busy relay is freed sooner by larger chunks: MD catches up in fewer steps.
@@ -47,5 +49,4 @@ def cut_over(produced: int, computed: int, threshold: int, rounds: int, previous
     no longer halves the gap (the relay produces about as much as a round trip lets MD
     absorb: more rounds only keep the relay busy); or after `MAX_CATCH_UP_ROUNDS`."""
     gap = produced - computed
-    return (gap <= threshold or (previous_gap is not None and 2 * gap > previous_gap)
-            or rounds >= MAX_CATCH_UP_ROUNDS)
+    return gap <= threshold or (previous_gap is not None and 2 * gap > previous_gap) or rounds >= MAX_CATCH_UP_ROUNDS

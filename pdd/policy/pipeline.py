@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdd.policy.transfer import LinkEstimate, finish_s
 from pdd.names import Fallback, Pipeline
+from pdd.policy.transfer import LinkEstimate, finish_s
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,14 @@ def answer_wait_s(budget_s: float, link: LinkEstimate) -> float:
     return max(0.0, budget_s - link.one_way_s)
 
 
-def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequence[int], budget_s: float,
-                    has_relay: bool, forced: str = "auto") -> Decision:
+def choose_pipeline(
+    delta_bytes: int | None,
+    link: LinkEstimate,
+    in_flight: Sequence[int],
+    budget_s: float,
+    has_relay: bool,
+    forced: str = "auto",
+) -> Decision:
     """`delta_bytes`: KV MD lacks after its reservation (None: no reservation answer yet).
 
     P -> MD when that delta, queued behind what is already on the line, is predicted
@@ -45,7 +51,7 @@ def choose_pipeline(delta_bytes: int | None, link: LinkEstimate, in_flight: Sequ
     if not has_relay:
         return Decision(Pipeline.P_MD, predicted)
     if forced != "auto":
-        return Decision(forced, predicted)
+        return Decision(Pipeline(forced), predicted)  # the config allows only P-MD and P-RLD-MD here
     if predicted is not None and predicted <= budget_s:
         return Decision(Pipeline.P_MD, predicted)
     return Decision(Pipeline.P_RLD_MD, predicted)

@@ -11,11 +11,11 @@ the plan's entry), so its long prefill does not hold up P's queue either.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
-from pdd.policy.routing import Candidate, pick
 from pdd.names import Fallback, RoleName
+from pdd.policy.routing import Candidate, pick
 
 SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for
 SPEC_SHORT_OUTPUT = 500  # "ultra-short output (< 500 tokens)"
@@ -29,8 +29,13 @@ class AnomalyRule:
     max_hit_share: float  # a predicted hit at MD at or under this share of the prompt is "low"
 
 
-def anomaly_rule(enabled: bool, max_context: int, max_output_tokens: int = 0, min_prompt_share: float = 0.5,
-                 max_hit_share: float = 0.5) -> AnomalyRule:
+def anomaly_rule(
+    enabled: bool,
+    max_context: int,
+    max_output_tokens: int = 0,
+    min_prompt_share: float = 0.5,
+    max_hit_share: float = 0.5,
+) -> AnomalyRule:
     """The spec's rule at this model's scale: "short" is 500 tokens of a 64K context,
     scaled to `max_context` unless `max_output_tokens` is given."""
     short = max_output_tokens or max(1, round(SPEC_SHORT_OUTPUT * max_context / SPEC_CONTEXT))
@@ -38,8 +43,12 @@ def anomaly_rule(enabled: bool, max_context: int, max_output_tokens: int = 0, mi
 
 
 def is_anomalous(prompt_tokens: int, max_tokens: int, predicted_hit_tokens: int, rule: AnomalyRule) -> bool:
-    return (rule.enabled and max_tokens < rule.max_output_tokens and prompt_tokens >= rule.min_prompt_tokens
-            and predicted_hit_tokens <= rule.max_hit_share * prompt_tokens)
+    return (
+        rule.enabled
+        and max_tokens < rule.max_output_tokens
+        and prompt_tokens >= rule.min_prompt_tokens
+        and predicted_hit_tokens <= rule.max_hit_share * prompt_tokens
+    )
 
 
 @dataclass(frozen=True)
@@ -52,12 +61,20 @@ class Plan:
     fallback: str | None = None  # a role had no healthy instance, so the plan lacks it
 
 
-def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], main: list[Candidate],
-                 relay: list[Candidate], rule: AnomalyRule, affinity_weight: float = 1.0,
-                 load_weight: float = 1.0) -> Plan:
+def plan_request(
+    prompt_tokens: int,
+    max_tokens: int,
+    entry: list[Candidate],
+    main: list[Candidate],
+    relay: list[Candidate],
+    rule: AnomalyRule,
+    affinity_weight: float = 1.0,
+    load_weight: float = 1.0,
+) -> Plan:
     """Pick each role's instance (`routing.pick`). `main` empty: a colocated deployment.
     `relay` empty: no relay tier (plain P/D). Raises LookupError when the entry role, or
     every decode-side instance, is down."""
+
     def choose(cands: list[Candidate]) -> Candidate | None:
         try:
             return pick(cands, prompt_tokens, affinity_weight, load_weight)
@@ -70,15 +87,50 @@ def plan_request(prompt_tokens: int, max_tokens: int, entry: list[Candidate], ma
     if not main:
         return Plan(p.name, None, None, 0)
     md, rld = choose(main), choose(relay) if relay else None
-    if md is None and rld is None:
-        raise LookupError("no healthy decode instance")
-    if md is None:  # the relay finishes the request alone: counted, never silent
+    if md is None:
+        if rld is None:
+            raise LookupError("no healthy decode instance")
+        # the relay finishes the request alone: counted, never silent
         return Plan(p.name, None, rld.name, 0, fallback=Fallback.NO_MAIN)
     if relay and rld is None:
         return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback=Fallback.NO_RELAY)
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
         return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)
+
+
+def plan_with_room(
+    prompt_tokens: int,
+    max_tokens: int,
+    entry: list[Candidate],
+    main: list[Candidate],
+    relay: list[Candidate],
+    rule: AnomalyRule,
+    has_room: Callable[[Candidate], bool],
+    affinity_weight: float = 1.0,
+    load_weight: float = 1.0,
+) -> Plan | None:
+    """`plan_request` as the router dispatches (`pdd.policy.capacity`): only onto a
+    decode-side instance that has room for the request now (`has_room`), None while
+    there is none (the request waits its turn). While MD is up it is never passed by for
+    the relay: the request waits for room at MD, and a relay without room only stops
+    the anomaly filter from sending it there (a relay behind MD is optional: it turns
+    work away itself). Without MD, the relay produces alone and must have room."""
+
+    def roomy(cands: list[Candidate]) -> list[Candidate]:
+        return [replace(c, healthy=c.healthy and has_room(c)) for c in cands]
+
+    if any(c.healthy for c in main):
+        main = roomy(main)
+        if not any(c.healthy for c in main):
+            return None
+        if not any(c.healthy for c in roomy(relay)):
+            rule = replace(rule, enabled=False)
+    elif any(c.healthy for c in relay):
+        relay = roomy(relay)
+        if not any(c.healthy for c in relay):
+            return None
+    return plan_request(prompt_tokens, max_tokens, entry, main, relay, rule, affinity_weight, load_weight)
 
 
 def missing_roles(healthy: Mapping[str, int], entry_role: str, disaggregated: bool) -> list[str]:

@@ -21,8 +21,9 @@ class Playout:
     spacing_s: float  # the main instance's gap between tokens, as measured
 
 
-def release(held: int, delivered: int, since_last_s: float, relay_producing: bool, relay_stopped: bool,
-            playout: Playout) -> int:
+def release(
+    held: int, delivered: int, since_last_s: float, relay_producing: bool, relay_stopped: bool, playout: Playout
+) -> int:
     """How many of the `held` tokens (in order) to release now.
 
     `relay_producing`: a relay produces and will hand over; `relay_stopped`: it has

@@ -24,8 +24,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def prefix_holder(prompt: Sequence[int], cached_tokens: int, page_size: int,
-                  in_flight: Sequence[Sequence[int]]) -> int | None:
+def prefix_holder(
+    prompt: Sequence[int], cached_tokens: int, page_size: int, in_flight: Sequence[Sequence[int]]
+) -> int | None:
     """Which of the unsettled requests `in_flight` (each its prompt and known output)
     to wait for: the one sharing the longest prefix with `prompt`, if that beats the
     cache by a page and covers half the prompt; None: reserve now."""

@@ -17,7 +17,9 @@ class Candidate:
     healthy: bool = True
 
 
-def pick(candidates: list[Candidate], prompt_tokens: int, affinity_weight: float = 1.0, load_weight: float = 1.0) -> Candidate:
+def pick(
+    candidates: list[Candidate], prompt_tokens: int, affinity_weight: float = 1.0, load_weight: float = 1.0
+) -> Candidate:
     """The healthy candidate with the least expected work: what it must compute for this
     prompt (the uncached part) plus what is already queued there. Ties go to the first."""
     healthy = [c for c in candidates if c.healthy]

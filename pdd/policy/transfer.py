@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
+
 class Priority(IntEnum):
     """What a connection between instances carries: control frames (reservations,
     handoffs, aborts) never wait behind KV; urgent KV (on a request's critical path:

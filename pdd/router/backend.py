@@ -21,26 +21,26 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
+from pdd.names import Fallback, Pipeline, RoleName
 from pdd.policy.plan import missing_roles
 from pdd.policy.playout import next_release_s
 from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
+from pdd.router.members import Membership
+from pdd.router.metrics import RouterMetrics
 from pdd.router.pacing import Pacer
 from pdd.router.planning import Planner
-from pdd.router.members import Membership
-from pdd.tasks import Tasks
-from pdd.router.metrics import RouterMetrics
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
-from pdd.names import Fallback, Pipeline, RoleName
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,10 @@ class RouterBackend:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
         self.router_id = secrets.token_hex(8)
-        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id)
+        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
+        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.planner = Planner(dep, self.clients)
-        self.metrics = RouterMetrics(registry, lambda: self.clients.values())
         self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
@@ -83,10 +83,19 @@ class RouterBackend:
             self.clients[name].register(request.rid, q)
             self.clients[name].queued_tokens += self._work(request)
         if plan.fallback:
-            self._fell_back(request, plan.fallback)
+            self._fell_back(request, Fallback(plan.fallback))
         r = request.req
-        await self.clients[plan.entry].send(m.Submit(request.rid, r.prompt, r.params, self.router_id, plan.main,
-                                                     plan.relay, self.dep.policy.decode_radix_cache))
+        await self.clients[plan.entry].send(
+            m.Submit(
+                request.rid,
+                r.prompt,
+                r.params,
+                self.router_id,
+                plan.main,
+                plan.relay,
+                self.dep.policy.decode_radix_cache,
+            )
+        )
 
     def _release(self, request: RouterRequest) -> None:
         self.planner.commit(request, -1)
@@ -97,7 +106,7 @@ class RouterBackend:
                 c.queued_tokens -= self._work(request)
 
     # ---- a request -------------------------------------------------------------------------
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1
@@ -114,8 +123,9 @@ class RouterBackend:
                         request.held += new
                         request.last_progress = time.monotonic()
                     if request.stranded:
-                        raise BackendError(f"no instance is left to produce the request (instances "
-                                           f"{', '.join(request.members)})", 503)
+                        raise BackendError(
+                            f"no instance is left to produce the request (instances {', '.join(request.members)})", 503
+                        )
                 out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._finish(request, out)
@@ -139,13 +149,17 @@ class RouterBackend:
         messages that bring no token (a repeated loss report, say) are no progress."""
         timeout = self.dep.router.stall_timeout_s if request.merger.delivered else self.dep.router.token_timeout_s
         left = timeout - (time.monotonic() - request.last_progress)
-        due = next_release_s(len(request.held), time.monotonic() - request.last_release, request.relay_stopped,
-                             self.pacer.playout(request))
+        due = next_release_s(
+            len(request.held),
+            time.monotonic() - request.last_release,
+            request.relay_stopped,
+            self.pacer.playout(request),
+        )
         try:
             if left <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             return await asyncio.wait_for(q.get(), left if due is None else min(due, left))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if due is not None and due <= left:
                 return None
             raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
@@ -192,15 +206,26 @@ class RouterBackend:
     async def _on_error(self, request: RouterRequest, q: asyncio.Queue, source: str, err: m.Error) -> None:
         """Go on through what is left, or fail (`pdd.policy.recovery`)."""
         plan, role = request.plan, self._role_of(source)
-        failed = Failed(entry=source == plan.entry, relay=source == plan.relay, main=source == plan.main,
-                        lost=err.lost, busy=err.busy)
-        state = State(p_done=request.result is not None, delivered=len(request.merger.delivered),
-                      attempt=request.attempt, max_attempts=self.dep.router.prefill_retries,
-                      other_entry_up=any(c.available for c in self.clients.values()
-                                         if c.spec.role == role and c.name != source),
-                      chosen=request.chosen is not None, relay_producing=request.relay_producing,
-                      has_main=plan.main is not None, main_done=request.main_done, relay_done=request.relay_done,
-                      handed_off=request.handed_off is not None)
+        failed = Failed(
+            entry=source == plan.entry,
+            relay=source == plan.relay,
+            main=source == plan.main,
+            lost=err.lost,
+            busy=err.busy,
+        )
+        state = State(
+            p_done=request.result is not None,
+            delivered=len(request.merger.delivered),
+            attempt=request.attempt,
+            max_attempts=self.dep.router.prefill_retries,
+            other_entry_up=any(c.available for c in self.clients.values() if c.spec.role == role and c.name != source),
+            chosen=request.chosen is not None,
+            relay_producing=request.relay_producing,
+            has_main=plan.main is not None,
+            main_done=request.main_done,
+            relay_done=request.relay_done,
+            handed_off=request.handed_off is not None,
+        )
         action = recover(failed, state)
         message = f"{source}: {err.message}"
         if failed.relay and not failed.entry:
@@ -209,7 +234,9 @@ class RouterBackend:
             return
         if action == Recovery.RETRY_PREFILL:
             self._release(request)
-            request.restart(self.planner.plan(request.req))  # (it was dispatched: no second wait for room)
+            retry = self.planner.plan(request.req)  # (it was dispatched: no second wait for room)
+            assert retry is not None  # without `room`, a plan or BackendError, never None
+            request.restart(retry)
             self._fell_back(request, Fallback.PREFILL_RETRY)
             await self._submit(request, q)
         elif action == Recovery.RELAY_GOES_ON:
@@ -250,7 +277,9 @@ class RouterBackend:
         if request.merger.finished and request.merger.producers:
             done.add(request.merger.producers[-1])
             if request.merger.producers[-1] == request.plan.relay and request.pipeline == Pipeline.P_RLD_MD:
-                done |= {request.plan.entry, request.plan.main}  # they finish MD's copy (a fill)
+                done.add(request.plan.entry)  # they finish MD's copy (a fill)
+                if request.plan.main is not None:
+                    done.add(request.plan.main)
         for name in request.members:
             if name not in done and name in self.clients:
                 self._aborts.spawn(self._abort(self.clients[name], request.rid))
@@ -271,13 +300,26 @@ class RouterBackend:
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
 
     async def stats(self) -> dict:
-        return {"wan_bytes": self.wan_bytes(), **self.metrics.snapshot(), "membership": self.members.stats(),
-                "dispatch_waiting": self.planner.line.waiting,
-                "instances": {c.name: {"role": c.spec.role, "healthy": c.healthy, "draining": c.draining,
-                                       "queued_tokens": c.queued_tokens, "committed_pages": c.committed_pages,
-                                       "committed_requests": c.committed_requests,
-                                       "mirror_pages": len(c.mirror.hashes), "mirror_gaps": c.mirror.gaps}
-                              for c in self.clients.values()}}
+        return {
+            "wan_bytes": self.wan_bytes(),
+            "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
+            **self.metrics.snapshot(),
+            "membership": self.members.stats(),
+            "dispatch_waiting": self.planner.line.waiting,
+            "instances": {
+                c.name: {
+                    "role": c.spec.role,
+                    "healthy": c.healthy,
+                    "draining": c.draining,
+                    "queued_tokens": c.queued_tokens,
+                    "committed_pages": c.committed_pages,
+                    "committed_requests": c.committed_requests,
+                    "mirror_pages": len(c.mirror.hashes),
+                    "mirror_gaps": c.mirror.gaps,
+                }
+                for c in self.clients.values()
+            },
+        }
 
     def wan_bytes(self) -> int:
         """The KV bytes P sent across the line, as the instances count them (each request's

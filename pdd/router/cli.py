@@ -12,8 +12,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="start the router of a deployment")
     p.add_argument("--config", required=True, help="deployment TOML with its instances")
     p.add_argument("--port", type=int, default=None, help="override [router] port")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: [router] "
-                                                   "api_key, else $PDD_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: [router] api_key, else $PDD_API_KEY)",
+    )
     p.set_defaults(func=run)
 
 
@@ -54,11 +57,21 @@ async def _serve(dep) -> None:
     capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
     backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
     await backend.start()
-    app = build_app(backend, Tokenizer.from_dir(model_dir), dep.model.served_name, registry, dep.router.max_body_bytes,
-                    dep.router.api_key, admission=Limits(dep.router.max_running, dep.router.max_waiting))
+    app = build_app(
+        backend,
+        Tokenizer.from_dir(model_dir),
+        dep.model.served_name,
+        registry,
+        dep.router.max_body_bytes,
+        dep.router.api_key,
+        admission=Limits(dep.router.max_running, dep.router.max_waiting),
+    )
     add_admin_routes(app, backend.members, dep)
-    server = uvicorn.Server(uvicorn.Config(app, host=dep.router.host, port=dep.router.port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=dep.router.host, port=dep.router.port, log_level="warning", timeout_graceful_shutdown=2
+        )
+    )
     try:
         await server.serve()
     finally:

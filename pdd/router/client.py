@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.config import InstanceSpec, LivenessSpec
+from pdd.names import RoleName
 from pdd.router.mirror import CacheMirror
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -31,13 +32,27 @@ class InstanceDown(ConnectionError):
 
 
 class InstanceClient:
-    def __init__(self, spec: InstanceSpec, host: str, port: int, key: bytes, router_id: str,
-                 liveness: LivenessSpec = LivenessSpec(), roster: Callable[[], list[m.Member]] | None = None,
-                 on_left: Callable[[InstanceClient], None] | None = None, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        host: str,
+        port: int,
+        key: bytes,
+        router_id: str,
+        liveness: LivenessSpec = LivenessSpec(),
+        roster: Callable[[], list[m.Member]] | None = None,
+        on_left: Callable[[InstanceClient], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+        on_result: Callable[[m.Result], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.liveness = liveness
         self._roster = roster  # the deployment's members, told to the instance on every connect
         self._on_left = on_left  # called once a draining instance's connection ends
+        # every RESULT, also one arriving after its request ended (the relay finished it while
+        # P's copy to MD still crossed): the bytes crossed all the same
+        self._on_result = on_result
+        self.kv_open: set[str] = set()  # submitted to this P, its RESULT not in yet
         self.draining = False  # no new work goes here
         self._tls = tls
         self.router_id = router_id
@@ -81,10 +96,15 @@ class InstanceClient:
         self._queues.pop(rid, None)
 
     async def send(self, body: Any) -> None:
-        if not self.healthy:
+        conn = self.conn
+        if conn is None or conn.closed:  # not `healthy`
             raise InstanceDown(f"instance {self.name} is not connected")
+        if isinstance(body, m.Submit) and self.spec.role == RoleName.PREFILL:
+            self.kv_open.add(body.rid)
+        elif isinstance(body, m.Abort):
+            self.kv_open.discard(body.rid)
         try:
-            await m.send(self.conn, body)
+            await m.send(conn, body)
         except (ConnectionError, RuntimeError) as e:
             raise InstanceDown(f"instance {self.name}: {e}") from None
 
@@ -94,7 +114,8 @@ class InstanceClient:
             conn, beat = None, None
             try:
                 conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0, tls=self._tls)
-                await asyncio.wait_for(wire.client_handshake(conn, {"role": "router", "router_id": self.router_id}), 10.0)
+                hello = {"role": "router", "router_id": self.router_id}
+                await asyncio.wait_for(wire.client_handshake(conn, hello), 10.0)
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
@@ -103,7 +124,7 @@ class InstanceClient:
                 await self._read(conn)
             except asyncio.CancelledError:
                 raise
-            except (OSError, asyncio.TimeoutError, wire.FrameError) as e:
+            except (TimeoutError, OSError, wire.FrameError) as e:
                 log.warning("instance %s: %s", self.name, e)
             except Exception:  # a malformed message: drop the connection, never the client
                 log.exception("instance %s sent something unusable", self.name)
@@ -114,9 +135,9 @@ class InstanceClient:
                     conn.close()
                 self._ready.clear()
                 self.mirror.stale = True
-                if self.conn is not None:  # once per lost connection, not per failed reconnect
-                    self.conn = None
-                    silent = f" (silent for {conn.silent_for:.1f} s)" if conn.silent_for else ""
+                lost, self.conn = self.conn, None
+                if lost is not None:  # once per lost connection, not per failed reconnect
+                    silent = f" (silent for {lost.silent_for:.1f} s)" if lost.silent_for else ""
                     self._fail_all(f"lost the connection to instance {self.name}{silent}")
             if self.draining and self._on_left is not None:  # it finished and left: stop calling it
                 self._on_left(self)
@@ -136,10 +157,15 @@ class InstanceClient:
                     resync_asked = True
                     await m.send(conn, m.CacheUpdate("snapshot_request"))
                 continue
+            if isinstance(body, (m.Result, m.Error)):
+                self.kv_open.discard(getattr(body, "rid", None) or "")
+            if isinstance(body, m.Result) and self._on_result is not None:
+                self._on_result(body)
             q = self._queues.get(getattr(body, "rid", None) or "")
             if q is not None:
                 q.put_nowait((self.name, body))
 
     def _fail_all(self, reason: str) -> None:
+        self.kv_open.clear()
         for rid, q in self._queues.items():
             q.put_nowait((self.name, m.Error(reason, rid, lost=True)))

@@ -47,7 +47,7 @@ class DispatchLine:
                 self._changed.clear()
                 try:
                     await asyncio.wait_for(self._changed.wait(), RECHECK_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             head = self._line[0] is ticket

@@ -13,13 +13,14 @@ router forget it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdd.config import Deployment, InstanceSpec
+from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
-from pdd.transfer.tls import client_context
 from pdd.transfer import messages as m
-from pdd.names import RoleName
+from pdd.transfer.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,15 @@ class MembershipError(ValueError):
 
 
 def member(spec: InstanceSpec) -> m.Member:
-    return m.Member(spec.name, spec.role, spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
+    return m.Member(spec.name, RoleName(spec.role), spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
 
 
 class Membership:
-    def __init__(self, dep: Deployment, key: bytes, router_id: str) -> None:
+    def __init__(
+        self, dep: Deployment, key: bytes, router_id: str, on_result: Callable[[m.Result], None] | None = None
+    ) -> None:
         self.dep = dep
+        self._on_result = on_result
         self._key, self._router_id = key, router_id
         self._tls = client_context(dep.tls)
         self.clients: dict[str, InstanceClient] = {}
@@ -45,8 +49,17 @@ class Membership:
             self._add(spec)
 
     def _add(self, spec: InstanceSpec) -> InstanceClient:
-        client = InstanceClient(spec, *self.dep.address(spec, self.dep.router.dc), self._key, self._router_id,
-                                self.dep.liveness, roster=self.roster, on_left=self._on_left, tls=self._tls)
+        client = InstanceClient(
+            spec,
+            *self.dep.address(spec, self.dep.router.dc),
+            self._key,
+            self._router_id,
+            self.dep.liveness,
+            roster=self.roster,
+            on_left=self._on_left,
+            tls=self._tls,
+            on_result=self._on_result,
+        )
         self.clients[spec.name] = client
         return client
 
@@ -106,4 +119,3 @@ class Membership:
 
     def stats(self) -> dict[str, int]:
         return {"joined": self.joined, "left": self.left, "draining": sum(c.draining for c in self.clients.values())}
-

@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pdd.router.client import InstanceClient
-from pdd.record import RequestRecord
-from pdd.router.request import RouterRequest
 from pdd.names import RoleName
+from pdd.record import RequestRecord
+from pdd.router.client import InstanceClient
+from pdd.router.request import RouterRequest
+from pdd.transfer import messages as m
 
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -30,11 +31,13 @@ class _Instances:
 
     def collect(self) -> Iterator[Metric]:
         labels = ["instance", "role", "dc"]
-        up = GaugeMetricFamily("pdd_router_instance_up", "1 while the router's connection to the instance is up",
-                               labels=labels)
+        up = GaugeMetricFamily(
+            "pdd_router_instance_up", "1 while the router's connection to the instance is up", labels=labels
+        )
         draining = GaugeMetricFamily("pdd_router_instance_draining", "1 while the instance drains", labels=labels)
-        queued = GaugeMetricFamily("pdd_router_instance_queued_tokens", "Tokens of work the router has queued on it",
-                                   labels=labels)
+        queued = GaugeMetricFamily(
+            "pdd_router_instance_queued_tokens", "Tokens of work the router has queued on it", labels=labels
+        )
         for c in list(self._clients()):
             key = [c.name, c.spec.role, c.spec.dc]
             up.add_metric(key, float(c.healthy))
@@ -47,29 +50,56 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, clients: Callable[[], Iterable[InstanceClient]] = tuple) -> None:
         r = registry
         r.register(_Instances(clients))
-        self.pipelines = Counter("pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"], registry=r)
+        self.pipelines = Counter(
+            "pdd_router_pipeline_requests", "Finished requests by pipeline", ["pipeline"], registry=r
+        )
         self.handoffs = Counter("pdd_router_handoffs", "Relay-to-main handoffs by mode", ["mode"], registry=r)
-        self.handoff_tokens = Counter("pdd_router_handoff_tokens", "Tokens handed from relays to main instances",
-                                      registry=r)
-        self.handoff_stall = Histogram("pdd_router_handoff_stall_seconds", "Main instance's extend stall at a handoff",
-                                       registry=r, buckets=_STALL_BUCKETS)
-        self.output_tokens = Counter("pdd_router_output_tokens", "Output tokens by producing tier", ["producer"],
-                                     registry=r)
-        self.anomalies = Counter("pdd_router_anomaly_filtered", "Requests the anomaly filter kept on the relay",
-                                 registry=r)
-        self.fallbacks = Counter("pdd_router_fallbacks", "Requests that survived a lost or refusing instance",
-                                 ["kind"], registry=r)
-        self.drift = Histogram("pdd_router_mirror_drift_tokens", "Predicted minus reserved decode-side hit tokens",
-                               registry=r, buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096))
-        self.kv_bytes = Counter("pdd_router_kv_bytes", "KV bytes P sent, by path: across the line (wan) or inside "
-                                "its datacenter (local)", ["path"], registry=r)
-        self.prompt_tokens = Counter("pdd_router_finished_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
-        self.hit_tokens = Counter("pdd_router_hit_tokens", "Prompt tokens of finished requests already cached, at P "
-                                  "(side=prefill) and at the decode side (side=decode)", ["side"], registry=r)
-        self.failures = Counter("pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r)
-        self.conflicts = Counter("pdd_router_stream_conflicts", "Output positions two producers disagreed on",
-                                 registry=r)
+        self.handoff_tokens = Counter(
+            "pdd_router_handoff_tokens", "Tokens handed from relays to main instances", registry=r
+        )
+        self.handoff_stall = Histogram(
+            "pdd_router_handoff_stall_seconds",
+            "Main instance's extend stall at a handoff",
+            registry=r,
+            buckets=_STALL_BUCKETS,
+        )
+        self.output_tokens = Counter(
+            "pdd_router_output_tokens", "Output tokens by producing tier", ["producer"], registry=r
+        )
+        self.anomalies = Counter(
+            "pdd_router_anomaly_filtered", "Requests the anomaly filter kept on the relay", registry=r
+        )
+        self.fallbacks = Counter(
+            "pdd_router_fallbacks", "Requests that survived a lost or refusing instance", ["kind"], registry=r
+        )
+        self.drift = Histogram(
+            "pdd_router_mirror_drift_tokens",
+            "Predicted minus reserved decode-side hit tokens",
+            registry=r,
+            buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096),
+        )
+        self.kv_bytes = Counter(
+            "pdd_router_kv_bytes",
+            "KV bytes P sent, by path: across the line (wan) or inside its datacenter (local)",
+            ["path"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdd_router_finished_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.hit_tokens = Counter(
+            "pdd_router_hit_tokens",
+            "Prompt tokens of finished requests already cached, at P "
+            "(side=prefill) and at the decode side (side=decode)",
+            ["side"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r
+        )
+        self.conflicts = Counter(
+            "pdd_router_stream_conflicts", "Output positions two producers disagreed on", registry=r
+        )
         self.completed = 0
         self.drift_abs_total = 0
         self.totals: Tally[str] = Tally()  # the same counts as plain numbers, for /pdd/stats
@@ -99,12 +129,16 @@ class RouterMetrics:
             self.anomalies.inc()
             self.totals["anomaly_filtered"] += 1
         self.conflicts.inc(request.merger.conflicts)
-        self.kv_bytes.labels("wan").inc(record.wan_bytes)
-        self.kv_bytes.labels("local").inc(record.kv_bytes - record.wan_bytes)
-        self.totals["kv_bytes:wan"] += record.wan_bytes
         self.prompt_tokens.inc(len(request.req.prompt))
         self.hit_tokens.labels("prefill").inc(record.p_hit_tokens)
         self.hit_tokens.labels("decode").inc(record.d_hit_tokens)
+
+    def kv_sent(self, result: m.Result) -> None:
+        """P's KV transfers of a request are over: count what crossed, when it says so (after
+        the request ended, too, when the relay finished it before MD's copy landed)."""
+        self.kv_bytes.labels("wan").inc(result.wan_bytes)
+        self.kv_bytes.labels("local").inc(result.kv_bytes - result.wan_bytes)
+        self.totals["kv_bytes:wan"] += result.wan_bytes
 
     def snapshot(self) -> dict:
         return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

@@ -23,8 +23,14 @@ class Pacer:
         if request.merger.finished:
             n = len(request.held)
         else:
-            n = release(len(request.held), request.released, now - request.last_release, request.pacing,
-                        request.relay_stopped, self.playout(request))
+            n = release(
+                len(request.held),
+                request.released,
+                now - request.last_release,
+                request.pacing,
+                request.relay_stopped,
+                self.playout(request),
+            )
         out, request.held = request.held[:n], request.held[n:]
         if out:
             request.released += len(out)

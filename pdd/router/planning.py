@@ -33,30 +33,42 @@ class Planner:
         self.line = DispatchLine()  # admitted requests waiting for room at their decode side
 
     def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
-        return [Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
-                for c in self.clients.values() if c.spec.role == role]
+        return [
+            Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
+            for c in self.clients.values()
+            if c.spec.role == role
+        ]
 
     def _need(self, req: GenRequest, name: str, hit_tokens: int) -> int:
         """The KV pages `req` takes at decode-side instance `name` (`pdd.policy.capacity`)."""
-        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, self.clients[name].spec.engine.page_size)
+        page_size = self.clients[name].spec.engine.page_size
+        return pages_needed(len(req.prompt), req.params.max_tokens, hit_tokens, page_size)
 
     def _fits(self, name: str, need: int) -> bool:
         c = self.clients[name]
-        return fits(need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages,
-                                                                        c.spec.engine.max_requests))
+        return fits(
+            need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages, c.spec.engine.max_requests)
+        )
 
     def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
         """The candidates, those without room for `req` marked unavailable."""
-        return [replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
-                for c in cands]
+        return [
+            replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
+            for c in cands
+        ]
 
     def plan(self, req: GenRequest, room: bool = False) -> Plan | None:
         """The request's instances. With `room`, only decode-side instances that have room
         for it now: None while every one that is up is full (the request waits its turn).
         BackendError 503 when an instance every request needs is down."""
         p = self.dep.policy
-        rule = anomaly_rule(p.anomaly_filter, self.max_context, p.anomaly_max_output_tokens,
-                            p.anomaly_min_prompt_share, p.anomaly_max_hit_share)
+        rule = anomaly_rule(
+            p.anomaly_filter,
+            self.max_context,
+            p.anomaly_max_output_tokens,
+            p.anomaly_min_prompt_share,
+            p.anomaly_max_hit_share,
+        )
         disaggregated = self.entry_role == RoleName.PREFILL
         main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
         relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
@@ -73,13 +85,22 @@ class Planner:
                     return None
                 relay = roomy_relay
         try:
-            return plan_request(len(req.prompt), req.params.max_tokens, self._candidates(self.entry_role, req.prompt),
-                                main, relay, rule, p.affinity_weight, p.load_weight)
+            return plan_request(
+                len(req.prompt),
+                req.params.max_tokens,
+                self._candidates(self.entry_role, req.prompt),
+                main,
+                relay,
+                rule,
+                p.affinity_weight,
+                p.load_weight,
+            )
         except LookupError as e:
             raise BackendError(str(e), 503) from None
 
     async def dispatch(self, req: GenRequest) -> RouterRequest:
         """Plan the request once its decode side has room, first come first served."""
+
         def attempt() -> RouterRequest | None:
             plan = self.plan(req, room=True)
             return None if plan is None else RouterRequest(req, plan)

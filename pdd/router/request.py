@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 from pdd.api.backend import GenRequest
+from pdd.names import Pipeline
 from pdd.policy.plan import Plan
 from pdd.record import RequestRecord
 from pdd.router.merge import TokenMerger
 from pdd.transfer import messages as m
-from pdd.names import Pipeline
 
 LOST_AFTER_HANDOFF = "the main decode instance was lost after the relay handed the request over"
 
@@ -94,7 +94,7 @@ class RouterRequest:
     @property
     def relay_stopped(self) -> bool:
         """Handed over, and the main instance's first token has not arrived yet."""
-        return self.handed_off is not None and self.merger.count(self.plan.main) == 0
+        return self.handed_off is not None and (self.plan.main is None or self.merger.count(self.plan.main) == 0)
 
     def done_members(self) -> set[str]:
         """Instances with nothing left of this request: no abort needs to reach them."""

@@ -49,18 +49,32 @@ def shared_blocks(hit: float, prompt_tokens: int, block: int) -> int:
     return min(round(hit * prompt_tokens / block), prompt_tokens // block)
 
 
-def group_sessions(hit: float, rate: float, requests: int, prompt_tokens: int, output_tokens: int, block: int,
-                   seed: int = 0, groups: int = GROUPS) -> list[SimSession]:
+def group_sessions(
+    hit: float,
+    rate: float,
+    requests: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    block: int,
+    seed: int = 0,
+    groups: int = GROUPS,
+) -> list[SimSession]:
     """Single-turn requests, a Poisson process of `rate` a second, each in one of `groups`
     prefix groups (drawn at random) whose first `hit` of the prompt it shares."""
     rng = np.random.default_rng(seed)
     shared = shared_blocks(hit, prompt_tokens, block)
     starts = np.cumsum(rng.exponential(1.0, requests)) / rate
     turn = (SimTurn(prompt_tokens, output_tokens),)
-    return [SimSession(i, float(start), turn, 0,
-                       trace_keys=tuple(("group", int(g), b) if b < shared else (i, b)
-                                        for b in range(prompt_tokens // block)))
-            for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests)))]
+    return [
+        SimSession(
+            i,
+            float(start),
+            turn,
+            0,
+            trace_keys=tuple(("group", int(g), b) if b < shared else (i, b) for b in range(prompt_tokens // block)),
+        )
+        for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests), strict=True))
+    ]
 
 
 def deployment(max_chunks: int, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
@@ -81,15 +95,30 @@ def point(spec: DeploymentSpec, hit: float, seed: int, window: Window) -> dict[s
     # at least `MIN_JUDGED` completions judged, so a low hit's throughput is not one request's grain
     window = replace(window, end_s=max(window.end_s, window.warmup_s + MIN_JUDGED / capacity))
     drawn = group_sessions(hit, rate, int(rate * window.end_s) + 1, PROMPT_TOKENS, OUTPUT_TOKENS, block, seed)
-    outcomes, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
-    first = [o for o in outcomes if o.first_token_s is not None and window.warmup_s <= o.first_token_s < window.end_s]
+    records, _ = simulate(spec, [s for s in drawn if s.start_s < window.end_s], window.end_s, warm)
+    first = [
+        r
+        for r in records
+        if r.ttft_ms is not None
+        and r.start_s is not None  # (one with a TTFT was sent)
+        and window.warmup_s <= r.start_s + r.ttft_ms / 1000 < window.end_s
+    ]
     seconds = window.end_s - window.warmup_s
-    return {"hit": hit, "seed": seed, "throughput_rps": len(first) / seconds, "capacity_rps": capacity,
-            "p_hit_rate": sum(o.p_hit for o in first) / sum(o.prompt_tokens for o in first) if first else 0.0}
+    return {
+        "hit": hit,
+        "seed": seed,
+        "throughput_rps": len(first) / seconds,
+        "capacity_rps": capacity,
+        "p_hit_rate": sum(r.p_hit_tokens for r in first) / sum(r.prompt_tokens for r in first) if first else 0.0,
+    }
 
 
-def sweep(hits: Sequence[float] = HITS, seeds: Sequence[float] = SEEDS, window: Window = Window(5.0, 25.0, 0.0),
-          progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def sweep(
+    hits: Sequence[float] = HITS,
+    seeds: Sequence[int] = SEEDS,
+    window: Window = Window(5.0, 25.0, 0.0),
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
     """One row per scheduler and hit: P's throughput over seeds (mean, standard deviation)."""
     rows = []
     for name, max_chunks in SCHEDULERS.items():
@@ -97,10 +126,17 @@ def sweep(hits: Sequence[float] = HITS, seeds: Sequence[float] = SEEDS, window: 
         for hit in hits:
             runs = [point(spec, hit, seed, window) for seed in seeds]
             values = [r["throughput_rps"] for r in runs]
-            rows.append({"scheduler": name, "hit": hit, "throughput_rps": statistics.mean(values),
-                         "std_rps": statistics.stdev(values) if len(values) > 1 else 0.0,
-                         "p_hit_rate": statistics.mean(r["p_hit_rate"] for r in runs),
-                         "capacity_rps": runs[0]["capacity_rps"], "seeds": len(values)})
+            rows.append(
+                {
+                    "scheduler": name,
+                    "hit": hit,
+                    "throughput_rps": statistics.mean(values),
+                    "std_rps": statistics.stdev(values) if len(values) > 1 else 0.0,
+                    "p_hit_rate": statistics.mean(r["p_hit_rate"] for r in runs),
+                    "capacity_rps": runs[0]["capacity_rps"],
+                    "seeds": len(values),
+                }
+            )
             if progress is not None:
                 progress(f"{name}, hit {hit:.0%}: {rows[-1]['throughput_rps']:.2f} req/s")
     return rows
@@ -112,10 +148,16 @@ def valleys(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for name in SCHEDULERS:
         curve = [r for r in rows if r["scheduler"] == name]
-        for a, b, c in zip(curve, curve[1:], curve[2:]):
+        for a, b, c in zip(curve, curve[1:], curve[2:], strict=False):  # each point with its two neighbours
             if b["throughput_rps"] + b["std_rps"] < min(a["throughput_rps"], c["throughput_rps"]):
-                found.append({"scheduler": name, "hit": b["hit"], "throughput_rps": b["throughput_rps"],
-                              "neighbours_rps": (a["throughput_rps"], c["throughput_rps"])})
+                found.append(
+                    {
+                        "scheduler": name,
+                        "hit": b["hit"],
+                        "throughput_rps": b["throughput_rps"],
+                        "neighbours_rps": (a["throughput_rps"], c["throughput_rps"]),
+                    }
+                )
     return found
 
 
@@ -148,8 +190,14 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax = figure.subplots()
     for name in SCHEDULERS:
         curve = [r for r in rows if r["scheduler"] == name]
-        ax.errorbar([100 * r["hit"] for r in curve], [r["throughput_rps"] for r in curve],
-                    yerr=[r["std_rps"] for r in curve], marker=".", capsize=2, label=name)
+        ax.errorbar(
+            [100 * r["hit"] for r in curve],
+            [r["throughput_rps"] for r in curve],
+            yerr=[r["std_rps"] for r in curve],
+            marker=".",
+            capsize=2,
+            label=name,
+        )
     for x in (20, 40, 70):
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
     ax.set_yscale("log")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdd.sim.cluster import DeploymentSpec, RoleSpec
+from pdd.sim.physics import Physics
 from pdd.sim.steps import chunk_load, decode_stretch
 from pdd.workload.agentic import AgenticConfig, estimate_hits
 
@@ -52,6 +53,7 @@ def shape_of(config: AgenticConfig) -> Shape:
 def prefill_rps(role: RoleSpec, shape: Shape) -> float:
     """Requests a second one prefill instance can take, batching perfectly."""
     physics = role.steps
+    assert isinstance(physics, Physics), "the bounds split a step into the physical model's parts"
     full = physics.parts(chunk_load(0, role.max_batch_tokens))
     shared = float(full["dense"] + full["experts"] + full["all_to_all"] + full["fixed"]) / role.max_batch_tokens
     seconds = [(p - h) * shared + float(physics.parts(chunk_load(h, p - h))["attention"]) for p, h in shape.requests]

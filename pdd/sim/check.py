@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd import config as cfg
-from pdd.sim.profile import LocalProfile
 from pdd.sim.local import simulate_demo
 from pdd.sim.metrics import summary
+from pdd.sim.profile import LocalProfile
 from pdd.workload.scenarios import SCENARIOS
 
 P50_TOLERANCE, P99_TOLERANCE = 0.25, 0.50
@@ -33,33 +33,62 @@ def check(report: dict[str, Any], profile: LocalProfile) -> dict[str, Any]:
     rows = {}
     for mode, measured in report["modes"].items():
         base = mode.split(":")[0]
-        predicted = summary(simulate_demo(dep, base, profile, scenario, conf["requests"], rate, conf["seed"]),
-                            conf["slo_ttft_ms"], conf["slo_tpot_ms"])
-        rows[mode] = {q: {"predicted": predicted["ttft_ms"][q], "measured": measured["ttft_ms"][q],
-                          "error": predicted["ttft_ms"][q] / measured["ttft_ms"][q] - 1}
-                      for q in ("p50", "p90", "p99")}
+        predicted = summary(
+            simulate_demo(dep, base, profile, scenario, conf["requests"], rate, conf["seed"]),
+            conf["slo_ttft_ms"],
+            conf["slo_tpot_ms"],
+        )
+        rows[mode] = {
+            q: {
+                "predicted": predicted["ttft_ms"][q],
+                "measured": measured["ttft_ms"][q],
+                "error": predicted["ttft_ms"][q] / measured["ttft_ms"][q] - 1,
+            }
+            for q in ("p50", "p90", "p99")
+        }
         rows[mode]["tpot_p50"] = {"predicted": predicted["tpot_ms"]["p50"], "measured": measured["tpot_ms"]["p50"]}
-        rows[mode]["rld_output_tokens"] = {"predicted": predicted["rld_output_tokens"],
-                                           "measured": measured["rld_output_tokens"]}
-        rows[mode]["within"] = (abs(rows[mode]["p50"]["error"]) <= P50_TOLERANCE
-                                and abs(rows[mode]["p99"]["error"]) <= P99_TOLERANCE)
-    return {"modes": rows, "scenario": scenario.name, "requests": conf["requests"], "profile": profile.steps.source,
-            "request_overhead_ms": 1000 * profile.request_overhead_s}
+        rows[mode]["rld_output_tokens"] = {
+            "predicted": predicted["rld_output_tokens"],
+            "measured": measured["rld_output_tokens"],
+        }
+        rows[mode]["within"] = (
+            abs(rows[mode]["p50"]["error"]) <= P50_TOLERANCE and abs(rows[mode]["p99"]["error"]) <= P99_TOLERANCE
+        )
+    return {
+        "modes": rows,
+        "scenario": scenario.name,
+        "requests": conf["requests"],
+        "profile": profile.steps.source,
+        "request_overhead_ms": 1000 * profile.request_overhead_s,
+    }
 
 
 def print_check(result: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"simulated vs measured: pdd demo, scenario {result['scenario']}, "
-                        f"{result['requests']} requests per mode")
-    for col in ("mode", "TTFT p50 sim / real (ms)", "err", "TTFT p90 sim / real", "err", "TTFT p99 sim / real",
-                "err", "TPOT p50 sim / real", "RLD tokens sim / real", "within 25 % / 50 %"):
+    table = Table(
+        title=f"simulated vs measured: pdd demo, scenario {result['scenario']}, {result['requests']} requests per mode"
+    )
+    for col in (
+        "mode",
+        "TTFT p50 sim / real (ms)",
+        "err",
+        "TTFT p90 sim / real",
+        "err",
+        "TTFT p99 sim / real",
+        "err",
+        "TPOT p50 sim / real",
+        "RLD tokens sim / real",
+        "within 25 % / 50 %",
+    ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, r in result["modes"].items():
         cells = [mode]
         for q in ("p50", "p90", "p99"):
             cells += [f"{r[q]['predicted']:,.1f} / {r[q]['measured']:,.1f}", f"{r[q]['error']:+.0%}"]
-        cells += [f"{r['tpot_p50']['predicted']:.1f} / {r['tpot_p50']['measured']:.1f}",
-                  f"{r['rld_output_tokens']['predicted']:,} / {r['rld_output_tokens']['measured']:,}",
-                  "yes" if r["within"] else "NO"]
+        cells += [
+            f"{r['tpot_p50']['predicted']:.1f} / {r['tpot_p50']['measured']:.1f}",
+            f"{r['rld_output_tokens']['predicted']:,} / {r['rld_output_tokens']['measured']:,}",
+            "yes" if r["within"] else "NO",
+        ]
         table.add_row(*cells)
     console.print(table)
     console.print(f"profile: {result['profile']}; request path {result['request_overhead_ms']:.1f} ms")

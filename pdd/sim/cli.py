@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -26,8 +27,9 @@ def _paper(args: argparse.Namespace) -> int:
     console = Console()
     err = Console(stderr=True)
     with err.status("simulating") as status:
-        result = run_paper(args.requests, Probe(), workers=args.workers, slo_sweep=not args.no_slo_sweep,
-                           progress=status.update)
+        result = run_paper(
+            args.requests, Probe(), workers=args.workers, slo_sweep=not args.no_slo_sweep, progress=status.update
+        )
     print_paper(result, console)
     _write(args.out, result, console)
     return 0
@@ -47,10 +49,20 @@ def _sweep(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in result["variants"].items():
         fam, delta = v["families"], v["pdd_vs_same_dc"]
-        cell = lambda f: "-" if f not in fam else f"{fam[f]['layout']}: {fam[f]['goodput_rps']:.1f} req/s, " \
-            f"BCR {fam[f]['bcr']:.3f}"  # noqa: E731
-        table.add_row(name, cell("same-dc-pd"), cell("pdd"), " / ".join(
-            "-" if delta.get(k) is None else f"{delta[k]:+.1%}" for k in ("goodput", "cost", "bcr")))
+
+        def cell(f: str, fam: dict[str, Any] = fam) -> str:
+            return (
+                "-"
+                if f not in fam
+                else f"{fam[f]['layout']}: {fam[f]['goodput_rps']:.1f} req/s, BCR {fam[f]['bcr']:.3f}"
+            )
+
+        table.add_row(
+            name,
+            cell("same-dc-pd"),
+            cell("pdd"),
+            " / ".join("-" if delta.get(k) is None else f"{delta[k]:+.1%}" for k in ("goodput", "cost", "bcr")),
+        )
     console.print(table)
     _write(args.out, result, console)
     return 0
@@ -70,13 +82,20 @@ def _line(args: argparse.Namespace) -> int:
     tcp = r["tcp_model_25g"]
     table.add_row("TCP model, 25 Gbit/s", f"{tcp['mean_ms']:.1f}", f"{tcp['peak_ms']:.1f}")
     e = r["emulator"]
-    table.add_row(f"TCP model, {e['mbps']:g} Mbit/s", f"{r['tcp_model_at_emulator_rate']['mean_ms']:.1f}",
-                  f"{r['tcp_model_at_emulator_rate']['peak_ms']:.1f}")
-    table.add_row(f"fluid model, {e['mbps']:g} Mbit/s (the emulator's terms)",
-                  f"{r['fluid_model_at_emulator_rate_ms']:.1f}", "")
+    table.add_row(
+        f"TCP model, {e['mbps']:g} Mbit/s",
+        f"{r['tcp_model_at_emulator_rate']['mean_ms']:.1f}",
+        f"{r['tcp_model_at_emulator_rate']['peak_ms']:.1f}",
+    )
+    table.add_row(
+        f"fluid model, {e['mbps']:g} Mbit/s (the emulator's terms)", f"{r['fluid_model_at_emulator_rate_ms']:.1f}", ""
+    )
     if "mean_ms" in e:
-        table.add_row(f"`pdd wan` emulator, {e['mbps']:g} Mbit/s, {e['one_way_ms']:g} ms ({e['runs']} runs)",
-                      f"{e['mean_ms']:.1f}", f"{e['peak_ms']:.1f}")
+        table.add_row(
+            f"`pdd wan` emulator, {e['mbps']:g} Mbit/s, {e['one_way_ms']:g} ms ({e['runs']} runs)",
+            f"{e['mean_ms']:.1f}",
+            f"{e['peak_ms']:.1f}",
+        )
     console.print(table)
     _write(args.out, r, console)
     return 0
@@ -91,21 +110,33 @@ def _bathtub(args: argparse.Namespace) -> int:
         rows = sweep(hits, tuple(range(args.seeds)), progress=status.update)
     found = valleys(rows)
     for v in found:
-        console.print(f"valley: {v['scheduler']} at {v['hit']:.0%} hit: {v['throughput_rps']:.2f} req/s against "
-                      f"{v['neighbours_rps'][0]:.2f} / {v['neighbours_rps'][1]:.2f} beside it")
+        console.print(
+            f"valley: {v['scheduler']} at {v['hit']:.0%} hit: {v['throughput_rps']:.2f} req/s against "
+            f"{v['neighbours_rps'][0]:.2f} / {v['neighbours_rps'][1]:.2f} beside it"
+        )
     if not found:
         console.print("no valley in req/s: throughput never falls below both neighbours by more than its spread")
     money = economics(rows)
     for price in CACHED_PRICE:
         key = f"billed_ktok_s_at_{price:g}"
         low = min(money, key=lambda r: r[key])
-        console.print(f"input tokens billed a second (cached at {price:.0%}): {money[0][key]:.1f}K at 0 % hit, "
-                      f"lowest {low[key]:.1f}K at {low['hit']:.0%}, {money[-1][key]:.1f}K at {money[-1]['hit']:.0%}")
-    peaks = [b for a, b, c in zip(money, money[1:], money[2:])
-             if b["tail_cost"] is not None and a["tail_cost"] is not None and c["tail_cost"] is not None
-             and b["tail_cost"] > max(a["tail_cost"], c["tail_cost"]) and b["tail_cost"] > 0.01]
-    console.print("tails alone cost most at " + (", ".join(f"{p['hit']:.0%} ({p['tail_cost']:.1%})" for p in peaks)
-                                                 or "no hit rate"))
+        console.print(
+            f"input tokens billed a second (cached at {price:.0%}): {money[0][key]:.1f}K at 0 % hit, "
+            f"lowest {low[key]:.1f}K at {low['hit']:.0%}, {money[-1][key]:.1f}K at {money[-1]['hit']:.0%}"
+        )
+    peaks = [
+        b
+        for a, b, c in zip(money, money[1:], money[2:], strict=False)  # each hit with its two neighbours
+        if b["tail_cost"] is not None
+        and a["tail_cost"] is not None
+        and c["tail_cost"] is not None
+        and b["tail_cost"] > max(a["tail_cost"], c["tail_cost"])
+        and b["tail_cost"] > 0.01
+    ]
+    console.print(
+        "tails alone cost most at "
+        + (", ".join(f"{p['hit']:.0%} ({p['tail_cost']:.1%})" for p in peaks) or "no hit rate")
+    )
     if args.plots:
         Path(args.plots).mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plots) / "bathtub.png")
@@ -116,9 +147,9 @@ def _bathtub(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.bench.summary import format_table
-    from pdd.sim.profile import load_profile
     from pdd.sim.local import simulate_demo
     from pdd.sim.metrics import summary
+    from pdd.sim.profile import load_profile
     from pdd.workload.scenarios import SCENARIOS
 
     console = Console()
@@ -127,9 +158,14 @@ def _live(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdd sim: {e}", file=sys.stderr)
         return 2
-    modes = {mode: summary(simulate_demo(dep, mode, profile, scenario, args.requests or scenario.requests,
-                                         scenario.rate, args.seed), dep.slo.ttft_ms, dep.slo.tpot_ms)
-             for mode in args.modes.split(",")}
+    modes = {
+        mode: summary(
+            simulate_demo(dep, mode, profile, scenario, args.requests or scenario.requests, scenario.rate, args.seed),
+            dep.slo.ttft_ms,
+            dep.slo.tpot_ms,
+        )
+        for mode in args.modes.split(",")
+    }
     table = format_table(modes)
     table.title = f"simulated: scenario {scenario.name} on {profile.steps.source}"
     console.print(table)
@@ -141,8 +177,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.paper:
         return _paper(args)
     if args.profile is None:
-        print("pdd sim: give --paper, or --profile (from `pdd sim calibrate`, with --config for a deployment file "
-              "other than the built-in one) to simulate a deployment of this machine", file=sys.stderr)
+        print(
+            "pdd sim: give --paper, or --profile (from `pdd sim calibrate`, with --config for a deployment file "
+            "other than the built-in one) to simulate a deployment of this machine",
+            file=sys.stderr,
+        )
         return 2
     return _live(args)
 
@@ -155,16 +194,17 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Calibrate and run the demo first when their files are missing: one command."""
-    from pdd.sim.profile import load_profile
     from pdd.sim.check import check, load_report, print_check
+    from pdd.sim.profile import load_profile
 
     console = Console()
     profile, report = Path(args.profile), Path(args.demo) / "report.json"
     if not profile.exists():
         subprocess.run([sys.executable, "-m", "pdd.cli", "sim", "calibrate", "--out", str(profile)], check=True)
     if not report.exists():
-        subprocess.run([sys.executable, "-m", "pdd.cli", "demo", "--out", args.demo, "--scenario", args.scenario],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pdd.cli", "demo", "--out", args.demo, "--scenario", args.scenario], check=True
+        )
     try:
         result = check(load_report(report), load_profile(profile))
     except (ValueError, KeyError) as e:
@@ -178,14 +218,24 @@ def _check(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from pdd.sim.calibrate import add_calibrate_arguments
 
-    p = sub.add_parser("sim", help="simulate deployments at cluster scale (the published comparison, the planner's "
-                                   "model) or this machine's (calibrated against `pdd demo`)")
-    p.add_argument("--paper", action="store_true", help="the published scenario: every family's best layout "
-                                                         "within 88 GPUs, graded against the spec")
+    p = sub.add_parser(
+        "sim",
+        help="simulate deployments at cluster scale (the published comparison, the planner's "
+        "model) or this machine's (calibrated against `pdd demo`)",
+    )
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="the published scenario: every family's best layout within 88 GPUs, graded against the spec",
+    )
     p.add_argument("--out", default=None, help="JSON file for the results")
-    p.add_argument("--requests", type=int, default=None,
-                   help="--paper: judged requests of each reference run (default 1,000); a live deployment: "
-                        "requests (default: the scenario's)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="--paper: judged requests of each reference run (default 1,000); a live deployment: "
+        "requests (default: the scenario's)",
+    )
     p.add_argument("--workers", type=int, default=2, help="--paper: layouts simulated at once (processes)")
     p.add_argument("--no-slo-sweep", action="store_true", help="--paper: skip the goodput under other SLOs")
     p.add_argument("--config", default=None, help="a `pdd up` deployment file to simulate (default: the built-in)")
@@ -195,8 +245,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: _run(_defaults(a)))
     steps = p.add_subparsers(dest="sim_command", metavar="{calibrate,check,sweep,bathtub,line}")
-    w = steps.add_parser("sweep", help="the published comparison again under each assumption varied (B's compute, "
-                                       "prices, memory utilisation, weight precision)")
+    w = steps.add_parser(
+        "sweep",
+        help="the published comparison again under each assumption varied (B's compute, "
+        "prices, memory utilisation, weight precision)",
+    )
     w.add_argument("--workers", type=int, default=2)
     w.add_argument("--out", default=None, help="JSON file for the table")
     w.set_defaults(func=_sweep)
@@ -206,8 +259,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--no-emulator", action="store_true", help="the models only")
     n.add_argument("--out", default=None)
     n.set_defaults(func=_line)
-    b = steps.add_parser("bathtub", help="P's throughput against the prefix-cache hit rate, two schedulers, "
-                                         "over seeds")
+    b = steps.add_parser("bathtub", help="P's throughput against the prefix-cache hit rate, two schedulers, over seeds")
     b.add_argument("--step", type=float, default=0.02, help="hit-rate resolution: 0.01 or 0.02 (default)")
     b.add_argument("--seeds", type=int, default=3)
     b.add_argument("--plots", default=None, help="directory for bathtub.png")
@@ -216,12 +268,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = steps.add_parser("calibrate", help="measure this machine's engine and request path into a profile")
     add_calibrate_arguments(c)
     c.set_defaults(func=_calibrate)
-    k = steps.add_parser("check", help="simulated vs measured TTFT of a `pdd demo` run (runs calibrate and the "
-                                       "demo first if their files are missing)")
+    k = steps.add_parser(
+        "check",
+        help="simulated vs measured TTFT of a `pdd demo` run (runs calibrate and the "
+        "demo first if their files are missing)",
+    )
     k.add_argument("--profile", default="pdd-profile.json")
     k.add_argument("--demo", default="pdd-demo", help="a `pdd demo --out` directory")
-    k.add_argument("--scenario", default="paper", choices=("paper", "short"),
-                   help="the scenario, if the demo has to run")
+    k.add_argument(
+        "--scenario", default="paper", choices=("paper", "short"), help="the scenario, if the demo has to run"
+    )
     k.add_argument("--out", default=None, help="JSON file for the table")
     k.set_defaults(func=_check)
 

@@ -72,7 +72,8 @@ def fit(samples: Sequence[Sample], threads: int = 1) -> Fitted:
     scale[scale == 0] = 1.0  # a term no step exercises stays 0
     coef = _nnls(a / scale, np.ones(len(samples))) / scale  # columns span ~10 decades: solve them at one scale
     source = f"{_machine()}, {threads} torch thread(s), {date.today().isoformat()}, {len(samples)} steps"
-    return Fitted(*(float(c) for c in coef), source=source)
+    base_s, per_token_s, per_pair_s, per_seq_s, per_kv_token_s = (float(c) for c in coef)  # _design's columns
+    return Fitted(base_s, per_token_s, per_pair_s, per_seq_s, per_kv_token_s, source=source)
 
 
 def relative_errors(fitted: Fitted, samples: Sequence[Sample]) -> np.ndarray:

@@ -36,17 +36,41 @@ class Chip:
 
 _SCALE_OUT_GBS = 50.0  # one 400 Gbit/s NIC per GPU, the HGX reference design
 
-H800 = Chip("H800", bf16_tflops=989.0, fp8_tflops=1979.0, mem_bw_gbs=3350.0, mem_gb=80.0, scale_up_gbs=200.0,
-            scale_out_gbs=_SCALE_OUT_GBS, price_per_hour=1.0,
-            source="NVIDIA H800 SXM5 datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
-                   "80 GB HBM3, 3.35 TB/s, NVLink 400 GB/s")
-H200 = Chip("H200", bf16_tflops=989.0, fp8_tflops=1979.0, mem_bw_gbs=4800.0, mem_gb=141.0, scale_up_gbs=450.0,
-            scale_out_gbs=_SCALE_OUT_GBS, price_per_hour=1.25,
-            source="NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
-                   "141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; priced 25 % above A (the spec's 20-30 %)")
-H20 = Chip("H20", bf16_tflops=148.0, fp8_tflops=296.0, mem_bw_gbs=4000.0, mem_gb=96.0, scale_up_gbs=450.0,
-           scale_out_gbs=_SCALE_OUT_GBS, price_per_hour=1.25,
-           source="NVIDIA H20 product brief: 148 TFLOPS BF16 / 296 FP8 dense, 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s")
+H800 = Chip(
+    "H800",
+    bf16_tflops=989.0,
+    fp8_tflops=1979.0,
+    mem_bw_gbs=3350.0,
+    mem_gb=80.0,
+    scale_up_gbs=200.0,
+    scale_out_gbs=_SCALE_OUT_GBS,
+    price_per_hour=1.0,
+    source="NVIDIA H800 SXM5 datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
+    "80 GB HBM3, 3.35 TB/s, NVLink 400 GB/s",
+)
+H200 = Chip(
+    "H200",
+    bf16_tflops=989.0,
+    fp8_tflops=1979.0,
+    mem_bw_gbs=4800.0,
+    mem_gb=141.0,
+    scale_up_gbs=450.0,
+    scale_out_gbs=_SCALE_OUT_GBS,
+    price_per_hour=1.25,
+    source="NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
+    "141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; priced 25 % above A (the spec's 20-30 %)",
+)
+H20 = Chip(
+    "H20",
+    bf16_tflops=148.0,
+    fp8_tflops=296.0,
+    mem_bw_gbs=4000.0,
+    mem_gb=96.0,
+    scale_up_gbs=450.0,
+    scale_out_gbs=_SCALE_OUT_GBS,
+    price_per_hour=1.25,
+    source="NVIDIA H20 product brief: 148 TFLOPS BF16 / 296 FP8 dense, 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s",
+)
 
 # The spec's two clusters: "A" runs P and RLD, "B" runs MD across the line.
 CATALOG: dict[str, Chip] = {"A": H800, "B": H200}

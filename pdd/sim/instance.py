@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from pdd.policy.capacity import Room
 from pdd.sim.cache import BlockCache
+from pdd.sim.reserve import ReservationLine
 from pdd.sim.sequence import Hold, SimSeq, _Stretch
 from pdd.sim.steps import StepLoad, StepModel, decode_stretch
 
@@ -41,6 +43,7 @@ class InstanceStats:
     prefill_tokens: int = 0
     busy_s: float = 0.0  # time spent in steps
     steps: int = 0
+    peak_held: int = 0  # the most requests it held at once
 
 
 @dataclass
@@ -58,7 +61,12 @@ class Instance:
     cpu_priority: int = 0
     stretches: bool = True  # decode stretches (off: one event per step, the reference)
     max_chunks: int = 0  # prefill/extend chunks a step may hold (0: as many as the budget takes, as the engine)
-    queued_tokens: int = 0  # the router's count of work assigned here and not finished
+    max_requests: int = 256  # most requests held at once (`EngineConfig.max_requests`)
+    # the router's counts: work assigned here and not finished; pages and requests of
+    # what it dispatched here to hold (`pdd.policy.capacity.fits`)
+    queued_tokens: int = 0
+    committed_pages: int = 0
+    committed_requests: int = 0
     stats: InstanceStats = field(default_factory=InstanceStats)
 
     def __post_init__(self) -> None:
@@ -66,11 +74,25 @@ class Instance:
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.used = 0  # pool tokens held by sequences (reserved or running)
+        self.holds = 0  # requests holding pool room
+        self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
         self.unsettled: list[Hold] = []  # reservations whose KV, handoff or fill is still to land
+        self.reservations = ReservationLine(self.env)  # required reservations waiting for room
         self._wake = self.env.event()
         self.env.process(self._loop())
 
     # ---- the pool ------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Requests this instance holds, as the live instance counts its jobs."""
+        return self.holds + self.without_room
+
+    @property
+    def room(self) -> Room:
+        """What it holds at most, as the router sees it: the pool in pages (a page is a
+        block here) and `max_requests`."""
+        return Room(self.capacity_tokens // self.block_tokens, self.max_requests)
+
     def hit_tokens(self, blocks: Sequence[Hashable], prompt_tokens: int, touch: bool = True) -> int:
         """Prompt tokens this instance holds, leaving at least one to compute (its logits
         give the next token), as the engine's match does."""
@@ -88,8 +110,17 @@ class Instance:
             return None
         self.cache.pin(pinned)
         self.used += tokens
+        self.holds += 1
+        self.stats.peak_held = max(self.stats.peak_held, self.held)
         self.cache.shrink(self.cache_room())
         return Hold(self, tokens, pinned)
+
+    def room_for(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
+        """`hold` for a request held here without room so far: held either way after."""
+        self.without_room -= 1
+        hold = self.hold(tokens, pinned)
+        self.without_room += hold is None
+        return hold
 
     def release(self, seq: SimSeq) -> None:
         """Its pool room back; its blocks stay cached (what the decode-side cache keeps
@@ -102,6 +133,7 @@ class Instance:
 
     # ---- work ----------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
+        self.without_room += seq.hold is None
         self.waiting.append(seq)
         self.poke()
 
@@ -155,7 +187,7 @@ class Instance:
         return batch
 
     def _admit(self, seq: SimSeq) -> bool:
-        seq.hold = self.hold(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
+        seq.hold = self.room_for(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
         return seq.hold is not None
 
     @staticmethod
@@ -249,12 +281,9 @@ class Instance:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.without_room -= seq.hold is None
         self.release(seq)
         self.poke()
-
-    def load(self) -> tuple[float, int]:
-        """(occupancy, waiting): the relay's load as `choose_handoff` reads it."""
-        return len(self.running) / self.max_running, len(self.waiting)
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:

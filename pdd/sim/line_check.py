@@ -29,6 +29,7 @@ async def _emulated(mbps: float, delay_ms: float, runs: int, nbytes: int) -> lis
     """`runs` transfers of `nbytes` through a `pdd wan` relay on loopback, each on a
     fresh connection: when the far side has them all (its one-byte reply, less one
     one-way delay)."""
+
     async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readexactly(nbytes)
         writer.write(b"k")
@@ -66,12 +67,14 @@ def _fluid_s(mbps: float, delay_ms: float, nbytes: int) -> float:
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    return {"mean_ms": 1000 * statistics.mean(times), "peak_ms": 1000 * max(times),
-            "std_ms": 1000 * statistics.pstdev(times)}
+    return {
+        "mean_ms": 1000 * statistics.mean(times),
+        "peak_ms": 1000 * max(times),
+        "std_ms": 1000 * statistics.pstdev(times),
+    }
 
 
-def line_check(mbps: float = 1000.0, runs: int = 20, emulator: bool = True,
-               tcp: Tcp = Tcp()) -> dict[str, Any]:
+def line_check(mbps: float = 1000.0, runs: int = 20, emulator: bool = True, tcp: Tcp = Tcp()) -> dict[str, Any]:
     """The spec's microbenchmark on the calibrated line, and the emulator comparison."""
     result: dict[str, Any] = {
         "spec": {"mean_ms": 1000 * HANDOFF_MEAN_S, "peak_ms": 1000 * HANDOFF_PEAK_S},

@@ -57,15 +57,19 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        return (self.dense_params + self.embedding_params) * self.dense_bytes_per_param \
-            + self.routed_params * self.expert_bytes_per_param
+        return (
+            self.dense_params + self.embedding_params
+        ) * self.dense_bytes_per_param + self.routed_params * self.expert_bytes_per_param
 
     def with_expert_precision(self, bytes_per_param: float, fp8: bool) -> ModelSpec:
         return replace(self, expert_bytes_per_param=bytes_per_param, expert_fp8=fp8)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self) | {"total_params": self.total_params, "active_params": self.active_params,
-                               "weight_bytes": self.weight_bytes}
+        return asdict(self) | {
+            "total_params": self.total_params,
+            "active_params": self.active_params,
+            "weight_bytes": self.weight_bytes,
+        }
 
 
 def _kimi_k2() -> ModelSpec:
@@ -77,24 +81,41 @@ def _kimi_k2() -> ModelSpec:
     in FP8)."""
     hidden, layers, heads, vocab = 7168, 61, 64, 163840
     expert = 3 * hidden * 2048
-    attention = (hidden * 1536 + 1536 * heads * 192 + hidden * (512 + 64) + 512 * heads * 256
-                 + heads * 128 * hidden)
+    attention = hidden * 1536 + 1536 * heads * 192 + hidden * (512 + 64) + 512 * heads * 256 + heads * 128 * hidden
     dense = layers * attention + 60 * expert + 3 * hidden * 18432 + vocab * hidden  # + shared experts, FFN 0, head
-    return ModelSpec("paper-1t", layers=layers, moe_layers=60, experts=384, top_k=8, expert_params=expert,
-                     dense_params=dense, embedding_params=vocab * hidden, hidden=hidden,
-                     expert_bytes_per_param=INT4_GROUP32, dense_bytes_per_param=BF16, expert_fp8=False,
-                     prefill_flops_per_pair=2.0 * layers * heads * (192 + 128),
-                     decode_flops_per_pair=2.0 * layers * heads * (576 + 512),
-                     kv_bytes_per_token=50e3, max_context=131072,
-                     note="Kimi-K2-like 1T MoE (384 experts, top 8), INT4 experts, BF16 rest, 50 KB KV/token")
+    return ModelSpec(
+        "paper-1t",
+        layers=layers,
+        moe_layers=60,
+        experts=384,
+        top_k=8,
+        expert_params=expert,
+        dense_params=dense,
+        embedding_params=vocab * hidden,
+        hidden=hidden,
+        expert_bytes_per_param=INT4_GROUP32,
+        dense_bytes_per_param=BF16,
+        expert_fp8=False,
+        prefill_flops_per_pair=2.0 * layers * heads * (192 + 128),
+        decode_flops_per_pair=2.0 * layers * heads * (576 + 512),
+        kv_bytes_per_token=50e3,
+        max_context=131072,
+        note="Kimi-K2-like 1T MoE (384 experts, top 8), INT4 experts, BF16 rest, 50 KB KV/token",
+    )
 
 
 def dense_twin(model: ModelSpec) -> ModelSpec:
     """A dense model of the same active size: every parameter read by every step."""
-    return replace(model, name=f"{model.name}-dense", moe_layers=0, experts=0, top_k=0,
-                   dense_params=model.active_params, expert_bytes_per_param=model.dense_bytes_per_param,
-                   note=f"dense, {model.active_params / 1e9:.0f}B (the active size of {model.name})")
+    return replace(
+        model,
+        name=f"{model.name}-dense",
+        moe_layers=0,
+        experts=0,
+        top_k=0,
+        dense_params=model.active_params,
+        expert_bytes_per_param=model.dense_bytes_per_param,
+        note=f"dense, {model.active_params / 1e9:.0f}B (the active size of {model.name})",
+    )
 
 
 MODELS: dict[str, ModelSpec] = {"paper-1t": _kimi_k2()}
-

@@ -31,9 +31,16 @@ MIN_KV_CONTEXTS = 4  # an instance must hold at least this many full contexts be
 # prompt, 4.8-12.8K-token tasks, tool outputs of 64-1,536 tokens (6 %: 4.8-16K), 1K
 # output tokens on average (768-1,280), 3 % anomalous sessions whose outputs are the
 # spec's "ultra-short", under 500 tokens.
-WORKLOAD = AgenticConfig(system_prompt_tokens=2048, task_tokens=(4800, 12800), turns=(8, 24),
-                         tool_output_tokens=(64, 1536), large_tool_output_tokens=(4800, 16000),
-                         output_tokens=(768, 1280), max_context=65536, anomalous_output_tokens=(16, 496))
+WORKLOAD = AgenticConfig(
+    system_prompt_tokens=2048,
+    task_tokens=(4800, 12800),
+    turns=(8, 24),
+    tool_output_tokens=(64, 1536),
+    large_tool_output_tokens=(4800, 16000),
+    output_tokens=(768, 1280),
+    max_context=65536,
+    anomalous_output_tokens=(16, 496),
+)
 
 # The spec's thresholds at the spec's scale: a 64-token catch-up threshold, and a TTFT
 # budget of a few decode steps of this model (P -> MD must not cost a relay's TTFT more
@@ -57,7 +64,7 @@ class Setting:
     policy: PolicySpec = POLICY
     block_tokens: int = 256  # cache granularity
     max_batch_tokens: int = 16384  # chunked prefill: tokens per step
-    max_running: int = 1024  # the engine's slot limit; KV memory binds long before it
+    max_running: int = 1024  # the engine's slot limit, and its most requests held; KV memory binds long before
 
     def chip(self, name: str) -> Chip:
         return {"A": self.a, "B": self.b}[name]
@@ -80,23 +87,51 @@ class Setting:
         gpus = self.instance_gpus(hw)
         if gpus is None:
             raise ValueError(f"{self.model.name} does not fit on 4 nodes of {self.chip(hw).name}")
-        return RoleSpec(name, dc, count, Physics(self.chip(hw), self.model, gpus, self.eff),
-                        self.kv_capacity_tokens(hw, gpus), self.max_batch_tokens, self.max_running, hw, gpus)
+        return RoleSpec(
+            name,
+            dc,
+            count,
+            Physics(self.chip(hw), self.model, gpus, self.eff),
+            self.kv_capacity_tokens(hw, gpus),
+            self.max_batch_tokens,
+            self.max_running,
+            hw,
+            gpus,
+            max_requests=self.max_running,
+        )
 
     def deployment(self, name: str, roles: tuple[RoleSpec, ...], gbps: float = LINE_GBPS) -> DeploymentSpec:
-        return DeploymentSpec(name, roles, line(gbps, self.one_way_ms), rdma(), self.model.kv_bytes_per_token,
-                              self.block_tokens, WORKLOAD.max_context, self.policy, tcp=self.tcp)
+        return DeploymentSpec(
+            name,
+            roles,
+            line(gbps, self.one_way_ms),
+            rdma(),
+            self.model.kv_bytes_per_token,
+            self.block_tokens,
+            WORKLOAD.max_context,
+            self.policy,
+            tcp=self.tcp,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"A": self.a.to_dict(), "B": self.b.to_dict(), "model": self.model.to_dict(),
-                "memory_utilization": self.memory_utilization, "efficiency": self.eff.to_dict(),
-                "tcp": self.tcp.to_dict(), "line_one_way_ms": self.one_way_ms,
-                "line_price_per_gbps_hour": LINE_PRICE_PER_GBPS_HOUR, "policy": asdict(self.policy),
-                "block_tokens": self.block_tokens, "max_batch_tokens": self.max_batch_tokens,
-                "max_running": self.max_running,
-                "instance_gpus": {hw: self.instance_gpus(hw) for hw in ("A", "B")},
-                "kv_capacity_tokens": {hw: self.kv_capacity_tokens(hw, self.instance_gpus(hw) or GPUS_PER_NODE)
-                                       for hw in ("A", "B")}}
+        return {
+            "A": self.a.to_dict(),
+            "B": self.b.to_dict(),
+            "model": self.model.to_dict(),
+            "memory_utilization": self.memory_utilization,
+            "efficiency": self.eff.to_dict(),
+            "tcp": self.tcp.to_dict(),
+            "line_one_way_ms": self.one_way_ms,
+            "line_price_per_gbps_hour": LINE_PRICE_PER_GBPS_HOUR,
+            "policy": asdict(self.policy),
+            "block_tokens": self.block_tokens,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_running": self.max_running,
+            "instance_gpus": {hw: self.instance_gpus(hw) for hw in ("A", "B")},
+            "kv_capacity_tokens": {
+                hw: self.kv_capacity_tokens(hw, self.instance_gpus(hw) or GPUS_PER_NODE) for hw in ("A", "B")
+            },
+        }
 
 
 SETTING = Setting()
@@ -106,8 +141,9 @@ def role(name: str, dc: str, count: int, hw: str, setting: Setting = SETTING) ->
     return setting.role(name, dc, count, hw)
 
 
-def deployment(name: str, roles: tuple[RoleSpec, ...], gbps: float = LINE_GBPS,
-               setting: Setting = SETTING) -> DeploymentSpec:
+def deployment(
+    name: str, roles: tuple[RoleSpec, ...], gbps: float = LINE_GBPS, setting: Setting = SETTING
+) -> DeploymentSpec:
     return setting.deployment(name, roles, gbps)
 
 
@@ -120,8 +156,9 @@ def paper_deployments(gbps: float = LINE_GBPS, setting: Setting = SETTING) -> di
     return {
         "same-dc-pd": setting.deployment("same-dc-pd", (r("prefill", "A", 2, "A"), r("main", "A", 3, "A")), gbps),
         "cross-dc-pd": setting.deployment("cross-dc-pd", (r("prefill", "A", 3, "A"), r("main", "B", 4, "B")), gbps),
-        "pdd": setting.deployment("pdd", (r("prefill", "A", 2, "A"), r("relay", "A", 1, "A"),
-                                          r("main", "B", 4, "B")), gbps),
+        "pdd": setting.deployment(
+            "pdd", (r("prefill", "A", 2, "A"), r("relay", "A", 1, "A"), r("main", "B", 4, "B")), gbps
+        ),
     }
 
 
@@ -154,11 +191,20 @@ def with_prices(setting: Setting, a_price: float, b_price: float) -> Setting:
 # same-datacenter homogeneous PD", and its goodput and cost figures compose into it,
 # (1 + 27.8 %) / (1 - 7.1 %) = 1.376, so the goodput gain is against the same 88-GPU-A
 # baseline too.
-PAPER = {"ttft_change": -0.515, "ttft_against": "cross-dc-pd",
-         "goodput_change": 0.278, "goodput_against": "same-dc-pd",
-         "cost_change": (-0.071, -0.035), "cost_against": "same-dc-pd",
-         "bcr_change": 0.375, "bcr_against": "same-dc-pd",
-         "rld_share": 0.062, "rld_load_ratio": 15.2,
-         "same_dc_ttft_p50_ms": 4200.0, "cross_dc_ttft_ms": {"p50": 6700.0, "p90": 18300.0, "p99": 29700.0},
-         "handoff_ms": {"mean": 185.0, "peak": 512.6}, "recompute_ms": {"mean": 305.0, "max": 321.4, "std": 4.8},
-         "gpus": {"same-dc-pd": {"A": 88}, "pdd": {"A": 43, "B": 32}}}
+PAPER: dict[str, Any] = {
+    "ttft_change": -0.515,
+    "ttft_against": "cross-dc-pd",
+    "goodput_change": 0.278,
+    "goodput_against": "same-dc-pd",
+    "cost_change": (-0.071, -0.035),
+    "cost_against": "same-dc-pd",
+    "bcr_change": 0.375,
+    "bcr_against": "same-dc-pd",
+    "rld_share": 0.062,
+    "rld_load_ratio": 15.2,
+    "same_dc_ttft_p50_ms": 4200.0,
+    "cross_dc_ttft_ms": {"p50": 6700.0, "p90": 18300.0, "p99": 29700.0},
+    "handoff_ms": {"mean": 185.0, "peak": 512.6},
+    "recompute_ms": {"mean": 305.0, "max": 321.4, "std": 4.8},
+    "gpus": {"same-dc-pd": {"A": 88}, "pdd": {"A": 43, "B": 32}},
+}

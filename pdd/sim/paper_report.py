@@ -11,7 +11,8 @@ from rich.table import Table
 from pdd.sim import paper
 from pdd.sim.compare import change
 from pdd.sim.plan_cli import assumption_line
-from pdd.sim.planner import Probe, agentic
+from pdd.sim.plan_workload import agentic
+from pdd.sim.planner import Probe
 
 
 def _pct(value: float | None) -> str:
@@ -25,39 +26,73 @@ def _util(u: dict[str, float]) -> str:
 def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(figure, against, simulated, published) for each figure the spec gives."""
     c, p = result["configs"], result["paper"]
-    pdd, rows = c.get("pdd"), []
+    pdd = c.get("pdd")
+    rows: list[tuple[str, str, str, str]] = []
     if pdd is None:
         return rows
-    vs = {name: c.get(p[f"{key}_against"]) for key, name in (("ttft", "ttft"), ("goodput", "goodput"),
-                                                            ("cost", "cost"), ("bcr", "bcr"))}
+    vs = {
+        name: c.get(p[f"{key}_against"])
+        for key, name in (("ttft", "ttft"), ("goodput", "goodput"), ("cost", "cost"), ("bcr", "bcr"))
+    }
     if vs["ttft"]:
-        rows.append(("TTFT mean, PDD", p["ttft_against"], _pct(change(vs["ttft"]["ttft_ms"]["mean"],
-                                                                      pdd["ttft_ms"]["mean"])),
-                     f"{p['ttft_change']:+.1%}"))
+        rows.append(
+            (
+                "TTFT mean, PDD",
+                p["ttft_against"],
+                _pct(change(vs["ttft"]["ttft_ms"]["mean"], pdd["ttft_ms"]["mean"])),
+                f"{p['ttft_change']:+.1%}",
+            )
+        )
     if vs["goodput"]:
-        rows.append(("goodput, PDD", p["goodput_against"], _pct(change(vs["goodput"]["goodput_rps"],
-                                                                       pdd["goodput_rps"])),
-                     f"{p['goodput_change']:+.1%}"))
+        rows.append(
+            (
+                "goodput, PDD",
+                p["goodput_against"],
+                _pct(change(vs["goodput"]["goodput_rps"], pdd["goodput_rps"])),
+                f"{p['goodput_change']:+.1%}",
+            )
+        )
     if vs["cost"]:
         cost = " / ".join(_pct(change(vs["cost"]["cost"], v)) for v in pdd["cost_range"].values())
-        rows.append(("cost, PDD (B at +20 / 25 / 30 %)", p["cost_against"], cost,
-                     f"{p['cost_change'][0]:+.1%} .. {p['cost_change'][1]:+.1%}"))
+        rows.append(
+            (
+                "cost, PDD (B at +20 / 25 / 30 %)",
+                p["cost_against"],
+                cost,
+                f"{p['cost_change'][0]:+.1%} .. {p['cost_change'][1]:+.1%}",
+            )
+        )
     if vs["bcr"]:
-        rows.append(("BCR, PDD", p["bcr_against"], _pct(change(vs["bcr"]["bcr"], pdd["bcr"])),
-                     f"up to {p['bcr_change']:+.1%}"))
+        rows.append(
+            ("BCR, PDD", p["bcr_against"], _pct(change(vs["bcr"]["bcr"], pdd["bcr"])), f"up to {p['bcr_change']:+.1%}")
+        )
     if c.get("cross-dc-pd"):
-        rows.append(("goodput, PDD", "cross-dc-pd", _pct(change(c["cross-dc-pd"]["goodput_rps"],
-                                                                pdd["goodput_rps"])), "(not published)"))
-        rows.append(("TTFT p99, PDD", "cross-dc-pd", _pct(change(c["cross-dc-pd"]["ttft_ms"]["p99"],
-                                                                 pdd["ttft_ms"]["p99"])), "(not published)"))
+        rows.append(
+            (
+                "goodput, PDD",
+                "cross-dc-pd",
+                _pct(change(c["cross-dc-pd"]["goodput_rps"], pdd["goodput_rps"])),
+                "(not published)",
+            )
+        )
+        rows.append(
+            (
+                "TTFT p99, PDD",
+                "cross-dc-pd",
+                _pct(change(c["cross-dc-pd"]["ttft_ms"]["p99"], pdd["ttft_ms"]["p99"])),
+                "(not published)",
+            )
+        )
     rows.append(("RLD share of output tokens", "-", f"{pdd['rld_share']:.1%}", f"{p['rld_share']:.1%}"))
     return rows
 
 
 def print_paper(result: dict[str, Any], console: Console) -> None:
     c = result["configs"]
-    table = Table(title=f"pdd sim --paper: each family's best layout within {result['assumptions']['budget_gpus']} "
-                        f"GPUs; latencies at {result['reference_rps']:.1f} req/s (80 % of same-dc-pd's goodput)")
+    table = Table(
+        title=f"pdd sim --paper: each family's best layout within {result['assumptions']['budget_gpus']} "
+        f"GPUs; latencies at {result['reference_rps']:.1f} req/s (80 % of same-dc-pd's goodput)"
+    )
     table.add_column("metric")
     for name in c:
         table.add_column(name, justify="right")
@@ -68,16 +103,20 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         ("goodput (req/s)", lambda r: f"{r['goodput_rps']:.1f}"),
         ("BCR (req/s per GPU A hour/h)", lambda r: f"{r['bcr']:.3f}"),
         ("binding at goodput", lambda r: f"{r['binding_at_goodput']} ({_util(r['utilisation_at_goodput'])})"),
-        ("GPUs for same-dc-pd's goodput", lambda r: "-" if r["iso_goodput_gpus_linear"] is None
-         else f"{r['iso_goodput_gpus_linear']:.0f} (scaled)"),
+        (
+            "GPUs for same-dc-pd's goodput",
+            lambda r: "-" if r["iso_goodput_gpus_linear"] is None else f"{r['iso_goodput_gpus_linear']:.0f} (scaled)",
+        ),
         ("TTFT p50 / p90 / p99 (ms)", lambda r: " / ".join(f"{r['ttft_ms'][q]:,.0f}" for q in ("p50", "p90", "p99"))),
         ("TTFT mean (ms)", lambda r: f"{r['ttft_ms']['mean']:,.0f}"),
         ("TPOT p50 / p99 (ms)", lambda r: f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f}"),
         ("SLO attainment", lambda r: f"{r['slo_attainment']:.1%}"),
         ("P hit / decode-side hit", lambda r: f"{r['p_hit_rate']:.1%} / {r['d_hit_rate']:.1%}"),
         ("RLD share of output", lambda r: f"{r['rld_share']:.1%}"),
-        ("line (Gbit/s): size / used", lambda r: f"{r['wan_gbps']:g} / {r['wan_used_gbps']:.1f}"
-         if r["wan_gbps"] else "-"),
+        (
+            "line (Gbit/s): size / used",
+            lambda r: f"{r['wan_gbps']:g} / {r['wan_used_gbps']:.1f}" if r["wan_gbps"] else "-",
+        ),
         ("binding at reference load", lambda r: f"{r['binding']} ({_util(r['utilisation'])})"),
     ]
     for label, cell in rows:
@@ -96,8 +135,10 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         anchors.add_row(name, a["spec"], a["simulated"])
     console.print(anchors)
     if result["slo_sensitivity"]:
-        slo = Table(title="goodput (req/s) of each family's best layout under other SLOs (TPOT "
-                          f"{result['assumptions']['slo']['tpot_ms']:g} ms)")
+        slo = Table(
+            title="goodput (req/s) of each family's best layout under other SLOs (TPOT "
+            f"{result['assumptions']['slo']['tpot_ms']:g} ms)"
+        )
         slo.add_column("SLO")
         for name in c:
             slo.add_column(name, justify="right")
@@ -107,10 +148,14 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
             slo.add_row(key, *(f"{per[n]['goodput_rps']:.1f}" if n in per else "-" for n in c))
         console.print(slo)
     e = paper.SETTING.eff
-    console.print(f"Assumptions: {assumption_line(Probe(), agentic(paper.WORKLOAD))} Step model: kernels at "
-                  f"{e.mfu:.0%} of the tensor peak (GEMMs), {e.attn_mfu:.0%} (attention), {e.mbu:.0%} of HBM; "
-                  f"{1000 * e.step_overhead_s:g} ms a step, {1000 * e.chunk_overhead_s:g} ms a chunk; all-to-all "
-                  f"{1e6 * e.a2a_latency_up_s:g} / {1e6 * e.a2a_latency_out_s:g} us in / across nodes; routing skew "
-                  f"{e.routing_skew:g}. Everything in the JSON's `assumptions`.")
-    console.print(f"{len(result['layouts'])} layouts, {sum(r['simulated'] for r in result['layouts'])} simulated; "
-                  f"{result['wall_s']:.0f} s")
+    console.print(
+        f"Assumptions: {assumption_line(Probe(), agentic(paper.WORKLOAD))} Step model: kernels at "
+        f"{e.mfu:.0%} of the tensor peak (GEMMs), {e.attn_mfu:.0%} (attention), {e.mbu:.0%} of HBM; "
+        f"{1000 * e.step_overhead_s:g} ms a step, {1000 * e.chunk_overhead_s:g} ms a chunk; all-to-all "
+        f"{1e6 * e.a2a_latency_up_s:g} / {1e6 * e.a2a_latency_out_s:g} us in / across nodes; routing skew "
+        f"{e.routing_skew:g}. Everything in the JSON's `assumptions`."
+    )
+    console.print(
+        f"{len(result['layouts'])} layouts, {sum(r['simulated'] for r in result['layouts'])} simulated; "
+        f"{result['wall_s']:.0f} s"
+    )

@@ -73,11 +73,11 @@ def touched_max(experts: int, top_k: int, gpus: int, tokens: int) -> float:
         return float(m)
     if gpus == 1:
         return m * q
-    pmf = [math.comb(m, j) * q ** j * (1 - q) ** (m - j) for j in range(m + 1)]
+    pmf = [math.comb(m, j) * q**j * (1 - q) ** (m - j) for j in range(m + 1)]
     cdf, expected = 0.0, 0.0
     for j in range(m):
         cdf += pmf[j]
-        expected += 1.0 - cdf ** gpus
+        expected += 1.0 - cdf**gpus
     return expected
 
 
@@ -100,8 +100,9 @@ class Physics:
         tokens = np.asarray(load.new_tokens, dtype=float)
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
-        dense = np.maximum(2.0 * m.dense_params * tokens / (g * bf16),
-                           m.dense_params * m.dense_bytes_per_param / (g * bw))
+        dense = np.maximum(
+            2.0 * m.dense_params * tokens / (g * bf16), m.dense_params * m.dense_bytes_per_param / (g * bw)
+        )
         experts = np.zeros_like(tokens)
         comm = np.zeros_like(tokens)
         if m.moe_layers:
@@ -119,8 +120,10 @@ class Physics:
                 link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
                 comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
         decode_pairs = np.asarray(load.attn_pairs, dtype=float) - np.asarray(load.chunk_pairs, dtype=float)
-        flops = m.prefill_flops_per_pair * np.asarray(load.chunk_pairs, dtype=float) \
+        flops = (
+            m.prefill_flops_per_pair * np.asarray(load.chunk_pairs, dtype=float)
             + m.decode_flops_per_pair * decode_pairs
+        )
         kv = m.kv_bytes_per_token * (np.asarray(load.kv_read_tokens, dtype=float) + tokens)
         attention = np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
         compute_s = dense + experts + attention
@@ -128,8 +131,13 @@ class Physics:
         if m.moe_layers and g > 1:
             latency = 2 * m.moe_layers * (e.a2a_latency_up_s if g <= GPUS_PER_NODE else e.a2a_latency_out_s)
         fixed = e.step_overhead_s + e.chunk_overhead_s * np.asarray(load.chunks, dtype=float)
-        return {"dense": dense, "experts": experts, "attention": attention,
-                "all_to_all": np.maximum(0.0, comm - e.ep_overlap * compute_s) + latency, "fixed": fixed}
+        return {
+            "dense": dense,
+            "experts": experts,
+            "attention": attention,
+            "all_to_all": np.maximum(0.0, comm - e.ep_overlap * compute_s) + latency,
+            "fixed": fixed,
+        }
 
     def steps_s(self, load: StepLoad) -> np.ndarray:
         p = self.parts(load)
@@ -141,5 +149,9 @@ class Physics:
         return float(self.steps_s(load))
 
     def describe(self) -> dict[str, object]:
-        return {"chip": self.chip.to_dict(), "gpus": self.gpus, "efficiency": self.eff.to_dict(),
-                "model": self.model.name}
+        return {
+            "chip": self.chip.to_dict(),
+            "gpus": self.gpus,
+            "efficiency": self.eff.to_dict(),
+            "model": self.model.name,
+        }

@@ -20,13 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd.sim import paper
-from pdd.sim.bounds import Shape, capacity_rps, shape_of
+from pdd.sim.bounds import capacity_rps
 from pdd.sim.cluster import DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT
-from pdd.sim.runner import Sessions, Window, find_goodput, steady_sessions, tail_s, turns_per_session
-from pdd.sim.workload import SimSession, trace_sessions
-from pdd.workload.agentic import AgenticConfig
-from pdd.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
+from pdd.sim.plan_workload import Workload
+from pdd.sim.runner import Window, find_goodput, run_window, tail_s
 
 MIN_PREFILL_SHARE, MAX_PREFILL_SHARE = 0.15, 0.8  # of the layout's GPUs: outside, one side idles
 RELAYS = (1, 2)
@@ -65,8 +63,10 @@ class Layout:
         if not self.line_gbps:
             return f"same-dc {self.prefill}P+{self.main}D {self.prefill_hw}"
         near = f"{self.prefill}P" + (f"+{self.relays}R" if self.relays else "")
-        return f"{'pdd' if self.relays else 'cross-dc'} {near} {self.prefill_hw} | {self.main}MD {self.main_hw} " \
-               f"{self.line_gbps:g}G"
+        return (
+            f"{'pdd' if self.relays else 'cross-dc'} {near} {self.prefill_hw} | {self.main}MD {self.main_hw} "
+            f"{self.line_gbps:g}G"
+        )
 
     def spec(self, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
         far = "B" if self.line_gbps else "A"
@@ -81,20 +81,22 @@ class Layout:
         return (self.prefill + self.relays) * near + self.main * far
 
 
-def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str],
-               setting: paper.Setting = paper.SETTING) -> list[Layout]:
+def candidates(
+    max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str], setting: paper.Setting = paper.SETTING
+) -> list[Layout]:
     """Layouts that spend the budget (no instance of either kind would still fit): same-dc
     PD on each hardware, and for each line P (and relays) on `hardware[0]` with MD on
     `hardware[-1]`, within a sensible share of prefill GPUs."""
     unknown = [h for h in hardware if h not in ("A", "B")]
     if unknown or not hardware:
         raise ValueError(f"hardware must be A or B, got {list(hardware)}")
-    size = {h: setting.instance_gpus(h) for h in hardware}
+    size = {h: setting.instance_gpus(h) or 0 for h in hardware}  # 0: no instance of it holds the model
 
     def fits(layout: Layout, smallest: int) -> bool:
         used = layout.gpus(setting)
-        share = (layout.prefill * size[layout.prefill_hw]) / (layout.prefill * size[layout.prefill_hw]
-                                                             + layout.main * size[layout.main_hw])
+        share = (layout.prefill * size[layout.prefill_hw]) / (
+            layout.prefill * size[layout.prefill_hw] + layout.main * size[layout.main_hw]
+        )
         return used <= max_gpus < used + smallest and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
 
     layouts: list[Layout] = []
@@ -119,64 +121,9 @@ def candidates(max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str
 
 # ---- the workload a probe replays ----------------------------------------------------------
 
-@dataclass(frozen=True)
-class Workload:
-    """What a goodput probe replays, as plain data (it travels to worker processes):
-    the agentic sessions of `config`, or the trace `records` rescaled to each rate."""
-
-    name: str
-    config: AgenticConfig | None = None
-    records: tuple[TraceRecord, ...] = ()
-    max_context: int = paper.WORKLOAD.max_context
-
-    @property
-    def turns(self) -> float:
-        return turns_per_session(self.config) if self.config is not None else 1.0
-
-    @property
-    def longest_output(self) -> int:
-        if self.config is not None:
-            return self.config.output_tokens[1]
-        return max(r.output_length for r in self.records)
-
-    @property
-    def block_tokens(self) -> int:
-        return paper.SETTING.block_tokens if self.config is not None else TRACE_BLOCK_TOKENS
-
-    def sessions(self) -> Sessions:
-        if self.config is not None:
-            return steady_sessions(self.config)
-        records = self.records
-        natural = len(records) / ((records[-1].timestamp_ms - records[0].timestamp_ms) / 1000)
-
-        def replay(rate: float, end_s: float) -> list[SimSession]:
-            drawn = trace_sessions(records, time_scale=rate / natural, max_context=self.max_context)
-            return [s for s in drawn if s.start_s < end_s]
-
-        return replay
-
-    def shape(self) -> Shape:
-        if self.config is not None:
-            return shape_of(self.config)
-        requests = [(min(r.input_length, self.max_context), 0) for r in self.records]
-        return Shape(requests, float(sum(r.output_length for r in self.records) / len(self.records)),
-                     float(sum(p for p, _ in requests) / len(requests)))
-
-
-def agentic(config: AgenticConfig = paper.WORKLOAD) -> Workload:
-    return Workload("agentic", config)
-
-
-def mooncake(records: Sequence[TraceRecord], max_context: int = paper.WORKLOAD.max_context) -> Workload:
-    """The trace, its arrival times squeezed or stretched to the probed rate (its
-    burstiness kept); a probe longer than the trace offers less than its rate, and its
-    measured rate says so."""
-    if len(records) < 2 or records[-1].timestamp_ms == records[0].timestamp_ms:
-        raise ValueError("the trace needs at least two distinct timestamps to be replayed at a rate")
-    return Workload("mooncake", None, tuple(records), max_context)
-
 
 # ---- the search ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -199,72 +146,166 @@ class Probe:
         return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
-def goodput_of(layout: Layout, setting: paper.Setting, workload: Workload, probe: Probe,
-               capacity: float) -> dict[str, Any]:
+def goodput_of(
+    layout: Layout,
+    setting: paper.Setting,
+    workload: Workload,
+    probe: Probe,
+    capacity: float,
+    beat_rps: float | None = None,
+) -> dict[str, Any]:
     """The layout's goodput, searched around its analytic capacity: the bracket
     [capacity / 3, `HEADROOM` x capacity] (the capacity is an estimate: relays decode
     too, and requests vary around the means it takes), widened downwards while even its
-    bottom misses."""
+    bottom misses.
+
+    With `beat_rps` (the rate, probed, at which it would beat the best BCR its family has
+    shown), one probe at that rate comes first: a layout that misses the SLO there
+    cannot win, and its row says only that (`goodput_rps` None, `missed_rps`: the rate); one that
+    meets it is searched upwards from there. `probed_rps`: the rate its goodput was
+    probed at (session rate x turns), which is what `beat_rps` is made of: the goodput
+    itself is the rate judged, and closed-loop sessions arrive faster than probed when
+    turns end sooner than the warm start's nominal ones (by up to a third here), so a
+    goodput is no rate to probe another layout at."""
     spec = replace(layout.spec(setting), block_tokens=workload.block_tokens)
     sessions, turns = workload.sessions(), workload.turns
-    high, low, best, tried = HEADROOM * capacity, capacity / 3, None, 0
-    while best is None and tried < 3:
-        best = find_goodput(spec, sessions, probe.slo, lambda rate: probe.window(rate * turns, workload),
-                            low / turns, high / turns, steps=probe.steps, attainment=probe.attainment)
-        high, low, tried = low, low / 4, tried + 1
-    return _row(layout, setting, best, capacity)
+    runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
+
+    def searched(low: float, high: float, steps: int) -> dict[str, Any] | None:
+        return find_goodput(
+            spec,
+            sessions,
+            probe.slo,
+            lambda rate: probe.window(rate * turns, workload),
+            low / turns,
+            high / turns,
+            steps=steps,
+            attainment=probe.attainment,
+            runs=runs,
+        )
+
+    if beat_rps is not None:
+        rate = beat_rps / turns
+        run = runs[rate] = run_window(
+            spec,
+            sessions,
+            rate,
+            probe.window(beat_rps, workload),
+            probe.slo,
+            stop_early=True,
+            attainment=probe.attainment,
+        )
+        if (run["slo_attainment"] or 0.0) < probe.attainment:
+            return _row(layout, setting, run, capacity) | {
+                "goodput_rps": None,
+                "bcr": None,
+                "probes": 1,
+                "missed_rps": beat_rps,
+            }
+        high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
+        best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
+    else:
+        high, low, best, tried = HEADROOM * capacity, capacity / 3, None, 0
+        while best is None and tried < 3:
+            best = searched(low, high, probe.steps)
+            high, low, tried = low, low / 4, tried + 1
+    return _row(layout, setting, best, capacity) | {
+        "probes": len(runs),
+        "probed_rps": best["session_rate"] * turns if best else None,
+    }
+
+
+def steps_for(ratio: float, probe: Probe) -> int:
+    """Bisection steps that resolve a bracket of `ratio` as finely as the full one."""
+    return max(1, math.ceil(math.log2(math.log(ratio) / math.log(1 + search_resolution(probe)))))
 
 
 def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float) -> dict[str, Any]:
     bill = paper.bill(layout.spec(setting), setting)
     rps = run["offered_rps"] if run else 0.0
     ttft = run["ttft_ms"] if run else {}
-    return {"layout": layout.name, "family": layout.family, "prefill": layout.prefill, "relays": layout.relays,
-            "main": layout.main, "prefill_hw": layout.prefill_hw, "main_hw": layout.main_hw,
-            "line_gbps": layout.line_gbps, "gpus": bill.gpus, "cost_per_hour": bill.per_hour,
-            "capacity_rps": capacity, "goodput_rps": rps, "bcr": rps / bill.per_hour, "simulated": True,
-            "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
-            "slo_attainment": run["slo_attainment"] if run else None,
-            "utilisation": run["utilisation"] if run else {}, "binding": run["binding"] if run else "-",
-            "run": run}
+    return {
+        "layout": layout.name,
+        "family": layout.family,
+        "prefill": layout.prefill,
+        "relays": layout.relays,
+        "main": layout.main,
+        "prefill_hw": layout.prefill_hw,
+        "main_hw": layout.main_hw,
+        "line_gbps": layout.line_gbps,
+        "gpus": bill.gpus,
+        "cost_per_hour": bill.per_hour,
+        "capacity_rps": capacity,
+        "goodput_rps": rps,
+        "bcr": rps / bill.per_hour,
+        "simulated": True,
+        "ttft_p50_ms": ttft.get("p50"),
+        "ttft_p99_ms": ttft.get("p99"),
+        "slo_attainment": run["slo_attainment"] if run else None,
+        "utilisation": run["utilisation"] if run else {},
+        "binding": run["binding"] if run else "-",
+        "missed_rps": None,
+        "probed_rps": None,
+        "probes": 0,
+        "run": run,
+    }
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
 
 
-def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe(),
-           setting: paper.Setting = paper.SETTING, workers: int = 2,
-           progress: OnProgress | None = None) -> list[dict[str, Any]]:
+def search(
+    layouts: Sequence[Layout],
+    workload: Workload,
+    probe: Probe = Probe(),
+    setting: paper.Setting = paper.SETTING,
+    workers: int = 2,
+    progress: OnProgress | None = None,
+    exact: bool = False,
+) -> list[dict[str, Any]]:
     """Every layout's row, best BCR first: simulated ones with their goodput, pruned ones
     with their capacity (`simulated` False). Each family's layouts go in order of
     capacity per cost; the next is simulated only while `HEADROOM` x its capacity per
-    cost can beat its family's best BCR so far. Up to `workers` layouts run at once,
-    one process each, a family with none running first."""
+    cost can beat its family's best BCR so far, and (unless `exact`) first at the one
+    rate that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
+    win has the rate it missed at, not a goodput. Up to `workers` layouts run at once, one
+    process each, a family with none running first; one whose family has no best yet
+    waits for it."""
     shape = workload.shape()
-    caps = {lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape,
-                              probe.slo[1] / 1000)["rps"] for lay in layouts}
+    caps = {
+        lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape, probe.slo[1] / 1000)[
+            "rps"
+        ]
+        for lay in layouts
+    }
     cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
-    queues = {f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
-              for f in sorted({lay.family for lay in layouts})}
+    queues = {
+        f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
+        for f in sorted({lay.family for lay in layouts})
+    }
     best = {f: 0.0 for f in queues}
+    pace = {f: 0.0 for f in queues}  # the probed rate per cost of the family's best: what beat_rps scales
     rows: list[dict[str, Any]] = []
     running: dict[Future, str] = {}
 
-    def next_layout() -> Layout | None:
+    def next_layout() -> tuple[Layout, float | None] | None:
         busy = set(running.values())
         for f in sorted(queues, key=lambda f: (f in busy, -len(queues[f]))):
             queue = queues[f]
             while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
                 lay = queue.pop(0)
                 rows.append(_row(lay, setting, None, caps[lay]) | {"simulated": False})
-            if queue:
-                return queue.pop(0)
+            if not queue or (not exact and f in busy and not best[f]):
+                continue
+            lay = queue.pop(0)
+            return lay, None if exact or not best[f] else pace[f] * cost[lay]
         return None
 
     with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
         while True:
-            while len(running) < workers and (lay := next_layout()) is not None:
-                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay])] = lay.family
+            while len(running) < workers and (picked := next_layout()) is not None:
+                lay, beat = picked
+                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay], beat)] = lay.family
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -272,11 +313,28 @@ def search(layouts: Sequence[Layout], workload: Workload, probe: Probe = Probe()
                 running.pop(future)
                 row = future.result()
                 rows.append(row)
-                best[row["family"]] = max(best[row["family"]], row["bcr"])
+                if (row["bcr"] or 0.0) > best[row["family"]]:
+                    best[row["family"]] = row["bcr"]
+                    pace[row["family"]] = row["probed_rps"] / row["cost_per_hour"]
                 if progress is not None:
-                    progress(sum(r["simulated"] for r in rows), len(layouts), f"{row['layout']}: "
-                             f"{row['goodput_rps']:.1f} req/s")
-    return sorted(rows, key=lambda r: (-r["bcr"], r["cost_per_hour"]))
+                    progress(
+                        sum(r["simulated"] for r in rows),
+                        len(layouts),
+                        f"{row['layout']}: "
+                        + (
+                            f"{row['goodput_rps']:.1f} req/s"
+                            if row["goodput_rps"] is not None
+                            else f"missed at {row['missed_rps']:.1f} req/s"
+                        ),
+                    )
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: dict[str, Any]) -> tuple[int, float, float]:
+    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last."""
+    if row["bcr"] is not None:
+        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"]
+    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"]
 
 
 class _Inline:
@@ -296,20 +354,20 @@ class _Inline:
 
 
 def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each family's layout of the highest BCR among those simulated."""
+    """Each family's layout of the highest BCR among those whose goodput was found."""
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
-        if r["simulated"] and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
+        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
             best[r["family"]] = r
     return best
 
 
 def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dict[str, Any] | None:
     """The cheapest simulated layout of a family that reaches `target_rps` (None: none does)."""
-    able = [r for r in family_rows if r["simulated"] and r["goodput_rps"] >= target_rps]
+    able = [r for r in family_rows if r["simulated"] and (r["goodput_rps"] or 0.0) >= target_rps]
     return min(able, key=lambda r: r["cost_per_hour"]) if able else None
 
 
 def search_resolution(probe: Probe) -> float:
     """The goodput bisection's step, as a fraction: from capacity / 4 to 1.1 capacity."""
-    return math.exp(math.log(4.4) / 2 ** probe.steps) - 1
+    return math.exp(math.log(4.4) / 2**probe.steps) - 1

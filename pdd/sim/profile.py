@@ -1,21 +1,58 @@
-"""This machine's profile, as `pdd sim calibrate` writes it and `pdd sim check` reads it."""
+"""This machine's profile, as `pdd sim calibrate` writes it and `pdd sim check` reads it.
+
+The file is checked field by field (pydantic, strict, no unknown keys), so a truncated
+or hand-edited profile fails where it is read, naming the field, rather than as a
+simulation with nonsense step times.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdd.sim.fit import Sample, relative_errors
 from pdd.sim.steps import Fitted
 
-PROFILE_VERSION = 1
-_TERMS = ("base_s", "per_token_s", "per_pair_s", "per_seq_s", "per_kv_token_s")  # Fitted's, in order
+PROFILE_VERSION: Final = 1
+TERMS = tuple(f.name for f in fields(Fitted) if f.name != "source")  # the step model's coefficients, in order
+
+_Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Count = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _FittedFile(_Strict):
+    base_s: _Seconds
+    per_token_s: _Seconds
+    per_pair_s: _Seconds
+    per_seq_s: _Seconds
+    per_kv_token_s: _Seconds
+    source: str
+
+
+class _ProfileFile(_Strict):
+    version: Literal[1]
+    fitted: _FittedFile
+    samples: _Count
+    median_rel_error: _Seconds
+    p90_rel_error: _Seconds
+    threads: _Count
+    kv_bytes_per_token: _Count
+    max_context: _Count
+    request_overhead_s: _Seconds
+    cores: _Count
+
+
+assert tuple(_FittedFile.model_fields) == (*TERMS, "source"), "the profile file must hold Fitted's coefficients"
 
 
 @dataclass(frozen=True)
@@ -32,46 +69,32 @@ class LocalProfile:
 
 def profile_to_json(profile: LocalProfile, samples: Sequence[Sample], threads: int = 1) -> dict[str, Any]:
     errors = relative_errors(profile.steps, samples)
-    return {"version": PROFILE_VERSION, "fitted": profile.steps.to_dict(), "samples": len(samples),
-            "median_rel_error": float(np.median(errors)), "p90_rel_error": float(np.percentile(errors, 90)),
-            "threads": threads, "kv_bytes_per_token": profile.kv_bytes_per_token,
-            "max_context": profile.max_context, "request_overhead_s": profile.request_overhead_s,
-            "cores": profile.cores}
-
-
-def _check_number(path: str | Path, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{path}: {name} must be a non-negative number, not {value!r}")
-    return float(value)
-
-
-def _check_count(path: str | Path, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path}: {name} must be a positive integer, not {value!r}")
-    return value
+    fitted = _FittedFile.model_validate(profile.steps.to_dict())
+    return _ProfileFile(
+        version=PROFILE_VERSION,
+        fitted=fitted,
+        samples=len(samples),
+        median_rel_error=float(np.median(errors)),
+        p90_rel_error=float(np.percentile(errors, 90)),
+        threads=threads,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        max_context=profile.max_context,
+        request_overhead_s=profile.request_overhead_s,
+        cores=profile.cores,
+    ).model_dump()
 
 
 def load_profile(path: str | Path) -> LocalProfile:
-    """Check every field, so a truncated or hand-edited profile fails here, by name,
-    rather than as a simulation with nonsense step times."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = _ProfileFile.model_validate(json.loads(Path(path).read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON step-time profile ({e})") from None
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{path}: not a version {PROFILE_VERSION} step-time profile")
-    fitted = data.get("fitted")
-    if not isinstance(fitted, dict) or set(fitted) != {*_TERMS, "source"}:
-        raise ValueError(f"{path}: 'fitted' must hold exactly {', '.join(_TERMS)} and source")
-    if not isinstance(fitted["source"], str):
-        raise ValueError(f"{path}: fitted.source must be a string")
-    for name in ("median_rel_error", "p90_rel_error"):
-        _check_number(path, name, data.get(name))
-    for name in ("samples", "threads"):
-        _check_count(path, name, data.get(name))
-    coef = [_check_number(path, f"fitted.{name}", fitted[name]) for name in _TERMS]
-    return LocalProfile(Fitted(*coef, source=fitted["source"]),
-                        _check_count(path, "kv_bytes_per_token", data.get("kv_bytes_per_token")),
-                        _check_count(path, "max_context", data.get("max_context")),
-                        _check_number(path, "request_overhead_s", data.get("request_overhead_s")),
-                        _check_count(path, "cores", data.get("cores")))
+    except ValidationError as e:
+        raise ValueError(f"{path}: not a version {PROFILE_VERSION} step-time profile: {e}") from None
+    return LocalProfile(
+        Fitted(**data.fitted.model_dump()),
+        data.kv_bytes_per_token,
+        data.max_context,
+        data.request_overhead_s,
+        data.cores,
+    )

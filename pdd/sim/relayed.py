@@ -11,65 +11,73 @@ cached for the next turn.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import simpy
 
-from pdd.policy.handoff import choose_handoff, cut_over
-from pdd.policy.transfer import kv_range
-from pdd.sim.instance import Instance
+from pdd.names import Fallback, HandoffMode
+from pdd.policy.handoff import choose_handoff, cut_over, occupancy
+from pdd.policy.transfer import Priority, kv_range
+from pdd.sim.parts import ClusterParts, Proc
 from pdd.sim.sequence import Hold, SimSeq
-from pdd.sim.outcome import Outcome, Stream
-from pdd.sim.workload import SimSession
-from pdd.names import HandoffMode
+from pdd.sim.stream import fell_back
 
 if TYPE_CHECKING:
-    from pdd.sim.cluster import DeploymentSpec
-    from pdd.sim.link import SharedLink
-    from pdd.sim.tcp import TcpLink
+    from pdd.record import RequestRecord
+    from pdd.sim.instance import Instance
+    from pdd.sim.reserve import Granted
+    from pdd.sim.stream import Stream
+    from pdd.sim.workload import SimSession
 
-URGENT, BACKGROUND = 0, 1
 
-
-class RelayPaths:
+class RelayPaths(ClusterParts):
     """The relayed half of `pdd.sim.cluster.Cluster`, which provides what it uses."""
 
-    env: simpy.Environment
-    spec: DeploymentSpec
-    wan: SharedLink | TcpLink | None
-
-    def _relayed(self, p: Instance, md: Instance | None, reserved, md_res, rld: Instance,
-                 rld_reserved: tuple[int, int], s: SimSession, out: Outcome, stream: Stream) -> Iterator[simpy.Event]:
+    def _relayed(
+        self,
+        p: Instance,
+        md: Instance | None,
+        md_res: simpy.Process | None,
+        rld: Instance,
+        rld_reserved: Granted,
+        s: SimSession,
+        out: RequestRecord,
+        stream: Stream,
+    ) -> Proc:
         """P -> RLD -> MD (or P -> RLD when MD is out): the relay streams at once; MD
         takes over once its KV has landed."""
-        env, kvb, prompt = self.env, self.spec.kv_bytes_per_token, out.prompt_tokens
-        start, end = kv_range(prompt, rld_reserved[0])
-        to_rld = env.process(self.send(p, rld, (end - start) * kvb, URGENT))
-        md_has_kv = env.process(self._behind_relay(p, md, reserved, md_res, out)) if md else None
+        env, prompt = self.env, out.prompt_tokens
+        to_rld = env.process(self.send(p, rld, out, kv_range(prompt, rld_reserved[0]), Priority.URGENT))
+        md_has_kv: simpy.Process | None = None  # MD's KV landed: its hold, or None (refused)
+        if md is not None:
+            assert md_res is not None  # reserved with every MD
+            md_has_kv = env.process(self._behind_relay(p, md, md_res, out))
         yield to_rld
         rld_reserved[1].settle()  # the relay produces
         stream.emit(env.now)  # P's first token, streamed by the relay
         if out.max_tokens == 1:
-            out.rld_tokens = 1
+            out.rld_output_tokens = 1
             rld_reserved[1].release()
             if md_has_kv is not None:
                 self.env.process(self._drop_when(md_has_kv))
             return
-        rseq = SimSeq(context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1],
-                      blocks=self._keys(s, prompt))
+        rseq = SimSeq(
+            context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1], blocks=self._keys(s, prompt)
+        )
         finished = self._until_finished(rld, rseq)
         if md_has_kv is None:
             yield finished
             stream.take(rseq)
-            out.rld_tokens = stream.tokens
+            out.rld_output_tokens = stream.tokens
             return
+        assert md is not None  # md_has_kv is its landing
         yield finished | md_has_kv
         if not md_has_kv.triggered or md_has_kv.value is None:
             yield finished
             stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
+            out.rld_output_tokens = stream.tokens
+            fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
         hold = md_has_kv.value
@@ -77,14 +85,14 @@ class RelayPaths:
         yield env.timeout(self.link(p, md).line.one_way_ms / 1000 + self.link(p, rld).line.one_way_ms / 1000)
         if rseq.done:
             stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
+            out.rld_output_tokens = stream.tokens
+            fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
         yield from self._hand_off(rld, rseq, md, hold, s, out, stream)
 
     @staticmethod
-    def _drop_when(event: simpy.Event) -> Iterator[simpy.Event]:
+    def _drop_when(event: simpy.Event) -> Proc:
         """Give back a reservation that will not be used, once it is made: `event` gives
         (hit, hold), a hold, or None (refused)."""
         yield event
@@ -92,8 +100,16 @@ class RelayPaths:
         if value is not None:
             (value[1] if isinstance(value, tuple) else value).release()
 
-    def _fill(self, rld: Instance, md: Instance, landed: simpy.Event | None, s: SimSession, out: Outcome,
-              mseq: SimSeq | None = None, computed: int = 0) -> Iterator[simpy.Event]:
+    def _fill(
+        self,
+        rld: Instance,
+        md: Instance,
+        landed: simpy.Event | None,
+        s: SimSession,
+        out: RequestRecord,
+        mseq: SimSeq | None = None,
+        computed: int = 0,
+    ) -> Proc:
         """The relay finished the request: it sends MD the output as a fill, which MD
         computes in the shadow (at most a catch-up chunk a step) once its KV has
         `landed`, and keeps with the prompt in its cache for the session's next turn."""
@@ -101,37 +117,55 @@ class RelayPaths:
             yield landed
             if landed.value is None:
                 return
-            mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=landed.value, live=False,
-                          blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
+            mseq = SimSeq(
+                context=out.prompt_tokens,
+                pending=0,
+                produce=0,
+                hold=landed.value,
+                live=False,
+                blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+            )
+        assert mseq is not None  # without a landing to wait for, the fill continues a handoff's sequence
         yield self.env.timeout(self.link(rld, md).line.one_way_ms / 1000)
         mseq.on_computed = md.stop
         md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.spec.policy.catch_up_chunk)
 
-    def _behind_relay(self, p: Instance, md: Instance, reserved, md_res, out: Outcome) -> Iterator[simpy.Event]:
+    def _behind_relay(
+        self, p: Instance, md: Instance, md_res: simpy.Process, out: RequestRecord
+    ) -> Generator[simpy.Event, object, Hold | None]:
         """The delta to MD, in the background (once MD has answered, if it had not in
         time); MD's hold once it has landed, None if MD refused."""
+        yield md_res
+        reserved = md_res.value
         if reserved is None:
-            yield md_res
-            reserved = md_res.value
-            if reserved is None:
-                return None
-            out.d_hit = reserved[0]
-        start, end = kv_range(out.prompt_tokens, reserved[0])
-        nbytes = (end - start) * self.spec.kv_bytes_per_token
-        yield from self.send(p, md, nbytes, BACKGROUND)
-        out.wan_bytes += nbytes if self.link(p, md) is self.wan else 0
+            return None
+        out.d_hit_tokens = reserved[0]
+        yield from self.send(p, md, out, kv_range(out.prompt_tokens, reserved[0]), Priority.BACKGROUND)
         return reserved[1]
 
-    def _hand_off(self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: Outcome,
-                  stream: Stream) -> Iterator[simpy.Event]:
+    def _hand_off(
+        self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord, stream: Stream
+    ) -> Proc:
         env, p = self.env, self.spec.policy
         one_way = self.link(rld, md).line.one_way_ms / 1000
-        occupancy, waiting = rld.load()
         gap = 1 + rseq.produced
-        plan = choose_handoff(gap, occupancy, waiting, p.handoff_threshold, p.catch_up_chunk, p.handoff)
+        plan = choose_handoff(
+            gap,
+            occupancy(len(rld.running), rld.max_running),
+            len(rld.waiting),
+            p.handoff_threshold,
+            p.catch_up_chunk,
+            p.handoff,
+        )
         out.handoff = plan.mode
-        mseq = SimSeq(context=out.prompt_tokens, pending=0, produce=0, hold=hold, live=False,
-                      blocks=self._keys(s, out.prompt_tokens + out.max_tokens))
+        mseq = SimSeq(
+            context=out.prompt_tokens,
+            pending=0,
+            produce=0,
+            hold=hold,
+            live=False,
+            blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+        )
         finished = self._until_finished(md, mseq, submit=False)
         sent = 0
         if plan.mode == HandoffMode.CATCH_UP:
@@ -146,6 +180,7 @@ class RelayPaths:
                 yield env.timeout(one_way)
                 md.feed(mseq, chunk, live=False, step_cap=plan.chunk)
                 sent = produced
+                out.handoff_chunks += 1
                 yield computed
                 yield env.timeout(one_way)  # the acknowledgement
                 rounds += 1
@@ -156,20 +191,23 @@ class RelayPaths:
             mseq.on_computed = None
         if rseq.done:
             stream.take(rseq)
-            out.rld_tokens = stream.tokens
-            out.fallback = out.fallback or "relay_finished"
+            out.rld_output_tokens = stream.tokens
+            fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, None, s, out, mseq, sent))
             return
         rld.stop(rseq)
         relayed = 1 + rseq.produced
         stream.take(rseq)
-        out.rld_tokens = relayed
+        out.rld_output_tokens = relayed
         out.handoff_tokens = relayed
+        out.handoff_chunks += 1
         yield env.timeout(one_way)
         mseq.produce = out.max_tokens - relayed
         hold.settle()  # MD produces
         md.feed(mseq, relayed - sent, live=True)
         yield finished
-        out.handoff_stall_s = mseq.first_s - stream.last_s
+        first_s, last_s = mseq.first_s, stream.last_s
+        assert first_s is not None and last_s is not None  # MD produced after the relay's last token
+        out.handoff_stall_ms = 1000 * (first_s - last_s)
         stream.take(mseq)
-        out.md_tokens = mseq.produced
+        out.md_output_tokens = mseq.produced

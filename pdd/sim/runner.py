@@ -16,22 +16,24 @@ Early stopping. A probe above goodput is the dearest (its queues grow without bo
 and its verdict is known long before it ends: once the judged requests that have
 certainly missed the SLO (finished late, or waiting longer than the TTFT target for a
 first token) outnumber what the attainment allows of every request the window will
-judge, the probe stops and fails.
+judge, the probe stops and fails: in the window, or in its tail, where it would otherwise
+run on until the last judged request ends.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 import simpy
 
+from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec
 from pdd.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.sim.outcome import Outcome
+from pdd.sim.parts import Proc
 from pdd.sim.workload import SimSession, agentic_sessions
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 
@@ -48,8 +50,9 @@ class Window:
     end_s: float
     tail_s: float
 
-    def judged(self, outcomes: list[Outcome]) -> list[Outcome]:
-        return [o for o in outcomes if self.warmup_s <= o.arrival_s < self.end_s]
+    def judged(self, records: list[RequestRecord]) -> list[RequestRecord]:
+        """(A turn never sent, after an earlier one of its session failed, has no arrival.)"""
+        return [r for r in records if r.start_s is not None and self.warmup_s <= r.start_s < self.end_s]
 
 
 Sessions = Callable[[float, float], list[SimSession]]  # (session rate, arrivals until s) -> sessions
@@ -77,7 +80,7 @@ def _resume(s: SimSession, history: float) -> SimSession | None:
         if t > 0:
             if k + 1 == len(s.turns):
                 return None
-            return replace(s, start_s=t, turns=s.turns[k + 1:], warm_tokens=turn.prompt_tokens + turn.max_tokens)
+            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=turn.prompt_tokens + turn.max_tokens)
     return None
 
 
@@ -133,46 +136,51 @@ class _Probe:
 
     def misses(self) -> tuple[int, int]:
         """(judged requests so far, those certainly out of the SLO)."""
-        now, w = self.cluster.env.now, self.window
-        judged = missed = 0
-        for o in self.cluster.outcomes:
-            if not w.warmup_s <= o.arrival_s < w.end_s:
-                continue
-            judged += 1
-            waited = (o.first_token_s if o.first_token_s is not None else now) - o.arrival_s
-            if o.failed or waited > self.slo_s[0] or \
-                    (o.tpot_s is not None and o.tpot_s > self.slo_s[1]):
+        now = self.cluster.env.now
+        judged = self.window.judged(self.cluster.records)
+        missed = 0
+        for r in judged:
+            assert r.start_s is not None  # judged by its arrival
+            waited = r.ttft_ms / 1000 if r.ttft_ms is not None else now - r.start_s
+            if r.error or waited > self.slo_s[0] or (r.tpot_ms is not None and r.tpot_ms > 1000 * self.slo_s[1]):
                 missed += 1
-        return judged, missed
+        return len(judged), missed
 
     def settled(self) -> bool:
         """Every judged request has finished or failed: nothing left to learn."""
-        w = self.window
-        return all(o.end_s is not None or o.failed for o in self.cluster.outcomes
-                   if w.warmup_s <= o.arrival_s < w.end_s)
+        return all(r.e2e_ms is not None or r.error is not None for r in self.window.judged(self.cluster.records))
 
-    def run(self) -> Iterator[simpy.Event]:
+    def run(self) -> Proc:
         env, w = self.cluster.env, self.window
         yield env.timeout(w.warmup_s)
         self.marks["start"] = self.snapshot()
         while env.now < w.end_s:
             yield env.timeout(min(CHECK_S, w.end_s - env.now))
-            if self.stop_early and env.now > w.warmup_s + 2 * CHECK_S:
-                judged, missed = self.misses()
-                expected = judged * (w.end_s - w.warmup_s) / (env.now - w.warmup_s)
-                if missed > (1 - self.attainment) * expected:
-                    self.failed_early = True
-                    self.marks["end"] = self.snapshot()
-                    return
+            if self.stop_early and env.now > w.warmup_s + 2 * CHECK_S and self.lost():
+                self.failed_early = True
+                self.marks["end"] = self.snapshot()
+                return
         self.marks["end"] = self.snapshot()
         while not self.settled():  # the tail: only until the last judged request is done
             yield env.timeout(CHECK_S)
+            if self.stop_early and self.lost():  # every request is judged now: the verdict is certain
+                self.failed_early = True
+                return
         self.done = True
 
+    def lost(self) -> bool:
+        """The certain misses outnumber what the attainment allows of every request the
+        window will judge (extrapolated from those so far while it is open)."""
+        w, now = self.window, self.cluster.env.now
+        judged, missed = self.misses()
+        expected = judged * (w.end_s - w.warmup_s) / (min(now, w.end_s) - w.warmup_s)
+        return missed > (1 - self.attainment) * expected
 
-def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf,
-             warm: Sequence[Hashable] = ()) -> tuple[list[Outcome], int]:
-    """The outcomes (unfinished ones too, when the horizon stops the run), and how many
+
+def simulate(
+    spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf, warm: Sequence[Hashable] = ()
+) -> tuple[list[RequestRecord], int]:
+    """The records (unfinished ones too, when the horizon stops the run), and how many
     events the simulation processed. `warm`: blocks every instance holds at the start,
     as a deployment that has served them a while does."""
     env = simpy.Environment()
@@ -184,11 +192,12 @@ def simulate(spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float 
     while env.peek() < horizon_s:
         env.step()
         events += 1
-    return cluster.outcomes, events
+    return cluster.records, events
 
 
-def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]],
-                seconds: float, tpot_s: float) -> dict[str, float]:
+def utilisation(
+    spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, float, float]]], seconds: float, tpot_s: float
+) -> dict[str, float]:
     """How close each resource ran to its limit over the window: a prefill instance's
     share of time in steps (it queues work); a decoding one's mean step over the TPOT
     target (it always has steps to run; their length is what the SLO bounds) and its
@@ -217,12 +226,19 @@ def utilisation(spec: DeploymentSpec, marks: dict[str, dict[str, tuple[float, fl
 
 def binding(util: dict[str, float]) -> str:
     """The resource closest to its limit."""
-    return max(util, key=util.get) if util else "-"
+    return max(util, key=util.__getitem__) if util else "-"
 
 
-def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Window,
-               slo: tuple[float, float], warm: Sequence[Hashable] = (), stop_early: bool = False,
-               attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any]:
+def run_window(
+    spec: DeploymentSpec,
+    sessions: Sessions,
+    rate: float,
+    window: Window,
+    slo: tuple[float, float],
+    warm: Sequence[Hashable] = (),
+    stop_early: bool = False,
+    attainment: float = GOODPUT_ATTAINMENT,
+) -> dict[str, Any]:
     """The steady-state summary at a session rate; `offered_rps`: judged arrivals per
     second; `utilisation` and `binding`: what the deployment ran out of."""
     env = simpy.Environment()
@@ -238,33 +254,52 @@ def run_window(spec: DeploymentSpec, sessions: Sessions, rate: float, window: Wi
     while env.peek() < horizon and not (probe.failed_early or probe.done):
         env.step()
         events += 1
-    judged = window.judged(cluster.outcomes)
-    seconds = (env.now if probe.failed_early else window.end_s) - window.warmup_s
+    judged = window.judged(cluster.records)
+    seconds = (min(env.now, window.end_s) if probe.failed_early else window.end_s) - window.warmup_s
     result = summary(judged, *slo)
     util = utilisation(spec, marks, seconds, slo[1] / 1000)
-    result |= {"events": events, "simulated_requests": len(cluster.outcomes), "session_rate": rate,
-               "offered_rps": len(judged) / max(seconds, 1e-9), "stopped_early": probe.failed_early,
-               "utilisation": util, "binding": binding(util)}
+    result |= {
+        "events": events,
+        "simulated_requests": len(cluster.records),
+        "session_rate": rate,
+        "offered_rps": len(judged) / max(seconds, 1e-9),
+        "stopped_early": probe.failed_early,
+        "utilisation": util,
+        "binding": binding(util),
+    }
     if probe.failed_early:
         result["slo_attainment"] = min(result["slo_attainment"] or 0.0, attainment - 1e-6)
     return result
 
 
-def find_goodput(spec: DeploymentSpec, sessions: Sessions, slo: tuple[float, float],
-                 window: Window | Callable[[float], Window], low: float, high: float,
-                 on_try: Callable[[float, dict[str, Any]], None] | None = None, steps: int = 7,
-                 warm: Sequence[Hashable] = (), stop_early: bool = True,
-                 attainment: float = GOODPUT_ATTAINMENT) -> dict[str, Any] | None:
+def find_goodput(
+    spec: DeploymentSpec,
+    sessions: Sessions,
+    slo: tuple[float, float],
+    window: Window | Callable[[float], Window],
+    low: float,
+    high: float,
+    on_try: Callable[[float, dict[str, Any]], None] | None = None,
+    steps: int = 7,
+    warm: Sequence[Hashable] = (),
+    stop_early: bool = True,
+    attainment: float = GOODPUT_ATTAINMENT,
+    runs: dict[float, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
     """The steady-state run at the highest session rate in [low, high] at which
     `attainment` of requests meet `slo` (None when even `low` misses it). `window`: one
-    for every rate, or per session rate (to judge about as many requests at each)."""
-    runs: dict[float, dict[str, Any]] = {}
+    for every rate, or per session rate (to judge about as many requests at each).
+    `runs`: the runs already made of this deployment and workload, by session rate; a
+    rate found there is not run again (the simulation is deterministic), and new ones
+    are added."""
+    runs = {} if runs is None else runs
 
     def attained(rate: float) -> float:
-        at = window(rate) if callable(window) else window
-        runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
-        if on_try is not None:
-            on_try(rate, runs[rate])
+        if rate not in runs:
+            at = window(rate) if callable(window) else window
+            runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
+            if on_try is not None:
+                on_try(rate, runs[rate])
         return runs[rate]["slo_attainment"] or 0.0
 
     best = goodput(attained, low, high, steps, attainment)

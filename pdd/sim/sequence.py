@@ -42,13 +42,15 @@ class Hold:
         """Its request produces here now, or has gone: nothing more to wait for."""
         if self in self.inst.unsettled:
             self.inst.unsettled.remove(self)
-        if not self.settled().triggered:
-            self._settled.succeed()
+        settled = self.settled()
+        if not settled.triggered:
+            settled.succeed()
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.inst.used -= self.tokens
+            self.inst.holds -= 1
             self.inst.cache.unpin(self.pinned)
             self.inst.cache.shrink(self.inst.cache_room())
             self.settle()
@@ -71,8 +73,8 @@ class SimSeq:
     live: bool = True
     step_cap: int = 0  # most pending tokens per step (0: the step budget)
     blocks: Sequence[Hashable] = ()  # its prompt's cache keys, inserted when it ends
-    on_computed: Callable[[SimSeq], None] | None = None  # pending reached 0
-    on_finish: Callable[[SimSeq], None] | None = None
+    on_computed: Callable[[SimSeq], object] | None = None  # pending reached 0 (what it returns is unused)
+    on_finish: Callable[[SimSeq], object] | None = None
     token_times: list[float] | None = None  # every token's time, when a test asks for them
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more
@@ -145,7 +147,7 @@ class _Stretch:
             upto = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
         if upto <= self.applied:
             return
-        times = self.ends[self.applied:upto]
+        times = self.ends[self.applied : upto]
         count, first, last = len(times), float(times[0]), float(times[-1])
         inner = float(np.max(np.diff(times))) if count > 1 else 0.0
         for seq in self.seqs:

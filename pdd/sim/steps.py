@@ -14,7 +14,7 @@ single step uses, so a stretch and step-by-step simulation agree to the last bit
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,8 +36,14 @@ def chunk_load(start: int, n: int) -> StepLoad:
 
 
 def add(a: StepLoad, b: StepLoad) -> StepLoad:
-    return StepLoad(a.new_tokens + b.new_tokens, a.attn_pairs + b.attn_pairs, a.seqs + b.seqs,
-                    a.kv_read_tokens + b.kv_read_tokens, a.chunks + b.chunks, a.chunk_pairs + b.chunk_pairs)
+    return StepLoad(
+        a.new_tokens + b.new_tokens,
+        a.attn_pairs + b.attn_pairs,
+        a.seqs + b.seqs,
+        a.kv_read_tokens + b.kv_read_tokens,
+        a.chunks + b.chunks,
+        a.chunk_pairs + b.chunk_pairs,
+    )
 
 
 EMPTY = StepLoad(0, 0.0, 0, 0)
@@ -49,8 +55,16 @@ def decode_stretch(contexts_sum: int, seqs: int, steps: int) -> StepLoad:
     context plus j + 1 tokens per sequence. Fields are arrays over j."""
     j = np.arange(steps, dtype=np.int64)
     kv = contexts_sum + seqs * (j + 1)
-    return StepLoad(np.full(steps, seqs), kv.astype(float), np.full(steps, seqs), kv,  # type: ignore[arg-type]
-                    np.zeros(steps, dtype=np.int64), np.zeros(steps))  # type: ignore[arg-type]
+    # a stretch's fields are arrays over its steps; the step models compute on either
+    fields: list[Any] = [
+        np.full(steps, seqs),
+        kv.astype(float),
+        np.full(steps, seqs),
+        kv,
+        np.zeros(steps, dtype=np.int64),
+        np.zeros(steps),
+    ]
+    return StepLoad(*fields)
 
 
 class StepModel(Protocol):
@@ -74,8 +88,14 @@ class Fitted:
     source: str = ""
 
     def steps_s(self, load: StepLoad) -> np.ndarray:
-        return np.asarray(self.base_s + load.new_tokens * self.per_token_s + load.attn_pairs * self.per_pair_s
-                          + load.seqs * self.per_seq_s + load.kv_read_tokens * self.per_kv_token_s, dtype=float)
+        return np.asarray(
+            self.base_s
+            + load.new_tokens * self.per_token_s
+            + load.attn_pairs * self.per_pair_s
+            + load.seqs * self.per_seq_s
+            + load.kv_read_tokens * self.per_kv_token_s,
+            dtype=float,
+        )
 
     def step_s(self, load: StepLoad) -> float:
         return float(self.steps_s(load))

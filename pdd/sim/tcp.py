@@ -182,8 +182,10 @@ class TcpLink(Delivery):
                 c.cwnd = self.tcp.initial_window
                 c.round_end = c.stalled_until + self._round_trip()
                 continue
-            if c.rate < (min(c.cwnd, self.tcp.window_bytes) / self.rtt_s) * (1 - 1e-9) \
-                    or c.cwnd >= self.tcp.window_bytes:
+            if (
+                c.rate < (min(c.cwnd, self.tcp.window_bytes) / self.rtt_s) * (1 - 1e-9)
+                or c.cwnd >= self.tcp.window_bytes
+            ):
                 c.ramping, c.round_end = False, math.inf
                 continue
             c.cwnd *= 2
@@ -205,8 +207,11 @@ class TcpLink(Delivery):
             self._allocate()
             events = [c.round_end for c in self.conns.values() if c.transfers and c.ramping]
             events += [c.stalled_until for c in self.conns.values() if c.transfers and c.stalled_until > now]
-            events += [now + min(t.left for t in c.transfers) * len(c.transfers) / c.rate
-                       for c in self.conns.values() if c.transfers and c.rate > 0]
+            events += [
+                now + min(t.left for t in c.transfers) * len(c.transfers) / c.rate
+                for c in self.conns.values()
+                if c.transfers and c.rate > 0
+            ]
             self._wake = self.env.event()
             if not events:
                 yield self._wake
@@ -214,8 +219,9 @@ class TcpLink(Delivery):
             yield self._wake | self.env.timeout(max(0.0, min(events) - now))
 
 
-def handoff_times_s(line: Line, tcp: Tcp = Tcp(), runs: int = HANDOFF_RUNS, nbytes: float = HANDOFF_BYTES,
-                    seed: int = 0) -> list[float]:
+def handoff_times_s(
+    line: Line, tcp: Tcp = Tcp(), runs: int = HANDOFF_RUNS, nbytes: float = HANDOFF_BYTES, seed: int = 0
+) -> list[float]:
     """The spec's handoff microbenchmark on this line model: `runs` transfers of
     `nbytes`, each on a quiet line after an idle pause (a fresh slow start)."""
     env = simpy.Environment()
@@ -234,8 +240,9 @@ def handoff_times_s(line: Line, tcp: Tcp = Tcp(), runs: int = HANDOFF_RUNS, nbyt
     return times
 
 
-def calibrate_one_way_ms(gbps: float, tcp: Tcp = Tcp(), target_mean_s: float = HANDOFF_MEAN_S,
-                         runs: int = HANDOFF_RUNS) -> float:
+def calibrate_one_way_ms(
+    gbps: float, tcp: Tcp = Tcp(), target_mean_s: float = HANDOFF_MEAN_S, runs: int = HANDOFF_RUNS
+) -> float:
     """The one-way delay at which the microbenchmark's mean is the spec's, by bisection
     (the mean rises with the delay: every round trip is longer)."""
     low, high = 0.1, 100.0

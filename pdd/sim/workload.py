@@ -58,8 +58,12 @@ def agentic_sessions(config: AgenticConfig, requests: int, rate: float) -> list[
     return sessions
 
 
-def trace_sessions(records: Sequence[TraceRecord], time_scale: float = 1.0, block: int = TRACE_BLOCK_TOKENS,
-                   max_context: int | None = None) -> list[SimSession]:
+def trace_sessions(
+    records: Sequence[TraceRecord],
+    time_scale: float = 1.0,
+    block: int = TRACE_BLOCK_TOKENS,
+    max_context: int | None = None,
+) -> list[SimSession]:
     """One single-turn session per trace record, at its timestamp. Blocks keep the
     trace's 512 tokens unless the simulated cache pages differ: keys are per trace block,
     so `block` must be the trace's."""
@@ -73,6 +77,7 @@ def trace_sessions(records: Sequence[TraceRecord], time_scale: float = 1.0, bloc
             output = max(1, min(output, max_context // 8))
             prompt = max_context - output
         keys = tuple(("trace", h) for h in r.hash_ids[: math.ceil(prompt / block)])
-        sessions.append(SimSession(i, (r.timestamp_ms - origin) / 1000 / time_scale, (SimTurn(prompt, output),), 0,
-                                   trace_keys=keys))
+        sessions.append(
+            SimSession(i, (r.timestamp_ms - origin) / 1000 / time_scale, (SimTurn(prompt, output),), 0, trace_keys=keys)
+        )
     return sessions

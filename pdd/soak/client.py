@@ -91,11 +91,18 @@ def _retry_after(response: httpx.Response) -> float:
         return BACKOFF_S
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, req: SoakRequest, timeout_s: float,
-               t0: float) -> SoakOutcome:
+async def send(
+    client: httpx.AsyncClient, url: str, model: str, req: SoakRequest, timeout_s: float, t0: float
+) -> SoakOutcome:
     """Stream `req` through the router at `url` and classify how it ended."""
-    body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": list(req.prompt),
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.monotonic()
     out = SoakOutcome(req.index, req.kind, start - t0, 0.0, LOST, 0, req.max_tokens)
     stream = _Stream()

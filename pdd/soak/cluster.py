@@ -119,9 +119,10 @@ class Cluster(Launcher):
         self.crashes += found
         return found
 
-    async def pages(self) -> dict[str, dict[str, int]]:
-        """Each instance's KV pool: pages, free, cached, and held (by requests)."""
-        out = {}
+    async def pages(self) -> dict[str, dict[str, Any]]:
+        """Each instance's KV pool: pages, free, cached, and held (by requests); or the error
+        that kept it from answering."""
+        out: dict[str, dict[str, Any]] = {}
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             for inst in self.dep.instances:
                 try:
@@ -161,4 +162,3 @@ def self_peak_rss_kib() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-

@@ -134,8 +134,13 @@ class Injector:
             return response.json()
 
 
-async def schedule(injector: Injector, kinds: Sequence[str], every_s: float, stop: asyncio.Event,
-                   on_event: Callable[[FaultEvent], None]) -> None:
+async def schedule(
+    injector: Injector,
+    kinds: Sequence[str],
+    every_s: float,
+    stop: asyncio.Event,
+    on_event: Callable[[FaultEvent], None],
+) -> None:
     """Inject faults until `stop` is set: a pause of 0.5-1.5x `every_s`, then the next
     kind of the current shuffled round. A fault under way runs to its end."""
     if not kinds:

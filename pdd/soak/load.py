@@ -20,8 +20,15 @@ from pdd.soak.workload import SoakWorkload
 
 
 class Load:
-    def __init__(self, url: str, model: str, workload: SoakWorkload, timeout_s: float, t0: float,
-                 on_outcome: Callable[[SoakOutcome], None]) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        workload: SoakWorkload,
+        timeout_s: float,
+        t0: float,
+        on_outcome: Callable[[SoakOutcome], None],
+    ) -> None:
         self.url = url
         self.model = model
         self.workload = workload

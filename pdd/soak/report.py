@@ -43,8 +43,13 @@ def first_fault(faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome]) -
     return first
 
 
-def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequence[SoakOutcome],
-           later: Sequence[SoakOutcome] = (), settled: dict[str, tuple[int, float]] | None = None) -> list[dict[str, Any]]:
+def matrix(
+    kinds: Sequence[str],
+    faults: Sequence[FaultEvent],
+    outcomes: Sequence[SoakOutcome],
+    later: Sequence[SoakOutcome] = (),
+    settled: dict[str, tuple[int, float]] | None = None,
+) -> list[dict[str, Any]]:
     """One row per fault kind. `later` (probes sent after the load) counts for recovery
     only; `settled` (matrix runs): the pages each kind left held once its requests had
     ended and the pages had had their time to come back, and how long they took."""
@@ -56,11 +61,16 @@ def matrix(kinds: Sequence[str], faults: Sequence[FaultEvent], outcomes: Sequenc
         counts = Counter(o.outcome for o in seen)
         rec = [recovery_s(f, [*outcomes, *later]) for f in hits]
         done = [r for r in rec if r is not None]
-        row = {"fault": kind, "injections": len(hits), "requests": len(seen),
-               **{k: counts[k] for k in OUTCOMES},
-               "recovery_s_p50": statistics.median(done) if done else None,
-               "recovery_s_max": max(done) if done else None,
-               "not_recovered": len(rec) - len(done), "not_rejoined": sum(not f.ok for f in hits)}
+        row = {
+            "fault": kind,
+            "injections": len(hits),
+            "requests": len(seen),
+            **{k: counts[k] for k in OUTCOMES},
+            "recovery_s_p50": statistics.median(done) if done else None,
+            "recovery_s_max": max(done) if done else None,
+            "not_recovered": len(rec) - len(done),
+            "not_rejoined": sum(not f.ok for f in hits),
+        }
         if settled is not None:
             row["leaked_pages"], row["settle_s"] = settled.get(kind, (None, None))
         rows.append(row)
@@ -104,7 +114,8 @@ def print_summary(console: Console, report: dict[str, Any]) -> None:
     table.add_row("faults injected", f"{len(report['faults'])}  ({_kind_counts(report['faults'])})")
     table.add_row("pages held when the load ended", str(report["held_pages_after_load"]))
     leaked = report["leaked_pages"]
-    table.add_row("leaked pages", f"{leaked}  ({'still held' if leaked else 'all back'} after {report['settle_s']:.0f} s)")
+    held = "still held" if leaked else "all back"
+    table.add_row("leaked pages", f"{leaked}  ({held} after {report['settle_s']:.0f} s)")
     table.add_row("crashes", str(len(report["crashes"])))
     table.add_row("healthy at the end", "yes" if report["healthy_at_end"] else "NO")
     probes = report["probes"]
@@ -119,8 +130,11 @@ def print_summary(console: Console, report: dict[str, Any]) -> None:
         for reason, n in report["failed_reasons"].items():
             console.print(f"  {n:6,} x {reason}", markup=False, highlight=False, soft_wrap=True)
     for o in report["lost_requests"][:10]:
-        console.print(f"lost request {o['index']} ({o['kind']}, {o['start']:.1f}-{o['end']:.1f} s): {o['detail']}",
-                      markup=False, soft_wrap=True)
+        console.print(
+            f"lost request {o['index']} ({o['kind']}, {o['start']:.1f}-{o['end']:.1f} s): {o['detail']}",
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(matrix_markdown(report["matrix"]), markup=False, highlight=False, soft_wrap=True)
 
 
@@ -132,6 +146,6 @@ def counter(values: Iterable[str | None]) -> dict[str, int]:
     return dict(Counter(v for v in values if v).most_common())
 
 
-def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str, int]:
-    """How many requests ended with each reason, most common first."""
+def reasons(outcomes: Sequence[SoakOutcome], outcome: str) -> dict[str | None, int]:
+    """How many requests ended with each reason (None: none was given), most common first."""
     return dict(Counter(o.detail for o in outcomes if o.outcome == outcome).most_common())

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from pdd.progress import progress_bar
 from pdd.soak import report
 from pdd.soak.client import COMPLETED, FAILED, LOST, OUTCOMES, SoakOutcome
 from pdd.soak.cluster import Cluster, self_peak_rss_kib
@@ -63,8 +64,9 @@ class Run:
         self._task = progress.add_task("requests", total=plan.requests)
         workload = SoakWorkload(seed=plan.seed)
         self.load = Load(cluster.router_url, cluster.dep.model.name, workload, plan.timeout_s, self.t0, self._seen)
-        self.probes = Load(cluster.router_url, cluster.dep.model.name, workload, plan.timeout_s, self.t0,
-                           lambda _: None)
+        self.probes = Load(
+            cluster.router_url, cluster.dep.model.name, workload, plan.timeout_s, self.t0, lambda _: None
+        )
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -73,26 +75,33 @@ class Run:
         self.counts[out.outcome] += 1
         c = self.counts
         fault = self.injector.active or "-"
-        self._progress.update(self._task, advance=1, description=f"{c[COMPLETED]} ok, {c[FAILED]} failed, "
-                                                                 f"{c[LOST]} lost | fault: {fault}")
+        self._progress.update(
+            self._task, advance=1, description=f"{c[COMPLETED]} ok, {c[FAILED]} failed, {c[LOST]} lost | fault: {fault}"
+        )
         if out.outcome == LOST:
-            self.console.print(f"lost request {out.index} at {out.start:.1f}-{out.end:.1f} s: {out.detail}",
-                               markup=False)
+            self.console.print(
+                f"lost request {out.index} at {out.start:.1f}-{out.end:.1f} s: {out.detail}", markup=False
+            )
 
     def _fault_done(self, event: FaultEvent) -> None:
         self.faults.append(event)
         where = f" ({event.target})" if event.target != "line" else ""
         params = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in event.params.items())
-        self.console.print(f"fault {event.kind}{where} at {event.start:.1f} s, over at {event.clear:.1f} s"
-                           f" [{params}]" + ("" if event.ok else " - DID NOT REJOIN"), markup=False)
+        self.console.print(
+            f"fault {event.kind}{where} at {event.start:.1f} s, over at {event.clear:.1f} s"
+            f" [{params}]" + ("" if event.ok else " - DID NOT REJOIN"),
+            markup=False,
+        )
 
     async def _watch(self) -> None:
         """Sample peak RSS; a child that exits on its own is a crash: report and restart it."""
         while True:
             self.cluster.sample_rss()
             for crash in self.cluster.check_crashes(self._now()):
-                self.console.print(f"CRASH: {crash.name} exited with code {crash.code} at {crash.at:.1f} s\n"
-                                   f"{crash.log_tail}", markup=False)
+                self.console.print(
+                    f"CRASH: {crash.name} exited with code {crash.code} at {crash.at:.1f} s\n{crash.log_tail}",
+                    markup=False,
+                )
                 if crash.name in {i.name for i in self.cluster.dep.instances}:
                     self.cluster.restart(crash.name)
             await asyncio.sleep(WATCH_S)
@@ -115,8 +124,11 @@ class Run:
         end = None if plan.duration_s is None else time.monotonic() + plan.duration_s
 
         def done() -> bool:
-            over = (plan.requests is not None and self.load.next_index >= plan.requests) or (
-                end is not None and time.monotonic() >= end) or faults.done()
+            over = (
+                (plan.requests is not None and self.load.next_index >= plan.requests)
+                or (end is not None and time.monotonic() >= end)
+                or faults.done()
+            )
             if over:
                 stop.set()  # no new fault while the last requests finish
             return over
@@ -132,7 +144,11 @@ class Run:
                 await asyncio.sleep(MATRIX_WARM_S)
                 event = await self.injector.inject(kind)
                 self._fault_done(event)
-                await _until(lambda e=event: report.recovery_s(e, self.load.outcomes) is not None, MATRIX_RECOVER_S)
+
+                def recovered(e: FaultEvent = event) -> bool:
+                    return report.recovery_s(e, self.load.outcomes) is not None
+
+                await _until(recovered, MATRIX_RECOVER_S)
                 await asyncio.sleep(MATRIX_COOL_S)
                 stop.set()
                 await load
@@ -140,8 +156,9 @@ class Run:
             pages, waited = await self.cluster.settled_pages(self.plan.settle_s)
             self.settled_by_kind[kind] = (_leaked(pages), waited)
             where = ", ".join(f"{n} {p['held']}" for n, p in pages.items() if p.get("held"))
-            self.console.print(f"after {kind}: {_leaked(pages)} pages held ({where or 'none'}) after {waited:.0f} s",
-                               markup=False)
+            self.console.print(
+                f"after {kind}: {_leaked(pages)} pages held ({where or 'none'}) after {waited:.0f} s", markup=False
+            )
 
     async def _finish(self) -> dict[str, Any]:
         healthy = await self.cluster.all_healthy(HEALTHY_TIMEOUT_S)
@@ -156,8 +173,13 @@ class Run:
         outcomes = self.load.outcomes
         rss = {name: kib / 1024 for name, kib in self.cluster.peak_rss_kib.items()}
         rss["soak (client)"] = self_peak_rss_kib() / 1024
-        rows = report.matrix(self.plan.kinds, self.faults, outcomes, self.probes.outcomes,
-                             self.settled_by_kind if self.plan.repeats else None)
+        rows = report.matrix(
+            self.plan.kinds,
+            self.faults,
+            outcomes,
+            self.probes.outcomes,
+            self.settled_by_kind if self.plan.repeats else None,
+        )
         return {
             "totals": report.totals(outcomes),
             "probes": report.totals(self.probes.outcomes),
@@ -212,14 +234,8 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-def progress_bar(console: Console, quiet: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, disable=quiet or not console.is_terminal)
-
-
 def run(cluster: Cluster, plan: SoakPlan, quiet: bool) -> dict[str, Any]:
     """Run the plan with a progress bar on stderr (hidden when quiet or not a terminal);
     what happens on the way (faults, lost requests, crashes) is printed there too."""
     with progress_bar(Console(stderr=True), quiet) as progress:
         return asyncio.run(Run(cluster, plan, progress.console, progress).execute())
-

@@ -17,7 +17,7 @@ one ordered stream, whoever produced each position.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -58,12 +58,15 @@ class BadMessage(ValueError):
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What every body is: immutable, and refused whole if it has a field too many or too few."""
+    """What every body is: immutable, and refused whole if it has a field too many or too few.
+
+    msgspec passes both options on to subclasses; each body says `frozen=True` again for the
+    type checker, which reads every class statement as a dataclass of its own."""
 
     TYPE: ClassVar[MsgType]
 
 
-class Hello(Message):
+class Hello(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     role: str
     name: Name = ""
@@ -76,7 +79,7 @@ class Hello(Message):
             raise ValueError(f"role must be one of {', '.join(ROLES_ON_WIRE)}, not {self.role[:MAX_NAME]!r}")
 
 
-class Submit(Message):
+class Submit(Message, frozen=True):
     """Router -> P (or a standalone instance): run this request on the planned instances."""
 
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
@@ -89,7 +92,7 @@ class Submit(Message):
     use_cache: bool = True  # decode side may reuse its cached prefix
 
 
-class Reserve(Message):
+class Reserve(Message, frozen=True):
     """P -> a decode-side instance: lock the cached prefix of this prompt, take pages for the rest."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESERVE
@@ -101,7 +104,7 @@ class Reserve(Message):
     main: Name | None = None  # to a relay: the main decode instance it hands off to
 
 
-class ReserveAck(Message):
+class ReserveAck(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.RESERVE_ACK
     rid: Rid
     hit: Count = 0  # tokens of the prompt already held (the authoritative decode-side hit)
@@ -109,14 +112,14 @@ class ReserveAck(Message):
     busy: bool = False  # with `error`: a relay too loaded to take an optional request (not a failure)
 
 
-class KVLayer(Message):
+class KVLayer(Message, frozen=True):
     """The JSON header of a KV_LAYER frame; the encoded KV blob follows it."""
 
     TYPE: ClassVar[MsgType] = MsgType.KV_LAYER
     rid: Rid
 
 
-class KVAck(Message):
+class KVAck(Message, frozen=True):
     """Decode side -> P: KV imported up to `token_end`; `done` once KV_DONE is in."""
 
     TYPE: ClassVar[MsgType] = MsgType.KV_ACK
@@ -125,7 +128,7 @@ class KVAck(Message):
     done: bool = False
 
 
-class KVDone(Message):
+class KVDone(Message, frozen=True):
     """P -> decode side: all KV is sent. With `emit`, start decoding and stream from
     position 0 (P's first token); without, wait for a handoff."""
 
@@ -135,14 +138,14 @@ class KVDone(Message):
     emit: bool = True
 
 
-class Ready(Message):
+class Ready(Message, frozen=True):
     """P -> relay: the main decode instance holds the prompt's KV; hand off."""
 
     TYPE: ClassVar[MsgType] = MsgType.READY
     rid: Rid
 
 
-class Tokens(Message):
+class Tokens(Message, frozen=True):
     """Produced tokens for output positions [pos, pos + len(tokens))."""
 
     TYPE: ClassVar[MsgType] = MsgType.TOKENS
@@ -154,7 +157,7 @@ class Tokens(Message):
     stall_ms: float | None = None  # the first token after a handoff: the main instance's extend stall
 
 
-class PipelineChosen(Message):
+class PipelineChosen(Message, frozen=True):
     """P -> router: the pipeline P chose from the reserved hit, and the hits."""
 
     TYPE: ClassVar[MsgType] = MsgType.PIPELINE
@@ -170,7 +173,7 @@ class PipelineChosen(Message):
             raise ValueError(f"pipeline must be one of {', '.join(PDD_PIPELINES)}, not {self.pipeline!r}")
 
 
-class Result(Message):
+class Result(Message, frozen=True):
     """P -> router: KV transfers are over (or given up)."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESULT
@@ -180,7 +183,7 @@ class Result(Message):
     d_hit: Count | None = None  # MD's reserved hit, when it answered after the pipeline was chosen
 
 
-class Handoff(Message):
+class Handoff(Message, frozen=True):
     """Relay (or router) -> main: output tokens [start, start + len(tokens)).
 
     Not final: a catch-up chunk to compute in the shadow. Final: compute the rest and
@@ -200,7 +203,7 @@ class Handoff(Message):
     fill: bool = False
 
 
-class HandoffAck(Message):
+class HandoffAck(Message, frozen=True):
     """Main -> relay: it computed output positions below `computed`."""
 
     TYPE: ClassVar[MsgType] = MsgType.HANDOFF_ACK
@@ -208,7 +211,7 @@ class HandoffAck(Message):
     computed: Count
 
 
-class HandedOff(Message):
+class HandedOff(Message, frozen=True):
     """Relay -> router: it stopped; the main instance produces from `upto` on."""
 
     TYPE: ClassVar[MsgType] = MsgType.HANDED_OFF
@@ -218,7 +221,7 @@ class HandedOff(Message):
     chunks: Count = 1
 
 
-class Progress(Message):
+class Progress(Message, frozen=True):
     """Instance -> router: the request moved forward without a token (its KV is
     crossing the line, or the line of reservations ahead of it moved), so the router's
     no-progress timeouts do not take a slow request for a stuck one."""
@@ -228,12 +231,12 @@ class Progress(Message):
     what: Literal["", "kv", "queued"] = ""  # "kv": KV acknowledged; "queued": waiting for pages, the line moved
 
 
-class Abort(Message):
+class Abort(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.ABORT
     rid: Rid
 
 
-class Member(Message):
+class Member(Message, frozen=True):
     """Router -> every instance: where a member of the deployment is, so P and the
     relays can reach a decode instance that joined after their config was written.
     (Departures need no frame: the router plans no work onto a member that left.)"""
@@ -248,13 +251,13 @@ class Member(Message):
     advertise: Annotated[dict[Name, Name], Meta(max_length=MAX_DICT)] = msgspec.field(default_factory=dict)
 
 
-class Drain(Message):
+class Drain(Message, frozen=True):
     """Router -> instance: the router sends it no new work; finish, then exit."""
 
     TYPE: ClassVar[MsgType] = MsgType.DRAIN
 
 
-class Error(Message):
+class Error(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     message: Text
     rid: Rid | None = None
@@ -262,7 +265,7 @@ class Error(Message):
     busy: bool = False  # the instance holds all the requests it may: try again later
 
 
-class CacheUpdate(Message):
+class CacheUpdate(Message, frozen=True):
     """An instance's radix cache changed (stored / removed / snapshot); a router asks
     for a fresh snapshot with kind "snapshot_request"."""
 
@@ -277,14 +280,33 @@ class CacheUpdate(Message):
             raise ValueError("hashes must be below 2**64")
 
 
-Body = Union[Hello, Submit, Reserve, ReserveAck, KVAck, KVDone, Ready, Tokens, PipelineChosen, Result, Handoff,
-             HandoffAck, HandedOff, Progress, Abort, Error, CacheUpdate, Member, Drain]
+Body = (
+    Hello
+    | Submit
+    | Reserve
+    | ReserveAck
+    | KVAck
+    | KVDone
+    | Ready
+    | Tokens
+    | PipelineChosen
+    | Result
+    | Handoff
+    | HandoffAck
+    | HandedOff
+    | Progress
+    | Abort
+    | Error
+    | CacheUpdate
+    | Member
+    | Drain
+)
 # One decoder per type, built once. Measured (issue 13) decoding a TOKENS body of one token,
 # one of 4,096 tokens, and a KV_LAYER header in front of a 2 MiB blob, in us per decode
 # (best of 7 runs): the hand-written checker this replaced 13.5 / 534 / 11.3, pydantic
 # (strict BaseModel, extra="forbid") 2.6 / 387 / 2.4, msgspec 0.16 / 145 / 1.0.
 _DECODERS: dict[MsgType, msgspec.json.Decoder[Any]] = {
-    cls.TYPE: msgspec.json.Decoder(cls) for cls in (*Body.__args__, KVLayer)  # type: ignore[attr-defined]
+    cls.TYPE: msgspec.json.Decoder(cls) for cls in (*get_args(Body), KVLayer)
 }
 _ENCODER = msgspec.json.Encoder()
 

@@ -57,20 +57,29 @@ def make_self_signed(out: Path, days: int, hosts: list[str]) -> tuple[Path, Path
             alt.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             alt.append(x509.DNSName(h))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .sign(key, hashes.SHA256()))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     out.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = out / "cert.pem", out / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return cert_path, key_path
 
 
@@ -78,8 +87,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cert", help="make a self-signed certificate and key for [tls] (tests and labs)")
     p.add_argument("--out", default="pdd-tls", help="directory for cert.pem and key.pem")
     p.add_argument("--days", type=int, default=30)
-    p.add_argument("--host", action="append", default=None, help="host name or IP the certificate names "
-                                                                  "(repeatable; default 127.0.0.1 and localhost)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        help="host name or IP the certificate names (repeatable; default 127.0.0.1 and localhost)",
+    )
     p.set_defaults(func=run)
 
 
@@ -88,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print("pdd cert: --days must be at least 1", file=sys.stderr)
         return 2
     cert, key = make_self_signed(Path(args.out), args.days, args.host or ["127.0.0.1", "localhost"])
-    print(f"certificate {cert}\nkey {key}\nin the deployment file:\n[tls]\ncert = \"{cert}\"\nkey = \"{key}\"\n"
-          f"ca = \"{cert}\"")
+    print(
+        f'certificate {cert}\nkey {key}\nin the deployment file:\n[tls]\ncert = "{cert}"\nkey = "{key}"\nca = "{cert}"'
+    )
     return 0

@@ -67,11 +67,10 @@ async def _serve_until_signal(routes: list[Route], settings: LinkSettings, admin
         loop.add_signal_handler(sig, stop.set)
 
     def announce(relay: WanRelay, admin_url: str | None) -> None:
-        for route, port in zip(relay.routes, relay.listen_ports):
+        for route, port in zip(relay.routes, relay.listen_ports, strict=True):
             print(f"wan: {route.listen_host}:{port} -> {route.target_host}:{route.target_port}")
         if admin_url:
             print(f"wan admin: {admin_url}")
         sys.stdout.flush()
 
     await run_wan(routes, settings, admin, announce, stop)
-

@@ -46,8 +46,6 @@ class LinkSettings:
             raise ValueError(f"jitter_dist must be one of {', '.join(JITTER_DISTS)}")
 
 
-
-
 class _Shaper:
     """Serializes one direction of the line (GCRA, i.e. a token bucket in virtual time).
 
@@ -62,7 +60,6 @@ class _Shaper:
     def book(self, nbytes: int, bytes_per_s: float, now: float) -> float:
         self._busy_until = max(self._busy_until, now - BURST_S) + nbytes / bytes_per_s
         return self._busy_until
-
 
 
 class Crossing(Protocol):
@@ -116,8 +113,13 @@ class WanLine:
         self, bandwidth_mbps: float | None = None, delay_ms: float | None = None, jitter_ms: float | None = None
     ) -> None:
         """Change the line at run time; data already on the line keeps its timing."""
-        given = {"bandwidth_mbps": bandwidth_mbps, "delay_ms": delay_ms, "jitter_ms": jitter_ms}
-        self.settings = replace(self.settings, **{k: float(v) for k, v in given.items() if v is not None})
+        s = self.settings
+        self.settings = replace(
+            s,
+            bandwidth_mbps=s.bandwidth_mbps if bandwidth_mbps is None else float(bandwidth_mbps),
+            delay_ms=s.delay_ms if delay_ms is None else float(delay_ms),
+            jitter_ms=s.jitter_ms if jitter_ms is None else float(jitter_ms),
+        )
 
     def stall(self, seconds: float) -> None:
         """Hold all traffic for `seconds` from now, losing nothing; `stall(0)` ends a stall."""

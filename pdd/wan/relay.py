@@ -40,7 +40,6 @@ class Route:
         return cls(*parse_addr(listen), *parse_addr(target))
 
 
-
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A listener whose connections inherit a small receive buffer (set before listen)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -143,17 +142,18 @@ class _RelayedConnection:
         graceful = False
         try:
             try:
-                up_reader, self._upstream = await asyncio.wait_for(
+                up_reader, upstream = await asyncio.wait_for(
                     asyncio.open_connection(target_host, target_port), CONNECT_TIMEOUT_S
                 )
-            except (OSError, asyncio.TimeoutError) as err:
+                self._upstream = upstream
+            except (TimeoutError, OSError) as err:
                 self._line.connect_errors += 1
                 log.warning("wan: cannot reach %s:%d: %s", target_host, target_port, err)
                 return
             if self._aborted:
                 return
             pipes = (
-                _Pipe(self._line, A_TO_B, client_reader, self._upstream, self),
+                _Pipe(self._line, A_TO_B, client_reader, upstream, self),
                 _Pipe(self._line, B_TO_A, up_reader, client_writer, self),
             )
             self._tasks = [asyncio.create_task(p.read_side()) for p in pipes]
@@ -205,8 +205,9 @@ class WanRelay:
 
     async def add_route(self, route: Route) -> int:
         """Listen on one more route across the same line (an instance that joined); its port."""
-        server = await asyncio.start_server(lambda r, w: self._on_accept(route, r, w),
-                                            sock=_listening_socket(route.listen_host, route.listen_port))
+        server = await asyncio.start_server(
+            lambda r, w: self._on_accept(route, r, w), sock=_listening_socket(route.listen_host, route.listen_port)
+        )
         self._servers.append(server)
         self.routes.append(route)
         self.listen_ports.append(server.sockets[0].getsockname()[1])
@@ -227,7 +228,7 @@ class WanRelay:
     def stats(self) -> dict[str, Any]:
         routes = [
             {"listen": f"{r.listen_host}:{port}", "target": f"{r.target_host}:{r.target_port}"}
-            for r, port in zip(self.routes, self.listen_ports)
+            for r, port in zip(self.routes, self.listen_ports, strict=True)
         ]
         return {**self.line.stats(), "routes": routes}
 

@@ -55,15 +55,20 @@ class AgenticConfig:
     anomalous_output_tokens: tuple[int, int] = (1, 4)
 
     def __post_init__(self) -> None:
-        for name in ("task_tokens", "turns", "tool_output_tokens",
-                     "large_tool_output_tokens", "output_tokens", "anomalous_output_tokens"):
+        for name in (
+            "task_tokens",
+            "turns",
+            "tool_output_tokens",
+            "large_tool_output_tokens",
+            "output_tokens",
+            "anomalous_output_tokens",
+        ):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must satisfy 1 <= low <= high, got {(low, high)}")
         low_share, high_share = self.anomalous_input_share
         if not 0.0 < low_share <= high_share <= 1.0:
-            raise ValueError("anomalous_input_share must lie in (0, 1], "
-                             f"got {(low_share, high_share)}")
+            raise ValueError(f"anomalous_input_share must lie in (0, 1], got {(low_share, high_share)}")
         if not 0 <= self.low_id < self.vocab_size:
             raise ValueError(f"need 0 <= low_id < vocab_size, got {self.low_id}, {self.vocab_size}")
         if self.system_prompt_tokens < 0:
@@ -76,7 +81,8 @@ class AgenticConfig:
         if first_turn > self.max_context:
             raise ValueError(
                 f"max_context {self.max_context} cannot hold a first turn of up to {first_turn} "
-                "tokens (system prompt + longest task + longest output)")
+                "tokens (system prompt + longest task + longest output)"
+            )
         if _anomalous_input_range(self)[1] < 1:
             raise ValueError("max_context too small for anomalous requests")
 

@@ -89,14 +89,17 @@ def parse_record(line: str, where: str) -> TraceRecord:
     output_length = _field(obj, "output_length", where)
     hash_ids = obj.get("hash_ids")
     if not isinstance(hash_ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
         raise ValueError(f"{where}: field 'hash_ids' must be a list of non-negative integers")
     if timestamp < 0 or input_length < 1 or output_length < 1:
         raise ValueError(f"{where}: need timestamp >= 0 and positive lengths")
     blocks = math.ceil(input_length / TRACE_BLOCK_TOKENS)
     if len(hash_ids) != blocks:
-        raise ValueError(f"{where}: input_length {input_length} needs {blocks} hash_ids "
-                         f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}")
+        raise ValueError(
+            f"{where}: input_length {input_length} needs {blocks} hash_ids "
+            f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
+        )
     return TraceRecord(timestamp, input_length, output_length, tuple(hash_ids))
 
 
@@ -129,8 +132,7 @@ def scaled_lengths(record: TraceRecord, config: MooncakeConfig) -> tuple[int, in
     """
     block = config.block_tokens
     blocks = len(record.hash_ids)
-    prompt = min(max(math.ceil(record.input_length / config.scale), (blocks - 1) * block + 1),
-                 blocks * block)
+    prompt = min(max(math.ceil(record.input_length / config.scale), (blocks - 1) * block + 1), blocks * block)
     output_scale = config.output_scale or config.scale
     output = min(config.max_output_tokens, max(1, round(record.output_length / output_scale)))
     if config.max_context is not None:
@@ -149,11 +151,14 @@ def fit_to_context(records: Sequence[TraceRecord], config: MooncakeConfig, conte
     longest = max((r.input_length for r in records), default=0)
     scale = max(config.scale, math.ceil(longest / room))
     fitted = replace(config, scale=scale, max_context=context)
-    cut = sum(sum(scaled_lengths(r, fitted)) < sum(scaled_lengths(r, replace(fitted, max_context=None)))
-              for r in records)
-    note = (f"mooncake lengths / {scale} to fit the served {context}-token context (longest input {longest:,} "
-            f"tokens -> {math.ceil(longest / scale):,}; blocks of {fitted.block_tokens} tokens)"
-            + (f"; {cut} requests cut at the tail" if cut else ""))
+    cut = sum(
+        sum(scaled_lengths(r, fitted)) < sum(scaled_lengths(r, replace(fitted, max_context=None))) for r in records
+    )
+    note = (
+        f"mooncake lengths / {scale} to fit the served {context}-token context (longest input {longest:,} "
+        f"tokens -> {math.ceil(longest / scale):,}; blocks of {fitted.block_tokens} tokens)"
+        + (f"; {cut} requests cut at the tail" if cut else "")
+    )
     return fitted, note
 
 

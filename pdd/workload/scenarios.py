@@ -50,13 +50,32 @@ class Scenario:
 SCENARIOS = {
     "paper": Scenario(
         "paper",
-        AgenticConfig(system_prompt_tokens=128, task_tokens=(300, 800), turns=(4, 12), output_tokens=(320, 768),
-                      max_context=4000, anomalous_output_tokens=(1, 4)),
-        requests=40, rate=0.4, bandwidth_mbps=50.0, delay_ms=2.0, jitter_ms=0.5, notes=PAPER_NOTES),
+        AgenticConfig(
+            system_prompt_tokens=128,
+            task_tokens=(300, 800),
+            turns=(4, 12),
+            output_tokens=(320, 768),
+            max_context=4000,
+            anomalous_output_tokens=(1, 4),
+        ),
+        requests=40,
+        rate=0.4,
+        bandwidth_mbps=50.0,
+        delay_ms=2.0,
+        jitter_ms=0.5,
+        notes=PAPER_NOTES,
+    ),
     "short": Scenario(
-        "short", AgenticConfig(), requests=40, rate=math.inf, bandwidth_mbps=20.0, delay_ms=20.0, jitter_ms=5.0,
+        "short",
+        AgenticConfig(),
+        requests=40,
+        rate=math.inf,
+        bandwidth_mbps=20.0,
+        delay_ms=20.0,
+        jitter_ms=5.0,
         notes="Short agentic turns (8-48 output tokens), every session at once, a 20 Mbit/s line "
-              "with 20 ms +- 5 ms one way: the earlier demo, where relays finish most low-hit requests alone."),
+        "with 20 ms +- 5 ms one way: the earlier demo, where relays finish most low-hit requests alone.",
+    ),
 }
 
 # What every scenario above is scaled to: the embedded tiny model.
@@ -73,15 +92,22 @@ def fit_workload(config: AgenticConfig, context_tokens: int, vocab_size: int) ->
     def span(bounds: tuple[int, int]) -> tuple[int, int]:
         return max(1, round(bounds[0] * scale)), max(1, round(bounds[1] * scale))
 
-    fitted = replace(config, vocab_size=vocab_size, system_prompt_tokens=round(config.system_prompt_tokens * scale),
-                     task_tokens=span(config.task_tokens), tool_output_tokens=span(config.tool_output_tokens),
-                     large_tool_output_tokens=span(config.large_tool_output_tokens),
-                     output_tokens=span(config.output_tokens), max_context=int(config.max_context * scale))
+    fitted = replace(
+        config,
+        vocab_size=vocab_size,
+        system_prompt_tokens=round(config.system_prompt_tokens * scale),
+        task_tokens=span(config.task_tokens),
+        tool_output_tokens=span(config.tool_output_tokens),
+        large_tool_output_tokens=span(config.large_tool_output_tokens),
+        output_tokens=span(config.output_tokens),
+        max_context=int(config.max_context * scale),
+    )
     return fitted, scale
 
 
-def fit_scenario(scenario: Scenario, context_tokens: int, vocab_size: int,
-                 kv_bytes_per_token: int) -> tuple[Scenario, str]:
+def fit_scenario(
+    scenario: Scenario, context_tokens: int, vocab_size: int, kv_bytes_per_token: int
+) -> tuple[Scenario, str]:
     """`scenario` for a served model, and a line that says what changed.
 
     The workload is fitted to the model's context (`fit_workload`); the line's bandwidth
@@ -95,7 +121,9 @@ def fit_scenario(scenario: Scenario, context_tokens: int, vocab_size: int,
     fitted = replace(scenario, workload=workload, bandwidth_mbps=scenario.bandwidth_mbps * line_scale)
     if fitted == scenario:
         return scenario, f"scenario {scenario.name} as published (the model has the tiny model's shape)"
-    return fitted, (f"scenario {scenario.name} fitted to the model: context {context_tokens} tokens "
-                    f"(lengths x {scale:.3g}, contexts up to {workload.max_context}), vocabulary {vocab_size}, "
-                    f"{kv_bytes_per_token:,} KV bytes per token: the line at {fitted.bandwidth_mbps:.4g} Mbit/s "
-                    f"(x {line_scale:.3g}) so each request's KV takes as long on it as with the tiny model")
+    return fitted, (
+        f"scenario {scenario.name} fitted to the model: context {context_tokens} tokens "
+        f"(lengths x {scale:.3g}, contexts up to {workload.max_context}), vocabulary {vocab_size}, "
+        f"{kv_bytes_per_token:,} KV bytes per token: the line at {fitted.bandwidth_mbps:.4g} Mbit/s "
+        f"(x {line_scale:.3g}) so each request's KV takes as long on it as with the tiny model"
+    )

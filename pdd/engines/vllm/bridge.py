@@ -109,6 +109,7 @@ def connect(path: str, token: str, hello: dict[str, Any]) -> Channel:
 
 def serve_forever(channel: Channel, on_message: Callable[[dict[str, Any], bytes], None], name: str) -> threading.Thread:
     """Read `channel` on a daemon thread, handing each message to `on_message`, until it closes."""
+
     def run() -> None:
         try:
             while True:
@@ -128,8 +129,12 @@ class BridgeServer:
     is the connection's hello (its side and rank) with `channel` added.
     """
 
-    def __init__(self, directory: str, on_message: Callable[[dict[str, Any], dict[str, Any], bytes], None],
-                 on_lost: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        on_message: Callable[[dict[str, Any], dict[str, Any], bytes], None],
+        on_lost: Callable[[dict[str, Any]], None],
+    ) -> None:
         os.chmod(directory, 0o700)
         self.path = os.path.join(directory, "bridge.sock")
         self.token = secrets.token_hex(16)

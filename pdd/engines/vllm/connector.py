@@ -38,8 +38,9 @@ class PddConnector(KVConnectorBase_V1):
     _scheduler: SchedulerSide  # (only on the scheduler side)
     _worker: WorkerSide  # (only on a worker)
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # (vLLM passes None too)
         extra = self._kv_transfer_config.kv_connector_extra_config  # (the base refuses a missing config)
         if role == KVConnectorRole.SCHEDULER:

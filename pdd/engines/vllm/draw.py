@@ -35,8 +35,15 @@ class _Draw:
 
 def draw_args(params: SamplingParams, seed: int, first_position: int) -> dict[str, Any]:
     """The `extra_args` entry a request carries to be sampled by pdd's draw."""
-    return {"pdd_draw": {"seed": seed, "position": first_position, "temperature": params.temperature,
-                         "top_p": params.top_p, "top_k": params.top_k}}
+    return {
+        "pdd_draw": {
+            "seed": seed,
+            "position": first_position,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+        }
+    }
 
 
 class PddDraw(LogitsProcessor):
@@ -54,8 +61,12 @@ class PddDraw(LogitsProcessor):
             return logits
         rows = sorted(self.rows)
         draws = [self.rows[i] for i in rows]
-        tokens = sample(logits[rows].float(), [d.params for d in draws], [d.seed for d in draws],
-                        [d.first_position + len(d.outputs) for d in draws])
+        tokens = sample(
+            logits[rows].float(),
+            [d.params for d in draws],
+            [d.seed for d in draws],
+            [d.first_position + len(d.outputs) for d in draws],
+        )
         for i, token in zip(rows, tokens, strict=True):
             logits[i] = float("-inf")
             logits[i, token] = 0.0
@@ -66,6 +77,7 @@ def _new_state(params: Any, prompt_ids: list[int] | None, output_ids: list[int])
     spec = (params.extra_args or {}).get("pdd_draw") if params is not None else None
     if not isinstance(spec, dict):
         return None
-    p = SamplingParams(max_tokens=1, temperature=float(spec["temperature"]), top_p=float(spec["top_p"]),
-                       top_k=int(spec["top_k"]))
+    p = SamplingParams(
+        max_tokens=1, temperature=float(spec["temperature"]), top_p=float(spec["top_p"]), top_k=int(spec["top_k"])
+    )
     return _Draw(p, int(spec["seed"]), int(spec["position"]), output_ids)

@@ -58,10 +58,17 @@ class VllmEngine(Requests):
         self._world = 0
         self.hashes = VllmHashes(config.page_size)
         self.counters = {"computed_tokens": 0, "imported_tokens": 0, "exported_tokens": 0, "aborted": 0}
-        self.vllm_stats: dict[str, Any] = {"kv_cache_usage": 0.0, "running": 0, "waiting": 0, "prefix_cache_queries": 0,
-                                           "prefix_cache_hits": 0, "prompt_tokens_computed": 0,
-                                           "prompt_tokens_local_hit": 0, "prompt_tokens_external": 0,
-                                           "generation_tokens": 0}
+        self.vllm_stats: dict[str, Any] = {
+            "kv_cache_usage": 0.0,
+            "running": 0,
+            "waiting": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "prompt_tokens_computed": 0,
+            "prompt_tokens_local_hit": 0,
+            "prompt_tokens_external": 0,
+            "generation_tokens": 0,
+        }
         self.computed_by_request: OrderedDict[str, int] = OrderedDict()
         self.used_blocks = 0  # held by requests now (the scheduler side's live count)
         super().__init__(eos_ids, self.model.vocab_size, self.max_context)
@@ -85,9 +92,15 @@ class VllmEngine(Requests):
         op = header["op"]
         if op == "layout":
             self._world = header["world"]
-            self.kv.workers[header["rank"]] = WorkerInfo(peer["channel"], header["rank"], header["heads"],
-                                                         header["layers"], header["head_dim"], header["block_size"],
-                                                         header["dtype"])
+            self.kv.workers[header["rank"]] = WorkerInfo(
+                peer["channel"],
+                header["rank"],
+                header["heads"],
+                header["layers"],
+                header["head_dim"],
+                header["block_size"],
+                header["dtype"],
+            )
             if header["block_size"] != self.page_size:
                 log.error("vLLM runs blocks of %d tokens, pdd expects %d", header["block_size"], self.page_size)
             if len(self.kv.workers) == self._world:
@@ -159,6 +172,7 @@ class VllmEngine(Requests):
         loop = asyncio.get_running_loop()
         if self.events is None:
             raise RuntimeError("vLLM is closed")
+
         def on_event(seq: int, kind: str, hashes: list[int]) -> None:  # (a subscriber thread)
             loop.call_soon_threadsafe(listener, seq, kind, hashes)
 
@@ -167,14 +181,25 @@ class VllmEngine(Requests):
     # ---- EnginePort: load, stats, close ----------------------------------------------------
     def load(self) -> EngineLoad:
         s = self.vllm_stats
-        return EngineLoad(running=s["running"], waiting=s["waiting"], max_running=self.config.max_running,
-                          pages=self.config.num_pages, free_pages=self.config.num_pages - self.used_blocks,
-                          cached_pages=0)
+        return EngineLoad(
+            running=s["running"],
+            waiting=s["waiting"],
+            max_running=self.config.max_running,
+            pages=self.config.num_pages,
+            free_pages=self.config.num_pages - self.used_blocks,
+            cached_pages=0,
+        )
 
     def stats(self) -> dict:
-        return {"backend": "vllm", **self.counters, **self.vllm_stats, "used_blocks": self.used_blocks,
-                "held_requests": len(self.reqs),
-                "cached_blocks": len(self.hashes.names), "computed_by_request": dict(self.computed_by_request)}
+        return {
+            "backend": "vllm",
+            **self.counters,
+            **self.vllm_stats,
+            "used_blocks": self.used_blocks,
+            "held_requests": len(self.reqs),
+            "cached_blocks": len(self.hashes.names),
+            "computed_by_request": dict(self.computed_by_request),
+        }
 
     def close(self) -> None:
         if self.llm is not None:
@@ -193,4 +218,3 @@ def open_vllm(model_dir: Path, config: EngineConfig, threads: int, eos_ids: froz
     except ImportError as e:
         raise RuntimeError(f"[engine] backend = \"vllm\" needs vLLM: pip install 'pdd[vllm]' ({e})") from None
     return VllmEngine(model_dir, config, threads, eos_ids)
-

@@ -35,8 +35,14 @@ class VllmHashes:
         self.unknown_parents = 0  # stored blocks whose parent was never seen: left out (the mirror under-counts)
         self.lock = threading.Lock()
 
-    def stored(self, parent: bytes | int | None, hashes: list[bytes | int], token_ids: list[int],
-               block_size: int, extra_keys: list[tuple[object, ...] | None] | None = None) -> list[int]:
+    def stored(
+        self,
+        parent: bytes | int | None,
+        hashes: list[bytes | int],
+        token_ids: list[int],
+        block_size: int,
+        extra_keys: list[tuple[object, ...] | None] | None = None,
+    ) -> list[int]:
         if block_size != self.page_size:
             raise ValueError(f"vLLM cached blocks of {block_size} tokens; this instance's page is {self.page_size}")
         if any(extra_keys or ()):  # salted: hashed apart from every prompt the router hashes
@@ -145,9 +151,16 @@ class EventSubscriber:
         for event in batch.events:
             with self.hashes.lock:
                 if isinstance(event, BlockStored):
-                    names, what = self.hashes.stored(event.parent_block_hash, list(event.block_hashes),
-                                                     list(event.token_ids), event.block_size,
-                                                     event.extra_keys), "stored"
+                    names, what = (
+                        self.hashes.stored(
+                            event.parent_block_hash,
+                            list(event.block_hashes),
+                            list(event.token_ids),
+                            event.block_size,
+                            event.extra_keys,
+                        ),
+                        "stored",
+                    )
                 elif isinstance(event, BlockRemoved):
                     names, what = self.hashes.removed(list(event.block_hashes)), "removed"
                 else:  # AllBlocksCleared

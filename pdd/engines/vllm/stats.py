@@ -18,8 +18,9 @@ class StatsTap(StatLoggerBase):
     def __init__(self, into: dict[str, Any]) -> None:
         self.into = into
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         s = self.into
         if scheduler_stats is not None:
             s["kv_cache_usage"] = scheduler_stats.kv_cache_usage

@@ -95,8 +95,14 @@ def seed_of(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def vllm_params(params: SamplingParams, seed: int, first_position: int, max_tokens: int, eos_ids: frozenset[int],
-                extra: dict[str, Any] | None = None) -> Any:
+def vllm_params(
+    params: SamplingParams,
+    seed: int,
+    first_position: int,
+    max_tokens: int,
+    eos_ids: frozenset[int],
+    extra: dict[str, Any] | None = None,
+) -> Any:
     """vLLM's sampling parameters for `max_tokens` positions from `first_position` on:
     greedy in vLLM, pdd's own draw (`pdd.engines.vllm.draw`) for anything else."""
     from vllm import SamplingParams as VllmParams
@@ -106,8 +112,15 @@ def vllm_params(params: SamplingParams, seed: int, first_position: int, max_toke
     if not params.greedy:
         args.update(draw_args(params, seed, first_position))
     stops = [] if params.ignore_eos else sorted(set(params.stop_token_ids) | eos_ids)
-    return VllmParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=params.ignore_eos, stop_token_ids=stops,
-                      output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=args or None)
+    return VllmParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=stops,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args=args or None,
+    )
 
 
 def chunk_params(extra: dict[str, Any] | None = None) -> Any:
@@ -115,8 +128,14 @@ def chunk_params(extra: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind
 
-    return VllmParams(max_tokens=1, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-                      detokenize=False, extra_args=extra)
+    return VllmParams(
+        max_tokens=1,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args=extra,
+    )
 
 
 async def chunk_stream(req: Request) -> AsyncIterator[Any]:

@@ -32,8 +32,9 @@ class WorkerSide:
 
         self.config = vllm_config
         self.rank, self.world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.channel = bridge.connect(extra["bridge"], extra["token"], {"side": "worker", "rank": self.rank,
-                                                                        "world": self.world})
+        self.channel = bridge.connect(
+            extra["bridge"], extra["token"], {"side": "worker", "rank": self.rank, "world": self.world}
+        )
         self.jobs: queue.SimpleQueue[tuple[dict[str, Any], bytes]] = queue.SimpleQueue()
         self.wake = threading.Event()
         bridge.serve_forever(self.channel, self._on_message, f"pdd-worker{self.rank}-bridge")
@@ -55,8 +56,10 @@ class WorkerSide:
         caches = [kv_caches[n] for n in names]
         first = caches[0]
         if len({tuple(c.shape) for c in caches}) != 1 or first.dim() != 4:
-            raise RuntimeError(f"pdd's KV connector needs one [blocks, heads, block, 2 * head_dim] cache per layer, "
-                               f"got {sorted({tuple(c.shape) for c in caches})}")
+            raise RuntimeError(
+                f"pdd's KV connector needs one [blocks, heads, block, 2 * head_dim] cache per layer, "
+                f"got {sorted({tuple(c.shape) for c in caches})}"
+            )
         blocks, heads, block_size, _ = first.shape
         if first.device.type == "cpu":
             cache_dtype = self.config.cache_config.cache_dtype
@@ -66,11 +69,32 @@ class WorkerSide:
         else:
             isa = "token-major"
             self.layers = [TokenMajorLayout(c, head_dim) for c in caches]
-        log.info("pdd KV connector: %d layers, %d blocks of %d tokens, %d heads of %d (%s, %s), rank %d of %d",
-                 len(caches), blocks, block_size, heads, head_dim, dtype_name(first.dtype), isa, self.rank, self.world)
-        self.channel.send({"op": "layout", "layers": len(caches), "blocks": blocks, "block_size": block_size,
-                           "heads": heads, "head_dim": head_dim, "dtype": dtype_name(first.dtype), "isa": isa,
-                           "rank": self.rank, "world": self.world})
+        log.info(
+            "pdd KV connector: %d layers, %d blocks of %d tokens, %d heads of %d (%s, %s), rank %d of %d",
+            len(caches),
+            blocks,
+            block_size,
+            heads,
+            head_dim,
+            dtype_name(first.dtype),
+            isa,
+            self.rank,
+            self.world,
+        )
+        self.channel.send(
+            {
+                "op": "layout",
+                "layers": len(caches),
+                "blocks": blocks,
+                "block_size": block_size,
+                "heads": heads,
+                "head_dim": head_dim,
+                "dtype": dtype_name(first.dtype),
+                "isa": isa,
+                "rank": self.rank,
+                "world": self.world,
+            }
+        )
 
     # ---- every step --------------------------------------------------------------------
     def serve_jobs(self, idle: bool) -> None:

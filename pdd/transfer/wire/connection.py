@@ -38,16 +38,24 @@ class RejectCounter:
     several event loops (one per thread) may share a process."""
 
     def __init__(self) -> None:
-        self.counter = Counter("pdd_rejected_frames", "Inter-instance frames rejected (bad MAC, length, garbage), "
-                               "by the error class", ["reason"], registry=None)
+        self.counter = Counter(
+            "pdd_rejected_frames",
+            "Inter-instance frames rejected (bad MAC, length, garbage), by the error class",
+            ["reason"],
+            registry=None,
+        )
 
     def record(self, err: FrameError) -> None:
         self.counter.labels(reason=type(err).__name__).inc()
 
     def snapshot(self) -> dict[str, int]:
         """The count per reason."""
-        return {s.labels["reason"]: int(s.value) for metric in self.counter.collect() for s in metric.samples
-                if s.name.endswith("_total")}
+        return {
+            s.labels["reason"]: int(s.value)
+            for metric in self.counter.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
 
     def total(self) -> int:
         return sum(self.snapshot().values())
@@ -211,8 +219,9 @@ async def serve(
         conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
         pending.difference_update([c for c in pending if c.codec.authenticated or c.closed])
         if key and len(pending) >= MAX_UNAUTHENTICATED:
-            log.warning("refused a connection from %s: %d others have not completed the handshake", conn.peer,
-                        len(pending))
+            log.warning(
+                "refused a connection from %s: %d others have not completed the handshake", conn.peer, len(pending)
+            )
             conn.close()
             await conn.wait_closed()
             return
@@ -223,7 +232,7 @@ async def serve(
             conn.reject(err)  # a no-op when recv() already rejected it
         except ConnectionError as err:
             log.debug("connection from %s ended: %s", conn.peer, err)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("connection from %s dropped: no complete handshake in time", conn.peer)
         except Exception:
             log.exception("handler for %s failed", conn.peer)
@@ -233,4 +242,3 @@ async def serve(
             await conn.wait_closed()
 
     return await asyncio.start_server(on_accept, host, port, ssl=tls)
-

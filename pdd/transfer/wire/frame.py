@@ -114,7 +114,6 @@ class ConnectionClosed(ConnectionError):
     """
 
 
-
 @dataclass(frozen=True)
 class Frame:
     type: MsgType
@@ -168,11 +167,9 @@ class FrameCodec:
         if len(payload) > self.max_payload:
             raise TooLarge(f"payload of {len(payload)} bytes exceeds the limit of {self.max_payload}")
         flags = FLAG_AUTH if self._key else 0
-        header = HEADER.pack(
-            MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload)
-        )
+        header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload))
         self.send_seq += 1
-        if not self._key:
+        if not self._send_key:  # set exactly when the connection has a key (the link's, then the session's)
             return [header, payload]
         return [header, payload, _mac(self._send_key, header, payload)]
 
@@ -193,15 +190,17 @@ class FrameCodec:
         if version != PROTOCOL_VERSION:
             raise BadVersion(f"protocol version {version}, expected {PROTOCOL_VERSION}")
         if length > self._read_limit:
-            raise TooLarge(f"frame announces {length} bytes, the limit is {self._read_limit}"
-                           + ("" if self.authenticated or not self._key else " before the handshake"))
+            raise TooLarge(
+                f"frame announces {length} bytes, the limit is {self._read_limit}"
+                + ("" if self.authenticated or not self._key else " before the handshake")
+            )
         authenticated = bool(flags & FLAG_AUTH)
         if self._key and not authenticated:
             raise BadMac("unauthenticated frame on a connection that requires authentication")
         if authenticated and not self._key:
             raise BadMac("authenticated frame on a connection without a key")
         payload = await _read_exactly(reader, length, at_boundary=False)
-        if self._key:
+        if self._recv_key:  # set exactly when the connection has a key
             tag = await _read_exactly(reader, TAG_SIZE, at_boundary=False)
             if not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
                 raise BadMac("message authentication code does not match")
@@ -232,7 +231,6 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_boundary: bo
         if at_boundary and not err.partial:
             raise ConnectionClosed("peer closed the connection") from None
         raise ConnectionClosed("peer closed the connection in the middle of a frame") from None
-
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:
@@ -282,4 +280,3 @@ def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], mem
     """Split a `pack_with_header` payload; the blob is a zero-copy view."""
     header, blob = split_with_header(payload)
     return decode_json(header), blob
-

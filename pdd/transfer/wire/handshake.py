@@ -83,4 +83,3 @@ def link_key(secret: str, link_name: str) -> bytes:
         raise ValueError("the shared secret must not be empty")
     info = b"pdd/link-key/v2\x00" + link_name.encode("utf-8")
     return HKDF(SHA256(), KEY_BYTES, salt=None, info=info).derive(secret.encode("utf-8"))
-
