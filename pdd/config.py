@@ -28,7 +28,7 @@ import tomli_w
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
-from pdd.engine_port import EngineConfig
+from pdd.engine_port import EngineConfig, for_backend
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
@@ -95,7 +95,7 @@ class InstanceSpec:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
         for dc, addr in self.advertise.items():
             if not callable_at(addr):
-                raise ValueError(f"advertise.{dc} must be \"HOST:PORT\", got {addr!r}")
+                raise ValueError(f'advertise.{dc} must be "HOST:PORT", got {addr!r}')
 
 
 @dataclass(frozen=True)
@@ -160,20 +160,22 @@ class RouterSpec:
     max_waiting: int = 256  # ...and holds in line for a slot; past both: 429 with Retry-After
 
     def __post_init__(self) -> None:
-        if min(self.token_timeout_s, self.stall_timeout_s) <= 0 or min(self.prefill_retries,
-                                                                       self.handoff_reserve_tokens) < 0:
+        if (
+            min(self.token_timeout_s, self.stall_timeout_s) <= 0
+            or min(self.prefill_retries, self.handoff_reserve_tokens) < 0
+        ):
             raise ValueError("timeouts must be positive; prefill_retries and handoff_reserve_tokens >= 0")
         if self.max_body_bytes < 1 or self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_body_bytes and max_running must be at least 1, max_waiting at least 0")
         if self.advertise and not callable_at(self.advertise):
-            raise ValueError(f"advertise must be \"HOST:PORT\", got {self.advertise!r}")
+            raise ValueError(f'advertise must be "HOST:PORT", got {self.advertise!r}')
 
     @property
     def url(self) -> str:
         """Its HTTP base URL as others reach it."""
         host, port = parse_addr(self.advertise) if self.advertise else (self.host, self.port)
         if host in UNSPECIFIED_HOSTS:
-            raise ConfigError(f"the router listens on {host!r}: give [router] advertise = \"HOST:PORT\"")
+            raise ConfigError(f'the router listens on {host!r}: give [router] advertise = "HOST:PORT"')
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
@@ -282,14 +284,23 @@ class Deployment:
         if from_dc in inst.advertise:
             return parse_addr(inst.advertise[from_dc])
         if inst.host in UNSPECIFIED_HOSTS:
-            raise ConfigError(f"instance {inst.name} listens on {inst.host!r}: give it advertise.{from_dc} = "
-                              f"\"HOST:PORT\" for callers in datacenter {from_dc}")
+            raise ConfigError(
+                f"instance {inst.name} listens on {inst.host!r}: give it advertise.{from_dc} = "
+                f'"HOST:PORT" for callers in datacenter {from_dc}'
+            )
         return inst.host, inst.kv_port
 
 
-_WORDS = {"string_type": "must be a string", "int_type": "must be an integer", "float_type": "must be a number",
-          "finite_number": "must be a finite number", "bool_type": "must be true or false", "missing": "is missing",
-          "dict_type": "must be a table", "dataclass_type": "must be a table"}
+_WORDS = {
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "missing": "is missing",
+    "dict_type": "must be a table",
+    "dataclass_type": "must be a table",
+}
 
 
 @functools.cache
@@ -304,7 +315,7 @@ def _validate(cls: type[T], raw: Any, where: str) -> T:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table" if where else "a deployment must be a table")
     try:
-        return cast(T, _adapter(cls).validate_json(json.dumps(raw, default=lambda v: [str(v)])))
+        return cast(T, _adapter(cast(type, cls)).validate_json(json.dumps(raw, default=lambda v: [str(v)])))
     except ValidationError as e:
         raise ConfigError(_explain(e, where)) from None
 
@@ -321,10 +332,18 @@ def _explain(err: ValidationError, where: str) -> str:
         if e["type"] == "unexpected_keyword_argument":
             unknown.setdefault(head, []).append(key)
         else:
-            problems.append(head + (e["msg"].removeprefix("Value error, ") if e["type"] == "value_error"
-                                    else f"{key} {_WORDS.get(e['type'], e['msg'])}"))
-    problems += [f"{head}has unknown keys: {sorted(keys)}" if head else f"unknown top-level keys: {sorted(keys)}"
-                 for head, keys in unknown.items()]
+            problems.append(
+                head
+                + (
+                    e["msg"].removeprefix("Value error, ")
+                    if e["type"] == "value_error"
+                    else f"{key} {_WORDS.get(e['type'], e['msg'])}"
+                )
+            )
+    problems += [
+        f"{head}has unknown keys: {sorted(keys)}" if head else f"unknown top-level keys: {sorted(keys)}"
+        for head, keys in unknown.items()
+    ]
     return "; ".join(problems)
 
 
@@ -333,9 +352,16 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> Instan
     as strictly as the config file is. Its `engine` table overrides the deployment's."""
     name = raw.get("name") if isinstance(raw, dict) else None
     where = f"instances.{name}" if isinstance(name, str) else f"instances #{index + 1}"
-    if isinstance(raw, dict) and isinstance(raw.get("engine", {}), dict):
-        raw = {**raw, "engine": {**asdict(engine), **raw.get("engine", {})}}
-    return _validate(InstanceSpec, raw, where)
+    overrides = raw.get("engine", {}) if isinstance(raw, dict) else None
+    if isinstance(overrides, dict):
+        merged = {**asdict(engine), **overrides}
+        if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to the deployment's
+            merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
+        raw = {**raw, "engine": merged}
+    inst = _validate(InstanceSpec, raw, where)
+    if isinstance(overrides, dict) and "backend" in overrides:  # in that backend's page size, unless one was chosen
+        inst = replace(inst, engine=for_backend(inst.engine, inst.engine.backend, "page_size" in overrides))
+    return inst
 
 
 def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
@@ -345,6 +371,8 @@ def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
 def parse(raw: dict) -> Deployment:
     """A deployment from a parsed TOML document; `ConfigError` names what is wrong."""
     dep = _validate(Deployment, {k: v for k, v in raw.items() if k != "instances"}, "")
+    if isinstance(raw.get("engine"), dict):
+        dep = replace(dep, engine=for_backend(dep.engine, dep.engine.backend, "page_size" in raw["engine"]))
     items = raw.get("instances", [])
     if not isinstance(items, list):
         raise ConfigError("instances must be an array of tables ([[instances]])")

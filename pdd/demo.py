@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdd.engine_port import engine_names, for_backend
 from pdd.names import Mode
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
@@ -33,10 +34,16 @@ if TYPE_CHECKING:
 
 # The four modes, then the two PD modes at PDD's hardware: as many instances as PDD's
 # P, RLD and MD (same-dc: all on A; cross-dc: P on A, two MD on B)
-DEFAULT_MODES = (Mode.COLOCATED, Mode.PD_SAME_DC, Mode.PD_CROSS_DC, Mode.PDD, f"{Mode.PD_SAME_DC}:main=2",
-                 f"{Mode.PD_CROSS_DC}:main=2")
+DEFAULT_MODES = (
+    Mode.COLOCATED,
+    Mode.PD_SAME_DC,
+    Mode.PD_CROSS_DC,
+    Mode.PDD,
+    f"{Mode.PD_SAME_DC}:main=2",
+    f"{Mode.PD_CROSS_DC}:main=2",
+)
 DEFAULT_DILATION = 3.0
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
 REQUEST_TIMEOUT_S = 120.0
@@ -67,8 +74,9 @@ def accepted_modes() -> frozenset[str] | None:
     a build where a mode (e.g. `pdd` itself) is not there yet, and say so.
     """
     try:
-        done = subprocess.run(up_command("--help"), capture_output=True, text=True,
-                              errors="replace", timeout=START_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            up_command("--help"), capture_output=True, text=True, errors="replace", timeout=START_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DeployError(f"cannot run `pdd up --help`: {exc}") from exc
     if done.returncode != 0:
@@ -87,7 +95,7 @@ class DemoDeployment:
     keeps draining afterwards, so a chatty deployment never blocks on a full pipe.
     """
 
-    def __init__(self, mode: str, config: Path | None, line: list[str] = ()) -> None:
+    def __init__(self, mode: str, config: Path | None, line: list[str] | tuple[str, ...] = ()) -> None:
         base, *options = mode.split(":")
         args = ["--mode", base, "--port", "0", *line]
         for option in options:  # "pd-cross-dc:drc=off" -> --mode pd-cross-dc --drc off
@@ -100,9 +108,15 @@ class DemoDeployment:
         self.pacing = ""  # `pdd up`'s pacing line
         self._url: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(
-            up_command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            up_command(*args),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self._reader = threading.Thread(target=self._drain, name=f"pdd-up-{mode}", daemon=True)
         self._reader.start()
 
@@ -128,14 +142,12 @@ class DemoDeployment:
         try:
             url = self._url.get(timeout=timeout_s)
         except queue.Empty:
-            raise DeployError(f"no `router:` line within {timeout_s:g} s"
-                              f"{self._tail_text()}") from None
+            raise DeployError(f"no `router:` line within {timeout_s:g} s{self._tail_text()}") from None
         if url is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5.0)
             code = self.proc.poll()
-            raise DeployError(f"`pdd up` exited (code {code}) before serving"
-                              f"{self._tail_text()}")
+            raise DeployError(f"`pdd up` exited (code {code}) before serving{self._tail_text()}")
         return url
 
     def _tail_text(self) -> str:
@@ -168,23 +180,35 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
 
     scenario = _scenario(args)
     sessions = plan_sessions(dataclasses.replace(scenario.workload, seed=args.seed), args.requests, args.rate)
-    line = [f"--bandwidth-mbps={scenario.bandwidth_mbps}", f"--delay-ms={scenario.delay_ms}",
-            f"--jitter-ms={scenario.jitter_ms}", f"--hardware={args.hardware}", f"--dilation={args.dilation}",
-            *(["--model", args.model] if args.model else [])]
+    line = [
+        f"--bandwidth-mbps={scenario.bandwidth_mbps}",
+        f"--delay-ms={scenario.delay_ms}",
+        f"--jitter-ms={scenario.jitter_ms}",
+        f"--hardware={args.hardware}",
+        f"--dilation={args.dilation}",
+        *(["--model", args.model] if args.model else []),
+        *(["--engine", args.engine] if args.engine else []),
+    ]
     deployment = DemoDeployment(mode, args.config, line)
     try:
-        with (contextlib.nullcontext() if args.quiet or not console.is_terminal
-              else console.status(f"starting {mode} …")):
+        with (
+            contextlib.nullcontext() if args.quiet or not console.is_terminal else console.status(f"starting {mode} …")
+        ):
             url = deployment.wait_router(START_TIMEOUT_S)
         if not args.quiet:
-            console.print(f"{mode}: serving at {url}, replaying {args.requests} requests",
-                          markup=False, highlight=False)
+            console.print(
+                f"{mode}: serving at {url}, replaying {args.requests} requests", markup=False, highlight=False
+            )
         run = run_bench(url, sessions, timeout_s=REQUEST_TIMEOUT_S, quiet=args.quiet)
         instances = _instance_steps(deployment.instances)
     finally:
         deployment.stop()
-    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms * args.dilation,
-                        slo_tpot_ms=args.slo_tpot_ms * args.dilation)
+    summary = summarize(
+        run.records,
+        wan_bytes=run.wan_bytes,
+        slo_ttft_ms=args.slo_ttft_ms * args.dilation,
+        slo_tpot_ms=args.slo_tpot_ms * args.dilation,
+    )
     summary["pacing"] = deployment.pacing
     summary["instances"] = instances
     return summary, [r.to_dict() for r in run.records]
@@ -217,6 +241,8 @@ def fitted_scenario(args: argparse.Namespace) -> tuple[Scenario, str]:
     from pdd.model.tokenizer import Tokenizer
 
     dep = cfg.load(args.config)
+    if args.engine:
+        dep = dataclasses.replace(dep, engine=for_backend(dep.engine, args.engine))
     model_dir = resolve_model(args.model or dep.model.path)
     model = ModelConfig.from_dir(model_dir)
     vocab = min(model.vocab_size, Tokenizer.from_dir(model_dir).vocab_size)
@@ -234,14 +260,36 @@ def _modes(value: str) -> list[str]:
 
 def _command_line(args: argparse.Namespace) -> str:
     """An equivalent `pdd demo` command line, so a report says how to reproduce it."""
-    parts = ["pdd", "demo", "--scenario", args.scenario, "--out", str(args.out), "--modes", ",".join(args.modes),
-             "--requests", str(args.requests), "--rate", str(args.rate), "--seed", str(args.seed),
-             "--hardware", args.hardware, "--dilation", f"{args.dilation:g}",
-             "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
+    parts = [
+        "pdd",
+        "demo",
+        "--scenario",
+        args.scenario,
+        "--out",
+        str(args.out),
+        "--modes",
+        ",".join(args.modes),
+        "--requests",
+        str(args.requests),
+        "--rate",
+        str(args.rate),
+        "--seed",
+        str(args.seed),
+        "--hardware",
+        args.hardware,
+        "--dilation",
+        f"{args.dilation:g}",
+        "--slo-ttft-ms",
+        f"{args.slo_ttft_ms:g}",
+        "--slo-tpot-ms",
+        f"{args.slo_tpot_ms:g}",
+    ]
     if args.config is not None:
         parts += ["--config", str(args.config)]
     if args.model:
         parts += ["--model", args.model]
+    if args.engine:
+        parts += ["--engine", args.engine]
     return shlex.join(parts)
 
 
@@ -261,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
     from pdd.bench.client import BenchError
     from pdd.bench.report import write_report, write_requests
     from pdd.bench.summary import format_hardware_table, format_table
+
     err = Console(stderr=True)
     scenario = _scenario(args)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -276,8 +325,7 @@ def run(args: argparse.Namespace) -> int:
     for i, mode in enumerate(args.modes, 1):
         if accepted is not None and mode.split(":")[0] not in accepted:
             failed[mode] = "not offered by the installed `pdd up`"
-            _note(err, f"skipping mode {mode!r}: the installed `pdd up` accepts only "
-                       f"{', '.join(sorted(accepted))}")
+            _note(err, f"skipping mode {mode!r}: the installed `pdd up` accepts only {', '.join(sorted(accepted))}")
             continue
         if not args.quiet:
             err.rule(f"[{i}/{len(args.modes)}] {mode}")
@@ -319,10 +367,15 @@ def run(args: argparse.Namespace) -> int:
             "hardware": args.hardware,
             "dilation": args.dilation,
             "scenario": scenario.name,
-            "line": {"bandwidth_mbps": scenario.bandwidth_mbps, "delay_ms": scenario.delay_ms,
-                     "jitter_ms": scenario.jitter_ms},
-            "workload": {"kind": "agentic", **dataclasses.asdict(dataclasses.replace(scenario.workload,
-                                                                                     seed=args.seed))},
+            "line": {
+                "bandwidth_mbps": scenario.bandwidth_mbps,
+                "delay_ms": scenario.delay_ms,
+                "jitter_ms": scenario.jitter_ms,
+            },
+            "workload": {
+                "kind": "agentic",
+                **dataclasses.asdict(dataclasses.replace(scenario.workload, seed=args.seed)),
+            },
         },
         "scenario_notes": scenario.notes,
         "scenario_fit": args.fit_note,
@@ -338,39 +391,69 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `pdd demo` on the top-level sub-command parsers."""
-    parser = sub.add_parser("demo", help="compare every deployment mode on one workload",
-                            description="Run the same agentic workload through every "
-                                        "deployment mode and compare them.")
-    parser.add_argument("--out", type=Path, default=Path("pdd-demo"), metavar="DIR",
-                        help="report folder (default: ./pdd-demo)")
-    parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES), metavar="LIST",
-                        help="comma-separated, run in order; MODE:KEY=VALUE passes --KEY VALUE to "
-                             f"`pdd up` (e.g. pd-cross-dc:drc=off) (default: {','.join(DEFAULT_MODES)})")
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="paper",
-                        help="paper: a scaled copy of the published evaluation (default); "
-                             "short: short outputs, every session at once (see BENCHMARKS.md)")
-    parser.add_argument("--requests", type=int, metavar="N",
-                        help="agentic turns per mode (default: the scenario's)")
-    parser.add_argument("--rate", type=float, metavar="R",
-                        help="agentic session starts per second, Poisson; inf = all at once "
-                             "(default: the scenario's)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S",
-                        help="workload seed; every mode replays the same requests")
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="deployment TOML passed to `pdd up`")
-    parser.add_argument("--model", metavar="DIR|ORG/NAME",
-                        help="model directory or hub name in the local Hugging Face cache, passed to `pdd up` "
-                             "(default: the config's, else the tiny model); the scenario is fitted to it")
+    parser = sub.add_parser(
+        "demo",
+        help="compare every deployment mode on one workload",
+        description="Run the same agentic workload through every deployment mode and compare them.",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("pdd-demo"), metavar="DIR", help="report folder (default: ./pdd-demo)"
+    )
+    parser.add_argument(
+        "--modes",
+        type=_modes,
+        default=list(DEFAULT_MODES),
+        metavar="LIST",
+        help="comma-separated, run in order; MODE:KEY=VALUE passes --KEY VALUE to "
+        f"`pdd up` (e.g. pd-cross-dc:drc=off) (default: {','.join(DEFAULT_MODES)})",
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="paper",
+        help="paper: a scaled copy of the published evaluation (default); "
+        "short: short outputs, every session at once (see BENCHMARKS.md)",
+    )
+    parser.add_argument("--requests", type=int, metavar="N", help="agentic turns per mode (default: the scenario's)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        metavar="R",
+        help="agentic session starts per second, Poisson; inf = all at once (default: the scenario's)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="workload seed; every mode replays the same requests"
+    )
+    parser.add_argument("--config", type=Path, metavar="FILE", help="deployment TOML passed to `pdd up`")
+    parser.add_argument(
+        "--model",
+        metavar="DIR|ORG/NAME",
+        help="model directory or hub name in the local Hugging Face cache, passed to `pdd up` "
+        "(default: the config's, else the tiny model); the scenario is fitted to it",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=engine_names(),
+        help="run every instance of every mode on this engine backend, passed to `pdd up` (default: the config's)",
+    )
     # The same SLO defaults as `pdd bench`, so attainment reads the same in both.
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")
-    parser.add_argument("--hardware", choices=("emulated", "native"), default="emulated",
-                        help="emulated (default): each instance paced as its own accelerator (P, RLD on the spec's "
-                             "A, MD on B; pd-same-dc all on A), real tokens in emulated time; native: every "
-                             "instance at this machine's speed, sharing its CPU")
-    parser.add_argument("--dilation", type=float, default=DEFAULT_DILATION,
-                        help=f"emulated time runs this many times slower than the chips, so this CPU keeps up "
-                             f"(default {DEFAULT_DILATION:g}); the line and the SLOs are stretched alike")
+    parser.add_argument(
+        "--hardware",
+        choices=("emulated", "native"),
+        default="emulated",
+        help="emulated (default): each instance paced as its own accelerator (P, RLD on the spec's "
+        "A, MD on B; pd-same-dc all on A), real tokens in emulated time; native: every "
+        "instance at this machine's speed, sharing its CPU",
+    )
+    parser.add_argument(
+        "--dilation",
+        type=float,
+        default=DEFAULT_DILATION,
+        help=f"emulated time runs this many times slower than the chips, so this CPU keeps up "
+        f"(default {DEFAULT_DILATION:g}); the line and the SLOs are stretched alike",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
     def func(args: argparse.Namespace) -> int:

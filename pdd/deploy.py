@@ -28,33 +28,63 @@ from typing import IO
 import httpx
 
 from pdd import config as cfg
+from pdd.engine_port import engine_names, for_backend
 from pdd.names import RoleName
 
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
     p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
     p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's)")
-    p.add_argument("--model", help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
-                                   "(default: the config's [model] path, else the embedded tiny model)")
+    p.add_argument(
+        "--model",
+        help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
+        "(default: the config's [model] path, else the embedded tiny model)",
+    )
     p.add_argument("--port", type=int, help="router port (0: any free port)")
-    p.add_argument("--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks")
+    p.add_argument(
+        "--engine",
+        choices=engine_names(),
+        help="run every instance on this engine backend (default: the config's [engine] backend)",
+    )
+    p.add_argument(
+        "--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks"
+    )
     p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
     p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
     p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
-    p.add_argument("--hardware", choices=("native", "emulated"),
-                   help="native: every instance at this machine's speed; emulated: each paced as its own "
-                        "accelerator (P, RLD on the spec's A, MD on B), real tokens in emulated time")
-    p.add_argument("--dilation", type=float, help="emulated time runs this many times slower than the chips "
-                                                  "(the line and the latency budget are stretched alike)")
+    p.add_argument(
+        "--hardware",
+        choices=("native", "emulated"),
+        help="native: every instance at this machine's speed; emulated: each paced as its own "
+        "accelerator (P, RLD on the spec's A, MD on B), real tokens in emulated time",
+    )
+    p.add_argument(
+        "--dilation",
+        type=float,
+        help="emulated time runs this many times slower than the chips "
+        "(the line and the latency budget are stretched alike)",
+    )
     p.add_argument("--prefill", type=int, help="prefill instances (default: the config's [topology])")
     p.add_argument("--main", type=int, help="main decode instances (default: the config's [topology])")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
-    p.add_argument("--api-key", default=None, help="the router requires `Authorization: Bearer KEY` on /v1/* "
-                                                   "(default: [router] api_key, else $PDD_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the router requires `Authorization: Bearer KEY` on /v1/* (default: [router] api_key, else $PDD_API_KEY)",
+    )
     p.set_defaults(func=run)
+
+
+def with_engine(dep: cfg.Deployment, backend: str) -> cfg.Deployment:
+    """Every instance of `dep` (and those its mode will place) on `backend`."""
+    return replace(
+        dep,
+        engine=for_backend(dep.engine, backend),
+        instances=tuple(replace(i, engine=for_backend(i.engine, backend)) for i in dep.instances),
+    )
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -104,9 +134,15 @@ def stretch(link: cfg.LinkSpec, policy: cfg.PolicySpec, dilation: float) -> tupl
     """The line and P's latency budget in emulated time, which runs `dilation` times
     slower than the emulated chips: every ratio between compute, the line and the
     budget stays what it is at the chips' speed."""
-    return (replace(link, bandwidth_mbps=link.bandwidth_mbps / dilation, delay_ms=link.delay_ms * dilation,
-                    jitter_ms=link.jitter_ms * dilation),
-            replace(policy, ttft_budget_ms=policy.ttft_budget_ms * dilation))
+    return (
+        replace(
+            link,
+            bandwidth_mbps=link.bandwidth_mbps / dilation,
+            delay_ms=link.delay_ms * dilation,
+            jitter_ms=link.jitter_ms * dilation,
+        ),
+        replace(policy, ttft_budget_ms=policy.ttft_budget_ms * dilation),
+    )
 
 
 def pacing_line(dep: cfg.Deployment) -> str:
@@ -115,9 +151,11 @@ def pacing_line(dep: cfg.Deployment) -> str:
     if top.hardware == "native":
         return "pacing: native (every instance at this machine's speed, sharing its CPU)"
     chips = ", ".join(f"{i.name} on {i.engine.hardware}" for i in dep.instances)
-    return (f"pacing: emulated accelerators ({chips}; the spec's A for compute, B for bandwidth and memory): real "
-            f"tokens in emulated time, {top.dilation:g}x slower than the chips; the line and the latency budget "
-            f"stretched alike ({dep.link.bandwidth_mbps:g} Mbit/s, {dep.link.delay_ms:g} ms one-way)")
+    return (
+        f"pacing: emulated accelerators ({chips}; the spec's A for compute, B for bandwidth and memory): real "
+        f"tokens in emulated time, {top.dilation:g}x slower than the chips; the line and the latency budget "
+        f"stretched alike ({dep.link.bandwidth_mbps:g} Mbit/s, {dep.link.delay_ms:g} ms one-way)"
+    )
 
 
 def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Deployment:
@@ -163,9 +201,13 @@ class Launcher:
 
     def _popen(self, name: str, args: list[str], log: IO, nice: int) -> subprocess.Popen:
         """`pdd ARGS` as child `name` (here: on this host)."""
-        return subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdd.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
 
     def wan_line(self) -> tuple[float, float, float]:
         """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
@@ -176,8 +218,14 @@ class Launcher:
         """The emulator's command line: a route per advertised hop, the line's settings."""
         link, (mbps, delay, jitter) = self.dep.link, self.wan_line()
         routes = [f"--route={hop}={i.host}:{i.kv_port}" for i in self.dep.instances for hop in i.advertise.values()]
-        return ["wan", *routes, f"--bandwidth-mbps={mbps}", f"--delay-ms={delay}", f"--jitter-ms={jitter}",
-                f"--admin={link.host}:{link.admin_port}"]
+        return [
+            "wan",
+            *routes,
+            f"--bandwidth-mbps={mbps}",
+            f"--delay-ms={delay}",
+            f"--jitter-ms={jitter}",
+            f"--admin={link.host}:{link.admin_port}",
+        ]
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
@@ -198,13 +246,20 @@ class Launcher:
             proc = self._spawn("wan", self.wan_args())
             self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
             mbps, delay, jitter = self.wan_line()
-            print(f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
-                  f"admin http://{link.host}:{link.admin_port}", flush=True)
+            print(
+                f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
+                f"admin http://{link.host}:{link.admin_port}",
+                flush=True,
+            )
         for inst in dep.instances:
             # natively, prefill would take decode's CPU; an emulated chip paces itself
-            nice = dep.topology.prefill_nice if inst.role == RoleName.PREFILL and inst.engine.hardware == "native" else 0
+            nice = (
+                dep.topology.prefill_nice if inst.role == RoleName.PREFILL and inst.engine.hardware == "native" else 0
+            )
             proc = self._spawn(inst.name, ["serve", "--config", conf, "--instance", inst.name], nice)
-            print(f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True)
+            print(
+                f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True
+            )
         for name, proc in list(self.children):
             if name != "wan":
                 inst = dep.instance(name)
@@ -256,10 +311,16 @@ def run(args: argparse.Namespace) -> int:
     dep = replace(dep, topology=topology)
     if topology.hardware == "emulated":
         link, policy = stretch(link, policy, topology.dilation)
-        dep = replace(dep, slo=replace(dep.slo, ttft_ms=dep.slo.ttft_ms * topology.dilation,
-                                       tpot_ms=dep.slo.tpot_ms * topology.dilation))
+        dep = replace(
+            dep,
+            slo=replace(
+                dep.slo, ttft_ms=dep.slo.ttft_ms * topology.dilation, tpot_ms=dep.slo.tpot_ms * topology.dilation
+            ),
+        )
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
+    if args.engine is not None:
+        dep = with_engine(dep, args.engine)
     try:
         dep = resolve(replace(dep, policy=policy, link=link, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run

@@ -17,10 +17,11 @@ processes that never load a model.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdd.sampling import SamplingParams
 
@@ -47,6 +48,9 @@ class EngineConfig:
     # this it refuses new ones as busy
     max_requests: int = 256
     backend: str = "embedded"  # the implementation (`register_engine`)
+    # vLLM's own engine arguments (`AsyncEngineArgs` fields: tensor_parallel_size, gpu_memory_utilization,
+    # ...), passed through when backend = "vllm": the `[engine.vllm]` table, or `pdd serve --vllm-arg`
+    vllm: dict[str, Any] = field(default_factory=dict)
     # "native": steps take what this machine takes; "A" / "B": at least what that chip of
     # the simulator's catalog would (`pdd.engine.pacing`), `dilation` times slower
     hardware: str = "native"
@@ -109,8 +113,9 @@ class EnginePort(Protocol):
     max_context: int  # prompt + output tokens one request may hold
     kv_bytes_per_token: int  # of this engine's KV, as exported
 
-    def generate(self, rid: str, prompt: list[int], params: SamplingParams,
-                 hold: bool = False) -> AsyncIterator[StepOutput]:
+    def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+    ) -> AsyncIterator[StepOutput]:
         """Run a request from its prompt (reusing the prefix cache) and stream its outputs;
         leaving the stream early aborts it. With `hold`, its KV stays put after it
         finishes, for `export_kv`, until `release`. RequestError if it can never run."""
@@ -175,20 +180,50 @@ class EnginePort(Protocol):
 # eos_ids) and returns a running EnginePort. Imported only when used: the router and
 # the CLI never load an engine they do not run.
 EngineFactory = Callable[[Path, EngineConfig, int, frozenset[int]], EnginePort]
-_ENGINES: dict[str, str] = {"embedded": "pdd.engine.runtime:open_embedded"}
+_ENGINES: dict[str, str] = {}
+_PAGE_SIZES: dict[str, int] = {}  # a backend's own default page size, where pdd's does not suit it
 
 
-def register_engine(name: str, target: str) -> None:
-    """Make `[engine] backend = name` build engines with `target` ("module:function")."""
+def register_engine(name: str, target: str, page_size: int | None = None) -> None:
+    """Make `[engine] backend = name` build engines with `target` ("module:function");
+    `page_size`: the page size it runs when none is chosen."""
     _ENGINES[name] = target
+    if page_size is not None:
+        _PAGE_SIZES[name] = page_size
+
+
+def for_backend(config: EngineConfig, backend: str, page_size_chosen: bool = False) -> EngineConfig:
+    """`config` run by `backend`: in that backend's default page size unless one was
+    chosen (pdd's own default is not a choice), the pool keeping its token capacity."""
+    page = _PAGE_SIZES.get(backend)
+    if page is None or page_size_chosen or config.page_size != EngineConfig.page_size:
+        return replace(config, backend=backend)
+    tokens = config.num_pages * config.page_size
+    return replace(config, backend=backend, page_size=page, num_pages=max(1, tokens // page))
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` command-line pairs as an engine's own arguments (VALUE read as JSON,
+    else taken as a string): `pdd serve --vllm-arg tensor_parallel_size=2`."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def engine_names() -> list[str]:
     return sorted(_ENGINES)
 
 
-def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
-                eos_ids: frozenset[int] = frozenset()) -> EnginePort:
+def open_engine(
+    model_dir: str | Path, config: EngineConfig, threads: int = 1, eos_ids: frozenset[int] = frozenset()
+) -> EnginePort:
     """A running engine of `config.backend` over the model in `model_dir`."""
     target = _ENGINES.get(config.backend)
     if target is None:
@@ -196,3 +231,8 @@ def open_engine(model_dir: str | Path, config: EngineConfig, threads: int = 1,
     module, _, function = target.partition(":")
     factory: EngineFactory = getattr(importlib.import_module(module), function)
     return factory(Path(model_dir), config, threads, eos_ids)
+
+
+register_engine("embedded", "pdd.engine.runtime:open_embedded")
+# the `pdd[vllm]` extra; vLLM's CPU attention takes blocks of a multiple of 32 tokens
+register_engine("vllm", "pdd.engines.vllm.engine:open_vllm", page_size=32)

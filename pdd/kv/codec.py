@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from pdd.kv.blocks import block_hashes
+
 MAGIC = b"PDKV"
 VERSION = 1
 _PREFIX = struct.Struct("!4sHI")  # magic, version, header length
@@ -77,7 +79,17 @@ def _check_header(raw: dict) -> KVHeader:
         h = KVHeader(**raw)
     except TypeError as e:
         raise KVFormatError(f"bad KV header fields: {e}") from None
-    ints = (h.num_layers, h.layer_start, h.layer_end, h.kv_heads, h.head_dim, h.page_size, h.token_start, h.token_end, h.block_size)
+    ints = (
+        h.num_layers,
+        h.layer_start,
+        h.layer_end,
+        h.kv_heads,
+        h.head_dim,
+        h.page_size,
+        h.token_start,
+        h.token_end,
+        h.block_size,
+    )
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
         raise KVFormatError("KV header sizes must be integers")
     if not isinstance(h.dtype, str) or h.dtype not in DTYPES:  # (a list or dict is not even hashable)
@@ -86,8 +98,11 @@ def _check_header(raw: dict) -> KVHeader:
         raise KVFormatError("KV header ranges are empty or out of order")
     if min(h.kv_heads, h.head_dim, h.page_size, h.block_size) < 1:
         raise KVFormatError("KV header dimensions must be positive")
-    if not isinstance(h.block_hashes, list) or len(h.block_hashes) != h.token_end // h.block_size \
-            or not all(type(x) is int for x in h.block_hashes):
+    if (
+        not isinstance(h.block_hashes, list)
+        or len(h.block_hashes) != h.token_end // h.block_size
+        or not all(type(x) is int for x in h.block_hashes)
+    ):
         raise KVFormatError("KV header block hashes do not cover the token range")
     return h
 
@@ -132,17 +147,41 @@ def token_slice(blob: KVBlob, start: int, end: int) -> KVBlob:
 def split_layers(blob: KVBlob) -> list[KVBlob]:
     """One blob per layer, as they travel (so the receiver works while the rest is on the line)."""
     h = blob.header
-    return [KVBlob(replace(h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1),
-                   blob.k[i : i + 1], blob.v[i : i + 1]) for i in range(blob.k.shape[0])]
+    return [
+        KVBlob(
+            replace(h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1),
+            blob.k[i : i + 1],
+            blob.v[i : i + 1],
+        )
+        for i in range(blob.k.shape[0])
+    ]
 
 
 def join_layers(parts: list[KVBlob]) -> KVBlob:
     """One blob from consecutive layer slices of the same tokens (as they travel per layer)."""
     first, last = parts[0].header, parts[-1].header
-    for a, b in zip(parts, parts[1:]):
+    for a, b in zip(parts, parts[1:], strict=False):  # (each with the next)
         if b.header.layer_start != a.header.layer_end:
             raise KVFormatError(f"KV layers arrive out of order: {a.header.layer_end} then {b.header.layer_start}")
         if replace(b.header, layer_start=0, layer_end=1) != replace(a.header, layer_start=0, layer_end=1):
             raise KVFormatError("KV layer slices describe different tokens")
     header = replace(first, layer_end=last.layer_end)
     return KVBlob(header, torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
+
+
+def check_continuation(
+    h: KVHeader, shape: tuple[int, int, int], tokens: list[int], computed: int, prompt_len: int
+) -> str | None:
+    """Why imported KV cannot land in a request that has computed `computed` tokens of
+    `tokens` (None: it can): the model's (layers, kv heads, head dim) `shape`, every
+    layer, the range continuing where the request's KV ends, within its prompt, and
+    the same prompt (block hashes). Every engine refuses the same things."""
+    if (h.num_layers, h.kv_heads, h.head_dim) != shape:
+        return "imported KV has another model shape"
+    if (h.layer_start, h.layer_end) != (0, shape[0]):
+        return f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {shape[0]}"
+    if h.token_start != computed or h.token_end > prompt_len:
+        return f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {computed}"
+    if block_hashes(tokens[: h.token_end], h.block_size) != h.block_hashes:
+        return "imported KV belongs to another prompt (block hashes differ)"
+    return None

@@ -1,0 +1,179 @@
+"""vLLM's prefix cache, as pdd's router sees caches: chained block hashes, from vLLM's KV events.
+
+vLLM publishes every block it caches (`BlockStored`: the blocks' hashes, their parent's
+hash, their token ids) and evicts (`BlockRemoved`) over ZMQ, numbered, with a replay
+socket for what a subscriber missed. vLLM's hashes are its own (seeded, salted,
+SHA-256); pdd's router hashes a prompt with `pdd.kv.blocks.block_hashes` over pages of
+the instance's page size. An instance on vLLM has one page size, vLLM's block size,
+and only full blocks are ever cached, so each vLLM block is exactly one pdd page:
+its pdd hash is `chain_hash(pdd hash of its parent, its tokens)`, and `VllmHashes`
+keeps vLLM's hash -> pdd's hash for every cached block, which is also what a
+snapshot reports. Blocks hashed with extra keys (an uncached import's salt) are left
+out: no unsalted prompt can hit them, so the router must not count them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from pdd.kv.blocks import ROOT_HASH, chain_hash
+
+log = logging.getLogger(__name__)
+Listener = Callable[[int, str, list[int]], None]  # (pdd event number, "stored" / "removed", pdd hashes)
+REPLAY_TIMEOUT_MS = 2000
+
+
+class VllmHashes:
+    """vLLM's cached blocks under pdd's names; numbers pdd's events as they are applied."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.names: dict[bytes | int, int] = {}  # vLLM block hash -> pdd chained hash
+        self.seq = 0
+        self.unknown_parents = 0  # stored blocks whose parent was never seen: left out (the mirror under-counts)
+        self.lock = threading.Lock()
+
+    def stored(
+        self,
+        parent: bytes | int | None,
+        hashes: list[bytes | int],
+        token_ids: list[int],
+        block_size: int,
+        extra_keys: list[tuple[object, ...] | None] | None = None,
+    ) -> list[int]:
+        if block_size != self.page_size:
+            raise ValueError(f"vLLM cached blocks of {block_size} tokens; this instance's page is {self.page_size}")
+        if any(extra_keys or ()):  # salted: hashed apart from every prompt the router hashes
+            return []
+        if parent is None:
+            prev = ROOT_HASH
+        elif parent in self.names:
+            prev = self.names[parent]
+        else:
+            self.unknown_parents += 1
+            return []
+        out = []
+        for i, h in enumerate(hashes):
+            prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
+            self.names[h] = prev
+            out.append(prev)
+        return out
+
+    def removed(self, hashes: list[bytes | int]) -> list[int]:
+        return [self.names.pop(h) for h in hashes if h in self.names]
+
+    def cleared(self) -> list[int]:
+        out = list(self.names.values())
+        self.names.clear()
+        return out
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        with self.lock:
+            return self.seq, list(self.names.values())
+
+    def cached_prefix(self, page_hashes: list[int]) -> int:
+        """How many leading pages of a prompt (their pdd hashes) are cached now."""
+        with self.lock:
+            held = set(self.names.values())
+        n = 0
+        for h in page_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
+class EventSubscriber:
+    """Reads vLLM's KV event stream on a daemon thread into `VllmHashes`, replaying gaps."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str, hashes: VllmHashes) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.hashes = hashes
+        self.listener: Listener | None = None
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)  # typed: nothing but these event structs
+        self._next = 0  # vLLM's next batch number
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        while self._running:
+            if not self._sub.poll(200):
+                continue
+            try:
+                _, seq_bytes, payload = self._sub.recv_multipart()
+            except zmq.ZMQError:
+                return
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > self._next:
+                self._replay(self._next)
+            if seq >= self._next:
+                self._apply(seq, payload)
+
+    def _replay(self, start: int) -> None:
+        """Fetch batches [start, ...) that the PUB socket dropped."""
+        zmq = self._zmq
+        req = self._ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
+        req.setsockopt(zmq.LINGER, 0)
+        try:
+            req.connect(self._replay_endpoint)
+            req.send(start.to_bytes(8, "big"))
+            while True:
+                _, seq_bytes, payload = req.recv_multipart()
+                if not payload:  # the end marker
+                    return
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq >= self._next:
+                    self._apply(seq, payload)
+        except zmq.ZMQError as e:
+            log.warning("vLLM KV event replay from %d failed (%s): the router's mirror may drift", start, e)
+        finally:
+            req.close()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        self._next = seq + 1
+        batch = self._decoder.decode(payload)
+        for event in batch.events:
+            with self.hashes.lock:
+                if isinstance(event, BlockStored):
+                    names, what = (
+                        self.hashes.stored(
+                            event.parent_block_hash,
+                            list(event.block_hashes),
+                            list(event.token_ids),
+                            event.block_size,
+                            event.extra_keys,
+                        ),
+                        "stored",
+                    )
+                elif isinstance(event, BlockRemoved):
+                    names, what = self.hashes.removed(list(event.block_hashes)), "removed"
+                else:  # AllBlocksCleared
+                    names, what = self.hashes.cleared(), "removed"
+                if not names:
+                    continue
+                self.hashes.seq += 1
+                seq_now = self.hashes.seq
+            if self.listener is not None:
+                self.listener(seq_now, what, names)
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=2)
+        self._sub.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,33 @@
+"""`pdd up --mode pd-cross-dc --engine vllm`: plain cross-datacenter PD on vLLM, P in A, D
+in B behind the WAN emulator, no relay. Greedy output equals a plain `vllm serve`; the
+decode side's vLLM keeps earlier turns, so a second turn moves only the KV it lacks;
+its vLLM computes no prompt token but the last."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from procs import kv_bytes_per_token, vllm_settled
+from vllm_scenarios import deployment, pipelines, rid, shapes
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    with deployment(tmp_path_factory, "pd-cross-dc", "--engine", "vllm") as d:
+        yield d
+
+
+def test_cross_dc_pd_on_vllm_equals_plain_vllm(dep, vllm_reference, tiny_model_dir):
+    bpt = kv_bytes_per_token(tiny_model_dir)
+    prompts, done = pipelines(dep, vllm_reference, seed=300)
+    assert shapes(done) == [("P-MD", None)] * len(done)
+    md0 = httpx.get(f"{dep.http['md0']}/pdd/stats").json()["engine"]
+    for p, g in zip(prompts, done, strict=True):
+        r = g["record"]
+        missed = (len(p) - r["d_hit_tokens"]) * bpt
+        assert missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert md0["computed_by_request"][rid(g)] == len(g["ids"])  # the prompt's last token, then one a step
+    assert all(g["record"]["d_hit_tokens"] >= len(p) - 20 - 32 for p, g in zip(prompts[3:6], done[3:6], strict=True))
+    vllm_settled([dep.http["p0"], dep.http["md0"]])

@@ -1,0 +1,78 @@
+"""Mixed deployments: vLLM and the embedded engine in one `pdd up --mode pdd`, with their
+own page sizes (vLLM's 32-token blocks, the embedded engine's 16-token pages). First P
+on vLLM with RLD and MD embedded (vLLM's CPU-packed KV read out and re-paged into the
+embedded engine's pool), then the reverse (the embedded engine's KV packed into vLLM's
+blocks, on both paths). Greedy output equals a plain `vllm serve` through every
+pipeline and handoff; seeded output equals the embedded engine's own (pdd's draw on
+every producer, whichever engine); only the missed KV crosses."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from msgspec.structs import replace  # sampling params are a msgspec struct
+from procs import kv_bytes_per_token, stream_completion, vllm_settled
+from vllm_scenarios import assert_pdd_shapes, deployment, pipelines, prompt
+
+pytest.importorskip("vllm")
+
+LAYOUTS = {  # which instances run vLLM
+    "vllm-prefill": {"p0"},
+    "vllm-decode": {"rld0", "md0"},
+}
+SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}
+
+
+def _instances(on_vllm: set[str]) -> str:
+    out = []
+    for name, role, dc in (("p0", "prefill", "A"), ("rld0", "relay", "A"), ("md0", "main", "B")):
+        out.append(f'[[instances]]\nname = "{name}"\nrole = "{role}"\ndc = "{dc}"\n')
+        if name in on_vllm:
+            out.append('[instances.engine]\nbackend = "vllm"\n')
+    return "".join(out)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def dep(request, tmp_path_factory):
+    on_vllm = LAYOUTS[request.param]
+    with deployment(tmp_path_factory, "pdd", instances=_instances(on_vllm), name=request.param) as d:
+        d.on_vllm = on_vllm
+        yield d
+
+
+def _settled(dep) -> None:
+    vllm_settled([dep.http[n] for n in sorted(dep.on_vllm)])
+    for name in {"p0", "rld0", "md0"} - dep.on_vllm:
+        kv = httpx.get(f"{dep.http[name]}/pdd/stats").json()["kv"]
+        assert kv["free"] + kv["cached"] == kv["pages"], (name, kv)
+
+
+def test_every_pipeline_and_handoff_equals_plain_vllm_across_engines(dep, vllm_reference, tiny_model_dir):
+    bpt = kv_bytes_per_token(tiny_model_dir)
+    prompts, done = pipelines(dep, vllm_reference, seed=100)
+    assert_pdd_shapes(done)
+    md_page = 32 if "md0" in dep.on_vllm else 16
+    for t, g in zip(prompts[3:6], done[3:6], strict=True):  # second turns: only what MD's own cache lacks crossed
+        r = g["record"]
+        missed = (len(t) - r["d_hit_tokens"]) * bpt
+        assert r["d_hit_tokens"] % md_page == 0 and r["d_hit_tokens"] >= len(t) - 20 - md_page
+        assert missed <= r["wan_bytes"] <= 1.05 * missed, r
+    _settled(dep)
+
+
+def test_seeded_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
+    from pdd.engine.engine import Engine
+    from pdd.engine_port import EngineConfig
+    from pdd.sampling import SamplingParams
+
+    first = prompt(200, 600)  # fresh: P samples position 0, the relay the next, MD the rest
+    got = stream_completion(dep.url, first, 120, **SEEDED)
+    turn = first + got["ids"] + prompt(201, 20)  # a second turn: P, then MD
+    got2 = stream_completion(dep.url, turn, 40, **SEEDED)
+    engine = Engine(tiny_model_dir, EngineConfig())
+    params = SamplingParams(max_tokens=120, ignore_eos=True, **SEEDED)
+    want, want2 = engine.generate([first], params)[0], engine.generate([turn], replace(params, max_tokens=40))[0]
+    print(f"\nseeded: {got['record']['pipeline']}/{got['record']['handoff']}, then {got2['record']['pipeline']}")
+    assert got["record"]["md_output_tokens"] > 0 and got["ids"] == want
+    assert got2["ids"] == want2
+    _settled(dep)

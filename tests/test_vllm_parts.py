@@ -1,0 +1,266 @@
+"""The vLLM backend's parts, each on its own: the bridge's framing, the block-hash mapping
+of vLLM's KV events, the layouts of vLLM's caches against vLLM's own packing kernel,
+pdd's draw inside vLLM's sampler, the scheduler side's bookkeeping, and how pdd's
+`[engine]` table becomes vLLM's arguments. No vLLM engine runs here (see
+test_vllm_engine.py); vLLM must be installed (`pip install -e '.[vllm]'`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from pdd import config as cfg  # noqa: E402
+from pdd.engine.sampler import sample  # noqa: E402
+from pdd.engine_port import EngineConfig, engine_options, for_backend  # noqa: E402
+from pdd.engines.vllm import args as vargs  # noqa: E402
+from pdd.engines.vllm import bridge  # noqa: E402
+from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
+from pdd.engines.vllm.events import VllmHashes  # noqa: E402
+from pdd.engines.vllm.layout import CpuPackedLayout, TokenMajorLayout, cpu_isa  # noqa: E402
+from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from pdd.kv.blocks import block_hashes  # noqa: E402
+from pdd.model.config import ModelConfig  # noqa: E402
+from pdd.sampling import SamplingParams  # noqa: E402
+
+# ---- layouts -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_layout_reads_back_what_vllms_kernel_packed(dtype):
+    heads, head_dim, block = 2, 64, 32
+    isa = cpu_isa(dtype, block, head_dim, "auto")
+    cache = torch.zeros(4, heads, block, 2 * head_dim, dtype=dtype)
+    layout = CpuPackedLayout(cache, head_dim, isa)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(70, heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(70, heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(4 * block, generator=gen)[:70]
+    layout.write(slots, k, v)  # vLLM's own kernel
+    got_k, got_v = layout.read(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    # and the layout is the packed one, not token-major: K of a token is a column of its region
+    b, o = divmod(int(slots[0]), block)
+    region = cache.view(4, heads, 2 * block, head_dim)[b, 0, :block].reshape(head_dim, block)
+    assert torch.equal(region[:, o], k[0, 0])
+    CpuPackedLayout.self_check(heads, head_dim, block, dtype, isa)
+
+
+def test_a_packing_pdd_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="amx"):
+        CpuPackedLayout(torch.zeros(1, 2, 32, 128, dtype=torch.bfloat16), 64, "amx")
+
+
+def test_token_major_layout_is_the_view_cuda_backends_read():
+    cache = torch.zeros(3, 2, 16, 128)
+    layout = TokenMajorLayout(cache, 64)
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    slots = torch.tensor([0, 17, 47, 3, 30])
+    layout.write(slots, k, v)
+    key, value = cache.transpose(1, 2).split(64, dim=-1)  # what FlashAttention does with it
+    assert torch.equal(key[1, 1], k[1]) and torch.equal(value[2, 15], v[2])
+    got_k, got_v = layout.read(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+# ---- pdd's draw inside vLLM ------------------------------------------------------------------
+
+def test_draw_leaves_only_pdds_token_at_each_position():
+    proc = PddDraw(None, torch.device("cpu"), False)
+    params = SamplingParams(max_tokens=8, temperature=2.0, top_p=0.9, seed=77)
+    vparams = SimpleNamespace(extra_args=draw_args(params, 77, first_position=5))
+    outputs: list[int] = [11, 12]  # vLLM's live list: two tokens sampled in this request so far
+    plain = SimpleNamespace(extra_args=None)
+    proc.update_state(SimpleNamespace(batch_size=2, added=[(0, plain, [1], []), (1, vparams, [1], outputs)],
+                                      removed=[], moved=[]))
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    out = proc.apply(logits.clone())
+    want = sample(before[1:2], [params], [77], [5 + 2])[0]
+    assert out[1].argmax().item() == want and torch.isinf(out[1]).sum() == 299
+    assert torch.equal(out[0], before[0])  # a request without pdd's draw is untouched
+    outputs.append(want)
+    want_next = sample(before[1:2], [params], [77], [8])[0]
+    assert proc.apply(before.clone())[1].argmax().item() == want_next
+
+
+# ---- vLLM's cache under pdd's names ------------------------------------------------------------
+
+def test_vllm_blocks_are_named_by_pdds_chained_hashes():
+    tokens = list(range(100, 196))  # three blocks of 32
+    names = VllmHashes(32)
+    stored = names.stored(None, [b"a", b"b"], tokens[:64], 32) + names.stored(b"b", [b"c"], tokens[64:], 32)
+    assert stored == block_hashes(tokens, 32)  # what the router's mirror computes for the prompt
+    assert names.cached_prefix(block_hashes(tokens + [1] * 40, 32)) == 3
+    assert names.stored(b"zz", [b"d"], tokens[:32], 32) == [] and names.unknown_parents == 1
+    assert names.stored(None, [b"s"], tokens[:32], 32, [("pdd-uncached:r1",)]) == []  # an uncached import's salt
+    assert names.removed([b"b", b"x"]) == [stored[1]]
+    assert names.cached_prefix(block_hashes(tokens, 32)) == 1
+    seq, hashes = names.snapshot()
+    assert sorted(hashes) == sorted([stored[0], stored[2]])
+    with pytest.raises(ValueError):
+        names.stored(None, [b"e"], tokens[:16], 16)
+
+
+# ---- the bridge ------------------------------------------------------------------------------
+
+def test_bridge_carries_json_and_payload_and_refuses_strangers():
+    got = []
+    with tempfile.TemporaryDirectory() as d:
+        server = bridge.BridgeServer(d, lambda peer, h, p: got.append((peer["side"], h["op"], p)), lambda peer: None)
+        assert oct(os.stat(d).st_mode & 0o777) == "0o700"
+        channel = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        channel._sock.connect(server.path)
+        channel.send({"op": "hello", "token": "wrong", "side": "worker"})
+        channel.send({"op": "write"}, b"x" * 10)
+        try:
+            stranger_gone = channel._sock.recv(1) == b""
+        except ConnectionResetError:  # (it closed with our frame unread)
+            stranger_gone = True
+        c = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        c._sock.connect(server.path)
+        c.send({"op": "hello", "token": server.token, "side": "worker"})
+        c.send({"op": "write", "n": 1}, b"\x00\x01" * 1000)
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.close()
+    assert stranger_gone
+    assert got == [("worker", "hello", b""), ("worker", "write", b"\x00\x01" * 1000)]
+
+
+def test_a_bridge_frame_over_the_limits_is_not_read():
+    a, b = socket.socketpair()
+    a.sendall(bridge._FRAME.pack(bridge.MAGIC, bridge.MAX_HEADER_BYTES + 1, 0))
+    with pytest.raises(bridge.BridgeError):
+        bridge.Channel(b).recv()
+
+
+# ---- the scheduler side's bookkeeping ------------------------------------------------------------
+
+class _Pool:
+    num_gpu_blocks = 101
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+def _request(vid: str, tokens: int, **pdd) -> SimpleNamespace:
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(request_id=vid, num_tokens=tokens, num_computed_tokens=tokens,
+                           kv_transfer_params={"pdd": pdd}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _output(tokens: dict[str, int]) -> SimpleNamespace:
+    return SimpleNamespace(total_num_scheduled_tokens=sum(tokens.values()), num_scheduled_tokens=tokens)
+
+
+@pytest.fixture
+def scheduler(monkeypatch):
+    sent: list[dict] = []
+    monkeypatch.setattr(bridge, "connect", lambda *a: SimpleNamespace(send=lambda h, p=b"": sent.append(h)))
+    monkeypatch.setattr(bridge, "serve_forever", lambda *a: None)
+    side = SchedulerSide(32, {"bridge": "", "token": ""})
+    side.block_pool = _Pool(free=10)
+    return side, sent
+
+
+def test_a_reservation_is_an_async_load_reported_once(scheduler):
+    side, sent = scheduler
+    req = _request("v1", 300, rid="r1", op="import")
+    assert side.get_num_new_matched_tokens(req, 64) == (236, True)  # all past vLLM's own hit
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14],)),
+                                  236)
+    assert sent[-1] == {"op": "reserved", "rid": "r1", "hit": 64, "blocks": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # preempted later: recomputed, not reloaded
+    side.inbox.put(("loaded", "r1"))
+    assert side.build_meta(_output({"v1": 0})).loaded == ["v1"]
+    side.inbox.put(("loaded", "r1"))
+    assert side.build_meta(_output({"v1": 1})).loaded == []  # never twice: vLLM asserts on that
+    assert side.request_finished(req, [5]) is False
+    assert sent[-1]["op"] == "finished" and sent[-1]["computed"] == 1 and sent[-1]["held"] is None
+
+
+def test_a_pool_that_cannot_hold_the_prompt_refuses_and_an_aborted_load_is_reported(scheduler):
+    side, sent = scheduler
+    big = _request("v2", 32 * 11, rid="r2", op="import")
+    assert side.get_num_new_matched_tokens(big, 0) == (None, False)
+    assert sent[-1]["op"] == "refused" and sent[-1]["need"] == 11
+    small = _request("v3", 32 * 3, rid="r3", op="import")
+    side.get_num_new_matched_tokens(small, 0)
+    side.update_state_after_alloc(small, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 96)
+    side.request_finished(small, [1, 2, 3])  # aborted while its KV was on the way
+    assert side.build_meta(_output({})).loaded == ["v3"]  # its workers report it: vLLM then frees the blocks
+
+
+def test_a_hold_keeps_blocks_until_released_even_if_released_first(scheduler):
+    side, sent = scheduler
+    held = _request("v4", 200, rid="r4", hold=True)
+    assert side.request_finished(held, [7, 8, 9, 10, 11, 12, 13]) is True
+    assert sent[-1] == {"op": "finished", "rid": "r4", "computed": 0, "held": [7, 8, 9, 10, 11, 12, 13],
+                        "tokens": 200}
+    side.inbox.put(("free", "r4"))
+    assert side.build_meta(_output({})).freed == ["v4"]
+    side.inbox.put(("free", "r5"))  # released before its request finished
+    side.build_meta(_output({}))
+    assert side.request_finished(_request("v5", 50, rid="r5", hold=True), [1, 2]) is False
+
+
+def test_usage_is_reported_when_it_changes(scheduler):
+    side, sent = scheduler
+    side.report_usage()
+    side.report_usage()
+    side.block_pool.free = 100
+    side.report_usage()
+    assert [h for h in sent if h["op"] == "load"] == [{"op": "load", "used_blocks": 90},
+                                                       {"op": "load", "used_blocks": 0}]
+
+
+# ---- pdd's [engine] table as vLLM's arguments ------------------------------------------------------
+
+def test_engine_table_becomes_vllms_arguments(tiny_model_dir):
+    model = ModelConfig.from_dir(tiny_model_dir)
+    config = EngineConfig(backend="vllm", page_size=32, num_pages=100, max_running=8, max_batch_tokens=512,
+                          vllm={"seed": 3, "gpu_memory_utilization": 0.5})
+    kw = vargs.engine_kwargs(tiny_model_dir, config, model, "/b.sock", "t", "ipc://e", "ipc://r")
+    assert (kw["block_size"], kw["num_gpu_blocks_override"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == \
+        (32, 101, 8, 512)
+    assert kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.5
+    # blocks x tokens x layers x K,V x heads x dim x fp32
+    assert kw["kv_cache_memory_bytes"] == 101 * 32 * 4 * 2 * 2 * 64 * 4
+    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "pdd.engines.vllm.connector"
+    assert kw["distributed_executor_backend"] == "uni" and kw["logits_processors"][0].endswith(":PddDraw")
+    with pytest.raises(ValueError, match="block_size"):
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, vllm={"block_size": 16}),
+                            model, "", "", "", "")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=16), model, "", "", "", "")
+    with pytest.raises(ValueError, match="emulated chip"):  # pacing is the embedded engine's
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, hardware="A"), model, "", "", "",
+                            "")
+
+
+def test_vllm_table_and_backend_page_size_in_the_deployment_file():
+    dep = cfg.parse({"engine": {"backend": "vllm", "vllm": {"tensor_parallel_size": 2}},
+                     "instances": [{"name": "md0", "role": "main", "dc": "B",
+                                    "engine": {"vllm": {"gpu_memory_utilization": 0.9}}},
+                                   {"name": "p0", "role": "prefill",
+                                    "engine": {"backend": "embedded", "page_size": 16}}]})
+    md, p = dep.instances
+    assert (dep.engine.page_size, dep.engine.num_pages) == (32, 1024)  # vLLM's default page, same token capacity
+    assert md.engine.vllm == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9}
+    assert (p.engine.backend, p.engine.page_size) == ("embedded", 16)
+    assert cfg.parse(__import__("tomllib").loads(cfg.dump(dep))) == dep  # what `pdd up` writes, its children read
+    assert for_backend(EngineConfig(page_size=64), "vllm").page_size == 64  # a chosen page size stays
+    assert engine_options(["tensor_parallel_size=2", "quantization=fp8", "enforce_eager=false"]) == \
+        {"tensor_parallel_size": 2, "quantization": "fp8", "enforce_eager": False}

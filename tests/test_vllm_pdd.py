@@ -1,0 +1,94 @@
+"""`pdd up --mode pdd --engine vllm`: P, RLD and MD all on vLLM, real processes, the WAN
+emulator between the datacenters. Greedy output equals a plain `vllm serve` on the same
+weights through P -> MD and P -> RLD -> MD with one-shot and catch-up handoffs (the
+policy picks them: a second turn's small delta goes P -> MD, a fresh prompt through
+the relay, one stalled on the line long enough to hand over by catch-up); a second
+turn moves only the KV MD's vLLM lacks and MD's vLLM computes only what it must;
+client disconnects and a dead relay give every vLLM block back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from procs import kv_bytes_per_token, stream_completion, vllm_settled, wait_until
+from vllm_scenarios import OUTPUT, assert_pdd_shapes, deployment, pipelines, prompt, rid
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm") as d:
+        yield d
+
+
+def _engine(dep, name: str) -> dict:
+    return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+
+
+def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, vllm_reference, tiny_model_dir):
+    bpt = kv_bytes_per_token(tiny_model_dir)
+    hits_before = _engine(dep, "md0")["prefix_cache_hits"]
+    prompts, done = pipelines(dep, vllm_reference)
+    assert_pdd_shapes(done)
+    # a second turn: only the KV MD's vLLM lacks crosses, and the router's mirror (fed by
+    # vLLM's KV events under pdd's hashes) predicted exactly the hit vLLM reserved
+    p0, md0 = _engine(dep, "p0"), _engine(dep, "md0")
+    for t, g in zip(prompts[3:6], done[3:6], strict=True):
+        r = g["record"]
+        missed = (len(t) - r["d_hit_tokens"]) * bpt
+        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert r["d_hit_predicted"] == r["d_hit_tokens"]
+        # MD's vLLM scheduler computed the prompt's last token (vLLM's rule), P's first
+        # token and one token a step after it: none of the hit, none of the imported tail
+        assert md0["computed_by_request"][rid(g)] == OUTPUT
+        assert p0["computed_by_request"][rid(g)] == len(t) - r["p_hit_tokens"]
+    assert md0["prefix_cache_hits"] - hits_before >= sum(g["record"]["d_hit_tokens"] for g in done[3:6])
+    vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
+
+
+def test_client_disconnects_give_vllms_blocks_back(dep):
+    with ThreadPoolExecutor(3) as pool:
+        cut = list(pool.map(lambda i: stream_completion(dep.url, prompt(30 + i, 500), 600, stop_after=5), range(3)))
+    assert all(len(c["ids"]) >= 5 for c in cut)
+    stats = vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
+    assert all(s["used_blocks"] == 0 for s in stats)
+    aborted = httpx.get(f"{dep.url}/pdd/stats").json()
+    print(f"\nafter 3 disconnects: {[(s['used_blocks'], s['aborted']) for s in stats]}, "
+          f"router {aborted.get('aborted')}")
+
+
+def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, vllm_reference):
+    import psutil
+
+    relay = psutil.Process(dep.pids["rld0"])
+    engine_core = relay.children(recursive=True)
+    assert engine_core, "rld0 runs vLLM's engine core as a child"
+    # a slow line (4 Mbit/s: the prompt's KV takes five seconds to cross): the relay produces when it dies
+    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    long_prompt = prompt(40, 600)
+    got = {"ids": []}
+    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=180) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                before = len(got["ids"])
+                got["ids"] += choice.get("token_ids") or []
+                if before < 5 <= len(got["ids"]):
+                    os.kill(relay.pid, signal.SIGKILL)
+            got["record"] = chunk.get("pdd") or got.get("record")
+            got["error"] = chunk.get("error") or got.get("error")
+    assert got.get("error") is None and got["ids"] == vllm_reference.greedy(long_prompt, 300)
+    assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
+    vllm_settled([dep.http["p0"], dep.http["md0"]])
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_core), 15,
+               "the dead relay's vLLM processes to go")

@@ -1,0 +1,87 @@
+"""What every vLLM-backed deployment under test is put through, whatever runs where.
+
+`pipelines` sends fresh prompts (their KV takes ~100 ms to cross: P -> RLD -> MD, handed
+over one-shot), their second turns (a small delta: P -> MD), and one request behind a
+stalled line long enough for the relay to hand over by catch-up; every output must equal
+a plain `vllm serve`'s. A deployment's policy: one-shot up to 64 relay tokens (the spec's
+threshold), catch-up chunks of 32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from procs import VLLM_START_S, Deployment, pdd_up, stream_completion
+
+LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
+POLICY = {"handoff_threshold": 64, "catch_up_chunk": 32}
+CATCH_UP_TOKENS = 200  # relay tokens a stall should let the relay produce: well past the threshold
+OUTPUT = 120
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 4096) for _ in range(n)]
+
+
+def write_config(path: Path, mode: str, instances: str = "") -> str:
+    path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
+                    + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items()) + instances)
+    return str(path)
+
+
+@contextlib.contextmanager
+def deployment(tmp_path_factory, mode: str, *args: str, instances: str = "", name: str = "") -> Iterator[Deployment]:
+    """`pdd up` of `mode` under this module's line and policy, given vLLM's time to start."""
+    conf = write_config(tmp_path_factory.mktemp(name or mode) / "pdd.toml", mode, instances)
+    with pdd_up("--config", conf, *args, timeout=VLLM_START_S) as d:
+        yield d
+
+
+def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
+    """(prompts, results): three fresh prompts, their second turns, one stalled request."""
+    fresh = [prompt(seed + i, 600) for i in range(3)]
+    first = [stream_completion(dep.url, p, OUTPUT) for p in fresh]
+    turns = [p + g["ids"] + prompt(seed + 10 + i, 20) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
+    second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
+    # the line holds everything long enough for the relay to produce CATCH_UP_TOKENS (at
+    # this machine's pace, from the second turns), and the request runs four times longer
+    step_s = min(g["elapsed_s"] for g in second) / OUTPUT
+    stall_s = min(5.0, max(0.3, CATCH_UP_TOKENS * step_s))
+    long = min(3000, int(4 * stall_s / step_s))
+    if dep.wan_admin:
+        dep.fault(stall_s=stall_s)
+    last = prompt(seed + 20, 600)
+    stalled = stream_completion(dep.url, last, long)
+    prompts, done = fresh + turns + [last], first + second + [stalled]
+    assert [g["error"] for g in done] == [None] * len(done)
+    print(f"\nstall {stall_s:.2f} s for a {long}-token output; (pipeline, handoff, relay tokens, MD tokens, "
+          "reserved hit, predicted hit):",
+          [(g["record"]["pipeline"], g["record"]["handoff"], g["record"]["rld_output_tokens"],
+            g["record"]["md_output_tokens"], g["record"]["d_hit_tokens"], g["record"]["d_hit_predicted"])
+           for g in done])
+    for g, p in zip(done, prompts, strict=True):
+        assert g["error"] is None and g["ids"] == reference.greedy(p, len(g["ids"])), g["record"]
+    return prompts, done
+
+
+def shapes(done: list[dict]) -> list[tuple[str, str | None]]:
+    return [(g["record"]["pipeline"], g["record"]["handoff"]) for g in done]
+
+
+def assert_pdd_shapes(done: list[dict]) -> None:
+    """Fresh prompts through the relay one-shot, second turns P -> MD, the stalled one by catch-up."""
+    got = shapes(done)
+    assert got[:3] == [("P-RLD-MD", "one_shot")] * 3, got
+    assert got[3:6] == [("P-MD", None)] * 3, got
+    assert got[6] == ("P-RLD-MD", "catch_up") and done[6]["record"]["handoff_chunks"] >= 2, got
+    assert all(g["record"]["md_output_tokens"] > 0 for g in done)
+
+
+def rid(got: dict) -> str:
+    """The id the router gave the request at the instances."""
+    return f"{got['id']}.{got['record']['retries']}"
