@@ -16,33 +16,21 @@ hop per route: `pdd up` puts it on every cross-datacenter route of its one machi
 
 from __future__ import annotations
 
-import functools
-import json
 import secrets
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import tomli_w
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
+from pdd.config_check import STRICT_TABLE, ConfigError, validate
 from pdd.engine_port import EngineConfig, for_backend
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
 MODES = tuple(Mode)
-
-
-# Every table is checked by pydantic: unknown keys, loose types (a string for a number,
-# 1 for true, 2.5 for an integer) and nan or inf are refused, naming the key (see `_validate`).
-STRICT_TABLE = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -291,62 +279,6 @@ class Deployment:
         return inst.host, inst.kv_port
 
 
-_WORDS = {
-    "string_type": "must be a string",
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "finite_number": "must be a finite number",
-    "bool_type": "must be true or false",
-    "missing": "is missing",
-    "dict_type": "must be a table",
-    "dataclass_type": "must be a table",
-}
-
-
-@functools.cache
-def _adapter(cls: type) -> TypeAdapter[Any]:
-    return TypeAdapter(cls)
-
-
-def _validate(cls: type[T], raw: Any, where: str) -> T:
-    """`cls` from a TOML table, checked by pydantic, through JSON: in strict mode pydantic builds
-    a dataclass from a JSON object but not from a dict. TOML's values are JSON's but dates,
-    which no key takes: they become an array, which none takes either, so the error names the key."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table" if where else "a deployment must be a table")
-    try:
-        return cast(T, _adapter(cast(type, cls)).validate_json(json.dumps(raw, default=lambda v: [str(v)])))
-    except ValidationError as e:
-        raise ConfigError(_explain(e, where)) from None
-
-
-def _explain(err: ValidationError, where: str) -> str:
-    unknown: dict[str, list[str]] = {}
-    problems = []
-    for e in err.errors():
-        loc = [str(part) for part in e["loc"]]
-        # a table's own check (__post_init__) names its keys; a deployment's first step is its table
-        split = len(loc) if e["type"] == "value_error" else int(not where and len(loc) > 1)
-        table, key = ".".join([where, *loc[:split]]).strip("."), ".".join(loc[split:])
-        head = f"[{table}] " if table else ""
-        if e["type"] == "unexpected_keyword_argument":
-            unknown.setdefault(head, []).append(key)
-        else:
-            problems.append(
-                head
-                + (
-                    e["msg"].removeprefix("Value error, ")
-                    if e["type"] == "value_error"
-                    else f"{key} {_WORDS.get(e['type'], e['msg'])}"
-                )
-            )
-    problems += [
-        f"{head}has unknown keys: {sorted(keys)}" if head else f"unknown top-level keys: {sorted(keys)}"
-        for head, keys in unknown.items()
-    ]
-    return "; ".join(problems)
-
-
 def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> InstanceSpec:
     """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join), checked
     as strictly as the config file is. Its `engine` table overrides the deployment's."""
@@ -358,7 +290,7 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> Instan
         if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to the deployment's
             merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
         raw = {**raw, "engine": merged}
-    inst = _validate(InstanceSpec, raw, where)
+    inst = validate(InstanceSpec, raw, where)
     if isinstance(overrides, dict) and "backend" in overrides:  # in that backend's page size, unless one was chosen
         inst = replace(inst, engine=for_backend(inst.engine, inst.engine.backend, "page_size" in overrides))
     return inst
@@ -370,7 +302,7 @@ def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
 
 def parse(raw: dict) -> Deployment:
     """A deployment from a parsed TOML document; `ConfigError` names what is wrong."""
-    dep = _validate(Deployment, {k: v for k, v in raw.items() if k != "instances"}, "")
+    dep = validate(Deployment, {k: v for k, v in raw.items() if k != "instances"}, "")
     if isinstance(raw.get("engine"), dict):
         dep = replace(dep, engine=for_backend(dep.engine, dep.engine.backend, "page_size" in raw["engine"]))
     items = raw.get("instances", [])

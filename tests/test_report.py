@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd import demo
+from pdd import demo_deploy
 from pdd.bench.report import write_report
 from pdd.bench.summary import summarize
 from pdd.cli import main
@@ -157,7 +157,7 @@ def test_demo_compares_modes_and_leaves_nothing_running(
     launcher = tmp_path / "fake_up.py"
     launcher.write_text(textwrap.dedent(_LAUNCHER).format(tests=str(TESTS), repo=str(REPO),
                                                           pids=str(pids)))
-    monkeypatch.setattr(demo, "up_command", lambda *args: [sys.executable, str(launcher), *args])
+    monkeypatch.setattr(demo_deploy, "up_command", lambda *args: [sys.executable, str(launcher), *args])
     out = tmp_path / "report"
 
     code = main(["demo", "--out", str(out), "--modes", "alpha,broken,beta,gamma",
@@ -189,7 +189,7 @@ def test_demo_fits_its_scenario_to_the_model_and_passes_it_to_every_deployment(
     pids = tmp_path / "pids.txt"
     launcher = tmp_path / "fake_up.py"
     launcher.write_text(textwrap.dedent(_LAUNCHER).format(tests=str(TESTS), repo=str(REPO), pids=str(pids)))
-    monkeypatch.setattr(demo, "up_command", lambda *args: [sys.executable, str(launcher), *args])
+    monkeypatch.setattr(demo_deploy, "up_command", lambda *args: [sys.executable, str(launcher), *args])
     model = tmp_path / "short-context"  # the tiny model's weights with a 1,024-token context
     model.mkdir()
     for file in tiny_model_dir.iterdir():

@@ -32,7 +32,7 @@ def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 6
     instance's framed link) less what its one prefill step costs: the path's own time,
     which the simulator adds to every request. The median of `requests`, one at a time."""
     from pdd.bench.client import run_bench
-    from pdd.demo import DemoDeployment
+    from pdd.demo_deploy import DemoDeployment
     from pdd.workload.types import Session, Turn
 
     rng = random.Random(0)
