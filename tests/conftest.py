@@ -33,16 +33,16 @@ def _vllm_tests_wanted() -> bool:
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     if collection_path.name.startswith("test_vllm_") and not _vllm_tests_wanted():
-        config.stash.setdefault(_VLLM_LEFT_OUT, []).append(collection_path.name)
+        config.stash.setdefault(_VLLM_LEFT_OUT, set()).add(collection_path.name)
         return True
     return None
 
 
-_VLLM_LEFT_OUT = pytest.StashKey[list]()
+_VLLM_LEFT_OUT = pytest.StashKey[set]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    left_out = config.stash.get(_VLLM_LEFT_OUT, [])
+    left_out = config.stash.get(_VLLM_LEFT_OUT, set())
     if left_out:
         terminalreporter.write_line(f"vLLM backend tests not run ({len(left_out)} modules): "
                                     "PDD_VLLM=1 scripts/test.sh installs vLLM and runs them")

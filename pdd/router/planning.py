@@ -11,13 +11,12 @@ refunding it when it ends.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from pdd.api.backend import BackendError, GenRequest
 from pdd.config import Deployment
 from pdd.names import Mode, RoleName
 from pdd.policy.capacity import Room, fits, pages_needed
-from pdd.policy.plan import AnomalyRule, Plan, anomaly_rule, plan_request
+from pdd.policy.plan import Plan, anomaly_rule, plan_request, plan_with_room
 from pdd.policy.routing import Candidate
 from pdd.router.client import InstanceClient
 from pdd.router.dispatch import DispatchLine
@@ -50,13 +49,6 @@ class Planner:
             need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages, c.spec.engine.max_requests)
         )
 
-    def _roomy(self, req: GenRequest, cands: list[Candidate]) -> list[Candidate]:
-        """The candidates, those without room for `req` marked unavailable."""
-        return [
-            replace(c, healthy=c.healthy and self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens)))
-            for c in cands
-        ]
-
     def plan(self, req: GenRequest, room: bool = False) -> Plan | None:
         """The request's instances. With `room`, only decode-side instances that have room
         for it now: None while every one that is up is full (the request waits its turn).
@@ -72,29 +64,17 @@ class Planner:
         disaggregated = self.entry_role == RoleName.PREFILL
         main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
         relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
-        if room and disaggregated:
-            roomy_main, roomy_relay = self._roomy(req, main), self._roomy(req, relay)
-            if any(c.healthy for c in main):  # MD is up: wait for room there, never pass it by for the relay
-                if not any(c.healthy for c in roomy_main):
-                    return None
-                main = roomy_main
-                if not any(c.healthy for c in roomy_relay):  # the relay cannot run it whole now
-                    rule = AnomalyRule(False, rule.max_output_tokens, rule.min_prompt_tokens, rule.max_hit_share)
-            elif any(c.healthy for c in relay):  # the relay alone produces: it needs room
-                if not any(c.healthy for c in roomy_relay):
-                    return None
-                relay = roomy_relay
+        entry = self._candidates(self.entry_role, req.prompt)
+        weights = (p.affinity_weight, p.load_weight)
         try:
-            return plan_request(
-                len(req.prompt),
-                req.params.max_tokens,
-                self._candidates(self.entry_role, req.prompt),
-                main,
-                relay,
-                rule,
-                p.affinity_weight,
-                p.load_weight,
-            )
+            if room and disaggregated:  # dispatch by room: the same decision the simulator makes
+
+                def has_room(c: Candidate) -> bool:
+                    return self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens))
+
+                n, m = len(req.prompt), req.params.max_tokens
+                return plan_with_room(n, m, entry, main, relay, rule, has_room, *weights)
+            return plan_request(len(req.prompt), req.params.max_tokens, entry, main, relay, rule, *weights)
         except LookupError as e:
             raise BackendError(str(e), 503) from None
 
