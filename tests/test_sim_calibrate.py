@@ -199,13 +199,13 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
 
 
 def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The `pdd up` measurement's glue (it once imported a class pdd.demo no longer has):
+    """The `pdd up` measurement's glue (it once imported a class pdd.demo no longer had):
     the deployment it starts is asked for its router and stopped; the overhead is the
     median TTFT less one prefill step. The deployment and the bench are stand-ins: a real
     `pdd up` takes longer than the suite can spend (test_cli_e2e calibrates --skip-http)."""
     import types
 
-    from pdd import demo
+    from pdd import demo_deploy
     from pdd.bench import client
     from pdd.record import RequestRecord
     from pdd.sim.calibrate import request_overhead_s
@@ -226,7 +226,7 @@ def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: 
         ttfts = [40.0, 10.0, 30.0, None, 20.0]
         return types.SimpleNamespace(records=[RequestRecord(id=str(i), ttft_ms=t) for i, t in enumerate(ttfts)])
 
-    monkeypatch.setattr(demo, "DemoDeployment", Deployment)
+    monkeypatch.setattr(demo_deploy, "DemoDeployment", Deployment)
     monkeypatch.setattr(client, "run_bench", bench)
     got = request_overhead_s(TRUTH, requests=5, prompt_tokens=64)
     assert seen == ["colocated", "stopped"]
