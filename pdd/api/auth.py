@@ -8,22 +8,10 @@ the operator's network. Keys are compared in constant time.
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
+from pdd.api.protocol import ApiError
 from pdd.transfer.wire import link_key
-
-_UNAUTHORIZED = json.dumps(
-    {
-        "error": {
-            "message": "a valid API key is required: Authorization: Bearer KEY",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-).encode()
-
 
 ADMIN_PREFIX = "/pdd/admin/"
 
@@ -46,17 +34,8 @@ class RequireApiKey:
         if scope["type"] == "http" and scope["path"].startswith(self._prefix):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(_UNAUTHORIZED)).encode()),
-                            (b"www-authenticate", b"Bearer"),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+                message = "a valid API key is required: Authorization: Bearer KEY"
+                refusal = ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await refusal.respond(send)
                 return
         await self.app(scope, receive, send)

@@ -8,23 +8,11 @@ actually arrive (a chunked body declares none).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from pdd.api.protocol import ApiError
+
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-
-
-def _too_large(limit: int) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "message": f"the request body exceeds {limit:,} bytes",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "request_too_large",
-            }
-        }
-    ).encode()
 
 
 class BodyLimit:
@@ -65,16 +53,5 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
     async def _refuse(self, send: Any) -> None:
-        body = _too_large(self.limit)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"the request body exceeds {self.limit:,} bytes"
+        await ApiError(413, message, code="request_too_large", headers={"Connection": "close"}).respond(send)

@@ -7,7 +7,8 @@ than silently ignored.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,6 +39,15 @@ class ApiError(Exception):
         # a message may quote the client (a model name with a lone surrogate): keep it encodable as UTF-8
         message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
         return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+    async def respond(self, send: Any) -> None:
+        """Answer with this error on a raw ASGI `send`: for middleware that refuses a
+        request before any framework sees it."""
+        body = json.dumps(self.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (self.headers or {}).items()]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class StreamOptions(BaseModel):
