@@ -27,6 +27,9 @@ def in_ci() -> bool:
 # `PDD_VLLM=1` (scripts/test.sh installs the vllm extra then) collects tests/test_vllm_*.py;
 # without it they are left out, and the run's summary says so.
 
+_VLLM_LEFT_OUT = pytest.StashKey[set]()  # the vLLM modules left out of this run
+
+
 def _vllm_tests_wanted() -> bool:
     return os.environ.get("PDD_VLLM", "0") == "1"
 
@@ -36,9 +39,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         config.stash.setdefault(_VLLM_LEFT_OUT, set()).add(collection_path.name)
         return True
     return None
-
-
-_VLLM_LEFT_OUT = pytest.StashKey[set]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -65,16 +65,15 @@ class Planner:
         main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
         relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
         entry = self._candidates(self.entry_role, req.prompt)
-        weights = (p.affinity_weight, p.load_weight)
+        n, m, weights = len(req.prompt), req.params.max_tokens, (p.affinity_weight, p.load_weight)
         try:
             if room and disaggregated:  # dispatch by room: the same decision the simulator makes
 
                 def has_room(c: Candidate) -> bool:
                     return self._fits(c.name, self._need(req, c.name, c.predicted_hit_tokens))
 
-                n, m = len(req.prompt), req.params.max_tokens
                 return plan_with_room(n, m, entry, main, relay, rule, has_room, *weights)
-            return plan_request(len(req.prompt), req.params.max_tokens, entry, main, relay, rule, *weights)
+            return plan_request(n, m, entry, main, relay, rule, *weights)
         except LookupError as e:
             raise BackendError(str(e), 503) from None
 
