@@ -337,6 +337,28 @@ def with_secret(dep: Deployment) -> Deployment:
     return dep if dep.secret else replace(dep, secret=secrets.token_hex(16))
 
 
+def in_emulated_time(dep: Deployment) -> Deployment:
+    """`dep` with its line, P's latency budget and its SLOs in emulated time, which runs
+    `topology.dilation` times slower than the emulated chips, so every ratio between
+    compute, the line and the budgets stays what it is at the chips' speed (`pdd up`
+    and `pdd sim check` alike). A native deployment is returned as it is."""
+    d = dep.topology.dilation
+    if dep.topology.hardware == "native":
+        return dep
+    link = replace(
+        dep.link,
+        bandwidth_mbps=dep.link.bandwidth_mbps / d,
+        delay_ms=dep.link.delay_ms * d,
+        jitter_ms=dep.link.jitter_ms * d,
+    )
+    return replace(
+        dep,
+        link=link,
+        policy=replace(dep.policy, ttft_budget_ms=dep.policy.ttft_budget_ms * d),
+        slo=replace(dep.slo, ttft_ms=dep.slo.ttft_ms * d, tpot_ms=dep.slo.tpot_ms * d),
+    )
+
+
 def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     """Place instances for a local deployment: P (and, in pdd mode, RLD) in A; MD in A
     (pd-same-dc) or B (pd-cross-dc, pdd)."""

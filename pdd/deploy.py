@@ -130,21 +130,6 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def stretch(link: cfg.LinkSpec, policy: cfg.PolicySpec, dilation: float) -> tuple[cfg.LinkSpec, cfg.PolicySpec]:
-    """The line and P's latency budget in emulated time, which runs `dilation` times
-    slower than the emulated chips: every ratio between compute, the line and the
-    budget stays what it is at the chips' speed."""
-    return (
-        replace(
-            link,
-            bandwidth_mbps=link.bandwidth_mbps / dilation,
-            delay_ms=link.delay_ms * dilation,
-            jitter_ms=link.jitter_ms * dilation,
-        ),
-        replace(policy, ttft_budget_ms=policy.ttft_budget_ms * dilation),
-    )
-
-
 def pacing_line(dep: cfg.Deployment) -> str:
     """What pacing the deployment's instances run under, for every report to print."""
     top = dep.topology
@@ -308,21 +293,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdd up: {e}", file=sys.stderr)
         return 2
-    dep = replace(dep, topology=topology)
-    if topology.hardware == "emulated":
-        link, policy = stretch(link, policy, topology.dilation)
-        dep = replace(
-            dep,
-            slo=replace(
-                dep.slo, ttft_ms=dep.slo.ttft_ms * topology.dilation, tpot_ms=dep.slo.tpot_ms * topology.dilation
-            ),
-        )
+    dep = cfg.in_emulated_time(replace(dep, topology=topology, link=link, policy=policy))
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
     if args.engine is not None:
         dep = with_engine(dep, args.engine)
     try:
-        dep = resolve(replace(dep, policy=policy, link=link, router=router, model=model), mode, args.port)
+        dep = resolve(replace(dep, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
         print(f"pdd up: {e}", file=sys.stderr)
         return 2

@@ -10,11 +10,12 @@ import time
 import pytest
 
 from pdd import config as cfg
-from pdd.deploy import stretch
-from pdd.engine.pacing import StepPacer, token_scale
+from pdd.engine.pacing import StepPacer
 from pdd.engine_port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
 from pdd.sampling import SamplingParams
+from pdd.sim.emulated import scaled, token_scale
+from pdd.sim.steps import EMPTY, add, chunk_load
 
 
 def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():
@@ -62,6 +63,24 @@ def test_pdd_up_puts_p_and_the_relay_on_a_md_on_b_and_same_dc_pd_all_on_a():
     assert [i.engine.hardware for i in cfg.instances_for_mode(dep, Mode.COLOCATED)] == ["A"]
     native = cfg.instances_for_mode(cfg.Deployment(), Mode.PDD)
     assert {i.engine.hardware for i in native} == {"native"} and native[0].role == RoleName.PREFILL
-    link, policy = stretch(cfg.LinkSpec(bandwidth_mbps=60.0, delay_ms=2.0, jitter_ms=0.5),
-                           cfg.PolicySpec(ttft_budget_ms=60.0), 3.0)
-    assert (link.bandwidth_mbps, link.delay_ms, link.jitter_ms, policy.ttft_budget_ms) == (20.0, 6.0, 1.5, 180.0)
+    slow = cfg.in_emulated_time(cfg.Deployment(
+        link=cfg.LinkSpec(bandwidth_mbps=60.0, delay_ms=2.0, jitter_ms=0.5), policy=cfg.PolicySpec(ttft_budget_ms=60.0),
+        slo=cfg.SLOSpec(ttft_ms=1000.0, tpot_ms=50.0), topology=cfg.TopologySpec(hardware="emulated", dilation=3.0)))
+    assert (slow.link.bandwidth_mbps, slow.link.delay_ms, slow.link.jitter_ms) == (20.0, 6.0, 1.5)
+    assert (slow.policy.ttft_budget_ms, slow.slo.ttft_ms, slow.slo.tpot_ms) == (180.0, 3000.0, 150.0)
+    assert cfg.in_emulated_time(cfg.Deployment()) == cfg.Deployment()
+
+
+def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
+    """The pacer prices a step from its total load (`scaled`), exactly as if each of its
+    chunks and contexts were `s` times longer and each decode still one token."""
+    computed, s = [(0, 300), (1200, 40), (2000, 1), (3000, 1)], 16.0
+    total = EMPTY
+    for start, n in computed:
+        total = add(total, chunk_load(start, n))
+    each = EMPTY
+    for start, n in computed:
+        each = add(each, chunk_load(round(start * s), round(n * s) if n > 1 else 1))
+    got = scaled(total, s)
+    for name in ("new_tokens", "attn_pairs", "seqs", "kv_read_tokens", "chunks", "chunk_pairs"):
+        assert float(getattr(got, name)) == pytest.approx(float(getattr(each, name))), name

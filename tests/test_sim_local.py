@@ -6,17 +6,19 @@ the simulation misses by more than the tolerance, and pass one it predicts."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pdd import config as cfg
 from pdd.cli import main
-from pdd.sim.check import check
-from pdd.sim.local import simulate_demo
+from pdd.engine.pacing import StepPacer
+from pdd.sim.check import check, mode_deployment
+from pdd.sim.local import local_spec, on_scenario_line, simulate_demo
 from pdd.sim.metrics import summary
 from pdd.sim.profile import LocalProfile, profile_to_json
-from pdd.sim.steps import Fitted, StepLoad
+from pdd.sim.steps import Fitted, StepLoad, chunk_load
 from pdd.workload.scenarios import SCENARIOS
 
 STEPS = Fitted(0.002, 8e-5, 9e-8, 2e-5, 1e-6, source="test")
@@ -50,3 +52,24 @@ def test_check_flags_the_mode_it_mispredicts() -> None:
     result = check(report, PROFILE)["modes"]
     assert result["colocated"]["within"] and result["colocated"]["p50"]["error"] == pytest.approx(0.0)
     assert not result["pdd"]["within"] and result["pdd"]["p50"]["error"] == pytest.approx(-2 / 3)
+
+
+def test_an_emulated_demo_is_simulated_on_its_chips_in_its_time_and_with_its_mode_options() -> None:
+    scenario = SCENARIOS["paper"]
+    paced = cfg.Deployment(topology=cfg.TopologySpec(hardware="emulated", dilation=3.0))
+    dep, base = mode_deployment(paced, "pd-same-dc:main=2")
+    assert (base, dep.topology.main) == ("pd-same-dc", 2)
+    with pytest.raises(ValueError, match="does not model the option"):
+        mode_deployment(paced, "pdd:bandwidth=9")
+    spec = local_spec(on_scenario_line(dep, scenario), base, PROFILE)
+    assert spec.cores is None  # each paced instance on a chip of its own
+    assert [(r.role, r.steps.name) for r in spec.roles] == [("prefill", "A"), ("main", "A"), ("main", "A")]
+    cross = local_spec(on_scenario_line(paced, scenario), "pdd", PROFILE)
+    assert [r.steps.name for r in cross.roles] == ["A", "A", "B"]
+    assert cross.wan.gbps == pytest.approx(scenario.bandwidth_mbps / 3 / 1000)  # the line in emulated time
+    # the simulated steps are the pacer's own (the live runtime holds each step to this function)
+    assert cross.roles[2].steps.step_s(chunk_load(2000, 1)) == StepPacer("B", 16.0, 3.0).step_s([(2000, 1)])
+    slow = summary(simulate_demo(paced, "pd-same-dc", PROFILE, scenario, 6, scenario.rate), 6000, 600)
+    fast = summary(simulate_demo(replace(paced, topology=replace(paced.topology, dilation=1.0)), "pd-same-dc",
+                                 PROFILE, scenario, 6, scenario.rate), 2000, 200)
+    assert slow["tpot_ms"]["p50"] == pytest.approx(3 * fast["tpot_ms"]["p50"], rel=0.02)

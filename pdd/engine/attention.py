@@ -47,10 +47,10 @@ class PagedAttention:
             self.decode_mask = (torch.arange(width * ps, device=device)[None, :] < lengths[:, None])[:, None, None, :]
             self.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K or V of whole pages: [..., pages * page_size, kv_heads, head_dim]."""
-        paged = cache.view(-1, self.pool.page_size, *cache.shape[1:])[pages]
-        return paged.flatten(-4, -3).to(dtype)
+    def _gather(self, which: int, cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K (`which` 0) or V (1) of whole pages: [..., pages * page_size, kv_heads, head_dim],
+        valid until the next gather of that kind."""
+        return self.pool.gather(which, cache, pages).flatten(-4, -3).to(dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
@@ -59,14 +59,14 @@ class PagedAttention:
         out = torch.empty_like(q)
         if self.decode_rows is not None:
             qd = q[self.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            kd = self._gather(kc, self.decode_pages, q.dtype).transpose(1, 2)  # [B, KVH, L, D]
-            vd = self._gather(vc, self.decode_pages, q.dtype).transpose(1, 2)
+            kd = self._gather(0, kc, self.decode_pages, q.dtype).transpose(1, 2)  # [B, KVH, L, D]
+            vd = self._gather(1, vc, self.decode_pages, q.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=True)
             out[self.decode_rows] = o.squeeze(2)
         for start, new, pages, mask in self.multi:
             qs = q[start : start + new].transpose(0, 1).unsqueeze(0)
-            ks = self._gather(kc, pages, q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = self._gather(vc, pages, q.dtype).transpose(0, 1).unsqueeze(0)
+            ks = self._gather(0, kc, pages, q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = self._gather(1, vc, pages, q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[start : start + new] = o.squeeze(0).transpose(0, 1)
         return out

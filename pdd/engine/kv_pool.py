@@ -25,6 +25,9 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # Gather buffers (K, V), kept across steps and grown as needed: a fresh tensor of
+        # tens of MB per gather costs more in page faults than the copy itself on CPU.
+        self._gather_buffers: list[torch.Tensor] = [torch.empty(0, dtype=dtype, device=device)] * 2
 
     @property
     def free_pages(self) -> int:
@@ -43,6 +46,20 @@ class KVPool:
         pos = torch.arange(start, end)
         table = torch.tensor(pages, dtype=torch.long)
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def gather(self, which: int, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Whole pages of one layer's K (`which` 0) or V (1): `pages`' shape then
+        [page_size, kv_heads, head_dim], in a buffer the next gather of that kind reuses."""
+        paged = cache.view(-1, self.page_size, *cache.shape[1:])
+        n = pages.numel()
+        buffer = self._gather_buffers[which]
+        if buffer.shape[0] < n:
+            buffer = self._gather_buffers[which] = torch.empty(
+                (n, *paged.shape[1:]), dtype=cache.dtype, device=cache.device
+            )
+        out = buffer[:n]
+        torch.index_select(paged, 0, pages.flatten(), out=out)
+        return out.view(*pages.shape, *paged.shape[1:])
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

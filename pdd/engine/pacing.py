@@ -5,13 +5,10 @@ what the other processes did meanwhile, and nothing of the spec's heterogeneous
 hardware shows. With `[engine] hardware = "A"` (or "B", or any chip of the
 simulator's catalog) the runtime computes every step for real — the tokens are the
 engine's own — and then holds it until the time that chip would have taken, from the
-simulator's step model (`pdd.sim.physics`: the paper's 1T MoE model on the paper's
-instance of that chip). Real tokens, emulated time.
+simulator's step model (`pdd.sim.emulated`: the paper's 1T MoE model on the paper's
+instance of that chip, the tiny model's lengths scaled up by `token_scale`), the same
+function `pdd sim check` simulates a paced deployment with. Real tokens, emulated time.
 
-The tiny model's scenario is the spec's scaled down by `token_scale` (contexts and
-chunks: the spec's 64K context over the model's), so a step is priced as the step
-the spec's model would run at full size: a chunk of n tokens after a context of c is
-one of n x s tokens after c x s; a decode is still one token, over a context c x s.
 The emulated time runs `dilation` times slower than the chip would (the line and the
 SLOs are stretched alike by `pdd up`): the CPU must finish each step within its
 emulated time, or the step takes its real time and the run is no longer paced — the
@@ -24,12 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 NATIVE = "native"
-SPEC_CONTEXT = 65536  # the spec's evaluation context, which the scenarios scale down
-
-
-def token_scale(max_context: int) -> float:
-    """How much larger the spec's requests are than this model's."""
-    return max(1.0, SPEC_CONTEXT / max_context)
 
 
 @dataclass
@@ -61,36 +52,38 @@ class StepPacer:
     """The emulated seconds of one engine step, and the tally of how pacing went."""
 
     hardware: str
-    scale: float  # `token_scale`
+    scale: float  # `pdd.sim.emulated.token_scale`
     dilation: float = 1.0
     stats: PaceStats = field(default_factory=PaceStats)
 
     def __post_init__(self) -> None:
-        from pdd.sim.hardware import CATALOG
-        from pdd.sim.paper import SETTING
-        from pdd.sim.physics import Physics
+        from pdd.sim.emulated import emulated_steps
 
-        if self.hardware not in CATALOG:
-            raise ValueError(f"unknown hardware {self.hardware!r}: {NATIVE}, or one of {sorted(CATALOG)}")
-        chip, gpus = CATALOG[self.hardware], SETTING.instance_gpus(self.hardware) or 8
-        self._physics = Physics(chip, SETTING.model, gpus, SETTING.eff)
+        try:
+            self._steps = emulated_steps(self.hardware, self.scale, self.dilation)
+        except ValueError:
+            raise ValueError(
+                f"unknown hardware {self.hardware!r}: {NATIVE}, or one of the simulator's catalog"
+            ) from None
+        physics = self._steps.physics
         self.describe = {
             "hardware": self.hardware,
-            "chip": chip.name,
-            "gpus": gpus,
-            "model": SETTING.model.name,
+            "chip": physics.chip.name,
+            "gpus": physics.gpus,
+            "model": physics.model.name,
             "token_scale": self.scale,
             "dilation": self.dilation,
         }
 
     def step_s(self, computed: Sequence[tuple[int, int]]) -> float:
-        """`computed`: (start, tokens) of each sequence in the step, as the engine ran it."""
+        """`computed`: (start, tokens) of each sequence in the step, as the engine ran it;
+        priced by the simulator's own emulated-chip model (`pdd.sim.emulated`)."""
         from pdd.sim.steps import EMPTY, add, chunk_load
 
         load = EMPTY
         for start, n in computed:
-            load = add(load, chunk_load(round(start * self.scale), round(n * self.scale) if n > 1 else 1))
-        return self.dilation * self._physics.step_s(load)
+            load = add(load, chunk_load(start, n))
+        return self._steps.step_s(load)
 
     def tally(self, computed: Sequence[tuple[int, int]], emulated_s: float, real_s: float) -> None:
         s = self.stats

@@ -22,10 +22,11 @@ from typing import Any, TypeVar
 import torch
 
 from pdd.engine.engine import Engine
-from pdd.engine.pacing import NATIVE, StepPacer, token_scale
+from pdd.engine.pacing import NATIVE, StepPacer
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.sampling import SamplingParams
+from pdd.sim.emulated import token_scale
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +25,37 @@ from pdd.workload.scenarios import SCENARIOS
 P50_TOLERANCE, P99_TOLERANCE = 0.25, 0.50
 
 
+def mode_deployment(dep: cfg.Deployment, mode: str) -> tuple[cfg.Deployment, str]:
+    """`dep` as `pdd demo` starts the mode `MODE[:KEY=VALUE...]` (the options it passes
+    `pdd up`), and the bare mode; an option the simulator does not model is refused."""
+    base, *options = mode.split(":")
+    for option in options:
+        key, _, value = option.partition("=")
+        if key in ("main", "prefill", "relay") and value.isdigit():
+            dep = replace(dep, topology=replace(dep.topology, **{key: int(value)}))  # type: ignore[arg-type]
+        elif key == "drc" and value in ("on", "off"):
+            dep = replace(dep, policy=replace(dep.policy, decode_radix_cache=value == "on"))
+        else:
+            raise ValueError(f"mode {mode!r}: the simulator does not model the option {option!r}")
+    return dep, base
+
+
 def check(report: dict[str, Any], profile: LocalProfile) -> dict[str, Any]:
-    """Predicted against measured, per mode of a demo report."""
+    """Predicted against measured, per mode of a demo report (in emulated time where
+    the demo paced its instances)."""
     conf = report["meta"]["config"]
     scenario = SCENARIOS[conf["scenario"]]
     rate = math.inf if conf["rate"] is None else conf["rate"]
-    dep = cfg.load(conf.get("deployment_config"))
+    loaded = cfg.load(conf.get("deployment_config"))
+    hardware, dilation = conf.get("hardware", "native"), float(conf.get("dilation", 1.0))
+    loaded = replace(loaded, topology=replace(loaded.topology, hardware=hardware, dilation=dilation))
     rows = {}
     for mode, measured in report["modes"].items():
-        base = mode.split(":")[0]
+        dep, base = mode_deployment(loaded, mode)
         predicted = summary(
             simulate_demo(dep, base, profile, scenario, conf["requests"], rate, conf["seed"]),
-            conf["slo_ttft_ms"],
-            conf["slo_tpot_ms"],
+            conf["slo_ttft_ms"] * dilation,
+            conf["slo_tpot_ms"] * dilation,
         )
         rows[mode] = {
             q: {
@@ -59,6 +78,7 @@ def check(report: dict[str, Any], profile: LocalProfile) -> dict[str, Any]:
         "scenario": scenario.name,
         "requests": conf["requests"],
         "profile": profile.steps.source,
+        "pacing": f"emulated chips, time x{dilation:g}" if hardware == "emulated" else "native",
         "request_overhead_ms": 1000 * profile.request_overhead_s,
     }
 
@@ -91,7 +111,9 @@ def print_check(result: dict[str, Any], console: Console) -> None:
         ]
         table.add_row(*cells)
     console.print(table)
-    console.print(f"profile: {result['profile']}; request path {result['request_overhead_ms']:.1f} ms")
+    console.print(
+        f"pacing: {result['pacing']}; profile: {result['profile']}; request path {result['request_overhead_ms']:.1f} ms"
+    )
 
 
 def load_report(path: Path) -> dict[str, Any]:

@@ -6,6 +6,11 @@ this machine's engine; all of them share the machine's cores, prefill at the low
 priority `pdd up` gives it; the line is the scenario's. Simulating `pdd demo` this way
 and comparing with what `pdd demo` measured tells whether the simulator can be
 believed at cluster scale.
+
+A paced deployment (`topology.hardware = "emulated"`) is simulated with each instance's
+emulated chip (`pdd.sim.emulated`, the function its pacer holds steps to) on hardware
+of its own, and the line in emulated time: what is left between prediction and
+measurement is then the control plane's error (and any step the CPU overran).
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from dataclasses import replace
 import simpy
 
 from pdd import config as cfg
+from pdd.engine_port import EngineConfig
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
+from pdd.sim.emulated import emulated_steps, token_scale
 from pdd.sim.hardware import Line
 from pdd.sim.profile import LocalProfile
+from pdd.sim.steps import StepModel
 from pdd.sim.workload import agentic_sessions
 from pdd.workload.scenarios import Scenario
 
@@ -27,15 +35,32 @@ from pdd.workload.scenarios import Scenario
 LOOPBACK = Line(gbps=10.0, one_way_ms=0.05, price_per_hour=0.0)
 
 
-def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: Scenario) -> DeploymentSpec:
+def on_scenario_line(dep: cfg.Deployment, scenario: Scenario) -> cfg.Deployment:
+    """`dep` on the scenario's line (what `pdd demo` passes `pdd up`), in emulated time
+    where its instances are paced (`cfg.in_emulated_time`, as `pdd up` does)."""
+    line = replace(
+        dep.link, bandwidth_mbps=scenario.bandwidth_mbps, delay_ms=scenario.delay_ms, jitter_ms=scenario.jitter_ms
+    )
+    return cfg.in_emulated_time(replace(dep, link=line))
+
+
+def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile) -> DeploymentSpec:
+    """`dep` (on its line: `on_scenario_line`) as `pdd up --mode mode` starts it here."""
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
-    nice = dep.topology.prefill_nice > 0
+    paced = dep.topology.hardware != "native"
+    nice = dep.topology.prefill_nice > 0 and not paced  # `pdd up` renices native instances only
+
+    def steps(engine: EngineConfig) -> StepModel:
+        if engine.hardware == "native":
+            return profile.steps
+        return emulated_steps(engine.hardware, token_scale(profile.max_context), engine.dilation)
+
     roles = tuple(
         RoleSpec(
             i.role,
             i.dc,
             1,
-            profile.steps,
+            steps(i.engine),
             i.engine.num_pages * i.engine.page_size,
             i.engine.max_batch_tokens,
             i.engine.max_running,
@@ -47,7 +72,7 @@ def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: 
     pages = {i.engine.page_size for i in instances}
     if len(pages) != 1:
         raise ValueError("the simulator needs one page size across the deployment")
-    wan = Line(scenario.bandwidth_mbps / 1000, scenario.delay_ms, 0.0)
+    wan = Line(dep.link.bandwidth_mbps / 1000, dep.link.delay_ms, 0.0)
     return DeploymentSpec(
         mode,
         roles,
@@ -57,7 +82,7 @@ def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: 
         pages.pop(),
         profile.max_context,
         dep.policy,
-        cores=profile.cores,
+        cores=None if paced else profile.cores,  # a paced instance waits for its own chip, not for a core
         request_overhead_s=profile.request_overhead_s,
     )
 
@@ -66,6 +91,6 @@ def simulate_demo(
     dep: cfg.Deployment, mode: str, profile: LocalProfile, scenario: Scenario, requests: int, rate: float, seed: int = 0
 ) -> list[RequestRecord]:
     """What `pdd demo` would measure for `mode`, by simulation."""
-    spec = local_spec(dep, mode, profile, scenario)
+    spec = local_spec(on_scenario_line(dep, scenario), mode, profile)
     sessions = agentic_sessions(replace(scenario.workload, seed=seed), requests, rate)
     return Cluster(simpy.Environment(), spec).run(sessions)

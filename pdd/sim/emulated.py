@@ -1,0 +1,77 @@
+"""The step model of an emulated accelerator, shared by the live pacer and the simulator.
+
+A paced engine (`pdd.engine.pacing`) holds each step until the chip it emulates would
+have finished it; `pdd sim check` simulates a paced deployment with the very same
+function, so what is left between the two is the control plane's error, not two step
+models. The tiny model's requests are the spec's scaled down by `scale` (contexts and
+chunks), so a step is priced as the spec's model would run it at full size: a chunk of
+n tokens after a context of c is one of n x s tokens after c x s; a decode stays one
+token, over a context of c x s. Time runs `dilation` times slower than the chip's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdd.policy.plan import SPEC_CONTEXT
+from pdd.sim.physics import Physics
+from pdd.sim.steps import StepLoad
+
+
+def token_scale(max_context: int) -> float:
+    """How much larger the spec's requests are than a model's with this context."""
+    return max(1.0, SPEC_CONTEXT / max_context)
+
+
+def scaled(load: StepLoad, s: float) -> StepLoad:
+    """`load` with every chunk and context `s` times longer, decodes still one token.
+
+    Exact on the aggregate (no per-sequence detail needed): a chunk [c, c + n) has
+    n*c + n(n+1)/2 pairs, so at s times the size s^2 of them less (s^2 - s) n / 2; a
+    decode at c has c + 1, so s (c + 1) - (s - 1); each sequence reads c + n (chunk)
+    or c + 1 (decode) tokens of KV, so s times that less (s - 1) per decode."""
+    decodes = np.asarray(load.seqs) - np.asarray(load.chunks)
+    chunk_tokens = np.asarray(load.new_tokens) - decodes
+    chunk_pairs = s * s * np.asarray(load.chunk_pairs) - (s * s - s) / 2 * chunk_tokens
+    decode_pairs = s * (np.asarray(load.attn_pairs) - np.asarray(load.chunk_pairs)) - (s - 1) * decodes
+    return StepLoad(
+        decodes + s * chunk_tokens,  # numpy, on scalars or a stretch's arrays
+        chunk_pairs + decode_pairs,
+        load.seqs,
+        s * np.asarray(load.kv_read_tokens) - (s - 1) * decodes,
+        load.chunks,
+        chunk_pairs,
+    )
+
+
+@dataclass(frozen=True)
+class EmulatedSteps:
+    """Seconds a step takes on the emulated chip (`physics`), for the tiny model's load."""
+
+    physics: Physics
+    scale: float  # the spec's lengths over the served model's (`token_scale`)
+    dilation: float = 1.0
+    name: str = field(default="", compare=False)  # the catalog's name of the chip
+
+    def steps_s(self, load: StepLoad) -> np.ndarray:
+        return np.asarray(self.dilation * self.physics.steps_s(scaled(load, self.scale)), dtype=float)
+
+    def step_s(self, load: StepLoad) -> float:
+        if not np.any(np.asarray(load.seqs)):
+            return 0.0
+        return float(self.steps_s(load))
+
+
+def emulated_steps(hardware: str, scale: float, dilation: float = 1.0) -> EmulatedSteps:
+    """The catalog's chip `hardware` on the spec's instance of it (the paper setting's
+    GPU count and model), as `pdd up --hardware emulated` paces it."""
+    from pdd.sim.hardware import CATALOG
+    from pdd.sim.paper import SETTING
+
+    if hardware not in CATALOG:
+        raise ValueError(f"unknown hardware {hardware!r}: one of {sorted(CATALOG)}")
+    chip = CATALOG[hardware]
+    gpus = SETTING.instance_gpus(hardware) or 8
+    return EmulatedSteps(Physics(chip, SETTING.model, gpus, SETTING.eff), scale, dilation, hardware)
