@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pdd.bench.client import BenchError
+    from pdd.bench.headline import format_headlines, headlines
     from pdd.bench.report import write_report, write_requests
     from pdd.bench.summary import format_hardware_table, format_table
 
@@ -215,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
             out.print(hardware)
         for line in sorted({s.get("pacing", "") for s in summaries.values()} - {""}):
             out.print(line, markup=False, highlight=False, soft_wrap=True)
+    figures = headlines(summaries)
+    if any(h.value is not None for h in figures):
+        out.print(format_headlines(figures))
     meta = {
         "date": started,
         "command": _command_line(args),
@@ -244,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         "scenario_notes": scenario.notes,
         "scenario_fit": args.fit_note,
         "failed_modes": failed,
+        "headline": {h.name: h.to_dict() for h in figures},
     }
     title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
     paths = write_report(args.out, summaries, title=title, meta=meta)

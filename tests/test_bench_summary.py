@@ -126,3 +126,22 @@ def test_tail_percentiles_carry_a_bootstrap_interval_that_narrows_with_more_requ
     assert hi2 - lo2 < hi - lo
     assert few["ttft_ms"]["p90_ci"] == summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None,
                                                  slo_ttft_ms=1e9, slo_tpot_ms=1e9)["ttft_ms"]["p90_ci"]  # seeded
+
+
+def test_the_headline_divides_pdd_by_the_baselines_at_equal_hardware_and_grades_each_bound():
+    from pdd.bench.headline import headlines
+
+    def mode(ttft_p99: float, itl_p99: float, rld: int = 0) -> dict:
+        return {"ttft_ms": {"p99": ttft_p99}, "max_itl_ms": {"p99": itl_p99}, "output_tokens": 1000,
+                "rld_output_tokens": rld}
+
+    run = {"pd-same-dc": mode(100.0, 10.0), "pd-same-dc:main=2": mode(500.0, 40.0), "pd-cross-dc": mode(1000.0, 50.0),
+           "pdd": mode(550.0, 70.0, rld=150)}
+    got = {h.name: h for h in headlines(run)}
+    same = got["PDD / same-dc PD, TTFT P99"]
+    assert same.value == pytest.approx(1.1) and same.holds and "pd-same-dc:main=2" in same.basis
+    assert got["PDD / cross-dc PD, TTFT P99"].value == pytest.approx(0.55)
+    assert got["PDD / cross-dc PD, TTFT P99"].holds is False
+    assert got["PDD / same-dc PD, max ITL P99"].value == pytest.approx(1.75)
+    assert got["RLD share of output tokens"].holds is False  # 15 % is not under 15 %
+    assert all(h.value is None for h in headlines({"pdd": run["pdd"]}) if h.basis.startswith("ttft"))

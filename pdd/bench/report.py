@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.table import Table
 
+from pdd.bench.headline import format_headlines, headlines
 from pdd.bench.summary import PIPELINES, format_hardware_table, format_table
 
 _QUANTILES = ("p50", "p90", "p99")
@@ -331,11 +332,14 @@ def _html(summaries: Summaries, *, title: str, meta: Mapping[str, Any], plots: l
         for name, caption in plots
     )
     hardware = format_hardware_table(summaries)
+    figures_of_run = headlines(summaries)
+    headline = "" if all(h.value is None for h in figures_of_run) else _rich_html(format_headlines(figures_of_run))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_esc(title)}</h1>{_meta_html(meta)}"
         f"<h2>Key numbers</h2>{_table_html(summaries)}"
+        f"{'' if not headline else '<h2>Headline</h2>' + headline}"
         f"{'' if hardware is None else '<h2>Hardware</h2>' + _rich_html(hardware)}"
         f"<h2>Plots</h2>{figures or '<p>No plot: every value was zero or missing.</p>'}"
         "</body></html>\n"
