@@ -5,10 +5,16 @@ needs which prefixes are held, so a prompt is a sequence of block keys (equal le
 keys mean a shared prefix, as the Mooncake trace's `hash_ids` do) and the cache is an
 LRU of blocks. A match walks from the first block and stops at the first miss, so a
 block whose parent was evicted is never matched: it ages out like a radix tree's leaf.
+
+Eviction passes pinned blocks by. Under load the pool is mostly running requests'
+pinned prefixes, so a pinned block that reaches the LRU's old end is set aside
+(`_old`, in its LRU order) rather than passed over again at every eviction: every
+block set aside is older than every block still in the LRU, so the order is the LRU's.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -19,11 +25,17 @@ class BlockCache:
             raise ValueError("a cache cannot hold fewer than 0 blocks")
         self.capacity = capacity_blocks
         self._lru: OrderedDict[Hashable, None] = OrderedDict()
+        # Blocks older than all of `_lru`, found pinned at its old end: each with its place
+        # in that order (larger: newer), and a heap of the unpinned ones (an entry whose
+        # block has been pinned, used or evicted since is stale, and skipped).
+        self._old: dict[Hashable, int] = {}
+        self._old_free: list[tuple[int, Hashable]] = []
+        self._aside = 0
         self._pins: dict[Hashable, int] = {}  # blocks running requests rely on: never evicted
         self.evicted = 0
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._old)
 
     @property
     def pinned(self) -> int:
@@ -35,45 +47,63 @@ class BlockCache:
     def match(self, blocks: Sequence[Hashable], touch: bool = True) -> int:
         """Leading blocks held; `touch` refreshes them (a use, not a look)."""
         held = 0
+        lru, old = self._lru, self._old
         for key in blocks:
-            if key not in self._lru:
+            if key not in lru and key not in old:
                 break
             held += 1
         if touch:
-            for key in blocks[:held]:
-                self._lru.move_to_end(key)
+            self._use(blocks[:held])
         return held
 
-    def pin(self, blocks: Sequence[Hashable]) -> None:
+    def _use(self, blocks: Sequence[Hashable]) -> None:
+        """The newest blocks now, in this order."""
+        lru, old = self._lru, self._old
+        if old:
+            for key in blocks:
+                old.pop(key, None)
         for key in blocks:
-            self._pins[key] = self._pins.get(key, 0) + 1
+            lru[key] = None
+            lru.move_to_end(key)
+
+    def pin(self, blocks: Sequence[Hashable]) -> None:
+        pins = self._pins
+        for key in blocks:
+            pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, blocks: Sequence[Hashable]) -> None:
+        pins, old = self._pins, self._old
         for key in blocks:
-            left = self._pins[key] - 1
+            left = pins[key] - 1
             if left:
-                self._pins[key] = left
-            else:
-                del self._pins[key]
+                pins[key] = left
+                continue
+            del pins[key]
+            if key in old:  # evictable again, in its place
+                heapq.heappush(self._old_free, (old[key], key))
 
     def insert(self, blocks: Sequence[Hashable], room_for: int = 0) -> None:
         """Keep `blocks` (newest last), evicting the least recently used to stay within
         capacity less `room_for` blocks that running sequences hold."""
-        for key in blocks:
-            self._lru[key] = None
-            self._lru.move_to_end(key)
+        self._use(blocks)
         self.shrink(max(0, self.capacity - room_for))
 
     def shrink(self, limit: int) -> None:
         """Evict the least recently used unpinned blocks down to `limit` (or as far as
         pins allow)."""
-        passed: list[Hashable] = []
-        while self._lru and len(self._lru) + len(passed) > limit:
-            key, _ = self._lru.popitem(last=False)
-            if key in self._pins:
-                passed.append(key)
+        lru, old, free, pins = self._lru, self._old, self._old_free, self._pins
+        while len(lru) + len(old) > limit:
+            if free:  # the oldest unpinned block set aside is older than all of the LRU
+                place, key = heapq.heappop(free)
+                if old.get(key) == place and key not in pins:
+                    del old[key]
+                    self.evicted += 1
+                continue
+            if not lru:
+                return
+            key, _ = lru.popitem(last=False)
+            if key in pins:
+                self._aside += 1
+                old[key] = self._aside
             else:
                 self.evicted += 1
-        for key in reversed(passed):
-            self._lru[key] = None
-            self._lru.move_to_end(key, last=False)
