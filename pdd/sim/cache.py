@@ -15,8 +15,9 @@ block set aside is older than every block still in the LRU, so the order is the 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
+from itertools import filterfalse, repeat, takewhile
 
 
 class BlockCache:
@@ -41,30 +42,29 @@ class BlockCache:
     def pinned(self) -> int:
         return len(self._pins)
 
-    def is_pinned(self, key: Hashable) -> bool:
-        return key in self._pins
-
     def match(self, blocks: Sequence[Hashable], touch: bool = True) -> int:
         """Leading blocks held; `touch` refreshes them (a use, not a look)."""
-        held = 0
         lru, old = self._lru, self._old
-        for key in blocks:
-            if key not in lru and key not in old:
-                break
+        # (the walk runs for every instance a request might go to: C loops where they do)
+        held = len(list(takewhile(lru.__contains__, blocks)))
+        while old and held < len(blocks) and (blocks[held] in lru or blocks[held] in old):
             held += 1
         if touch:
             self._use(blocks[:held])
         return held
 
+    def unpinned(self, blocks: Sequence[Hashable]) -> int:
+        """How many of `blocks` no request pins."""
+        return len(blocks) - sum(map(self._pins.__contains__, blocks))
+
     def _use(self, blocks: Sequence[Hashable]) -> None:
-        """The newest blocks now, in this order."""
+        """The newest blocks now, in this order (the keys of a prompt: no repeats)."""
         lru, old = self._lru, self._old
+        # C loops (map), no Python one: new blocks join at the end, then all move there in order
         if old:
-            for key in blocks:
-                old.pop(key, None)
-        for key in blocks:
-            lru[key] = None
-            lru.move_to_end(key)
+            deque(map(old.pop, blocks, repeat(None)), maxlen=0)
+        deque(map(lru.__setitem__, list(filterfalse(lru.__contains__, blocks)), repeat(None)), maxlen=0)
+        deque(map(lru.move_to_end, blocks), maxlen=0)
 
     def pin(self, blocks: Sequence[Hashable]) -> None:
         pins = self._pins

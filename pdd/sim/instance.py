@@ -30,7 +30,7 @@ from pdd.policy.capacity import Room
 from pdd.sim.cache import BlockCache
 from pdd.sim.reserve import ReservationLine
 from pdd.sim.sequence import Hold, SimSeq, _Stretch
-from pdd.sim.steps import StepLoad, StepModel, decode_stretch
+from pdd.sim.steps import StepLoad, StepModel
 
 MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
 
@@ -105,7 +105,7 @@ class Instance:
     def hold(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
         """Reserve pool room beside the `pinned` prefix blocks, evicting other cached
         blocks for it; None when the pool cannot hold it now."""
-        new_pins = sum(1 for key in pinned if not self.cache.is_pinned(key))
+        new_pins = self.cache.unpinned(pinned)
         if self.used + tokens + (self.cache.pinned + new_pins) * self.block_tokens > self.capacity_tokens:
             return None
         self.cache.pin(pinned)
@@ -158,19 +158,26 @@ class Instance:
         if not self._wake.triggered:
             self._wake.succeed()
 
-    def _schedule(self) -> list[tuple[SimSeq, int]]:
-        budget, chunks = self.max_batch_tokens, 0
+    def _schedule(self) -> tuple[list[tuple[SimSeq, int]], bool]:
+        """The next step's batch, and whether it only decodes (a token for each, nothing pending)."""
+        budget, chunks, decodes = self.max_batch_tokens, 0, True
         batch: list[tuple[SimSeq, int]] = []
-        for seq in self.running:
+        for seq in self.running:  # (`_tokens`, inlined: this runs every step over every sequence)
             if budget <= 0:
                 break
-            if seq.pending and self.max_chunks and chunks >= self.max_chunks:
+            pending = seq.pending
+            if pending:
+                if self.max_chunks and chunks >= self.max_chunks:
+                    continue
+                n = min(pending, budget, seq.step_cap or budget)
+                decodes = False
+            elif seq.live and seq._produced < seq.produce:
+                n = 1
+            else:
                 continue
-            n = self._tokens(seq, budget)
-            if n:
-                batch.append((seq, n))
-                budget -= n
-                chunks += n > 1
+            batch.append((seq, n))
+            budget -= n
+            chunks += n > 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             if self.max_chunks and chunks >= self.max_chunks:
                 break
@@ -184,7 +191,8 @@ class Instance:
                 batch.append((seq, n))
                 budget -= n
                 chunks += n > 1
-        return batch
+                decodes = decodes and not seq.pending
+        return batch, decodes
 
     def _admit(self, seq: SimSeq) -> bool:
         seq.hold = self.room_for(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
@@ -200,11 +208,11 @@ class Instance:
         env = self.env
         while True:
             self._wake = env.event()
-            batch = self._schedule()
+            batch, decodes = self._schedule()
             if not batch:
                 yield self._wake
                 continue
-            if self.stretches and self.cpu is None and all(n == 1 and not s.pending for s, n in batch):
+            if decodes and self.stretches and self.cpu is None:
                 yield from self._stretch([s for s, _ in batch])
                 continue
             seconds = self.steps.step_s(_load(batch))
@@ -224,12 +232,14 @@ class Instance:
         """Decode `seqs` until the first of them finishes, or until poked; then apply the
         steps completed (the one in progress included) and return to re-plan."""
         env = self.env
-        steps = min(MAX_STRETCH_STEPS, min(s.produce - s._produced for s in seqs))
-        seconds = self.steps.steps_s(decode_stretch(sum(s.context for s in seqs), len(seqs), steps))
-        ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
-        stretch = _Stretch(self, seqs, ends)
+        stretch = _Stretch(self, seqs)
+        steps, contexts = MAX_STRETCH_STEPS, 0
         for s in seqs:
             s._stretch = stretch
+            contexts += s.context
+            steps = min(steps, s.produce - s._produced)
+        seconds = self.steps.decode_s(contexts, len(seqs), steps)
+        stretch.ends = ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
         started = env.now
         yield env.timeout(float(ends[-1]) - env.now) | self._wake
         done = len(ends)
@@ -240,10 +250,10 @@ class Instance:
                 done += 1
         self.stats.busy_s += env.now - started
         self.stats.steps += done
-        stretch.catch_up(done - 1)
-        for s in seqs:
-            s._stretch = None
-        self._apply([(s, 1) for s in seqs], float(ends[done - 1]))
+        for seq in stretch.finish(done):  # each produced its tokens; these their last
+            self._end(seq)
+            if seq.on_finish is not None:
+                seq.on_finish(seq)
 
     def _apply(self, batch: list[tuple[SimSeq, int]], now: float | None = None) -> None:
         now = self.env.now if now is None else now

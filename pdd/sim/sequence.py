@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -118,19 +118,6 @@ class SimSeq:
         if self.token_times is not None:
             self.token_times.append(at)
 
-    def _tokens_run(self, first: float, last: float, count: int, inner_gap: float, times: np.ndarray) -> None:
-        """`count` tokens produced at `times` (ascending, from `first` to `last`, at most
-        `inner_gap` apart): a stretch's steps, in one update."""
-        if self._last_s is None:
-            self._first_s = first
-        else:
-            self._max_gap_s = max(self._max_gap_s, first - self._last_s)
-        self._max_gap_s = max(self._max_gap_s, inner_gap)
-        self._last_s = last
-        self._produced += count
-        if self.token_times is not None:
-            self.token_times.extend(float(t) for t in times)
-
 
 @dataclass(eq=False)
 class _Stretch:
@@ -138,21 +125,46 @@ class _Stretch:
 
     inst: Instance
     seqs: list[SimSeq]
-    ends: np.ndarray
+    ends: np.ndarray = field(default_factory=lambda: np.empty(0))
     applied: int = 0
 
     def catch_up(self, upto: int | None = None) -> None:
         """Apply the steps completed by now (never the last: its finish is the loop's)."""
         if upto is None:
             upto = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
-        if upto <= self.applied:
-            return
+        if upto > self.applied:
+            self._apply(upto)
+
+    def _apply(self, upto: int) -> list[SimSeq]:
+        """Steps [applied, upto) into every sequence still producing; those whose last
+        token that was."""
         times = self.ends[self.applied : upto]
         count, first, last = len(times), float(times[0]), float(times[-1])
         inner = float(np.max(np.diff(times))) if count > 1 else 0.0
-        for seq in self.seqs:
-            if not (seq.done or seq.stopped):
-                seq.context += count
-                seq._tokens_run(first, last, count, inner, times)
-                self.inst.stats.tokens_out += count
+        finished, producing = [], 0
+        for seq in self.seqs:  # `count` tokens each, at `times` (at most `inner` apart), in one update
+            if seq.done or seq.stopped:
+                continue
+            producing += 1
+            seq.context += count
+            if seq._last_s is None:
+                seq._first_s = first
+            else:
+                seq._max_gap_s = max(seq._max_gap_s, first - seq._last_s)
+            seq._max_gap_s = max(seq._max_gap_s, inner)
+            seq._last_s = last
+            seq._produced += count
+            if seq.token_times is not None:
+                seq.token_times.extend(float(t) for t in times)
+            if seq._produced >= seq.produce:
+                finished.append(seq)
+        self.inst.stats.tokens_out += count * producing
         self.applied = upto
+        return finished
+
+    def finish(self, done: int) -> list[SimSeq]:
+        """The stretch ends after `done` steps: every sequence leaves it with them; the
+        ones that produced their last token."""
+        for seq in self.seqs:
+            seq._stretch = None
+        return self._apply(done) if done > self.applied else []
