@@ -47,7 +47,8 @@ class SimSession:
         # session's own block i is id * KEY_STRIDE + i.
         shared = min(n, self.shared_tokens // block)
         own = self.id * KEY_STRIDE
-        return [-1 - i for i in range(shared)] + list(range(own + shared, own + n))
+        keys: list[Hashable] = [-1 - i for i in range(shared)]
+        return keys + list(range(own + shared, own + n))
 
 
 def agentic_sessions(config: AgenticConfig, requests: int, rate: float) -> list[SimSession]:
