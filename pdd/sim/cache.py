@@ -50,20 +50,23 @@ class BlockCache:
         while old and held < len(blocks) and (blocks[held] in lru or blocks[held] in old):
             held += 1
         if touch:
-            self._use(blocks[:held])
+            self._use(blocks[:held], fresh=False)
         return held
 
     def unpinned(self, blocks: Sequence[Hashable]) -> int:
         """How many of `blocks` no request pins."""
         return len(blocks) - sum(map(self._pins.__contains__, blocks))
 
-    def _use(self, blocks: Sequence[Hashable]) -> None:
-        """The newest blocks now, in this order (the keys of a prompt: no repeats)."""
+    def _use(self, blocks: Sequence[Hashable], fresh: bool = True) -> None:
+        """The newest blocks now, in this order (the keys of a prompt: no repeats);
+        `fresh`: some may not be held yet."""
         lru, old = self._lru, self._old
-        # C loops (map), no Python one: new blocks join at the end, then all move there in order
-        if old:
-            deque(map(old.pop, blocks, repeat(None)), maxlen=0)
-        deque(map(lru.__setitem__, list(filterfalse(lru.__contains__, blocks)), repeat(None)), maxlen=0)
+        # C loops (map), no Python one: blocks not in the LRU join its end, then all move there in order
+        back = list(filter(old.__contains__, blocks)) if old else []
+        for key in back:  # set aside no longer: used
+            del old[key]
+        new = list(filterfalse(lru.__contains__, blocks)) if fresh else back
+        deque(map(lru.__setitem__, new, repeat(None)), maxlen=0)
         deque(map(lru.move_to_end, blocks), maxlen=0)
 
     def pin(self, blocks: Sequence[Hashable]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -131,7 +130,9 @@ class _Run:
     stretch is priced from are kept as members join and leave."""
 
     inst: Instance
-    log: list[float] = field(default_factory=list)  # end times of the steps applied, in order
+    # end times of the steps applied, in order: the first `logged` of `log`
+    log: np.ndarray = field(default_factory=lambda: np.empty(1024))
+    logged: int = 0
     ends: np.ndarray = field(default_factory=lambda: np.empty(0))  # the stretch in progress
     members: int = 0
     dirty: bool = False  # a member's work changed outside the run (`Instance.feed`): re-plan it
@@ -141,7 +142,7 @@ class _Run:
     _joined: int = 0
 
     def join(self, seq: SimSeq) -> None:
-        seq._run, seq._at = self, len(self.log)
+        seq._run, seq._at = self, self.logged
         self.members += 1
         self._contexts += seq.context - seq._at
         self._joined += 1
@@ -155,51 +156,54 @@ class _Run:
 
     def contexts(self) -> int:
         """Every member's context now (what the next stretch's first step extends)."""
-        return self._contexts + self.members * len(self.log)
+        return self._contexts + self.members * self.logged
 
     def steps_to_finish(self) -> int:
         """Steps until the first member produces its last token."""
         heap = self._finishes
         while heap[0][2]._run is not self:  # it left
             heapq.heappop(heap)
-        return heap[0][0] - len(self.log)
+        return heap[0][0] - self.logged
 
     def sync(self, seq: SimSeq) -> None:
         """A member read during a stretch: the steps completed by now (never the last:
         the stretch's end is the loop's)."""
         done = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
-        self.bring(seq, len(self.log) + max(0, done))
+        self.bring(seq, self.logged + max(0, done))
 
     def bring(self, seq: SimSeq, upto: int) -> None:
         """Steps [its `_at`, `upto`) into `seq` (positions past `log` are the stretch's)."""
         count = upto - seq._at
         if count <= 0:
             return
-        logged = len(self.log)
-        times = self.log[seq._at : upto]
+        logged = self.logged
+        times = self.log[seq._at : min(upto, logged)]
         if upto > logged:
-            times += self.ends[max(0, seq._at - logged) : upto - logged].tolist()
-        first, last = times[0], times[-1]
+            times = np.concatenate((times, self.ends[max(0, seq._at - logged) : upto - logged]))
+        first, last = float(times[0]), float(times[-1])
         seq.context += count
         if seq._last_s is None:
             seq._first_s = first
         else:
             seq._max_gap_s = max(seq._max_gap_s, first - seq._last_s)
         if count > 1:
-            seq._max_gap_s = max(seq._max_gap_s, max(map(operator.sub, times[1:], times[:-1])))
+            seq._max_gap_s = max(seq._max_gap_s, float(np.max(np.diff(times))))
         seq._last_s = last
         seq._produced += count
         if seq.token_times is not None:
-            seq.token_times.extend(times)
+            seq.token_times.extend(times.tolist())
         self.inst.stats.tokens_out += count
         seq._at = upto
 
     def advance(self, done: int) -> list[SimSeq]:
         """The stretch ends after `done` steps: the members that produced their last
         token, brought up to date and out of the run, in join order."""
-        self.log.extend(self.ends[:done].tolist())
+        if self.logged + done > self.log.size:  # room for it, and as much again
+            self.log = np.concatenate((self.log[: self.logged], np.empty(self.logged + 2 * done)))
+        self.log[self.logged : self.logged + done] = self.ends[:done]
+        self.logged += done
         self.ends = np.empty(0)
-        heap, now, finished = self._finishes, len(self.log), []
+        heap, now, finished = self._finishes, self.logged, []
         while heap and (heap[0][2]._run is not self or heap[0][0] == now):
             seq = heapq.heappop(heap)[2]
             if seq._run is self:
@@ -212,5 +216,5 @@ class _Run:
         """Every member of `seqs` brought up to date and out: the instance re-plans."""
         for seq in seqs:
             if seq._run is self:
-                self.bring(seq, len(self.log))
+                self.bring(seq, self.logged)
                 self.leave(seq)
