@@ -67,6 +67,19 @@ def test_capacity_comes_from_memory() -> None:
     assert roomier.kv_capacity_tokens("B", 8) > s.kv_capacity_tokens("B", 8)
 
 
+def test_a_decode_stretch_priced_per_batch_size_is_the_general_step_model_to_the_bit() -> None:
+    """`decode_s` prices what does not depend on the context once per batch size; every
+    step must still cost exactly what the general model gives it (the plan's output is
+    compared to the last digit across versions)."""
+    for chip, gpus, model in ((CATALOG["A"], 16, MOE), (CATALOG["B"], 8, MOE), (CATALOG["B"], 8, dense_twin(MOE))):
+        physics = Physics(chip, model, gpus)
+        for seqs, contexts in ((1, 900), (7, 7 * 30_000), (128, 128 * 20_000), (600, 600 * 9_000)):
+            for _ in range(2):  # the second call reads the per-batch-size cache
+                fast = physics.decode_s(contexts, seqs, 300)
+                slow = physics.steps_s(decode_stretch(contexts, seqs, 300))
+                assert fast.tolist() == slow.tolist(), (chip.name, gpus, seqs)
+
+
 # ---- 2. the line ---------------------------------------------------------------------------
 
 def test_the_line_reproduces_the_spec_handoff_microbenchmark() -> None:

@@ -9,11 +9,14 @@ machine whose processes share cores (`cpu`), a step first waits for a core.
 Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
 handoff) a decoding instance runs identical steps, except that every context grows by
 one token a step. Rather than one simulation event per step (per token), the instance
-prices the whole stretch up to the next finish in one vectorized call (`steps_s`),
+prices the whole stretch up to the next finish in one vectorized call (`decode_s`),
 and sleeps until its end or until something pokes it (a new sequence, a released
 hold, a stop); then the steps completed so far are applied and the batch is re-planned,
-exactly where step-by-step simulation would have re-planned. A sequence read during a
-stretch (`produced`, `last_s`, ...) first catches up to the steps completed by then.
+exactly where step-by-step simulation would have re-planned. Stretch follows stretch
+in a decode run (`pdd.sim.sequence._Run`) while the batch only decodes: a sequence
+joins as it is admitted and leaves as it finishes or stops, and its own counts and
+times are brought up to date only then, or when read (`produced`, `last_s`, ...), so
+a stretch costs its changes, not a pass over a batch of hundreds.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import simpy
 from pdd.policy.capacity import Room
 from pdd.sim.cache import BlockCache
 from pdd.sim.reserve import ReservationLine
-from pdd.sim.sequence import Hold, SimSeq, _Stretch
-from pdd.sim.steps import StepLoad, StepModel, decode_stretch
+from pdd.sim.sequence import Hold, SimSeq, _Run
+from pdd.sim.steps import StepLoad, StepModel
 
 MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
 
@@ -78,6 +81,7 @@ class Instance:
         self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
         self.unsettled: list[Hold] = []  # reservations whose KV, handoff or fill is still to land
         self.reservations = ReservationLine(self.env)  # required reservations waiting for room
+        self._run: _Run | None = None  # decode-only steps under way (see _stretch)
         self._wake = self.env.event()
         self.env.process(self._loop())
 
@@ -105,7 +109,7 @@ class Instance:
     def hold(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
         """Reserve pool room beside the `pinned` prefix blocks, evicting other cached
         blocks for it; None when the pool cannot hold it now."""
-        new_pins = sum(1 for key in pinned if not self.cache.is_pinned(key))
+        new_pins = self.cache.unpinned(pinned)
         if self.used + tokens + (self.cache.pinned + new_pins) * self.block_tokens > self.capacity_tokens:
             return None
         self.cache.pin(pinned)
@@ -142,6 +146,8 @@ class Instance:
         (at most `step_cap` per step), then produce if `live`."""
         seq.pending += tokens
         seq.live, seq.step_cap = live, step_cap
+        if self._run is not None:
+            self._run.dirty = True
         if seq not in self.running and seq not in self.waiting:
             self.running.append(seq)
         self.poke()
@@ -158,19 +164,26 @@ class Instance:
         if not self._wake.triggered:
             self._wake.succeed()
 
-    def _schedule(self) -> list[tuple[SimSeq, int]]:
-        budget, chunks = self.max_batch_tokens, 0
+    def _schedule(self) -> tuple[list[tuple[SimSeq, int]], bool]:
+        """The next step's batch, and whether it only decodes (a token for each, nothing pending)."""
+        budget, chunks, decodes = self.max_batch_tokens, 0, True
         batch: list[tuple[SimSeq, int]] = []
-        for seq in self.running:
+        for seq in self.running:  # (`_tokens`, inlined: this runs every step over every sequence)
             if budget <= 0:
                 break
-            if seq.pending and self.max_chunks and chunks >= self.max_chunks:
+            pending = seq.pending
+            if pending:
+                if self.max_chunks and chunks >= self.max_chunks:
+                    continue
+                n = min(pending, budget, seq.step_cap or budget)
+                decodes = False
+            elif seq.live and seq._produced < seq.produce:
+                n = 1
+            else:
                 continue
-            n = self._tokens(seq, budget)
-            if n:
-                batch.append((seq, n))
-                budget -= n
-                chunks += n > 1
+            batch.append((seq, n))
+            budget -= n
+            chunks += n > 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             if self.max_chunks and chunks >= self.max_chunks:
                 break
@@ -184,7 +197,8 @@ class Instance:
                 batch.append((seq, n))
                 budget -= n
                 chunks += n > 1
-        return batch
+                decodes = decodes and not seq.pending
+        return batch, decodes
 
     def _admit(self, seq: SimSeq) -> bool:
         seq.hold = self.room_for(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
@@ -200,12 +214,21 @@ class Instance:
         env = self.env
         while True:
             self._wake = env.event()
-            batch = self._schedule()
+            if self._run is not None:
+                if self._run_on():
+                    yield from self._stretch()
+                    continue
+                self._run.dissolve(self.running)
+                self._run = None
+            batch, decodes = self._schedule()
             if not batch:
                 yield self._wake
                 continue
-            if self.stretches and self.cpu is None and all(n == 1 and not s.pending for s, n in batch):
-                yield from self._stretch([s for s, _ in batch])
+            if decodes and self.stretches and self.cpu is None:
+                self._run = run = _Run(self)
+                for seq, _ in batch:
+                    run.join(seq)
+                yield from self._stretch()
                 continue
             seconds = self.steps.step_s(_load(batch))
             started = env.now
@@ -220,16 +243,38 @@ class Instance:
             self.stats.steps += 1
             self._apply(batch)
 
-    def _stretch(self, seqs: list[SimSeq]):
-        """Decode `seqs` until the first of them finishes, or until poked; then apply the
-        steps completed (the one in progress included) and return to re-plan."""
-        env = self.env
-        steps = min(MAX_STRETCH_STEPS, min(s.produce - s._produced for s in seqs))
-        seconds = self.steps.steps_s(decode_stretch(sum(s.context for s in seqs), len(seqs), steps))
-        ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
-        stretch = _Stretch(self, seqs, ends)
-        for s in seqs:
-            s._stretch = stretch
+    def _run_on(self) -> bool:
+        """Whether the next step still only decodes: `_schedule`'s admissions, for a
+        batch that is the run's members (each a token) and sequences with nothing to do.
+        False leaves what it admitted in `running` for `_schedule` to take from there,
+        as it would have: a member's work changed, a chunk came in, or no member is left."""
+        run = self._run
+        assert run is not None  # called with one
+        if run.dirty:
+            return False
+        budget = self.max_batch_tokens - run.members
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.hold is None and not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.pending:
+                return False
+            if seq.live and seq._produced < seq.produce:
+                run.join(seq)
+                budget -= 1
+        return run.members > 0
+
+    def _stretch(self):
+        """Decode the run's members until the first of them finishes, or until poked;
+        then apply the steps completed (the one in progress included) and return to
+        re-plan."""
+        env, run = self.env, self._run
+        assert run is not None  # the loop's
+        steps = min(MAX_STRETCH_STEPS, run.steps_to_finish())
+        seconds = self.steps.decode_s(run.contexts(), run.members, steps)
+        run.ends = ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
         started = env.now
         yield env.timeout(float(ends[-1]) - env.now) | self._wake
         done = len(ends)
@@ -240,10 +285,10 @@ class Instance:
                 done += 1
         self.stats.busy_s += env.now - started
         self.stats.steps += done
-        stretch.catch_up(done - 1)
-        for s in seqs:
-            s._stretch = None
-        self._apply([(s, 1) for s in seqs], float(ends[done - 1]))
+        for seq in run.advance(done):  # these produced their last token
+            self._end(seq)
+            if seq.on_finish is not None:
+                seq.on_finish(seq)
 
     def _apply(self, batch: list[tuple[SimSeq, int]], now: float | None = None) -> None:
         now = self.env.now if now is None else now
@@ -276,6 +321,8 @@ class Instance:
                 seq.on_finish(seq)
 
     def _end(self, seq: SimSeq) -> None:
+        if seq._run is not None:  # a member stopped (brought up to date by its read)
+            seq._run.leave(seq)
         seq.done = True
         if seq in self.running:
             self.running.remove(seq)

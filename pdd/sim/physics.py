@@ -30,7 +30,7 @@ at a fraction of bandwidth, whichever is longer; the parts add up.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -90,14 +90,18 @@ class Physics:
     model: ModelSpec
     gpus: int
     eff: Efficiency = Efficiency()
+    # decode_s's per-batch-size costs (not a field: a cache)
+    _decode_batch: dict[int, tuple[float, float, float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def _peak(self, fp8: bool) -> float:
         return (self.chip.fp8_tflops if fp8 else self.chip.bf16_tflops) * 1e12
 
-    def parts(self, load: StepLoad) -> dict[str, np.ndarray | float]:
-        """Seconds of each part of a step (fields of `load` may be arrays)."""
+    def _batch(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """What a step's new tokens cost whatever their context: dense weights, routed
+        experts, the all-to-all's bytes (seconds each) and its latency."""
         m, e, g = self.model, self.eff, self.gpus
-        tokens = np.asarray(load.new_tokens, dtype=float)
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
         dense = np.maximum(
@@ -119,17 +123,30 @@ class Physics:
             if g > 1:
                 link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
                 comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
+        latency = 0.0
+        if m.moe_layers and g > 1:
+            latency = 2 * m.moe_layers * (e.a2a_latency_up_s if g <= GPUS_PER_NODE else e.a2a_latency_out_s)
+        return dense, experts, comm, latency
+
+    def _attention(self, flops: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
+        """Attention's FLOPs against reading its KV (`kv_tokens`: read and written)."""
+        g, e = self.gpus, self.eff
+        bw = self.chip.mem_bw_gbs * 1e9 * e.mbu
+        kv = self.model.kv_bytes_per_token * kv_tokens
+        return np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
+
+    def parts(self, load: StepLoad) -> dict[str, np.ndarray | float]:
+        """Seconds of each part of a step (fields of `load` may be arrays)."""
+        m, e = self.model, self.eff
+        tokens = np.asarray(load.new_tokens, dtype=float)
+        dense, experts, comm, latency = self._batch(tokens)
         decode_pairs = np.asarray(load.attn_pairs, dtype=float) - np.asarray(load.chunk_pairs, dtype=float)
         flops = (
             m.prefill_flops_per_pair * np.asarray(load.chunk_pairs, dtype=float)
             + m.decode_flops_per_pair * decode_pairs
         )
-        kv = m.kv_bytes_per_token * (np.asarray(load.kv_read_tokens, dtype=float) + tokens)
-        attention = np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
+        attention = self._attention(flops, np.asarray(load.kv_read_tokens, dtype=float) + tokens)
         compute_s = dense + experts + attention
-        latency = 0.0
-        if m.moe_layers and g > 1:
-            latency = 2 * m.moe_layers * (e.a2a_latency_up_s if g <= GPUS_PER_NODE else e.a2a_latency_out_s)
         fixed = e.step_overhead_s + e.chunk_overhead_s * np.asarray(load.chunks, dtype=float)
         return {
             "dense": dense,
@@ -138,6 +155,20 @@ class Physics:
             "all_to_all": np.maximum(0.0, comm - e.ep_overlap * compute_s) + latency,
             "fixed": fixed,
         }
+
+    def decode_s(self, contexts_sum: int, seqs: int, steps: int) -> np.ndarray:
+        """`steps_s` of a decode stretch, with what does not depend on the context priced
+        once per batch size: the same arithmetic, so the same bits (a decode load has no
+        chunks, and its pairs are its KV reads)."""
+        batch = self._decode_batch.get(seqs)
+        if batch is None:
+            dense, experts, comm, latency = self._batch(np.full(1, float(seqs)))
+            batch = self._decode_batch[seqs] = (float((dense + experts)[0]), float(comm[0]), latency)
+        before, comm_s, latency = batch
+        e = self.eff
+        kv = (contexts_sum + seqs * np.arange(1, steps + 1, dtype=np.int64)).astype(float)
+        compute_s = before + self._attention(self.model.decode_flops_per_pair * kv, kv + float(seqs))
+        return compute_s + (np.maximum(0.0, comm_s - e.ep_overlap * compute_s) + latency) + e.step_overhead_s
 
     def steps_s(self, load: StepLoad) -> np.ndarray:
         p = self.parts(load)

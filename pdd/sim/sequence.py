@@ -1,11 +1,12 @@
 """What an instance holds for a request: its pool room (`Hold`), its work (`SimSeq`),
-and a decode stretch's steps not yet applied to it (`_Stretch`, see pdd.sim.instance)."""
+and the decode steps not yet applied to it (`_Run`, see pdd.sim.instance)."""
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,11 +83,12 @@ class SimSeq:
     _first_s: float | None = None
     _last_s: float | None = None
     _max_gap_s: float = 0.0
-    _stretch: _Stretch | None = None
+    _run: _Run | None = None  # the decode run it is a member of, whose steps it has up to `_at`
+    _at: int = 0
 
     def _sync(self) -> None:
-        if self._stretch is not None:
-            self._stretch.catch_up()
+        if self._run is not None:
+            self._run.sync(self)
 
     @property
     def produced(self) -> int:
@@ -118,41 +120,101 @@ class SimSeq:
         if self.token_times is not None:
             self.token_times.append(at)
 
-    def _tokens_run(self, first: float, last: float, count: int, inner_gap: float, times: np.ndarray) -> None:
-        """`count` tokens produced at `times` (ascending, from `first` to `last`, at most
-        `inner_gap` apart): a stretch's steps, in one update."""
-        if self._last_s is None:
-            self._first_s = first
-        else:
-            self._max_gap_s = max(self._max_gap_s, first - self._last_s)
-        self._max_gap_s = max(self._max_gap_s, inner_gap)
-        self._last_s = last
-        self._produced += count
-        if self.token_times is not None:
-            self.token_times.extend(float(t) for t in times)
-
 
 @dataclass(eq=False)
-class _Stretch:
-    """Decode steps of `seqs` ending at `ends`; `applied` of them are in the sequences."""
+class _Run:
+    """An instance's decode-only steps, stretch after stretch, and its `members`: the
+    sequences decoding in each of them. A member's own fields are brought up to date
+    (`bring`) only when it is read, finishes or leaves, so a stretch costs what changes
+    in it, not a pass over the batch: the steps' times are kept (`log`), and the sums a
+    stretch is priced from are kept as members join and leave."""
 
     inst: Instance
-    seqs: list[SimSeq]
-    ends: np.ndarray
-    applied: int = 0
+    # end times of the steps applied, in order: the first `logged` of `log`
+    log: np.ndarray = field(default_factory=lambda: np.empty(1024))
+    logged: int = 0
+    ends: np.ndarray = field(default_factory=lambda: np.empty(0))  # the stretch in progress
+    members: int = 0
+    dirty: bool = False  # a member's work changed outside the run (`Instance.feed`): re-plan it
+    _contexts: int = 0  # sum over members of context - at (a member's context at log length L: that + L)
+    # (log length at its last token, join order, it) of every member, and of some that left
+    _finishes: list[tuple[int, int, SimSeq]] = field(default_factory=list)
+    _joined: int = 0
 
-    def catch_up(self, upto: int | None = None) -> None:
-        """Apply the steps completed by now (never the last: its finish is the loop's)."""
-        if upto is None:
-            upto = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
-        if upto <= self.applied:
+    def join(self, seq: SimSeq) -> None:
+        seq._run, seq._at = self, self.logged
+        self.members += 1
+        self._contexts += seq.context - seq._at
+        self._joined += 1
+        heapq.heappush(self._finishes, (seq._at + seq.produce - seq._produced, self._joined, seq))
+
+    def leave(self, seq: SimSeq) -> None:
+        """(Brought up to date first.)"""
+        seq._run = None
+        self.members -= 1
+        self._contexts -= seq.context - seq._at
+
+    def contexts(self) -> int:
+        """Every member's context now (what the next stretch's first step extends)."""
+        return self._contexts + self.members * self.logged
+
+    def steps_to_finish(self) -> int:
+        """Steps until the first member produces its last token."""
+        heap = self._finishes
+        while heap[0][2]._run is not self:  # it left
+            heapq.heappop(heap)
+        return heap[0][0] - self.logged
+
+    def sync(self, seq: SimSeq) -> None:
+        """A member read during a stretch: the steps completed by now (never the last:
+        the stretch's end is the loop's)."""
+        done = min(bisect.bisect_right(self.ends, self.inst.env.now), len(self.ends) - 1)
+        self.bring(seq, self.logged + max(0, done))
+
+    def bring(self, seq: SimSeq, upto: int) -> None:
+        """Steps [its `_at`, `upto`) into `seq` (positions past `log` are the stretch's)."""
+        count = upto - seq._at
+        if count <= 0:
             return
-        times = self.ends[self.applied : upto]
-        count, first, last = len(times), float(times[0]), float(times[-1])
-        inner = float(np.max(np.diff(times))) if count > 1 else 0.0
-        for seq in self.seqs:
-            if not (seq.done or seq.stopped):
-                seq.context += count
-                seq._tokens_run(first, last, count, inner, times)
-                self.inst.stats.tokens_out += count
-        self.applied = upto
+        logged = self.logged
+        times = self.log[seq._at : min(upto, logged)]
+        if upto > logged:
+            times = np.concatenate((times, self.ends[max(0, seq._at - logged) : upto - logged]))
+        first, last = float(times[0]), float(times[-1])
+        seq.context += count
+        if seq._last_s is None:
+            seq._first_s = first
+        else:
+            seq._max_gap_s = max(seq._max_gap_s, first - seq._last_s)
+        if count > 1:
+            seq._max_gap_s = max(seq._max_gap_s, float(np.max(np.diff(times))))
+        seq._last_s = last
+        seq._produced += count
+        if seq.token_times is not None:
+            seq.token_times.extend(times.tolist())
+        self.inst.stats.tokens_out += count
+        seq._at = upto
+
+    def advance(self, done: int) -> list[SimSeq]:
+        """The stretch ends after `done` steps: the members that produced their last
+        token, brought up to date and out of the run, in join order."""
+        if self.logged + done > self.log.size:  # room for it, and as much again
+            self.log = np.concatenate((self.log[: self.logged], np.empty(self.logged + 2 * done)))
+        self.log[self.logged : self.logged + done] = self.ends[:done]
+        self.logged += done
+        self.ends = np.empty(0)
+        heap, now, finished = self._finishes, self.logged, []
+        while heap and (heap[0][2]._run is not self or heap[0][0] == now):
+            seq = heapq.heappop(heap)[2]
+            if seq._run is self:
+                self.bring(seq, now)
+                self.leave(seq)
+                finished.append(seq)
+        return finished
+
+    def dissolve(self, seqs: Sequence[SimSeq]) -> None:
+        """Every member of `seqs` brought up to date and out: the instance re-plans."""
+        for seq in seqs:
+            if seq._run is self:
+                self.bring(seq, self.logged)
+                self.leave(seq)

@@ -74,6 +74,10 @@ class StepModel(Protocol):
 
     def steps_s(self, load: StepLoad) -> np.ndarray: ...
 
+    def decode_s(self, contexts_sum: int, seqs: int, steps: int) -> np.ndarray:
+        """`steps_s(decode_stretch(contexts_sum, seqs, steps))`: a decode stretch's steps."""
+        ...
+
 
 @dataclass(frozen=True)
 class Fitted:
@@ -99,6 +103,9 @@ class Fitted:
 
     def step_s(self, load: StepLoad) -> float:
         return float(self.steps_s(load))
+
+    def decode_s(self, contexts_sum: int, seqs: int, steps: int) -> np.ndarray:
+        return self.steps_s(decode_stretch(contexts_sum, seqs, steps))
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)

@@ -141,40 +141,41 @@ class TcpLink(Delivery):
         window = min(c.cwnd, self.tcp.window_bytes) if c.ramping else self.tcp.window_bytes
         return window / self.rtt_s
 
-    def _allocate(self) -> None:
-        """Max-min fair shares of the line, urgent connections first."""
+    def _allocate(self, busy: list[_Conn]) -> None:
+        """Max-min fair shares of the line among the `busy` connections, urgent ones first
+        (an idle one's rate is 0 from when its last transfer finished)."""
         left = self.line.bytes_per_s * (1.0 - self.tcp.cross_traffic)
-        for c in self.conns.values():
+        wanting = []
+        for c in busy:
             c.rate = 0.0
-        wanting = [(self._demand(c), c) for c in self.conns.values() if c.transfers]
-        for priority in sorted({c.priority for _, c in wanting}):
+            wanting.append((self._demand(c), c))
+        for priority in sorted({c.priority for c in busy}):
             tier = sorted(((d, c) for d, c in wanting if c.priority == priority and d > 0), key=lambda dc: dc[0])
             for i, (demand, c) in enumerate(tier):
                 c.rate = min(demand, left / (len(tier) - i))
                 left -= c.rate
 
-    def _advance(self) -> None:
-        """Account for the bytes moved since the last re-plan."""
+    def _advance(self, busy: list[_Conn] | None = None) -> None:
+        """Account for the bytes moved since the last re-plan (by `busy`: the connections
+        with transfers, when known)."""
         now = self.env.now
         elapsed, self._last = now - self._last, now
         if elapsed <= 0:
             return
-        for c in self.conns.values():
+        for c in self.conns.values() if busy is None else busy:
             if c.rate > 0 and c.transfers:
                 moved = elapsed * c.rate / len(c.transfers)
                 for t in c.transfers:
                     t.left -= moved
 
-    def _end_rounds(self) -> None:
+    def _end_rounds(self, busy: list[_Conn]) -> None:
         """A ramping connection at the end of a round trip: it lost a segment (a timeout,
         then slow start again), or its window doubles, or it has reached what the line or
-        its buffers allow (it stops ramping)."""
+        its buffers allow (it stops ramping). (An idle one's round is started afresh by
+        the send that makes it busy again.)"""
         now = self.env.now
-        for c in self.conns.values():
+        for c in busy:
             if not c.ramping or c.round_end > now:
-                continue
-            if not c.transfers:
-                c.round_end = math.inf
                 continue
             segments = min(c.cwnd, self.tcp.window_bytes) / self.tcp.mss_bytes
             if self.rng.random() < 1.0 - (1.0 - self.tcp.loss_per_segment) ** segments:
@@ -193,25 +194,23 @@ class TcpLink(Delivery):
 
     def _run(self):
         while True:
-            self._advance()
-            self._end_rounds()
+            busy = [c for c in self.conns.values() if c.transfers]
+            self._advance(busy)
+            self._end_rounds(busy)
             now = self.env.now
-            for c in self.conns.values():
+            for c in busy:
                 residue = max(1e-6, c.rate * 1e-9)  # a nanosecond's bytes: float residue, not data
                 finished = [t for t in c.transfers if t.left <= residue]
                 for t in finished:
                     c.transfers.remove(t)
                     self.env.process(self._deliver(t.done))
                 if finished and not c.transfers:
-                    c.idle_since = now
-            self._allocate()
-            events = [c.round_end for c in self.conns.values() if c.transfers and c.ramping]
-            events += [c.stalled_until for c in self.conns.values() if c.transfers and c.stalled_until > now]
-            events += [
-                now + min(t.left for t in c.transfers) * len(c.transfers) / c.rate
-                for c in self.conns.values()
-                if c.transfers and c.rate > 0
-            ]
+                    c.idle_since, c.rate = now, 0.0
+            busy = [c for c in busy if c.transfers]
+            self._allocate(busy)
+            events = [c.round_end for c in busy if c.ramping]
+            events += [c.stalled_until for c in busy if c.stalled_until > now]
+            events += [now + min(t.left for t in c.transfers) * len(c.transfers) / c.rate for c in busy if c.rate > 0]
             self._wake = self.env.event()
             if not events:
                 yield self._wake

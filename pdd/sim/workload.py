@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pdd.workload.agentic import AgenticConfig, plan_session_shapes
 from pdd.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
 
+KEY_STRIDE = 1 << 32  # more blocks than any context has
+
 
 @dataclass(frozen=True)
 class SimTurn:
@@ -40,8 +42,13 @@ class SimSession:
         n = tokens // block
         if self.trace_keys:
             return list(self.trace_keys[:n]) + [(self.id, i) for i in range(len(self.trace_keys), n)]
-        shared = self.shared_tokens // block
-        return [("shared", i) if i < shared else (self.id, i) for i in range(n)]
+        # Plain ints (a tuple's hash is computed at every look-up, and caches look these
+        # up by the hundred per request): the shared prefix's block i is -1 - i, a
+        # session's own block i is id * KEY_STRIDE + i.
+        shared = min(n, self.shared_tokens // block)
+        own = self.id * KEY_STRIDE
+        keys: list[Hashable] = [-1 - i for i in range(shared)]
+        return keys + list(range(own + shared, own + n))
 
 
 def agentic_sessions(config: AgenticConfig, requests: int, rate: float) -> list[SimSession]:
