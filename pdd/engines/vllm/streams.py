@@ -16,6 +16,9 @@ is computed the same way, in the shadow. The rules vLLM imposes on such chunks:
 * a chunk must bring at least one token to compute, so a shadow chunk holds back its
   last token for the next chunk (the final chunk, after a catch-up that computed
   everything, still has one token to compute and so a position to sample from);
+* one of vLLM's outputs may cover several chunks (vLLM merges the outputs its reader has
+  not taken yet), so a chunk computed for its KV ends with its one token, not with a
+  finish reason (`_end_kv_chunks`);
 * the prompt's last token is recomputed once, when the load completes: vLLM never
   schedules a request with nothing to compute (`Scheduler._update_waiting_for_remote_kv`
   sets `num_computed_tokens = num_tokens - 1` for a fully loaded prompt). It is the
