@@ -178,6 +178,46 @@ def test_catch_up_rounds_extend_the_same_vllm_request(engines, vllm_reference):
     assert engines.vllm.stats()["computed_by_request"]["cu"] == 1 + 20 + (GREEDY.max_tokens - 20 - 1)
 
 
+def test_a_final_chunk_vllm_merged_into_the_load_chunks_output_still_streams(engines, vllm_reference, monkeypatch):
+    """vLLM merges the outputs its reader has not taken yet (`RequestOutputCollector.put`), across a
+    session's chunks too: here the load chunk's dropped token and the final chunk's tokens come
+    as one output, as when the instance's loop is busy for a step or two. (It was the stall under
+    load: the final chunk's tokens were read as the load chunk's and dropped.)"""
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    prompt = [t ^ 6 for t in _prompts()[0]]
+    want = vllm_reference.greedy(prompt, GREEDY.max_tokens)
+    v, gate, read = engines.vllm, asyncio.Event(), []
+    real_get = RequestOutputCollector.get
+
+    async def late_get(self):  # the reader of request "mg" is late for its first output
+        if self.request_id.startswith("mg-"):
+            await gate.wait()
+        out = await real_get(self)
+        if self.request_id.startswith("mg-") and not read:
+            read.append(len(out.outputs[0].token_ids))
+        return out
+
+    monkeypatch.setattr(RequestOutputCollector, "get", late_get)
+
+    async def scenario() -> list[int]:
+        first = await _prefill(engines.embedded, "mgp", prompt, GREEDY)
+        hit = await v.reserve("mg", prompt, GREEDY)
+        blob = await engines.embedded.export_kv("mgp", hit, len(prompt))
+        await engines.embedded.release("mgp")
+        await v.import_kv("mg", blob)
+        watch = v.watch("mg")
+        await v.start("mg", [first])
+        await asyncio.sleep(1.0)  # vLLM computes the load chunk, then the final chunk's tokens: nobody reads them
+        gate.set()
+        async with asyncio.timeout(20):
+            return [first] + await _tokens(watch)
+
+    assert engines.run(scenario(), timeout=60) == want
+    assert read[0] > 1  # the premise: the first output pdd read was the load chunk's and more
+    engines.run(_settled(v))
+
+
 def test_the_next_turn_hits_vllms_own_cache(engines, vllm_reference):
     prompt = [t ^ 3 for t in _prompts()[3]]
     _, out, _ = engines.run(_move(engines.embedded, engines.vllm, "t1", prompt, GREEDY))

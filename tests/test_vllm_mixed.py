@@ -65,14 +65,21 @@ def test_seeded_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
     from pdd.engine_port import EngineConfig
     from pdd.sampling import SamplingParams
 
-    first = prompt(200, 600)  # fresh: P samples position 0, the relay the next, MD the rest
-    got = stream_completion(dep.url, first, 120, **SEEDED)
-    turn = first + got["ids"] + prompt(201, 20)  # a second turn: P, then MD
-    got2 = stream_completion(dep.url, turn, 40, **SEEDED)
     engine = Engine(tiny_model_dir, EngineConfig())
     params = SamplingParams(max_tokens=120, ignore_eos=True, **SEEDED)
-    want, want2 = engine.generate([first], params)[0], engine.generate([turn], replace(params, max_tokens=40))[0]
+    # fresh prompts: P samples position 0, the relay the next, MD the rest. On a loaded machine
+    # the relay may finish alone before MD is ready (the design's answer to a slow MD): that
+    # request is still checked, and another is sent, a few times, until MD took over one
+    for attempt in range(4):
+        first = prompt(200 + 2 * attempt, 600)
+        got = stream_completion(dep.url, first, 120, **SEEDED)
+        assert got["ids"] == engine.generate([first], params)[0]
+        if got["record"]["md_output_tokens"] > 0:
+            break
+    else:
+        raise AssertionError(f"four requests in a row were not handed over to MD in time: {got['record']}")
+    turn = first + got["ids"] + prompt(201, 20)  # a second turn: P, then MD
+    got2 = stream_completion(dep.url, turn, 40, **SEEDED)
     print(f"\nseeded: {got['record']['pipeline']}/{got['record']['handoff']}, then {got2['record']['pipeline']}")
-    assert got["record"]["md_output_tokens"] > 0 and got["ids"] == want
-    assert got2["ids"] == want2
+    assert got2["ids"] == engine.generate([turn], replace(params, max_tokens=40))[0]
     _settled(dep)

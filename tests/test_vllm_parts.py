@@ -17,11 +17,15 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
+
 from pdd import config as cfg  # noqa: E402
 from pdd.engine.sampler import sample  # noqa: E402
 from pdd.engine_port import EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
-from pdd.engines.vllm import bridge  # noqa: E402
+from pdd.engines.vllm import bridge, streams  # noqa: E402
 from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
 from pdd.engines.vllm.events import VllmHashes  # noqa: E402
 from pdd.engines.vllm.layout import CpuPackedLayout, TokenMajorLayout, cpu_isa  # noqa: E402
@@ -118,10 +122,10 @@ def test_bridge_carries_json_and_payload_and_refuses_strangers():
         channel = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         channel._sock.connect(server.path)
         channel.send({"op": "hello", "token": "wrong", "side": "worker"})
-        channel.send({"op": "write"}, b"x" * 10)
         try:
+            channel.send({"op": "write"}, b"x" * 10)  # (the server may have closed already: a broken pipe)
             stranger_gone = channel._sock.recv(1) == b""
-        except ConnectionResetError:  # (it closed with our frame unread)
+        except (BrokenPipeError, ConnectionResetError):  # (or it closed with our frame unread)
             stranger_gone = True
         c = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         c._sock.connect(server.path)
@@ -224,6 +228,69 @@ def test_usage_is_reported_when_it_changes(scheduler):
     side.report_usage()
     assert [h for h in sent if h["op"] == "load"] == [{"op": "load", "used_blocks": 90},
                                                        {"op": "load", "used_blocks": 0}]
+
+
+# ---- a streaming session's outputs ------------------------------------------------------------
+
+def _session(*kinds: tuple[str, int]) -> tuple[streams.Request, streams.Watch]:
+    req = streams.Request("s1", [1, 2, 3], SamplingParams(max_tokens=8), 0, session=True)
+    req.chunks.extend(kinds)
+    watch = streams.Watch(lambda: None)
+    req.watchers.append(watch)
+    return req, watch
+
+
+def _vllm_output(tokens: list[int], reason: str | None) -> RequestOutput:
+    return RequestOutput("s1", None, [1, 2, 3], None, [CompletionOutput(0, "", tokens, None, None,
+                                                                        finish_reason=reason)], False)
+
+
+def _delivered(req: streams.Request, watch: streams.Watch, outputs: list[RequestOutput], merged: bool) -> tuple:
+    """What pdd's watchers see of `outputs`, read one by one or after vLLM's collector merged them
+    all (its consumer late: what a busy loop does); [(token, finish, caught_up)]."""
+    collector = RequestOutputCollector(RequestOutputKind.DELTA, "s1")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    done = []
+    for out in outputs:
+        collector.put(out)
+        if not merged:
+            done.append(streams.deliver(req, collector.get_nowait()))
+    if merged:
+        out = collector.get_nowait()
+        assert len(out.outputs[0].token_ids) == total  # (the collector merges in place, into the first)
+        done.append(streams.deliver(req, out))
+    seen = []
+    while not watch.queue.empty():
+        o = watch.queue.get_nowait()
+        seen.append((o.token, o.finish_reason, o.caught_up))
+    return seen, done[-1]
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["one-by-one", "merged"])
+def test_a_final_chunk_glued_to_the_load_chunk_still_streams(merged):
+    """The load chunk's dropped token and finish, then the final chunk's tokens: the final
+    chunk's tokens are the outputs, however vLLM's collector grouped them."""
+    req, watch = _session((streams.LOAD, 0), (streams.FINAL, 1))
+    outs = [_vllm_output([9], "length"), _vllm_output([11, 12], None), _vllm_output([13], "length")]
+    seen, done = _delivered(req, watch, outs, merged)
+    assert [(t, f) for t, f, _ in seen] == [(11, None), (12, None), (13, "length")]
+    assert done and req.outputs == [11, 12, 13] and list(req.chunks) == [(streams.FINAL, 1)]
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["one-by-one", "merged"])
+def test_catch_up_chunks_glued_together_each_report_caught_up(merged):
+    req, watch = _session((streams.LOAD, 0), (streams.SHADOW, 3), (streams.SHADOW, 5), (streams.FINAL, 6))
+    outs = [_vllm_output([9], "length"), _vllm_output([1], "length"), _vllm_output([2], "length"),
+            _vllm_output([21], None)]
+    seen, done = _delivered(req, watch, outs, merged)
+    assert seen == [(None, None, 3), (None, None, 5), (21, None, None)]
+    assert not done and req.outputs == [21]
+
+
+def test_a_kv_chunk_ended_without_its_token_ends_alone():
+    req, watch = _session((streams.LOAD, 0), (streams.FINAL, 1))
+    seen, done = _delivered(req, watch, [_vllm_output([], "abort")], merged=False)
+    assert seen == [] and not done and list(req.chunks) == [(streams.FINAL, 1)]
 
 
 # ---- pdd's [engine] table as vLLM's arguments ------------------------------------------------------

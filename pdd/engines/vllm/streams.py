@@ -16,6 +16,9 @@ is computed the same way, in the shadow. The rules vLLM imposes on such chunks:
 * a chunk must bring at least one token to compute, so a shadow chunk holds back its
   last token for the next chunk (the final chunk, after a catch-up that computed
   everything, still has one token to compute and so a position to sample from);
+* one of vLLM's outputs may cover several chunks (vLLM merges the outputs its reader has
+  not taken yet), so a chunk computed for its KV ends with its one token, not with a
+  finish reason (`_end_kv_chunks`);
 * the prompt's last token is recomputed once, when the load completes: vLLM never
   schedules a request with nothing to compute (`Scheduler._update_waiting_for_remote_kv`
   sets `num_computed_tokens = num_tokens - 1` for a fully loaded prompt). It is the
@@ -156,12 +159,7 @@ def deliver(req: Request, out: Any) -> bool:
         log.warning("vLLM ended request %s: %s (%s)", req.rid, reason, c.stop_reason)
         req.emit(RuntimeError(f"vLLM ended request {req.rid}: {reason}"))
         return True
-    kind = req.chunks[0][0] if req.session and req.chunks else FINAL
-    if kind != FINAL:  # a chunk computed for its KV: its sampled token is not an output
-        if reason is not None:
-            _, held = req.chunks.popleft()
-            if kind == SHADOW:
-                req.emit(StepOutput(req.rid, None, None, caught_up=held))
+    if req.session and _end_kv_chunks(req, tokens, reason):
         return False
     cached = req.hit if req.session else (out.num_cached_tokens or 0)
     for i, token in enumerate(tokens):
@@ -171,3 +169,33 @@ def deliver(req: Request, out: Any) -> bool:
     if reason is not None and not tokens:
         req.emit(StepOutput(req.rid, None, FINISH_REASONS[reason], cached))
     return reason is not None
+
+
+def _end_kv_chunks(req: Request, tokens: list[int], reason: str | None) -> bool:
+    """End the chunks computed only for their KV that this output covers, taking their
+    dropped tokens off `tokens` (in place); True when nothing of it is left to emit.
+
+    One output can cover several chunks: vLLM's `RequestOutputCollector` merges DELTA
+    outputs its consumer has not read yet (`RequestOutput.add(aggregate=True)`), across a
+    streaming session's chunks too, keeping only the last finish reason. So the load
+    chunk's token and finish can arrive glued to the final chunk's first tokens, when
+    the final chunk was queued behind the load (vLLM's `Scheduler._handle_stopped_request`
+    starts it in the next step) and this loop was busy for a step. Read by finish
+    reason, that output ended the load chunk and dropped the final chunk's tokens; the
+    final chunk then waited for outputs that had come already, and its request sat
+    finished in vLLM (WAITING_FOR_STREAMING_REQ), its session never ended. A chunk computed
+    for its KV samples exactly one token (`chunk_params`), so here each such chunk ends
+    with its first token, whatever the output's finish reason says."""
+    spent = False  # the output's finish reason was a KV chunk's: nothing is left to emit
+    while req.chunks and req.chunks[0][0] != FINAL:
+        if tokens:
+            del tokens[0]
+            spent = not tokens
+        elif reason is not None and not spent:  # ended without its token (vLLM aborted it)
+            spent = True
+        else:
+            break
+        kind, held = req.chunks.popleft()
+        if kind == SHADOW:
+            req.emit(StepOutput(req.rid, None, None, caught_up=held))
+    return spent
