@@ -17,7 +17,7 @@ import numpy as np
 
 from pdd.policy.plan import SPEC_CONTEXT
 from pdd.sim.physics import Physics
-from pdd.sim.steps import StepLoad
+from pdd.sim.steps import StepLoad, decode_stretch
 
 
 def token_scale(max_context: int) -> float:
@@ -57,6 +57,9 @@ class EmulatedSteps:
 
     def steps_s(self, load: StepLoad) -> np.ndarray:
         return np.asarray(self.dilation * self.physics.steps_s(scaled(load, self.scale)), dtype=float)
+
+    def decode_s(self, contexts_sum: int, seqs: int, steps: int) -> np.ndarray:
+        return self.steps_s(decode_stretch(contexts_sum, seqs, steps))
 
     def step_s(self, load: StepLoad) -> float:
         if not np.any(np.asarray(load.seqs)):
