@@ -204,6 +204,17 @@ def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:
         time.sleep(0.1)
 
 
+def session_turns(url: str, first: list[int], added: list[list[int]], max_tokens: int) -> tuple[list, list[dict]]:
+    """A session's turns, each sent the moment the one before ends (an agent's): the
+    first prompt, then each time the last prompt, its output and the next of `added`.
+    (prompts, their streamed completions)."""
+    prompts, done = [first], [stream_completion(url, first, max_tokens)]
+    for more in added:
+        prompts.append(prompts[-1] + done[-1]["ids"] + more)
+        done.append(stream_completion(url, prompts[-1], max_tokens))
+    return prompts, done
+
+
 def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: float = 180,
                       stop_after: int | None = None, **extra: Any) -> dict:
     """One streamed greedy completion: its token ids, its `pdd` record, its error, its

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import metrics, pdd_up, standalone, stream_completion, wait_until
+from procs import metrics, pdd_up, session_turns, standalone, stream_completion, wait_until
 from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
@@ -503,6 +503,25 @@ def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, coloc
     assert second["record"]["d_hit_tokens"] >= held > len(prompt), second["record"]
     assert second["error"] is None and second["ids"] == colocated(turn, 20)
     assert counted == _said(first, second)
+
+
+def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(patient, colocated):
+    """Three turns of a session, each sent as the last ends, all finished by the relay
+    while the first one's KV still crawls to MD: at MD the second waits for the first to
+    land, the third for the second. When the first lands, the second must not wait for
+    the third, whose prompt holds all of its own: the two would each sit out MD's bound
+    on such waits (`PREFIX_WAIT_S`), waiting for each other."""
+    dep, md = patient, patient.http["md0"]
+    rng = random.Random(72)
+    expired = _stats(md)["node"]["prefix_waits_expired"]
+    with _narrowed(dep, 4.0):  # the first turn's 2.4 MB take five seconds
+        prompts, done = session_turns(dep.url, [rng.randrange(16, 4096) for _ in range(600)],
+                                      [[rng.randrange(16, 4096) for _ in range(64)] for _ in range(2)], 16)
+        wait_until(lambda: not _held(md), 60, "MD to take in the three turns' KV and fills")
+    for g, p in zip(done, prompts, strict=True):
+        assert g["error"] is None and g["ids"] == colocated(p, 16), g["record"]
+        assert g["record"]["rld_output_tokens"] == 16 and "relay_finished" in g["record"]["fallback"]
+    assert _stats(md)["node"]["prefix_waits_expired"] == expired
 
 
 def test_a_client_disconnect_aborts_the_request_on_the_relay(patient):

@@ -4,7 +4,8 @@ weights through P -> MD and P -> RLD -> MD with one-shot and catch-up handoffs (
 policy picks them: a second turn's small delta goes P -> MD, a fresh prompt through
 the relay, one stalled on the line long enough to hand over by catch-up); a second
 turn moves only the KV MD's vLLM lacks and MD's vLLM computes only what it must;
-client disconnects and a dead relay give every vLLM block back."""
+turns queued at MD behind a landing fill never wait for each other; client
+disconnects and a dead relay give every vLLM block back."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import kv_bytes_per_token, stream_completion, vllm_settled, wait_until
-from vllm_scenarios import OUTPUT, assert_pdd_shapes, deployment, pipelines, prompt, rid
+from procs import kv_bytes_per_token, session_turns, stream_completion, vllm_settled, wait_until
+from vllm_scenarios import LINE, OUTPUT, assert_pdd_shapes, deployment, pipelines, prompt, rid
 
 pytest.importorskip("vllm")
 
@@ -29,6 +30,10 @@ def dep(tmp_path_factory):
 
 def _engine(dep, name: str) -> dict:
     return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+
+
+def _node(url: str) -> dict:
+    return httpx.get(f"{url}/pdd/stats").json()["node"]
 
 
 def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, vllm_reference, tiny_model_dir):
@@ -61,6 +66,29 @@ def test_client_disconnects_give_vllms_blocks_back(dep):
     aborted = httpx.get(f"{dep.url}/pdd/stats").json()
     print(f"\nafter 3 disconnects: {[(s['used_blocks'], s['aborted']) for s in stats]}, "
           f"router {aborted.get('aborted')}")
+
+
+def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(dep, vllm_reference):
+    """Three turns of a session, each sent as the last ends, all finished by the relay
+    while the first one's KV still crawls to MD (4 Mbit/s: five seconds): at MD the second
+    waits for the first to land, the third for the second. When the first lands, the
+    second must not wait for the third, whose prompt holds all of its own: the two sat
+    out MD's bound on such waits (`PREFIX_WAIT_S`, 10 s) each, waiting for each other
+    (the 10 s first tokens of `pdd bench serve` against vLLM, for the P -> MD turn after)."""
+    md = dep.http["md0"]
+    expired = _node(md)["prefix_waits_expired"]
+    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    try:
+        prompts, done = session_turns(dep.url, prompt(50, 600), [prompt(51, 64), prompt(52, 64)], 16)
+        wait_until(lambda: not _node(md)["held"], 60, "MD to take in the three turns' KV and fills")
+    finally:
+        httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": LINE["bandwidth_mbps"]},
+                   timeout=5).raise_for_status()
+    for g, p in zip(done, prompts, strict=True):
+        assert g["error"] is None and g["ids"] == vllm_reference.greedy(p, 16), g["record"]
+    assert [(g["record"]["pipeline"], g["record"]["md_output_tokens"]) for g in done] == [("P-RLD-MD", 0)] * 3
+    assert _node(md)["prefix_waits_expired"] == expired
+    vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
 
 
 def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, vllm_reference):

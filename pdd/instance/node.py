@@ -119,6 +119,7 @@ class Node:
             "held": self.role.held(),
             "peak_held": self.peak_held,
             "reservations_waiting": len(waiting) if waiting is not None else 0,
+            "prefix_waits_expired": getattr(self.role, "prefix_waits_expired", 0),  # (decode-side roles)
             "aborted": self.aborted.count,
         }
 

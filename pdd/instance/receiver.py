@@ -73,6 +73,7 @@ class DecodeSide(Generic[J]):
         self.engine = host.engine
         self.job_type = job_type
         self.jobs: dict[str, J] = {}
+        self.prefix_waits_expired = 0  # reservations that waited PREFIX_WAIT_S for a prefix holder in vain
         self.line: ReservationLine[J] = ReservationLine(
             lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued"))
         )
@@ -175,15 +176,31 @@ class DecodeSide(Generic[J]):
         prompt = job.reserve.prompt
         while True:
             cached = await self.engine.cached_prefix(prompt)
-            others = [o for o in self.jobs.values() if o is not job and not o.settled.is_set() and o.reserve.use_cache]
+            others = self._may_hold(job)
             i = prefix_holder(prompt, cached, self.engine.page_size, [o.reserve.prompt + o.output for o in others])
-            left = deadline - time.monotonic()
-            if i is None or left <= 0:
+            if i is None:
                 return
             try:
-                await asyncio.wait_for(others[i].settled.wait(), left)
+                await asyncio.wait_for(others[i].settled.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
+                self.prefix_waits_expired += 1
+                log.info("%s: %s did not land within %g s; reserving without it", job.rid, others[i].rid, PREFIX_WAIT_S)
                 return
+
+    def _may_hold(self, job: J) -> list[J]:
+        """The unsettled requests `job` may wait for: those reserved, and those that came
+        before it (`jobs` is in arrival order). One that came later and is not reserved
+        yet may itself be waiting, for `job`: a session's next turn, sent while this turn
+        waits for the one before, holds all of this prompt. Two requests waiting for each
+        other would both sit out PREFIX_WAIT_S; waiting only ever on an earlier arrival
+        or on a reservation (which waits for nothing) cannot go round in a circle."""
+        out, earlier = [], True
+        for o in self.jobs.values():
+            if o is job:
+                earlier = False
+            elif (earlier or o.reserved) and not o.settled.is_set() and o.reserve.use_cache:
+                out.append(o)
+        return out
 
     async def _reserve(self, job: J) -> None:
         r = job.reserve
