@@ -74,7 +74,7 @@ def emulated_steps(hardware: str, scale: float, dilation: float = 1.0) -> Emulat
     from pdd.sim.paper import SETTING
 
     if hardware not in CATALOG:
-        raise ValueError(f"unknown hardware {hardware!r}: one of {sorted(CATALOG)}")
+        raise ValueError(f"unknown hardware {hardware!r}: native, or one of {sorted(CATALOG)}")
     chip = CATALOG[hardware]
     gpus = SETTING.instance_gpus(hardware) or 8
     return EmulatedSteps(Physics(chip, SETTING.model, gpus, SETTING.eff), scale, dilation, hardware)
