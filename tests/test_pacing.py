@@ -15,16 +15,16 @@ from pdd.engine_port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
 from pdd.sampling import SamplingParams
 from pdd.sim.emulated import scaled, token_scale
-from pdd.sim.steps import EMPTY, add, chunk_load
+from pdd.sim.steps import EMPTY, StepLoad, add, chunk_load
 
 
 def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():
     a, b = StepPacer("A", 16.0), StepPacer("B", 16.0)
-    prefill, decode = [(0, 2048)], [(2000, 1)] * 16
+    prefill, decode = [(0, 2048, 2048)], [(2000, 1, 1900)] * 16
     assert a.step_s(prefill) < b.step_s(prefill)  # A: compute per price
     assert b.step_s(decode) < a.step_s(decode)  # B: bandwidth
     assert StepPacer("A", 16.0, dilation=3.0).step_s(prefill) == pytest.approx(3 * a.step_s(prefill))
-    assert a.step_s([(4000, 1)]) > a.step_s([(100, 1)])  # a decode reads its whole context
+    assert a.step_s([(4000, 1, 3900)]) > a.step_s([(100, 1, 50)])  # a decode reads its whole context
     assert token_scale(4096) == 16 and token_scale(1 << 20) == 1
     with pytest.raises(ValueError, match="unknown hardware"):
         StepPacer("Z80", 16.0)
@@ -72,15 +72,29 @@ def test_pdd_up_puts_p_and_the_relay_on_a_md_on_b_and_same_dc_pd_all_on_a():
 
 
 def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
-    """The pacer prices a step from its total load (`scaled`), exactly as if each of its
-    chunks and contexts were `s` times longer and each decode still one token."""
-    computed, s = [(0, 300), (1200, 40), (2000, 1), (3000, 1)], 16.0
+    """The pacer prices a step from its total load (`scaled`), exactly as if each prompt
+    chunk and context were `s` times longer, and each decode, and each output a chunk
+    computes again (MD's extend of relay tokens), still one token over a context s times
+    longer: outputs are not scaled, so a handoff's extend costs what its tokens cost."""
+    # (start, tokens, prompt): two prompt chunks, two decodes, an extend of 20 relay tokens
+    # and one that also computes the last 10 prompt tokens
+    computed, s = [(0, 300, 2000), (1200, 40, 2000), (2000, 1, 1500), (3000, 1, 2900), (990, 20, 990),
+                   (980, 30, 990)], 16.0
     total = EMPTY
-    for start, n in computed:
-        total = add(total, chunk_load(start, n))
+    for start, n, prompt in computed:
+        total = add(total, chunk_load(start, n, prompt))
     each = EMPTY
-    for start, n in computed:
-        each = add(each, chunk_load(round(start * s), round(n * s) if n > 1 else 1))
+    for start, n, prompt in computed:
+        if n == 1:
+            each = add(each, chunk_load(round(start * s), 1))
+            continue
+        body = max(0, min(start + n, prompt) - start)  # prompt tokens: a chunk s times longer
+        pairs = chunk_load(round(start * s), round(body * s)).attn_pairs
+        each = add(each, StepLoad(round(body * s), pairs, 1, 0, 1, pairs))
+        for q in range(start + body, start + n):  # each output: one token at s x its context
+            each = add(each, StepLoad(1, s * q + 1, 0, 0, 0, s * q + 1, 1, s * q + 1))
     got = scaled(total, s)
-    for name in ("new_tokens", "attn_pairs", "seqs", "kv_read_tokens", "chunks", "chunk_pairs"):
+    for name in ("new_tokens", "attn_pairs", "seqs", "chunks", "chunk_pairs", "output_tokens", "output_pairs"):
         assert float(getattr(got, name)) == pytest.approx(float(getattr(each, name))), name
+    # the extend of 20 relay tokens is priced as 20 tokens, not 320: what a handoff's stall rests on
+    assert float(got.new_tokens) == 300 * s + 40 * s + 2 + 20 + 10 * s + 20

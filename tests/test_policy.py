@@ -93,7 +93,7 @@ def test_plan_picks_roles_and_never_plans_relay_alone_unless_filtered():
     plan = plan_request(500, 200, _cands("p0"), _cands("md0", hit=480), _cands("rld0"), rule)
     assert (plan.entry, plan.relay, plan.main, plan.predicted_hit, plan.anomalous) == ("p0", "rld0", "md0", 480, False)
     filtered = plan_request(3000, 4, _cands("p0"), _cands("md0"), _cands("rld0"), rule)
-    assert (filtered.entry, filtered.main, filtered.relay, filtered.anomalous) == ("rld0", None, "rld0", True)
+    assert (filtered.entry, filtered.main, filtered.relay, filtered.anomalous) == ("p0", None, "rld0", True)
     # the same request without a relay tier (plain P/D) is not filtered
     assert plan_request(3000, 4, _cands("p0"), _cands("md0"), [], rule).main == "md0"
     assert plan_request(300, 4, _cands("p0"), [], [], rule).main is None  # colocated
@@ -156,6 +156,19 @@ def test_playout_keeps_a_reserve_while_a_relay_produces_and_spends_it_at_the_han
     assert next_release_s(4, 0.005, False, p) is None
     assert release(3, 9, 0.0, False, False, p) == 3  # the main instance produces: all at once
     assert release(3, 1, 0.0, True, False, Playout(0, 0.02)) == 3  # no reserve configured
+
+
+def test_the_reserve_lasts_the_handoff_gap_measured_at_the_main_instances_pace():
+    from pdd.policy.playout import MAX_RESERVE, observe_stall, reserve_tokens
+
+    assert reserve_tokens(None, 0.02, 4) == 4  # nothing measured yet: the configured reserve
+    assert reserve_tokens(0.15, 0.02, 4) == 8  # 150 ms at 20 ms a token
+    assert reserve_tokens(0.03, 0.02, 4) == 4  # never under the configured one
+    assert reserve_tokens(0.15, 0.02, 0) == 0  # 0: no reserve at all
+    assert reserve_tokens(10.0, 0.02, 4) == MAX_RESERVE
+    assert observe_stall(None, 0.1) == 0.1
+    assert observe_stall(0.1, 0.3) == 0.3  # a slow handoff raises it at once
+    assert observe_stall(0.3, 0.1) == pytest.approx(0.28)  # a quick one lowers it slowly
 
 
 def test_missing_roles_are_what_a_plan_would_refuse():

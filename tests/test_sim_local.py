@@ -68,7 +68,7 @@ def test_an_emulated_demo_is_simulated_on_its_chips_in_its_time_and_with_its_mod
     assert [r.steps.name for r in cross.roles] == ["A", "A", "B"]
     assert cross.wan.gbps == pytest.approx(scenario.bandwidth_mbps / 3 / 1000)  # the line in emulated time
     # the simulated steps are the pacer's own (the live runtime holds each step to this function)
-    assert cross.roles[2].steps.step_s(chunk_load(2000, 1)) == StepPacer("B", 16.0, 3.0).step_s([(2000, 1)])
+    assert cross.roles[2].steps.step_s(chunk_load(2000, 1)) == StepPacer("B", 16.0, 3.0).step_s([(2000, 1, 1000)])
     slow = summary(simulate_demo(paced, "pd-same-dc", PROFILE, scenario, 6, scenario.rate), 6000, 600)
     fast = summary(simulate_demo(replace(paced, topology=replace(paced.topology, dilation=1.0)), "pd-same-dc",
                                  PROFILE, scenario, 6, scenario.rate), 2000, 200)

@@ -54,8 +54,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos_ids = eos_ids
-        # (start, n) per sequence of the last step: what it computed, for step-time calibration
-        self.last_step: list[tuple[int, int]] = []
+        # (start, tokens, prompt length) per sequence of the last step: what it computed, for
+        # step-time calibration and pacing
+        self.last_step: list[tuple[int, int, int]] = []
 
     # ---- request lifecycle -------------------------------------------------------------
     def _new_sequence(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool) -> Sequence:
@@ -237,7 +238,7 @@ class Engine:
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
-        self.last_step = [(seq.num_computed, n) for seq, n in batch]
+        self.last_step = [(seq.num_computed, n, seq.prompt_len) for seq, n in batch]
         if not batch:
             return []
         device = self.config.device

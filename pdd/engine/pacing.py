@@ -70,23 +70,23 @@ class StepPacer:
             "dilation": self.dilation,
         }
 
-    def step_s(self, computed: Sequence[tuple[int, int]]) -> float:
-        """`computed`: (start, tokens) of each sequence in the step, as the engine ran it;
-        priced by the simulator's own emulated-chip model (`pdd.sim.emulated`)."""
+    def step_s(self, computed: Sequence[tuple[int, int, int]]) -> float:
+        """`computed`: (start, tokens, prompt length) of each sequence in the step, as the
+        engine ran it; priced by the simulator's own emulated-chip model (`pdd.sim.emulated`)."""
         from pdd.sim.steps import EMPTY, add, chunk_load
 
         load = EMPTY
-        for start, n in computed:
-            load = add(load, chunk_load(start, n))
+        for start, n, prompt in computed:
+            load = add(load, chunk_load(start, n, prompt))
         return self._steps.step_s(load)
 
-    def tally(self, computed: Sequence[tuple[int, int]], emulated_s: float, real_s: float) -> None:
+    def tally(self, computed: Sequence[tuple[int, int, int]], emulated_s: float, real_s: float) -> None:
         s = self.stats
         s.steps += 1
         s.real_s += real_s
         s.overruns += real_s > emulated_s
         s.slept_s += max(0.0, emulated_s - real_s)
-        if any(n > 1 for _, n in computed):
+        if any(n > 1 for _, n, _ in computed):
             s.prefill_steps += 1
             s.prefill_s += emulated_s
         else:

@@ -92,38 +92,3 @@ async def report_failure(host: Host, router_id: str, rid: str, error: BaseExcept
     was lost or timed out is the deployment's failure, not the request's (503)."""
     lost = isinstance(error, (ConnectionError, asyncio.TimeoutError))
     host.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost))
-
-
-class WholeRequests:
-    """Requests this instance prefills and decodes itself: every request of a standalone
-    instance, and the anomaly filter's requests on a relay."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-        self.jobs: dict[str, tuple[str, asyncio.Task]] = {}  # rid -> (router id, its task)
-
-    def submit(self, router_id: str, s: m.Submit) -> None:
-        if s.rid not in self.host.aborted and s.rid not in self.jobs:
-            self.jobs[s.rid] = (router_id, self.host.spawn(self._run(router_id, s)))
-            self.host.took()
-
-    def abort(self, rid: str) -> None:
-        self.host.aborted.add(rid)
-        if rid in self.jobs:
-            self.host.engine.abort(rid)
-
-    async def _run(self, router_id: str, s: m.Submit) -> None:
-        try:
-            async for out in self.host.engine.generate(s.rid, s.prompt, s.params):
-                if out.finish_reason != "abort":
-                    self.host.to_router(router_id, tokens_of(s.rid, out))
-        except Exception as e:
-            await report_failure(self.host, router_id, s.rid, e)
-        finally:
-            self.jobs.pop(s.rid, None)
-
-    def router_lost(self, router_id: str) -> None:
-        for rid, (owner, task) in list(self.jobs.items()):
-            if owner == router_id:  # nobody will read these tokens: stop computing them
-                self.host.aborted.add(rid)
-                task.cancel()

@@ -10,9 +10,8 @@ nothing left of the request: its pages go to its prefix cache.
 If MD never gets ready (lost, or the line stalls) the relay simply finishes the
 request; if the connection to MD drops during a catch-up, it abandons the handoff and
 finishes too. Either way MD is sent the output as a fill, to keep for the session's
-next turn. The anomaly filter's requests come straight from the router and run here
-whole, prefill and decode: they never reach MD, and their long prefills do not hold
-up P's queue.
+next turn. The anomaly filter's requests come from P like any other, without MD:
+the relay decodes them to the end (their KV never crosses the line).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.engine_port import RequestError
-from pdd.instance.host import Host, WholeRequests, report_failure
+from pdd.instance.host import Host, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.names import HandoffMode
@@ -51,22 +50,6 @@ class RelayRole(DecodeSide[RelayJob]):
         super().__init__(host, RelayJob)
         self.policy = host.dep.policy
         self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_main_lost)
-        self.whole = WholeRequests(host)  # the anomaly filter's requests: prefilled here too
-
-    async def on_router(self, router_id: str, body: Any) -> None:
-        if isinstance(body, m.Submit):
-            self.whole.submit(router_id, body)
-        else:
-            if isinstance(body, m.Abort):
-                self.whole.abort(body.rid)
-            await super().on_router(router_id, body)
-
-    def router_lost(self, router_id: str) -> None:
-        self.whole.router_lost(router_id)
-        super().router_lost(router_id)
-
-    def held(self) -> int:
-        return super().held() + len(self.whole.jobs)
 
     def optional(self, r: m.Reserve) -> bool:
         return r.main is not None  # MD can produce it (later): the relay only hides latency

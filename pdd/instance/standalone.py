@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from pdd.instance.host import Host, WholeRequests
+from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
@@ -13,18 +14,32 @@ from pdd.transfer.wire import FramedConnection
 class StandaloneRole:
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.whole = WholeRequests(host)
+        self.jobs: dict[str, tuple[str, asyncio.Task]] = {}  # rid -> (router id, its task)
 
     async def on_router(self, router_id: str, body: Any) -> None:
         if isinstance(body, m.Submit):
-            self.whole.submit(router_id, body)
+            if body.rid not in self.host.aborted and body.rid not in self.jobs:
+                self.jobs[body.rid] = (router_id, self.host.spawn(self._run(router_id, body)))
+                self.host.took()
         elif isinstance(body, m.Abort):
-            self.whole.abort(body.rid)
+            self.host.aborted.add(body.rid)
+            if body.rid in self.jobs:
+                self.host.engine.abort(body.rid)
         else:
             self.host.to_router(
                 router_id,
                 m.Error(f"a standalone instance does not take {type(body).__name__}", getattr(body, "rid", None)),
             )
+
+    async def _run(self, router_id: str, s: m.Submit) -> None:
+        try:
+            async for out in self.host.engine.generate(s.rid, s.prompt, s.params):
+                if out.finish_reason != "abort":
+                    self.host.to_router(router_id, tokens_of(s.rid, out))
+        except Exception as e:
+            await report_failure(self.host, router_id, s.rid, e)
+        finally:
+            self.jobs.pop(s.rid, None)
 
     async def on_peer(self, conn: FramedConnection, name: str, frame: wire.Frame) -> None:
         await self.host.send(conn, m.Error("a standalone instance takes no peer traffic"))  # none talks to it
@@ -33,10 +48,13 @@ class StandaloneRole:
         pass
 
     def router_lost(self, router_id: str) -> None:
-        self.whole.router_lost(router_id)
+        for rid, (owner, task) in list(self.jobs.items()):
+            if owner == router_id:  # nobody will read these tokens: stop computing them
+                self.host.aborted.add(rid)
+                task.cancel()
 
     def held(self) -> int:
-        return len(self.whole.jobs)
+        return len(self.jobs)
 
     def close(self) -> None:
         pass

@@ -4,9 +4,12 @@ The router plans from its mirrors of the instances' caches and their queued work
 P then picks the pipeline from the reservation (`pdd.policy.pipeline`). The anomaly
 filter is decided here, before anything is sent to MD, so a filtered request moves
 nothing across the line: ultra-long input, short output and a low hit at MD. Such a
-request cannot be batched with others and would eat the line for a few tokens; the
-relay runs it whole, prefill and decode (it is submitted to the relay, which is also
-the plan's entry), so its long prefill does not hold up P's queue either.
+request cannot be batched with others and would eat the line for a few tokens; it
+runs whole in the prefill datacenter: P prefills it, as any request, and the relay
+decodes all of it (no handoff, nothing sent to MD). P, not the relay, prefills it
+because a prefill of most of the context would stall every token the relay streams
+meanwhile for the length of each of its chunks (the relay's job is to hide latency),
+while on P it delays prefills only, as it would in any P/D deployment.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def is_anomalous(prompt_tokens: int, max_tokens: int, predicted_hit_tokens: int,
 
 @dataclass(frozen=True)
 class Plan:
-    entry: str  # the instance the request is submitted to: prefill (standalone; a relay when filtered)
+    entry: str  # the instance the request is submitted to: prefill (standalone)
     main: str | None  # the main decode instance
     relay: str | None  # the relay
     predicted_hit: int  # at `main`, by the router's mirror
@@ -95,7 +98,7 @@ def plan_request(
     if relay and rld is None:
         return Plan(p.name, md.name, None, md.predicted_hit_tokens, fallback=Fallback.NO_RELAY)
     if rld is not None and is_anomalous(prompt_tokens, max_tokens, md.predicted_hit_tokens, rule):
-        return Plan(rld.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
+        return Plan(p.name, None, rld.name, md.predicted_hit_tokens, anomalous=True)
     return Plan(p.name, md.name, rld.name if rld else None, md.predicted_hit_tokens)
 
 

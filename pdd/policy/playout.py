@@ -8,10 +8,16 @@ tokens in hand (never the first: TTFT is not delayed), releasing each as the nex
 arrives; once the relay has stopped, it releases the reserve one token per `spacing`
 (the main instance's own pace) until the main instance's tokens arrive. The user sees
 the relay's tokens a few tokens late and no gap at the handoff.
+
+How many to keep comes from the handoffs the router has seen: the gap between a
+relay's last token and the main instance's first (`observe_stall`) over the main
+instance's pace (`reserve_tokens`), so the reserve lasts what a handoff really takes
+on that line and that instance, not what a constant guessed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -56,3 +62,27 @@ def observe_pace(pace_s: float, gap_s: float) -> float:
     """The main instance's gap between tokens, a slow moving average: the reserve drains
     at its usual pace, not at one stalled step's."""
     return (1 - PACE_ALPHA) * pace_s + PACE_ALPHA * gap_s
+
+
+STALL_ALPHA = 0.1  # how fast the handoff gap to cover comes down after a slow one
+MAX_RESERVE = 32  # tokens: a bound on how late the relay's tokens reach the client
+
+
+def observe_stall(stall_s: float | None, gap_s: float) -> float:
+    """The handoff gap to cover, from one more measured gap (a relay's last token to
+    the main instance's first): a slow handoff raises it at once, quick ones lower it
+    slowly, so one lucky handoff does not leave the next one bare."""
+    if stall_s is None:
+        return gap_s
+    return max(gap_s, (1 - STALL_ALPHA) * stall_s + STALL_ALPHA * gap_s)
+
+
+def reserve_tokens(stall_s: float | None, spacing_s: float, floor: int) -> int:
+    """Tokens to keep in hand so that, released one per `spacing_s`, they last the
+    handoff gap `stall_s` (None: none measured yet, `floor`). `floor` (the configured
+    reserve) is also the least kept; 0 turns the reserve off."""
+    if floor == 0:
+        return 0
+    if stall_s is None or spacing_s <= 0:
+        return floor
+    return min(MAX_RESERVE, max(floor, math.ceil(stall_s / spacing_s)))

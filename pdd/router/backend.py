@@ -306,6 +306,7 @@ class RouterBackend:
             **self.metrics.snapshot(),
             "membership": self.members.stats(),
             "dispatch_waiting": self.planner.line.waiting,
+            "playout": self.pacer.stats(),
             "instances": {
                 c.name: {
                     "role": c.spec.role,

@@ -40,6 +40,7 @@ class RouterRequest:
     released: int = 0  # tokens given to the client
     last_release: float = 0.0
     last_main_token: float | None = None
+    last_relay_token: float | None = None
     last_progress: float = field(default_factory=time.monotonic)  # submitted, or the last new token merged
 
     def restart(self, plan: Plan) -> None:
@@ -69,8 +70,8 @@ class RouterRequest:
 
     @property
     def whole(self) -> bool:
-        """It runs on one instance, prefill and decode (colocated, or filtered onto a relay)."""
-        return self.plan.main is None and self.plan.relay in (None, self.plan.entry)
+        """It runs on one instance, prefill and decode (colocated)."""
+        return self.plan.main is None and self.plan.relay is None
 
     @property
     def relay_producing(self) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from pdd.config import PolicySpec
-from pdd.names import Pipeline, RoleName
+from pdd.names import RoleName
 from pdd.policy.capacity import fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_with_room
 from pdd.policy.routing import Candidate
@@ -296,9 +296,8 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         self._commit(plan, rec, +1)
         stream = Stream(rec)
         try:
-            if plan.main is None and plan.relay is None or plan.anomalous:
+            if plan.main is None and plan.relay is None:
                 yield from self._whole(self.instances[plan.entry], s, rec, stream)
-                rec.pipeline = Pipeline.P_RLD if plan.anomalous else None
             else:
                 yield from self._disaggregated(plan, s, rec, stream)
         finally:
@@ -317,7 +316,7 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
         return keys[: tokens // block]
 
     def _whole(self, inst: Instance, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
-        """Prefill and decode on one instance (colocated; the relay for a filtered request)."""
+        """Prefill and decode on one instance (colocated)."""
         prompt = rec.prompt_tokens
         hit = inst.hit_tokens(self._keys(s, prompt), prompt)
         rec.p_hit_tokens = rec.d_hit_tokens = hit
@@ -332,8 +331,6 @@ class Cluster(PrefillPaths, RelayPaths, Reservations):
             return
         yield self._until_finished(inst, seq)
         stream.take(seq)
-        if inst.role == "relay":
-            rec.rld_output_tokens = seq.produced
 
     @staticmethod
     def _fits(inst: Instance, seq: SimSeq, rec: RequestRecord) -> bool:

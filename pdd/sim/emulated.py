@@ -4,14 +4,17 @@ A paced engine (`pdd.engine.pacing`) holds each step until the chip it emulates 
 have finished it; `pdd sim check` simulates a paced deployment with the very same
 function, so what is left between the two is the control plane's error, not two step
 models. The tiny model's requests are the spec's scaled down by `scale` (contexts and
-chunks), so a step is priced as the spec's model would run it at full size: a chunk of
-n tokens after a context of c is one of n x s tokens after c x s; a decode stays one
-token, over a context of c x s. Time runs `dilation` times slower than the chip's.
+prompts; outputs are not scaled), so a step is priced as the spec's model would run it
+at full size: a chunk of n prompt tokens after a context of c is one of n x s tokens
+after c x s; a decode stays one token, over a context of c x s, and so does each output
+token a chunk computes again (MD's extend of the relay's tokens at a handoff). Time
+runs `dilation` times slower than the chip's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,23 +29,31 @@ def token_scale(max_context: int) -> float:
 
 
 def scaled(load: StepLoad, s: float) -> StepLoad:
-    """`load` with every chunk and context `s` times longer, decodes still one token.
+    """`load` with every prompt chunk and context `s` times longer; decodes, and outputs
+    computed again in a chunk (a handoff's extend), still one token each.
 
-    Exact on the aggregate (no per-sequence detail needed): a chunk [c, c + n) has
-    n*c + n(n+1)/2 pairs, so at s times the size s^2 of them less (s^2 - s) n / 2; a
-    decode at c has c + 1, so s (c + 1) - (s - 1); each sequence reads c + n (chunk)
-    or c + 1 (decode) tokens of KV, so s times that less (s - 1) per decode."""
+    Exact on the aggregate (no per-sequence detail needed): a prompt chunk [c, c + n)
+    has n*c + n(n+1)/2 pairs, so at s times the size s^2 of them less (s^2 - s) n / 2; a
+    token at c that stays one token (a decode, an output) has c + 1, so s (c + 1) - (s - 1);
+    each sequence reads c + n (chunk) or c + 1 (decode) tokens of KV, so s times that less
+    (s - 1) per decode (a chunk ending in outputs reads s - 1 tokens more than scaled so:
+    nothing next to its context)."""
     decodes = np.asarray(load.seqs) - np.asarray(load.chunks)
-    chunk_tokens = np.asarray(load.new_tokens) - decodes
-    chunk_pairs = s * s * np.asarray(load.chunk_pairs) - (s * s - s) / 2 * chunk_tokens
+    outputs = np.asarray(load.output_tokens)
+    prompt_tokens = np.asarray(load.new_tokens) - decodes - outputs
+    prompt_pairs = np.asarray(load.chunk_pairs) - np.asarray(load.output_pairs)
+    output_pairs: Any = s * np.asarray(load.output_pairs) - (s - 1) * outputs  # a float or a stretch's array
+    chunk_pairs = s * s * prompt_pairs - (s * s - s) / 2 * prompt_tokens + output_pairs
     decode_pairs = s * (np.asarray(load.attn_pairs) - np.asarray(load.chunk_pairs)) - (s - 1) * decodes
     return StepLoad(
-        decodes + s * chunk_tokens,  # numpy, on scalars or a stretch's arrays
+        decodes + outputs + s * prompt_tokens,  # numpy, on scalars or a stretch's arrays
         chunk_pairs + decode_pairs,
         load.seqs,
         s * np.asarray(load.kv_read_tokens) - (s - 1) * decodes,
         load.chunks,
         chunk_pairs,
+        load.output_tokens,
+        output_pairs,
     )
 
 

@@ -334,8 +334,9 @@ class Instance:
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
-    new = seqs = kv = chunks = 0
-    pairs = chunk_pairs = 0.0
+    """`steps.add` of each sequence's `chunk_load`, inlined (the simulator's hot loop)."""
+    new = seqs = kv = chunks = outputs = 0
+    pairs = chunk_pairs = output_pairs = 0.0
     for seq, n in batch:
         start = seq.context
         new += n
@@ -346,4 +347,8 @@ def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
         if n > 1:
             chunks += 1
             chunk_pairs += p
-    return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs)
+            first = min(max(start, seq.prompt), start + n)
+            out = start + n - first
+            outputs += out
+            output_pairs += out * first + out * (out + 1) / 2
+    return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs, outputs, output_pairs)

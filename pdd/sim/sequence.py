@@ -77,6 +77,9 @@ class SimSeq:
     on_computed: Callable[[SimSeq], object] | None = None  # pending reached 0 (what it returns is unused)
     on_finish: Callable[[SimSeq], object] | None = None
     token_times: list[float] | None = None  # every token's time, when a test asks for them
+    # its prompt's length: what it holds and computes first (context + pending at the start);
+    # what it computes past it are outputs (a handoff's extend)
+    prompt: int = -1
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more
     _produced: int = 0
@@ -85,6 +88,10 @@ class SimSeq:
     _max_gap_s: float = 0.0
     _run: _Run | None = None  # the decode run it is a member of, whose steps it has up to `_at`
     _at: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt < 0:
+            self.prompt = self.context + self.pending
 
     def _sync(self) -> None:
         if self._run is not None:

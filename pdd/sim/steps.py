@@ -27,12 +27,21 @@ class StepLoad:
     kv_read_tokens: int  # context tokens whose KV the step reads, over all sequences
     chunks: int = 0  # of `seqs`, those computing more than one token (prefill and extend chunks)
     chunk_pairs: float = 0.0  # of `attn_pairs`, those of the chunks
+    # of the chunks' new tokens, those at or past their sequence's prompt: outputs computed
+    # again (a handoff's extend), which an emulated chip does not scale as it scales prompts
+    output_tokens: int = 0
+    output_pairs: float = 0.0  # of `chunk_pairs`, theirs
 
 
-def chunk_load(start: int, n: int) -> StepLoad:
-    """One sequence computing tokens [start, start + n): prefill, extend or decode."""
+def chunk_load(start: int, n: int, prompt: int | None = None) -> StepLoad:
+    """One sequence computing tokens [start, start + n): prefill, extend or decode. With
+    `prompt` (its prompt's length), a chunk's tokens from there on are outputs."""
     pairs = n * start + n * (n + 1) / 2
-    return StepLoad(n, pairs, 1, start + n, 1 if n > 1 else 0, pairs if n > 1 else 0.0)
+    if n <= 1:
+        return StepLoad(n, pairs, 1, start + n)
+    first = start + n if prompt is None else min(max(start, prompt), start + n)
+    out = start + n - first
+    return StepLoad(n, pairs, 1, start + n, 1, pairs, out, out * first + out * (out + 1) / 2)
 
 
 def add(a: StepLoad, b: StepLoad) -> StepLoad:
@@ -43,6 +52,8 @@ def add(a: StepLoad, b: StepLoad) -> StepLoad:
         a.kv_read_tokens + b.kv_read_tokens,
         a.chunks + b.chunks,
         a.chunk_pairs + b.chunk_pairs,
+        a.output_tokens + b.output_tokens,
+        a.output_pairs + b.output_pairs,
     )
 
 
