@@ -144,18 +144,25 @@ def test_prefill_retry_only_before_the_first_token():
 
 
 def test_playout_keeps_a_reserve_while_a_relay_produces_and_spends_it_at_the_handoff():
-    p = Playout(reserve=4, spacing_s=0.02)
+    from pdd.policy.playout import FILL_STRETCH, playout
+
+    p = Playout(reserve=4, spacing_s=0.02, fill_spacing_s=0.03)
     assert release(1, 0, 0.0, True, False, p) == 1  # the first token is never held
     assert release(3, 1, 0.001, True, False, p) == 0  # a fast relay fills the reserve
     assert release(5, 4, 0.001, True, False, p) == 1  # full: each arrival pushes one out
-    assert release(2, 4, 0.03, True, False, p) == 1  # a relay slower than the spacing builds none
+    assert release(2, 4, 0.03, True, False, p) == 1  # not full: one per fill spacing
+    assert release(2, 4, 0.025, True, False, p) == 0  # ... slower than the relay: a reserve builds
+    assert next_release_s(2, 0.01, True, False, p) == pytest.approx(0.02)  # due on its own, not at an arrival
     # handed over, the main instance's first token not here yet: one per spacing
     assert release(4, 9, 0.005, False, True, p) == 0
     assert release(4, 9, 0.02, False, True, p) == 1
-    assert next_release_s(4, 0.005, True, p) == pytest.approx(0.015)
-    assert next_release_s(4, 0.005, False, p) is None
+    assert next_release_s(4, 0.005, False, True, p) == pytest.approx(0.015)
+    assert next_release_s(4, 0.005, False, False, p) is None
     assert release(3, 9, 0.0, False, False, p) == 3  # the main instance produces: all at once
-    assert release(3, 1, 0.0, True, False, Playout(0, 0.02)) == 3  # no reserve configured
+    assert release(3, 1, 0.0, True, False, Playout(0, 0.02, 0.03)) == 3  # no reserve configured
+    # the reserve fills a little slower than the slower tier: behind a relay no faster than MD too
+    assert playout(4, 0.02, 0.028).fill_spacing_s == pytest.approx(FILL_STRETCH * 0.028)
+    assert playout(4, 0.02, 0.005).fill_spacing_s == pytest.approx(FILL_STRETCH * 0.02)
 
 
 def test_the_reserve_lasts_the_handoff_gap_measured_at_the_main_instances_pace():

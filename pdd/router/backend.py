@@ -152,6 +152,7 @@ class RouterBackend:
         due = next_release_s(
             len(request.held),
             time.monotonic() - request.last_release,
+            request.pacing,
             request.relay_stopped,
             self.pacer.playout(request),
         )

@@ -1,34 +1,40 @@
 """When the router releases a request's tokens to its client (`pdd.policy.playout`),
-at the pace it measures of each main instance."""
+at the pace it measures of each instance, with a reserve as long as the handoffs it saw."""
 
 from __future__ import annotations
 
 import time
 
-from pdd.policy.playout import DEFAULT_PACE_S, Playout, observe_pace, observe_stall, release, reserve_tokens
+from pdd.policy.playout import DEFAULT_PACE_S, Playout, observe_pace, observe_stall, playout, release, reserve_tokens
 from pdd.router.request import RouterRequest
 
 
 class Pacer:
     def __init__(self, reserve_tokens: int) -> None:
         self.reserve_tokens = reserve_tokens  # the least kept (0: no reserve)
-        self._pace: dict[str, float] = {}  # main instance -> its measured gap between tokens
+        self._pace: dict[str, float] = {}  # instance -> its measured gap between tokens (main and relay)
         self._stall: dict[str, float] = {}  # main instance -> the handoff gap to cover
 
     def playout(self, request: RouterRequest) -> Playout:
         main = request.plan.main or ""
         pace = self._pace.get(main, DEFAULT_PACE_S)
-        return Playout(reserve_tokens(self._stall.get(main), pace, self.reserve_tokens), pace)
+        reserve = reserve_tokens(self._stall.get(main), pace, self.reserve_tokens)
+        return playout(reserve, pace, self._pace.get(request.plan.relay or "", DEFAULT_PACE_S))
 
-    def stats(self) -> dict[str, dict[str, float | None]]:
-        """Per main instance: its pace, the handoff gap to cover and the reserve that takes."""
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per instance: its pace; per main instance also the handoff gap to cover and the
+        reserve that takes."""
         return {
-            main: {
-                "pace_ms": 1000 * pace,
-                "handoff_gap_ms": 1000 * self._stall[main] if main in self._stall else None,
-                "reserve_tokens": reserve_tokens(self._stall.get(main), pace, self.reserve_tokens),
-            }
-            for main, pace in self._pace.items()
+            name: {"pace_ms": 1000 * pace}
+            | (
+                {
+                    "handoff_gap_ms": 1000 * self._stall[name],
+                    "reserve_tokens": reserve_tokens(self._stall[name], pace, self.reserve_tokens),
+                }
+                if name in self._stall
+                else {}
+            )
+            for name, pace in self._pace.items()
         }
 
     def play_out(self, request: RouterRequest) -> list[int]:
@@ -52,14 +58,20 @@ class Pacer:
         return out
 
     def observe(self, request: RouterRequest, source: str) -> None:
-        """A token from `source`: the main instance's gap between tokens, which the
-        playout reserve drains at."""
+        """A token from `source`: the instances' gaps between tokens (the playout reserve
+        fills and drains at their pace), and at a main instance's first token after a
+        relay's, the handoff's gap."""
         now = time.monotonic()
         if source == request.plan.main:
             if request.last_main_token is not None:
-                self._pace[source] = observe_pace(self._pace.get(source, DEFAULT_PACE_S), now - request.last_main_token)
+                self._observe_pace(source, now - request.last_main_token)
             elif request.last_relay_token is not None:  # its first token after a relay's: a handoff
                 self._stall[source] = observe_stall(self._stall.get(source), now - request.last_relay_token)
             request.last_main_token = now
         elif source == request.plan.relay:
+            if request.last_relay_token is not None:
+                self._observe_pace(source, now - request.last_relay_token)
             request.last_relay_token = now
+
+    def _observe_pace(self, name: str, gap_s: float) -> None:
+        self._pace[name] = observe_pace(self._pace.get(name, DEFAULT_PACE_S), gap_s)
