@@ -141,7 +141,9 @@ class RouterSpec:
     token_timeout_s: float = 60.0  # no first token for this long: the request fails
     stall_timeout_s: float = 10.0  # after the first token, no next one for this long: it fails
     prefill_retries: int = 1  # a prefill instance lost before the first token: retry on another
-    handoff_reserve_tokens: int = 4  # relay tokens held back to cover a handoff (0: none)
+    # relay tokens held back to cover a handoff, at least (more once the router has measured
+    # handoffs: as many as last a handoff's gap at the main instance's pace); 0: none
+    handoff_reserve_tokens: int = 4
     max_body_bytes: int = 4 << 20  # a larger request body gets 413 before anything parses it
     api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY)
     max_running: int = 128  # requests the router drives through instances at once...

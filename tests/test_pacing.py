@@ -77,9 +77,9 @@ def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
     computes again (MD's extend of relay tokens), still one token over a context s times
     longer: outputs are not scaled, so a handoff's extend costs what its tokens cost."""
     # (start, tokens, prompt): two prompt chunks, two decodes, an extend of 20 relay tokens
-    # and one that also computes the last 10 prompt tokens
+    # and one that also recomputes the last prompt token (an output too: the engine's rule)
     computed, s = [(0, 300, 2000), (1200, 40, 2000), (2000, 1, 1500), (3000, 1, 2900), (990, 20, 990),
-                   (980, 30, 990)], 16.0
+                   (989, 30, 990)], 16.0
     total = EMPTY
     for start, n, prompt in computed:
         total = add(total, chunk_load(start, n, prompt))
@@ -88,7 +88,7 @@ def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
         if n == 1:
             each = add(each, chunk_load(round(start * s), 1))
             continue
-        body = max(0, min(start + n, prompt) - start)  # prompt tokens: a chunk s times longer
+        body = n if start + n <= prompt else 0  # a prompt chunk: s times longer; an extend: outputs
         pairs = chunk_load(round(start * s), round(body * s)).attn_pairs
         each = add(each, StepLoad(round(body * s), pairs, 1, 0, 1, pairs))
         for q in range(start + body, start + n):  # each output: one token at s x its context
@@ -97,4 +97,4 @@ def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
     for name in ("new_tokens", "attn_pairs", "seqs", "chunks", "chunk_pairs", "output_tokens", "output_pairs"):
         assert float(getattr(got, name)) == pytest.approx(float(getattr(each, name))), name
     # the extend of 20 relay tokens is priced as 20 tokens, not 320: what a handoff's stall rests on
-    assert float(got.new_tokens) == 300 * s + 40 * s + 2 + 20 + 10 * s + 20
+    assert float(got.new_tokens) == 300 * s + 40 * s + 2 + 20 + 30

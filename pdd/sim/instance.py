@@ -347,8 +347,7 @@ def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
         if n > 1:
             chunks += 1
             chunk_pairs += p
-            first = min(max(start, seq.prompt), start + n)
-            out = start + n - first
-            outputs += out
-            output_pairs += out * first + out * (out + 1) / 2
+            if start + n > seq.prompt:  # an extend of outputs (`chunk_load`)
+                outputs += n
+                output_pairs += p
     return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs, outputs, output_pairs)

@@ -78,7 +78,7 @@ class SimSeq:
     on_finish: Callable[[SimSeq], object] | None = None
     token_times: list[float] | None = None  # every token's time, when a test asks for them
     # its prompt's length: what it holds and computes first (context + pending at the start);
-    # what it computes past it are outputs (a handoff's extend)
+    # a chunk ending past it is an extend of outputs (a handoff's), priced as outputs are
     prompt: int = -1
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more

@@ -35,13 +35,16 @@ class StepLoad:
 
 def chunk_load(start: int, n: int, prompt: int | None = None) -> StepLoad:
     """One sequence computing tokens [start, start + n): prefill, extend or decode. With
-    `prompt` (its prompt's length), a chunk's tokens from there on are outputs."""
+    `prompt` (its prompt's length), a chunk that ends past it is an extend of outputs
+    (a handoff's, a catch-up's, a fill's): all its tokens are outputs, the prompt's last
+    token or two it recomputes too — the engine leaves the last prompt token out of every
+    import, a rule of the engine's and no share of the prompt's work (the simulator, which
+    imports the whole prompt, never computes it)."""
     pairs = n * start + n * (n + 1) / 2
     if n <= 1:
         return StepLoad(n, pairs, 1, start + n)
-    first = start + n if prompt is None else min(max(start, prompt), start + n)
-    out = start + n - first
-    return StepLoad(n, pairs, 1, start + n, 1, pairs, out, out * first + out * (out + 1) / 2)
+    out = n if prompt is not None and start + n > prompt else 0
+    return StepLoad(n, pairs, 1, start + n, 1, pairs, out, pairs if out else 0.0)
 
 
 def add(a: StepLoad, b: StepLoad) -> StepLoad:
