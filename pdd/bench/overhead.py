@@ -8,7 +8,10 @@ so neither always runs on the warmer machine, each pair on requests of its own s
 repeat never hits the previous one's prefix cache). Whatever differs is pdd: its HTTP
 front, its engine loop, its KV connector, its KV events and its sampler on vLLM's
 steps. It prints TTFT (p50, p90) and output tokens/s of each, their ratio per pair, and
-the spread (median, min-max) across the pairs.
+the spread (median, min-max) across the pairs. Plain vLLM runs as `vllm serve` starts it
+(its API server, engine core and worker in processes of their own) unless
+`--vllm-layout in-process` runs it as pdd runs vLLM on CPU (all in one process): then
+only pdd's own code differs, not the process layout.
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=5, help="overhead: measured runs of each server, alternating")
     p.add_argument(
         "--kv-cache-gib", type=int, default=1, help="overhead: each server's KV cache (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    p.add_argument(
+        "--vllm-layout",
+        choices=("default", "in-process"),
+        default="default",
+        help="overhead: plain vLLM's processes: default, as `vllm serve` starts (API server, engine core "
+        "and worker apart); in-process, as pdd runs vLLM on CPU (engine core and worker in the server's "
+        "process), so only pdd's own code differs",
     )
 
 
@@ -169,6 +180,8 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
 
     budgets = EngineConfig()
     common = ["--model", str(model_dir), "--served-model-name", "bench", "--host", "127.0.0.1"]
+    # pdd's own layout on CPU (`pdd.engines.vllm.args`); the environment variable comes with it
+    in_process = ["--distributed-executor-backend", "uni"] if args.vllm_layout == "in-process" else []
     return {
         "vllm": [
             "-m",
@@ -183,6 +196,7 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
             str(budgets.max_running),
             "--max-num-batched-tokens",
             str(budgets.max_batch_tokens),
+            *in_process,
         ],
         "pdd": [
             "-m",
@@ -243,7 +257,9 @@ def run(args: argparse.Namespace) -> int:
     pairs: list[dict[str, dict[str, float | None]]] = []
     with tempfile.TemporaryDirectory(prefix="pdd-overhead-") as tmp, contextlib.ExitStack() as stack:
         commands = _commands(model_dir, args)
-        servers = {name: stack.enter_context(_server(name, commands[name], env, Path(tmp))) for name in SERVERS}
+        plain_env = env | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.vllm_layout == "in-process" else {})
+        envs = {"vllm": plain_env, "pdd": env}
+        servers = {name: stack.enter_context(_server(name, commands[name], envs[name], Path(tmp))) for name in SERVERS}
         for server in servers.values():
             try:
                 wait_http(f"{server.url}/health", server.proc, START_TIMEOUT_S)
@@ -251,7 +267,11 @@ def run(args: argparse.Namespace) -> int:
                 tail = server.log.read_text(errors="replace").splitlines()[-20:]
                 print(f"pdd bench overhead: {server.name}: {exc}\n  " + "\n  ".join(tail), file=sys.stderr)
                 return 1
-        print(f"both up after {time.monotonic() - began:.0f} s; warm-up, then {args.pairs} pairs", flush=True)
+        print(
+            f"both up after {time.monotonic() - began:.0f} s (plain vLLM's layout: {args.vllm_layout}); "
+            f"warm-up, then {args.pairs} pairs",
+            flush=True,
+        )
         warm_up = _sessions(args, servers["pdd"].url, args.seed + 1000)
         for name in SERVERS:
             _replay(servers[name], warm_up, args)
