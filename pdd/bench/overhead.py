@@ -10,8 +10,9 @@ front, its engine loop, its KV connector, its KV events and its sampler on vLLM'
 steps. It prints TTFT (p50, p90) and output tokens/s of each, their ratio per pair, and
 the spread (median, min-max) across the pairs. Plain vLLM runs as `vllm serve` starts it
 (its API server, engine core and worker in processes of their own) unless
-`--vllm-layout in-process` runs it as pdd runs vLLM on CPU (all in one process): then
-only pdd's own code differs, not the process layout.
+`--vllm-layout in-process` runs it as pdd runs vLLM on CPU (the worker inside the engine
+core's process: `pdd.engines.vllm.args`): then only pdd's own code differs, not the
+process layout.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--vllm-layout",
         choices=("default", "in-process"),
         default="default",
-        help="overhead: plain vLLM's processes: default, as `vllm serve` starts (API server, engine core "
-        "and worker apart); in-process, as pdd runs vLLM on CPU (engine core and worker in the server's "
+        help="overhead: plain vLLM's processes: default, as `vllm serve` starts them (API server, engine "
+        "core and worker apart); in-process, as pdd runs vLLM on CPU (the worker inside the engine core's "
         "process), so only pdd's own code differs",
     )
 
