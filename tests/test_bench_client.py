@@ -265,7 +265,7 @@ def test_the_workload_follows_the_served_model(monkeypatch, capsys):
 
     def plan(*extra: str) -> tuple[list, dict]:
         argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "30", *extra]
-        return bench_cli._plan(build_parser(argv).parse_args(argv))
+        return bench_cli.plan_workload(build_parser(argv).parse_args(argv))
 
     # what /v1/models says of a model with a 1,024-token context and a 300-token vocabulary
     monkeypatch.setattr(bench_cli, "served_model", lambda url: {"max_model_len": 1024, "vocab_size": 300})

@@ -543,6 +543,30 @@ def test_a_skip_is_a_failure_in_ci(tmp_path, ci):
         assert out.splitlines()[-1].startswith("1 passed, 4 skipped, 1 xfailed"), out
 
 
+@pytest.mark.parametrize("wanted", ["", "0"])
+def test_vllm_tests_fail_without_vllm_unless_left_out(tmp_path, wanted):
+    """The vLLM tests run by default (CI's run included) and fail, CI set or not, where
+    vLLM is missing, here a module whose import skips; PDD_VLLM=0 leaves them out, and
+    the summary says so."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_vllm_scratch.py").write_text('import pytest\n\npytest.importorskip("pdd_no_such_module")\n\n\n'
+                                                   'def test_never_collected():\n    pass\n')
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PDD_VLLM")}
+    env |= {"PDD_VLLM": wanted} if wanted else {}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                          "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    out = run.stdout
+    assert "PASSED test_plain.py::test_plain" in out, out
+    if wanted == "0":
+        assert run.returncode == 0, out
+        assert "vLLM backend tests not run (1 modules): PDD_VLLM=0 leaves them out" in out, out
+    else:
+        assert run.returncode == 1, out
+        assert "ERROR test_vllm_scratch.py - vLLM backend test skipped (could not import" in out, out
+
+
 def test_prefill_losing_its_decode_peer_is_a_503_not_a_500(colocated):
     """What the blackhole case above hits when P's heartbeat to MD gives up before the
     router's does (a race there), made certain: P runs with a shorter liveness limit

@@ -2,8 +2,8 @@
 
 `pdd bench [serve] --url URL ...` replays agentic sessions or a Mooncake trace through
 the OpenAI API and writes `{"summary", "requests", "config"}` JSON (DESIGN.md contract).
-`pdd bench engine` and `pdd bench handoff` are owned by `pdd.bench.engine` and
-`pdd.bench.handoff`, which register their own options. Heavy imports happen inside the
+`pdd bench engine`, `handoff`, `flood` and `overhead` are owned by their modules in
+`pdd.bench`, which register their own options. Heavy imports happen inside the
 command, not at parse time, because `pdd --help` imports every command module.
 """
 
@@ -23,7 +23,12 @@ from typing import Any
 from pdd.workload.types import Session
 
 # in-process benchmarks: target -> the module that registers its options and runs it
-_IN_PROCESS = {"engine": "pdd.bench.engine", "handoff": "pdd.bench.handoff", "flood": "pdd.bench.flood"}
+_IN_PROCESS = {
+    "engine": "pdd.bench.engine",
+    "handoff": "pdd.bench.handoff",
+    "flood": "pdd.bench.flood",
+    "overhead": "pdd.bench.overhead",
+}
 
 
 def _workload(value: str) -> tuple[str, Path | None]:
@@ -55,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="serve",
         help="serve: a live OpenAI-compatible server (default); engine: one engine "
         "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
-        "--requests distinct requests at once against --url, every outcome counted",
+        "--requests distinct requests at once against --url, every outcome counted; overhead: a vLLM-backed "
+        "`pdd serve` against plain `vllm serve`, the same requests to both, --pairs times",
     )
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
     parser.add_argument(
@@ -118,13 +124,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     try:
-        sessions, workload = _plan(args)
+        sessions, workload = plan_workload(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     return _bench(args, sessions, workload)
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
+def plan_workload(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """The sessions to replay and the workload settings that produced them, fitted to
     the served model (its vocabulary, its context) unless the options say otherwise."""
     kind, path = args.workload
