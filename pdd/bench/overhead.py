@@ -167,10 +167,9 @@ def _server(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> I
 
 def _kv_blocks(model_dir: Path, gib: int) -> int:
     """The blocks `VLLM_CPU_KVCACHE_SPACE=gib` gives plain vLLM on this model (fp32)."""
-    from pdd.engines.vllm.args import kv_bytes_per_block
-    from pdd.model.config import ModelConfig
+    from pdd.model.config import ModelConfig  # (not pdd.engines: the benchmarks know no engine internals)
 
-    return (gib << 30) // kv_bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK_TOKENS, 4)
+    return (gib << 30) // (ModelConfig.from_dir(model_dir).kv_bytes_per_token(4) * BLOCK_TOKENS)
 
 
 def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]:

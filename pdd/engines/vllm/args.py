@@ -50,7 +50,7 @@ CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take blocks of a multipl
 
 
 def kv_bytes_per_block(model: ModelConfig, page_size: int, dtype_bytes: int) -> int:
-    return model.num_layers * 2 * model.num_kv_heads * model.head_dim * dtype_bytes * page_size
+    return model.kv_bytes_per_token(dtype_bytes) * page_size
 
 
 def engine_kwargs(
