@@ -166,6 +166,41 @@ def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided:
         assert exact[r["layout"]]["bcr"] <= best[r["family"]]["bcr"] * (1 + resolution), (r, exact[r["layout"]])
 
 
+def _rising(layout: Layout, setting, workload, probe, capacity: float, beat_rps: float | None) -> dict:
+    """A stand-in for `goodput_of`: each layout later in its family's queue (lower
+    capacity per cost) beats the one before; the row keeps the rate it was probed at first."""
+    import time
+
+    time.sleep(0.2)  # long enough for the other worker to be free meanwhile
+    cost = paper.bill(layout.spec(setting), setting).per_hour
+    rps = (10.0 - capacity / cost) * cost
+    return {
+        "layout": layout.name,
+        "family": layout.family,
+        "cost_per_hour": cost,
+        "goodput_rps": rps,
+        "bcr": rps / cost,
+        "probed_rps": rps,
+        "simulated": True,
+        "missed_rps": None,
+        "beat_rps": beat_rps,
+        "probes": 1,
+    }
+
+
+def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a layout is probed at depends on its family's earlier layouts only, not on
+    which process finished first: two workers give the rows one gives."""
+    from pdd.sim import planner
+
+    monkeypatch.setattr(planner, "goodput_of", _rising)
+    monkeypatch.setattr(planner, "HEADROOM", 1e9)  # nothing pruned
+    layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "same-dc-pd-b"][:4]
+    one, two = (search(layouts, agentic(SMALL), TINY_PROBE, workers=n) for n in (1, 2))
+    assert [r["beat_rps"] for r in one].count(None) == 1  # every layout after the first was probed to beat one
+    assert one == two
+
+
 def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bisection that comes back to a rate (the ends, a bracket widened downwards)
     reuses its run: the simulation is deterministic."""

@@ -269,8 +269,10 @@ def search(
     cost can beat its family's best BCR so far, and (unless `exact`) first at the one
     rate that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
     win has the rate it missed at, not a goodput. Up to `workers` layouts run at once, one
-    process each, a family with none running first; one whose family has no best yet
-    waits for it."""
+    process each and one per family, the family with the most layouts left first: what a
+    layout is probed at and whether it is pruned depend only on its own family's earlier
+    layouts, never on which of two processes finished first, so the rows are the same
+    whatever the workers and the machine's load."""
     shape = workload.shape()
     caps = {
         lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape, probe.slo[1] / 1000)[
@@ -290,12 +292,12 @@ def search(
 
     def next_layout() -> tuple[Layout, float | None] | None:
         busy = set(running.values())
-        for f in sorted(queues, key=lambda f: (f in busy, -len(queues[f]))):
+        for f in sorted((f for f in queues if f not in busy), key=lambda f: -len(queues[f])):
             queue = queues[f]
             while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
                 lay = queue.pop(0)
                 rows.append(_row(lay, setting, None, caps[lay]) | {"simulated": False})
-            if not queue or (not exact and f in busy and not best[f]):
+            if not queue:
                 continue
             lay = queue.pop(0)
             return lay, None if exact or not best[f] else pace[f] * cost[lay]
@@ -330,11 +332,12 @@ def search(
     return sorted(rows, key=_rank)
 
 
-def _rank(row: dict[str, Any]) -> tuple[int, float, float]:
-    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last."""
+def _rank(row: dict[str, Any]) -> tuple[int, float, float, str]:
+    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last
+    (ties by name, not by which finished first)."""
     if row["bcr"] is not None:
-        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"]
-    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"]
+        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"], row["layout"]
+    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"], row["layout"]
 
 
 class _Inline:
