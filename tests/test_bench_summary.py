@@ -128,6 +128,17 @@ def test_tail_percentiles_carry_a_bootstrap_interval_that_narrows_with_more_requ
                                                  slo_ttft_ms=1e9, slo_tpot_ms=1e9)["ttft_ms"]["p90_ci"]  # seeded
 
 
+def test_a_summary_without_intervals_differs_only_by_them():
+    records = [_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)]
+    full = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    brief = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9, intervals=False)
+    assert brief["ttft_ms"]["p99_ci"] is None and full["ttft_ms"]["p99_ci"] is not None
+    without = {k: {q: v for q, v in s.items() if not q.endswith("_ci")} if isinstance(s, dict) else s
+               for k, s in full.items()}
+    assert {k: {q: v for q, v in s.items() if not q.endswith("_ci")} if isinstance(s, dict) else s
+            for k, s in brief.items()} == without
+
+
 def test_the_headline_divides_pdd_by_the_baselines_at_equal_hardware_and_grades_each_bound():
     from pdd.bench.headline import headlines
 

@@ -26,27 +26,24 @@ BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 0  # the same data always gives the same interval
 
 
-def _stats(values: list[float | None]) -> dict[str, Any]:
+def _stats(values: list[float | None], intervals: bool = True) -> dict[str, Any]:
     """Mean and percentiles, how many values they rest on (`n`), and a 95 % bootstrap
     interval for P90 and P99: over a few dozen requests a P99 is one request or two,
-    and the interval says how far another run's could fall."""
+    and the interval says how far another run's could fall. `intervals` False: no
+    intervals (None), for a caller that reads none and summarises often (the bootstrap is
+    most of a summary's time)."""
     present = [v for v in values if v is not None]
     if not present:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0, "p90_ci": None, "p99_ci": None}
     data = np.asarray(present, dtype=float)
     p50, p90, p99 = np.percentile(data, [50, 90, 99]).tolist()
+    stats = {"mean": float(data.mean()), "p50": p50, "p90": p90, "p99": p99, "n": len(data)}
+    if not intervals:
+        return stats | {"p90_ci": None, "p99_ci": None}
     rng = np.random.default_rng(BOOTSTRAP_SEED)
     resampled = np.percentile(rng.choice(data, size=(BOOTSTRAP_RESAMPLES, len(data))), [90, 99], axis=1)
     (lo90, hi90), (lo99, hi99) = np.percentile(resampled, [2.5, 97.5], axis=1).T.tolist()
-    return {
-        "mean": float(data.mean()),
-        "p50": p50,
-        "p90": p90,
-        "p99": p99,
-        "n": len(data),
-        "p90_ci": [lo90, hi90],
-        "p99_ci": [lo99, hi99],
-    }
+    return stats | {"p90_ci": [lo90, hi90], "p99_ci": [lo99, hi99]}
 
 
 def _within_slo(record: RequestRecord, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
@@ -69,9 +66,14 @@ def _duration_s(records: list[RequestRecord]) -> float | None:
 
 
 def summarize(
-    records: Iterable[RequestRecord], *, wan_bytes: int | None, slo_ttft_ms: float, slo_tpot_ms: float
+    records: Iterable[RequestRecord],
+    *,
+    wan_bytes: int | None,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    intervals: bool = True,
 ) -> dict[str, Any]:
-    """The DESIGN summary of a run.
+    """The DESIGN summary of a run (`intervals` False: no bootstrap intervals, see `_stats`).
 
     Latency statistics, token sums and hit counts cover completed requests only (a
     failed request's partial counts would mix in noise); `requests`, `failed` and
@@ -93,7 +95,7 @@ def summarize(
         "completed": len(done),
         "failed": len(records) - len(done),
     }
-    summary |= {name: _stats([getattr(r, name) for r in done]) for name in LATENCIES}
+    summary |= {name: _stats([getattr(r, name) for r in done], intervals) for name in LATENCIES}
     summary |= {
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
@@ -107,7 +109,7 @@ def summarize(
         "pipelines": pipelines,
         "handoffs": handoffs,
         "handoff_tokens": sum(r.handoff_tokens for r in done),
-        "handoff_stall_ms": _stats([r.handoff_stall_ms for r in done]),
+        "handoff_stall_ms": _stats([r.handoff_stall_ms for r in done], intervals),
         "anomaly_filtered": sum(r.anomalous for r in done),
         "fallbacks": dict(sorted(fallbacks.items())),
         "slo_ttft_ms": slo_ttft_ms,

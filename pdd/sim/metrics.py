@@ -22,9 +22,11 @@ HIT_BUCKETS = (0.0, 0.90, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0001)
 GOODPUT_ATTAINMENT = 0.90
 
 
-def summary(records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
+def summary(
+    records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float, intervals: bool = True
+) -> dict[str, Any]:
     records = ended(records)
-    result = summarize(records, wan_bytes=None, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    result = summarize(records, wan_bytes=None, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, intervals=intervals)
     result["hit_buckets"] = hit_buckets(records, result.get("duration_s") or 0.0)
     return result
 

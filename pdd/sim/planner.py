@@ -194,6 +194,7 @@ def goodput_of(
             probe.slo,
             stop_early=True,
             attainment=probe.attainment,
+            intervals=False,
         )
         if (run["slo_attainment"] or 0.0) < probe.attainment:
             return _row(layout, setting, run, capacity) | {

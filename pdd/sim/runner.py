@@ -238,9 +238,11 @@ def run_window(
     warm: Sequence[Hashable] = (),
     stop_early: bool = False,
     attainment: float = GOODPUT_ATTAINMENT,
+    intervals: bool = True,
 ) -> dict[str, Any]:
     """The steady-state summary at a session rate; `offered_rps`: judged arrivals per
-    second; `utilisation` and `binding`: what the deployment ran out of."""
+    second; `utilisation` and `binding`: what the deployment ran out of. `intervals`
+    False: the latencies without their bootstrap intervals (a goodput probe reads none)."""
     env = simpy.Environment()
     cluster = Cluster(env, spec)
     drawn = sessions(rate, window.end_s)
@@ -256,7 +258,7 @@ def run_window(
         events += 1
     judged = window.judged(cluster.records)
     seconds = (min(env.now, window.end_s) if probe.failed_early else window.end_s) - window.warmup_s
-    result = summary(judged, *slo)
+    result = summary(judged, *slo, intervals=intervals)
     util = utilisation(spec, marks, seconds, slo[1] / 1000)
     result |= {
         "events": events,
@@ -291,13 +293,14 @@ def find_goodput(
     for every rate, or per session rate (to judge about as many requests at each).
     `runs`: the runs already made of this deployment and workload, by session rate; a
     rate found there is not run again (the simulation is deterministic), and new ones
-    are added."""
+    are added. A probe's latencies come without bootstrap intervals: a bisection reads
+    its attainment, and the goodput's run its percentiles."""
     runs = {} if runs is None else runs
 
     def attained(rate: float) -> float:
         if rate not in runs:
             at = window(rate) if callable(window) else window
-            runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment)
+            runs[rate] = run_window(spec, sessions, rate, at, slo, warm, stop_early, attainment, intervals=False)
             if on_try is not None:
                 on_try(rate, runs[rate])
         return runs[rate]["slo_attainment"] or 0.0
