@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,12 +169,13 @@ def test_a_layout_shown_not_to_win_could_not_have_won(rows: list[dict], decided:
 
 def _rising(layout: Layout, setting, workload, probe, capacity: float, beat_rps: float | None) -> dict:
     """A stand-in for `goodput_of`: each layout later in its family's queue (lower
-    capacity per cost) beats the one before; the row keeps the rate it was probed at first."""
+    capacity per cost) beats the one before, by little (none is pruned); the row keeps the
+    rate it was probed at first."""
     import time
 
     time.sleep(0.2)  # long enough for the other worker to be free meanwhile
     cost = paper.bill(layout.spec(setting), setting).per_hour
-    rps = (10.0 - capacity / cost) * cost
+    rps = (0.1 - 0.01 * capacity / cost) * cost
     return {
         "layout": layout.name,
         "family": layout.family,
@@ -194,7 +196,6 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
     from pdd.sim import planner
 
     monkeypatch.setattr(planner, "goodput_of", _rising)
-    monkeypatch.setattr(planner, "HEADROOM", 1e9)  # nothing pruned
     layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "same-dc-pd-b"][:4]
     one, two = (search(layouts, agentic(SMALL), TINY_PROBE, workers=n) for n in (1, 2))
     assert [r["beat_rps"] for r in one].count(None) == 1  # every layout after the first was probed to beat one
@@ -279,6 +280,21 @@ def test_more_decode_instances_never_lose_goodput() -> None:
     one, two = (next(r for r in rows if r["main"] == n) for n in (1, 2))
     assert one["goodput_rps"] > 0
     assert two["goodput_rps"] >= one["goodput_rps"]
+
+
+def test_a_smaller_draw_is_cut_from_a_larger_one() -> None:
+    """Sessions are drawn once, at the largest size a search needs: every smaller draw
+    cut from it is the draw itself, its last session cut to the requests left."""
+    from pdd.sim import runner
+    from pdd.sim.workload import agentic_sessions
+
+    config = replace(SMALL, seed=SMALL.seed + 1)  # a config no other test has drawn
+    runner.draw_ahead(config, 8.0, 100.0)
+    (largest,) = (draw for held, draw in runner._LARGEST.items() if held == config)
+    for requests in (1024, 1027, 2048):
+        cut = runner._at_unit_rate(config, requests)
+        assert len(cut) < len(largest) and cut == tuple(agentic_sessions(config, requests, 1.0))
+    assert sum(len(s.turns) for s in runner._at_unit_rate(config, 1027)) == 1027
 
 
 def test_a_trace_is_replayed_at_the_probed_rate() -> None:

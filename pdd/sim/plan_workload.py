@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdd.sim import paper
 from pdd.sim.bounds import Shape, shape_of
-from pdd.sim.runner import Sessions, steady_sessions, turns_per_session
+from pdd.sim.runner import Sessions, draw_ahead, steady_sessions, turns_per_session
 from pdd.sim.workload import SimSession, trace_sessions
 from pdd.workload.agentic import AgenticConfig
 from pdd.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
@@ -49,6 +49,12 @@ class Workload:
             return [s for s in drawn if s.start_s < end_s]
 
         return replay
+
+    def draw_ahead(self, rps: float, end_s: float) -> None:
+        """Draw now what a probe at `rps` until `end_s` replays, and every smaller probe
+        with it (see `pdd.sim.runner.draw_ahead`); a trace is drawn as it is rescaled."""
+        if self.config is not None:
+            draw_ahead(self.config, rps / self.turns, end_s)
 
     def shape(self) -> Shape:
         if self.config is not None:

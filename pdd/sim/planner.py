@@ -304,6 +304,9 @@ def search(
             return lay, None if exact or not best[f] else pace[f] * cost[lay]
         return None
 
+    if caps:  # the largest probe's sessions, drawn once here rather than in every worker
+        top = (1 + search_resolution(probe)) * HEADROOM * max(caps.values())
+        workload.draw_ahead(top, probe.window(top, workload).end_s)
     with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
         while True:
             while len(running) < workers and (picked := next_layout()) is not None:

@@ -84,31 +84,65 @@ def _resume(s: SimSession, history: float) -> SimSession | None:
     return None
 
 
+_LARGEST: dict[AgenticConfig, tuple[SimSession, ...]] = {}  # each config's largest unit-rate draw so far
+
+
 @lru_cache(maxsize=8)
 def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[SimSession, ...]:
-    return tuple(agentic_sessions(config, requests, 1.0))
+    """`agentic_sessions(config, requests, 1.0)`, cut from the largest draw made so far
+    when it holds as many requests: sessions are drawn one by one from the stream, so a
+    smaller draw is a larger one's head, its last session cut to the requests left (the
+    draw is most of a probe's set-up, and a search needs several sizes of it)."""
+    held = _LARGEST.get(config)
+    if held is None or sum(len(s.turns) for s in held) < requests:
+        held = _LARGEST[config] = tuple(agentic_sessions(config, requests, 1.0))
+    head, left = [], requests
+    for s in held:
+        if len(s.turns) >= left:
+            head.append(s if len(s.turns) == left else replace(s, turns=s.turns[:left]))
+            break
+        head.append(s)
+        left -= len(s.turns)
+    return tuple(head)
 
 
-def _drawn(config: AgenticConfig, requests: int, rate: float) -> list[SimSession]:
-    """`agentic_sessions(config, requests, rate)`, from one draw at a unit rate: start
-    times are a Poisson process, so at `rate` they are the unit-rate ones / `rate`. A
-    search probes many rates of one workload; this draws its sessions once."""
-    unit = _at_unit_rate(config, 1 << max(10, math.ceil(math.log2(requests))))
-    return [replace(s, start_s=s.start_s / rate) for s in unit]
+def _requests(config: AgenticConfig, rate: float, end_s: float, warm: bool) -> int:
+    """Requests a steady run at `rate` until `end_s` draws: more than start by then, with a margin."""
+    history = history_s(config) if warm else 0.0
+    requests = max(1, math.ceil(1.5 * rate * (end_s + history) * turns_per_session(config)) + 100)
+    return 1 << max(10, math.ceil(math.log2(requests)))  # a few sizes, each drawn once
+
+
+def draw_ahead(config: AgenticConfig, rate: float, end_s: float) -> None:
+    """Draw the sessions of the largest steady run a search will make now, before its
+    worker processes fork: they inherit the draw and cut every smaller one from it."""
+    _at_unit_rate(config, _requests(config, rate, end_s, True))
+
+
+def _drawn(config: AgenticConfig, requests: int, rate: float, until_s: float) -> list[SimSession]:
+    """`agentic_sessions(config, requests, rate)`'s sessions that start before `until_s`,
+    from one draw at a unit rate: start times are a Poisson process, so at `rate` they are
+    the unit-rate ones / `rate`. A search probes many rates of one workload; this draws
+    its sessions once."""
+    drawn = []
+    for s in _at_unit_rate(config, requests):
+        start = s.start_s / rate
+        if start >= until_s:  # (starts only grow)
+            break
+        drawn.append(replace(s, start_s=start))
+    return drawn
 
 
 def steady_sessions(config: AgenticConfig, warm: bool = True) -> Sessions:
     """Agentic sessions starting at a rate until a time (the stream is planned long
     enough, then cut there); `warm`: from a stationary mix (see the module's note)."""
-    turns = turns_per_session(config)
 
     def sessions(rate: float, end_s: float) -> list[SimSession]:
         history = history_s(config) if warm else 0.0
-        requests = max(1, math.ceil(1.5 * rate * (end_s + history) * turns) + 100)
-        drawn = _drawn(config, requests, rate)
+        drawn = _drawn(config, _requests(config, rate, end_s, warm), rate, end_s + history)
         if not warm:
-            return [s for s in drawn if s.start_s < end_s]
-        resumed = (_resume(s, history) for s in drawn if s.start_s < end_s + history)
+            return drawn
+        resumed = (_resume(s, history) for s in drawn)
         return [s for s in resumed if s is not None]
 
     return sessions
