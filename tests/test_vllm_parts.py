@@ -61,16 +61,25 @@ def test_a_packing_pdd_cannot_read_is_refused():
         CpuPackedLayout(torch.zeros(1, 2, 32, 128, dtype=torch.bfloat16), 64, "amx")
 
 
-def test_token_major_layout_is_the_view_cuda_backends_read():
-    cache = torch.zeros(3, 2, 16, 128)
+_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.ci_may_skip, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_token_major_layout_is_the_view_cuda_backends_read(device: str):
+    """On CPU the view's arithmetic; where CUDA exists, on a cache in GPU memory, as vLLM's
+    CUDA backends hold it (KV comes in from the host and goes back to it)."""
+    cache = torch.zeros(3, 2, 16, 128, device=device)
     layout = TokenMajorLayout(cache, 64)
     k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
     slots = torch.tensor([0, 17, 47, 3, 30])
     layout.write(slots, k, v)
     key, value = cache.transpose(1, 2).split(64, dim=-1)  # what FlashAttention does with it
-    assert torch.equal(key[1, 1], k[1]) and torch.equal(value[2, 15], v[2])
+    assert torch.equal(key[1, 1].cpu(), k[1]) and torch.equal(value[2, 15].cpu(), v[2])
     got_k, got_v = layout.read(slots)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert got_k.device.type == "cpu" and torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
 # ---- pdd's draw inside vLLM ------------------------------------------------------------------
