@@ -19,6 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
+from pdd.deploy import stop_group
+
 START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
 STOP_GRACE_S = 15.0
@@ -132,14 +134,7 @@ class DemoDeployment:
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the whole group, SIGKILL what is left after `grace_s`, reap it."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            stop_group(self.proc, grace_s)
         # Instances the launcher left behind would hold ports and CPU for the next mode.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)

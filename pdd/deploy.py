@@ -12,6 +12,7 @@ child that dies is reported, not fatal: the router must ride out a dead instance
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -128,6 +129,19 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM `proc`'s process group (it was started in a session of its own: its
+    children with it), SIGKILL what is left of it after `grace_s`, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def pacing_line(dep: cfg.Deployment) -> str:

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdd.deploy import free_port, wait_http
+from pdd.deploy import free_port, stop_group, wait_http
 from pdd.workload.types import Session
 
 SERVERS = ("vllm", "pdd")  # plain vLLM, pdd on vLLM
 START_TIMEOUT_S = 600.0  # vLLM starts in tens of seconds alone; two at once on two busy cores take minutes
+STOP_GRACE_S = 15.0  # a server's time to stop after SIGTERM
 SETTLE_S = 2.0  # between runs: vLLM's engine core spins a second after its last step
 BLOCK_TOKENS = 32  # pdd's page on vLLM = vLLM's block
 # metric -> (what a summary says, whether more is better)
@@ -155,14 +155,7 @@ def _server(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> I
     try:
         yield _Server(name, f"http://127.0.0.1:{port}", proc, log)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, STOP_GRACE_S)
 
 
 def _kv_blocks(model_dir: Path, gib: int) -> int:

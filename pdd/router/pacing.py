@@ -24,18 +24,14 @@ class Pacer:
     def stats(self) -> dict[str, dict[str, float]]:
         """Per instance: its pace; per main instance also the handoff gap to cover and the
         reserve that takes."""
-        return {
-            name: {"pace_ms": 1000 * pace}
-            | (
-                {
-                    "handoff_gap_ms": 1000 * self._stall[name],
-                    "reserve_tokens": reserve_tokens(self._stall[name], pace, self.reserve_tokens),
-                }
-                if name in self._stall
-                else {}
-            )
-            for name, pace in self._pace.items()
-        }
+        out = {}
+        for name, pace in self._pace.items():
+            row = {"pace_ms": 1000 * pace}
+            if name in self._stall:
+                row["handoff_gap_ms"] = 1000 * self._stall[name]
+                row["reserve_tokens"] = reserve_tokens(self._stall[name], pace, self.reserve_tokens)
+            out[name] = row
+        return out
 
     def play_out(self, request: RouterRequest) -> list[int]:
         """The held tokens to release to the client now."""

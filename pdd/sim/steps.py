@@ -27,8 +27,9 @@ class StepLoad:
     kv_read_tokens: int  # context tokens whose KV the step reads, over all sequences
     chunks: int = 0  # of `seqs`, those computing more than one token (prefill and extend chunks)
     chunk_pairs: float = 0.0  # of `attn_pairs`, those of the chunks
-    # of the chunks' new tokens, those at or past their sequence's prompt: outputs computed
-    # again (a handoff's extend), which an emulated chip does not scale as it scales prompts
+    # of the chunks' new tokens, those of chunks that end past their sequence's prompt: outputs
+    # computed again (a handoff's extend, `chunk_load`), which an emulated chip does not scale
+    # as it scales prompts
     output_tokens: int = 0
     output_pairs: float = 0.0  # of `chunk_pairs`, theirs
 
