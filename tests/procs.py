@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from pdd import deploy
 from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
 from pdd.engine_port import EngineConfig
 
@@ -51,14 +52,7 @@ def standalone(model_dir: object, *extra: str, pages: int = 256) -> Iterator[str
 
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        deploy.stop_group(proc, grace)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
 
