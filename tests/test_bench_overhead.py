@@ -50,3 +50,17 @@ def test_metrics_come_from_a_bench_summary():
         "output_tokens_per_s": 4.0,
     }
     assert metrics_of(summary) == {"ttft_p50_ms": 1.0, "ttft_p90_ms": 2.0, "tpot_p50_ms": 3.0, "output_tok_s": 4.0}
+
+
+def test_the_control_runs_plain_vllm_in_pdds_place(tiny_model_dir):
+    import argparse
+
+    from pdd.bench.overhead import _commands
+
+    args = argparse.Namespace(vllm_layout="in-process", kv_cache_gib=1, threads=1, control=False)
+    measured = _commands(tiny_model_dir, args)
+    assert measured["pdd"][:3] == ["-m", "pdd.cli", "serve"] and "--engine" in measured["pdd"]
+    assert measured["vllm"][:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "uni" in measured["vllm"]  # in-process: plain vLLM's worker in its engine core, as pdd runs it
+    control = _commands(tiny_model_dir, argparse.Namespace(**{**vars(args), "control": True}))
+    assert control["pdd"] == control["vllm"] == measured["vllm"]

@@ -12,7 +12,9 @@ the spread (median, min-max) across the pairs. Plain vLLM runs as `vllm serve` s
 (its API server, engine core and worker in processes of their own) unless
 `--vllm-layout in-process` runs it as pdd runs vLLM on CPU (the worker inside the engine
 core's process: `pdd.engines.vllm.args`): then only pdd's own code differs, not the
-process layout.
+process layout. `--control` puts a second plain vLLM in pdd's place: the same pairs,
+ratios and spreads then measure the method's own noise (two identical servers), the
+floor under which no difference between pdd and vLLM can be read.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=5, help="overhead: measured runs of each server, alternating")
     p.add_argument(
         "--kv-cache-gib", type=int, default=1, help="overhead: each server's KV cache (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="overhead: a second plain vLLM in pdd's place (the same layout): the spread two identical servers "
+        "show, the benchmark's noise floor",
     )
     p.add_argument(
         "--vllm-layout",
@@ -117,10 +125,12 @@ def _cell(spread: Mapping[str, float] | None, fmt: str) -> str:
     return f"{spread['median']:{fmt}} ({spread['min']:{fmt}}-{spread['max']:{fmt}})"
 
 
-def format_comparison(result: Mapping[str, Mapping[str, Any]], pairs: int) -> Table:
+def format_comparison(result: Mapping[str, Mapping[str, Any]], pairs: int, control: bool = False) -> Table:
     """The comparison as a table: median (min-max) over the pairs."""
-    table = Table(title=f"pdd bench overhead: median (min-max) over {pairs} pairs")
-    for column in ("metric", "plain vLLM", "pdd on vLLM", "pdd / vLLM", f"within {TARGET:.0%}"):
+    kind = "control: plain vLLM against a second plain vLLM" if control else "pdd on vLLM against plain vLLM"
+    table = Table(title=f"pdd bench overhead ({kind}): median (min-max) over {pairs} pairs")
+    tested = "plain vLLM (2nd)" if control else "pdd on vLLM"
+    for column in ("metric", "plain vLLM", tested, f"{tested} / plain", f"within {TARGET:.0%}"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for metric, (label, _) in METRICS.items():
         r = result[metric]
@@ -175,23 +185,26 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
     common = ["--model", str(model_dir), "--served-model-name", "bench", "--host", "127.0.0.1"]
     # pdd's own layout on CPU (`pdd.engines.vllm.args`); the environment variable comes with it
     in_process = ["--distributed-executor-backend", "uni"] if args.vllm_layout == "in-process" else []
+    plain = [
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # `vllm serve` (vllm-cpu ships no `vllm` script)
+        *common,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_TOKENS),
+        "--max-num-seqs",
+        str(budgets.max_running),
+        "--max-num-batched-tokens",
+        str(budgets.max_batch_tokens),
+        *in_process,
+    ]
     return {
-        "vllm": [
-            "-m",
-            "vllm.entrypoints.openai.api_server",  # `vllm serve` (vllm-cpu ships no `vllm` script)
-            *common,
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--block-size",
-            str(BLOCK_TOKENS),
-            "--max-num-seqs",
-            str(budgets.max_running),
-            "--max-num-batched-tokens",
-            str(budgets.max_batch_tokens),
-            *in_process,
-        ],
-        "pdd": [
+        "vllm": plain,
+        "pdd": plain
+        if args.control
+        else [
             "-m",
             "pdd.cli",
             "serve",
@@ -210,12 +223,12 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
     }
 
 
-def _sessions(args: argparse.Namespace, url: str, seed: int) -> list[Session]:
-    """The requests of one seed, planned once for both servers (fitted to what pdd's
-    /v1/models says: its context and vocabulary; plain vLLM does not say the latter)."""
+def _sessions(args: argparse.Namespace, url: str, vocab_size: int, seed: int) -> list[Session]:
+    """The requests of one seed, planned once for both servers (fitted to the context
+    `url`'s /v1/models says; the vocabulary is the model's, which plain vLLM does not say)."""
     from pdd.bench.cli import plan_workload
 
-    return plan_workload(argparse.Namespace(**{**vars(args), "seed": seed, "url": url}))[0]
+    return plan_workload(argparse.Namespace(**{**vars(args), "seed": seed, "url": url, "vocab_size": vocab_size}))[0]
 
 
 def _replay(server: _Server, sessions: list[Session], args: argparse.Namespace) -> dict[str, Any]:
@@ -234,12 +247,14 @@ def _replay(server: _Server, sessions: list[Session], args: argparse.Namespace) 
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model
 
     if args.pairs < 1:
         print("pdd bench overhead: --pairs must be >= 1", file=sys.stderr)
         return 2
     model_dir = resolve_model(args.model or "")
+    vocab_size = args.vocab_size or ModelConfig.from_dir(model_dir).vocab_size
     threads = str(max(1, args.threads))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
@@ -251,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pdd-overhead-") as tmp, contextlib.ExitStack() as stack:
         commands = _commands(model_dir, args)
         plain_env = env | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.vllm_layout == "in-process" else {})
-        envs = {"vllm": plain_env, "pdd": env}
+        envs = {"vllm": plain_env, "pdd": plain_env if args.control else env}
         servers = {name: stack.enter_context(_server(name, commands[name], envs[name], Path(tmp))) for name in SERVERS}
         for server in servers.values():
             try:
@@ -261,22 +276,25 @@ def run(args: argparse.Namespace) -> int:
                 print(f"pdd bench overhead: {server.name}: {exc}\n  " + "\n  ".join(tail), file=sys.stderr)
                 return 1
         print(
-            f"both up after {time.monotonic() - began:.0f} s (plain vLLM's layout: {args.vllm_layout}); "
+            f"both up after {time.monotonic() - began:.0f} s (plain vLLM's layout: {args.vllm_layout}"
+            f"{'; control: a second plain vLLM stands in for pdd' if args.control else ''}); "
             f"warm-up, then {args.pairs} pairs",
             flush=True,
         )
-        warm_up = _sessions(args, servers["pdd"].url, args.seed + 1000)
+        warm_up = _sessions(args, servers["pdd"].url, vocab_size, args.seed + 1000)
         for name in SERVERS:
             _replay(servers[name], warm_up, args)
         for i in range(args.pairs):
-            sessions = _sessions(args, servers["pdd"].url, args.seed + i)
+            sessions = _sessions(args, servers["pdd"].url, vocab_size, args.seed + i)
             order = SERVERS[::-1] if i % 2 == 0 else SERVERS
             pair = {name: metrics_of(_replay(servers[name], sessions, args)) for name in order}
             pairs.append(pair)
             print(f"pair {i + 1}: " + "; ".join(_pair_line(name, m) for name, m in pair.items()), flush=True)
     result = compare(pairs)
-    Console(width=140).print(format_comparison(result, len(pairs)))
+    Console(width=140).print(format_comparison(result, len(pairs), args.control))
     print(f"wall time {time.monotonic() - began:.0f} s")
     if getattr(args, "out", None):
-        Path(args.out).write_text(json.dumps({"pairs": pairs, "comparison": result}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"control": args.control, "pairs": pairs, "comparison": result}, indent=2) + "\n"
+        )
     return 0

@@ -153,6 +153,7 @@ async def _serve(
     from pdd.api.app import build_app
     from pdd.api.metrics import LineMetrics
     from pdd.engine_port import open_engine
+    from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
     from pdd.instance.node import Node
@@ -188,6 +189,7 @@ async def _serve(
         node.on_drained = lambda: setattr(server, "should_exit", True)
         if join:
             node.spawn(register(dep, spec))
+    freeze_startup_heap()
     try:
         await server.serve()
     finally:

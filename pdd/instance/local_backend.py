@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
@@ -64,5 +65,7 @@ class LocalBackend:
             "engine": self.engine.stats(),
             "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),
+            # what the cyclic collector no longer walks (`pdd.heap`): 0 means every full collection walks it all
+            "gc_frozen_objects": gc.get_freeze_count(),
             **({"node": self._node_stats()} if self._node_stats else {}),
         }

@@ -44,6 +44,7 @@ async def _serve(dep) -> None:
     from prometheus_client import CollectorRegistry
 
     from pdd.api.app import build_app
+    from pdd.heap import freeze_startup_heap
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model
     from pdd.model.tokenizer import Tokenizer
@@ -72,6 +73,7 @@ async def _serve(dep) -> None:
             app, host=dep.router.host, port=dep.router.port, log_level="warning", timeout_graceful_shutdown=2
         )
     )
+    freeze_startup_heap()
     try:
         await server.serve()
     finally:
