@@ -121,6 +121,19 @@ def test_vllm_blocks_are_named_by_pdds_chained_hashes():
         names.stored(None, [b"e"], tokens[:16], 16)
 
 
+def test_a_page_stays_cached_while_any_vllm_block_holds_it():
+    tokens = list(range(100, 132))
+    names = VllmHashes(32)
+    page = block_hashes(tokens, 32)
+    names.stored(None, [b"a"], tokens, 32)
+    names.stored(None, [b"a"], tokens, 32)  # stored again (after an eviction vLLM missed telling): one block
+    names.stored(None, [b"b"], tokens, 32)  # a second vLLM block with the same tokens
+    assert names.removed([b"a"]) == page and names.cached_prefix(page) == 1
+    assert names.removed([b"b"]) == page and names.cached_prefix(page) == 0
+    names.stored(None, [b"c"], tokens, 32)
+    assert names.cleared() == page and names.cached_prefix(page) == 0
+
+
 # ---- the bridge ------------------------------------------------------------------------------
 
 def test_bridge_carries_json_and_payload_and_refuses_strangers():

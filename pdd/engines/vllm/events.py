@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 from pdd.kv.blocks import ROOT_HASH, chain_hash
@@ -31,6 +32,7 @@ class VllmHashes:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.names: dict[bytes | int, int] = {}  # vLLM block hash -> pdd chained hash
+        self.held: Counter[int] = Counter()  # pdd hash -> vLLM blocks under it (a lookup per page, not per block)
         self.seq = 0
         self.unknown_parents = 0  # stored blocks whose parent was never seen: left out (the mirror under-counts)
         self.lock = threading.Lock()
@@ -57,17 +59,29 @@ class VllmHashes:
         out = []
         for i, h in enumerate(hashes):
             prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
+            if h in self.names:
+                self._drop(self.names[h])
             self.names[h] = prev
+            self.held[prev] += 1
             out.append(prev)
         return out
 
     def removed(self, hashes: list[bytes | int]) -> list[int]:
-        return [self.names.pop(h) for h in hashes if h in self.names]
+        out = [self.names.pop(h) for h in hashes if h in self.names]
+        for name in out:
+            self._drop(name)
+        return out
 
     def cleared(self) -> list[int]:
         out = list(self.names.values())
         self.names.clear()
+        self.held.clear()
         return out
+
+    def _drop(self, name: int) -> None:
+        self.held[name] -= 1
+        if self.held[name] <= 0:
+            del self.held[name]
 
     def snapshot(self) -> tuple[int, list[int]]:
         with self.lock:
@@ -75,13 +89,12 @@ class VllmHashes:
 
     def cached_prefix(self, page_hashes: list[int]) -> int:
         """How many leading pages of a prompt (their pdd hashes) are cached now."""
-        with self.lock:
-            held = set(self.names.values())
         n = 0
-        for h in page_hashes:
-            if h not in held:
-                break
-            n += 1
+        with self.lock:
+            for h in page_hashes:
+                if h not in self.held:
+                    break
+                n += 1
         return n
 
 
