@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdd.demo_deploy import START_TIMEOUT_S, DemoDeployment, DeployError, accepted_modes
 from pdd.engine_port import engine_names, for_backend
-from pdd.names import Mode
+from pdd.names import Mode, mode_options
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     records: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
     for i, mode in enumerate(args.modes, 1):
-        if accepted is not None and mode.split(":")[0] not in accepted:
+        if accepted is not None and mode_options(mode)[0] not in accepted:
             failed[mode] = "not offered by the installed `pdd up`"
             _note(err, f"skipping mode {mode!r}: the installed `pdd up` accepts only {', '.join(sorted(accepted))}")
             continue

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from pdd.deploy import stop_group
+from pdd.names import mode_options
 
 START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
@@ -73,10 +74,9 @@ class DemoDeployment:
     """
 
     def __init__(self, mode: str, config: Path | None, line: list[str] | tuple[str, ...] = ()) -> None:
-        base, *options = mode.split(":")
+        base, options = mode_options(mode)
         args = ["--mode", base, "--port", "0", *line]
-        for option in options:  # "pd-cross-dc:drc=off" -> --mode pd-cross-dc --drc off
-            key, _, value = option.partition("=")
+        for key, value in options:  # "pd-cross-dc:drc=off" -> --mode pd-cross-dc --drc off
             args += [f"--{key}", value]
         if config is not None:
             args += ["--config", str(config)]

@@ -49,6 +49,13 @@ class Mode(StrEnum):
     PDD = "pdd"  # P and the relay in A, MD in B
 
 
+def mode_options(mode: str) -> tuple[str, list[tuple[str, str]]]:
+    """A demo's mode `MODE[:KEY=VALUE...]` (`pdd demo --modes pd-cross-dc:main=2`): the
+    deployment mode, and the `pdd up` options it adds (`--main 2`), in order."""
+    base, *options = mode.split(":")
+    return base, [(key, value) for key, _, value in (option.partition("=") for option in options)]
+
+
 class Fallback(StrEnum):
     """Why a request ran other than planned; every one is counted (`pdd_router_fallbacks`)."""
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd import config as cfg
+from pdd.names import mode_options
 from pdd.sim.local import simulate_demo
 from pdd.sim.metrics import summary
 from pdd.sim.profile import LocalProfile
@@ -28,15 +29,14 @@ P50_TOLERANCE, P99_TOLERANCE = 0.25, 0.50
 def mode_deployment(dep: cfg.Deployment, mode: str) -> tuple[cfg.Deployment, str]:
     """`dep` as `pdd demo` starts the mode `MODE[:KEY=VALUE...]` (the options it passes
     `pdd up`), and the bare mode; an option the simulator does not model is refused."""
-    base, *options = mode.split(":")
-    for option in options:
-        key, _, value = option.partition("=")
+    base, options = mode_options(mode)
+    for key, value in options:
         if key in ("main", "prefill", "relay") and value.isdigit():
             dep = replace(dep, topology=replace(dep.topology, **{key: int(value)}))  # type: ignore[arg-type]
         elif key == "drc" and value in ("on", "off"):
             dep = replace(dep, policy=replace(dep.policy, decode_radix_cache=value == "on"))
         else:
-            raise ValueError(f"mode {mode!r}: the simulator does not model the option {option!r}")
+            raise ValueError(f"mode {mode!r}: the simulator does not model the option {key}={value!r}")
     return dep, base
 
 
