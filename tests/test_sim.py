@@ -361,6 +361,7 @@ POLICIES = {
     "pages_needed": ("pdd.sim.cluster", "pdd.router.planning"),
     "relay_accepts": ("pdd.sim.reserve", "pdd.instance.relay"),
     "prefix_holder": ("pdd.sim.reserve", "pdd.instance.receiver"),
+    "may_hold": ("pdd.sim.reserve", "pdd.instance.receiver"),
     "reserve_retry_delay": ("pdd.sim.reserve", "pdd.instance.reservations"),
     "choose_pipeline": ("pdd.sim.prefill", "pdd.instance.prefill"),
     "answer_wait_s": ("pdd.sim.prefill", "pdd.instance.prefill"),
@@ -515,6 +516,52 @@ def test_same_sessions_same_outcomes() -> None:
     a, b = once(), once()
     assert len(a) == REQUESTS
     assert a == b
+
+
+# ---- 7b. MD waits for an earlier arrival that holds its prompt, reserved or not ------------
+
+def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
+    """As the live side (`pdd.instance.receiver._may_hold`): a request still waiting for
+    its own reservation holds most of a later one's prompt, so the later one waits for it
+    rather than fetch the same KV over the line; an earlier one never waits for a later
+    arrival that is not reserved (the two would wait for each other), but does once it is."""
+    from types import SimpleNamespace
+
+    from pdd.sim.hardware import CATALOG
+    from pdd.sim.instance import Instance
+    from pdd.sim.model import MODELS
+    from pdd.sim.physics import Physics
+    from pdd.sim.reserve import Reservations
+    from pdd.sim.sequence import Landing
+
+    model = next(iter(MODELS.values()))
+    prompt = [("turn", i) for i in range(8)]
+
+    def waited(earlier_reserved: bool, later_reserved: bool, wait_for_later: bool) -> float:
+        env = simpy.Environment()
+        inst = Instance(env, "main0@B", "main", "B", Physics(CATALOG["B"], model, 8), 400_000, BLOCK, 16384, 64)
+        first = Landing(inst, prompt, next(inst.arrivals), reserved=earlier_reserved)
+        second = Landing(inst, prompt + [("next", 0)], next(inst.arrivals), reserved=later_reserved)
+        me, other = (first, second) if wait_for_later else (second, first)
+        done: list[float] = []
+
+        def ask():
+            yield from Reservations._await_prefix(SimpleNamespace(env=env), inst, me)
+            done.append(env.now)
+
+        def land():
+            yield env.timeout(3.0)
+            other.settle()
+
+        env.process(ask())
+        env.process(land())
+        env.run()
+        return done[0]
+
+    assert waited(False, False, wait_for_later=False) == 3.0  # the earlier one is still in the line
+    assert waited(True, False, wait_for_later=False) == 3.0
+    assert waited(False, False, wait_for_later=True) == 0.0  # a later arrival not reserved: no circle
+    assert waited(False, True, wait_for_later=True) == 3.0  # a later one reserved: it waits for nothing
 
 
 # ---- 8. a running request's cached prefix is never evicted under it ----------------------

@@ -24,7 +24,7 @@ from pdd.engine_port import OutOfPages, OutputStream
 from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.instance.reservations import ReservationLine
 from pdd.kv import codec
-from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
+from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
@@ -188,17 +188,12 @@ class DecodeSide(Generic[J]):
                 return
 
     def _may_hold(self, job: J) -> list[J]:
-        """The unsettled requests `job` may wait for: those reserved, and those that came
-        before it (`jobs` is in arrival order). One that came later and is not reserved
-        yet may itself be waiting, for `job`: a session's next turn, sent while this turn
-        waits for the one before, holds all of this prompt. Two requests waiting for each
-        other would both sit out PREFIX_WAIT_S; waiting only ever on an earlier arrival
-        or on a reservation (which waits for nothing) cannot go round in a circle."""
+        """The unsettled requests `job` may wait for (`may_hold`; `jobs` is in arrival order)."""
         out, earlier = [], True
         for o in self.jobs.values():
             if o is job:
                 earlier = False
-            elif (earlier or o.reserved) and not o.settled.is_set() and o.reserve.use_cache:
+            elif may_hold(earlier, o.reserved) and not o.settled.is_set() and o.reserve.use_cache:
                 out.append(o)
         return out
 

@@ -24,6 +24,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def may_hold(earlier: bool, reserved: bool) -> bool:
+    """Whether an unsettled request may be waited for: one reserved (a reservation waits
+    for nothing), or one that came before (it waits, if at all, for one before it). One
+    that came later and is not reserved yet may itself be waiting, for the one asking: a
+    session's next turn, sent while this turn waits for the one before, holds all of this
+    prompt. Two requests waiting for each other would both sit out PREFIX_WAIT_S; waiting
+    only on an earlier arrival or on a reservation cannot go round in a circle."""
+    return earlier or reserved
+
+
 def prefix_holder(
     prompt: Sequence[int], cached_tokens: int, page_size: int, in_flight: Sequence[Sequence[int]]
 ) -> int | None:

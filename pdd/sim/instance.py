@@ -22,6 +22,7 @@ a stretch costs its changes, not a pass over a batch of hundreds.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import simpy
 from pdd.policy.capacity import Room
 from pdd.sim.cache import BlockCache
 from pdd.sim.reserve import ReservationLine
-from pdd.sim.sequence import Hold, SimSeq, _Run
+from pdd.sim.sequence import Hold, Landing, SimSeq, _Run
 from pdd.sim.steps import StepLoad, StepModel
 
 MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
@@ -79,7 +80,8 @@ class Instance:
         self.used = 0  # pool tokens held by sequences (reserved or running)
         self.holds = 0  # requests holding pool room
         self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
-        self.unsettled: list[Hold] = []  # reservations whose KV, handoff or fill is still to land
+        self.unsettled: list[Landing] = []  # accepted requests not settled yet, in arrival order
+        self.arrivals = itertools.count()  # numbers them
         self.reservations = ReservationLine(self.env)  # required reservations waiting for room
         self._run: _Run | None = None  # decode-only steps under way (see _stretch)
         self._wake = self.env.event()

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 import simpy
 
 from pdd.policy.capacity import relay_accepts
-from pdd.policy.prefix import PREFIX_WAIT_S, prefix_holder
+from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
 from pdd.policy.retry import reserve_retry_delay
 from pdd.sim.parts import ClusterParts, Proc
+from pdd.sim.sequence import Landing
 
 if TYPE_CHECKING:
     from pdd.record import RequestRecord
@@ -88,9 +89,11 @@ class Reservations(ClusterParts):
             return None
         prompt, keys = rec.prompt_tokens, self._keys(s, rec.prompt_tokens)
         inst.without_room += 1  # held from here on, as the live instance's job is
-        yield from self._await_prefix(inst, keys)
+        landing = Landing(inst, keys, next(inst.arrivals))
+        yield from self._await_prefix(inst, landing)
         if prompt + rec.max_tokens > inst.capacity_tokens:  # the engine's "exceeds the context window"
             inst.without_room -= 1
+            landing.settle()
             return None
 
         def attempt() -> Granted | None:
@@ -101,26 +104,36 @@ class Reservations(ClusterParts):
         granted = attempt() if optional else (yield from inst.reservations.take(attempt))
         if granted is None:  # (only an optional one is refused for room)
             inst.without_room -= 1
+            landing.settle()
             return None
-        granted[1].unsettled(self._keys(s, prompt + rec.max_tokens))
+        landing.reserved, landing.keys = True, self._keys(s, prompt + rec.max_tokens)
+        granted[1].landing = landing
         return granted
 
-    def _await_prefix(self, inst: Instance, keys: list) -> Proc:
+    def _await_prefix(self, inst: Instance, me: Landing) -> Proc:
         """As the live decode side: wait (at most `PREFIX_WAIT_S`) for a request that is
-        not producing yet and holds most of this prompt (`prefix_holder`), rather than
-        have the same KV cross the line twice. The simulator works in blocks: the
-        prompt and the requests in flight are their block keys, the cached length is in
-        blocks and a page is one block. A key names its whole prefix (chained hashes), so
-        a request whose key at the least qualifying length differs cannot qualify and
-        is passed over without a walk."""
+        not producing yet and holds most of this prompt (`prefix_holder`), reserved or
+        come before this one (`may_hold`), rather than have the same KV cross the line
+        twice. The simulator works in blocks: the prompt and the requests in flight are
+        their block keys, the cached length is in blocks and a page is one block. A key
+        names its whole prefix (chained hashes), so a request whose key at the least
+        qualifying length differs cannot qualify and is passed over without a walk."""
         deadline = self.env.now + PREFIX_WAIT_S
+        keys = me.keys
         while True:
             cached = inst.cache.match(keys, touch=False)
             least = max(cached + 1, len(keys) // 2)
-            if least > len(keys) or not inst.unsettled:
+            if least > len(keys):
                 return
             mark = keys[least - 1]
-            others = [h for h in inst.unsettled if len(h.keys) >= least and h.keys[least - 1] == mark]
+            others = [
+                h
+                for h in inst.unsettled
+                if h is not me
+                and may_hold(h.order < me.order, h.reserved)
+                and len(h.keys) >= least
+                and h.keys[least - 1] == mark
+            ]
             # Block keys stand where the live side has token IDs: prefix_holder only compares them.
             in_flight = [cast("Sequence[int]", h.keys) for h in others]
             i = prefix_holder(cast("Sequence[int]", keys), cached, 1, in_flight) if others else None

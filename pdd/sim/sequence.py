@@ -17,21 +17,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
-class Hold:
-    """Pool room reserved for one request on one instance, and the cached prefix blocks
-    it relies on, pinned (eviction passes them by) until the hold is released."""
+class Landing:
+    """A request accepted at a decode side that has not settled there: not reserved yet
+    (waiting for a prefix, or in the reservation line), or reserved with its KV, a
+    handoff or a fill still to land. A later request sharing most of `keys` may wait for
+    it (`settled`), as the live side waits for its jobs (`pdd.policy.prefix.may_hold`)."""
 
     inst: Instance
-    tokens: int
-    pinned: Sequence[Hashable]
-    released: bool = False
-    keys: Sequence[Hashable] = ()  # its request's prompt and output, while it has not settled
+    keys: Sequence[Hashable]  # its prompt; once reserved, its prompt and output
+    order: int  # its arrival at `inst`
+    reserved: bool = False
     _settled: simpy.Event | None = None
 
-    def unsettled(self, keys: Sequence[Hashable]) -> None:
-        """Its request will land `keys` here (KV on the line, a handoff or a fill to
-        come): a reservation sharing most of them may wait for it (`settled`)."""
-        self.keys = keys
+    def __post_init__(self) -> None:
         self.inst.unsettled.append(self)
 
     def settled(self) -> simpy.Event:
@@ -46,6 +44,23 @@ class Hold:
         settled = self.settled()
         if not settled.triggered:
             settled.succeed()
+
+
+@dataclass(eq=False)
+class Hold:
+    """Pool room reserved for one request on one instance, and the cached prefix blocks
+    it relies on, pinned (eviction passes them by) until the hold is released."""
+
+    inst: Instance
+    tokens: int
+    pinned: Sequence[Hashable]
+    released: bool = False
+    landing: Landing | None = None  # while its request has not settled here
+
+    def settle(self) -> None:
+        """Its request produces here now, or has gone: nothing more to wait for."""
+        if self.landing is not None:
+            self.landing.settle()
 
     def release(self) -> None:
         if not self.released:
