@@ -5,7 +5,7 @@ loading a model.
 
 Seeded sampling must give the same tokens whichever instance produces a position (P
 samples the first token, a relay the next few, the main decode instance the rest).
-So a position's random number is a function of (seed, position) alone, never of a
+So a position's random numbers are a function of (seed, position) alone, never of a
 generator's state that depends on how many draws an instance made before.
 """
 
@@ -58,11 +58,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
-def uniform(seed: int, position: int) -> float:
-    """The random number in [0, 1) that chooses output position `position`.
+def draw_key(seed: int, position: int) -> int:
+    """The 64-bit key of output position `position`'s draw (`pdd.engine.sampler`).
 
     A hash of both, so any integer seed works (however large or negative) and every
-    producer of that position draws the same number.
+    producer of that position draws from the same random numbers.
     """
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"pdd-draw").digest()
-    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+    return int.from_bytes(digest, "little")

@@ -3,7 +3,7 @@
 vLLM keeps one random generator per request, so the token it draws at a position
 depends on how many draws that generator made before: a continuation on another
 instance (MD after a relay, after P's first token) would draw differently. pdd's draw
-is a function of (seed, position) alone (`pdd.sampling.uniform`), so every producer of
+is a function of (seed, position) alone (`pdd.sampling.draw_key`), so every producer of
 a position draws the same token. For a non-greedy request pdd asks vLLM for greedy
 sampling and attaches its own parameters (`extra_args["pdd_draw"]`: seed, the output
 position of the first token this request samples, temperature, top-k, top-p); this
