@@ -83,6 +83,9 @@ class StepOutput:
     cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
     position: int = -1  # output position of `token` (0: the first generated token)
     caught_up: int | None = None  # a shadow request computed every given token: how many outputs it holds
+    # the engine step that made this output, counted by the engine; -1 where a backend cannot
+    # say (vLLM merges a request's outputs that its reader has not taken yet)
+    step: int = -1
 
 
 @dataclass(frozen=True)

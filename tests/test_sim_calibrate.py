@@ -131,6 +131,28 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     assert measured.kv_bytes_per_token > 0 and measured.max_context > 0
 
 
+def test_an_output_is_placed_by_its_engine_step_not_by_when_it_came() -> None:
+    """A decoder's token that reached the caller late, nearest the next step's, is still
+    placed in the step that made it; only a backend that cannot say its steps is placed
+    by arrival (the two failures this replaced: contexts off by one per decoder)."""
+    import asyncio
+
+    from pdd.engine_port import StepOutput
+    from pdd.sim.measure import _Batch
+
+    async def go() -> tuple[int, int]:
+        batch = _Batch()
+        for step in (10, 11, 12):
+            batch.seen(StepOutput("d0", 1, None, position=step - 10, step=step))
+        batch.times = [0.0, 0.010, 0.020]  # decoder 0's tokens arrived a step (10 ms) apart
+        late = 0.019  # and decoder 1's of step 11 nearest step 12's
+        told = await batch.position_of(StepOutput("d1", 1, None, position=7, step=11), late)
+        untold = await batch.position_of(StepOutput("d1", 1, None, position=7), late)
+        return told, untold
+
+    assert asyncio.run(go()) == (1, 2)
+
+
 def test_profile_round_trip(tmp_path: Path) -> None:
     samples = [(load, TRUTH.step_s(load)) for load in _loads()]
     local = LocalProfile(fit(samples), kv_bytes_per_token=4096, max_context=4096, request_overhead_s=0.004, cores=2)

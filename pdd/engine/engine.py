@@ -265,11 +265,12 @@ class Engine:
             offset += n
         self.stats.steps += 1
         self.stats.computed_tokens += offset
-        outputs = [StepOutput(seq.rid, None, None) for seq, _ in batch if seq.num_pending > 0]
+        step = self.stats.steps
+        outputs = [StepOutput(seq.rid, None, None, step=step) for seq, _ in batch if seq.num_pending > 0]
         for seq, _ in ready:
             if seq.shadow:  # a catch-up chunk is in: wait for the next one, sample nothing
                 self.scheduler.pause(seq)
-                outputs.append(StepOutput(seq.rid, None, None, caught_up=seq.num_output))
+                outputs.append(StepOutput(seq.rid, None, None, caught_up=seq.num_output, step=step))
         sampling = [(seq, row) for seq, row in ready if not seq.shadow]
         if sampling:
             logits = self.model.logits(hidden[[row for _, row in sampling]])
@@ -282,7 +283,7 @@ class Engine:
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     self._finish(seq, reason)
-                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position))
+                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position, step=step))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:

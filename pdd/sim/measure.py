@@ -13,12 +13,15 @@ each step shape a deployment makes is timed from output timings:
   produced the new sequence's first token.
 
 A step's load is known from the outputs too: each sequence's prompt length and output
-position say what it computed (`StepOutput.position`, `cached_tokens`). Tokens of one
-step reach the caller together, so the decoders' positions in a step are matched by
-arrival time. The engine runs with a step budget above the largest shape and a pool
-that holds every group whole, so nothing is chunked or preempted behind the caller's
-back; a group in which the engine preempted anyway is dropped. Runs of a shape are
-repeated and the median kept: the machine is shared and noisy.
+position say what it computed (`StepOutput.position`, `cached_tokens`). Outputs are
+matched to decoder 0's in the same step by the engine's step number (`StepOutput.step`)
+where the backend gives it. Where it does not, by arrival time, since tokens of one
+step reach the caller together; but a loop late by half a step (a busy machine, a
+collection) then matches the step before or after, so that is the fallback. The
+engine runs with a step budget above the largest shape and a pool that holds every
+group whole, so nothing is chunked or preempted behind the caller's back; a group in
+which the engine preempted anyway is dropped. Runs of a shape are repeated and the
+median kept: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -100,21 +103,36 @@ class _Decoder:
 
 
 class _Batch:
-    """The group's decoders: decoder 0's tokens with their arrival times, and what each
-    decoder computes in the step that gave decoder 0 its token at a position."""
+    """The group's decoders: decoder 0's tokens with their steps and arrival times, and
+    what each decoder computes in the step that gave decoder 0 its token at a position."""
 
     def __init__(self) -> None:
         self.decoders: list[_Decoder] = []
         self.positions: list[int] = []  # decoder 0's output positions, in order
+        self.steps: list[int] = []  # ... the engine steps that made them (-1: not told)
         self.times: list[float] = []  # ... and when each arrived
         self.moved = asyncio.Event()
 
     def seen(self, out: StepOutput) -> None:
         self.positions.append(out.position)
+        self.steps.append(out.step)
         self.times.append(time.perf_counter())
         self.moved.set()
 
-    def position_at(self, t: float) -> int:
+    async def position_of(self, out: StepOutput, t: float) -> int:
+        """Decoder 0's position in the step that made `out`, which reached the caller at
+        `t` (decoder 0 decodes in every step of the group)."""
+        if out.step < 0:
+            await self.after(t)
+            return self._position_at(t)
+        while not self.steps or self.steps[-1] < out.step:
+            await self._move()
+        i = bisect.bisect_left(self.steps, out.step)
+        if self.steps[i] != out.step:
+            raise RuntimeError(f"decoder 0 did not decode in engine step {out.step}")
+        return self.positions[i]
+
+    def _position_at(self, t: float) -> int:
         """Decoder 0's position in the step whose outputs arrived nearest `t`."""
         i = bisect.bisect_left(self.times, t)
         near = min((j for j in (i - 1, i) if 0 <= j < len(self.times)), key=lambda j: abs(self.times[j] - t))
@@ -135,8 +153,11 @@ class _Batch:
     async def after(self, t: float) -> None:
         """Until decoder 0 has a token that arrived after `t`."""
         while not self.times or self.times[-1] <= t:
-            self.moved.clear()
-            await self.moved.wait()
+            await self._move()
+
+    async def _move(self) -> None:
+        self.moved.clear()
+        await self.moved.wait()
 
 
 class _Meter:
@@ -209,8 +230,7 @@ class _Meter:
                     task = asyncio.ensure_future(_follow(stream, batch))
                 else:  # the rest are not read on: their first token places them against decoder 0
                     streams.append(stream)
-                    await batch.after(at)
-                    batch.decoders[-1].offset = out.position - batch.position_at(at)
+                    batch.decoders[-1].offset = out.position - await batch.position_of(out, at)
             blob = await self._blob(prefix) if group.cached and group.decoders else None
             runs: dict[int, list[Sample]] = {}
             for n in group.sizes:
@@ -241,7 +261,8 @@ class _Meter:
             position = start + 1
             return batch.load_at(position), batch.gap_s(position)
         if blob is not None:
-            new, started, first = await self._extend(prefix, n, blob)
+            out, started, first = await self._extend(prefix, n, blob)
+            new = chunk_load(len(prefix), n)
         else:
             out, started, first, stream, _ = await self._first(prefix + self._tokens(n))
             async for _ in stream:
@@ -249,13 +270,13 @@ class _Meter:
             new = chunk_load(out.cached_tokens, len(prefix) + n - out.cached_tokens)
         if not batch.decoders:
             return new, first - started
-        await batch.after(first)
-        position = batch.position_at(first)
+        position = await batch.position_of(out, first)
         return add(batch.load_at(position), new), batch.gap_s(position)
 
-    async def _extend(self, prefix: list[int], n: int, blob: Any) -> tuple[StepLoad, float, float]:
+    async def _extend(self, prefix: list[int], n: int, blob: Any) -> tuple[StepOutput, float, float]:
         """A handoff's extend: MD reserved the prompt, its KV imported, then `n` tokens
-        another instance produced are computed in one step and the next is sampled."""
+        another instance produced are computed in one step and the next is sampled: that
+        first output, when `start` was called and when the output came."""
         rid = self._rid()
         await self.port.reserve(rid, prefix, self._params(n + 1), use_cache=False)
         await self.port.import_kv(rid, blob)
@@ -265,7 +286,7 @@ class _Meter:
             await self.port.start(rid, self._tokens(n))
             async for out in stream:
                 if out.token is not None:
-                    return chunk_load(len(prefix), n), started, time.perf_counter()
+                    return out, started, time.perf_counter()
             raise RuntimeError(f"extend {rid} ended without a token")
         finally:
             stream.close()
