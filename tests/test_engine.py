@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
+from pdd.engine import sampler
 from pdd.engine.engine import Engine
-from pdd.engine.sampler import sample
+from pdd.engine.sampler import exponentials, sample
 from pdd.engine_port import EngineConfig, RequestError
 from pdd.kv import codec
-from pdd.sampling import SamplingParams
+from pdd.sampling import SamplingParams, draw_key
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -133,6 +135,37 @@ def test_a_seeded_draw_is_a_draw_from_the_filtered_distribution():
         want = torch.softmax(kept.double(), 0)
         assert (counts / n - want).abs().max() < 0.015, (counts / n, want)
         assert top_k == 0 or counts[top_k:].sum() == 0
+
+
+def test_a_seeded_draw_depends_on_its_row_alone():
+    """A GPU draws a step's sampled rows at once (vLLM hands over its batch): a row's
+    token does not depend on its batch-mates, and the race's numbers are splitmix64's
+    (integer arithmetic, so every device computes the same ones)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 512, generator=g) * 4
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=1)
+              for t, p, k in ((0.0, 1.0, 0), (1.0, 1.0, 0), (2.0, 0.9, 0), (1.0, 1.0, 7), (30.0, 0.5, 40))]
+    seeds, positions = [11, -(2**70), 3, 2**64 + 5, 0], [0, 9, 4095, 17, 2]
+    alone = [sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], positions[i : i + 1])[0] for i in range(5)]
+    assert sample(logits, params, seeds, positions) == alone and alone[0] == int(logits[0].argmax())
+    # as a GPU draws them: every sampled row in one race (the CPU runs one row at a time)
+    keys = [draw_key(s, p) for s, p in zip(seeds[1:], positions[1:], strict=True)]
+    assert sampler._race(logits[1:], params[1:], keys) == alone[1:]
+
+    def splitmix(key: int, token: int) -> int:
+        m = (1 << 64) - 1
+        z = (key + (token + 1) * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return (z ^ (z >> 31)) >> 11
+
+    keys = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x0123456789ABCDEF]
+    words = torch.tensor([[splitmix(k, t) for t in range(600)] for k in keys], dtype=torch.float64)  # exact: 53 bits
+    cpu = torch.device("cpu")
+    assert torch.equal(sampler._words_numpy(keys, 600), words)  # the CPU's
+    assert torch.equal(sampler._words_torch(keys, 600, cpu), words)  # every other device's, here on the CPU
+    want = [[-math.log((w + 0.5) / (1 << 53)) for w in row] for row in words.tolist()]
+    assert exponentials(keys, 600, cpu).tolist() == [pytest.approx(row, rel=1e-15) for row in want]
 
 
 def test_a_seeded_draw_survives_a_float_difference_in_the_logits(engine):
