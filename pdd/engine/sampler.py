@@ -97,10 +97,12 @@ def _race(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -
 
     scores = logits.double() / per_row([p.temperature for p in params])
     vocab = scores.shape[1]
-    if any(p.top_k for p in params):
-        # each row's k-th best score (k = 0: no cut, the worst one)
-        ks = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params], device=device)
-        kth = torch.sort(scores, dim=1, descending=True).values.gather(1, ks[:, None] - 1)
+    ks = [min(p.top_k, vocab) for p in params]
+    if any(ks):
+        # each row's k-th best score, from the best max(k) of every row (k = 0: no cut)
+        best = torch.topk(scores, max(ks), dim=1).values
+        kth = best.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
+        kth = kth.masked_fill(per_row([float(k == 0) for k in ks]) > 0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=1)
     if any(p.top_p < 1.0 for p in params):
