@@ -44,7 +44,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not hasattr(args, "engine_flags"):  # only a command that passes flags on takes unknown ones
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:
+        args.engine_flags = unknown
     return int(args.func(args) or 0)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import tomllib
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import tomli_w
 
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.config_check import STRICT_TABLE, ConfigError, validate
-from pdd.engine_port import EngineConfig, for_backend
+from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig, devices, for_backend, read_auto
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
@@ -281,49 +282,93 @@ class Deployment:
         return inst.host, inst.kv_port
 
 
-def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0) -> InstanceSpec:
+def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: Collection[str] = ()) -> InstanceSpec:
     """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join), checked
-    as strictly as the config file is. Its `engine` table overrides the deployment's."""
+    as strictly as the config file is. Its `engine` table overrides the deployment's
+    (whose file chose the fields in `chosen`)."""
     name = raw.get("name") if isinstance(raw, dict) else None
     where = f"instances.{name}" if isinstance(name, str) else f"instances #{index + 1}"
     overrides = raw.get("engine", {}) if isinstance(raw, dict) else None
     if isinstance(overrides, dict):
-        merged = {**asdict(engine), **overrides}
+        overrides = read_auto(overrides)
+        inherited = asdict(engine)
+        if "backend" in overrides:  # sizes the deployment's backend chose itself are no choice for another
+            own = (*AUTO_SIZES, "dtype")
+            inherited = {k: v for k, v in inherited.items() if k not in own or v not in (AUTO, "auto")}
+        merged = {**inherited, **overrides}
         if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to the deployment's
             merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
         raw = {**raw, "engine": merged}
     inst = validate(InstanceSpec, raw, where)
-    if isinstance(overrides, dict) and "backend" in overrides:  # in that backend's page size, unless one was chosen
-        inst = replace(inst, engine=for_backend(inst.engine, inst.engine.backend, "page_size" in overrides))
+    if isinstance(overrides, dict) and "backend" in overrides:  # that backend's defaults, unless chosen
+        inst = replace(inst, engine=for_backend(inst.engine, inst.engine.backend, {*chosen, *overrides}))
+    check_devices(inst.engine, f"{where}.engine")
     return inst
+
+
+def check_devices(e: EngineConfig, where: str) -> None:
+    """An instance's parallel ranks each need a device of their own on CUDA: refused at
+    load (ConfigError naming the table and the key), not when vLLM fails to start."""
+    if e.backend != "vllm":  # (the embedded engine runs on one device and ignores [engine.vllm])
+        devices(e.device)
+        return
+    parallel = {k: e.vllm.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size")}
+    if not all(isinstance(v, int) and v >= 1 for v in parallel.values()):
+        raise ConfigError(f"{where}.vllm: {parallel} must be whole numbers of at least 1")
+    ranks = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
+    given = devices(e.device)
+    if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
+        raise ConfigError(
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for "
+            f"tensor_parallel_size x pipeline_parallel_size = {ranks} ranks: list one per rank "
+            f'(device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all visible'
+        )
 
 
 def instance_to_dict(inst: InstanceSpec) -> dict[str, Any]:
     return asdict(inst)
 
 
-def parse(raw: dict) -> Deployment:
-    """A deployment from a parsed TOML document; `ConfigError` names what is wrong."""
+def parse(raw: dict, backend: str | None = None) -> Deployment:
+    """A deployment from a parsed TOML document; `ConfigError` names what is wrong. With
+    `backend`, every instance runs on it, as if the document said so (`pdd up --engine`):
+    the values the document chose stay chosen, the backend's defaults fill the rest."""
+    if backend is not None:
+        raw = {**raw, "engine": {**(raw.get("engine") or {}), "backend": backend}}
+        items = raw.get("instances")
+        if isinstance(items, list):
+            on = [
+                {**i, "engine": {**i["engine"], "backend": backend}}
+                if isinstance(i, dict) and isinstance(i.get("engine"), dict) and "backend" in i["engine"]
+                else i
+                for i in items
+            ]
+            raw = {**raw, "instances": on}
+    if isinstance(raw.get("engine"), dict):
+        raw = {**raw, "engine": read_auto(raw["engine"])}
     dep = validate(Deployment, {k: v for k, v in raw.items() if k != "instances"}, "")
     if isinstance(raw.get("engine"), dict):
-        dep = replace(dep, engine=for_backend(dep.engine, dep.engine.backend, "page_size" in raw["engine"]))
+        dep = replace(dep, engine=for_backend(dep.engine, dep.engine.backend, raw["engine"]))
+    check_devices(dep.engine, "engine")
     items = raw.get("instances", [])
     if not isinstance(items, list):
         raise ConfigError("instances must be an array of tables ([[instances]])")
-    instances = tuple(instance_from_dict(item, dep.engine, i) for i, item in enumerate(items))
+    chosen = raw["engine"].keys() if isinstance(raw.get("engine"), dict) else ()
+    instances = tuple(instance_from_dict(item, dep.engine, i, chosen) for i, item in enumerate(items))
     try:
         return replace(dep, instances=instances)
     except ValueError as e:  # two instances of one name
         raise ConfigError(str(e)) from None
 
 
-def load(path: str | Path | None) -> Deployment:
-    """The deployment in `path`, or the built-in default one; errors name the file."""
+def load(path: str | Path | None, backend: str | None = None) -> Deployment:
+    """The deployment in `path`, or the built-in default one, every instance on `backend`
+    when one is given (`parse`); errors name the file."""
     if path is None:
-        return Deployment()
+        return parse({}, backend)
     try:
         with open(path, "rb") as f:
-            return parse(tomllib.load(f))
+            return parse(tomllib.load(f), backend)
     except (tomllib.TOMLDecodeError, ConfigError) as e:
         raise ConfigError(f"{path}: {e}") from None
     except OSError as e:

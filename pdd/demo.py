@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdd.demo_deploy import START_TIMEOUT_S, DemoDeployment, DeployError, accepted_modes
-from pdd.engine_port import engine_names, for_backend
+from pdd.engine_port import engine_names
 from pdd.names import Mode, mode_options
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
@@ -106,18 +106,21 @@ def fitted_scenario(args: argparse.Namespace) -> tuple[Scenario, str]:
     context (and the KV pool's), its vocabulary, its KV bytes per token; and what changed."""
     from pdd import config as cfg
     from pdd.kv.codec import DTYPES
-    from pdd.model.config import ModelConfig
+    from pdd.model.config import Declared, ModelConfig
     from pdd.model.store import resolve_model
     from pdd.model.tokenizer import Tokenizer
 
-    dep = cfg.load(args.config)
-    if args.engine:
-        dep = dataclasses.replace(dep, engine=for_backend(dep.engine, args.engine))
+    dep = cfg.load(args.config, backend=args.engine)
     model_dir = resolve_model(args.model or dep.model.path)
-    model = ModelConfig.from_dir(model_dir)
+    if dep.engine.backend == "embedded":
+        ModelConfig.from_dir(model_dir)  # (the embedded engine's gate: refused before anything starts)
+    model = Declared.from_dir(model_dir)
     vocab = min(model.vocab_size, Tokenizer.from_dir(model_dir).vocab_size)
-    context = min(model.max_position, dep.engine.num_pages * dep.engine.page_size)
-    kv_bytes = model.kv_bytes_per_token(DTYPES[dep.engine.kv_dtype or dep.engine.dtype].itemsize)
+    # (a pool vLLM sizes itself holds the model's whole context, as vLLM requires)
+    pool = dep.engine.num_pages * dep.engine.page_size or model.max_position
+    context = min(model.max_position or pool, pool)
+    dtype = dep.engine.kv_dtype or dep.engine.dtype
+    kv_bytes = model.kv_values_per_token * (DTYPES[dtype].itemsize if dtype in DTYPES else 2)  # ("auto": 16-bit)
     return fit_scenario(SCENARIOS[args.scenario], context, vocab, kv_bytes)
 
 

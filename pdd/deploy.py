@@ -29,7 +29,7 @@ from typing import IO
 import httpx
 
 from pdd import config as cfg
-from pdd.engine_port import engine_names, for_backend
+from pdd.engine_port import engine_names
 from pdd.names import RoleName
 
 READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
@@ -77,15 +77,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the router requires `Authorization: Bearer KEY` on /v1/* (default: [router] api_key, else $PDD_API_KEY)",
     )
     p.set_defaults(func=run)
-
-
-def with_engine(dep: cfg.Deployment, backend: str) -> cfg.Deployment:
-    """Every instance of `dep` (and those its mode will place) on `backend`."""
-    return replace(
-        dep,
-        engine=for_backend(dep.engine, backend),
-        instances=tuple(replace(i, engine=for_backend(i.engine, backend)) for i in dep.instances),
-    )
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -178,7 +169,8 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     port = dep.router.port if router_port is None else router_port
     router = replace(dep.router, port=port or free_port())
     model_dir = resolve_model(dep.model.path)
-    ModelConfig.from_dir(model_dir)
+    if any(i.engine.backend == "embedded" for i in placed):  # (the embedded engine's gate; vLLM reads the model)
+        ModelConfig.from_dir(model_dir)
     model = replace(dep.model, path=str(model_dir), name=dep.model.served_name)
     return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
 
@@ -293,7 +285,7 @@ class Launcher:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        dep = cfg.load(args.config)
+        dep = cfg.load(args.config, backend=args.engine)
     except cfg.ConfigError as e:
         print(f"pdd up: {e}", file=sys.stderr)
         return 2
@@ -310,8 +302,6 @@ def run(args: argparse.Namespace) -> int:
     dep = cfg.in_emulated_time(replace(dep, topology=topology, link=link, policy=policy))
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
-    if args.engine is not None:
-        dep = with_engine(dep, args.engine)
     try:
         dep = resolve(replace(dep, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run

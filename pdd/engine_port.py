@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +31,28 @@ if TYPE_CHECKING:
 CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored" / "removed", block hashes)
 
 
+AUTO = 0  # a size the engine chooses itself ("auto" in a file or on the command line)
+AUTO_SIZES = ("num_pages", "max_batch_tokens", "max_running")
+SIZES_ITSELF = frozenset({"vllm"})  # backends that size their own pool and budgets (AUTO allowed)
+
+
+def devices(device: str) -> list[str]:
+    """The devices of one instance: "cpu", or each CUDA device of "cuda", "cuda:N" or
+    "cuda:N,M,..." ("cuda" alone: whatever CUDA_VISIBLE_DEVICES or the machine gives)."""
+    if device == "cpu" or device == "cuda":
+        return [device]
+    kind, sep, ids = device.partition(":")
+    parts = ids.split(",")
+    if kind != "cuda" or not sep or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"engine device must be cpu, cuda, cuda:N or cuda:N,M,... (distinct), not {device!r}")
+    return [f"cuda:{p}" for p in parts]
+
+
+def read_auto(table: dict[str, Any]) -> dict[str, Any]:
+    """An `[engine]` table (or command-line values) with "auto" sizes as AUTO."""
+    return {k: AUTO if k in AUTO_SIZES and v == "auto" else v for k, v in table.items()}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's sizes and numerics: the `[engine]` table."""
@@ -38,11 +60,15 @@ class EngineConfig:
     # how pydantic checks the table (`pdd.config`): unknown keys and loose types refused
     __pydantic_config__ = {"extra": "forbid", "strict": True, "allow_inf_nan": False}
     page_size: int = 16  # tokens per KV page
-    num_pages: int = 2048  # KV pool size
-    max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it)
-    max_running: int = 64  # most sequences computed at once
+    # KV pool size; AUTO (0, "auto" in a file or on the command line): the engine sizes it
+    # from its memory budget and reports what it chose (vLLM; the embedded engine needs a number)
+    num_pages: int = 2048
+    max_batch_tokens: int = 2048  # token budget of one step (chunked prefill above it); AUTO: the engine's default
+    max_running: int = 64  # most sequences computed at once; AUTO: the engine's default
+    # cpu, cuda, cuda:N, or cuda:N,M,...: the devices of one instance (tensor and pipeline
+    # parallel ranks take them in order)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto" (vLLM only): the checkpoint's, as vLLM reads it
     kv_dtype: str = ""  # KV pool dtype; empty: same as dtype
     # most requests an instance holds at once (computing, queued, or moving KV); past
     # this it refuses new ones as busy
@@ -57,9 +83,16 @@ class EngineConfig:
     dilation: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running", "max_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine {name} must be at least 1")
+        for name in ("page_size", "max_requests", *AUTO_SIZES):
+            value = getattr(self, name)
+            if value == AUTO and name in AUTO_SIZES and self.backend in SIZES_ITSELF:
+                continue
+            if value < 1:
+                auto = f' or "auto" on {", ".join(sorted(SIZES_ITSELF))}' if name in AUTO_SIZES else ""
+                raise ValueError(f"engine {name} must be at least 1{auto}, not {value}")
+        if self.dtype == "auto" and self.backend not in SIZES_ITSELF:
+            raise ValueError(f'engine dtype "auto" is vLLM\'s; the {self.backend} engine needs a dtype')
+        devices(self.device)  # (ValueError for a malformed list)
         if not self.dilation >= 1.0:
             raise ValueError("engine dilation must be at least 1 (emulated time runs slower, never faster)")
 
@@ -67,6 +100,11 @@ class EngineConfig:
 class RequestError(ValueError):
     """A request this engine can never serve as asked (too long, a duplicate id, not
     reserved, tokens out of the vocabulary): the caller's mistake, not load."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine cannot start with this model or these settings; the message is one line
+    that says why (a missing extra, a checkpoint the engine refuses)."""
 
 
 class OutOfPages(RuntimeError):
@@ -195,14 +233,27 @@ def register_engine(name: str, target: str, page_size: int | None = None) -> Non
         _PAGE_SIZES[name] = page_size
 
 
-def for_backend(config: EngineConfig, backend: str, page_size_chosen: bool = False) -> EngineConfig:
-    """`config` run by `backend`: in that backend's default page size unless one was
-    chosen (pdd's own default is not a choice), the pool keeping its token capacity."""
+def for_backend(config: EngineConfig, backend: str, chosen: Collection[str] = ()) -> EngineConfig:
+    """`config` run by `backend`, its defaults that backend's where pdd's would not suit
+    it; pdd's own defaults are no choice, the fields named in `chosen` and any value
+    other than pdd's default are. A backend that sizes itself (vLLM) takes its own pool,
+    budgets and dtype (AUTO, "auto"); another keeps the pool's token capacity in its
+    own page size."""
+    d, changes = EngineConfig(), dict[str, Any]()
+    fields = ("page_size", "dtype", *AUTO_SIZES)
+    unchosen = {f for f in fields if f not in chosen and getattr(config, f) == getattr(d, f)}
     page = _PAGE_SIZES.get(backend)
-    if page is None or page_size_chosen or config.page_size != EngineConfig.page_size:
-        return replace(config, backend=backend)
-    tokens = config.num_pages * config.page_size
-    return replace(config, backend=backend, page_size=page, num_pages=max(1, tokens // page))
+    if page is not None and "page_size" in unchosen:
+        changes["page_size"] = page
+        if config.num_pages != AUTO:
+            changes["num_pages"] = max(1, config.num_pages * config.page_size // page)
+    if backend in SIZES_ITSELF:
+        changes.update({f: AUTO for f in AUTO_SIZES if f in unchosen})
+        if "dtype" in unchosen:
+            changes["dtype"] = "auto"
+    elif config.backend in SIZES_ITSELF:  # back from a self-sizing backend: pdd's defaults again
+        changes.update({f: getattr(d, f) for f in (*AUTO_SIZES, "dtype") if getattr(config, f) in (AUTO, "auto")})
+    return replace(config, backend=backend, **changes)
 
 
 def engine_options(pairs: list[str]) -> dict[str, Any]:
@@ -238,4 +289,4 @@ def open_engine(
 
 register_engine("embedded", "pdd.engine.runtime:open_embedded")
 # the `pdd[vllm]` extra; vLLM's CPU attention takes blocks of a multiple of 32 tokens
-register_engine("vllm", "pdd.engines.vllm.engine:open_vllm", page_size=32)
+register_engine("vllm", "pdd.engines.vllm:open_vllm", page_size=32)

@@ -192,3 +192,67 @@ def save_decisive_llama(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def save_moe_of(tiny_dir: Path, out: Path, experts: int = 4, per_token: int = 2, seed: int = 0) -> Path:
+    """A Mixtral (MoE) checkpoint written by transformers, made of the tiny model: its
+    attention, norms, embeddings and head as they are; each layer's MLP copied into
+    `experts` experts, each perturbed by 2 % noise of its own, behind a random router that
+    picks `per_token` of them a token. The routing and the fused expert kernels run for
+    real (a different pick gives different numbers), yet greedy choices stay as decisive
+    as the tiny model's, so two engines agree token for token. The tokenizer and
+    generation config are the tiny model's."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    tiny = json.loads((tiny_dir / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    cfg = transformers.MixtralConfig(**{k: tiny[k] for k in keep}, num_local_experts=experts,
+                                     num_experts_per_tok=per_token, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": tiny["rope_theta"]})
+    model = transformers.MixtralForCausalLM(cfg)
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        return t * (1 + 0.02 * torch.randn(t.shape, generator=gen))
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp.gate.weight" in name:
+                p.normal_(std=1 / math.sqrt(p.shape[1]), generator=gen)
+            elif ".mlp.experts." in name:
+                mlp = name.split(".experts.")[0]
+                if name.endswith("gate_up_proj"):
+                    dense = torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]])
+                else:
+                    dense = weights[f"{mlp}.down_proj.weight"]
+                p.copy_(torch.stack([noisy(dense) for _ in range(experts)]))
+            else:
+                p.copy_(weights[name])
+    model.save_pretrained(out)
+    for side in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_dir / side, out / side)
+    return out
+
+
+def save_random_mla(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A DeepSeek-V2-style checkpoint (multi-head latent attention and routed experts)
+    written by transformers: 2 layers, the first dense, then 4 experts (2 a token) and a
+    shared one; a 512-wide KV latent with a 64-wide rope key, the one latent width vLLM's
+    CPU MLA decodes. Random weights, the tokenizer of `tokenizer_dir`."""
+    import shutil
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    transformers.DeepseekV2ForCausalLM(cfg).save_pretrained(out)
+    for side in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer_dir / side, out / side)
+    return out

@@ -54,6 +54,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                                     "leaves them out; scripts/test.sh without it installs vLLM and runs them")
 
 
+# ---- a vLLM test's timeout covers its fixtures' start-up -------------------------------------
+# pytest-timeout counts a test's setup in its time: the first test of a vLLM module starts its
+# deployment (and the session's plain vLLM) there, which alone may take `procs.VLLM_START_S`
+# on two busy cores; so every vLLM test gets that on top of the suite's own timeout.
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from procs import VLLM_START_S
+
+    suite = float(config.getini("timeout") or 0)
+    for item in items:
+        if _is_vllm_test(Path(str(item.fspath))) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(suite + 2 * VLLM_START_S))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{CI_MAY_SKIP}: a skip of this test is no failure in CI (CI=true); "
                                        "only for what CI's machines cannot have, never for a missing package or file")

@@ -211,11 +211,11 @@ def session_turns(url: str, first: list[int], added: list[list[int]], max_tokens
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: float = 180,
                       stop_after: int | None = None, **extra: Any) -> dict:
-    """One streamed greedy completion: its token ids, its `pdd` record, its error, its
+    """One streamed greedy completion: its token ids, finish reason, `pdd` record, error and
     id; with `stop_after`, the client goes away once that many tokens have arrived."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, **extra}
-    out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None}
+    out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None, "finish_reason": None}
     began = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
@@ -227,6 +227,7 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
             out["id"] = chunk.get("id") or out["id"]
             for choice in chunk.get("choices") or []:
                 out["ids"] += choice.get("token_ids") or []
+                out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
             out["record"] = chunk.get("pdd") or out["record"]
             if stop_after is not None and len(out["ids"]) >= stop_after:
                 break

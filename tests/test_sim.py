@@ -444,7 +444,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
                     name=f"{role}{i}", spec=SimpleNamespace(role=role, engine=engine),
                     queued_tokens=rng.randint(0, 3000), available=role == RoleName.PREFILL or rng.random() > 0.15,
                     committed_pages=rng.randint(0, pages), committed_requests=rng.randint(0, max_requests),
-                    mirror=SimpleNamespace(predicted_hit=lambda p, h=hit: h))
+                    pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, h=hit: h))
         if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
             continue  # (the router answers 503 there; not a dispatch decision)
         planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy), clients)

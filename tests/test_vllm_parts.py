@@ -10,6 +10,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -23,64 +24,14 @@ from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 
 from pdd import config as cfg  # noqa: E402
 from pdd.engine.sampler import sample  # noqa: E402
-from pdd.engine_port import EngineConfig, engine_options, for_backend  # noqa: E402
+from pdd.engine_port import AUTO, EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
 from pdd.engines.vllm import bridge, streams  # noqa: E402
 from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
 from pdd.engines.vllm.events import VllmHashes  # noqa: E402
-from pdd.engines.vllm.layout import CpuPackedLayout, TokenMajorLayout, cpu_isa  # noqa: E402
 from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
-from pdd.model.config import ModelConfig  # noqa: E402
 from pdd.sampling import SamplingParams  # noqa: E402
-
-# ---- layouts -------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_packed_layout_reads_back_what_vllms_kernel_packed(dtype):
-    heads, head_dim, block = 2, 64, 32
-    isa = cpu_isa(dtype, block, head_dim, "auto")
-    cache = torch.zeros(4, heads, block, 2 * head_dim, dtype=dtype)
-    layout = CpuPackedLayout(cache, head_dim, isa)
-    gen = torch.Generator().manual_seed(1)
-    k = torch.randn(70, heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(70, heads, head_dim, generator=gen).to(dtype)
-    slots = torch.randperm(4 * block, generator=gen)[:70]
-    layout.write(slots, k, v)  # vLLM's own kernel
-    got_k, got_v = layout.read(slots)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    # and the layout is the packed one, not token-major: K of a token is a column of its region
-    b, o = divmod(int(slots[0]), block)
-    region = cache.view(4, heads, 2 * block, head_dim)[b, 0, :block].reshape(head_dim, block)
-    assert torch.equal(region[:, o], k[0, 0])
-    CpuPackedLayout.self_check(heads, head_dim, block, dtype, isa)
-
-
-def test_a_packing_pdd_cannot_read_is_refused():
-    with pytest.raises(ValueError, match="amx"):
-        CpuPackedLayout(torch.zeros(1, 2, 32, 128, dtype=torch.bfloat16), 64, "amx")
-
-
-_CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.ci_may_skip, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")],
-)
-
-
-@pytest.mark.parametrize("device", ["cpu", _CUDA])
-def test_token_major_layout_is_the_view_cuda_backends_read(device: str):
-    """On CPU the view's arithmetic; where CUDA exists, on a cache in GPU memory, as vLLM's
-    CUDA backends hold it (KV comes in from the host and goes back to it)."""
-    cache = torch.zeros(3, 2, 16, 128, device=device)
-    layout = TokenMajorLayout(cache, 64)
-    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
-    slots = torch.tensor([0, 17, 47, 3, 30])
-    layout.write(slots, k, v)
-    key, value = cache.transpose(1, 2).split(64, dim=-1)  # what FlashAttention does with it
-    assert torch.equal(key[1, 1].cpu(), k[1]) and torch.equal(value[2, 15].cpu(), v[2])
-    got_k, got_v = layout.read(slots)
-    assert got_k.device.type == "cpu" and torch.equal(got_k, k) and torch.equal(got_v, v)
-
 
 # ---- pdd's draw inside vLLM ------------------------------------------------------------------
 
@@ -318,10 +269,9 @@ def test_a_kv_chunk_ended_without_its_token_ends_alone():
 # ---- pdd's [engine] table as vLLM's arguments ------------------------------------------------------
 
 def test_engine_table_becomes_vllms_arguments(tiny_model_dir):
-    model = ModelConfig.from_dir(tiny_model_dir)
     config = EngineConfig(backend="vllm", page_size=32, num_pages=100, max_running=8, max_batch_tokens=512,
                           vllm={"seed": 3, "gpu_memory_utilization": 0.5})
-    kw = vargs.engine_kwargs(tiny_model_dir, config, model, "/b.sock", "t", "ipc://e", "ipc://r")
+    kw = vargs.engine_kwargs(tiny_model_dir, config, "/b.sock", "t", "ipc://e", "ipc://r")
     assert (kw["block_size"], kw["num_gpu_blocks_override"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == \
         (32, 101, 8, 512)
     assert kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.5
@@ -329,14 +279,37 @@ def test_engine_table_becomes_vllms_arguments(tiny_model_dir):
     assert kw["kv_cache_memory_bytes"] == 101 * 32 * 4 * 2 * 2 * 64 * 4
     assert kw["kv_transfer_config"]["kv_connector_module_path"] == "pdd.engines.vllm.connector"
     assert kw["distributed_executor_backend"] == "uni" and kw["logits_processors"][0].endswith(":PddDraw")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size.*page_size"):
         vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, vllm={"block_size": 16}),
-                            model, "", "", "", "")
+                            "", "", "", "")
     with pytest.raises(ValueError, match="multiple of 32"):
-        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=16), model, "", "", "", "")
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=16), "", "", "", "")
     with pytest.raises(ValueError, match="emulated chip"):  # pacing is the embedded engine's
-        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, hardware="A"), model, "", "", "",
-                            "")
+        vargs.engine_kwargs(tiny_model_dir, EngineConfig(backend="vllm", page_size=32, hardware="A"), "", "", "", "")
+    with pytest.raises(ValueError, match=r"max_running = 8 and \[engine.vllm\] max_num_seqs"):  # one value, twice
+        vargs.engine_kwargs(tiny_model_dir, replace(config, vllm={"max_num_seqs": 4}), "", "", "", "")
+
+
+def test_vllm_sizes_itself_unless_told():
+    """On vLLM, pdd's own defaults are no choice: the pool, the budgets and the dtype are
+    vLLM's (nothing of them passed), and on CPU each instance gets a KV budget of its own."""
+    from pdd.model.store import resolve_model
+
+    config = for_backend(EngineConfig(), "vllm")
+    assert (config.num_pages, config.max_running, config.max_batch_tokens, config.dtype) == (AUTO, AUTO, AUTO, "auto")
+    kw = vargs.engine_kwargs(resolve_model(""), config, "", "", "", "")
+    assert not {"num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "dtype", "max_model_len"} & set(kw)
+    assert kw["kv_cache_memory_bytes"] == vargs.CPU_KV_BYTES
+    # vLLM's own spelling is taken where pdd's is auto; a chosen value stays chosen
+    kw = vargs.engine_kwargs(resolve_model(""), replace(config, vllm={"max_num_seqs": 4, "dtype": "bfloat16"}),
+                             "", "", "", "")
+    assert (kw["max_num_seqs"], kw["dtype"]) == (4, "bfloat16")
+    chosen = for_backend(EngineConfig(num_pages=300, dtype="float32"), "vllm", {"num_pages", "dtype"})
+    assert (chosen.num_pages, chosen.dtype, chosen.max_running) == (150, "float32", AUTO)  # 4,800 tokens in pages of 32
+    with pytest.raises(ValueError, match="embedded engine needs a dtype"):
+        EngineConfig(dtype="auto")
+    with pytest.raises(ValueError, match='num_pages must be at least 1 or "auto" on vllm'):
+        EngineConfig(num_pages=AUTO)
 
 
 def test_vllm_table_and_backend_page_size_in_the_deployment_file():
@@ -346,10 +319,35 @@ def test_vllm_table_and_backend_page_size_in_the_deployment_file():
                                    {"name": "p0", "role": "prefill",
                                     "engine": {"backend": "embedded", "page_size": 16}}]})
     md, p = dep.instances
-    assert (dep.engine.page_size, dep.engine.num_pages) == (32, 1024)  # vLLM's default page, same token capacity
+    assert (dep.engine.page_size, dep.engine.num_pages) == (32, AUTO)  # vLLM's default page, vLLM's own pool
     assert md.engine.vllm == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9}
-    assert (p.engine.backend, p.engine.page_size) == ("embedded", 16)
+    # an embedded instance in a vLLM deployment: pdd's sizes again, not "auto"
+    assert (p.engine.backend, p.engine.page_size, p.engine.num_pages, p.engine.dtype) == ("embedded", 16, 2048,
+                                                                                           "float32")
     assert cfg.parse(__import__("tomllib").loads(cfg.dump(dep))) == dep  # what `pdd up` writes, its children read
     assert for_backend(EngineConfig(page_size=64), "vllm").page_size == 64  # a chosen page size stays
+    assert cfg.parse({"engine": {"backend": "vllm", "num_pages": "auto", "page_size": 32}}).engine.num_pages == AUTO
+    assert cfg.parse({"engine": {"backend": "vllm", "num_pages": 64}}).engine.num_pages == 32  # 1,024 tokens
+    with pytest.raises(cfg.ConfigError, match="num_pages"):
+        cfg.parse({"engine": {"num_pages": "auto"}})  # the embedded engine's pool is a number
+
+
+def test_a_parallel_instance_without_a_gpu_per_rank_is_refused_at_load():
+    """TP 4 on one named GPU cannot start: refused when the file is read, naming the key."""
+    gpu = {"backend": "vllm", "device": "cuda:0", "vllm": {"tensor_parallel_size": 4}}
+    with pytest.raises(cfg.ConfigError, match=r"instances.md0.engine.device = 'cuda:0' names 1 GPU.* = 4 ranks"):
+        cfg.parse({"instances": [{"name": "md0", "role": "main", "engine": gpu}]})
+    with pytest.raises(cfg.ConfigError, match=r"^engine.device"):
+        cfg.parse({"engine": gpu})
+    four = cfg.parse({"instances": [{"name": "md0", "role": "main", "engine": {**gpu, "device": "cuda:4,5,6,7"}}]})
+    assert vargs.engine_env(four.instances[0].engine, 1) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert cfg.parse({"engine": {**gpu, "device": "cuda"}}).engine.device == "cuda"  # all it sees
+    two = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    with pytest.raises(cfg.ConfigError, match="names 2 GPU"):
+        cfg.parse({"engine": {**gpu, "device": "cuda:0,1", "vllm": two}})
+    with pytest.raises(cfg.ConfigError, match="device must be"):
+        cfg.parse({"engine": {"device": "cuda:0,0"}})
+
+
     assert engine_options(["tensor_parallel_size=2", "quantization=fp8", "enforce_eager=false"]) == \
         {"tensor_parallel_size": 2, "quantization": "fp8", "enforce_eager": False}

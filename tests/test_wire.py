@@ -273,7 +273,7 @@ def _rfc5869(ikm: bytes, salt: bytes, info: bytes, length: int) -> bytes:
 
 def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
     """The derivations are on the wire: changing one is a new PROTOCOL_VERSION."""
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
     assert KEY == _rfc5869(b"correct horse battery staple", b"", b"pdd/link-key/v2\x00dc-a/p0->dc-b/md0", 32)
     c, s = b"c" * wire.NONCE_BYTES, b"s" * wire.NONCE_BYTES
     both = _rfc5869(KEY, c + s, b"pdd/session/v2", 64)

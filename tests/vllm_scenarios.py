@@ -21,6 +21,9 @@ LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 POLICY = {"handoff_threshold": 64, "catch_up_chunk": 32}
 CATCH_UP_TOKENS = 200  # relay tokens a stall should let the relay produce: well past the threshold
 OUTPUT = 120
+# the references are fp32 (`plain_vllm`); on vLLM the dtype is vLLM's own unless chosen, and
+# vLLM's "auto" casts an fp32 checkpoint down to bf16
+ENGINE = '[engine]\ndtype = "float32"\n'
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -30,7 +33,8 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def write_config(path: Path, mode: str, instances: str = "") -> str:
     path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
-                    + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items()) + instances)
+                    + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items())
+                    + ENGINE + instances)
     return str(path)
 
 
@@ -59,6 +63,8 @@ def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict
     stalled = stream_completion(dep.url, last, long)
     prompts, done = fresh + turns + [last], first + second + [stalled]
     assert [g["error"] for g in done] == [None] * len(done)
+    # every one whole: all its tokens, ended by its length (ignore_eos), not cut short
+    assert [(len(g["ids"]), g["finish_reason"]) for g in done] == [(OUTPUT, "length")] * 6 + [(long, "length")]
     print(f"\nstall {stall_s:.2f} s for a {long}-token output; (pipeline, handoff, relay tokens, MD tokens, "
           "reserved hit, predicted hit):",
           [(g["record"]["pipeline"], g["record"]["handoff"], g["record"]["rld_output_tokens"],

@@ -150,7 +150,8 @@ class OpenAIServer:
         client: Request,
         slot: Slot,
     ) -> Response:
-        params = sampling_params(req, len(prompt), max_tokens, default_max, self.backend.max_context)
+        limit, defaults = self.backend.max_context, self.tokenizer.generation_defaults
+        params = sampling_params(req, len(prompt), max_tokens, default_max, limit, defaults)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Outcome()
         pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fastapi.exceptions import RequestValidationError
@@ -32,9 +33,18 @@ class Outcome:
 
 
 def sampling_params(
-    req: _Common, prompt_len: int, max_tokens: int | None, default_max: int, limit: int
+    req: _Common,
+    prompt_len: int,
+    max_tokens: int | None,
+    default_max: int,
+    limit: int,
+    defaults: Mapping[str, float | int] = {},
 ) -> SamplingParams:
-    """The request's sampling parameters, checked against the model's context `limit`."""
+    """The request's sampling parameters, checked against the model's context `limit`;
+    what the request leaves out comes from the model's generation config (`defaults`:
+    temperature, top_p, top_k, max_new_tokens), as vLLM's server does."""
+    given = req.model_fields_set
+    default_max = int(defaults.get("max_new_tokens", default_max))
     if req.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     if req.logprobs not in (None, False, 0):
@@ -61,8 +71,11 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    temperature, top_p, top_k = (
+        getattr(req, k) if k in given or k not in defaults else defaults[k] for k in ("temperature", "top_p", "top_k")
+    )
     try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
-        temperature, top_p = float(req.temperature), float(req.top_p)
+        temperature, top_p = float(temperature), float(top_p)
     except OverflowError:
         raise ApiError(400, "temperature and top_p must be finite numbers") from None
     if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
@@ -72,7 +85,7 @@ def sampling_params(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
-            top_k=req.top_k,
+            top_k=int(top_k),
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),

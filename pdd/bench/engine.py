@@ -32,19 +32,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=engine_names(), default="embedded", help="engine backend (engine, handoff)")
     p.add_argument("--skip-http", action="store_true", help="measure the engine only")
     p.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the served instance")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N: for the engine and the served instance")
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 4000) for _ in range(n)]
 
 
-def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded") -> dict[str, float]:
+def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded", device: str = "cpu") -> dict[str, float]:
     """Prefill and decode throughput of one engine, through the engine port (any backend)."""
     from pdd.engine_port import EngineConfig, open_engine
 
-    engine = open_engine(
-        model_dir, EngineConfig(page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64, backend=backend)
+    config = EngineConfig(
+        page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64, device=device, backend=backend
     )
+    engine = open_engine(model_dir, config)
     try:
         return asyncio.run(_engine_numbers(engine, repeats))
     finally:
@@ -128,7 +130,7 @@ async def _http_numbers(url: str, repeats: int) -> dict[str, float]:
     return out
 
 
-def http_numbers(model_dir: str, repeats: int, threads: int = 1) -> dict[str, float]:
+def http_numbers(model_dir: str, repeats: int, threads: int = 1, device: str = "cpu") -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -147,6 +149,8 @@ def http_numbers(model_dir: str, repeats: int, threads: int = 1) -> dict[str, fl
             "4096",
             "--threads",
             str(threads),
+            "--device",
+            device,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -170,10 +174,10 @@ def run(args: argparse.Namespace) -> int:
             from pdd.model.tiny import make_tiny
 
             model_dir = str(make_tiny(Path(tmp) / "tiny"))
-        results = engine_numbers(model_dir, args.repeats, args.engine)
+        results = engine_numbers(model_dir, args.repeats, args.engine, args.device)
         if not args.skip_http:
-            results.update(http_numbers(model_dir, args.repeats, args.threads))
-    table = Table(title=f"pdd bench engine ({Path(model_dir).name}, {args.threads} torch thread(s))")
+            results.update(http_numbers(model_dir, args.repeats, args.threads, args.device))
+    table = Table(title=f"pdd bench engine ({Path(model_dir).name}, {args.device}, {args.threads} torch thread(s))")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for k, v in results.items():

@@ -4,56 +4,121 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from pdd.config import ROLES
-from pdd.engine_port import EngineConfig, engine_names, engine_options, for_backend
+from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
 from pdd.names import RoleName
+
+PASS_THROUGH: list[str] = []  # (`pdd.cli` hands a command that takes them its unknown flags here)
+
+
+def _size(value: str) -> int:
+    return AUTO if value == "auto" else int(value)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
+    """The `[engine]` table as flags; each defaults to None, so what was given is known
+    (the backend's defaults apply to the rest: `for_backend`)."""
+    d, v = EngineConfig(), for_backend(EngineConfig(), "vllm")
+    p.add_argument("--page-size", type=int, help=f"tokens per KV page (default {d.page_size}; vllm: {v.page_size})")
+    p.add_argument("--num-pages", type=_size, help=f"KV pool size in pages (default {d.page_size}; vllm: auto)")
     p.add_argument(
-        "--page-size",
-        type=int,
-        default=None,
-        help=f"tokens per KV page (default {d.page_size}; vllm: {for_backend(d, 'vllm').page_size})",
+        "--max-batch-tokens", type=_size, help=f"token budget of one engine step ({d.max_batch_tokens}; vllm: auto)"
     )
-    p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool size in pages")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="token budget of one engine step")
-    p.add_argument("--max-running", type=int, default=d.max_running, help="most sequences computed at once")
-    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--kv-dtype",
-        default="",
-        choices=("", "float32", "bfloat16", "float16"),
-        help="KV pool dtype (default: --dtype)",
-    )
-    p.add_argument(
-        "--max-requests", type=int, default=d.max_requests, help="most requests held at once; past it, new ones get 429"
-    )
-    p.add_argument("--engine", default=d.backend, choices=engine_names(), help="engine backend")
+    p.add_argument("--max-running", type=_size, help=f"most sequences computed at once ({d.max_running}; vllm: auto)")
+    p.add_argument("--device", help=f"cpu, cuda, cuda:N or cuda:N,M,... (one per parallel rank) (default {d.device})")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="(default float32; vllm: auto)")
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "float16"), help="KV pool dtype (default: --dtype)")
+    p.add_argument("--max-requests", type=int, help=f"most requests held at once; past it, 429 ({d.max_requests})")
+    p.add_argument("--engine", dest="backend", choices=engine_names(), help=f"engine backend (default {d.backend})")
     p.add_argument(
         "--vllm-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="one of vLLM's own engine arguments (with --engine vllm; repeatable): "
-        "tensor_parallel_size=2, gpu_memory_utilization=0.85, ... (VALUE is JSON, else a string)",
+        help="one of vLLM's own engine arguments (with --engine vllm; repeatable), as its Python name: "
+        "tensor_parallel_size=2 (VALUE is JSON, else a string); vLLM's own flags also pass as vLLM spells them "
+        "(--tensor-parallel-size 2, --kv-cache-dtype fp8, --enforce-eager)",
     )
-    p.add_argument(
-        "--hardware",
-        default=d.hardware,
-        help="native, or an emulated accelerator (A, B): every step takes at least its time",
-    )
-    p.add_argument("--dilation", type=float, default=d.dilation, help="emulated time runs this many times slower")
+    p.add_argument("--hardware", help="native, or an emulated accelerator (A, B): every step takes at least its time")
+    p.add_argument("--dilation", type=float, help="emulated time runs this many times slower")
+
+
+ENGINE_FLAGS = (
+    "page_size",
+    "num_pages",
+    "max_batch_tokens",
+    "max_running",
+    "device",
+    "dtype",
+    "kv_dtype",
+    "max_requests",
+    "backend",
+    "hardware",
+    "dilation",
+)
+
+
+def engine_from_flags(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags describe: pdd's defaults, the chosen backend's where pdd's are
+    no choice, vLLM's own flags in its table (ValueError naming a bad one)."""
+    given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    backend = given.pop("backend", EngineConfig.backend)
+    vllm = {**engine_options(args.vllm_arg), **vllm_flags(args.engine_flags, check=backend == "vllm")}
+    if vllm and backend != "vllm":
+        raise ValueError(f"{sorted(vllm)} are vLLM's engine arguments: add --engine vllm")
+    return for_backend(EngineConfig(**given, backend=backend, vllm=vllm), backend, given)
+
+
+def vllm_flags(flags: list[str], check: bool = True) -> dict[str, Any]:
+    """vLLM's engine flags as vLLM spells them (`--tensor-parallel-size 2`, `--x=y`,
+    `--enforce-eager`, `--no-enable-chunked-prefill`) as its engine arguments; with `check`,
+    a name that is not one of vLLM's is refused by name (where vLLM is installed to say)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if not flag.startswith("--") or len(flag) < 3:
+            raise ValueError(f"unrecognized argument {flag!r} (put the model first: pdd serve MODEL --flag VALUE)")
+        name, sep, value = flag[2:].partition("=")
+        if not sep and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value, sep, i = flags[i + 1], "=", i + 1
+        key = name.replace("-", "_")
+        if not sep and key.startswith("no_"):
+            out[key[3:]] = False
+        else:
+            out[key] = engine_options([f"{key}={value}"])[key] if sep else True
+        i += 1
+    known = _vllm_argument_names() if check and out else None
+    unknown = sorted(k for k in out if known is not None and k not in known)
+    if unknown:
+        names = ["--" + k.replace("_", "-") for k in unknown]
+        raise ValueError(f"unknown engine flag(s) {names} (neither pdd's nor vLLM's)")
+    return out
+
+
+def _vllm_argument_names() -> set[str] | None:
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start one instance")
+    p = sub.add_parser(
+        "serve",
+        help="start one instance",
+        usage="pdd serve [MODEL] [options] [vLLM engine flags]",
+        description="Start one instance. MODEL (first, as --model) is a Hugging Face-layout directory or a "
+        "hub name. With --engine vllm, vLLM's own engine flags pass through as vLLM spells them: "
+        "pdd serve MODEL --engine vllm --tensor-parallel-size 2 --kv-cache-dtype fp8",
+    )
     p.add_argument("--role", choices=ROLES, default=RoleName.STANDALONE)
     p.add_argument(
         "--model",
@@ -85,7 +150,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="register with the running router of --config (an instance added to a live deployment)",
     )
     add_engine_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, engine_flags=PASS_THROUGH)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,15 +158,27 @@ def run(args: argparse.Namespace) -> int:
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
 
-    d_page = EngineConfig.page_size
-
     logging.basicConfig(
         level=getattr(logging, os.environ.get("PDD_LOG", "INFO")),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    args.engine_flags = list(args.engine_flags)
+    if args.engine_flags and not args.engine_flags[0].startswith("-"):  # pdd serve MODEL ..., as vllm serve
+        positional = args.engine_flags.pop(0)
+        if args.model and positional != args.model:
+            raise SystemExit(f"pdd serve: two models given ({positional!r} and --model {args.model!r})")
+        args.model = positional
     if args.config:
         if not args.instance:
             raise SystemExit("pdd serve: --config needs --instance NAME")
+        ignored = [f"--{k.replace('_', '-')}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
+        ignored += [f"--vllm-arg {a}" for a in args.vllm_arg] + list(args.engine_flags)
+        ignored += ["MODEL"] if args.model else []
+        if ignored:
+            raise SystemExit(
+                f"pdd serve: {' '.join(ignored)} would be ignored with --config: the instance's [engine] "
+                "table and [model] in the file say them"
+            )
         dep = cfg.load(args.config)
         spec = dep.instance(args.instance)
         model, name = dep.model.path, dep.model.served_name
@@ -111,29 +188,17 @@ def run(args: argparse.Namespace) -> int:
                 f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME"
             )
         if not args.model:
-            raise SystemExit("pdd serve: --model DIR is required without --config")
-        engine = for_backend(
-            EngineConfig(
-                args.page_size or d_page,
-                args.num_pages,
-                args.max_batch_tokens,
-                args.max_running,
-                args.device,
-                args.dtype,
-                args.kv_dtype,
-                args.max_requests,
-                hardware=args.hardware,
-                dilation=args.dilation,
-                vllm=engine_options(args.vllm_arg),
-            ),
-            args.engine,
-            args.page_size is not None,
-        )
+            raise SystemExit("pdd serve: a model is required without --config (pdd serve MODEL, or --model DIR)")
+        try:
+            engine = engine_from_flags(args)
+        except ValueError as e:
+            raise SystemExit(f"pdd serve: {e}") from None
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)
     try:
         model_dir = resolve_model(model)
-        ModelConfig.from_dir(model_dir)
+        if spec.engine.backend == "embedded":  # (the embedded engine's own gate; vLLM reads the model itself)
+            ModelConfig.from_dir(model_dir)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run: say which, no traceback
         raise SystemExit(f"pdd serve: {e}") from None
     if args.join and dep is None:
@@ -152,7 +217,7 @@ async def _serve(
 
     from pdd.api.app import build_app
     from pdd.api.metrics import LineMetrics
-    from pdd.engine_port import open_engine
+    from pdd.engine_port import EngineStartError, open_engine
     from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend
@@ -164,7 +229,10 @@ async def _serve(
 
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
-    runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
+    try:
+        runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
+    except EngineStartError as e:
+        raise SystemExit(f"pdd serve: {e}") from None
     node = None
     registry = CollectorRegistry()
     if dep is not None:

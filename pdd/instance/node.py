@@ -155,7 +155,8 @@ class Node:
         that the snapshot already holds (numbers up to the snapshot's) it ignores.
         """
         seq, hashes = await self.engine.cache_snapshot()
-        await self.send(conn, m.CacheUpdate("snapshot", seq, hashes, self.engine.page_size))
+        e = self.engine
+        await self.send(conn, m.CacheUpdate("snapshot", seq, hashes, e.page_size, e.load().pages, e.max_context))
 
     # ---- inbound connections -----------------------------------------------------------
     async def _handle(self, conn: FramedConnection) -> None:

@@ -5,13 +5,21 @@ the importer can lay it into pages of any size, and its own dtype. The JSON head
 says what the bytes are; the chained block hashes of the covered prefix let the
 importer refuse KV that belongs to a different prompt. No pickle: a header is parsed
 as JSON and every size is checked against the bytes actually present.
+
+Two kinds of cache need more than that, and say so in fields plain blobs leave out:
+* `latent`: an MLA cache (DeepSeek V2/V3, Kimi K2) keeps one latent vector per token
+  and no heads, no K/V split: the blob carries it as K with one head, and V is empty;
+* an fp8 dtype (`RAW_DTYPES`): the bytes as the exporter's cache held them, meaningful
+  only with the per-layer scales they were quantized with (`scales`, K then V of each
+  layer). pdd moves them unchanged into a cache of the same dtype and scales and
+  converts them into nothing else: it could not do it exactly.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -22,6 +30,14 @@ VERSION = 1
 _PREFIX = struct.Struct("!4sHI")  # magic, version, header length
 MAX_HEADER = 1 << 20
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# carried as bytes, never converted: vLLM's fp8 caches ("fp8"/"fp8_e4m3" is e4m3fn on CUDA, e4m3fnuz on ROCm)
+RAW_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+}
+ALL_DTYPES = {**DTYPES, **RAW_DTYPES}
+_EXTRAS = {"latent": False, "scales": []}  # header fields left out of a plain blob, so it reads as before
 
 
 class KVFormatError(ValueError):
@@ -41,35 +57,43 @@ class KVHeader:
     token_end: int
     block_size: int
     block_hashes: list[int]  # chained hashes of the full blocks of tokens [0, token_end)
+    latent: bool = False  # one latent vector a token (MLA) in K, one head, V empty
+    scales: list[float] = field(default_factory=list)  # fp8: K and V scale of each layer in the range
 
     @property
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
     @property
+    def sides(self) -> int:
+        """K and V, or the latent alone."""
+        return 1 if self.latent else 2
+
+    @property
     def payload_bytes(self) -> int:
-        per = self.num_tokens * self.kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
-        return 2 * (self.layer_end - self.layer_start) * per
+        per = self.num_tokens * self.kv_heads * self.head_dim * ALL_DTYPES[self.dtype].itemsize
+        return self.sides * (self.layer_end - self.layer_start) * per
 
 
 @dataclass
 class KVBlob:
     header: KVHeader
     k: torch.Tensor  # [layers, tokens, kv_heads, head_dim]
-    v: torch.Tensor
+    v: torch.Tensor  # the same, or [layers, tokens, kv_heads, 0] for a latent blob
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
+    for name, d in ALL_DTYPES.items():
         if d == dtype:
             return name
     raise KVFormatError(f"unsupported KV dtype {dtype}")
 
 
 def encode(blob: KVBlob) -> bytes:
-    header = json.dumps(asdict(blob.header), separators=(",", ":")).encode()
+    fields = {k: v for k, v in asdict(blob.header).items() if _EXTRAS.get(k, ...) != v}
+    header = json.dumps(fields, separators=(",", ":")).encode()
     parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
-    for t in (blob.k, blob.v):
+    for t in (blob.k, blob.v)[: blob.header.sides]:
         parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
     return b"".join(parts)
 
@@ -92,8 +116,17 @@ def _check_header(raw: dict) -> KVHeader:
     )
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
         raise KVFormatError("KV header sizes must be integers")
-    if not isinstance(h.dtype, str) or h.dtype not in DTYPES:  # (a list or dict is not even hashable)
+    if not isinstance(h.dtype, str) or h.dtype not in ALL_DTYPES:  # (a list or dict is not even hashable)
         raise KVFormatError(f"unknown KV dtype {h.dtype!r}")
+    if type(h.latent) is not bool:
+        raise KVFormatError("KV header latent must be true or false")
+    want = 2 * (h.layer_end - h.layer_start) if h.dtype in RAW_DTYPES else 0
+    if (
+        not isinstance(h.scales, list)
+        or len(h.scales) != want
+        or not all(type(x) in (int, float) and 0 < x < float("inf") for x in h.scales)
+    ):
+        raise KVFormatError(f"KV header needs {want} positive scales for {h.dtype} over its layers")
     if not (0 <= h.layer_start < h.layer_end <= h.num_layers and 0 <= h.token_start < h.token_end):
         raise KVFormatError("KV header ranges are empty or out of order")
     if min(h.kv_heads, h.head_dim, h.page_size, h.block_size) < 1:
@@ -129,7 +162,9 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     if len(body) != h.payload_bytes:
         raise KVFormatError(f"KV payload is {len(body)} bytes, header says {h.payload_bytes}")
     shape = (h.layer_end - h.layer_start, h.num_tokens, h.kv_heads, h.head_dim)
-    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(DTYPES[h.dtype])
+    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(ALL_DTYPES[h.dtype])
+    if h.latent:
+        return KVBlob(h, flat.view(shape), flat[:0].view(*shape[:3], 0))
     half = flat.numel() // 2
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
 
@@ -149,7 +184,9 @@ def split_layers(blob: KVBlob) -> list[KVBlob]:
     h = blob.header
     return [
         KVBlob(
-            replace(h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1),
+            replace(
+                h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1, scales=h.scales[2 * i : 2 * i + 2]
+            ),
             blob.k[i : i + 1],
             blob.v[i : i + 1],
         )
@@ -163,19 +200,56 @@ def join_layers(parts: list[KVBlob]) -> KVBlob:
     for a, b in zip(parts, parts[1:], strict=False):  # (each with the next)
         if b.header.layer_start != a.header.layer_end:
             raise KVFormatError(f"KV layers arrive out of order: {a.header.layer_end} then {b.header.layer_start}")
-        if replace(b.header, layer_start=0, layer_end=1) != replace(a.header, layer_start=0, layer_end=1):
+        if replace(b.header, layer_start=0, layer_end=1, scales=[]) != replace(
+            a.header, layer_start=0, layer_end=1, scales=[]
+        ):
             raise KVFormatError("KV layer slices describe different tokens")
-    header = replace(first, layer_end=last.layer_end)
+    header = replace(first, layer_end=last.layer_end, scales=[x for p in parts for x in p.header.scales])
     return KVBlob(header, torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
 
 
+@dataclass(frozen=True)
+class CacheForm:
+    """What an importer's cache holds beyond its shape: a latent or K and V, and its dtype
+    when that is one pdd carries as bytes (fp8), with the K and V scale of every layer."""
+
+    latent: bool = False
+    raw_dtype: str | None = None  # None: a cache blobs of `DTYPES` are converted into
+    scales: tuple[float, ...] = ()
+
+    def refuses(self, h: KVHeader) -> str | None:
+        """Why `h`'s bytes cannot be written into this cache exactly (None: they can)."""
+        if h.latent != self.latent:
+            return f"imported KV holds {_HOLDS[h.latent]}, this cache {_HOLDS[self.latent]}"
+        if h.dtype not in RAW_DTYPES and self.raw_dtype is None:
+            return None
+        if h.dtype != self.raw_dtype:
+            return f"imported KV is {h.dtype} and this cache {self.raw_dtype or 'not fp8'}: pdd converts no fp8 KV"
+        if tuple(h.scales) != self.scales[2 * h.layer_start : 2 * h.layer_end]:
+            return f"imported {h.dtype} KV was quantized with other scales than this cache's: pdd cannot requantize"
+        return None
+
+
+_HOLDS = {True: "one latent vector a token (MLA)", False: "K and V"}
+PLAIN = CacheForm()
+
+
 def check_continuation(
-    h: KVHeader, shape: tuple[int, int, int], tokens: list[int], computed: int, prompt_len: int
+    h: KVHeader,
+    shape: tuple[int, int, int],
+    tokens: list[int],
+    computed: int,
+    prompt_len: int,
+    cache: CacheForm = PLAIN,
 ) -> str | None:
     """Why imported KV cannot land in a request that has computed `computed` tokens of
-    `tokens` (None: it can): the model's (layers, kv heads, head dim) `shape`, every
-    layer, the range continuing where the request's KV ends, within its prompt, and
-    the same prompt (block hashes). Every engine refuses the same things."""
+    `tokens` (None: it can): the cache's form (`CacheForm.refuses`), the model's
+    (layers, kv heads, head dim) `shape`, every layer, the range continuing where the
+    request's KV ends, within its prompt, and the same prompt (block hashes). Every
+    engine refuses the same things."""
+    why = cache.refuses(h)
+    if why:
+        return why
     if (h.num_layers, h.kv_heads, h.head_dim) != shape:
         return "imported KV has another model shape"
     if (h.layer_start, h.layer_end) != (0, shape[0]):

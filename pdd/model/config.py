@@ -43,6 +43,43 @@ _ROPE_PARAMETERS = {
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+@dataclass(frozen=True)
+class Declared:
+    """What any checkpoint's config.json declares, whatever its model type, for the parts
+    of pdd that never run it (the router, the demo's fitting, vLLM's arguments): the
+    engine that serves it reads the rest itself. `max_position` and `kv_values_per_token`
+    are 0 where the file does not say."""
+
+    vocab_size: int
+    max_position: int
+    num_layers: int
+    kv_values_per_token: int  # K and V of every layer (MLA: one latent vector a layer)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Declared:
+        source = Path(path) / "config.json"
+        with open(source, encoding="utf-8") as f:
+            raw = json.load(f)
+        cfg = raw.get("text_config") or raw  # (a multimodal checkpoint's language model)
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size", raw.get("vocab_size")), int):
+            raise UnsupportedCheckpoint("vocab_size", "missing or not an integer", str(source))
+        positions = [cfg.get(k) for k in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")]
+        layers = cfg.get("num_hidden_layers") or 0
+        if cfg.get("kv_lora_rank"):  # multi-head latent attention: a latent and a rope key, shared by the heads
+            per_layer = cfg["kv_lora_rank"] + cfg.get("qk_rope_head_dim", 0)
+        else:
+            heads = cfg.get("num_attention_heads") or 0
+            kv_heads = cfg.get("num_key_value_heads") or heads
+            head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else 0)
+            per_layer = 2 * kv_heads * head_dim
+        return cls(
+            vocab_size=cfg.get("vocab_size", raw.get("vocab_size")),
+            max_position=next((p for p in positions if isinstance(p, int) and p > 0), 0),
+            num_layers=layers,
+            kv_values_per_token=layers * per_layer,
+        )
+
+
 class UnsupportedCheckpoint(ValueError):
     """A checkpoint field that changes the model's math in a way pdd does not compute."""
 

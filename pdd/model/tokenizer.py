@@ -22,6 +22,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
+# generation_config.json's sampling values that pdd applies where a request says nothing
+# (vLLM's OpenAI layer reads the same file; its AsyncLLM does not, so pdd must, on every
+# engine); max_new_tokens is the default max_tokens. The agent-API issue adds the rest.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
 class Tokenizer:
@@ -35,6 +39,7 @@ class Tokenizer:
         bos_token_id: int | None,
         special_tokens: dict[str, str],
         chat_template: str | None,
+        generation_defaults: dict[str, float | int] | None = None,
     ) -> None:
         # Serving never pads or truncates inside the tokenizer; lengths are the engine's call.
         tokenizer.no_padding()
@@ -44,6 +49,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._special_tokens = special_tokens
+        # the checkpoint's generation_config.json sampling values: a request's defaults, as
+        # vLLM's OpenAI server applies them (`GENERATION_DEFAULTS`)
+        self.generation_defaults = generation_defaults or {}
         self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
@@ -72,6 +80,11 @@ class Tokenizer:
             bos_token_id=bos_id,
             special_tokens=special_tokens,
             chat_template=_find_chat_template(root, tok_config),
+            generation_defaults={
+                k: v
+                for k in GENERATION_DEFAULTS
+                if isinstance(v := gen_config.get(k), int | float) and not isinstance(v, bool)
+            },
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -70,7 +70,7 @@ class RouterBackend:
         return self.planner.max_context
 
     @max_context.setter
-    def max_context(self, tokens: int) -> None:  # set from the model config by the caller
+    def max_context(self, tokens: int) -> None:  # the model's, set by the caller
         self.planner.max_context = tokens
 
     def _work(self, request: RouterRequest) -> int:
@@ -307,6 +307,7 @@ class RouterBackend:
             **self.metrics.snapshot(),
             "membership": self.members.stats(),
             "dispatch_waiting": self.planner.line.waiting,
+            "max_context": self.max_context,
             "playout": self.pacer.stats(),
             "instances": {
                 c.name: {
@@ -314,6 +315,8 @@ class RouterBackend:
                     "healthy": c.healthy,
                     "draining": c.draining,
                     "queued_tokens": c.queued_tokens,
+                    "pages": c.pages,  # as the instance sized them (its snapshot), what admission plans with
+                    "max_context": c.max_context,
                     "committed_pages": c.committed_pages,
                     "committed_requests": c.committed_requests,
                     "mirror_pages": len(c.mirror.hashes),

@@ -45,7 +45,7 @@ async def _serve(dep) -> None:
 
     from pdd.api.app import build_app
     from pdd.heap import freeze_startup_heap
-    from pdd.model.config import ModelConfig
+    from pdd.model.config import Declared
     from pdd.model.store import resolve_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
@@ -55,8 +55,7 @@ async def _serve(dep) -> None:
     model_dir = resolve_model(dep.model.path)
     registry = CollectorRegistry()
     backend = RouterBackend(dep, registry)
-    capacity = min(i.engine.num_pages * i.engine.page_size for i in dep.instances)
-    backend.max_context = min(ModelConfig.from_dir(model_dir).max_position, capacity)
+    backend.max_context = Declared.from_dir(model_dir).max_position  # (each instance's own limit as it reports it)
     await backend.start()
     app = build_app(
         backend,

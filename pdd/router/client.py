@@ -60,6 +60,10 @@ class InstanceClient:
         self.addr = (host, port)
         self.key = key
         self.mirror = CacheMirror(spec.engine.page_size)
+        # the instance's KV pages and context as its engine sized them (its snapshots say;
+        # until then its config's, 0 where its engine sizes itself)
+        self.pages = spec.engine.num_pages
+        self.max_context = 0
         self.queued_tokens = 0  # work assigned by this router and not finished
         self.committed_pages = 0  # KV pages the requests this router dispatched here will take
         self.committed_requests = 0
@@ -152,6 +156,7 @@ class InstanceClient:
             if isinstance(body, m.CacheUpdate):
                 if body.kind == "snapshot":
                     resync_asked = False
+                    self.pages, self.max_context = body.pages or self.pages, body.max_context
                     self._ready.set()
                 if not self.mirror.apply(body) and not resync_asked:  # one request per gap
                     resync_asked = True

@@ -27,9 +27,21 @@ class Planner:
     def __init__(self, dep: Deployment, clients: Mapping[str, InstanceClient]) -> None:
         self.dep = dep
         self.clients = clients  # (the router's, live: instances join and leave)
-        self.max_context = 0  # set from the model config by the caller
+        self.model_context = 0  # what the model declares, set by the caller (0: unknown)
         self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
         self.line = DispatchLine()  # admitted requests waiting for room at their decode side
+
+    @property
+    def max_context(self) -> int:
+        """Prompt and output tokens one request may hold: the least any instance takes, as it
+        reported it (an engine that sized itself) or as its config sizes it, and the model's."""
+        limits = [c.max_context or c.spec.engine.num_pages * c.spec.engine.page_size for c in self.clients.values()]
+        limits = [x for x in (*limits, self.model_context) if x]
+        return min(limits, default=0)
+
+    @max_context.setter
+    def max_context(self, tokens: int) -> None:
+        self.model_context = tokens
 
     def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
         return [
@@ -45,9 +57,7 @@ class Planner:
 
     def _fits(self, name: str, need: int) -> bool:
         c = self.clients[name]
-        return fits(
-            need, c.committed_pages, c.committed_requests, Room(c.spec.engine.num_pages, c.spec.engine.max_requests)
-        )
+        return fits(need, c.committed_pages, c.committed_requests, Room(c.pages, c.spec.engine.max_requests))
 
     def plan(self, req: GenRequest, room: bool = False) -> Plan | None:
         """The request's instances. With `room`, only decode-side instances that have room

@@ -274,6 +274,10 @@ class CacheUpdate(Message, frozen=True):
     seq: Count = 0
     hashes: Annotated[list[Hash], Meta(max_length=MAX_TOKENS)] = msgspec.field(default_factory=list)
     page_size: Count = 0
+    # a snapshot's: the instance's KV pages and the context one request may hold, as its
+    # engine sized them (vLLM sizes itself: the router plans with these, not the config's)
+    pages: Count = 0
+    max_context: Count = 0
 
     def __post_init__(self) -> None:
         if self.hashes and max(self.hashes) >> 64:

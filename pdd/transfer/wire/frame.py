@@ -24,7 +24,9 @@ from enum import IntEnum
 from typing import Any
 
 MAGIC = b"PD"
-PROTOCOL_VERSION = 3  # 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys
+# 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys;
+# 4: a cache snapshot carries the instance's KV pages and context (engines that size themselves)
+PROTOCOL_VERSION = 4
 FLAG_AUTH = 0x01
 _KNOWN_FLAGS = FLAG_AUTH
 # magic, version, type, flags, sequence, payload length, CRC32 of payload
