@@ -27,7 +27,7 @@ import tomli_w
 
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.config_check import STRICT_TABLE, ConfigError, validate
-from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig, devices, for_backend, read_auto
+from pdd.engine_port import AUTO, AUTO_SIZES, SIZES_ITSELF, EngineConfig, devices, for_backend, read_auto
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
@@ -292,9 +292,11 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: C
     if isinstance(overrides, dict):
         overrides = read_auto(overrides)
         inherited = asdict(engine)
-        if "backend" in overrides:  # sizes the deployment's backend chose itself are no choice for another
-            own = (*AUTO_SIZES, "dtype")
-            inherited = {k: v for k, v in inherited.items() if k not in own or v not in (AUTO, "auto")}
+        if overrides.get("backend", engine.backend) not in SIZES_ITSELF:
+            # sizes a self-sizing backend left to itself are no choice for this one: its defaults
+            left = {k for k in (*AUTO_SIZES, "dtype") if inherited[k] in (AUTO, "auto") and k not in overrides}
+            inherited = {k: v for k, v in inherited.items() if k not in left}
+            chosen = set(chosen) - left
         merged = {**inherited, **overrides}
         if isinstance(overrides.get("vllm"), dict):  # an instance's vLLM arguments add to the deployment's
             merged["vllm"] = {**engine.vllm, **overrides["vllm"]}
@@ -309,19 +311,25 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: C
 def check_devices(e: EngineConfig, where: str) -> None:
     """An instance's parallel ranks each need a device of their own on CUDA: refused at
     load (ConfigError naming the table and the key), not when vLLM fails to start."""
-    if e.backend != "vllm":  # (the embedded engine runs on one device and ignores [engine.vllm])
-        devices(e.device)
-        return
-    parallel = {k: e.vllm.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size")}
-    if not all(isinstance(v, int) and v >= 1 for v in parallel.values()):
-        raise ConfigError(f"{where}.vllm: {parallel} must be whole numbers of at least 1")
-    ranks = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
     given = devices(e.device)
+    if e.backend not in SIZES_ITSELF:  # (the embedded engine runs on one device and ignores [engine.vllm])
+        if len(given) > 1:
+            raise ConfigError(f"{where}.device = {e.device!r}: the {e.backend} engine runs on one device")
+        return
+    for key in ("pipeline_parallel_size", "data_parallel_size"):  # (one engine, one bridge, one set of ranks)
+        if e.vllm.get(key, 1) != 1:
+            raise ConfigError(
+                f"{where}.vllm.{key} = {e.vllm[key]!r}: pdd runs one vLLM engine of tensor-parallel "
+                "ranks per instance (more instances for more data parallelism)"
+            )
+    ranks = e.vllm.get("tensor_parallel_size", 1)
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"{where}.vllm.tensor_parallel_size must be a whole number of at least 1, not {ranks!r}")
     if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
         raise ConfigError(
-            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for "
-            f"tensor_parallel_size x pipeline_parallel_size = {ranks} ranks: list one per rank "
-            f'(device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all visible'
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for tensor_parallel_size = {ranks}: "
+            f'list one per rank (device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all '
+            "visible"
         )
 
 

@@ -238,7 +238,8 @@ def for_backend(config: EngineConfig, backend: str, chosen: Collection[str] = ()
     it; pdd's own defaults are no choice, the fields named in `chosen` and any value
     other than pdd's default are. A backend that sizes itself (vLLM) takes its own pool,
     budgets and dtype (AUTO, "auto"); another keeps the pool's token capacity in its
-    own page size."""
+    own page size. (A table that inherits AUTO from a self-sizing backend's is read
+    without it: `pdd.config.instance_from_dict`.)"""
     d, changes = EngineConfig(), dict[str, Any]()
     fields = ("page_size", "dtype", *AUTO_SIZES)
     unchosen = {f for f in fields if f not in chosen and getattr(config, f) == getattr(d, f)}
@@ -251,8 +252,6 @@ def for_backend(config: EngineConfig, backend: str, chosen: Collection[str] = ()
         changes.update({f: AUTO for f in AUTO_SIZES if f in unchosen})
         if "dtype" in unchosen:
             changes["dtype"] = "auto"
-    elif config.backend in SIZES_ITSELF:  # back from a self-sizing backend: pdd's defaults again
-        changes.update({f: getattr(d, f) for f in (*AUTO_SIZES, "dtype") if getattr(config, f) in (AUTO, "auto")})
     return replace(config, backend=backend, **changes)
 
 

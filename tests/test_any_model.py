@@ -102,16 +102,27 @@ def test_engine_vllm_without_vllm_names_the_extra(tmp_path, tiny_model_dir):
 
 def test_auto_sizes_read_from_a_file_and_the_command_line():
     from pdd import config as cfg
-    from pdd.engine_port import EngineConfig, for_backend
+    from pdd.engine_port import EngineConfig
 
     dep = cfg.parse({"engine": {"backend": "vllm", "max_running": "auto", "max_batch_tokens": 4096}})
     assert (dep.engine.num_pages, dep.engine.max_running, dep.engine.max_batch_tokens) == (AUTO, AUTO, 4096)
     # `pdd up --engine vllm` over a file that chose the dtype keeps it; pdd's defaults become vLLM's
     up = cfg.parse({"engine": {"dtype": "float32"}}, backend="vllm")
     assert (up.engine.backend, up.engine.dtype, up.engine.num_pages) == ("vllm", "float32", AUTO)
-    back, d = for_backend(for_backend(EngineConfig(), "vllm"), "embedded"), EngineConfig()
-    assert (back.num_pages, back.max_running, back.max_batch_tokens, back.dtype) == (  # and back: pdd's own again
-        d.num_pages, d.max_running, d.max_batch_tokens, d.dtype)
+    # an instance off a vLLM deployment's backend gets pdd's sizes; one on it keeps a chosen "auto"
+    d = EngineConfig()
+    mixed = cfg.parse({"engine": {"backend": "vllm", "num_pages": "auto", "dtype": "float32"},
+                       "instances": [{"name": "p0", "role": "prefill", "engine": {"backend": "embedded"}},
+                                     {"name": "md0", "role": "main", "engine": {"backend": "vllm"}}]})
+    p0, md0 = (i.engine for i in mixed.instances)
+    assert (p0.num_pages, p0.max_running, p0.max_batch_tokens, p0.dtype) == (d.num_pages, d.max_running,
+                                                                             d.max_batch_tokens, "float32")
+    assert (md0.num_pages, md0.dtype) == (AUTO, "float32")
+    with pytest.raises(cfg.ConfigError, match="runs on one device"):
+        cfg.parse({"engine": {"device": "cuda:0,1"}})
+    for key in ("pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(cfg.ConfigError, match=f"engine.vllm.{key} = 2: pdd runs one vLLM engine"):
+            cfg.parse({"engine": {"backend": "vllm", "vllm": {key: 2}}})
 
 
 GPU_EXAMPLE = Path(__file__).parent.parent / "deploy" / "two-site-vllm.toml"
@@ -144,3 +155,30 @@ def test_the_gpu_example_is_the_one_the_docs_show_and_it_loads(tmp_path):
         assert "num_gpu_blocks_override" not in kw and "kv_cache_memory_bytes" not in kw  # vLLM profiles the GPU
     assert seen == {"p0": (2, "0,1", 32768, 0.9, False), "rld0": (2, "0,1", 32768, 0.9, False),
                     "md0": (4, "0,1,2,3", 32768, 0.9, True)}
+
+
+def test_the_router_plans_with_what_each_instance_reports():
+    """An instance that sizes itself (AUTO pages) has no room until its snapshot says how
+    many pages vLLM gave it; then admission counts those, and the context one request may
+    hold is the least any instance reported."""
+    from types import SimpleNamespace
+
+    from pdd.engine_port import EngineConfig
+    from pdd.names import Mode, RoleName
+    from pdd.policy.capacity import pages_needed
+    from pdd.router.client import InstanceClient
+    from pdd.router.planning import Planner
+    from pdd.transfer import messages as m
+
+    spec = SimpleNamespace(name="md0", role=RoleName.MAIN,
+                           engine=EngineConfig(backend="vllm", page_size=32, num_pages=AUTO, max_requests=8))
+    md = InstanceClient(spec, "127.0.0.1", 1, b"k" * 32, "r")
+    planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=None), {"md0": md})
+    planner.max_context = 40960  # what the model declares
+    need = pages_needed(1000, 100, 0, 32)
+    md.committed_requests = 1  # (an idle instance takes any one request: the engine refuses what never fits)
+    assert (md.pages, planner.max_context, planner._fits("md0", need)) == (0, 40960, False)
+    assert md.on_cache_update(m.CacheUpdate("snapshot", 0, [], 32, 8191, 4096))
+    assert planner._fits("md0", need) and planner.max_context == 4096
+    md.committed_pages = 8191 - need + 1
+    assert not planner._fits("md0", need)

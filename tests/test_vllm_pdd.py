@@ -58,9 +58,10 @@ def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, vllm_reference, tiny_m
 
 
 def test_client_disconnects_give_vllms_blocks_back(dep):
-    """Three clients leave after 5 of 600 tokens: each request is aborted inside vLLM (its
-    own abort count rises by one per request at whichever instance was producing), long
-    before it could have finished, and every block comes back."""
+    """Three clients leave after 5 of 600 tokens: each request is aborted in vLLM at
+    whichever instance was producing (the engine's count of requests it aborted while they
+    ran), vLLM's own count of generated tokens stops far short of 3 x 600, and every
+    block comes back."""
     names = ("p0", "rld0", "md0")
     before = [_engine(dep, n) for n in names]
     with ThreadPoolExecutor(3) as pool:
@@ -68,10 +69,10 @@ def test_client_disconnects_give_vllms_blocks_back(dep):
     assert all(len(c["ids"]) >= 5 for c in cut)
     stats = vllm_settled([dep.http[n] for n in names])
     assert all(s["used_blocks"] == 0 for s in stats)
-    aborted = [a["requests_aborted"] - b["requests_aborted"] for a, b in zip(stats, before, strict=True)]
+    aborted = [a["aborted"] - b["aborted"] for a, b in zip(stats, before, strict=True)]
     produced = [a["generation_tokens"] - b["generation_tokens"] for a, b in zip(stats, before, strict=True)]
     print(f"\nafter 3 disconnects: vLLM aborts {aborted}, tokens generated {produced}")
-    assert sum(aborted[1:]) >= 3  # the producers (relay, MD) ended all three by abort...
+    assert sum(aborted) >= 3  # the producers ended all three by abort...
     assert sum(produced) < 3 * 600 / 2  # ...far short of their 600 tokens each
 
 

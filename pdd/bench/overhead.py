@@ -170,9 +170,9 @@ def _server(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> I
 
 def _kv_blocks(model_dir: Path, gib: int) -> int:
     """The blocks `VLLM_CPU_KVCACHE_SPACE=gib` gives plain vLLM on this model (fp32)."""
-    from pdd.model.config import ModelConfig  # (not pdd.engines: the benchmarks know no engine internals)
+    from pdd.model.config import Declared  # (not pdd.engines: the benchmarks know no engine internals)
 
-    return (gib << 30) // (ModelConfig.from_dir(model_dir).kv_bytes_per_token(4) * BLOCK_TOKENS)
+    return (gib << 30) // (Declared.from_dir(model_dir).kv_values_per_token * 4 * BLOCK_TOKENS)
 
 
 def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -217,6 +217,10 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
             str(BLOCK_TOKENS),
             "--num-pages",
             str(_kv_blocks(model_dir, args.kv_cache_gib) - 1),
+            "--max-running",  # (on vLLM pdd would leave these to vLLM's defaults: the same budgets as plain's)
+            str(budgets.max_running),
+            "--max-batch-tokens",
+            str(budgets.max_batch_tokens),
             "--threads",
             str(args.threads),
         ],
@@ -247,14 +251,14 @@ def _replay(server: _Server, sessions: list[Session], args: argparse.Namespace) 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from pdd.model.config import ModelConfig
+    from pdd.model.config import Declared
     from pdd.model.store import resolve_model
 
     if args.pairs < 1:
         print("pdd bench overhead: --pairs must be >= 1", file=sys.stderr)
         return 2
     model_dir = resolve_model(args.model or "")
-    vocab_size = args.vocab_size or ModelConfig.from_dir(model_dir).vocab_size
+    vocab_size = args.vocab_size or Declared.from_dir(model_dir).vocab_size
     threads = str(max(1, args.threads))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),

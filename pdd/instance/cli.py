@@ -26,7 +26,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     (the backend's defaults apply to the rest: `for_backend`)."""
     d, v = EngineConfig(), for_backend(EngineConfig(), "vllm")
     p.add_argument("--page-size", type=int, help=f"tokens per KV page (default {d.page_size}; vllm: {v.page_size})")
-    p.add_argument("--num-pages", type=_size, help=f"KV pool size in pages (default {d.page_size}; vllm: auto)")
+    p.add_argument("--num-pages", type=_size, help=f"KV pool size in pages (default {d.num_pages}; vllm: auto)")
     p.add_argument(
         "--max-batch-tokens", type=_size, help=f"token budget of one engine step ({d.max_batch_tokens}; vllm: auto)"
     )
@@ -83,6 +83,8 @@ def vllm_flags(flags: list[str], check: bool = True) -> dict[str, Any]:
     i = 0
     while i < len(flags):
         flag = flags[i]
+        if flag.startswith("-") and not flag.startswith("--"):
+            raise ValueError(f"{flag!r}: give vLLM's flags by their long names (--tensor-parallel-size, not -tp)")
         if not flag.startswith("--") or len(flag) < 3:
             raise ValueError(f"unrecognized argument {flag!r} (put the model first: pdd serve MODEL --flag VALUE)")
         name, sep, value = flag[2:].partition("=")
@@ -179,8 +181,11 @@ def run(args: argparse.Namespace) -> int:
                 f"pdd serve: {' '.join(ignored)} would be ignored with --config: the instance's [engine] "
                 "table and [model] in the file say them"
             )
-        dep = cfg.load(args.config)
-        spec = dep.instance(args.instance)
+        try:
+            dep = cfg.load(args.config)
+            spec = dep.instance(args.instance)
+        except cfg.ConfigError as e:
+            raise SystemExit(f"pdd serve: {e}") from None
         model, name = dep.model.path, dep.model.served_name
     else:
         if args.role != RoleName.STANDALONE:
@@ -191,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("pdd serve: a model is required without --config (pdd serve MODEL, or --model DIR)")
         try:
             engine = engine_from_flags(args)
-        except ValueError as e:
+            cfg.check_devices(engine, "engine")
+        except ValueError as e:  # (ConfigError is one)
             raise SystemExit(f"pdd serve: {e}") from None
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)

@@ -47,8 +47,7 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 class Declared:
     """What any checkpoint's config.json declares, whatever its model type, for the parts
     of pdd that never run it (the router, the demo's fitting, vLLM's arguments): the
-    engine that serves it reads the rest itself. `max_position` and `kv_values_per_token`
-    are 0 where the file does not say."""
+    engine that serves it reads the rest itself. Each is 0 where the file does not say."""
 
     vocab_size: int
     max_position: int
@@ -61,8 +60,9 @@ class Declared:
         with open(source, encoding="utf-8") as f:
             raw = json.load(f)
         cfg = raw.get("text_config") or raw  # (a multimodal checkpoint's language model)
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size", raw.get("vocab_size")), int):
-            raise UnsupportedCheckpoint("vocab_size", "missing or not an integer", str(source))
+        if not isinstance(cfg, dict):
+            raise UnsupportedCheckpoint("text_config", "not a table", str(source))
+        vocab = cfg.get("vocab_size", raw.get("vocab_size"))
         positions = [cfg.get(k) for k in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")]
         layers = cfg.get("num_hidden_layers") or 0
         if cfg.get("kv_lora_rank"):  # multi-head latent attention: a latent and a rope key, shared by the heads
@@ -73,7 +73,7 @@ class Declared:
             head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else 0)
             per_layer = 2 * kv_heads * head_dim
         return cls(
-            vocab_size=cfg.get("vocab_size", raw.get("vocab_size")),
+            vocab_size=vocab if isinstance(vocab, int) else 0,
             max_position=next((p for p in positions if isinstance(p, int) and p > 0), 0),
             num_layers=layers,
             kv_values_per_token=layers * per_layer,

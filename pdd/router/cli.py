@@ -26,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    dep = cfg.load(args.config)
+    try:
+        dep = cfg.load(args.config)
+    except cfg.ConfigError as e:
+        raise SystemExit(f"pdd router: {e}") from None
     if args.port is not None:
         dep = replace(dep, router=replace(dep.router, port=args.port))
     key = args.api_key if args.api_key is not None else dep.router.api_key or os.environ.get("PDD_API_KEY", "")

@@ -156,9 +156,8 @@ class InstanceClient:
             if isinstance(body, m.CacheUpdate):
                 if body.kind == "snapshot":
                     resync_asked = False
-                    self.pages, self.max_context = body.pages or self.pages, body.max_context
                     self._ready.set()
-                if not self.mirror.apply(body) and not resync_asked:  # one request per gap
+                if not self.on_cache_update(body) and not resync_asked:  # one request per gap
                     resync_asked = True
                     await m.send(conn, m.CacheUpdate("snapshot_request"))
                 continue
@@ -169,6 +168,13 @@ class InstanceClient:
             q = self._queues.get(getattr(body, "rid", None) or "")
             if q is not None:
                 q.put_nowait((self.name, body))
+
+    def on_cache_update(self, body: m.CacheUpdate) -> bool:
+        """Apply an instance's cache event (a snapshot also says the pages and context its
+        engine sized); False when the mirror needs a fresh snapshot."""
+        if body.kind == "snapshot":
+            self.pages, self.max_context = body.pages or self.pages, body.max_context
+        return self.mirror.apply(body)
 
     def _fail_all(self, reason: str) -> None:
         self.kv_open.clear()

@@ -20,7 +20,7 @@ from dataclasses import replace
 import simpy
 
 from pdd import config as cfg
-from pdd.engine_port import EngineConfig
+from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
 from pdd.sim.emulated import emulated_steps, token_scale
@@ -47,6 +47,13 @@ def on_scenario_line(dep: cfg.Deployment, scenario: Scenario) -> cfg.Deployment:
 def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile) -> DeploymentSpec:
     """`dep` (on its line: `on_scenario_line`) as `pdd up --mode mode` starts it here."""
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
+    sized = [f"{i.name}: {k}" for i in instances for k in AUTO_SIZES if getattr(i.engine, k) == AUTO]
+    if sized:
+        raise ValueError(
+            f"the simulator needs each instance's sizes, which vLLM chooses itself at start ({', '.join(sized)}): "
+            "give [engine] num_pages, max_running and max_batch_tokens (/pdd/stats of a running instance shows "
+            "vLLM's choice)"
+        )
     paced = dep.topology.hardware != "native"
     nice = dep.topology.prefill_nice > 0 and not paced  # `pdd up` renices native instances only
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd.engine_port import EngineConfig, EnginePort, StepOutput, open_engine
-from pdd.model.config import ModelConfig
+from pdd.model.config import Declared
 from pdd.sampling import SamplingParams
 from pdd.sim.fit import Sample
 from pdd.sim.steps import EMPTY, StepLoad, add, chunk_load
@@ -327,7 +327,7 @@ def measure(
     """Time the engine `config.backend` names over `model_dir` in every step shape of
     `plan`. `budget_s` bounds the measuring (loading the model and warming up come on
     top); `progress(done, total)` is told of each finished shape."""
-    vocab = ModelConfig.from_dir(model_dir).vocab_size  # (config.json only: no weights, no torch)
+    vocab = Declared.from_dir(model_dir).vocab_size  # (config.json only: no weights, no torch; any engine's model)
 
     async def go() -> Measured:
         port = open_engine(model_dir, calibration_config(config, plan), threads)

@@ -64,7 +64,6 @@ class VllmEngine(Requests):
             "prompt_tokens_local_hit": 0,
             "prompt_tokens_external": 0,
             "generation_tokens": 0,
-            "requests_aborted": 0,
         }
         self.computed_by_request: OrderedDict[str, int] = OrderedDict()
         self.used_blocks = 0  # held by requests now (the scheduler side's live count)
@@ -74,6 +73,7 @@ class VllmEngine(Requests):
         for key, value in vargs.engine_env(config, threads).items():
             os.environ.setdefault(key, value)
         self.llm = self.events = self._scheduler_channel = None
+        self.refused = ""  # a worker's reason for refusing its cache
         try:
             # vLLM's config first (its reading of the checkpoint, its platform's changes), checked
             # before any weight loads; then the engine on exactly that config
@@ -84,8 +84,10 @@ class VllmEngine(Requests):
             if not self._layouts_done.wait(LAYOUT_TIMEOUT_S):
                 raise RuntimeError("vLLM's workers never described their KV caches to pdd's connector")
             _check_vllm_kept_pdds_terms(self.llm.vllm_config, config.page_size)  # (a worker may change blocks)
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if self.refused and isinstance(e, Exception):
+                raise RuntimeError(f"pdd's KV connector refused vLLM's KV cache ({self.refused})") from e
             raise
         # the sizes are vLLM's: what it read from the checkpoint and chose for this machine
         vc = self.llm.vllm_config
@@ -110,10 +112,10 @@ class VllmEngine(Requests):
         if op == "layout":
             self._world = header["world"]
             self.kv.workers[header["rank"]] = WorkerInfo.from_layout(peer["channel"], header)
-            if header["block_size"] != self.page_size:
-                log.error("vLLM runs blocks of %d tokens, pdd expects %d", header["block_size"], self.page_size)
             if len(self.kv.workers) == self._world:
                 self._layouts_done.set()
+        elif op == "refused":  # a worker cannot carry its KV: vLLM fails to start, this says why
+            self.refused = f"rank {header['rank']}: {header['error']}"
         elif op in ("written", "data", "failed"):
             self.kv.answer(header, payload)
         elif op in ("reserved", "refused", "finished"):

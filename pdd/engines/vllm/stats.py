@@ -4,15 +4,13 @@ A stat logger (vLLM's plug-in point for metrics) that keeps, per instance: the K
 usage gauge (`vllm:kv_cache_usage_perc`), running and waiting requests, the prefix
 cache's queries and hits (`vllm:prefix_cache_queries` / `_hits`), and prompt tokens by
 where their KV came from (`vllm:prompt_tokens_by_source`: computed, local cache hit,
-external transfer), generated tokens and requests vLLM ended by abort
-(`vllm:request_success_total{finished_reason="abort"}`), summed since start.
+external transfer) and generated tokens, summed since start.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 
@@ -36,9 +34,6 @@ class StatsTap(StatLoggerBase):
             s["prompt_tokens_local_hit"] += pts.local_cache_hit
             s["prompt_tokens_external"] += pts.external_kv_transfer
             s["generation_tokens"] += iteration_stats.num_generation_tokens
-            s["requests_aborted"] += sum(
-                f.finish_reason == FinishReason.ABORT for f in iteration_stats.finished_requests
-            )
 
     def log_engine_initialized(self) -> None:
         """Nothing to say: the instance logs its own start."""

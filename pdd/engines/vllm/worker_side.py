@@ -53,7 +53,16 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap each layer's cache in the layout vLLM's description of it calls for, after
         checking that layout against vLLM's own cache write; tell the instance what this
-        worker holds. Anything pdd cannot carry exactly is refused here, by name."""
+        worker holds. Anything pdd cannot carry exactly is refused here, by name, and the
+        reason goes to the instance too (from a worker process of its own, vLLM reports
+        only that its engine core failed)."""
+        try:
+            self._register(kv_caches)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            self.channel.send({"op": "refused", "error": str(e), "rank": self.rank})
+            raise
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         context = self.config.compilation_config.static_forward_context
