@@ -16,7 +16,13 @@ import httpx
 import pytest
 from checkpoints import save_moe_of, save_random_mla
 from procs import kv_bytes_per_token, plain_vllm, vllm_settled
-from vllm_scenarios import OUTPUT, assert_pdd_shapes, deployment, pipelines, rid
+from vllm_scenarios import (
+    assert_pdd_shapes,
+    assert_second_turns_move_only_what_md_lacks,
+    deployment,
+    engine_stats,
+    pipelines,
+)
 
 pytest.importorskip("vllm")
 
@@ -37,10 +43,6 @@ def dep(tmp_path_factory, moe_dir):
     model = f'[model]\npath = "{moe_dir}"\nname = "tiny"\n'
     with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=model, name="moe") as d:
         yield d
-
-
-def _engine(dep, name: str) -> dict:
-    return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
 
 
 def test_the_embedded_engine_refuses_the_moe_by_name(moe_dir):
@@ -66,7 +68,7 @@ def test_an_mla_model_on_cpu_is_refused_at_start_saying_why(tmp_path, tiny_model
 
 
 def test_vllm_sizes_each_instance_and_the_router_plans_with_it(dep):
-    stats = {n: _engine(dep, n) for n in ("p0", "rld0", "md0")}
+    stats = {n: engine_stats(dep, n) for n in ("p0", "rld0", "md0")}
     router = httpx.get(f"{dep.url}/pdd/stats").json()
     for name, s in stats.items():
         # vLLM's own choice from its memory budget (1 GiB a CPU instance): not a pdd default
@@ -77,17 +79,8 @@ def test_vllm_sizes_each_instance_and_the_router_plans_with_it(dep):
 
 
 def test_a_moe_through_every_pipeline_equals_plain_vllm(dep, moe_reference, moe_dir):
-    bpt = kv_bytes_per_token(moe_dir)
-    hits_before = _engine(dep, "md0")["prefix_cache_hits"]
+    hits_before = engine_stats(dep, "md0")["prefix_cache_hits"]
     prompts, done = pipelines(dep, moe_reference, seed=100)
     assert_pdd_shapes(done)
-    md0, p0 = _engine(dep, "md0"), _engine(dep, "p0")
-    for t, g in zip(prompts[3:6], done[3:6], strict=True):
-        r = g["record"]
-        missed = (len(t) - r["d_hit_tokens"]) * bpt
-        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
-        # MD's vLLM computed the prompt's last token, P's first token and one a step after it
-        assert md0["computed_by_request"][rid(g)] == OUTPUT
-        assert p0["computed_by_request"][rid(g)] == len(t) - r["p_hit_tokens"]
-    assert md0["prefix_cache_hits"] - hits_before >= sum(g["record"]["d_hit_tokens"] for g in done[3:6])
+    assert_second_turns_move_only_what_md_lacks(dep, prompts, done, kv_bytes_per_token(moe_dir), hits_before)
     vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])

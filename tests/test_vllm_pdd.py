@@ -17,7 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from procs import kv_bytes_per_token, session_turns, stream_completion, vllm_settled, wait_until
-from vllm_scenarios import LINE, OUTPUT, assert_pdd_shapes, deployment, pipelines, prompt, rid
+from vllm_scenarios import (
+    LINE,
+    assert_pdd_shapes,
+    assert_second_turns_move_only_what_md_lacks,
+    deployment,
+    engine_stats,
+    pipelines,
+    prompt,
+)
 
 pytest.importorskip("vllm")
 
@@ -28,32 +36,15 @@ def dep(tmp_path_factory):
         yield d
 
 
-def _engine(dep, name: str) -> dict:
-    return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
-
-
 def _node(url: str) -> dict:
     return httpx.get(f"{url}/pdd/stats").json()["node"]
 
 
 def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, vllm_reference, tiny_model_dir):
-    bpt = kv_bytes_per_token(tiny_model_dir)
-    hits_before = _engine(dep, "md0")["prefix_cache_hits"]
+    hits_before = engine_stats(dep, "md0")["prefix_cache_hits"]
     prompts, done = pipelines(dep, vllm_reference)
     assert_pdd_shapes(done)
-    # a second turn: only the KV MD's vLLM lacks crosses, and the router's mirror (fed by
-    # vLLM's KV events under pdd's hashes) predicted exactly the hit vLLM reserved
-    p0, md0 = _engine(dep, "p0"), _engine(dep, "md0")
-    for t, g in zip(prompts[3:6], done[3:6], strict=True):
-        r = g["record"]
-        missed = (len(t) - r["d_hit_tokens"]) * bpt
-        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
-        assert r["d_hit_predicted"] == r["d_hit_tokens"]
-        # MD's vLLM scheduler computed the prompt's last token (vLLM's rule), P's first
-        # token and one token a step after it: none of the hit, none of the imported tail
-        assert md0["computed_by_request"][rid(g)] == OUTPUT
-        assert p0["computed_by_request"][rid(g)] == len(t) - r["p_hit_tokens"]
-    assert md0["prefix_cache_hits"] - hits_before >= sum(g["record"]["d_hit_tokens"] for g in done[3:6])
+    assert_second_turns_move_only_what_md_lacks(dep, prompts, done, kv_bytes_per_token(tiny_model_dir), hits_before)
     vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
 
 
@@ -63,7 +54,7 @@ def test_client_disconnects_give_vllms_blocks_back(dep):
     ran), vLLM's own count of generated tokens stops far short of 3 x 600, and every
     block comes back."""
     names = ("p0", "rld0", "md0")
-    before = [_engine(dep, n) for n in names]
+    before = [engine_stats(dep, n) for n in names]
     with ThreadPoolExecutor(3) as pool:
         cut = list(pool.map(lambda i: stream_completion(dep.url, prompt(30 + i, 500), 600, stop_after=5), range(3)))
     assert all(len(c["ids"]) >= 5 for c in cut)

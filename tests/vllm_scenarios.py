@@ -15,6 +15,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 from procs import VLLM_START_S, Deployment, pdd_up, stream_completion
 
 LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
@@ -91,3 +92,25 @@ def assert_pdd_shapes(done: list[dict]) -> None:
 def rid(got: dict) -> str:
     """The id the router gave the request at the instances."""
     return f"{got['id']}.{got['record']['retries']}"
+
+
+def engine_stats(dep, name: str) -> dict:
+    return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+
+
+def assert_second_turns_move_only_what_md_lacks(dep, prompts: list[list[int]], done: list[dict],
+                                                 kv_bytes_per_token: int, md_hits_before: int) -> None:
+    """`pipelines`' second turns: only the KV MD's vLLM lacks crosses (the WAN bytes within
+    5 % of it), the router's mirror (fed by vLLM's KV events under pdd's hashes) predicted
+    exactly the hit vLLM reserved, and MD's vLLM scheduler computed the prompt's last token
+    (vLLM's rule), P's first token and one token a step after it: none of the hit, none of
+    the imported tail; P computed what its own cache lacked; MD's prefix cache counted the hits."""
+    p0, md0 = engine_stats(dep, "p0"), engine_stats(dep, "md0")
+    for t, g in zip(prompts[3:6], done[3:6], strict=True):
+        r = g["record"]
+        missed = (len(t) - r["d_hit_tokens"]) * kv_bytes_per_token
+        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert r["d_hit_predicted"] == r["d_hit_tokens"]
+        assert md0["computed_by_request"][rid(g)] == OUTPUT
+        assert p0["computed_by_request"][rid(g)] == len(t) - r["p_hit_tokens"]
+    assert md0["prefix_cache_hits"] - md_hits_before >= sum(g["record"]["d_hit_tokens"] for g in done[3:6])

@@ -114,7 +114,7 @@ class VllmEngine(Requests):
             self.kv.workers[header["rank"]] = WorkerInfo.from_layout(peer["channel"], header)
             if len(self.kv.workers) == self._world:
                 self._layouts_done.set()
-        elif op == "refused":  # a worker cannot carry its KV: vLLM fails to start, this says why
+        elif op == "cache_refused":  # a worker cannot carry its KV: vLLM fails to start, this says why
             self.refused = f"rank {header['rank']}: {header['error']}"
         elif op in ("written", "data", "failed"):
             self.kv.answer(header, payload)

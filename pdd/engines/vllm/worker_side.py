@@ -59,7 +59,7 @@ class WorkerSide:
         try:
             self._register(kv_caches)
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            self.channel.send({"op": "refused", "error": str(e), "rank": self.rank})
+            self.channel.send({"op": "cache_refused", "error": str(e), "rank": self.rank})
             raise
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
