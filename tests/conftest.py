@@ -56,16 +56,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 # ---- a vLLM test's timeout covers its fixtures' start-up -------------------------------------
 # pytest-timeout counts a test's setup in its time: the first test of a vLLM module starts its
-# deployment (and the session's plain vLLM) there, which alone may take `procs.VLLM_START_S`
-# on two busy cores; so every vLLM test gets that on top of the suite's own timeout.
+# deployment and the session's plain vLLM there, each of which may take `procs.VLLM_START_S`
+# (300 s) on two busy cores; so every vLLM test gets both on top of the suite's own timeout.
+# (A number here, not an import of procs: this file also runs alone, on scratch suites.)
+VLLM_SETUP_S = 2 * 300.0
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from procs import VLLM_START_S
-
     suite = float(config.getini("timeout") or 0)
     for item in items:
         if _is_vllm_test(Path(str(item.fspath))) and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(suite + 2 * VLLM_START_S))
+            item.add_marker(pytest.mark.timeout(suite + VLLM_SETUP_S))
 
 
 def pytest_configure(config: pytest.Config) -> None:

