@@ -23,8 +23,10 @@ POLICY = {"handoff_threshold": 64, "catch_up_chunk": 32}
 CATCH_UP_TOKENS = 200  # relay tokens a stall should let the relay produce: well past the threshold
 OUTPUT = 120
 # the references are fp32 (`plain_vllm`); on vLLM the dtype is vLLM's own unless chosen, and
-# vLLM's "auto" casts an fp32 checkpoint down to bf16
-ENGINE = '[engine]\ndtype = "float32"\n'
+# vLLM's "auto" casts an fp32 checkpoint down to bf16. vLLM sizes each instance's cache itself,
+# from a budget: 256 MiB here (2,048 blocks of the tiny model), not pdd's CPU default of 1 GiB,
+# which every instance of every deployment would allocate and touch
+ENGINE = '[engine]\ndtype = "float32"\n[engine.vllm]\nkv_cache_memory_bytes = 268435456\n'
 
 
 def prompt(seed: int, n: int) -> list[int]:
