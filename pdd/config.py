@@ -27,7 +27,15 @@ import tomli_w
 
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.config_check import STRICT_TABLE, ConfigError, validate
-from pdd.engine_port import AUTO, AUTO_SIZES, SIZES_ITSELF, EngineConfig, devices, for_backend, read_auto
+from pdd.engine_port import (
+    SELF_SIZED,
+    SIZES_ITSELF,
+    EngineConfig,
+    devices,
+    for_backend,
+    left_to_engine,
+    read_auto,
+)
 from pdd.names import HandoffMode, Mode, Pipeline, RoleName
 
 ROLES = tuple(RoleName)
@@ -294,7 +302,7 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: C
         inherited = asdict(engine)
         if overrides.get("backend", engine.backend) not in SIZES_ITSELF:
             # sizes a self-sizing backend left to itself are no choice for this one: its defaults
-            left = {k for k in (*AUTO_SIZES, "dtype") if inherited[k] in (AUTO, "auto") and k not in overrides}
+            left = {k for k in SELF_SIZED if left_to_engine(inherited[k]) and k not in overrides}
             inherited = {k: v for k, v in inherited.items() if k not in left}
             chosen = set(chosen) - left
         merged = {**inherited, **overrides}

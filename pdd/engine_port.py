@@ -34,6 +34,12 @@ CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored"
 AUTO = 0  # a size the engine chooses itself ("auto" in a file or on the command line)
 AUTO_SIZES = ("num_pages", "max_batch_tokens", "max_running")
 SIZES_ITSELF = frozenset({"vllm"})  # backends that size their own pool and budgets (AUTO allowed)
+SELF_SIZED = (*AUTO_SIZES, "dtype")  # what such a backend chooses itself unless told
+
+
+def left_to_engine(value: object) -> bool:
+    """Whether an `[engine]` value is the engine's own choice (AUTO, or "auto" for the dtype)."""
+    return value in (AUTO, "auto")
 
 
 def devices(device: str) -> list[str]:
@@ -241,7 +247,7 @@ def for_backend(config: EngineConfig, backend: str, chosen: Collection[str] = ()
     own page size. (A table that inherits AUTO from a self-sizing backend's is read
     without it: `pdd.config.instance_from_dict`.)"""
     d, changes = EngineConfig(), dict[str, Any]()
-    fields = ("page_size", "dtype", *AUTO_SIZES)
+    fields = ("page_size", *SELF_SIZED)
     unchosen = {f for f in fields if f not in chosen and getattr(config, f) == getattr(d, f)}
     page = _PAGE_SIZES.get(backend)
     if page is not None and "page_size" in unchosen:

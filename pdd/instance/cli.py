@@ -49,19 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dilation", type=float, help="emulated time runs this many times slower")
 
 
-ENGINE_FLAGS = (
-    "page_size",
-    "num_pages",
-    "max_batch_tokens",
-    "max_running",
-    "device",
-    "dtype",
-    "kv_dtype",
-    "max_requests",
-    "backend",
-    "hardware",
-    "dilation",
-)
+# the `[engine]` table's fields that are flags of their own (its vLLM table is vLLM's flags)
+ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "vllm")
 
 
 def engine_from_flags(args: argparse.Namespace) -> EngineConfig:

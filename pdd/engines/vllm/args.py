@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdd.engine_port import AUTO, EngineConfig, devices
+from pdd.engine_port import AUTO, EngineConfig, devices, left_to_engine
 from pdd.model.config import Declared
 
 # set by pdd for its connector, KV events and draw to work, and the block size its
@@ -71,7 +71,7 @@ def engine_kwargs(
     if owned:
         where = "; ".join(f"{k}: {PDD_OWNED[k]}" for k in owned if PDD_OWNED[k])
         raise ValueError(f"[engine.vllm] cannot set {owned}: pdd sets them" + (f" (set {where})" if where else ""))
-    both = [(f, v) for f, v in SAME_VALUE.items() if v in config.vllm and getattr(config, f) not in (AUTO, "auto")]
+    both = [(f, v) for f, v in SAME_VALUE.items() if v in config.vllm and not left_to_engine(getattr(config, f))]
     if both:
         raise ValueError(
             "set each value once: "
@@ -113,7 +113,7 @@ def engine_kwargs(
         "logits_processors": ["pdd.engines.vllm.draw:PddDraw", *config.vllm.get("logits_processors", [])],
     }
     for field, name in SAME_VALUE.items():
-        if field != "num_pages" and getattr(config, field) not in (AUTO, "auto"):
+        if field != "num_pages" and not left_to_engine(getattr(config, field)):
             kwargs[name] = getattr(config, field)
     if config.num_pages != AUTO:
         kwargs["num_gpu_blocks_override"] = config.num_pages + 1  # vLLM keeps block 0 as its null block
