@@ -50,7 +50,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "tpot_p50_ms": ("TPOT p50 (ms)", False),
     "output_tok_s": ("output tokens/s", True),
 }
-TARGET = 0.10  # the bound on pdd's overhead
+TARGET = 0.05  # the bound on pdd's overhead: the median pair within 5 % of plain vLLM
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

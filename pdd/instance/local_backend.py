@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+from pdd import heap
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
 from pdd.engine_port import EnginePort, RequestError
 from pdd.names import Pipeline
@@ -66,6 +66,6 @@ class LocalBackend:
             "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),
             # what the cyclic collector no longer walks (`pdd.heap`): 0 means every full collection walks it all
-            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_frozen_objects": heap.frozen_objects(),
             **({"node": self._node_stats()} if self._node_stats else {}),
         }
