@@ -1,10 +1,9 @@
 """scripts/gpu-check.sh, the checks for a lent GPU machine, runs where CI runs: without CUDA its
 engine checks run as dry runs on the CPU, so one broken here fails before it costs device time,
-and what a CPU cannot check says SKIP with its reason (15 s on two cores, 40 s with vLLM)."""
+and what a CPU cannot check says SKIP with its reason (10 s on two cores)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -41,10 +40,10 @@ def test_every_check_reports_and_none_fails(run):
 
 
 def test_each_check_says_what_it_did(run):
-    """Without CUDA a and b run dry and say SKIP, with their reason and their numbers; d says SKIP."""
+    """Without CUDA a, b and c run dry and say SKIP, with their reason and their numbers; d says SKIP."""
     lines = _lines(run)
     cuda = torch.cuda.is_available()
-    for check in ("a cuda-vs-cpu", "b kv-across-devices"):
+    for check in ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts"):
         status, said = lines[check]
         assert (status, said.startswith("no CUDA; dry run")) == (("PASS", False) if cuda else ("SKIP", True)), said
     device = "cuda" if cuda else "cpu"
@@ -52,6 +51,4 @@ def test_each_check_says_what_it_did(run):
     assert f"{device}->cpu 3/3, cpu->{device} 3/3 continuations" in lines["b kv-across-devices"][1]
     status, said = lines["d bench-engine"]
     assert (status == "PASS" and "decode_batch8_tok_s" in said) if cuda else status == "SKIP" and said, said
-    vllm = importlib.util.find_spec("vllm") is not None  # the layout tests run on vLLM's own code
-    assert lines["c vllm-layouts"][0] == ("PASS" if vllm else "SKIP"), lines["c vllm-layouts"]
-    assert vllm or lines["c vllm-layouts"][1].startswith("vLLM is not installed: tests/test_vllm_layouts.py runs on")
+    assert "12/12 caches (NHD, HND, MLA latent; fp16, bf16, fp32, fp8 bytes)" in lines["c vllm-layouts"][1]
