@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -25,12 +26,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
+from urllib.parse import urlsplit
 
 import httpx
 
 from pdd import config as cfg
 from pdd.engine_port import engine_names
 from pdd.names import RoleName
+from pdd.process import LAUNCH_ENV
 
 READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
 
@@ -107,19 +110,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Return once `url` answers 200; RuntimeError if `proc` exits first or time runs out."""
+class PortTaken(RuntimeError):
+    """A server of another launch answers where a child of this one should."""
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float, launch: str = "") -> None:
+    """Return once `url` answers 200; RuntimeError if `proc` exits first or time runs out,
+    or, given the `launch` id `proc` was started with, at once when a server of another
+    launch answers (`pdd.process`: the port is someone else's)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"exited with code {proc.returncode} before {url} answered")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+            r = httpx.get(url, timeout=1.0)
         except httpx.HTTPError:
-            pass
+            r = None
+        if r is not None and launch and _launch_of(r) != launch:
+            port = urlsplit(url).port
+            raise PortTaken(f"port {port} is held by another server (its {url} is not this launch's)")
+        if r is not None and r.status_code == 200:
+            return
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def _launch_of(response: httpx.Response) -> object:
+    try:
+        said = response.json()
+    except ValueError:
+        return None
+    return said.get("launch") if isinstance(said, dict) else None
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -181,6 +202,8 @@ class Launcher:
         self.run_dir = run_dir
         self.config_path = run_dir / "deployment.toml"
         self.children: list[tuple[str, subprocess.Popen]] = []
+        # every child says it back on /health: a server that does not is not this launch's
+        self.launch = os.environ[LAUNCH_ENV] = secrets.token_hex(8)
 
     def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "w")
@@ -220,7 +243,9 @@ class Launcher:
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
-            wait_http(url, proc, READY_TIMEOUT_S)
+            wait_http(url, proc, READY_TIMEOUT_S, self.launch)
+        except PortTaken as e:
+            raise PortTaken(f"{name}: {e}") from None
         except RuntimeError as e:
             raise RuntimeError(f"{name}: {e}\n{self.tail(name)}") from None
 
@@ -322,6 +347,9 @@ def run(args: argparse.Namespace) -> int:
         print(pacing_line(dep), flush=True)
         launcher.start()
         launcher.watch(stop)
+    except PortTaken as e:  # a mistake in the deployment's ports, not a failure of pdd's
+        print(f"pdd up: {e}", file=sys.stderr, flush=True)
+        code = 2
     except RuntimeError as e:
         print(f"pdd up: {e}", file=sys.stderr, flush=True)
         code = 1

@@ -100,3 +100,48 @@ def test_bench_handoff_ships_and_recomputes(tmp_path):
     assert r["handoff_tokens"] == tokens and r["ship"]["bytes"] >= tokens * 2 * 4 * 2 * 64 * 4  # their K and V
     for part in ("ship", "copy", "recompute_alone", "recompute_in_batch"):
         assert r[part]["mean_ms"] > 0, (part, r[part])
+
+
+def test_up_refuses_a_port_another_server_holds(tiny_model_dir):
+    """A server that is not pdd's answers /health on the router's port (vLLM's API server
+    on 8000, say): `pdd up` does not take it for its router. It names the port in one line,
+    exits 2, and stops what it started."""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from pdd.deploy import stop_group
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    up = subprocess.Popen([sys.executable, "-m", "pdd.cli", "up", "--mode", "colocated", "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = up.communicate(timeout=120)  # (taking the other server for its router, it would run on)
+    finally:
+        stop_group(up, 5)  # its whole process group, should it have left anything
+        other.shutdown()
+        other.server_close()
+    assert up.returncode == 2 and "Traceback" not in stderr, stdout + stderr
+    assert stderr.strip().splitlines() == [
+        f"pdd up: router: port {port} is held by another server (its http://127.0.0.1:{port}/health is not this "
+        "launch's)"], stderr
+    started = [int(line.split("pid ")[1].split(",")[0]) for line in stdout.splitlines() if " pid " in line]
+    assert len(started) == 2  # the instance and the router
+    for pid in started:  # stopped and reaped: nothing by that pid is left running
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -25,6 +25,7 @@ from pdd.api.server import OpenAIServer
 from pdd.api.shaping import validation_message
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
+from pdd.process import identity
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def build_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         state = backend.health()
-        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
+        return JSONResponse({**state, **identity()}, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdd import config as cfg
-from pdd.deploy import Launcher, wait_http
+from pdd.deploy import Launcher, PortTaken, wait_http
 from pdd.netns.lab import Lab, LabError, lab, run_in
 from pdd.workload.scenarios import SCENARIOS
 
@@ -80,7 +80,9 @@ class LabLauncher(Launcher):
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         ns = self.net.line_ns if name == "wan" else self.net.hosts[name].ns
         try:
-            run_in(ns, lambda: wait_http(url, proc, 120.0))
+            run_in(ns, lambda: wait_http(url, proc, 120.0, self.launch))
+        except PortTaken as e:
+            raise PortTaken(f"{name}: {e}") from None
         except RuntimeError as e:
             raise RuntimeError(f"{name}: {e}\n{self.tail(name)}") from None
 

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdd.process import identity
 from pdd.wan.relay import Route, WanRelay
 
 
@@ -40,8 +41,8 @@ def admin_app(relay: WanRelay) -> FastAPI:
     line = relay.line
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def health() -> dict[str, object]:
+        return {"status": "ok", **identity()}
 
     @app.get("/stats")
     def stats() -> dict[str, Any]:
