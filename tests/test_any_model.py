@@ -90,6 +90,19 @@ def test_serve_mistakes_are_one_line(args, says, tiny_model_dir):
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_port_in_use_fails_before_the_model_loads(tiny_model_dir):
+    """The port is bound first: on vLLM, whose start takes tens of seconds and logs at
+    length, a port in use is one line and exit 2, and vLLM never starts."""
+    import socket
+
+    pytest.importorskip("vllm")
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        out = _serve(str(tiny_model_dir), "--engine", "vllm", "--dtype", "float32", "--port", str(port))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [f"pdd serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
 def test_engine_vllm_without_vllm_names_the_extra(tmp_path, tiny_model_dir):
     hidden = tmp_path / "no-vllm" / "vllm"
     hidden.mkdir(parents=True)

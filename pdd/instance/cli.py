@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -199,12 +201,31 @@ def run(args: argparse.Namespace) -> int:
     if args.join and dep is None:
         raise SystemExit("pdd serve: --join needs --config FILE --instance NAME")
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, args.api_key, openai_api, args.join))
+    sock = _listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, args.api_key, openai_api, args.join))
     return 0
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The instance's HTTP socket, bound and listening (exit 2, one line, if it cannot be)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        print(f"pdd serve: cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 async def _serve(
-    spec, dep, model_dir: Path, name: str, threads: int, api_key: str = "", openai_api: bool = True, join: bool = False
+    spec,
+    dep,
+    model_dir: Path,
+    name: str,
+    threads: int,
+    sock: socket.socket,
+    api_key: str = "",
+    openai_api: bool = True,
+    join: bool = False,
 ) -> None:
     import torch
     import uvicorn
@@ -254,7 +275,7 @@ async def _serve(
             node.spawn(register(dep, spec))
     freeze_startup_heap()
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         if node:
             await node.stop()
