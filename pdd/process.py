@@ -1,4 +1,4 @@
-"""Which launch a pdd server process belongs to, as its `/health` says.
+"""A pdd server process: which launch it belongs to, as its `/health` says, and its log.
 
 `pdd up` waits for each child's `/health`; a port held by another server (vLLM's API
 server on 8000, a deployment left running) would answer it too, and `pdd up` would take
@@ -9,7 +9,9 @@ in their environment, every pdd server's `/health` says it back with its pid, an
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 LAUNCH_ENV = "PDD_LAUNCH_ID"  # set by `pdd up` for the processes it starts
 
@@ -17,3 +19,14 @@ LAUNCH_ENV = "PDD_LAUNCH_ID"  # set by `pdd up` for the processes it starts
 def identity() -> dict[str, object]:
     """What a pdd server's `/health` says of its process."""
     return {"pid": os.getpid(), "launch": os.environ.get(LAUNCH_ENV, "")}
+
+
+def configure_logging(command: str) -> None:
+    """Log at `PDD_LOG`'s level (DEBUG, INFO, WARNING, ERROR; INFO when unset); a level
+    that is none of them is one line and exit 2."""
+    level = os.environ.get("PDD_LOG", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        said = os.environ["PDD_LOG"]
+        print(f"{command}: PDD_LOG={said!r} is not one of DEBUG, INFO, WARNING, ERROR", file=sys.stderr)
+        raise SystemExit(2)
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s")

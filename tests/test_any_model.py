@@ -90,6 +90,18 @@ def test_serve_mistakes_are_one_line(args, says, tiny_model_dir):
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("command", [["serve", "MODEL"], ["router", "--config", "F"]])
+def test_a_log_level_that_is_none_is_one_line(command, tiny_model_dir):
+    """PDD_LOG sets the log level of both servers; a level that is none is said as such."""
+    import os
+
+    args = [str(tiny_model_dir) if a == "MODEL" else a for a in command]
+    out = subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PDD_LOG": "loud"})
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"pdd {command[0]}: PDD_LOG='loud' is not one of DEBUG, INFO, WARNING, ERROR"], out.stderr
+
+
 def test_a_port_in_use_fails_before_the_model_loads(tiny_model_dir):
     """The port is bound first: on vLLM, whose start takes tens of seconds and logs at
     length, a port in use is one line and exit 2, and vLLM never starts."""

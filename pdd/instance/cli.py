@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import socket
 import sys
@@ -150,11 +149,9 @@ def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
+    from pdd.process import configure_logging
 
-    logging.basicConfig(
-        level=getattr(logging, os.environ.get("PDD_LOG", "INFO")),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logging("pdd serve")
     args.engine_flags = list(args.engine_flags)
     if args.engine_flags and not args.engine_flags[0].startswith("-"):  # pdd serve MODEL ..., as vllm serve
         positional = args.engine_flags.pop(0)

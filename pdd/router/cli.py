@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 
 
@@ -24,8 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdd import config as cfg
+    from pdd.process import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging("pdd router")
     try:
         dep = cfg.load(args.config)
     except cfg.ConfigError as e:
