@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdd.names import Fallback, Pipeline
@@ -235,6 +237,13 @@ def test_a_lost_prefill_is_retried_before_the_first_token_and_the_relay_goes_on_
     assert recover(_failed("entry"), State(**{**_STATE, "delivered": 3, "relay_producing": False})) == Recovery.FAIL
     assert recover(_failed("entry"), State(**{**_STATE, "p_done": True})) == Recovery.IGNORE
     assert recover(_failed("entry", lost=False), State(**_STATE)) == Recovery.RELAY_GOES_ON  # an error: no retry
+    # P lost before its result came, with MD already producing from the KV the handoff waited for
+    handed_off = State(**{**_STATE, "delivered": 5, "relay_producing": False, "relay_done": True, "handed_off": True})
+    assert recover(_failed("entry"), handed_off) == Recovery.IGNORE
+    # the relay producing alone (P chose P -> RLD, or MD was lost before): P's loss does not stop it
+    relay_alone = State(**{**_STATE, "delivered": 5, "main_done": True})
+    assert recover(_failed("entry"), relay_alone) == Recovery.RELAY_GOES_ON
+    assert recover(_failed("entry"), replace(relay_alone, has_main=False)) == Recovery.RELAY_GOES_ON
 
 
 def test_md_takes_over_from_a_lost_relay_and_the_relay_from_a_lost_md():

@@ -58,13 +58,15 @@ def failure_status(busy: bool, lost: bool) -> int:
 
 def recover(f: Failed, s: State) -> Recovery:
     if f.entry:
-        if f.lost and s.p_done:
-            return Recovery.IGNORE  # P had finished its part
+        # P had finished its part, or MD took the request over with the KV it holds (a
+        # handoff waits for it), before P's result came: a loaded machine delays that result
+        if f.lost and (s.p_done or s.handed_off):
+            return Recovery.IGNORE
         if f.lost and retry_on_new_prefill(s.delivered, s.attempt, s.max_attempts, s.other_entry_up):
             return Recovery.RETRY_PREFILL
-        # MD will not get its KV; the relay goes on if P had chosen it (it reports a loss
-        # itself if P died before its KV was complete)
-        if s.chosen and s.relay_producing and s.has_main and not s.main_done:
+        # the relay goes on if P had chosen it, MD or not (an MD still waiting for P's KV
+        # never gets it); the relay reports a loss itself if P died before its KV was complete
+        if s.chosen and s.relay_producing:
             return Recovery.RELAY_GOES_ON
         return Recovery.FAIL
     if f.relay:
