@@ -202,8 +202,9 @@ class Launcher:
         self.run_dir = run_dir
         self.config_path = run_dir / "deployment.toml"
         self.children: list[tuple[str, subprocess.Popen]] = []
-        # every child says it back on /health: a server that does not is not this launch's
-        self.launch = os.environ[LAUNCH_ENV] = secrets.token_hex(8)
+        # in every child's environment, and said back on its /health: a server that does not
+        # say it is not this launch's
+        self.launch = secrets.token_hex(8)
 
     def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "w")
@@ -219,7 +220,7 @@ class Launcher:
             [sys.executable, "-m", "pdd.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCH_ENV: self.launch},
             preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from pdd import config as cfg
 from pdd.deploy import Launcher, PortTaken, wait_http
 from pdd.netns.lab import Lab, LabError, lab, run_in
+from pdd.process import LAUNCH_ENV
 from pdd.workload.scenarios import SCENARIOS
 
 MODES = ("pdd", "pd-cross-dc")
@@ -72,7 +73,7 @@ class LabLauncher(Launcher):
         return "line" if name == "wan" else name
 
     def _popen(self, name: str, args: list[str], log, nice: int) -> subprocess.Popen:
-        return self.net.spawn(self._host(name), args, log, nice)
+        return self.net.spawn(self._host(name), args, log, nice, {LAUNCH_ENV: self.launch})
 
     def wan_line(self) -> tuple[float, float, float]:
         return HOP_MBPS, self.dep.link.delay_ms, self.dep.link.jitter_ms

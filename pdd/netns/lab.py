@@ -244,8 +244,11 @@ class Lab:
         self.down()
 
     # ---- use ---------------------------------------------------------------------------
-    def spawn(self, host: str, args: Sequence[str], log: IO | None = None, nice: int = 0) -> subprocess.Popen:
-        """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of its own."""
+    def spawn(
+        self, host: str, args: Sequence[str], log: IO | None = None, nice: int = 0, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of
+        its own, with `env` added to this process's environment."""
         ns = self.line_ns if host == "line" else self.hosts[host].ns
         cmd = [
             "ip",
@@ -263,7 +266,7 @@ class Lab:
             stdout=log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     def line_bytes(self) -> dict[str, int]:
