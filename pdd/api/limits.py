@@ -13,6 +13,7 @@ from typing import Any
 from pdd.api.protocol import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DRAIN_FACTOR = 16  # a refused body up to this many times the limit is read (and dropped) before the 413
 
 
 class BodyLimit:
@@ -30,6 +31,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._drain(receive, int(declared))
             await self._refuse(send)
             return
         chunks, size = [], 0
@@ -51,6 +53,18 @@ class BodyLimit:
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replayed, send)
+
+    async def _drain(self, receive: Any, declared: int) -> None:
+        """Read a refused body to its end, unparsed and unkept, up to `DRAIN_FACTOR` times
+        the limit: a connection closed on unread bytes is reset, and the reset can reach the
+        client before the 413 it was sent (httpx: "peer closed connection without sending
+        complete message body")."""
+        if declared > DRAIN_FACTOR * self.limit:
+            return
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
 
     async def _refuse(self, send: Any) -> None:
         message = f"the request body exceeds {self.limit:,} bytes"
