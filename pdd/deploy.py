@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import random
 import secrets
@@ -90,15 +91,22 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A port free to listen on now, for a child to bind a moment later. Drawn below the
-    ephemeral range: a port the kernel hands out there is also what every outgoing
-    connection takes its local port from, so another process's connect() could take
-    it in between; below it only another listener could, and the draw is random."""
+def free_port(taken: set[int] | None = None) -> int:
+    """A port free to listen on now, for a child to bind a moment later, and not in
+    `taken` (to which it is added: one launch's ports, drawn before any is bound, are
+    then all distinct; 8 draws from 16,384 collide once in about 600 launches, and a
+    CI run launches hundreds). Drawn below the ephemeral range: a port the kernel hands
+    out there is also what every outgoing connection takes its local port from, so
+    another process's connect() could take it in between; below it only another
+    listener could, and the draw is random."""
+    taken = set() if taken is None else taken
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(max(1024, low - 16384), low)
+        if port in taken:
+            continue
+        taken.add(port)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -107,7 +115,9 @@ def free_port() -> int:
             return port
     with socket.socket() as s:  # a crowded machine: what the kernel picks
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    taken.add(port)
+    return port
 
 
 class PortTaken(RuntimeError):
@@ -178,17 +188,22 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
     sender_dcs = {i.dc for i in instances if i.role in (RoleName.PREFILL, RoleName.RELAY)}  # they send KV, handoffs
+    taken = {p for i in instances for p in (i.port, i.kv_port) if p} | {dep.link.admin_port, dep.router.port}
+    taken |= {int(a.rsplit(":", 1)[1]) for i in instances for a in i.advertise.values()}
+    if router_port:
+        taken.add(router_port)
+    draw = functools.partial(free_port, taken)
     placed = []
     for inst in instances:
         # one emulated hop per route that crosses the line: from the router's datacenter,
         # and (decode side) from those of the instances that send it KV or handoffs
         callers = {dep.router.dc} | (sender_dcs if inst.role == RoleName.MAIN else set())
-        hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{free_port()}" for dc in sorted(callers - {inst.dc})}
-        placed.append(replace(inst, port=inst.port or free_port(), kv_port=inst.kv_port or free_port(), advertise=hops))
+        hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{draw()}" for dc in sorted(callers - {inst.dc})}
+        placed.append(replace(inst, port=inst.port or draw(), kv_port=inst.kv_port or draw(), advertise=hops))
     remote = any(i.advertise for i in placed)
-    link = replace(dep.link, admin_port=(dep.link.admin_port or free_port()) if remote else 0)
+    link = replace(dep.link, admin_port=(dep.link.admin_port or draw()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
-    router = replace(dep.router, port=port or free_port())
+    router = replace(dep.router, port=port or draw())
     model_dir = resolve_model(dep.model.path)
     if any(i.engine.backend == "embedded" for i in placed):  # (the embedded engine's gate; vLLM reads the model)
         ModelConfig.from_dir(model_dir)

@@ -17,8 +17,15 @@ from typing import Any
 import httpx
 
 from pdd import deploy
-from pdd.deploy import free_port, wait_http  # noqa: F401 (free_port: for the tests)
+from pdd.deploy import wait_http
 from pdd.engine_port import EngineConfig
+
+_DRAWN: set[int] = set()  # every port this test process drew: a test's several draws never repeat
+
+
+def free_port() -> int:
+    """A port free to listen on, never one this test process drew before."""
+    return deploy.free_port(_DRAWN)
 
 
 @contextlib.contextmanager

@@ -139,3 +139,16 @@ def test_an_instances_engine_table_overrides_the_deployments():
 def test_every_resolved_deployment_round_trips_through_its_file(tiny_model_dir, mode):
     dep = resolve(cfg.Deployment(), mode, 0)
     assert _parse(cfg.dump(dep)) == dep
+
+
+@pytest.mark.parametrize("mode", ["pdd", "pd-cross-dc"])
+def test_a_launchs_ports_are_all_distinct_when_the_draw_repeats(tiny_model_dir, mode, monkeypatch):
+    # A range of 24 ports: without the launch's own record of what it drew, some of its
+    # 6-13 draws repeat (CI: p0's KV port drawn again as md0's HTTP port, which md0 held).
+    monkeypatch.setattr("pdd.deploy._ephemeral_range", lambda: (1024 + 24, 60999))
+    for _ in range(5):
+        dep = resolve(cfg.Deployment(), mode, None)
+        ports = [p for i in dep.instances for p in (i.port, i.kv_port)]
+        ports += [int(a.rsplit(":", 1)[1]) for i in dep.instances for a in i.advertise.values()]
+        ports += [dep.router.port] + ([dep.link.admin_port] if dep.link.admin_port else [])
+        assert len(ports) == len(set(ports)) >= 7, ports
