@@ -1,4 +1,5 @@
-"""A pdd server process: which launch it belongs to, as its `/health` says, and its log.
+"""A pdd server process: which launch it belongs to, as its `/health` says, its log and
+its environment's settings.
 
 `pdd up` waits for each child's `/health`; a port held by another server (vLLM's API
 server on 8000, a deployment left running) would answer it too, and `pdd up` would take
@@ -21,12 +22,20 @@ def identity() -> dict[str, object]:
     return {"pid": os.getpid(), "launch": os.environ.get(LAUNCH_ENV, "")}
 
 
-def configure_logging(command: str) -> None:
-    """Log at `PDD_LOG`'s level (DEBUG, INFO, WARNING, ERROR; INFO when unset); a level
-    that is none of them is one line and exit 2."""
+def configure(command: str) -> None:
+    """Log at `PDD_LOG`'s level (DEBUG, INFO, WARNING, ERROR; INFO when unset), and check
+    `PDD_PROTOCOL` (a version this release speaks): a value that is none of them is one
+    line and exit 2, before anything starts."""
+    from pdd.transfer.wire import offered_protocol
+
     level = os.environ.get("PDD_LOG", "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         said = os.environ["PDD_LOG"]
         print(f"{command}: PDD_LOG={said!r} is not one of DEBUG, INFO, WARNING, ERROR", file=sys.stderr)
         raise SystemExit(2)
+    try:
+        offered_protocol()
+    except ValueError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s")

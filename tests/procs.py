@@ -29,9 +29,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def pdd_process(args: list[str], health_url: str | None = None, timeout: float = 60.0) -> Iterator[subprocess.Popen]:
-    """Run `python -m pdd.cli ARGS` in its own process group; kill the group on exit."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def pdd_process(args: list[str], health_url: str | None = None, timeout: float = 60.0,
+                env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run `python -m pdd.cli ARGS` (with `env` added to the environment) in its own
+    process group; kill the group on exit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

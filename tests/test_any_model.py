@@ -91,15 +91,17 @@ def test_serve_mistakes_are_one_line(args, says, tiny_model_dir):
 
 
 @pytest.mark.parametrize("command", [["serve", "MODEL"], ["router", "--config", "F"]])
-def test_a_log_level_that_is_none_is_one_line(command, tiny_model_dir):
-    """PDD_LOG sets the log level of both servers; a level that is none is said as such."""
+def test_a_log_level_or_protocol_that_is_none_is_one_line(command, tiny_model_dir):
+    """PDD_LOG sets the log level of both servers, PDD_PROTOCOL the newest protocol they
+    speak; a value that is none is said as such, before anything starts."""
     import os
 
     args = [str(tiny_model_dir) if a == "MODEL" else a for a in command]
-    out = subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PDD_LOG": "loud"})
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        f"pdd {command[0]}: PDD_LOG='loud' is not one of DEBUG, INFO, WARNING, ERROR"], out.stderr
+    for env, said in ((("PDD_LOG", "loud"), "PDD_LOG='loud' is not one of DEBUG, INFO, WARNING, ERROR"),
+                      (("PDD_PROTOCOL", "3"), "PDD_PROTOCOL='3': this release speaks protocols 4-5")):
+        out = subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, env[0]: env[1]})
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"pdd {command[0]}: {said}"], out.stderr
 
 
 def test_a_port_in_use_fails_before_the_model_loads(tiny_model_dir):

@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 from procs import free_port, pdd_process, pdd_up, wait_until
 
+import pdd
 from pdd import config as cfg
 from pdd.api.auth import admin_token
+from pdd.transfer import wire
 
 PROMPT = list(range(100, 260))
 ONLY_MD0 = list(range(1000, 1400))  # served before md1 joins: only md0 holds it
@@ -38,7 +40,7 @@ def _instances(url: str) -> dict:
 
 
 
-def _join_main(dep, tmp_path: Path, name: str):
+def _join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None):
     """Start a new MD in datacenter B on the running deployment: a route across the
     emulated line, a config that lists it, and `pdd serve --join` (with its own OpenAI
     API, `--openai-api`, which a P/D instance serves only when asked)."""
@@ -52,7 +54,7 @@ def _join_main(dep, tmp_path: Path, name: str):
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
     http = f"http://127.0.0.1:{spec.port}"
     return pdd_process(["serve", "--config", str(path), "--instance", name, "--join", "--openai-api"],
-                       f"{http}/health"), str(dep.run_dir / "deployment.toml"), http
+                       f"{http}/health", env=env), str(dep.run_dir / "deployment.toml"), http
 
 
 def _admin_refused(dep) -> None:
@@ -133,6 +135,29 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
             wait_until(lambda: _pid_gone(dep.pids["md0"]), 10, "md0's process exits")
             assert httpx.get(f"{dep.url}/health").status_code == 200
             assert _complete(dep.url, 40)["ids"] == reference
+            assert md1.poll() is None
+
+
+def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_path):
+    """A rolling upgrade's middle: md1 speaks only the protocol before (`PDD_PROTOCOL`, so on
+    the wire it is that release: HELLO in its version, no field of the newer). The router,
+    P and the relay find it closes on their HELLO, say it again in its version, and serve
+    through it the tokens they serve through md0."""
+    old = str(wire.OLDEST_PROTOCOL)
+    with pdd_up("--mode", "pdd", *LINE) as dep:
+        reference = _complete(dep.url, 40)["ids"]
+        joining, _, _ = _join_main(dep, tmp_path, "md1", env={wire.PROTOCOL_ENV: old})
+        with joining as md1:
+            wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
+            assert all(r["ids"] == reference for r in results)
+            assert "md1" in {r["main"] for r in results}, "md1 should get work"
+            seen = {n: (i["protocol"], i["software"]) for n, i in _instances(dep.url).items()}
+            assert seen["md1"] == (wire.OLDEST_PROTOCOL, "") and seen["md0"] == (wire.PROTOCOL_VERSION, pdd.__version__)
+            for sender in ("p0", "rld0"):  # their KV and handoffs went to md1 in the old version
+                log = (dep.run_dir / f"{sender}.log").read_text()
+                assert f"closed on protocol {wire.PROTOCOL_VERSION}'s HELLO: trying {old}" in log, log[-2000:]
             assert md1.poll() is None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import typing
 
 import pytest
@@ -104,3 +105,31 @@ def test_arbitrary_json_never_gets_past_validation_wrongly(raw):
     # whatever was accepted is well-typed
     assert isinstance(body.rid, str) and body.rid and isinstance(body.final, bool)
     assert all(type(t) is int and t >= 0 for t in body.tokens) and body.start >= 0
+
+
+def test_a_field_of_a_later_version_is_left_out_towards_an_older_peer_and_refused_from_one():
+    hello = m.Hello("prefill", "p0", channel="control", software="0.2.0")
+    assert m.Hello.SINCE == {"software": 5}
+    assert m.to_dict(hello, 4) == {"role": "prefill", "name": "p0", "router_id": "", "channel": "control"}
+    as_v4 = Frame(MsgType.HELLO, 0, encode_json(m.to_dict(hello, 4)), version=4)
+    assert m.decode(as_v4) == m.Hello("prefill", "p0", channel="control")  # what an old peer says
+    assert m.decode(Frame(MsgType.HELLO, 0, encode_json(m.to_dict(hello)), version=5)) == hello
+    with pytest.raises(m.BadMessage, match="software is protocol 5's, the connection speaks 4"):
+        m.decode(Frame(MsgType.HELLO, 0, encode_json(m.to_dict(hello)), version=4))
+    with pytest.raises(m.BadMessage, match="software is protocol 5's"):
+        m.from_dict(m.Hello, m.to_dict(hello), 4)
+
+
+def test_send_speaks_the_connections_version():
+    class Conn:  # what `send` uses of a FramedConnection
+        def __init__(self, version: int) -> None:
+            self.version, self.sent = version, []
+
+        async def send(self, msg_type, payload) -> None:
+            self.sent.append(Frame(msg_type, 0, bytes(payload), self.version))
+
+    hello = m.Hello("router", router_id="r1", software="0.2.0")
+    for version, said in ((4, m.Hello("router", router_id="r1")), (5, hello)):
+        conn = Conn(version)
+        asyncio.run(m.send(conn, hello))
+        assert m.decode(conn.sent[0]) == said

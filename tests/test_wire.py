@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pdd
 from pdd.transfer import wire
 from pdd.transfer.wire import (
     HEADER,
@@ -272,8 +273,9 @@ def _rfc5869(ikm: bytes, salt: bytes, info: bytes, length: int) -> bytes:
 
 
 def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
-    """The derivations are on the wire: changing one is a new PROTOCOL_VERSION."""
-    assert PROTOCOL_VERSION == 4
+    """The derivations are on the wire: changing one is a new PROTOCOL_VERSION (and the
+    versions still spoken, 4 and 5, use these)."""
+    assert (wire.OLDEST_PROTOCOL, PROTOCOL_VERSION) == (4, 5)
     assert KEY == _rfc5869(b"correct horse battery staple", b"", b"pdd/link-key/v2\x00dc-a/p0->dc-b/md0", 32)
     c, s = b"c" * wire.NONCE_BYTES, b"s" * wire.NONCE_BYTES
     both = _rfc5869(KEY, c + s, b"pdd/session/v2", 64)
@@ -516,3 +518,59 @@ async def _pong_once(port: int, deadline_s: float = 5.0) -> bytes:
             await asyncio.sleep(0.05)
         finally:
             good.close()
+
+
+@pytest.mark.parametrize("server_speaks", [5, 4])
+def test_the_version_is_settled_in_hello(server_speaks, monkeypatch) -> None:
+    """A server answers in the client's version if it speaks it (with its release from 5
+    on); a server pinned to the version before (`PDD_PROTOCOL`: on the wire, the release
+    before) closes on a newer HELLO, and `connect` says it again in the older one. A
+    client pinned so speaks its own to either."""
+    key = wire.link_key("secret", "instances")
+    monkeypatch.setenv(wire.PROTOCOL_ENV, str(server_speaks))  # what the server's end reads
+
+    async def scenario() -> list[tuple[int, dict, tuple]]:
+        seen: list[tuple] = []
+
+        async def handler(conn: wire.FramedConnection) -> None:
+            hello = await wire.server_handshake(conn)
+            seen.append((conn.version, hello, (await conn.recv()).json()))
+
+        server = await wire.serve(handler, "127.0.0.1", 0, key)
+        port = server.sockets[0].getsockname()[1]
+        out = []
+        try:
+            for client_speaks in (5, 4):
+                monkeypatch.setattr("pdd.transfer.wire.handshake.offered_protocol", lambda v=client_speaks: v)
+                conn, reply = await wire.connect("127.0.0.1", port, key, lambda v: {"role": "router", "said": v})
+                await conn.send_json(wire.MsgType.SUBMIT, {"rid": "r1"})
+                for _ in range(200):
+                    if len(seen) > len(out):
+                        break
+                    await asyncio.sleep(0.025)
+                out.append((conn.version, reply, seen[-1]))
+                conn.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+        return out
+
+    newest_client, oldest_client = asyncio.run(asyncio.wait_for(scenario(), 30))
+    for version, reply, (server_version, hello, body) in (newest_client, oldest_client):
+        assert version == server_version == hello["said"] and body == {"rid": "r1"}
+        assert reply.get("software") == (pdd.__version__ if version >= 5 else None)
+    assert (newest_client[0], oldest_client[0]) == (server_speaks, 4)
+
+
+def test_a_pinned_version_must_be_one_spoken(monkeypatch) -> None:
+    for bad in ("3", "6", "five", "-4"):
+        monkeypatch.setenv(wire.PROTOCOL_ENV, bad)
+        with pytest.raises(ValueError, match="speaks protocols 4-5"):
+            wire.offered_protocol()
+    monkeypatch.setenv(wire.PROTOCOL_ENV, "4")
+    assert wire.offered_protocol() == 4
+    frame = FrameCodec(None, version=5).encode(MsgType.PING, b"")
+    with pytest.raises(BadVersion, match="this process speaks 4-4"):
+        decode_stream(FrameCodec(None, version=None), frame)
+    with pytest.raises(BadVersion, match="the connection speaks 4"):
+        decode_stream(FrameCodec(None, version=4), frame)

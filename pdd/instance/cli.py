@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
-    from pdd.process import configure_logging
+    from pdd.process import configure
 
-    configure_logging("pdd serve")
+    configure("pdd serve")
     args.engine_flags = list(args.engine_flags)
     if args.engine_flags and not args.engine_flags[0].startswith("-"):  # pdd serve MODEL ..., as vllm serve
         positional = args.engine_flags.pop(0)

@@ -163,10 +163,17 @@ class Node:
         # a peer that connects and says nothing (or half a frame) does not hold a slot forever
         raw = await asyncio.wait_for(wire.server_handshake(conn), HELLO_TIMEOUT_S)
         try:
-            hello = m.from_dict(m.Hello, {k: v for k, v in raw.items() if k != "nonce"})
+            hello = m.from_dict(m.Hello, {k: v for k, v in raw.items() if k != "nonce"}, conn.version)
         except m.BadMessage as e:
             await self.send(conn, m.Error(f"bad HELLO: {e}"))
             return
+        log.info(
+            "%s %s connected (protocol %s, pdd %s)",
+            hello.role,
+            hello.name or hello.router_id,
+            conn.codec.version,
+            hello.software or "before 0.2",
+        )
         if hello.role == "router" and hello.router_id:
             await self._serve_router(conn, hello.router_id)
         elif hello.role in (RoleName.PREFILL, RoleName.RELAY) and self.spec.role in (RoleName.RELAY, RoleName.MAIN):

@@ -12,11 +12,13 @@ connection's reader hands every body, typed, to the owner; when one drops, the o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pdd
 from pdd.config import Deployment, InstanceSpec
 from pdd.policy.transfer import Priority
 from pdd.tasks import Tasks
@@ -67,21 +69,14 @@ class PeerPool:
                 return conn
             dep = self._deployment()
             host, port = dep.address(dep.instance(name), self._spec.dc)
-            conn = await wire.open_connection(host, port, self._key, tls=self._tls)
+            hello = m.Hello(self._spec.role, self._spec.name, channel=CHANNEL_NAMES[channel], software=pdd.__version__)
+            conn, _ = await wire.connect(
+                host, port, self._key, functools.partial(m.to_dict, hello), tls=self._tls, hello_timeout=HELLO_TIMEOUT_S
+            )
             if channel != Priority.CONTROL:
                 sock = conn.socket
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
-            try:
-                await asyncio.wait_for(
-                    wire.client_handshake(
-                        conn, {"role": self._spec.role, "name": self._spec.name, "channel": CHANNEL_NAMES[channel]}
-                    ),
-                    HELLO_TIMEOUT_S,
-                )
-            except BaseException:
-                conn.close()
-                raise
             self._conns[(name, channel)] = conn
             self._tasks.spawn(self._read(name, channel, conn))
             if channel == Priority.CONTROL:

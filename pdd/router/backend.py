@@ -313,6 +313,8 @@ class RouterBackend:
                 c.name: {
                     "role": c.spec.role,
                     "healthy": c.healthy,
+                    "protocol": c.protocol,  # while upgrading: who still speaks the version before
+                    "software": c.software,
                     "draining": c.draining,
                     "queued_tokens": c.queued_tokens,
                     "pages": c.pages,  # as the instance sized them (its snapshot), what admission plans with

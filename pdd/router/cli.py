@@ -23,9 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdd import config as cfg
-    from pdd.process import configure_logging
+    from pdd.process import configure
 
-    configure_logging("pdd router")
+    configure("pdd router")
     try:
         dep = cfg.load(args.config)
     except cfg.ConfigError as e:

@@ -12,11 +12,13 @@ process) into a dropped connection within `[liveness] dead_after_s`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
 
+import pdd
 from pdd.config import InstanceSpec, LivenessSpec
 from pdd.names import RoleName
 from pdd.router.mirror import CacheMirror
@@ -68,6 +70,8 @@ class InstanceClient:
         self.committed_pages = 0  # KV pages the requests this router dispatched here will take
         self.committed_requests = 0
         self.conn: FramedConnection | None = None
+        self.protocol: int | None = None  # the version the connection speaks (settled in HELLO)
+        self.software = ""  # the instance's release, as its HELLO said (protocol 5 on)
         self._queues: dict[str, asyncio.Queue] = {}
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -117,13 +121,21 @@ class InstanceClient:
         while True:
             conn, beat = None, None
             try:
-                conn = await wire.open_connection(*self.addr, self.key, connect_timeout=5.0, tls=self._tls)
-                hello = {"role": "router", "router_id": self.router_id}
-                await asyncio.wait_for(wire.client_handshake(conn, hello), 10.0)
+                hello = m.Hello("router", router_id=self.router_id, software=pdd.__version__)
+                conn, reply = await wire.connect(
+                    *self.addr, self.key, functools.partial(m.to_dict, hello), tls=self._tls, connect_timeout=5.0
+                )
+                self.protocol, self.software = conn.version, str(reply.get("software", ""))
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
-                log.info("connected to %s at %s:%s", self.name, *self.addr)
+                log.info(
+                    "connected to %s at %s:%s (protocol %s, pdd %s)",
+                    self.name,
+                    *self.addr,
+                    self.protocol,
+                    self.software or "before 0.2",
+                )
                 beat = asyncio.ensure_future(conn.keepalive(self.liveness.heartbeat_s, self.liveness.dead_after_s))
                 await self._read(conn)
             except asyncio.CancelledError:

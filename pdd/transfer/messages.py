@@ -10,6 +10,11 @@ The classes are `msgspec.Struct`s: msgspec decodes JSON straight into them and c
 types, bounds, choices and unknown or missing fields as it goes (see `decode` for the
 measurement that chose it over pydantic).
 
+Versions: a field added in protocol N is named in its class's `SINCE`, with a default.
+Towards a peer that speaks N-1 it is left out (`to_dict`, `send`); from such a peer it
+is refused, as N-1 itself would refuse it (`decode`). A field is never removed or
+retyped within the versions spoken (`wire.OLDEST_PROTOCOL` to `wire.PROTOCOL_VERSION`).
+
 Token positions: a TOKENS frame says the output position of its first token, so the
 router can merge tokens from two producers (a relay and a main decode instance) into
 one ordered stream, whoever produced each position.
@@ -26,6 +31,7 @@ from pdd.names import PDD_PIPELINES, Fallback, HandoffMode, Pipeline, RoleName
 from pdd.sampling import SamplingParams
 from pdd.transfer.wire import (
     MAX_JSON_BYTES,
+    PROTOCOL_VERSION,
     BadPayload,
     Frame,
     FramedConnection,
@@ -64,14 +70,17 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type checker, which reads every class statement as a dataclass of its own."""
 
     TYPE: ClassVar[MsgType]
+    SINCE: ClassVar[dict[str, int]] = {}  # field -> the protocol version that added it (after the oldest spoken)
 
 
 class Hello(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.HELLO
+    SINCE: ClassVar[dict[str, int]] = {"software": 5}
     role: str
     name: Name = ""
     router_id: Name = ""  # a router's identity: instances send its requests' tokens to it alone
     channel: Name = ""  # an instance's connection: "control" (heartbeats), "urgent" or "background" (KV)
+    software: Name = ""  # the sender's pdd release (`pdd.__version__`), shown per peer while upgrading
 
     def __post_init__(self) -> None:
         # a str and a check, not a type: msgspec cannot decode a union of "router" and the RoleName enum
@@ -329,18 +338,42 @@ def _decode(msg_type: MsgType, payload: bytes | memoryview) -> Any:
         raise BadPayload(f"invalid JSON payload: {e}") from None
 
 
-def from_dict(cls: type[Message], raw: dict[str, Any]) -> Any:
-    """A body from a JSON object already parsed (a HELLO's): checked exactly as off the
-    wire, so what JSON cannot carry (NaN, a lone surrogate) is refused here too."""
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _defaults(cls: type[Message]) -> dict[str, Any]:
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = {f.name: f.default for f in msgspec.structs.fields(cls)}
+    return _DEFAULTS[cls]
+
+
+def _of_version(body: Any, version: int) -> Any:
+    """`body`, refused if it carries a field newer than `version` (which a peer speaking
+    `version` neither sends nor reads)."""
+    for field, since in body.SINCE.items():
+        if since > version and getattr(body, field) != _defaults(type(body))[field]:
+            raise BadMessage(f"{body.TYPE.name}: {field} is protocol {since}'s, the connection speaks {version}")
+    return body
+
+
+def from_dict(cls: type[Message], raw: dict[str, Any], version: int = PROTOCOL_VERSION) -> Any:
+    """A body from a JSON object already parsed (a HELLO's) on a connection speaking
+    `version`: checked exactly as off the wire, so what JSON cannot carry (NaN, a lone
+    surrogate) is refused here too."""
     try:
         payload = encode_json(raw)
     except (TypeError, ValueError) as e:
         raise BadMessage(f"{cls.TYPE.name}: {e}") from None
-    return _decode(cls.TYPE, payload)
+    return _of_version(_decode(cls.TYPE, payload), version)
 
 
-def to_dict(body: Message) -> dict[str, Any]:
+def to_dict(body: Message, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    """`body` as JSON-ready builtins for a peer speaking `version`: without its fields
+    of later versions."""
     out: dict[str, Any] = msgspec.to_builtins(body)
+    for field, since in body.SINCE.items():
+        if since > version:
+            out.pop(field, None)
     return out
 
 
@@ -348,7 +381,7 @@ def decode(frame: Frame) -> Any:
     """The typed body of a control frame (not KV_LAYER, which `decode_kv` reads)."""
     if frame.type not in _DECODERS or frame.type == MsgType.KV_LAYER:
         raise BadMessage(f"{frame.type.name} frames have no JSON body")
-    return _decode(frame.type, frame.payload)
+    return _of_version(_decode(frame.type, frame.payload), frame.version)
 
 
 def decode_kv(frame: Frame) -> tuple[KVLayer, memoryview]:
@@ -366,7 +399,12 @@ def rid_of(frame: Frame) -> str | None:
 
 
 async def send(conn: FramedConnection, body: Message) -> None:
-    await conn.send(body.TYPE, _ENCODER.encode(body))
+    """Send `body` in the protocol version `conn` speaks."""
+    version = conn.version
+    if any(since > version for since in body.SINCE.values()):
+        await conn.send(body.TYPE, encode_json(to_dict(body, version)))
+    else:
+        await conn.send(body.TYPE, _ENCODER.encode(body))
 
 
 async def send_kv(conn: FramedConnection, rid: str, blob: bytes) -> int:

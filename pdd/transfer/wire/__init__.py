@@ -18,6 +18,8 @@ from pdd.transfer.wire.frame import (
     HEADER,
     MAGIC,
     MAX_JSON_BYTES,
+    OLDEST_PROTOCOL,
+    PROTOCOL_ENV,
     PROTOCOL_VERSION,
     TAG_SIZE,
     BadChecksum,
@@ -36,11 +38,19 @@ from pdd.transfer.wire.frame import (
     UnknownType,
     decode_json,
     encode_json,
+    offered_protocol,
     pack_with_header,
     split_with_header,
     unpack_with_header,
 )
-from pdd.transfer.wire.handshake import NONCE_BYTES, client_handshake, link_key, server_handshake, session_keys
+from pdd.transfer.wire.handshake import (
+    NONCE_BYTES,
+    client_handshake,
+    connect,
+    link_key,
+    server_handshake,
+    session_keys,
+)
 
 __all__ = [
     "REJECTS",
@@ -56,6 +66,8 @@ __all__ = [
     "MAGIC",
     "MAX_JSON_BYTES",
     "MAX_UNAUTHENTICATED",
+    "OLDEST_PROTOCOL",
+    "PROTOCOL_ENV",
     "PROTOCOL_VERSION",
     "TAG_SIZE",
     "BadChecksum",
@@ -76,9 +88,11 @@ __all__ = [
     "encode_json",
     "pack_with_header",
     "split_with_header",
+    "offered_protocol",
     "unpack_with_header",
     "NONCE_BYTES",
     "client_handshake",
+    "connect",
     "link_key",
     "server_handshake",
     "session_keys",

@@ -24,6 +24,7 @@ from pdd.transfer.wire.frame import (
     FrameError,
     MsgType,
     encode_json,
+    offered_protocol,
 )
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,11 @@ class FramedConnection:
         return self._writer.get_extra_info("socket")
 
     @property
+    def version(self) -> int:
+        """The protocol version the connection speaks (a server's end: once the client's HELLO is in)."""
+        return self._codec.version or offered_protocol()
+
+    @property
     def codec(self) -> FrameCodec:
         return self._codec
 
@@ -188,11 +194,13 @@ async def open_connection(
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     connect_timeout: float | None = 10.0,
     tls: ssl.SSLContext | None = None,
+    version: int | None = None,
 ) -> FramedConnection:
-    """Connect to a frame server (over TLS with `tls`); the timeout, which covers the TLS
-    handshake too, keeps a silent WAN from hanging us."""
+    """Connect to a frame server (over TLS with `tls`), to speak protocol `version` (default
+    the newest this process offers); the timeout, which covers the TLS handshake too,
+    keeps a silent WAN from hanging us. `wire.connect` also says HELLO."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), connect_timeout)
-    return FramedConnection(reader, writer, FrameCodec(key, max_payload))
+    return FramedConnection(reader, writer, FrameCodec(key, max_payload, version or offered_protocol()))
 
 
 Handler = Callable[[FramedConnection], Awaitable[None]]
@@ -216,7 +224,7 @@ async def serve(
     pending: set[FramedConnection] = set()  # accepted, not yet authenticated
 
     async def on_accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = FramedConnection(reader, writer, FrameCodec(key, max_payload))
+        conn = FramedConnection(reader, writer, FrameCodec(key, max_payload, version=None))  # the client's
         pending.difference_update([c for c in pending if c.codec.authenticated or c.closed])
         if key and len(pending) >= MAX_UNAUTHENTICATED:
             log.warning(

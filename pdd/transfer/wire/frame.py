@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -25,8 +26,27 @@ from typing import Any
 
 MAGIC = b"PD"
 # 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys;
-# 4: a cache snapshot carries the instance's KV pages and context (engines that size themselves)
-PROTOCOL_VERSION = 4
+# 4: a cache snapshot carries the instance's KV pages and context (engines that size themselves);
+# 5: the version is negotiated in HELLO, which says the software's release (`Hello.software`)
+PROTOCOL_VERSION = 5
+# The oldest version still spoken, to a peer not yet upgraded: one release back, so one
+# site can be upgraded before the other (docs/deployment.md, "Rolling upgrades").
+OLDEST_PROTOCOL = 4
+PROTOCOL_ENV = "PDD_PROTOCOL"
+
+
+def offered_protocol() -> int:
+    """The newest version this process speaks: PROTOCOL_VERSION, or lower where
+    `PDD_PROTOCOL` pins it (to hold a deployment on the old version while its hosts
+    are upgraded, or to play an old peer in a test). ValueError when out of range."""
+    raw = os.environ.get(PROTOCOL_ENV, "")
+    if not raw:
+        return PROTOCOL_VERSION
+    if not raw.isdigit() or not OLDEST_PROTOCOL <= int(raw) <= PROTOCOL_VERSION:
+        raise ValueError(f"{PROTOCOL_ENV}={raw!r}: this release speaks protocols {OLDEST_PROTOCOL}-{PROTOCOL_VERSION}")
+    return int(raw)
+
+
 FLAG_AUTH = 0x01
 _KNOWN_FLAGS = FLAG_AUTH
 # magic, version, type, flags, sequence, payload length, CRC32 of payload
@@ -121,6 +141,7 @@ class Frame:
     type: MsgType
     seq: int
     payload: bytes
+    version: int = PROTOCOL_VERSION  # the protocol version in its header
 
     def json(self) -> dict[str, Any]:
         """The payload decoded as a JSON object (raises `BadPayload` otherwise)."""
@@ -135,7 +156,12 @@ class FrameCodec:
     should fail loudly, not be silently ignored).
     """
 
-    def __init__(self, key: bytes | None, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(
+        self, key: bytes | None, max_payload: int = DEFAULT_MAX_PAYLOAD, version: int | None = PROTOCOL_VERSION
+    ) -> None:
+        """`version`: the protocol version frames are sent and received in; None (a
+        server's end) adopts the version of the first frame received (the client's
+        HELLO), if this process speaks it."""
         if key is not None and not key:
             raise ValueError("an authentication key must not be empty")
         self._key = key  # the long-lived link key; frames use the per-direction keys below
@@ -144,6 +170,7 @@ class FrameCodec:
         self.max_payload = max_payload
         self._read_limit = HANDSHAKE_MAX_PAYLOAD if key else max_payload
         self.authenticated = False  # the handshake has switched to session keys
+        self.version = version
         self.send_seq = 0
         self.recv_seq = 0
 
@@ -168,8 +195,10 @@ class FrameCodec:
         msg_type = MsgType(msg_type)
         if len(payload) > self.max_payload:
             raise TooLarge(f"payload of {len(payload)} bytes exceeds the limit of {self.max_payload}")
+        if self.version is None:
+            raise RuntimeError("no protocol version yet: a server's end sends after the client's HELLO")
         flags = FLAG_AUTH if self._key else 0
-        header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload))
+        header = HEADER.pack(MAGIC, self.version, msg_type, flags, self.send_seq, len(payload), zlib.crc32(payload))
         self.send_seq += 1
         if not self._send_key:  # set exactly when the connection has a key (the link's, then the session's)
             return [header, payload]
@@ -189,8 +218,13 @@ class FrameCodec:
         magic, version, raw_type, flags, seq, length, crc = HEADER.unpack(header)
         if magic != MAGIC:
             raise BadMagic(f"bad magic {magic!r}")
-        if version != PROTOCOL_VERSION:
-            raise BadVersion(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+        if self.version is None:  # a server's end, at the client's HELLO: adopt its version if spoken here
+            newest = offered_protocol()
+            if not OLDEST_PROTOCOL <= version <= newest:
+                raise BadVersion(f"protocol version {version}, this process speaks {OLDEST_PROTOCOL}-{newest}")
+            self.version = version
+        elif version != self.version:
+            raise BadVersion(f"protocol version {version}, the connection speaks {self.version}")
         if length > self._read_limit:
             raise TooLarge(
                 f"frame announces {length} bytes, the limit is {self._read_limit}"
@@ -217,7 +251,7 @@ class FrameCodec:
         if zlib.crc32(payload) != crc:
             raise BadChecksum("payload CRC32 does not match")
         self.recv_seq += 1
-        return Frame(msg_type, seq, payload)
+        return Frame(msg_type, seq, payload, version)
 
 
 def _mac(key: bytes, header: bytes, payload: bytes | memoryview) -> bytes:

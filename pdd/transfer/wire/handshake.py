@@ -1,4 +1,11 @@
-"""The HELLO exchange and the keys it switches a connection to.
+"""The HELLO exchange: the protocol version it settles and the keys it switches a
+connection to.
+
+Version: the client's HELLO goes out in the newest version it offers; a server adopts
+it if it speaks it (`FrameCodec`), and answers in it. A server of the release before,
+which speaks only its own, closes the connection on a newer version's frame; `connect`
+then says HELLO again in the version before, down to `OLDEST_PROTOCOL`. So a site
+upgraded first goes on talking to the other (docs/deployment.md, "Rolling upgrades").
 
 Each link has its own key, derived from the deployment's shared secret; the HELLO
 exchange then switches each connection to its own per-direction session keys (from
@@ -9,17 +16,33 @@ the wire, so it bumps `PROTOCOL_VERSION`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
+import ssl
+from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from pdd.transfer.wire.connection import FramedConnection
-from pdd.transfer.wire.frame import BadPayload, Frame, MsgType
+import pdd
+from pdd.transfer.wire.connection import FramedConnection, open_connection
+from pdd.transfer.wire.frame import (
+    DEFAULT_MAX_PAYLOAD,
+    OLDEST_PROTOCOL,
+    BadPayload,
+    ConnectionClosed,
+    Frame,
+    MsgType,
+    offered_protocol,
+)
+
+log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 NONCE_BYTES = 16
+SOFTWARE_SINCE = 5  # a HELLO says the sender's release from this version on (`messages.Hello.SINCE`)
 
 
 def session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
@@ -58,7 +81,8 @@ async def client_handshake(conn: FramedConnection, hello: dict[str, Any]) -> dic
 
 
 async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
-    """Read the client's HELLO, answer with a fresh nonce, switch to session keys."""
+    """Read the client's HELLO (adopting its protocol version), answer with a fresh
+    nonce (and, from version 5, this release), switch to session keys."""
     frame = await conn.recv()
     try:
         hello, client_nonce = _nonce_of(frame)
@@ -66,11 +90,45 @@ async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
         conn.reject(err)
         raise
     nonce = secrets.token_bytes(NONCE_BYTES)
-    await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex()})
+    release = {"software": pdd.__version__} if frame.version >= SOFTWARE_SINCE else {}
+    await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex(), **release})
     if conn.codec.key:
         c2s, s2c = session_keys(conn.codec.key, client_nonce, nonce)
         conn.codec.rekey(send_key=s2c, recv_key=c2s)
     return hello
+
+
+async def connect(
+    host: str,
+    port: int,
+    key: bytes | None,
+    hello: Callable[[int], dict[str, Any]],
+    *,
+    tls: ssl.SSLContext | None = None,
+    connect_timeout: float = 10.0,
+    hello_timeout: float = 10.0,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> tuple[FramedConnection, dict[str, Any]]:
+    """A connection to a frame server, its HELLO exchanged, and the server's answer.
+    `hello(version)` is the HELLO body for a peer speaking `version`. A server that
+    closes the connection on the HELLO is asked again one version lower (a server not
+    yet upgraded speaks only its own), down to `OLDEST_PROTOCOL`."""
+    version = offered_protocol()
+    while True:
+        conn = await open_connection(
+            host, port, key, max_payload=max_payload, connect_timeout=connect_timeout, tls=tls, version=version
+        )
+        try:
+            return conn, await asyncio.wait_for(client_handshake(conn, hello(version)), hello_timeout)
+        except ConnectionClosed:
+            conn.close()
+            if version <= OLDEST_PROTOCOL:
+                raise
+            log.warning("%s:%s closed on protocol %d's HELLO: trying %d", host, port, version, version - 1)
+            version -= 1
+        except BaseException:
+            conn.close()
+            raise
 
 
 def link_key(secret: str, link_name: str) -> bytes:
