@@ -50,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if unknown:
         args.engine_flags = unknown
-    return int(args.func(args) or 0)
+    from pdd.errors import Mistake
+
+    try:
+        return int(args.func(args) or 0)
+    except Mistake as e:  # what the user got wrong: one line, no traceback (pdd.errors)
+        print(f"pdd {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

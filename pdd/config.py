@@ -272,7 +272,8 @@ class Deployment:
         for inst in self.instances:
             if inst.name == name:
                 return inst
-        raise ConfigError(f"no instance named {name!r}; have {[i.name for i in self.instances]}")
+        have = ", ".join(i.name for i in self.instances) or "none"
+        raise ConfigError(f"[[instances]] has no name = {name!r} (it has {have})")
 
     def by_role(self, role: str) -> list[InstanceSpec]:
         return [i for i in self.instances if i.role == role]

@@ -11,12 +11,14 @@ from typing import Any, TypeVar, cast
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from pdd.errors import Mistake
+
 STRICT_TABLE = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(Mistake, ValueError):
+    """A deployment file that is not one: which file, table and key."""
 
 
 _WORDS = {

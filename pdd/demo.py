@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdd.demo_deploy import START_TIMEOUT_S, DemoDeployment, DeployError, accepted_modes
 from pdd.engine_port import engine_names
+from pdd.errors import Mistake
 from pdd.names import Mode, mode_options
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
@@ -341,7 +342,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if args.requests < 1:
             parser.error("--requests must be >= 1")
         if args.config is not None and not args.config.is_file():
-            parser.error(f"--config {args.config}: no such file")
+            raise Mistake(f"--config {args.config}: no such file")
         if not args.rate > 0:
             parser.error("--rate must be > 0 (inf starts every session at once)")
         if args.hardware == "native":
@@ -351,7 +352,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         try:
             args.fitted, args.fit_note = fitted_scenario(args)
         except (OSError, ValueError) as exc:  # no such model, one pdd cannot run, a bad config
-            parser.error(str(exc))
+            raise Mistake(str(exc)) from None
         return run(args)
 
     parser.set_defaults(func=func)

@@ -33,8 +33,9 @@ import httpx
 
 from pdd import config as cfg
 from pdd.engine_port import engine_names
+from pdd.errors import Mistake
 from pdd.names import RoleName
-from pdd.process import LAUNCH_ENV
+from pdd.process import LAUNCH_ENV, listen
 
 READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
 
@@ -118,6 +119,25 @@ def free_port(taken: set[int] | None = None) -> int:
         port = s.getsockname()[1]
     taken.add(port)
     return port
+
+
+def check_ports(dep: cfg.Deployment) -> None:
+    """Mistake, naming the process and the port, if a port the deployment's processes will
+    listen on is held now: found before anything starts (a port given in the file or by
+    --port, such as vLLM's 8000; drawn ones were free when drawn)."""
+    wanted = [("router", dep.router.host, dep.router.port)]
+    for inst in dep.instances:
+        wanted += [(inst.name, inst.host, inst.port), (inst.name, inst.host, inst.kv_port)]
+    if dep.link.admin_port:
+        wanted.append(("wan", dep.link.host, dep.link.admin_port))
+    for inst in dep.instances:  # the emulator's hops (on this machine: the ones on the link's host)
+        hops = (a.rsplit(":", 1) for a in inst.advertise.values())
+        wanted += [("wan", host, int(port)) for host, port in hops if host == dep.link.host]
+    for name, host, port in wanted:
+        try:
+            listen(host, port).close()
+        except Mistake as e:
+            raise Mistake(f"{name}: {e}") from None
 
 
 class PortTaken(RuntimeError):
@@ -325,11 +345,7 @@ class Launcher:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        dep = cfg.load(args.config, backend=args.engine)
-    except cfg.ConfigError as e:
-        print(f"pdd up: {e}", file=sys.stderr)
-        return 2
+    dep = cfg.load(args.config, backend=args.engine)
     mode = args.mode or dep.mode
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
@@ -348,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
         print(f"pdd up: {e}", file=sys.stderr)
         return 2
+    check_ports(dep)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)
     stop: list[bool] = []

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+
+from pdd.errors import Mistake
 
 LAUNCH_ENV = "PDD_LAUNCH_ID"  # set by `pdd up` for the processes it starts
 
@@ -39,3 +42,13 @@ def configure(command: str) -> None:
         print(f"{command}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A server's HTTP socket, bound and listening: taken before its model loads, so a
+    port in use is a `Mistake` in a second, not after minutes of loading."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise Mistake(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None

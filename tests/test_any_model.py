@@ -86,7 +86,7 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def test_serve_mistakes_are_one_line(args, says, tiny_model_dir):
     args = [str(tiny_model_dir) if a == "MODEL" else a for a in args]
     out = _serve(*args)
-    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 

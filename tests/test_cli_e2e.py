@@ -103,16 +103,16 @@ def test_bench_handoff_ships_and_recomputes(tmp_path):
 
 
 def test_up_refuses_a_port_another_server_holds(tiny_model_dir):
-    """A server that is not pdd's answers /health on the router's port (vLLM's API server
-    on 8000, say): `pdd up` does not take it for its router. It names the port in one line,
-    exits 2, and stops what it started."""
+    """A server that is not pdd's holds the router's port and answers /health there (vLLM's
+    API server on 8000, say): `pdd up` names the port in one line and exits 2 before it
+    starts anything; and had the port been taken after that check, the server there would
+    not be taken for pdd's router (its /health does not say this launch's id)."""
     import http.server
-    import os
     import subprocess
     import sys
     import threading
 
-    from pdd.deploy import stop_group
+    from pdd.deploy import PortTaken, stop_group, wait_http
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -132,16 +132,22 @@ def test_up_refuses_a_port_another_server_holds(tiny_model_dir):
     up = subprocess.Popen([sys.executable, "-m", "pdd.cli", "up", "--mode", "colocated", "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = up.communicate(timeout=120)  # (taking the other server for its router, it would run on)
+        try:
+            stdout, stderr = up.communicate(timeout=120)  # (taking the other server for its router, it would run on)
+        finally:
+            stop_group(up, 5)  # its whole process group, should it have left anything
+        assert up.returncode == 2 and "Traceback" not in stderr, stdout + stderr
+        assert stderr.strip().splitlines() == [
+            f"pdd up: router: cannot listen on 127.0.0.1:{port}: Address already in use"], stderr
+        assert " pid " not in stdout, stdout  # found before anything started
+        # taken between that check and the router's start, the port's /health is not this launch's
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(PortTaken, match=f"port {port} is held by another server"):
+                wait_http(f"http://127.0.0.1:{port}/health", sleeper, 10, launch="this-launch")
+        finally:
+            sleeper.kill()
+            sleeper.wait()
     finally:
-        stop_group(up, 5)  # its whole process group, should it have left anything
         other.shutdown()
         other.server_close()
-    assert up.returncode == 2 and "Traceback" not in stderr, stdout + stderr
-    assert stderr.strip().splitlines() == [
-        f"pdd up: router: port {port} is held by another server (its http://127.0.0.1:{port}/health is not this "
-        "launch's)"], stderr
-    started = [int(line.split("pid ")[1].split(",")[0]) for line in stdout.splitlines() if " pid " in line]
-    assert len(started) == 2  # the instance and the router
-    for pid in started:  # stopped and reaped: nothing by that pid is left running
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pdd.errors import Mistake
 from pdd.workload.types import Session
 
 # in-process benchmarks: target -> the module that registers its options and runs it
@@ -125,8 +126,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--requests must be >= 1")
     try:
         sessions, workload = plan_workload(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError) as exc:  # a workload file, a model
+        raise Mistake(str(exc)) from None
     return _bench(args, sessions, workload)
 
 

@@ -7,12 +7,12 @@ import asyncio
 import dataclasses
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 from pdd.config import ROLES
 from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
+from pdd.errors import Mistake
 from pdd.names import RoleName
 
 PASS_THROUGH: list[str] = []  # (`pdd.cli` hands a command that takes them its unknown flags here)
@@ -149,44 +149,42 @@ def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
-    from pdd.process import configure
+    from pdd.process import configure, listen
 
     configure("pdd serve")
     args.engine_flags = list(args.engine_flags)
     if args.engine_flags and not args.engine_flags[0].startswith("-"):  # pdd serve MODEL ..., as vllm serve
         positional = args.engine_flags.pop(0)
         if args.model and positional != args.model:
-            raise SystemExit(f"pdd serve: two models given ({positional!r} and --model {args.model!r})")
+            raise Mistake(f"two models given ({positional!r} and --model {args.model!r})")
         args.model = positional
     if args.config:
         if not args.instance:
-            raise SystemExit("pdd serve: --config needs --instance NAME")
+            raise Mistake("--config needs --instance NAME")
         ignored = [f"--{k.replace('_', '-')}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
         ignored += [f"--vllm-arg {a}" for a in args.vllm_arg] + list(args.engine_flags)
         ignored += ["MODEL"] if args.model else []
         if ignored:
-            raise SystemExit(
-                f"pdd serve: {' '.join(ignored)} would be ignored with --config: the instance's [engine] "
+            raise Mistake(
+                f"{' '.join(ignored)} would be ignored with --config: the instance's [engine] "
                 "table and [model] in the file say them"
             )
+        dep = cfg.load(args.config)
         try:
-            dep = cfg.load(args.config)
             spec = dep.instance(args.instance)
         except cfg.ConfigError as e:
-            raise SystemExit(f"pdd serve: {e}") from None
+            raise Mistake(f"{args.config}: {e}") from None
         model, name = dep.model.path, dep.model.served_name
     else:
         if args.role != RoleName.STANDALONE:
-            raise SystemExit(
-                f"pdd serve: role {args.role!r} is part of a deployment: use --config FILE --instance NAME"
-            )
+            raise Mistake(f"role {args.role!r} is part of a deployment: use --config FILE --instance NAME")
         if not args.model:
-            raise SystemExit("pdd serve: a model is required without --config (pdd serve MODEL, or --model DIR)")
+            raise Mistake("a model is required without --config (pdd serve MODEL, or --model DIR)")
         try:
             engine = engine_from_flags(args)
             cfg.check_devices(engine, "engine")
-        except ValueError as e:  # (ConfigError is one)
-            raise SystemExit(f"pdd serve: {e}") from None
+        except ValueError as e:  # a flag's value (ConfigError is one)
+            raise Mistake(str(e)) from None
         spec = cfg.InstanceSpec("standalone", "standalone", host=args.host, port=args.port, engine=engine)
         dep, model, name = None, args.model, args.served_model_name or served_name(args.model)
     try:
@@ -194,23 +192,13 @@ def run(args: argparse.Namespace) -> int:
         if spec.engine.backend == "embedded":  # (the embedded engine's own gate; vLLM reads the model itself)
             ModelConfig.from_dir(model_dir)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run: say which, no traceback
-        raise SystemExit(f"pdd serve: {e}") from None
+        raise Mistake(str(e)) from None
     if args.join and dep is None:
-        raise SystemExit("pdd serve: --join needs --config FILE --instance NAME")
+        raise Mistake("--join needs --config FILE --instance NAME")
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
-    sock = _listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
+    sock = listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
     asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, args.api_key, openai_api, args.join))
     return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The instance's HTTP socket, bound and listening (exit 2, one line, if it cannot be)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as e:
-        print(f"pdd serve: cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 async def _serve(
@@ -244,7 +232,7 @@ async def _serve(
     tokenizer = Tokenizer.from_dir(model_dir)
     try:
         runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
-    except EngineStartError as e:
+    except EngineStartError as e:  # not a mistake in what was given (exit 1): the engine could not start
         raise SystemExit(f"pdd serve: {e}") from None
     node = None
     registry = CollectorRegistry()

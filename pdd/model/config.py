@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdd.errors import Mistake
+
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 # transformers 5's defaults where config.json says nothing (the same as 4.x for these)
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -80,7 +82,7 @@ class Declared:
         )
 
 
-class UnsupportedCheckpoint(ValueError):
+class UnsupportedCheckpoint(Mistake, ValueError):
     """A checkpoint field that changes the model's math in a way pdd does not compute."""
 
     def __init__(self, field: str, message: str, source: str = "config.json") -> None:

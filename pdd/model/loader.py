@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pdd.errors import ModelNotFound
 from pdd.model.config import ModelConfig
 from pdd.model.llama import CausalLM, Rotary
 
@@ -24,7 +25,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     """The checkpoint in `path`, on `device`, in `dtype`; ValueError names what does not fit."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model directory")
     cfg = ModelConfig.from_dir(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:

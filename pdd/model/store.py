@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pdd.errors import ModelNotFound
+
 
 def home() -> Path:
     return Path(os.environ.get("PDD_HOME") or Path.home() / ".cache" / "pdd")
@@ -27,10 +29,10 @@ def resolve_model(path: str) -> Path:
     if local.is_dir():
         local = local.resolve()
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
+            raise ModelNotFound(f"{local} is not a model directory (no config.json)")
         return local
     if not is_hub_name(path):
-        raise FileNotFoundError(f"{path}: no such model directory")
+        raise ModelNotFound(f"{path}: no such model directory")
     return _from_hub_cache(path)
 
 
@@ -62,14 +64,14 @@ def _from_hub_cache(repo_id: str) -> Path:
     try:
         snapshot = Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, IncompleteSnapshotError) as e:
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"{repo_id}: no such directory, and no complete snapshot of it in the Hugging Face cache "
             f"{constants.HF_HUB_CACHE} (set HF_HOME or HF_HUB_CACHE to use another). pdd does not download: "
             f"fetch it where there is network (`hf download {repo_id}`) and copy the cache here, or pass "
             f"a model directory. ({type(e).__name__})"
         ) from None
     if not (snapshot / "config.json").is_file():
-        raise FileNotFoundError(f"{repo_id}: the cached snapshot {snapshot} has no config.json")
+        raise ModelNotFound(f"{repo_id}: the cached snapshot {snapshot} has no config.json")
     return snapshot
 
 

@@ -23,26 +23,25 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdd import config as cfg
-    from pdd.process import configure
+    from pdd.errors import Mistake
+    from pdd.process import configure, listen
 
     configure("pdd router")
-    try:
-        dep = cfg.load(args.config)
-    except cfg.ConfigError as e:
-        raise SystemExit(f"pdd router: {e}") from None
+    dep = cfg.load(args.config)
     if args.port is not None:
         dep = replace(dep, router=replace(dep.router, port=args.port))
     key = args.api_key if args.api_key is not None else dep.router.api_key or os.environ.get("PDD_API_KEY", "")
     dep = replace(dep, router=replace(dep.router, api_key=key))
     if not dep.instances:
-        raise SystemExit("pdd router: the config lists no [[instances]]")
+        raise Mistake("the config lists no [[instances]]")
     if not dep.secret:
-        raise SystemExit("pdd router: the config has no secret; instances authenticate every frame with it")
-    asyncio.run(_serve(dep))
+        raise Mistake("the config has no secret; instances authenticate every frame with it")
+    sock = listen(dep.router.host, dep.router.port)  # before the model's tokenizer loads
+    asyncio.run(_serve(dep, sock))
     return 0
 
 
-async def _serve(dep) -> None:
+async def _serve(dep, sock) -> None:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -77,6 +76,6 @@ async def _serve(dep) -> None:
     )
     freeze_startup_heap()
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         await backend.stop()

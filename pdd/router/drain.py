@@ -26,19 +26,20 @@ def run(args: argparse.Namespace) -> int:
 
     from pdd import config as cfg
     from pdd.api.auth import ADMIN_PREFIX, admin_token
+    from pdd.errors import Mistake
 
-    try:
-        dep = cfg.load(args.config)
-        base = dep.router.url
-    except cfg.ConfigError as e:
-        print(f"pdd drain: {e}", file=sys.stderr)
-        return 2
+    dep = cfg.load(args.config)
+    base = dep.router.url
+    if not dep.secret:
+        raise Mistake(f"{args.config} has no secret: the router's admin routes take a token made from it")
     headers = {"Authorization": f"Bearer {admin_token(dep.secret)}"}
     try:
         r = httpx.post(f"{base}{ADMIN_PREFIX}instances/{args.instance}/drain", headers=headers, timeout=10)
     except httpx.HTTPError as e:
         print(f"pdd drain: cannot reach the router at {base}: {e}", file=sys.stderr)
         return 1
+    if r.status_code == 404:  # no such instance in the deployment
+        raise Mistake(f"the router at {base} refused: {r.text}")
     if r.status_code != 200:
         print(f"pdd drain: the router refused: {r.status_code} {r.text}", file=sys.stderr)
         return 1

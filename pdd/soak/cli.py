@@ -108,11 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode not in cfg.MODES:
         print(f"pdd soak: mode must be one of {', '.join(cfg.MODES)}", file=sys.stderr)
         return 2
-    try:
-        dep = cfg.load(args.config)
-    except cfg.ConfigError as e:
-        print(f"pdd soak: {e}", file=sys.stderr)
-        return 2
+    dep = cfg.load(args.config)
     paper = SCENARIOS["paper"]
     link = replace(dep.link, bandwidth_mbps=paper.bandwidth_mbps, delay_ms=paper.delay_ms, jitter_ms=paper.jitter_ms)
     dep = resolve(replace(dep, link=link), args.mode, 0)
