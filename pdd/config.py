@@ -233,8 +233,10 @@ class TopologySpec:
     dilation: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.main < 1 or self.relay < 0:
+        if self.prefill < 1 or self.main < 1:
             raise ValueError("a deployment needs at least one prefill and one main instance")
+        if self.relay < 0:
+            raise ValueError("relay must be 0 or more")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
         if self.hardware not in ("native", "emulated") or not self.dilation >= 1.0:
@@ -248,7 +250,7 @@ class TopologySpec:
 @dataclass(frozen=True)
 class Deployment:
     __pydantic_config__ = STRICT_TABLE
-    mode: str = Mode.PD_CROSS_DC
+    mode: str = Mode.PDD  # what pdd is for; the file says another to compare (`pdd demo` runs them all)
     secret: str = ""
     model: ModelSpec = ModelSpec()
     engine: EngineConfig = EngineConfig()

@@ -43,7 +43,7 @@ READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared core
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
     p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
-    p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's)")
+    p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's mode, pdd if it has none)")
     p.add_argument(
         "--model",
         help="model directory or hub name (ORG/NAME) in the local Hugging Face cache "
@@ -75,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prefill", type=int, help="prefill instances (default: the config's [topology])")
     p.add_argument("--main", type=int, help="main decode instances (default: the config's [topology])")
+    p.add_argument("--relay", type=int, help="relay decode instances, pdd mode (default: the config's [topology])")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
     p.add_argument(
         "--api-key",
@@ -350,9 +351,10 @@ def run(args: argparse.Namespace) -> int:
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
     link = replace(dep.link, **{k: v for k, v in given if v is not None})
-    placed = (("hardware", args.hardware), ("dilation", args.dilation), ("prefill", args.prefill), ("main", args.main))
+    placed = {"hardware": args.hardware, "dilation": args.dilation, "prefill": args.prefill, "relay": args.relay}
+    placed["main"] = args.main
     try:
-        topology = replace(dep.topology, **{k: v for k, v in placed if v is not None})
+        topology = replace(dep.topology, **{k: v for k, v in placed.items() if v is not None})
     except ValueError as e:
         print(f"pdd up: {e}", file=sys.stderr)
         return 2
