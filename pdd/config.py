@@ -154,7 +154,8 @@ class RouterSpec:
     # handoffs: as many as last a handoff's gap at the main instance's pace); 0: none
     handoff_reserve_tokens: int = 4
     max_body_bytes: int = 4 << 20  # a larger request body gets 413 before anything parses it
-    api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY)
+    api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY), named "default"
+    api_keys_file: str = ""  # named keys: a TOML [keys] table of NAME = "KEY" (pdd.api.keys); also $PDD_API_KEYS
     max_running: int = 128  # requests the router drives through instances at once...
     max_waiting: int = 256  # ...and holds in line for a slot; past both: 429 with Retry-After
 

@@ -10,6 +10,7 @@ give them OpenAI's shapes).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdd.api.access import AccessLog, KeyMetrics
 from pdd.api.auth import RequireApiKey
 from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -36,7 +38,7 @@ def build_app(
     model_name: str,
     registry: CollectorRegistry | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    api_key: str = "",
+    api_keys: Mapping[str, str] = {},
     openai_api: bool = True,
     admission: Limits = Limits(256, 256),
 ) -> FastAPI:
@@ -45,8 +47,9 @@ def build_app(
     server = OpenAIServer(backend, tokenizer, model_name, registry, admission)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
-    if api_key:  # added last, so it runs first: no body is read for a caller without the key
-        app.add_middleware(RequireApiKey, key=api_key)
+    if api_keys:  # added after the body limit, so it runs first: no body is read for a caller without a key
+        app.add_middleware(RequireApiKey, keys=api_keys)
+    app.add_middleware(AccessLog, metrics=KeyMetrics(server.metrics.registry), keyed=bool(api_keys))  # outermost
     app.state.server = server
 
     @app.exception_handler(ApiError)
@@ -91,8 +94,8 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, client: Request) -> Response:
-        return await server.admitted(lambda slot: server.completions(req, client, slot))
+        return await server.admitted(client, lambda slot: server.completions(req, client, slot))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, client: Request) -> Response:
-        return await server.admitted(lambda slot: server.chat(req, client, slot))
+        return await server.admitted(client, lambda slot: server.chat(req, client, slot))

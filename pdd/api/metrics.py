@@ -12,6 +12,8 @@ from pdd.policy.transfer import LinkEstimate
 from pdd.transfer.wire import REJECTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+# a token's gap: tens of ms normally, seconds where a handoff or a stalled line holds a stream
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ServingMetrics:
@@ -19,7 +21,29 @@ class ServingMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
-            "pdd_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS
+            "pdd_time_to_first_token_seconds",
+            "Time to first token, from the request's arrival (its wait for admission included)",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.queue = Histogram(
+            "pdd_request_queue_time_seconds",
+            "Time a request waited for admission (the router's line, or an instance's)",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "pdd_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "pdd_inter_token_latency_seconds",
+            "Time between consecutive output tokens as the client gets them (one observation a token "
+            "after the first; tokens that arrive together count 0 after the first of them)",
+            registry=r,
+            buckets=_ITL_BUCKETS,
         )
         self.tpot = Histogram(
             "pdd_time_per_output_token_seconds",

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 from starlette.background import BackgroundTask
 
+from pdd.api.access import Access, access_of
 from pdd.api.admission import AdmissionGate, Slot
 from pdd.api.backend import Backend, BackendError, GenRequest
 from pdd.api.metrics import ServingMetrics
@@ -73,21 +74,33 @@ class OpenAIServer:
 
     # ---- generation ------------------------------------------------------------------------
     async def _run(
-        self, rid: str, prompt: list[int], params: SamplingParams, stop: list[str], out: Outcome, slot: Slot
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        out: Outcome,
+        slot: Slot,
+        access: Access,
     ) -> AsyncGenerator[tuple[str, list[int]], None]:
-        """Yield (text delta, token ids) pieces; fill `out`; close the backend stream and
-        give the admission slot back on exit."""
+        """Yield (text delta, token ids) pieces; fill `out` and `access`; close the backend
+        stream and give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
         gen = self.backend.generate(GenRequest(rid, prompt, params))
-        t0, first, last = time.monotonic(), None, None
+        first, last = None, None
+        access.rid, access.prompt_tokens = rid, len(prompt)
         self.metrics.prompt_tokens.inc(len(prompt))
         try:
             async for ev in gen:
                 now = time.monotonic()
                 if first is None and ev.tokens:
-                    first = now
-                    self.metrics.ttft.observe(now - t0)
-                last = now
+                    first = access.first_token = now
+                    self.metrics.ttft.observe(now - access.arrived)
+                elif ev.tokens and last is not None:
+                    for gap in [now - last] + [0.0] * (len(ev.tokens) - 1):
+                        self.metrics.itl.observe(gap)
+                if ev.tokens:
+                    last = now
                 out.cached_tokens = ev.cached_tokens
                 delta = "".join(text.feed(t) for t in ev.tokens)
                 out.token_ids.extend(ev.tokens)
@@ -114,12 +127,15 @@ class OpenAIServer:
         finally:
             slot.release()
             await gen.aclose()
+            access.completion_tokens, access.finish = len(out.token_ids), out.finish_reason or "abort"
+            access.pipeline = out.record.pipeline or "" if out.record else ""
         n = len(out.token_ids)
         self.metrics.generation_tokens.inc(n)
         self.metrics.cache_hit_tokens.inc(out.cached_tokens)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         if first is not None and last is not None and n > 1:  # (set together, by the first token)
             self.metrics.tpot.observe((last - first) / (n - 1))
+        self.metrics.e2e.observe(time.monotonic() - access.arrived)
 
     @staticmethod
     async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
@@ -154,7 +170,7 @@ class OpenAIServer:
         params = sampling_params(req, len(prompt), max_tokens, default_max, limit, defaults)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Outcome()
-        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot)
+        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot, access_of(client.scope))
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -182,10 +198,11 @@ class OpenAIServer:
         return JSONResponse(body)
 
     # ---- routes ----------------------------------------------------------------------------
-    async def admitted(self, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
+    async def admitted(self, client: Request, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
         """Run a /v1 handler in an admission slot (429 when the line is full); the slot is
         the response's to give back, or given back here if the handler fails."""
         slot = await self.gate.enter()
+        self.metrics.queue.observe(time.monotonic() - access_of(client.scope).arrived)
         try:
             return await handle(slot)
         except BaseException:

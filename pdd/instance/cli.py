@@ -134,7 +134,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("PDD_API_KEY", ""),
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $PDD_API_KEY)",
+        help='require `Authorization: Bearer KEY` on /v1/* (default: $PDD_API_KEY); named "default"',
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default="",
+        help='named API keys: a TOML file with a [keys] table of NAME = "KEY" (also: $PDD_API_KEYS, '
+        "NAME=KEY,...); the names label the per-key counters and the access log",
     )
     p.add_argument(
         "--join",
@@ -147,6 +153,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdd import config as cfg
+    from pdd.api.keys import api_keys
     from pdd.model.config import ModelConfig
     from pdd.model.store import resolve_model, served_name
     from pdd.process import configure, listen
@@ -195,9 +202,10 @@ def run(args: argparse.Namespace) -> int:
         raise Mistake(str(e)) from None
     if args.join and dep is None:
         raise Mistake("--join needs --config FILE --instance NAME")
+    keys = api_keys(args.api_key, args.api_keys_file)
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
     sock = listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, args.api_key, openai_api, args.join))
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join))
     return 0
 
 
@@ -208,7 +216,7 @@ async def _serve(
     name: str,
     threads: int,
     sock: socket.socket,
-    api_key: str = "",
+    keys: dict[str, str],
     openai_api: bool = True,
     join: bool = False,
 ) -> None:
@@ -247,7 +255,7 @@ async def _serve(
         tokenizer,
         name,
         registry,
-        api_key=api_key,
+        api_keys=keys,
         openai_api=openai_api,
         admission=Limits(spec.engine.max_requests, 0),
     )

@@ -14,7 +14,7 @@ from pdd.router.members import Membership, MembershipError
 
 
 def add_admin_routes(app: FastAPI, members: Membership, dep: Deployment) -> None:
-    app.add_middleware(RequireApiKey, key=admin_token(dep.secret), prefix=ADMIN_PREFIX)
+    app.add_middleware(RequireApiKey, keys={"admin": admin_token(dep.secret)}, prefix=ADMIN_PREFIX)
 
     @app.post(ADMIN_PREFIX + "instances")
     async def join(request: Request) -> dict:

@@ -16,6 +16,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default: [router] api_key, else $PDD_API_KEY)",
     )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='named API keys: a TOML file with a [keys] table of NAME = "KEY" (default: [router] '
+        "api_keys_file; also $PDD_API_KEYS, NAME=KEY,...)",
+    )
     p.set_defaults(func=run)
 
 
@@ -23,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdd import config as cfg
+    from pdd.api.keys import api_keys
     from pdd.errors import Mistake
     from pdd.process import configure, listen
 
@@ -31,17 +38,19 @@ def run(args: argparse.Namespace) -> int:
     if args.port is not None:
         dep = replace(dep, router=replace(dep.router, port=args.port))
     key = args.api_key if args.api_key is not None else dep.router.api_key or os.environ.get("PDD_API_KEY", "")
-    dep = replace(dep, router=replace(dep.router, api_key=key))
+    keys_file = args.api_keys_file if args.api_keys_file is not None else dep.router.api_keys_file
+    dep = replace(dep, router=replace(dep.router, api_key=key, api_keys_file=keys_file))
+    keys = api_keys(key, keys_file)
     if not dep.instances:
         raise Mistake("the config lists no [[instances]]")
     if not dep.secret:
         raise Mistake("the config has no secret; instances authenticate every frame with it")
     sock = listen(dep.router.host, dep.router.port)  # before the model's tokenizer loads
-    asyncio.run(_serve(dep, sock))
+    asyncio.run(_serve(dep, sock, keys))
     return 0
 
 
-async def _serve(dep, sock) -> None:
+async def _serve(dep, sock, keys: dict[str, str]) -> None:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -65,7 +74,7 @@ async def _serve(dep, sock) -> None:
         dep.model.served_name,
         registry,
         dep.router.max_body_bytes,
-        dep.router.api_key,
+        keys,
         admission=Limits(dep.router.max_running, dep.router.max_waiting),
     )
     add_admin_routes(app, backend.members, dep)
