@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 
+import dashboard
 import httpx
 import pytest
 from procs import metrics, pdd_up, wait_until
@@ -35,11 +36,25 @@ HOT = {"temperature": 25.0, "seed": 7}  # the tiny model is decisive: it takes h
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
+def deployment(tmp_path_factory):
     conf = tmp_path_factory.mktemp("router") / "d.toml"
     conf.write_text(CONFIG)
     with pdd_up("--config", str(conf), env={"PDD_API_KEY": API_KEY}) as dep:
-        yield dep.url
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def router(deployment):
+    return deployment.url
+
+
+def test_the_dashboard_reads_what_the_processes_export(deployment, router):
+    """Without root (test_sites does it across namespaces): after a request, every series
+    the dashboard queries is on a /metrics page, with the labels its legends show, and no
+    label clashes with those Prometheus adds on the scrape."""
+    _complete(router, 8)
+    pages = [httpx.get(f"{url}/metrics", timeout=10).text for url in [router, *deployment.http.values()]]
+    assert dashboard.check(pages) >= 20
 
 
 def _idle(url: str) -> None:

@@ -30,7 +30,9 @@ class _Instances:
         self._clients = clients
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["instance", "role", "dc"]
+        # not instance, job or the scrape's target labels (name, role, site: deploy/prometheus),
+        # which Prometheus would rename to exported_* on ingestion
+        labels = ["member", "member_role", "dc"]
         up = GaugeMetricFamily(
             "pdd_router_instance_up", "1 while the router's connection to the instance is up", labels=labels
         )
