@@ -6,6 +6,7 @@ nothing meanwhile, though by load it would; the membership routes need the admin
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,57 @@ def _pid_gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+def _stream_until_cut(url: str, max_tokens: int, started: threading.Event) -> dict:
+    """A streamed greedy request: its token ids, and the error that cut it, if one did."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    ids, error = [], None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices") or []:
+                        ids += choice.get("token_ids") or []
+                    started.set()
+    except httpx.HTTPError as e:
+        error = e
+    return {"ids": ids, "error": error}
+
+
+def test_two_routers_plan_onto_one_deployment_and_one_dies_with_requests_in_flight():
+    """A second `pdd router --config F` on the deployment `pdd up` started: both serve the
+    same tokens, also at once. Killed (SIGKILL) while it streams: its own requests are cut,
+    every request on the other router completes whole, new ones keep flowing, and the
+    instances free what the dead router's requests held."""
+    with pdd_up("--mode", "pdd", *LINE) as dep:
+        port = free_port()
+        second = f"http://127.0.0.1:{port}"
+        args = ["router", "--config", str(dep.run_dir / "deployment.toml"), "--port", str(port)]
+        with pdd_process(args, f"{second}/health") as router2:
+            wait_until(lambda: all(i["healthy"] for i in _instances(second).values()), 30, "router 2 connects")
+            reference = _complete(dep.url, 300)["ids"]
+            with ThreadPoolExecutor(8) as pool:
+                both = list(pool.map(lambda u: _complete(u, 300)["ids"], [dep.url, second] * 3))
+            assert all(ids == reference for ids in both)
+            with ThreadPoolExecutor(8) as pool:
+                started = [threading.Event() for _ in range(3)]
+                cut = [pool.submit(_stream_until_cut, second, 300, s) for s in started]
+                kept = [pool.submit(_complete, dep.url, 300) for _ in range(3)]
+                for s in started:
+                    assert s.wait(60), "router 2's streams never started"
+                os.killpg(router2.pid, 9)
+                cut_results = [f.result(timeout=120) for f in cut]
+                kept_results = [f.result(timeout=120) for f in kept]
+            assert all(r["ids"] == reference for r in kept_results)
+            assert all(r["error"] is not None and 0 < len(r["ids"]) < 300 for r in cut_results), cut_results
+            assert all(_complete(dep.url, 40)["ids"] == reference[:40] for _ in range(2))
+            for name, http in dep.http.items():  # what the dead router's requests held is freed
+                wait_until(lambda h=http: _running(h) == 0, 30, f"{name} ends the dead router's requests")
+
+
+def _running(http: str) -> float:
+    lines = httpx.get(f"{http}/metrics", timeout=5).text.splitlines()
+    return sum(float(line.split()[1]) for line in lines if line.startswith(("pdd_requests_running ",
+                                                                            "pdd_kv_used_pages ")))
