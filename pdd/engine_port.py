@@ -218,6 +218,10 @@ class EnginePort(Protocol):
 
     def stats(self) -> dict: ...
 
+    def metric_collectors(self) -> list[Any]:
+        """Prometheus collectors of the engine's own series, served beside pdd's on the
+        instance's /metrics under their own names (vLLM's `vllm:*`); [] where pdd's are all."""
+
     def close(self) -> None:
         """Stop the engine; nothing may be called after."""
 

@@ -31,3 +31,15 @@ def test_cross_dc_pd_on_vllm_equals_plain_vllm(dep, vllm_reference, tiny_model_d
         assert md0["computed_by_request"][rid(g)] == len(g["ids"])  # the prompt's last token, then one a step
     assert all(g["record"]["d_hit_tokens"] >= len(p) - 20 - 32 for p, g in zip(prompts[3:6], done[3:6], strict=True))
     vllm_settled([dep.http["p0"], dep.http["md0"]])
+
+
+def test_a_vllm_instance_serves_vllms_own_metrics_beside_pdds(dep):
+    """vLLM's series (in prometheus_client's process-wide registry) on the instance's
+    /metrics under their own names, counting what that instance's vLLM did."""
+    for name in ("p0", "md0"):
+        page = httpx.get(f"{dep.http[name]}/metrics", timeout=10).text
+        values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in page.splitlines()
+                  if line.startswith("vllm:") and " " in line}
+        assert "pdd_kv_free_pages" in page, name
+        prompts = sum(v for k, v in values.items() if k.startswith("vllm:prompt_tokens_total"))
+        assert prompts > 0 and any(k.startswith("vllm:num_requests_running") for k in values), (name, sorted(values))

@@ -162,6 +162,9 @@ class EngineRuntime:
             cached_pages=e.cache.cached_pages,
         )
 
+    def metric_collectors(self) -> list:
+        return []  # every series of the embedded engine is pdd's own
+
     def stats(self) -> dict:
         e = self.engine
         s = e.stats

@@ -244,6 +244,8 @@ async def _serve(
         raise SystemExit(f"pdd serve: {e}") from None
     node = None
     registry = CollectorRegistry()
+    for collector in runtime.metric_collectors():  # the engine's own series (vLLM's vllm:*)
+        registry.register(collector)
     if dep is not None:
         node = Node(spec, dep, runtime, link_key(dep.secret, "instances"), make_role)
         await node.start()

@@ -142,6 +142,11 @@ class VllmEngine(Requests):
             self.computed_by_request.popitem(last=False)
 
     # ---- vLLM's own counters ---------------------------------------------------------------
+    def metric_collectors(self) -> list[Any]:
+        from pdd.engines.vllm.stats import VllmMetrics
+
+        return [VllmMetrics()]
+
     def _stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from pdd.engines.vllm.stats import StatsTap
 

@@ -5,13 +5,27 @@ usage gauge (`vllm:kv_cache_usage_perc`), running and waiting requests, the pref
 cache's queries and hits (`vllm:prefix_cache_queries` / `_hits`), and prompt tokens by
 where their KV came from (`vllm:prompt_tokens_by_source`: computed, local cache hit,
 external transfer) and generated tokens, summed since start.
+
+`VllmMetrics` serves vLLM's own series on the instance's /metrics: vLLM registers them
+in prometheus_client's process-wide registry, and pdd's app serves a registry of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import Metric
 from vllm.v1.metrics.loggers import StatLoggerBase
+
+
+class VllmMetrics:
+    """A collector of the process-wide registry's `vllm:*` families, as vLLM's
+    `PrometheusStatLogger` keeps them (with `model_name` and `engine` labels)."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from (m for m in REGISTRY.collect() if m.name.startswith("vllm:"))
 
 
 class StatsTap(StatLoggerBase):
