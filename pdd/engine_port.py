@@ -177,8 +177,9 @@ class EnginePort(Protocol):
         fits. Returns the cached length in tokens. OutOfPages when the pool cannot hold
         the prompt now (nothing is kept); RequestError if it never could."""
 
-    async def cached_prefix(self, tokens: list[int]) -> int:
-        """Tokens of this prompt the prefix cache holds now; nothing is locked."""
+    async def cached_prefix(self, tokens: list[int], salt: str = "") -> int:
+        """Tokens of this prompt the prefix cache holds now in `salt`'s namespace
+        (`SamplingParams.cache_salt`); nothing is locked."""
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
         """Write KV into a reserved request exactly where its computed part ends (the

@@ -20,9 +20,14 @@ MIN_TEMPERATURE = 1e-5
 _FLOAT_MAX = sys.float_info.max
 
 
-class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+MAX_CACHE_SALT = 256
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A struct, not a dataclass, so a SUBMIT's parameters decode (and are checked) with
-    the message around them; `msgspec.structs.replace` makes a changed copy."""
+    the message around them; `msgspec.structs.replace` makes a changed copy. A field left
+    at its default is left out on the wire (`omit_defaults`): an empty `cache_salt` (added
+    in protocol 5) never reaches a peer of protocol 4, which would refuse the field."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -31,6 +36,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # The request's prefix-cache namespace (OpenAI's and vLLM's `cache_salt`): its KV is
+    # reused only by requests with the same salt. Not a sampling parameter: carried here
+    # because these travel with the request to every instance. Empty: the shared cache.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         ints = (self.max_tokens, self.top_k, *self.stop_token_ids) + (() if self.seed is None else (self.seed,))
@@ -41,6 +50,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not all(-_FLOAT_MAX <= v <= _FLOAT_MAX for v in (self.temperature, self.top_p)):
             # inf, NaN, or an integer no float holds (10**400 from JSON): the sampler divides by it
             raise ValueError("temperature and top_p must be finite numbers")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be true or false")
         if self.max_tokens < 1:

@@ -67,3 +67,26 @@ def test_a_look_without_touch_keeps_the_eviction_order():
         assert cache.evict(2) == 2  # the least recently used branch goes: a mere look does not count as use
         assert len(cache.match_prefix(prefixes[survivor]).pages) == 2
         cache.flush()
+
+
+def test_each_cache_salt_is_a_namespace_of_its_own():
+    pool, cache, events = _cache(16)
+    tokens = list(range(100, 108))  # two pages
+    pages = pool.allocate(2)
+    cache.insert(tokens, pages, salt="alice")
+    assert cache.match_prefix(tokens + [1], salt="alice").pages == pages
+    assert cache.match_prefix(tokens + [1]).num_pages == 0  # not in the shared namespace
+    assert cache.match_prefix(tokens + [1], salt="bob").num_pages == 0
+    shared = pool.allocate(2)
+    cache.insert(tokens, shared)  # the same tokens, shared: pages of their own, not duplicates
+    assert cache.match_prefix(tokens + [1]).pages == shared and cache.cached_pages == 4
+    # the events name each namespace's chain as the router hashes it
+    assert events[0] == ("stored", block_hashes(tokens, 4, "alice"))
+    assert events[1] == ("stored", block_hashes(tokens, 4))
+    assert set(block_hashes(tokens, 4, "alice")).isdisjoint(block_hashes(tokens, 4, "bob"))
+    node = cache.match_prefix(tokens + [1], salt="alice").node
+    cache.lock(node)
+    assert cache.evict(16) == 2 and cache.match_prefix(tokens + [1], salt="alice").pages == pages  # locked: kept
+    cache.unlock(node)
+    assert cache.evict(16) == 2 and set(cache.roots) == {""}  # alice's emptied namespace is dropped
+    assert pool.free_pages == pool.num_pages

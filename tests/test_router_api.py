@@ -173,3 +173,29 @@ def test_retry_after_follows_the_service_times_the_router_measured(router):
     assert shed.status_code == 429 and shed.json()["error"]["type"] == "rate_limit_exceeded", shed.text
     assert int(shed.headers["retry-after"]) >= 5
     _idle(router)
+
+
+def test_a_cache_salt_is_a_namespace_of_its_own(router):
+    """Two tenants with the same prompt: the salted one's second request hits its own
+    prefix at P and at MD (what the router's mirror predicted), the other salt and the
+    shared cache find none of it; an empty salt is refused."""
+    prompt = list(range(3000, 3200))  # no other test sends it
+
+    def ask(**salt: str) -> tuple[int, int, int]:
+        _idle(router)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
+        r = httpx.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert len(out["choices"][0]["token_ids"]) == 4
+        record = out["pdd"]
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], record["d_hit_tokens"], record["d_hit_predicted"]
+
+    assert ask(cache_salt="alice") == (0, 0, 0)
+    cached, d_hit, predicted = ask(cache_salt="alice")
+    assert cached >= 160 and d_hit >= 160 and predicted == d_hit, (cached, d_hit, predicted)
+    assert ask(cache_salt="bob") == (0, 0, 0)
+    assert ask() == (0, 0, 0)
+    r = httpx.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                     "cache_salt": ""}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -43,3 +43,25 @@ def test_a_vllm_instance_serves_vllms_own_metrics_beside_pdds(dep):
         assert "pdd_kv_free_pages" in page, name
         prompts = sum(v for k, v in values.items() if k.startswith("vllm:prompt_tokens_total"))
         assert prompts > 0 and any(k.startswith("vllm:num_requests_running") for k in values), (name, sorted(values))
+
+
+def test_a_cache_salt_is_a_namespace_of_its_own_on_vllm(dep):
+    """vLLM keeps the salt's blocks apart (pdd gives it the salt); MD's reservation finds
+    the salted tenant's own prefix and the router's mirror predicted it (from vLLM's
+    events, the salt in the first block's extra keys); another salt and the shared
+    cache find none of it."""
+    prompt = list(range(3000, 3200))
+
+    def ask(**salt: str) -> tuple[int, int]:
+        vllm_settled([dep.http["p0"], dep.http["md0"]])  # the last request's blocks are in the mirror
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
+        r = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        record = r.json()["pdd"]
+        return record["d_hit_tokens"], record["d_hit_predicted"]
+
+    assert ask(cache_salt="alice") == (0, 0)
+    d_hit, predicted = ask(cache_salt="alice")
+    assert d_hit >= 160 and predicted == d_hit, (d_hit, predicted)
+    assert ask(cache_salt="bob") == (0, 0)
+    assert ask() == (0, 0)

@@ -71,6 +71,7 @@ class _Common(BaseModel):
     n: StrictInt = 1
     logprobs: StrictBool | StrictInt | None = None
     user: StrictStr | None = None
+    cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -14,7 +14,7 @@ from msgspec.structs import replace  # sampling params are a msgspec struct
 
 from pdd.api.protocol import ApiError, _Common
 from pdd.record import RequestRecord
-from pdd.sampling import SamplingParams
+from pdd.sampling import MAX_CACHE_SALT, SamplingParams
 
 
 @dataclass
@@ -80,6 +80,8 @@ def sampling_params(
         raise ApiError(400, "temperature and top_p must be finite numbers") from None
     if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
         raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT:
+        raise ApiError(400, f"cache_salt must be 1 to {MAX_CACHE_SALT} characters", param="cache_salt")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -89,6 +91,7 @@ def sampling_params(
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
+            cache_salt=unicode_text(req.cache_salt or "", "cache_salt"),
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None

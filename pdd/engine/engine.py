@@ -121,7 +121,7 @@ class Engine:
         Without `use_cache` nothing is reused (the plain cross-datacenter PD baseline).
         """
         seq = self._new_sequence(rid, prompt, params, hold=False)
-        match = self.cache.match_prefix(prompt[: len(prompt) - 1] if use_cache else [])
+        match = self.cache.match_prefix(prompt[: len(prompt) - 1] if use_cache else [], salt=params.cache_salt)
         self.cache.lock(match.node)
         need = self.pool.pages_for(len(prompt)) - match.num_pages
         short = need - self.pool.free_pages

@@ -5,6 +5,11 @@ and a node owns exactly one page. Sequences lock the path they reuse (a node wit
 lock is never evicted); unlocked leaves are evicted least-recently-used first.
 Every stored or removed page is reported as a chained block hash through `on_event`,
 which is how a remote router keeps a mirror of this cache.
+
+Namespaces (`SamplingParams.cache_salt`): each salt has a root of its own, whose hash
+starts its chains (`namespace_root`), so a prefix cached under one salt is never found
+under another, nor in the shared namespace (salt ""); one pool and one eviction order
+serve them all.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdd.engine.kv_pool import KVPool
-from pdd.kv.blocks import ROOT_HASH, chain_hash
+from pdd.kv.blocks import chain_hash, namespace_root
 
 CacheEvent = tuple[str, list[int]]  # ("stored" | "removed", block hashes)
 
@@ -45,7 +50,8 @@ class RadixCache:
     def __init__(self, pool: KVPool, on_event: Callable[[CacheEvent], None] | None = None) -> None:
         self.pool = pool
         self.page_size = pool.page_size
-        self.root = TreeNode(key=(), page=-1, parent=None, hash=ROOT_HASH)
+        self.root = TreeNode(key=(), page=-1, parent=None, hash=namespace_root(""))
+        self.roots = {"": self.root}  # salt -> its namespace's root (pageless, parent None)
         self.on_event = on_event
         self._clock = itertools.count(1)
         self.cached_pages = 0
@@ -54,10 +60,17 @@ class RadixCache:
         ps = self.page_size
         return [tuple(tokens[i : i + ps]) for i in range(0, len(tokens) - ps + 1, ps)]
 
-    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> Match:
-        """The cached pages of `tokens`' longest cached prefix. Without `touch` it is a
-        look only: the pages keep their place in the eviction order."""
-        node, pages = self.root, []
+    def _root(self, salt: str) -> TreeNode:
+        if salt not in self.roots:
+            self.roots[salt] = TreeNode(key=(), page=-1, parent=None, hash=namespace_root(salt))
+        return self.roots[salt]
+
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True, salt: str = "") -> Match:
+        """The cached pages of `tokens`' longest cached prefix in `salt`'s namespace.
+        Without `touch` it is a look only: the pages keep their place in the eviction order."""
+        node, pages = self.roots.get(salt), []
+        if node is None:  # nothing was ever cached under this salt
+            return Match([], self.root)
         now = next(self._clock) if touch else None
         for key in self._pages(tokens):
             child = node.children.get(key)
@@ -70,23 +83,25 @@ class RadixCache:
         return Match(pages, node)
 
     def lock(self, node: TreeNode | None) -> None:
-        """Pin `node`'s path against eviction (None, a sequence that matched nothing yet: no-op)."""
-        while node is not self.root and node is not None:
+        """Pin `node`'s path against eviction (None, or a namespace's root: a sequence that
+        matched nothing yet: no-op)."""
+        while node is not None and node.parent is not None:
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: TreeNode | None) -> None:
-        while node is not self.root and node is not None:
+        while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> TreeNode:
-        """Take ownership of the full pages of `tokens`; duplicates go back to the pool.
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "") -> TreeNode:
+        """Take ownership of the full pages of `tokens`, in `salt`'s namespace; duplicates
+        go back to the pool.
 
         Returns the deepest node of the inserted path.
         """
-        node, stored, duplicates = self.root, [], []
+        node, stored, duplicates = self._root(salt), [], []
         now = next(self._clock)
         for key, page in zip(self._pages(tokens), pages, strict=True):  # one page per full page of tokens
             child = node.children.get(key)
@@ -124,8 +139,10 @@ class RadixCache:
             del parent.children[node.key]
             freed.append(node.page)
             removed.append(node.hash)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            elif parent.parent is None and not parent.children and parent is not self.root:
+                self.roots = {s: r for s, r in self.roots.items() if r is not parent}  # an emptied namespace
         self.cached_pages -= len(freed)
         self.pool.release(freed)
         if removed and self.on_event:
@@ -136,7 +153,7 @@ class RadixCache:
         return self.evict(self.cached_pages)
 
     def _walk(self):
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())

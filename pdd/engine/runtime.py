@@ -117,9 +117,11 @@ class EngineRuntime:
     async def reserve(self, rid: str, prompt: list[int], params: SamplingParams, use_cache: bool = True) -> int:
         return await self.call(lambda e: e.reserve(rid, prompt, params, use_cache))
 
-    async def cached_prefix(self, tokens: list[int]) -> int:
+    async def cached_prefix(self, tokens: list[int], salt: str = "") -> int:
         return await self.call(
-            lambda e: e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False).num_pages * e.pool.page_size
+            lambda e: (
+                e.cache.match_prefix(tokens[: len(tokens) - 1], touch=False, salt=salt).num_pages * e.pool.page_size
+            )
         )
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:

@@ -81,7 +81,7 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits choose the next token.
-        match = self.cache.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+        match = self.cache.match_prefix(seq.tokens[: len(seq.tokens) - 1], salt=seq.params.cache_salt)
         self.cache.lock(match.node)
         seq.cache_node = match.node
         seq.pages = list(match.pages)
@@ -134,7 +134,7 @@ class Scheduler:
         """Give a sequence's computed KV to the prefix cache and its other pages back."""
         full = seq.num_computed // self.pool.page_size
         if full:
-            self.cache.insert(seq.tokens[: full * self.pool.page_size], seq.pages[:full])
+            self.cache.insert(seq.tokens[: full * self.pool.page_size], seq.pages[:full], seq.params.cache_salt)
         self.pool.release(seq.pages[full:])
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)

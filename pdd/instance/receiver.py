@@ -175,7 +175,7 @@ class DecodeSide(Generic[J]):
         deadline = time.monotonic() + PREFIX_WAIT_S
         prompt = job.reserve.prompt
         while True:
-            cached = await self.engine.cached_prefix(prompt)
+            cached = await self.engine.cached_prefix(prompt, job.reserve.params.cache_salt)
             others = self._may_hold(job)
             i = prefix_holder(prompt, cached, self.engine.page_size, [o.reserve.prompt + o.output for o in others])
             if i is None:
@@ -193,7 +193,12 @@ class DecodeSide(Generic[J]):
         for o in self.jobs.values():
             if o is job:
                 earlier = False
-            elif may_hold(earlier, o.reserved) and not o.settled.is_set() and o.reserve.use_cache:
+            elif (
+                may_hold(earlier, o.reserved)
+                and not o.settled.is_set()
+                and o.reserve.use_cache
+                and o.reserve.params.cache_salt == job.reserve.params.cache_salt  # (another namespace's is no help)
+            ):
                 out.append(o)
         return out
 

@@ -22,10 +22,20 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of every full block of `tokens` (a partial tail block has no hash)."""
+def namespace_root(salt: str) -> int:
+    """The hash a chain starts from in the prefix-cache namespace of `salt`
+    (`SamplingParams.cache_salt`): ROOT_HASH for the shared one, else a hash of the salt,
+    so no prompt's chain in one namespace equals any in another."""
+    if not salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8, person=b"pdd-salt").digest(), "little")
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+    """Hashes of every full block of `tokens` (a partial tail block has no hash), chained
+    from the root of `salt`'s namespace."""
     out: list[int] = []
-    parent = ROOT_HASH
+    parent = namespace_root(salt)
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = chain_hash(parent, tokens[start : start + block_size])
         out.append(parent)

@@ -44,12 +44,13 @@ class CacheMirror:
             self.hashes.difference_update(hashes)
         return True
 
-    def predicted_hit(self, prompt: Sequence[int]) -> int:
-        """Tokens a reservation would lock: full pages of prompt[:-1] held in order."""
+    def predicted_hit(self, prompt: Sequence[int], salt: str = "") -> int:
+        """Tokens a reservation would lock: full pages of prompt[:-1] held in order, in
+        `salt`'s namespace."""
         if self.stale:
             return 0
         hit = 0
-        for h in block_hashes(prompt[: len(prompt) - 1], self.page_size):
+        for h in block_hashes(prompt[: len(prompt) - 1], self.page_size, salt):
             if h not in self.hashes:
                 break
             hit += self.page_size

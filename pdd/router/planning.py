@@ -43,9 +43,12 @@ class Planner:
     def max_context(self, tokens: int) -> None:
         self.model_context = tokens
 
-    def _candidates(self, role: str, prompt: list[int], use_mirror: bool = True) -> list[Candidate]:
+    def _candidates(self, role: str, req: GenRequest, use_mirror: bool = True) -> list[Candidate]:
+        def hit(c: InstanceClient) -> int:
+            return c.mirror.predicted_hit(req.prompt, req.params.cache_salt) if use_mirror else 0
+
         return [
-            Candidate(c.name, c.mirror.predicted_hit(prompt) if use_mirror else 0, c.queued_tokens, c.available)
+            Candidate(c.name, hit(c), c.queued_tokens, c.available)
             for c in self.clients.values()
             if c.spec.role == role
         ]
@@ -72,9 +75,9 @@ class Planner:
             p.anomaly_max_hit_share,
         )
         disaggregated = self.entry_role == RoleName.PREFILL
-        main = self._candidates(RoleName.MAIN, req.prompt, p.decode_radix_cache) if disaggregated else []
-        relay = self._candidates(RoleName.RELAY, req.prompt) if disaggregated and self.dep.mode == Mode.PDD else []
-        entry = self._candidates(self.entry_role, req.prompt)
+        main = self._candidates(RoleName.MAIN, req, p.decode_radix_cache) if disaggregated else []
+        relay = self._candidates(RoleName.RELAY, req) if disaggregated and self.dep.mode == Mode.PDD else []
+        entry = self._candidates(self.entry_role, req)
         n, m, weights = len(req.prompt), req.params.max_tokens, (p.affinity_weight, p.load_weight)
         try:
             if room and disaggregated:  # dispatch by room: the same decision the simulator makes

@@ -178,8 +178,9 @@ class VllmEngine(Requests):
         return blob
 
     # ---- EnginePort: the cache -------------------------------------------------------------
-    async def cached_prefix(self, tokens: list[int]) -> int:
-        return self.hashes.cached_prefix(block_hashes(tokens[: len(tokens) - 1], self.page_size)) * self.page_size
+    async def cached_prefix(self, tokens: list[int], salt: str = "") -> int:
+        pages = block_hashes(tokens[: len(tokens) - 1], self.page_size, salt)
+        return self.hashes.cached_prefix(pages) * self.page_size
 
     async def cache_snapshot(self) -> tuple[int, list[int]]:
         return self.hashes.snapshot()

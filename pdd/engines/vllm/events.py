@@ -8,8 +8,10 @@ the instance's page size. An instance on vLLM has one page size, vLLM's block si
 and only full blocks are ever cached, so each vLLM block is exactly one pdd page:
 its pdd hash is `chain_hash(pdd hash of its parent, its tokens)`, and `VllmHashes`
 keeps vLLM's hash -> pdd's hash for every cached block, which is also what a
-snapshot reports. Blocks hashed with extra keys (an uncached import's salt) are left
-out: no unsalted prompt can hit them, so the router must not count them.
+snapshot reports. A request's cache_salt reaches vLLM as `SALT_PREFIX + salt`, and
+its first block's hash chains from that salt's namespace root (`namespace_root`), as
+the router hashes the prompt; blocks with other extra keys (an uncached import's own
+salt, a LoRA, an image) are left out: no prompt the router hashes can hit them.
 """
 
 from __future__ import annotations
@@ -19,11 +21,26 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from pdd.kv.blocks import ROOT_HASH, chain_hash
+from pdd.kv.blocks import chain_hash, namespace_root
 
 log = logging.getLogger(__name__)
 Listener = Callable[[int, str, list[int]], None]  # (pdd event number, "stored" / "removed", pdd hashes)
 REPLAY_TIMEOUT_MS = 2000
+
+
+SALT_PREFIX = "pdd-salt:"  # how a request's cache_salt is given to vLLM, to tell it from pdd's own salts
+
+
+def salt_of(extra_keys: list[tuple[object, ...] | None] | None) -> str | None:
+    """The pdd cache_salt a block event's extra keys carry ("" for none); None where they
+    carry anything else (a LoRA, an image, an uncached import's own salt): such blocks
+    are hashed apart from every prompt the router hashes."""
+    if not any(extra_keys or ()):
+        return ""
+    first, *rest = extra_keys or [None]
+    if any(rest) or not first or len(first) != 1 or not isinstance(first[0], str):
+        return None
+    return first[0].removeprefix(SALT_PREFIX) if first[0].startswith(SALT_PREFIX) else None
 
 
 class VllmHashes:
@@ -47,10 +64,11 @@ class VllmHashes:
     ) -> list[int]:
         if block_size != self.page_size:
             raise ValueError(f"vLLM cached blocks of {block_size} tokens; this instance's page is {self.page_size}")
-        if any(extra_keys or ()):  # salted: hashed apart from every prompt the router hashes
+        salt = salt_of(extra_keys)
+        if salt is None:
             return []
         if parent is None:
-            prev = ROOT_HASH
+            prev = namespace_root(salt)  # (vLLM puts a request's salt in its first block's keys)
         elif parent in self.names:
             prev = self.names[parent]
         else:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdd.engine_port import OutOfPages, RequestError, StepOutput
 from pdd.engines.vllm import streams
+from pdd.engines.vllm.events import SALT_PREFIX
 from pdd.engines.vllm.streams import FINAL, LOAD, SHADOW, Request, Watch
 from pdd.sampling import SamplingParams
 
@@ -88,7 +89,8 @@ class Requests:
             self.eos_ids,
             {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}},
         )
-        req.task = asyncio.ensure_future(self._consume(req, self.llm.generate({"prompt_token_ids": prompt}, sp, rid)))
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt, **salted(params)}
+        req.task = asyncio.ensure_future(self._consume(req, self.llm.generate(inputs, sp, rid)))  # type: ignore[arg-type]
         done = False
         try:
             async for out in w:
@@ -130,7 +132,7 @@ class Requests:
         req = self._new(rid, prompt, params, session=True)
         req.reserved = self._loop.create_future()
         extra = {"kv_transfer_params": {"pdd": {"rid": rid, "op": "import"}}}
-        first: dict[str, Any] = {"prompt_token_ids": list(prompt)}
+        first: dict[str, Any] = {"prompt_token_ids": list(prompt), **salted(params)}
         if not use_cache:
             # vLLM's own switch (skip_reading_prefix_cache) turns the connector's load off
             # too; a salt of the request's own makes vLLM's hashes match nothing cached
@@ -251,3 +253,8 @@ class Requests:
                 req.held.set_exception(RequestError(f"request {req.rid!r} ended without its KV held"))
             else:
                 req.held.set_result((header["held"], header["tokens"]))
+
+
+def salted(params: SamplingParams) -> dict[str, str]:
+    """The request's cache_salt as vLLM takes it (vLLM hashes it into the first block)."""
+    return {"cache_salt": SALT_PREFIX + params.cache_salt} if params.cache_salt else {}
