@@ -75,6 +75,25 @@ def test_each_key_is_counted_and_logged_under_its_name(tenants):
     assert not any(key in log.read_text() for key in KEYS.values())  # names, never the keys
 
 
+def test_without_a_salt_each_key_has_a_cache_of_its_own(tenants):
+    """A server of several keys keeps each key's prefixes apart unless requests give the
+    same cache_salt, which they then share (as on vLLM); a salt never names a key's cache."""
+    url, _ = tenants
+    prompt = list(range(600, 700))
+
+    def cached(key: str, **salt: str) -> int:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, **salt}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[key]}"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("alice") == 0 and cached("alice") > 0  # its own second request hits
+    assert cached("bob") == 0  # the same prompt, another key: nothing of alice's shows
+    assert cached("bob", cache_salt="key:alice") == 0  # a salt is a salt, not a key's namespace
+    assert cached("alice", cache_salt="team") == 0 and cached("bob", cache_salt="team") > 0  # shared on purpose
+
+
 @pytest.mark.parametrize("keys_file, env, says", [
     ('[keys]\nalice = "k1"\nbob = "k1"\n', "", "keys 'alice' and 'bob' are the same key"),
     ('[keys]\nalice = "k1"\n', "alice=k2", "$PDD_API_KEYS: key name 'alice' is given twice"),

@@ -44,7 +44,7 @@ def build_app(
 ) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
-    server = OpenAIServer(backend, tokenizer, model_name, registry, admission)
+    server = OpenAIServer(backend, tokenizer, model_name, registry, admission, tenants=len(api_keys) > 1)
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_keys:  # added after the body limit, so it runs first: no body is read for a caller without a key

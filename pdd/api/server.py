@@ -41,8 +41,12 @@ class OpenAIServer:
         model_name: str,
         registry: CollectorRegistry | None,
         admission: Limits,
+        tenants: bool = False,
     ) -> None:
+        """`tenants`: keep each API key's requests in a prefix-cache namespace of their own
+        when they give no cache_salt (a server of several named keys)."""
         self.backend = backend
+        self.tenants = tenants
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = ServingMetrics(backend.load, registry)
@@ -167,7 +171,8 @@ class OpenAIServer:
         slot: Slot,
     ) -> Response:
         limit, defaults = self.backend.max_context, self.tokenizer.generation_defaults
-        params = sampling_params(req, len(prompt), max_tokens, default_max, limit, defaults)
+        tenant = access_of(client.scope).api_key if self.tenants else ""
+        params = sampling_params(req, len(prompt), max_tokens, default_max, limit, defaults, tenant)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Outcome()
         pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot, access_of(client.scope))

@@ -39,10 +39,13 @@ def sampling_params(
     default_max: int,
     limit: int,
     defaults: Mapping[str, float | int] = {},
+    tenant: str = "",
 ) -> SamplingParams:
     """The request's sampling parameters, checked against the model's context `limit`;
     what the request leaves out comes from the model's generation config (`defaults`:
-    temperature, top_p, top_k, max_new_tokens), as vLLM's server does."""
+    temperature, top_p, top_k, max_new_tokens), as vLLM's server does. Its prefix-cache
+    namespace is `cache_namespace`'s, `tenant` the name of its API key where each key's
+    requests are kept apart (a server of several keys)."""
     given = req.model_fields_set
     default_max = int(defaults.get("max_new_tokens", default_max))
     if req.n != 1:
@@ -80,8 +83,8 @@ def sampling_params(
         raise ApiError(400, "temperature and top_p must be finite numbers") from None
     if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
         raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
-    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT:
-        raise ApiError(400, f"cache_salt must be 1 to {MAX_CACHE_SALT} characters", param="cache_salt")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_API_SALT:
+        raise ApiError(400, f"cache_salt must be 1 to {MAX_API_SALT} characters", param="cache_salt")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -91,7 +94,7 @@ def sampling_params(
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
-            cache_salt=unicode_text(req.cache_salt or "", "cache_salt"),
+            cache_salt=cache_namespace(unicode_text(req.cache_salt or "", "cache_salt"), tenant),
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
@@ -100,6 +103,20 @@ def sampling_params(
         # (prefill, relay, main decode) then draws from the same seed.
         params = replace(params, seed=secrets.randbits(63))
     return params
+
+
+MAX_API_SALT = MAX_CACHE_SALT - 16  # what a client may give; the namespace adds its kind
+
+
+def cache_namespace(salt: str, tenant: str) -> str:
+    """A request's prefix-cache namespace: its own `cache_salt` if it gives one (as on
+    vLLM: requests that give the same salt share); else its API key's name where the
+    server keeps each key's requests apart (so without a salt, no key's cached-token
+    counts reveal another's prefixes); else the shared cache (""). The kinds are
+    prefixed, so no salt a client gives names a key's namespace."""
+    if salt:
+        return f"salt:{salt}"
+    return f"key:{tenant}" if tenant else ""
 
 
 def usage(prompt_len: int, out: Outcome) -> dict:

@@ -43,7 +43,6 @@ from pdd.transfer import messages as m
 from pdd.transfer.wire import link_key
 
 log = logging.getLogger(__name__)
-SALT_SINCE = 5  # the protocol version whose instances keep each cache_salt a namespace of its own
 
 
 class RouterBackend:
@@ -108,15 +107,6 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
-        if req.params.cache_salt:
-            # protocol 4 knows no salt: such an instance would share the tenant's prefixes with everyone
-            old = sorted(c.name for c in self.clients.values() if c.protocol is not None and c.protocol < SALT_SINCE)
-            if old:
-                raise BackendError(
-                    f"cache_salt needs protocol {SALT_SINCE} on every instance; {', '.join(old)} speak an older "
-                    "one (an upgrade in progress: docs/deployment.md, Rolling upgrades)",
-                    503,
-                )
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         self.in_flight += 1

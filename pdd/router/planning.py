@@ -48,7 +48,7 @@ class Planner:
             return c.mirror.predicted_hit(req.prompt, req.params.cache_salt) if use_mirror else 0
 
         return [
-            Candidate(c.name, hit(c), c.queued_tokens, c.available)
+            Candidate(c.name, hit(c), c.queued_tokens, c.available and not (req.params.cache_salt and _saltless(c)))
             for c in self.clients.values()
             if c.spec.role == role
         ]
@@ -88,7 +88,9 @@ class Planner:
                 return plan_with_room(n, m, entry, main, relay, rule, has_room, *weights)
             return plan_request(n, m, entry, main, relay, rule, *weights)
         except LookupError as e:
-            raise BackendError(str(e), 503) from None
+            old = sorted(c.name for c in self.clients.values() if _saltless(c))
+            why = f" (cache_salt needs protocol {SALT_SINCE}: {', '.join(old)} speak older)" if old else ""
+            raise BackendError(f"{e}{why if req.params.cache_salt else ''}", 503) from None
 
     async def dispatch(self, req: GenRequest) -> RouterRequest:
         """Plan the request once its decode side has room, first come first served."""
@@ -112,3 +114,12 @@ class Planner:
         c.committed_requests += sign
         if sign < 0:
             self.line.changed()
+
+
+SALT_SINCE = 5  # the protocol version whose instances keep each cache_salt a namespace of its own
+
+
+def _saltless(c: InstanceClient) -> bool:
+    """An instance of protocol 4 knows no salt: planned a salted request, it would share
+    the tenant's prefixes with everyone (a rolling upgrade's middle: the others take it)."""
+    return c.protocol is not None and c.protocol < SALT_SINCE
