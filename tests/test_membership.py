@@ -58,6 +58,16 @@ def _join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None
                        f"{http}/health", env=env), str(dep.run_dir / "deployment.toml"), http
 
 
+def _md1_serves(dep, reference: list[int]) -> None:
+    """Once the router is connected to the joined md1, it gets some of 8 requests at once,
+    and every one gives the reference tokens."""
+    wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
+    assert all(r["ids"] == reference for r in results)
+    assert "md1" in {r["main"] for r in results}, "the new instance should get work"
+
+
 def _admin_refused(dep) -> None:
     """The membership routes without the admin token, or with a wrong one: 401, and
     nothing joins or drains."""
@@ -95,11 +105,7 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
         _admin_refused(dep)
         joining, conf, md1_http = _join_main(dep, tmp_path, "md1")
         with joining as md1:
-            wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
-            assert all(r["ids"] == reference for r in results)
-            assert "md1" in {r["main"] for r in results}, "the new instance should get work"
+            _md1_serves(dep, reference)
             # --openai-api: the joined decode instance serves the API itself, with the same tokens
             assert [m["id"] for m in httpx.get(f"{md1_http}/v1/models", timeout=10).json()["data"]] == ["tiny"]
             assert _complete(md1_http, 40)["ids"] == reference
@@ -149,11 +155,7 @@ def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_
         reference = _complete(dep.url, 40)["ids"]
         joining, _, _ = _join_main(dep, tmp_path, "md1", env={wire.PROTOCOL_ENV: old})
         with joining as md1:
-            wait_until(lambda: _instances(dep.url).get("md1", {}).get("healthy"), 30, "the router connects to md1")
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(lambda _: _complete(dep.url, 40), range(8)))
-            assert all(r["ids"] == reference for r in results)
-            assert "md1" in {r["main"] for r in results}, "md1 should get work"
+            _md1_serves(dep, reference)
             seen = {n: (i["protocol"], i["software"]) for n, i in _instances(dep.url).items()}
             assert seen["md1"] == (wire.OLDEST_PROTOCOL, "") and seen["md0"] == (wire.PROTOCOL_VERSION, pdd.__version__)
             for sender in ("p0", "rld0"):  # their KV and handoffs went to md1 in the old version

@@ -20,37 +20,24 @@ class ServingMetrics:
     def __init__(self, load: Callable[[], Load], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "pdd_time_to_first_token_seconds",
-            "Time to first token, from the request's arrival (its wait for admission included)",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+
+        def seconds(name: str, what: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"pdd_{name}_seconds", what, registry=r, buckets=buckets)
+
+        self.ttft = seconds(
+            "time_to_first_token", "Time to first token, from the request's arrival (its wait for admission included)"
         )
-        self.queue = Histogram(
-            "pdd_request_queue_time_seconds",
-            "Time a request waited for admission (the router's line, or an instance's)",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+        self.queue = seconds(
+            "request_queue_time", "Time a request waited for admission (the router's line, or an instance's)"
         )
-        self.e2e = Histogram(
-            "pdd_e2e_request_latency_seconds",
-            "Time from a request's arrival to its last token",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.itl = Histogram(
-            "pdd_inter_token_latency_seconds",
+        self.e2e = seconds("e2e_request_latency", "Time from a request's arrival to its last token")
+        self.itl = seconds(
+            "inter_token_latency",
             "Time between consecutive output tokens as the client gets them (one observation a token "
             "after the first; tokens that arrive together count 0 after the first of them)",
-            registry=r,
-            buckets=_ITL_BUCKETS,
+            _ITL_BUCKETS,
         )
-        self.tpot = Histogram(
-            "pdd_time_per_output_token_seconds",
-            "Mean time per output token after the first",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
+        self.tpot = seconds("time_per_output_token", "Mean time per output token after the first")
         self.requests = Counter("pdd_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("pdd_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("pdd_generation_tokens", "Tokens generated", registry=r)
