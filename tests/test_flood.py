@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import pdd_up, wait_until
+from procs import metrics, pdd_up, wait_until
 
 from pdd.bench.flood import flood
 from pdd.transfer import messages as m
@@ -53,11 +53,14 @@ def _node(dep, name: str) -> dict:
 @pytest.mark.parametrize("mode", ["colocated", "pd-same-dc", "pd-cross-dc", "pdd"])
 def test_a_flood_is_answered_whole_or_refused_up_front(tmp_path, mode):
     with pdd_up("--config", _config(tmp_path / "d.toml", mode, SMALL)) as dep:
+        shed = metrics(dep.url).get("pdd_admission_shed_total", 0.0)
         out = asyncio.run(flood(dep.url, 40, PROMPT_TOKENS, MAX_TOKENS))
         print(f"\n{mode}: sent {out.sent}, whole {out.whole}, refused {out.refused}, other {len(out.other)} "
               f"in {out.wall_s:.1f} s; statuses {dict(out.statuses)}")
         assert out.ok, out.other[:5]
         assert out.whole >= 16 and out.refused > 0  # the router's 8 + 8 ran; the rest was told to come back
+        # every refusal came before admission: a 503 with Retry-After after it would count here, and must not
+        assert out.refused == metrics(dep.url)["pdd_admission_shed_total"] - shed, dict(out.statuses)
         _settled(dep)
         again = asyncio.run(flood(dep.url, 2, PROMPT_TOKENS, MAX_TOKENS, seed=1))
         assert again.whole == 2  # the refusals were back-pressure, not a broken deployment
@@ -215,8 +218,12 @@ def test_background_copies_behind_a_stalled_line_leave_p_its_places(tmp_path):
         dep.fault(stall_s=8.0)
         waves = [asyncio.run(flood(dep.url, 3, PROMPT_TOKENS, 8, seed=10 + w)) for w in range(4)]
         p = _node(dep, "p0")
-        print(f"\nduring the stall: {[w.whole for w in waves]} whole of 3 a wave; P holds {p['held']} foreground")
+        print(f"\nduring the stall: {[w.whole for w in waves]} whole of 3 a wave; P holds {p['held']} foreground, "
+              f"{p['background_held']} background")
         assert all(w.ok and w.whole == 3 for w in waves), [w.other for w in waves]
+        # the premise: MD's copies did pile up at P behind the stall, more than P's places,
+        # so counted as foreground they would have refused the later waves
+        assert p["held"] + p["background_held"] > 4 and p["background_held"] > 0, p
         dep.fault(stall_s=0)
         back_s = _settled(dep, 10.0)
         print(f"MD's pages all back {back_s:.1f} s after the line was")

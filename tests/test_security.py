@@ -16,7 +16,15 @@ from procs import pdd_up
 
 from pdd.config import TLSSpec, load
 from pdd.transfer.tls import client_context, make_self_signed, server_context
-from pdd.transfer.wire import FramedConnection, MsgType, client_handshake, open_connection, serve, server_handshake
+from pdd.transfer.wire import (
+    FramedConnection,
+    MsgType,
+    client_handshake,
+    link_key,
+    open_connection,
+    serve,
+    server_handshake,
+)
 
 KEY = b"k" * 32
 
@@ -46,8 +54,8 @@ def _trusting_client(ca: str, cert_key: tuple[Path, Path] | None) -> ssl.SSLCont
     return ctx
 
 
-async def _exchange(port: int, tls: ssl.SSLContext | None) -> bytes:
-    conn = await open_connection("127.0.0.1", port, KEY, tls=tls, connect_timeout=5)
+async def _exchange(port: int, tls: ssl.SSLContext | None, key: bytes = KEY) -> bytes:
+    conn = await open_connection("127.0.0.1", port, key, tls=tls, connect_timeout=5)
     try:
         await asyncio.wait_for(client_handshake(conn, {"role": "router"}), 5)
         await conn.send(MsgType.TOKENS, b"over tls")
@@ -139,9 +147,13 @@ def test_a_tls_deployment_serves_and_listens_only_where_its_config_says(pair, tm
         r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "over the line", "max_tokens": 12,
                                                           "ignore_eos": True, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
-        md0 = load(dep.run_dir / "deployment.toml").instance("md0")
+        deployed = load(dep.run_dir / "deployment.toml")
+        md0, key = deployed.instance("md0"), link_key(deployed.secret, "instances")
+        # with the deployment's own key, a router's HELLO over TLS gets MD's first frame (its cache
+        # snapshot); the same over plain TCP is refused: only the missing TLS can refuse it
+        assert asyncio.run(_exchange(md0.kv_port, client_context(pair), key))
         with pytest.raises((ConnectionError, OSError, asyncio.TimeoutError)):  # its framed port speaks only TLS
-            asyncio.run(_exchange(md0.kv_port, None))
+            asyncio.run(_exchange(md0.kv_port, None, key))
         addresses = {name: _listening(pid) for name, pid in dep.pids.items()}
     assert all(addresses.values()), addresses
     assert {a for found in addresses.values() for a in found} == {"127.0.0.1"}, addresses

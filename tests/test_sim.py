@@ -429,6 +429,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
     from pdd.policy.plan import anomaly_rule, plan_with_room
     from pdd.policy.routing import Candidate
     from pdd.router.planning import Planner
+    from pdd.sampling import SamplingParams
 
     rng = random.Random(5)
     policy = PolicySpec(affinity_weight=2.0)
@@ -444,14 +445,14 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
                     name=f"{role}{i}", spec=SimpleNamespace(role=role, engine=engine),
                     queued_tokens=rng.randint(0, 3000), available=role == RoleName.PREFILL or rng.random() > 0.15,
                     committed_pages=rng.randint(0, pages), committed_requests=rng.randint(0, max_requests),
-                    pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, h=hit: h))
+                    pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, salt, h=hit: h))
         if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
             continue  # (the router answers 503 there; not a dispatch decision)
         planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy), clients)
         planner.max_context = max_context
         prompt, max_tokens = rng.choice([100, 600, 1000]), rng.choice([4, 100, 400])
-        req = SimpleNamespace(prompt=[1] * prompt, params=SimpleNamespace(max_tokens=max_tokens))
-        cands = {role: [Candidate(c.name, c.mirror.predicted_hit(req.prompt), c.queued_tokens, c.available)
+        req = SimpleNamespace(prompt=[1] * prompt, params=SamplingParams(max_tokens=max_tokens))
+        cands = {role: [Candidate(c.name, c.mirror.predicted_hit(req.prompt, ""), c.queued_tokens, c.available)
                         for c in clients.values() if c.spec.role == role] for role in RoleName}
 
         def has_room(c: Candidate, clients=clients, prompt=prompt, max_tokens=max_tokens) -> bool:

@@ -120,6 +120,7 @@ class Node:
             "peak_held": self.peak_held,
             "reservations_waiting": len(waiting) if waiting is not None else 0,
             "prefix_waits_expired": getattr(self.role, "prefix_waits_expired", 0),  # (decode-side roles)
+            "background_held": getattr(self.role, "background_held", 0),  # (a prefill role)
             "aborted": self.aborted.count,
         }
 

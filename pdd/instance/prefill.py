@@ -115,6 +115,11 @@ class PrefillRole:
         the places of new requests (their producer, the relay, already has its KV)."""
         return sum(1 for j in self.jobs.values() if not j.background)
 
+    @property
+    def background_held(self) -> int:
+        """MD's background copies held here (behind a lagging line, they wait at P)."""
+        return sum(1 for j in self.jobs.values() if j.background)
+
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
             self.host.aborted.add(job.rid)

@@ -88,9 +88,9 @@ class Planner:
                 return plan_with_room(n, m, entry, main, relay, rule, has_room, *weights)
             return plan_request(n, m, entry, main, relay, rule, *weights)
         except LookupError as e:
-            old = sorted(c.name for c in self.clients.values() if _saltless(c))
+            old = sorted(c.name for c in self.clients.values() if _saltless(c)) if req.params.cache_salt else []
             why = f" (cache_salt needs protocol {SALT_SINCE}: {', '.join(old)} speak older)" if old else ""
-            raise BackendError(f"{e}{why if req.params.cache_salt else ''}", 503) from None
+            raise BackendError(f"{e}{why}", 503) from None
 
     async def dispatch(self, req: GenRequest) -> RouterRequest:
         """Plan the request once its decode side has room, first come first served."""
