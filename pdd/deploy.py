@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdd import config as cfg
+from pdd.addresses import parse_addr
 from pdd.engine_port import engine_names
 from pdd.errors import Mistake
 from pdd.names import RoleName
@@ -132,8 +133,8 @@ def check_ports(dep: cfg.Deployment) -> None:
     if dep.link.admin_port:
         wanted.append(("wan", dep.link.host, dep.link.admin_port))
     for inst in dep.instances:  # the emulator's hops (on this machine: the ones on the link's host)
-        hops = (a.rsplit(":", 1) for a in inst.advertise.values())
-        wanted += [("wan", host, int(port)) for host, port in hops if host == dep.link.host]
+        hops = (parse_addr(a) for a in inst.advertise.values())
+        wanted += [("wan", host, port) for host, port in hops if host == dep.link.host]
     for name, host, port in wanted:
         try:
             listen(host, port).close()
@@ -210,7 +211,7 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
     sender_dcs = {i.dc for i in instances if i.role in (RoleName.PREFILL, RoleName.RELAY)}  # they send KV, handoffs
     taken = {p for i in instances for p in (i.port, i.kv_port) if p} | {dep.link.admin_port, dep.router.port}
-    taken |= {int(a.rsplit(":", 1)[1]) for i in instances for a in i.advertise.values()}
+    taken |= {parse_addr(a)[1] for i in instances for a in i.advertise.values()}
     if router_port:
         taken.add(router_port)
     draw = functools.partial(free_port, taken)
@@ -356,16 +357,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         topology = replace(dep.topology, **{k: v for k, v in placed.items() if v is not None})
     except ValueError as e:
-        print(f"pdd up: {e}", file=sys.stderr)
-        return 2
+        raise Mistake(str(e)) from None
     dep = cfg.in_emulated_time(replace(dep, topology=topology, link=link, policy=policy))
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
     try:
         dep = resolve(replace(dep, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
-        print(f"pdd up: {e}", file=sys.stderr)
-        return 2
+        raise Mistake(str(e)) from None
     check_ports(dep)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)

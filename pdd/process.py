@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 
 from pdd.errors import Mistake
 
@@ -25,22 +24,19 @@ def identity() -> dict[str, object]:
     return {"pid": os.getpid(), "launch": os.environ.get(LAUNCH_ENV, "")}
 
 
-def configure(command: str) -> None:
+def configure() -> None:
     """Log at `PDD_LOG`'s level (DEBUG, INFO, WARNING, ERROR; INFO when unset), and check
-    `PDD_PROTOCOL` (a version this release speaks): a value that is none of them is one
-    line and exit 2, before anything starts."""
+    `PDD_PROTOCOL` (a version this release speaks): a value that is none of them is a
+    `Mistake`, before anything starts."""
     from pdd.transfer.wire import offered_protocol
 
     level = os.environ.get("PDD_LOG", "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        said = os.environ["PDD_LOG"]
-        print(f"{command}: PDD_LOG={said!r} is not one of DEBUG, INFO, WARNING, ERROR", file=sys.stderr)
-        raise SystemExit(2)
+        raise Mistake(f"PDD_LOG={os.environ['PDD_LOG']!r} is not one of DEBUG, INFO, WARNING, ERROR")
     try:
         offered_protocol()
     except ValueError as e:
-        print(f"{command}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise Mistake(str(e)) from None
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 

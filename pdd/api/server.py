@@ -171,11 +171,13 @@ class OpenAIServer:
         slot: Slot,
     ) -> Response:
         limit, defaults = self.backend.max_context, self.tokenizer.generation_defaults
-        tenant = access_of(client.scope).api_key if self.tenants else ""
-        params = sampling_params(req, len(prompt), max_tokens, default_max, limit, defaults, tenant)
+        access = access_of(client.scope)
+        params = sampling_params(
+            req, len(prompt), max_tokens, default_max, limit, defaults, access.api_key if self.tenants else ""
+        )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Outcome()
-        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot, access_of(client.scope))
+        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot, access)
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from pdd.model.store import resolve_model, served_name
     from pdd.process import configure, listen
 
-    configure("pdd serve")
+    configure()
     args.engine_flags = list(args.engine_flags)
     if args.engine_flags and not args.engine_flags[0].startswith("-"):  # pdd serve MODEL ..., as vllm serve
         positional = args.engine_flags.pop(0)

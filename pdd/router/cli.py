@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from pdd.errors import Mistake
     from pdd.process import configure, listen
 
-    configure("pdd router")
+    configure()
     dep = cfg.load(args.config)
     if args.port is not None:
         dep = replace(dep, router=replace(dep.router, port=args.port))
