@@ -147,9 +147,9 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
 
 def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_path):
     """A rolling upgrade's middle: md1 speaks only the protocol before (`PDD_PROTOCOL`, so on
-    the wire it is that release: HELLO in its version, no field of the newer). The router,
-    P and the relay find it closes on their HELLO, say it again in its version, and serve
-    through it the tokens they serve through md0."""
+    the wire it is that release: HELLO in its version, no field of the newer). The router
+    and P find it closes on their HELLO, say it again in its version, and serve through it
+    the tokens they serve through md0."""
     old = str(wire.OLDEST_PROTOCOL)
     with pdd_up("--mode", "pdd", *LINE) as dep:
         reference = _complete(dep.url, 40)["ids"]
@@ -158,9 +158,10 @@ def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_
             _md1_serves(dep, reference)
             seen = {n: (i["protocol"], i["software"]) for n, i in _instances(dep.url).items()}
             assert seen["md1"] == (wire.OLDEST_PROTOCOL, "") and seen["md0"] == (wire.PROTOCOL_VERSION, pdd.__version__)
-            for sender in ("p0", "rld0"):  # their KV and handoffs went to md1 in the old version
-                log = (dep.run_dir / f"{sender}.log").read_text()
-                assert f"closed on protocol {wire.PROTOCOL_VERSION}'s HELLO: trying {old}" in log, log[-2000:]
+            # md1's KV came from P in the old version (the relay connects to md1 the same way, `Peers.get`,
+            # but only when it hands a request off to md1, which not every run does: 1 in 6 here did not)
+            log = (dep.run_dir / "p0.log").read_text()
+            assert f"closed on protocol {wire.PROTOCOL_VERSION}'s HELLO: trying {old}" in log, log[-2000:]
             # protocol 4 keeps no cache_salt apart: salted requests are planned around md1
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "cache_salt": "alice"}
             with ThreadPoolExecutor(4) as pool:
