@@ -31,6 +31,10 @@ _COMMANDS: dict[str, str] = {
 }
 
 
+# sub-commands whose first word may be left out: `pdd bench --url U` is `pdd bench serve --url U`
+_IMPLIED = {"bench": "serve"}
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -44,6 +48,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _IMPLIED and argv[1:2] and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        argv.insert(1, _IMPLIED[argv[0]])
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not hasattr(args, "engine_flags"):  # only a command that passes flags on takes unknown ones

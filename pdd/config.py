@@ -36,7 +36,7 @@ from pdd.engine_port import (
     left_to_engine,
     read_auto,
 )
-from pdd.names import HandoffMode, Mode, Pipeline, RoleName
+from pdd.names import HARDWARE, NATIVE, HandoffMode, Mode, Pipeline, RoleName, role_chip
 
 ROLES = tuple(RoleName)
 MODES = tuple(Mode)
@@ -226,11 +226,12 @@ class TopologySpec:
     # priority, as on their own hardware their long prefills would not take the CPU
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
-    # "native": every instance runs at this machine's speed; "emulated": each on its own
-    # emulated accelerator (`pdd.engine.pacing`): P and RLD on the spec's chip A, MD on
-    # B, a standalone instance on A; time then runs `dilation` times slower than on those
-    # chips, and `pdd up` stretches the line and the policy's latency budget alike
-    hardware: str = "native"
+    # what the instances run on (`pdd.names.HARDWARE`): "native", at this machine's speed;
+    # "emulated", each on the spec's chip for its role (`pdd.engine.pacing`: P and RLD on
+    # A, MD on B, a standalone instance on A); "A" or "B", every instance on that chip.
+    # Emulated time runs `dilation` times slower than the chips, and `pdd up` stretches
+    # the line and the policy's latency budget alike
+    hardware: str = NATIVE
     dilation: float = 1.0
 
     def __post_init__(self) -> None:
@@ -240,12 +241,12 @@ class TopologySpec:
             raise ValueError("relay must be 0 or more")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError("prefill_nice must lie in 0..19")
-        if self.hardware not in ("native", "emulated") or not self.dilation >= 1.0:
-            raise ValueError("hardware must be native or emulated, and dilation at least 1")
+        if self.hardware not in HARDWARE or not self.dilation >= 1.0:
+            raise ValueError(f"hardware must be one of {', '.join(HARDWARE)}, and dilation at least 1")
 
     def chip(self, role: str) -> str:
         """The emulated chip a role runs on (`native` when nothing is emulated)."""
-        return "native" if self.hardware == "native" else "B" if role == RoleName.MAIN else "A"
+        return role_chip(self.hardware, role)
 
 
 @dataclass(frozen=True)
@@ -410,7 +411,7 @@ def in_emulated_time(dep: Deployment) -> Deployment:
     compute, the line and the budgets stays what it is at the chips' speed (`pdd up`
     and `pdd sim check` alike). A native deployment is returned as it is."""
     d = dep.topology.dilation
-    if dep.topology.hardware == "native":
+    if dep.topology.hardware == NATIVE:
         return dep
     link = replace(
         dep.link,
@@ -436,7 +437,7 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     def spec(name: str, role: str, dc: str) -> InstanceSpec:
         # pd-same-dc is the spec's homogeneous baseline: every chip of it is A
         chip = top.chip(RoleName.PREFILL if mode == Mode.PD_SAME_DC else role)
-        engine = dep.engine if chip == "native" else replace(dep.engine, hardware=chip, dilation=top.dilation)
+        engine = dep.engine if chip == NATIVE else replace(dep.engine, hardware=chip, dilation=top.dilation)
         return InstanceSpec(name, role, dc, engine=engine)
 
     if mode == Mode.COLOCATED:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.demo_deploy import START_TIMEOUT_S, DemoDeployment, DeployError, accepted_modes
 from pdd.engine_port import engine_names
 from pdd.errors import Mistake
-from pdd.names import Mode, mode_options
+from pdd.names import EMULATED, HARDWARE, HARDWARE_HELP, Mode, mode_options
 from pdd.workload.scenarios import SCENARIOS, Scenario, fit_scenario
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # the plain PD modes (one D) are one `--modes` away.
 EQUAL_HARDWARE_MODES = (f"{Mode.PD_SAME_DC}:main=2", f"{Mode.PD_CROSS_DC}:main=2")
 DEFAULT_MODES = (Mode.COLOCATED, *EQUAL_HARDWARE_MODES, Mode.PDD)
-DEFAULT_HARDWARE = "emulated"
+DEFAULT_HARDWARE = EMULATED
 # Emulated time runs this much slower than the chips, so this CPU finishes each step within
 # its chip's time (the report counts the steps it did not): at x3, PDD's one MD on B (the
 # fastest decode steps, the largest batch) overran 10-20 % of its steps with anything else
@@ -320,11 +320,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0, help="default 200")
     parser.add_argument(
         "--hardware",
-        choices=("emulated", "native"),
+        choices=HARDWARE,
         default=DEFAULT_HARDWARE,
-        help="emulated (default): each instance paced as its own accelerator (P, RLD on the spec's A, "
-        "MD on B; pd-same-dc all on A), real tokens in emulated time; native: every instance at this "
-        "machine's speed, sharing its CPU (a run then depends on what else the machine does)",
+        help=f"{HARDWARE_HELP} (pd-same-dc all on A). Default {DEFAULT_HARDWARE}: native instances share "
+        "this machine's CPU, so a run then depends on what else the machine does",
     )
     parser.add_argument(
         "--dilation",

@@ -35,7 +35,7 @@ from pdd import config as cfg
 from pdd.addresses import parse_addr
 from pdd.engine_port import engine_names
 from pdd.errors import Mistake
-from pdd.names import RoleName
+from pdd.names import HARDWARE, HARDWARE_HELP, RoleName
 from pdd.process import LAUNCH_ENV, listen
 
 READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
@@ -64,9 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
     p.add_argument(
         "--hardware",
-        choices=("native", "emulated"),
-        help="native: every instance at this machine's speed; emulated: each paced as its own "
-        "accelerator (P, RLD on the spec's A, MD on B), real tokens in emulated time",
+        choices=HARDWARE,
+        help=f"{HARDWARE_HELP} (default: the config's [topology] hardware, native)",
     )
     p.add_argument(
         "--dilation",

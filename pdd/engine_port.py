@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdd.names import CHIPS, NATIVE
 from pdd.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class EngineConfig:
     vllm: dict[str, Any] = field(default_factory=dict)
     # "native": steps take what this machine takes; "A" / "B": at least what that chip of
     # the simulator's catalog would (`pdd.engine.pacing`), `dilation` times slower
-    hardware: str = "native"
+    # ("emulated" is resolved to a chip by role before it gets here: `pdd.names.role_chip`)
+    hardware: str = NATIVE
     dilation: float = 1.0
 
     def __post_init__(self) -> None:
@@ -99,6 +101,8 @@ class EngineConfig:
         if self.dtype == "auto" and self.backend not in SIZES_ITSELF:
             raise ValueError(f'engine dtype "auto" is vLLM\'s; the {self.backend} engine needs a dtype')
         devices(self.device)  # (ValueError for a malformed list)
+        if self.hardware not in (NATIVE, *CHIPS):
+            raise ValueError(f"engine hardware must be {NATIVE} or a chip ({', '.join(CHIPS)}), not {self.hardware!r}")
         if not self.dilation >= 1.0:
             raise ValueError("engine dilation must be at least 1 (emulated time runs slower, never faster)")
 

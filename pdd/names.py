@@ -40,6 +40,29 @@ class RoleName(StrEnum):
     MAIN = "main"
 
 
+# What instances run on: the one meaning of `--hardware` (serve, up, demo) and of
+# `hardware =` in the config. native: this machine's speed; emulated: each instance on the
+# spec's chip for its role (P, RLD and a standalone on A, MD on B; pd-same-dc all on A);
+# A or B: every instance on that chip. An emulated chip paces each step to the time the
+# simulator's catalog gives it (`pdd.engine.pacing`; its chips are `pdd.sim.hardware.CATALOG`).
+NATIVE = "native"
+EMULATED = "emulated"
+CHIPS = ("A", "B")
+HARDWARE = (NATIVE, EMULATED, *CHIPS)
+HARDWARE_HELP = (
+    "what the instances run on: native (this machine's speed); emulated (each on the spec's chip "
+    "for its role: P, RLD and a standalone on A, MD on B); A or B (every instance on that chip). "
+    "An emulated chip paces each step to its time: real tokens in emulated time"
+)
+
+
+def role_chip(hardware: str, role: str) -> str:
+    """The chip an instance of `role` runs on under `hardware` (`native`: none)."""
+    if hardware == EMULATED:
+        return "B" if role == RoleName.MAIN else "A"
+    return hardware
+
+
 class Mode(StrEnum):
     """How a deployment places its roles."""
 

@@ -264,7 +264,7 @@ def test_the_workload_follows_the_served_model(monkeypatch, capsys):
     from pdd.cli import build_parser
 
     def plan(*extra: str) -> tuple[list, dict]:
-        argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "30", *extra]
+        argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "30", *extra]
         return bench_cli.plan_workload(build_parser(argv).parse_args(argv))
 
     # what /v1/models says of a model with a 1,024-token context and a 300-token vocabulary
@@ -277,3 +277,24 @@ def test_the_workload_follows_the_served_model(monkeypatch, capsys):
     assert (given["vocab_size"], given["max_context"]) == (200, 3000)
     monkeypatch.setattr(bench_cli, "served_model", lambda url: {})  # a server that does not say
     assert plan()[1]["vocab_size"] == 4096 and plan()[1]["max_context"] == 4000
+
+
+def test_each_bench_target_has_its_own_help(capsys):
+    """`pdd bench TARGET --help` lists that target's options, none of another's; a bare
+    `pdd bench --url ...` is the serve target."""
+    from pdd.cli import build_parser, main
+
+    own = {"serve": "--workload", "engine": "--skip-http", "handoff": "--handoff-tokens", "flood": "--stream-share",
+           "overhead": "--pairs"}
+    for target, option in own.items():
+        with pytest.raises(SystemExit):
+            main(["bench", target, "--help"])
+        text = capsys.readouterr().out
+        assert option in text, target
+        assert not [o for t, o in own.items() if t != target and o in text and not (target == "overhead" and
+                                                                                      o == "--workload")], target
+    argv = ["bench", "--url", "http://127.0.0.1:9"]
+    assert build_parser(argv).parse_args(["bench", "serve", "--url", "http://127.0.0.1:9"]).target == "serve"
+    with pytest.raises(SystemExit):
+        main(["bench", "--url", "http://127.0.0.1:9", "--requests", "0"])
+    assert "--requests must be >= 1" in capsys.readouterr().err  # it reached serve's own checks

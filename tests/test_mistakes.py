@@ -43,7 +43,7 @@ CASES = [
     (["demo", "--config", "nope.toml"], "--config nope.toml: no such file"),
     (["bench", "engine", "--model", "/nope/model"], "/nope/model has no config.json"),
     (["netns", "up", "--config", "nope.toml"], NO_FILE_SAYS),
-    (["plan", "--hardware", "ZZ"], "hardware must be A or B, got ['ZZ']"),
+    (["plan", "--chips", "ZZ"], "chips must be A or B, got ['ZZ']"),
 ]
 
 

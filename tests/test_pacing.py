@@ -98,3 +98,32 @@ def test_scaling_a_steps_total_load_equals_scaling_each_sequence():
         assert float(getattr(got, name)) == pytest.approx(float(getattr(each, name))), name
     # the extend of 20 relay tokens is priced as 20 tokens, not 320: what a handoff's stall rests on
     assert float(got.new_tokens) == 300 * s + 40 * s + 2 + 20 + 30
+
+
+def test_hardware_means_one_thing_everywhere():
+    """`native`, `emulated` (the chip of each role) or one chip: on `pdd up` (the topology),
+    `pdd serve` (the flags) and an instance's engine alike; `emulated` never reaches an engine."""
+    import argparse
+
+    from pdd.instance.cli import add_engine_arguments, engine_from_flags
+    from pdd.names import CHIPS
+    from pdd.sim.hardware import CATALOG
+
+    assert tuple(CATALOG) == CHIPS  # the names pdd accepts are the chips the pacer can price
+    for hardware, want in (("native", {"p0": "native", "rld0": "native", "md0": "native"}),
+                           ("emulated", {"p0": "A", "rld0": "A", "md0": "B"}),
+                           ("B", {"p0": "B", "rld0": "B", "md0": "B"})):
+        dep = cfg.Deployment(topology=cfg.TopologySpec(hardware=hardware))
+        assert {i.name: i.engine.hardware for i in cfg.instances_for_mode(dep, "pdd")} == want, hardware
+    with pytest.raises(ValueError, match="hardware must be one of native, emulated, A, B"):
+        cfg.TopologySpec(hardware="H100")
+    with pytest.raises(ValueError, match="engine hardware must be native or a chip"):
+        EngineConfig(hardware="emulated")
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="standalone")
+    add_engine_arguments(p)
+    for argv, want in ((["--hardware", "emulated"], "A"), (["--hardware", "emulated", "--role", "main"], "B"),
+                       (["--hardware", "B"], "B"), ([], "native")):
+        args = p.parse_args(argv)
+        args.engine_flags, args.vllm_arg = [], []
+        assert engine_from_flags(args).hardware == want, argv

@@ -114,7 +114,7 @@ parser.add_argument("--config")
 parser.add_argument("--model")
 for line_option in ("--bandwidth-mbps", "--delay-ms", "--jitter-ms", "--dilation"):  # the line, the pacing
     parser.add_argument(line_option, type=float, required=True)
-parser.add_argument("--hardware", choices=["native", "emulated"], required=True)
+parser.add_argument("--hardware", choices=["native", "emulated", "A", "B"], required=True)
 args = parser.parse_args()
 if args.mode == "broken":
     print("fake-up: the broken mode cannot start", flush=True)

@@ -318,7 +318,7 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
             "16",
             "--line-gbps",
             "100",
-            "--hardware",
+            "--chips",
             "B",
             "--requests",
             "20",

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pdd.bench import options
 from pdd.errors import Mistake
 from pdd.workload.types import Session
 
@@ -32,96 +33,40 @@ _IN_PROCESS = {
 }
 
 
-def _workload(value: str) -> tuple[str, Path | None]:
-    if value == "agentic":
-        return "agentic", None
-    kind, _, path = value.partition(":")
-    if kind == "mooncake" and path:
-        return "mooncake", Path(path)
-    raise argparse.ArgumentTypeError("expected 'agentic' or 'mooncake:PATH'")
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `pdd bench` on the top-level sub-command parsers."""
-    # The in-process benchmarks' options go in first and ours override any they share
-    # (`--model` is the served model id for serve and the model directory for engine):
-    # one option, several targets, instead of a clash that would break `pdd bench`.
+    """Register `pdd bench TARGET`, each target with its own options and help."""
     parser = sub.add_parser(
         "bench",
-        help="replay a workload against a server, or benchmark one engine",
-        description=__doc__.splitlines()[0],
-        conflict_handler="resolve",
+        help="replay a workload against a server, or benchmark one part",
+        description=__doc__.splitlines()[0] + " `pdd bench --url ...` is `pdd bench serve --url ...`.",
     )
-    for module in _IN_PROCESS.values():
-        importlib.import_module(module).add_arguments(parser)
-    parser.add_argument(
-        "target",
-        nargs="?",
-        choices=("serve", *_IN_PROCESS),
-        default="serve",
-        help="serve: a live OpenAI-compatible server (default); engine: one engine "
-        "in-process; handoff: shipping a handoff's KV against recomputing it; flood: "
-        "--requests distinct requests at once against --url, every outcome counted; overhead: a vLLM-backed "
-        "`pdd serve` against plain `vllm serve`, the same requests to both, --pairs times",
+    targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
+    serve = targets.add_parser(
+        "serve",
+        help="replay agentic sessions or a Mooncake trace against a live OpenAI-compatible server (the default)",
+        description="Replay agentic sessions or a Mooncake trace against a live OpenAI-compatible server; "
+        "print the summary, write {summary, requests, config} JSON with --out.",
     )
-    parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (serve)")
-    parser.add_argument(
-        "--workload",
-        type=_workload,
-        default=("agentic", None),
-        metavar="agentic|mooncake:PATH",
-        help="default: agentic",
-    )
-    parser.add_argument(
-        "--requests", type=int, default=100, help="agentic: total turns; mooncake: first N trace lines (default 100)"
-    )
-    parser.add_argument(
-        "--rate", type=float, default=math.inf, help="agentic session starts per second, Poisson; inf = all at once"
-    )
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--model",
-        help="serve: model id (default: the first from /v1/models); "
-        "engine: model directory (default: a fresh tiny model)",
-    )
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument(
-        "--scenario",
-        choices=("paper", "short"),
-        default="paper",
-        help="agentic: the workload shape of that demo scenario (default paper)",
-    )
-    parser.add_argument(
-        "--scale",
-        type=int,
-        help="mooncake: divide lengths by this (512-token blocks -> 512/scale); default: "
-        "the smallest scale from 16 up at which the trace fits the served model's context",
-    )
-    parser.add_argument("--time-scale", type=float, default=1.0, help="mooncake: divide arrival times by this")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        help="prompt token IDs are drawn below this (default: the served model's vocabulary, "
-        "from /v1/models; 4096 if it does not say)",
-    )
-    parser.add_argument(
-        "--max-context",
-        type=int,
-        help="cap on prompt + output tokens (default: agentic, the scenario's, its lengths scaled "
-        "down to a served context shorter than the tiny model's; mooncake, the served context)",
-    )
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(func=lambda args: _run(parser, args))
+    add_arguments(serve)
+    serve.set_defaults(func=lambda args: _run(serve, args))
+    for name, module_name in _IN_PROCESS.items():
+        module = importlib.import_module(module_name)
+        doc = module.__doc__ or ""
+        summary = doc.splitlines()[0].split(": ", 1)[-1].rstrip(".")  # its docstring's first line, after "`pdd bench NAME`: "
+        target = targets.add_parser(name, help=summary, description=doc.split("\n\n")[0].replace("\n", " "))
+        module.add_arguments(target)
+        target.set_defaults(func=module.run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    options.server(p)
+    options.client(p)
+    options.workload(p)
+    options.out(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.target in _IN_PROCESS:
-        return int(importlib.import_module(_IN_PROCESS[args.target]).run(args))
-    if not args.url:
-        parser.error("--url is required to benchmark a server")
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     try:

@@ -22,16 +22,18 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from pdd.bench import options
 from pdd.deploy import free_port, wait_http
 from pdd.engine_port import EnginePort, engine_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: a fresh tiny model)")
+    options.model_dir(p)
+    options.threads(p)
+    options.out(p)
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
-    p.add_argument("--engine", choices=engine_names(), default="embedded", help="engine backend (engine, handoff)")
+    p.add_argument("--engine", choices=engine_names(), default="embedded", help="engine backend")
     p.add_argument("--skip-http", action="store_true", help="measure the engine only")
-    p.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the served instance")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N: for the engine and the served instance")
 
 

@@ -22,14 +22,19 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from pdd.bench import options
+
 REFUSED = (429, 503)
 DEFAULT_VOCAB = 4096  # a server that does not say its vocabulary: the tiny model's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-tokens", type=int, default=1000, help="flood: tokens per prompt (default 1000)")
-    p.add_argument("--max-tokens", type=int, default=32, help="flood: tokens per answer (default 32)")
-    p.add_argument("--stream-share", type=float, default=0.5, help="flood: share of requests streamed (default 0.5)")
+    options.server(p)
+    options.client(p)
+    p.add_argument("--requests", type=int, default=100, help="requests sent at once (default 100)")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt (default 1000)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
+    p.add_argument("--stream-share", type=float, default=0.5, help="share of requests streamed (default 0.5)")
 
 
 @dataclass
@@ -137,8 +142,6 @@ async def flood(
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.url:
-        raise SystemExit("pdd bench flood: --url is required")
     try:
         out = asyncio.run(
             flood(

@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pdd.bench import options
 from pdd.engine_port import EnginePort, StepOutput
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -38,6 +39,9 @@ KEY = wire.link_key("pdd bench handoff", "line")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     line = SCENARIOS["paper"]
+    options.model_dir(p)
+    options.threads(p)
+    options.out(p)
     p.add_argument("--trials", type=int, default=20, help="handoffs measured each way (default 20)")
     p.add_argument("--handoff-tokens", type=int, default=100, help="tokens handed over (default 100, as the spec)")
     p.add_argument("--context-tokens", type=int, default=2000, help="prompt before them (default 2000)")

@@ -35,6 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdd.bench import options
 from pdd.deploy import free_port, stop_group, wait_http
 from pdd.workload.types import Session
 
@@ -54,21 +55,24 @@ TARGET = 0.05  # the bound on pdd's overhead: the median pair within 5 % of plai
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pairs", type=int, default=5, help="overhead: measured runs of each server, alternating")
-    p.add_argument(
-        "--kv-cache-gib", type=int, default=1, help="overhead: each server's KV cache (VLLM_CPU_KVCACHE_SPACE)"
-    )
+    options.model_dir(p)
+    options.threads(p)
+    options.client(p)
+    options.workload(p)
+    options.out(p)
+    p.add_argument("--pairs", type=int, default=5, help="measured runs of each server, alternating")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="each server's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument(
         "--control",
         action="store_true",
-        help="overhead: a second plain vLLM in pdd's place (the same layout): the spread two identical servers "
+        help="a second plain vLLM in pdd's place (the same layout): the spread two identical servers "
         "show, the benchmark's noise floor",
     )
     p.add_argument(
         "--vllm-layout",
         choices=("default", "in-process"),
         default="default",
-        help="overhead: plain vLLM's processes: default, as `vllm serve` starts them (API server, engine "
+        help="plain vLLM's processes: default, as `vllm serve` starts them (API server, engine "
         "core and worker apart); in-process, as pdd runs vLLM on CPU (the worker inside the engine core's "
         "process), so only pdd's own code differs",
     )

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-NATIVE = "native"
-
 
 @dataclass
 class PaceStats:

@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 import torch
 
 from pdd.engine.engine import Engine
-from pdd.engine.pacing import NATIVE, StepPacer
+from pdd.engine.pacing import StepPacer
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
+from pdd.names import NATIVE
 from pdd.sampling import SamplingParams
 from pdd.sim.emulated import token_scale
 

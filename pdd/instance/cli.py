@@ -13,7 +13,7 @@ from typing import Any
 from pdd.config import ROLES
 from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
 from pdd.errors import Mistake
-from pdd.names import RoleName
+from pdd.names import HARDWARE, HARDWARE_HELP, RoleName, role_chip
 
 PASS_THROUGH: list[str] = []  # (`pdd.cli` hands a command that takes them its unknown flags here)
 
@@ -46,7 +46,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "tensor_parallel_size=2 (VALUE is JSON, else a string); vLLM's own flags also pass as vLLM spells them "
         "(--tensor-parallel-size 2, --kv-cache-dtype fp8, --enforce-eager)",
     )
-    p.add_argument("--hardware", help="native, or an emulated accelerator (A, B): every step takes at least its time")
+    p.add_argument("--hardware", choices=HARDWARE, help=HARDWARE_HELP)
     p.add_argument("--dilation", type=float, help="emulated time runs this many times slower")
 
 
@@ -58,6 +58,8 @@ def engine_from_flags(args: argparse.Namespace) -> EngineConfig:
     """The engine the flags describe: pdd's defaults, the chosen backend's where pdd's are
     no choice, vLLM's own flags in its table (ValueError naming a bad one)."""
     given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if "hardware" in given:  # "emulated": the chip of this instance's role
+        given["hardware"] = role_chip(given["hardware"], args.role)
     backend = given.pop("backend", EngineConfig.backend)
     vllm = {**engine_options(args.vllm_arg), **vllm_flags(args.engine_flags, check=backend == "vllm")}
     if vllm and backend != "vllm":

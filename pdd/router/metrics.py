@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pdd.names import RoleName
+from pdd.names import Fallback, HandoffMode, Pipeline, RoleName
 from pdd.record import RequestRecord
 from pdd.router.client import InstanceClient
 from pdd.router.request import RouterRequest
@@ -96,6 +96,18 @@ class RouterMetrics:
             ["side"],
             registry=r,
         )
+        # every label value from the start, at 0: a series exists before its first event, so
+        # rate() and the alert rules (deploy/prometheus/alerts.yml) read 0, not nothing
+        for counter, values in (
+            (self.pipelines, Pipeline),
+            (self.handoffs, HandoffMode),
+            (self.output_tokens, (RoleName.RELAY, RoleName.MAIN)),
+            (self.fallbacks, Fallback),
+            (self.kv_bytes, ("wan", "local")),
+            (self.hit_tokens, ("prefill", "decode")),
+        ):
+            for value in values:
+                counter.labels(value)
         self.failures = Counter(
             "pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r
         )

@@ -48,7 +48,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="line bandwidths to try for the cross-datacenter layouts (default 25,100)",
     )
     p.add_argument(
-        "--hardware",
+        "--chips",
         type=_names,
         default=["A", "B"],
         help="A and/or B: the first is datacenter A's (P, relays), the last B's (MD across the line); "
@@ -171,7 +171,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
         raise ValueError("--requests, --workers and --top must be >= 1, --steps and --warmup-s >= 0")
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
-    layouts = candidates(args.max_gpus, args.line_gbps, args.hardware)
+    layouts = candidates(args.max_gpus, args.line_gbps, args.chips)
     if not layouts:
         raise ValueError("no layout fits: the budget must hold two instances the model fits on")
     kind, path = args.workload

@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdd.names import CHIPS
 from pdd.sim import paper
 from pdd.sim.bounds import capacity_rps
 from pdd.sim.cluster import DeploymentSpec
@@ -87,9 +88,9 @@ def candidates(
     """Layouts that spend the budget (no instance of either kind would still fit): same-dc
     PD on each hardware, and for each line P (and relays) on `hardware[0]` with MD on
     `hardware[-1]`, within a sensible share of prefill GPUs."""
-    unknown = [h for h in hardware if h not in ("A", "B")]
+    unknown = [h for h in hardware if h not in CHIPS]
     if unknown or not hardware:
-        raise ValueError(f"hardware must be A or B, got {list(hardware)}")
+        raise ValueError(f"chips must be {' or '.join(CHIPS)}, got {list(hardware)}")
     size = {h: setting.instance_gpus(h) or 0 for h in hardware}  # 0: no instance of it holds the model
 
     def fits(layout: Layout, smallest: int) -> bool:

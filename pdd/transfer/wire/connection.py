@@ -45,17 +45,19 @@ class RejectCounter:
             ["reason"],
             registry=None,
         )
+        for reason in FrameError.__subclasses__():  # each at 0 from the start (a series before its first event)
+            self.counter.labels(reason=reason.__name__)
 
     def record(self, err: FrameError) -> None:
         self.counter.labels(reason=type(err).__name__).inc()
 
     def snapshot(self) -> dict[str, int]:
-        """The count per reason."""
+        """The count per reason that has any."""
         return {
             s.labels["reason"]: int(s.value)
             for metric in self.counter.collect()
             for s in metric.samples
-            if s.name.endswith("_total")
+            if s.name.endswith("_total") and s.value
         }
 
     def total(self) -> int:
