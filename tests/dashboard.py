@@ -6,10 +6,16 @@ would rename to exported_* and so show the scraped process in its place."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,7 +50,7 @@ def exposed(text: str) -> dict[str, set[str] | None]:
                 "gauge": ("",), "summary": ("_sum", "_count", "_created")}
     names: dict[str, set[str] | None] = {}
     for fam in text_string_to_metric_families(text):
-        for s in suffixes.get(fam.type, ("",)):
+        for s in suffixes.get(fam.type, ("",)) if not fam.samples else ():  # (a sampled family says its own)
             names.setdefault(fam.name + s, None)
         for sample in fam.samples:
             names[sample.name] = (names.get(sample.name) or set()) | set(sample.labels)
@@ -73,3 +79,93 @@ def check(pages: list[str]) -> int:
         shown = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
         assert shown <= carried, f"legend {t['legendFormat']!r} of {t['expr']!r} shows labels no series has"
     return len(wanted)
+
+
+# ---- through a real Prometheus --------------------------------------------------------------
+
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+SCRAPE_S = 1  # the test's scrape and rule interval; the shipped file's 10 s would make it wait minutes
+WINDOW = "30s"  # Grafana's $__rate_interval here: several scrapes of traffic
+
+
+@contextlib.contextmanager
+def prometheus(targets: dict[str, dict[str, str]], where: Path) -> Iterator[str]:
+    """Debian's Prometheus on loopback, scraping `targets` (job -> {address: the shipped
+    file's target labels for it}) with deploy/prometheus/prometheus.yml's jobs and labels,
+    loading alerts.yml; its URL, the server stopped on exit."""
+    conf = yaml.safe_load(PROMETHEUS.read_text())
+    conf["global"] = {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"}
+    conf["rule_files"] = [str(ALERTS)]
+    for job in conf["scrape_configs"]:
+        shipped = {k for t in job["static_configs"] for k in t.get("labels", {})}
+        job["static_configs"] = [{"targets": [addr], "labels": labels} for addr, labels in targets[job["job_name"]].items()]
+        assert all(set(t["labels"]) == shipped for t in job["static_configs"]), (job["job_name"], shipped)
+    (where / "prometheus.yml").write_text(yaml.safe_dump(conf))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        ["prometheus", f"--config.file={where / 'prometheus.yml'}", f"--storage.tsdb.path={where / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(where / "prometheus.log", "w"), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not _ready(url):
+            assert proc.poll() is None and time.monotonic() < deadline, (where / "prometheus.log").read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def query(url: str, expr: str) -> list[dict]:
+    """An instant query's series: [{"metric": {label: value}, "value": [t, "v"]}]."""
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
+    return r.json()["data"]["result"]
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    """Every dashboard query as Prometheus runs it (its variables at their defaults, the
+    rate window `WINDOW`): (panel title, expr, legend)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    values = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), str)}
+    values["__rate_interval"] = WINDOW
+    out = []
+    for panel in dashboard["panels"]:
+        for t in panel.get("targets", []):
+            expr = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], t["expr"])
+            out.append((panel["title"], expr, t.get("legendFormat", "")))
+    return out
+
+
+def alert_rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def unthresholded(expr: str) -> str:
+    """An alert's `QUANTITY OP THRESHOLD` as a filter no more: `OP bool`, which keeps every
+    series of QUANTITY (as 0 or 1) for the test to see its labels."""
+    body, n = re.subn(r"\s(>|<|==|>=|<=|!=)\s+([0-9.]+)\s*$", r" \1 bool \2", expr.strip())
+    assert n == 1, f"an alert is QUANTITY OP THRESHOLD: {expr!r}"
+    return body
+
+
+def rule_health(url: str) -> dict[str, str]:
+    """Each loaded rule's health after its evaluations ("ok", "err", "unknown")."""
+    groups = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    return {r["name"]: r["health"] + (f": {r['lastError']}" if r.get("lastError") else "")
+            for g in groups for r in g["rules"]}

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
+import shutil
 import time
 
 import dashboard
 import httpx
 import pytest
 from procs import metrics, pdd_up, wait_until
+
+from pdd import config as cfg
 
 API_KEY = "k3y-from-the-environment"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -55,6 +60,53 @@ def test_the_dashboard_reads_what_the_processes_export(deployment, router):
     _complete(router, 8)
     pages = [httpx.get(f"{url}/metrics", timeout=10).text for url in [router, *deployment.http.values()]]
     assert dashboard.check(pages) >= 20
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus (scripts/test.sh installs it)")
+def test_prometheus_stores_what_every_panel_and_alert_reads(deployment, router, tmp_path):
+    """A real Prometheus scrapes the live deployment as deploy/prometheus/prometheus.yml
+    does (its jobs and target labels) and loads alerts.yml: after some traffic, every
+    dashboard query returns series with finite values and the labels its legend shows
+    (an instance's own name, not the router's address), and every alert's quantity
+    returns series with the labels its summary names, every rule evaluating cleanly."""
+    dep = cfg.load(str(deployment.run_dir / "deployment.toml"))
+    address = {name: url.split("//")[1] for name, url in {"router": router, **deployment.http}.items()}
+    targets = {"pdd-router": {address["router"]: {"name": "router", "role": "router", "site": dep.link.a}},
+               "pdd-instances": {address[i.name]: {"name": i.name, "role": str(i.role), "site": i.dc}
+                                 for i in dep.instances}}
+    with dashboard.prometheus(targets, tmp_path) as prom:
+        wait_until(lambda: dashboard.query(prom, "count(up == 1)") and
+                   dashboard.query(prom, "count(up == 1)")[0]["value"][1] == str(1 + len(dep.instances)), 30,
+                   "every target scraped")
+        for i in range(4):  # over a few scrapes, so every rate() has an increase in its window
+            _complete(router, 24, prompt=[900 + i, *PROMPT])
+        done = metrics(router)["pdd_router_finished_prompt_tokens_total"]
+        wait_until(lambda: float(dashboard.query(prom, "sum(pdd_router_finished_prompt_tokens_total)")[0]["value"][1])
+                   == done, 30, "the last request scraped")
+        time.sleep(2 * dashboard.SCRAPE_S)
+        names = {"router", *deployment.http}
+        bad = []
+        for title, expr, legend in dashboard.panel_queries():
+            series = dashboard.query(prom, expr)
+            shown = re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)
+            bad += [f"{title}: {expr} returns nothing"] if not series else []
+            for s in series:
+                labels, value = s["metric"], float(s["value"][1])
+                bad += [f"{title}: {expr} = {value}"] if not math.isfinite(value) else []
+                bad += [f"{title}: {legend!r} lacks {label} in {labels}" for label in shown if not labels.get(label)]
+                bad += [f"{title}: {label}={labels[label]!r} is not a process of the deployment"
+                        for label in ("name", "member") if label in shown and labels[label] not in names]
+        for rule in dashboard.alert_rules():
+            series = dashboard.query(prom, dashboard.unthresholded(rule["expr"]))
+            named = set(re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]))
+            bad += [f"alert {rule['alert']}: {rule['expr']} has no series"] if not series else []
+            bad += [f"alert {rule['alert']}: {s['metric']} lacks {named - set(s['metric'])}"
+                    for s in series if named - set(s["metric"])]
+        assert not bad, "\n".join(bad)
+        health = wait_until(lambda: (h := dashboard.rule_health(prom)) and "unknown" not in h.values() and h, 10,
+                            "every rule evaluated")
+        assert set(health) == {r["alert"] for r in dashboard.alert_rules()}
+        assert set(health.values()) == {"ok"}, health
 
 
 def _idle(url: str) -> None:

@@ -182,7 +182,7 @@ class RouterBackend:
         if isinstance(body, m.PipelineChosen):
             request.chosen = body
             if request.plan.main and body.pipeline != Pipeline.P_RLD:
-                self.metrics.observe_drift(request.plan.predicted_hit - body.d_hit)
+                self.metrics.observe_drift(request.plan.predicted_hit, body.d_hit)
             if body.pipeline == Pipeline.P_MD:
                 request.relay_done = True
             elif body.pipeline == Pipeline.P_RLD:

@@ -80,6 +80,16 @@ class RouterMetrics:
             registry=r,
             buckets=(-4096, -512, -64, -1, 0, 1, 64, 512, 4096),
         )
+        # the drift's two sides as counters: a histogram with negative buckets has no _sum
+        # (prometheus_client leaves it out, as OpenMetrics says), so its mean is these
+        # counters' difference over its _count
+        self.mirror_hits = Counter(
+            "pdd_router_mirror_hit_tokens",
+            "Decode-side hit tokens of planned requests: as the router's mirror predicted them "
+            "(source=mirror) and as MD reserved them (source=reservation)",
+            ["source"],
+            registry=r,
+        )
         self.kv_bytes = Counter(
             "pdd_router_kv_bytes",
             "KV bytes P sent, by path: across the line (wan) or inside its datacenter (local)",
@@ -105,6 +115,7 @@ class RouterMetrics:
             (self.fallbacks, Fallback),
             (self.kv_bytes, ("wan", "local")),
             (self.hit_tokens, ("prefill", "decode")),
+            (self.mirror_hits, ("mirror", "reservation")),
         ):
             for value in values:
                 counter.labels(value)
@@ -118,9 +129,11 @@ class RouterMetrics:
         self.drift_abs_total = 0
         self.totals: Tally[str] = Tally()  # the same counts as plain numbers, for /pdd/stats
 
-    def observe_drift(self, drift: int) -> None:
-        self.drift.observe(drift)
-        self.drift_abs_total += abs(drift)
+    def observe_drift(self, predicted: int, reserved: int) -> None:
+        self.drift.observe(predicted - reserved)
+        self.mirror_hits.labels("mirror").inc(predicted)
+        self.mirror_hits.labels("reservation").inc(reserved)
+        self.drift_abs_total += abs(predicted - reserved)
 
     def fallback(self, kind: str) -> None:
         self.fallbacks.labels(kind).inc()
