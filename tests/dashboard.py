@@ -98,7 +98,8 @@ def prometheus(targets: dict[str, dict[str, str]], where: Path) -> Iterator[str]
     conf["rule_files"] = [str(ALERTS)]
     for job in conf["scrape_configs"]:
         shipped = {k for t in job["static_configs"] for k in t.get("labels", {})}
-        job["static_configs"] = [{"targets": [addr], "labels": labels} for addr, labels in targets[job["job_name"]].items()]
+        job["static_configs"] = [{"targets": [addr], "labels": labels}
+                                 for addr, labels in targets[job["job_name"]].items()]
         assert all(set(t["labels"]) == shipped for t in job["static_configs"]), (job["job_name"], shipped)
     (where / "prometheus.yml").write_text(yaml.safe_dump(conf))
     with socket.socket() as s:

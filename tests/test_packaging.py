@@ -56,8 +56,9 @@ def test_the_systemd_units_verify(tmp_path):
     assert set(units) == {"pdd-serve@.service", "pdd-router.service"}
     out = _verify_units(units, tmp_path / "good")
     assert _clean(out), out.stderr
-    for unit, (was, broken) in {"pdd-serve@.service": ("Type=exec", "Type=exek"),
-                                "pdd-router.service": ("ExecStart=/opt/pdd/bin/pdd", "ExecStart=/opt/pdd/bin/pdx")}.items():
+    breaks = {"pdd-serve@.service": ("Type=exec", "Type=exek"),
+              "pdd-router.service": ("ExecStart=/opt/pdd/bin/pdd", "ExecStart=/opt/pdd/bin/pdx")}
+    for unit, (was, broken) in breaks.items():
         assert was in units[unit]
         out = _verify_units({**units, unit: units[unit].replace(was, broken)}, tmp_path / unit)
         assert not _clean(out), f"systemd-analyze took {unit} with {broken}"
@@ -133,5 +134,6 @@ def test_promtool_checks_the_rules_and_the_scrape_config(tmp_path):
     (tmp_path / "p.yml").write_text(yaml.safe_dump(conf))
     out = _run("promtool", "check", "config", tmp_path / "p.yml")
     assert out.returncode == 0, out.stdout + out.stderr
-    (tmp_path / "bad.yml").write_text(rules.read_text().replace("histogram_quantile(0.99,", "histogram_quantile(0.99", 1))
+    unbalanced = rules.read_text().replace("histogram_quantile(0.99,", "histogram_quantile(0.99", 1)
+    (tmp_path / "bad.yml").write_text(unbalanced)
     assert _run("promtool", "check", "rules", tmp_path / "bad.yml").returncode != 0

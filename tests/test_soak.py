@@ -1,7 +1,8 @@
 """`pdd soak` end to end, and the classifier it stands on.
 
-A short soak through a real pdd-mode deployment, with main decode killed -9 and
-restarted and the line blackholed, must lose no request and leak no page. The verdict
+A soak through a real pdd-mode deployment, struck by every fault kind (each role killed
+-9 and restarted, each line fault), must lose no request, fail no more than each fault
+had in flight, and leak no page. The verdict
 is read from the numbers in its JSON report, not its exit code alone, so a soak that
 sent nothing or injected nothing cannot pass; and each fault must have struck while
 requests were in flight. "Lost == 0" means something only if the classifier says LOST
@@ -25,6 +26,7 @@ import pytest
 from procs import pdd_process
 
 from pdd.soak.client import COMPLETED, FAILED, LOST, send
+from pdd.soak.faults import KINDS
 from pdd.soak.workload import SoakRequest
 
 MAX_TOKENS = 4
@@ -34,23 +36,33 @@ def _overlapping(fault: dict, requests: list[dict]) -> int:
     return sum(1 for r in requests if r["start"] < fault["clear"] and r["end"] > fault["start"])
 
 
-def test_a_short_soak_with_a_kill_and_a_blackhole_loses_and_leaks_nothing(tmp_path):
+CONCURRENCY = 4
+
+
+def test_a_soak_through_every_fault_kind_loses_nothing_and_fails_only_what_was_in_flight(tmp_path):
+    """Every fault kind strikes once (a kill of each role, and each line fault) in a soak
+    of two prefill instances (one killed, the other takes the load). Per kind: it struck
+    while requests ran, lost none, and failed at most the requests in flight when it
+    struck (the concurrency): every request after it completed."""
     conf = tmp_path / "soak.toml"
-    conf.write_text("[router]\ntoken_timeout_s = 10.0\n")  # a request with no first token fails fast
+    # a request with no first token fails fast; a second P, so a killed one has a successor
+    conf.write_text("[router]\ntoken_timeout_s = 10.0\n[topology]\nprefill = 2\n")
     out = tmp_path / "soak.json"
-    args = ["soak", "--config", str(conf), "--duration-s", "20", "--concurrency", "4", "--seed", "1",
-            "--faults", "kill-md,blackhole", "--fault-every-s", "2", "--timeout-s", "30", "--settle-s", "20",
+    args = ["soak", "--config", str(conf), "--duration-s", "60", "--concurrency", str(CONCURRENCY), "--seed", "1",
+            "--faults", "all", "--fault-every-s", "1.5", "--timeout-s", "30", "--settle-s", "20",
             "--out", str(out), "--quiet"]
     with pdd_process(args) as proc:
-        output, _ = proc.communicate(timeout=150)
+        output, _ = proc.communicate(timeout=240)
     report = json.loads(out.read_text())
-    totals = report["totals"]
-    print(f"\nsoak: {totals}, faults {[(f['kind'], round(f['clear'] - f['start'], 1)) for f in report['faults']]}, "
-          f"{report['wall_s']:.0f} s")
-    assert sorted({f["kind"] for f in report["faults"]}) == ["blackhole", "kill-md"], report["faults"]
-    assert all(f["ok"] for f in report["faults"]), "the killed instance did not rejoin"
+    totals, rows = report["totals"], {row["fault"]: row for row in report["matrix"]}
+    print(f"\nsoak: {totals}, {report['wall_s']:.0f} s\n{report['matrix_markdown']}")
+    assert set(rows) == set(KINDS) and all(rows[k]["injections"] >= 1 for k in KINDS), report["faults"]
+    assert all(f["ok"] for f in report["faults"]), "a killed instance did not rejoin"
     # a fault that struck an idle deployment proved nothing
     assert all(_overlapping(f, report["requests"]) for f in report["faults"]), report["faults"]
+    for row in rows.values():
+        assert row["requests"] > 0 and row["lost"] == 0, row
+        assert row["failed"] <= CONCURRENCY * row["injections"], (row, report["failed_reasons"])
     assert totals["sent"] > 0 and totals["completed"] > 0
     assert totals["lost"] == 0, report["lost_requests"]
     assert report["leaked_pages"] == 0, report["pages"]

@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, module_name in _IN_PROCESS.items():
         module = importlib.import_module(module_name)
         doc = module.__doc__ or ""
-        summary = doc.splitlines()[0].split(": ", 1)[-1].rstrip(".")  # its docstring's first line, after "`pdd bench NAME`: "
+        # its docstring's first line, after "`pdd bench NAME`: "
+        summary = doc.splitlines()[0].split(": ", 1)[-1].rstrip(".")
         target = targets.add_parser(name, help=summary, description=doc.split("\n\n")[0].replace("\n", " "))
         module.add_arguments(target)
         target.set_defaults(func=module.run)
