@@ -102,6 +102,54 @@ def test_bad_input_gets_openai_errors(server, body, status):
     assert err["message"] and err["type"]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"min_tokens": 3}, "min_tokens"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [CALL]}]}, "messages[2].tool_calls"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]}, "messages[2].tool_call_id"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "sunny"}]}, "messages[2].role"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+])
+def test_what_is_not_honoured_is_refused_by_name(server, extra, param):
+    """A silent drop is a bug: a parameter pdd would not honour, or that nobody knows, is a
+    400 in OpenAI's shape naming it in `param`; the value at which it changes nothing passes."""
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **extra},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param.split(".")[-1] in r.json()["error"]["message"], r.text
+
+
+def test_what_changes_nothing_is_served(server):
+    """Client libraries' defaults (no tools, zero penalties, text format) and bookkeeping
+    (user, metadata, store, service_tier) are accepted; the completions endpoint refuses its
+    own unhonoured ones (suffix, echo) by name too, and the OpenAI client sees the param."""
+    inert = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "presence_penalty": 0,
+             "frequency_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": {}, "user": "u1",
+             "metadata": {"run": "7"}, "store": False, "service_tier": "auto"}
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **inert},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for extra, param in (({"suffix": "end"}, "suffix"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of")):
+        r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, tools=[TOOL])
+    assert refused.value.param == "tools"
+
+
 def test_malformed_json_and_unknown_route(server):
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()

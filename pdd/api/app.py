@@ -24,7 +24,7 @@ from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pdd.api.server import OpenAIServer
-from pdd.api.shaping import validation_message
+from pdd.api.shaping import validation_error
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
 from pdd.process import identity
@@ -58,7 +58,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(ApiError(400, validation_message(exc)).body(), status_code=400)
+        return JSONResponse(validation_error(exc).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -94,8 +94,10 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, client: Request) -> Response:
+        req.refuse_unhonoured()  # before a slot is taken
         return await server.admitted(client, lambda slot: server.completions(req, client, slot))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, client: Request) -> Response:
+        req.refuse_unhonoured()
         return await server.admitted(client, lambda slot: server.chat(req, client, slot))

@@ -1,13 +1,16 @@
 """OpenAI request shapes and the OpenAI error shape.
 
-Types are strict where OpenAI's are (a string max_tokens is an error, not a guess);
-anything the engine cannot honour (n > 1, logprobs, echo) is refused up front rather
-than silently ignored.
+Types are strict where OpenAI's are (a string max_tokens is an error, not a guess).
+Nothing is dropped in silence: a parameter pdd does not honour is refused by name with a
+400 (`param` set) unless its value is the one at which it changes nothing, and a
+parameter nobody knows is refused too; the few that change nothing here whatever their
+value (`INERT`: what clients send by default) are accepted.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -50,12 +53,66 @@ class ApiError(Exception):
         await send({"type": "http.response.body", "body": body})
 
 
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+def _empty(v: Any) -> bool:
+    return not v
+
+
+# OpenAI's and vLLM's parameters pdd does not honour, each with the test that its value
+# changes nothing (a client library's default): such a value is served, any other refused
+NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
+    "tools": _empty,
+    "functions": _empty,
+    "tool_choice": _neutral(None, "none", "auto"),  # (with no tools: nothing to choose)
+    "function_call": _neutral(None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _empty,
+    "presence_penalty": _neutral(None, 0),
+    "frequency_penalty": _neutral(None, 0),
+    "repetition_penalty": _neutral(None, 1),
+    "logit_bias": _empty,
+    "min_p": _neutral(None, 0),
+    "min_tokens": _neutral(None, 0),
+    "top_logprobs": _neutral(None, 0),
+    "prompt_logprobs": _neutral(None, 0),
+    "best_of": _neutral(None, 1),
+    "suffix": _neutral(None, ""),
+    "chat_template_kwargs": _empty,
+    "reasoning_effort": _neutral(None),
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _neutral(None),
+    "prediction": _neutral(None),
+    "web_search_options": _neutral(None),
+    "include_stop_str_in_output": _neutral(None, False),
+    "skip_special_tokens": _neutral(None, True),
+}
+# what changes nothing here whatever its value: bookkeeping a client sends by default
+INERT = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"})
+# fields of a chat message pdd does not render, refused where given (tool calls and results
+# in the history; a participant's name, which some templates would show)
+MESSAGE_NOT_RENDERED = ("tool_calls", "tool_call_id", "function_call", "name")
+
+
+def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None:
+    """The error for the first of `extra` (fields a request model does not declare) that
+    pdd does not honour at its value, or knows nothing of; None if they change nothing."""
+    for key, value in (extra or {}).items():
+        if key in INERT or (key in NOT_HONOURED and NOT_HONOURED[key](value)):
+            continue
+        said = "is not supported by pdd" if key in NOT_HONOURED else "is not a parameter pdd knows"
+        return ApiError(400, f"{where}{key} {said} (README: what pdd honours)", param=f"{where}{key}")
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # to name what is refused (`refuse_unhonoured`)
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -73,6 +130,15 @@ class _Common(BaseModel):
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
 
+    def refuse_unhonoured(self) -> None:
+        """ApiError 400 for what this request asks and pdd would not do (module doc)."""
+        if self.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if error := unhonoured(self.model_extra):
+            raise error
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -83,6 +149,11 @@ class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool = False
 
+    def refuse_unhonoured(self) -> None:
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        super().refuse_unhonoured()
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -90,7 +161,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # to name what is refused
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
 
@@ -105,3 +176,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+
+    def refuse_unhonoured(self) -> None:
+        super().refuse_unhonoured()
+        for i, message in enumerate(self.messages):
+            where = f"messages[{i}]."
+            given = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
+            if bad := [k for k in MESSAGE_NOT_RENDERED if given.get(k)]:
+                raise ApiError(400, f"{where}{bad[0]} is not supported by pdd", param=f"{where}{bad[0]}")
+            if message.role == "tool":
+                raise ApiError(400, f"{where}role 'tool' is not supported by pdd", param=f"{where}role")
+            if error := unhonoured({k: v for k, v in given.items() if k not in MESSAGE_NOT_RENDERED}, where):
+                raise error

@@ -252,8 +252,6 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         return await self.respond(
             False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, client, slot
         )

@@ -48,10 +48,6 @@ def sampling_params(
     requests are kept apart (a server of several keys)."""
     given = req.model_fields_set
     default_max = int(defaults.get("max_new_tokens", default_max))
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if prompt_len >= limit:
@@ -141,9 +137,11 @@ def unicode_text(text: str, param: str) -> str:
     return text
 
 
-def validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """A body that does not parse, as OpenAI's 400: its first five faults, `param` the first's field."""
+    parts, params = [], []
     for err in exc.errors()[:5]:
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
+        params.append(where)
+    return ApiError(400, "; ".join(parts) or "invalid request", param=params[0] if params and params[0] else None)
