@@ -5,8 +5,10 @@ Unlike `pdd up`, nothing shares loopback: the router, P and RLD are hosts of sit
 MD a host of site B, each at its own address and all on the same ports, finding each
 other from the deployment file exactly as separate machines would (`pdd serve --config
 F --instance NAME` and `pdd router --config F`, each inside its host's namespace). The
-line's rate is the kernel's; with `--delay-ms`/`--jitter-ms`, a `pdd wan` hop in the
-line namespace adds those on every route into B (it does not shape: the kernel does).
+line's rate is the kernel's; `--delay-ms`/`--jitter-ms` are a packet hop on the line
+(`pdd.netns.delay`), so the hosts' TCP sees the round trip, or with `--delay-by wan` a
+`pdd wan` hop in the line namespace on every route into B, which ends TCP there (it
+does not shape: the kernel does).
 TLS is on by default, with a pair from `pdd cert`'s maker. Needs root.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from pdd import config as cfg
 from pdd.deploy import Launcher, PortTaken, wait_http
+from pdd.netns.delay import DelayError, LineDelay
 from pdd.netns.lab import Lab, LabError, lab, run_in
 from pdd.process import LAUNCH_ENV
 from pdd.workload.scenarios import SCENARIOS
@@ -109,10 +112,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--bandwidth-mbps", type=float, help="the line's rate per direction, by tbf (default 50; bench: the scenario's)"
     )
+    p.add_argument("--delay-ms", type=float, help="one-way delay (default 0; bench: the scenario's)")
+    p.add_argument("--jitter-ms", type=float, help="one-way jitter bound (as --delay-ms)")
     p.add_argument(
-        "--delay-ms", type=float, help="one-way delay, by a `pdd wan` hop (default 0; bench: the scenario's)"
+        "--delay-by",
+        choices=("kernel", "wan"),
+        default="kernel",
+        help="kernel (default): a packet hop on the line holds every packet, so the hosts' TCP sees the round "
+        "trip (pdd.netns.delay); wan: a `pdd wan` hop, which ends TCP at the line",
     )
-    p.add_argument("--jitter-ms", type=float, help="one-way jitter bound, by the hop (as --delay-ms)")
     p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (9000: jumbo frames on the line)")
     p.add_argument("--no-tls", action="store_true", help="plain TCP between instances")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, certificate, logs)")
@@ -135,7 +143,8 @@ def _line(args: argparse.Namespace) -> tuple[float, float, float]:
 
 def run(args: argparse.Namespace) -> int:
     rate, delay, jitter = _line(args)
-    hop = delay > 0 or jitter > 0
+    hop = (delay > 0 or jitter > 0) and args.delay_by == "wan"
+    kernel_delay = LineDelay(delay, jitter) if args.delay_by == "kernel" else LineDelay()
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-netns-"))
     stop: list[bool] = []
     if args.action == "up":  # serve until asked to stop, then tear down
@@ -146,11 +155,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = cfg.load(args.config)
         base = replace(base, link=replace(base.link, bandwidth_mbps=rate, delay_ms=delay, jitter_ms=jitter))
-        with lab(hosts(args.mode, base), rate, args.mtu) as net:
+        with lab(hosts(args.mode, base), rate, args.mtu, kernel_delay) as net:
             dep = lab_deployment(net, base, args.mode, hop)
             dep = dep if args.no_tls else with_tls(dep, net, run_dir / "tls")
             launcher = LabLauncher(dep, run_dir, net)
-            hop_note = f", a pdd wan hop adds {delay:g} ms ± {jitter:g} ms one way" if hop else ", no delay"
+            hop_note = (
+                f", a pdd wan hop adds {delay:g} ms ± {jitter:g} ms one way"
+                if hop
+                else f", the line holds each packet {delay:g} ms + up to {jitter:g} ms one way"
+                if kernel_delay.active
+                else ", no delay"
+            )
             print(
                 f"pdd netns: mode {args.mode}, run directory {run_dir}; line {rate:g} Mbit/s each way (tbf)"
                 f"{hop_note}, MTU {args.mtu}{', TLS' if not args.no_tls else ''}",
@@ -173,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 launcher.stop()
                 with contextlib.suppress(LabError):
                     print(f"pdd netns: the line carried {net.line_bytes()} bytes into each site", flush=True)
-    except (cfg.ConfigError, LabError, RuntimeError) as e:
+    except (cfg.ConfigError, LabError, DelayError, RuntimeError) as e:
         print(f"pdd netns: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, cfg.ConfigError) else 1
     finally:

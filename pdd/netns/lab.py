@@ -3,10 +3,12 @@ deployment on one machine, with the kernel's TCP between hosts instead of loopba
 
 Each site has a switch (a namespace holding a bridge) that its hosts hang off by veth
 pairs; a line namespace routes between the switches and shapes each direction at the
-line's rate with `tc ... tbf` on its egress towards each site (netem, for delay and
-jitter, is missing from some kernels: a `pdd wan` hop in the line namespace adds those
-where wanted). Site i is 10.77.i.0/24: the line is .1 there, hosts .10 up. Nothing has
-a route out of the lab, so no packet of it can reach another network.
+line's rate with `tc ... tbf` on its egress towards each site. Delay, jitter and loss
+come from a packet-level hop in the line namespace (`pdd.netns.delay`: netem is missing
+from some kernels), so the kernels at both ends see the round trip; a `pdd wan` hop
+there adds them instead where TCP should end at the line. Site i is 10.77.i.0/24: the
+line is .1 there, hosts .10 up. Nothing has a route out of the lab, so no packet of it
+can reach another network.
 
 Hosts do no segmentation offload (`gso_max_segs 1`): every packet is a wire frame, so
 the line's counters count headers as a real line carries them. Namespace names carry
@@ -29,7 +31,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TypeVar
 
+from pdd.netns.delay import DEVICE, TABLE, LineDelay, binary
+
 PREFIX = "pddns-"
+TCP_MAX_BYTES = 128 << 20  # hosts' TCP buffer ceiling (net.ipv4.tcp_rmem/tcp_wmem's third value)
 NET = "10.77"
 FIRST_HOST = 10
 _CLONE_NEWNET = 0x40000000
@@ -129,7 +134,9 @@ def run_in(ns: str, fn: Callable[[], T]) -> T:
 class Lab:
     """Hosts (name -> site) in sites joined by one line of `line_mbps` per direction."""
 
-    def __init__(self, hosts: Mapping[str, str], line_mbps: float, mtu: int = 9000) -> None:
+    def __init__(
+        self, hosts: Mapping[str, str], line_mbps: float, mtu: int = 9000, delay: LineDelay = LineDelay()
+    ) -> None:
         sites = sorted(set(hosts.values()))
         bad = [h for h in hosts if not _NAME.fullmatch(h) or h == "line"]
         if bad or len(sites) < 2 or len(sites) > 9 or not line_mbps > 0:
@@ -137,7 +144,7 @@ class Lab:
         self.tag = f"{PREFIX}{os.getpid()}-{next(_LABS)}-"  # unique on this machine while this process lives
         self.line_ns = self.tag + "line"
         self.sites = {site: i + 1 for i, site in enumerate(sites)}
-        self.line_mbps, self.mtu = line_mbps, mtu
+        self.line_mbps, self.mtu, self.delay = line_mbps, mtu, delay
         self.hosts: dict[str, Host] = {}
         for site, i in self.sites.items():
             for k, name in enumerate(sorted(h for h, s in hosts.items() if s == site)):
@@ -199,6 +206,32 @@ class Lab:
                 _ip("ip", "-n", host.ns, "link", "set", "eth0", "gso_max_segs", "1")
                 _ip("ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
                 _ip("ip", "-n", host.ns, "route", "add", f"{NET}.0.0/16", "via", self.gateway(site))
+                # TCP may grow its windows to a long fat line's bandwidth-delay product
+                # (10 Gbit/s x 50 ms is 62 MB; the default ceiling, 4-6 MiB, caps it far below)
+                for key, low in (("rmem", 131072), ("wmem", 16384)):
+                    limits = f"net.ipv4.tcp_{key}=4096 {low} {TCP_MAX_BYTES}"
+                    _ip("ip", "netns", "exec", host.ns, "sysctl", "-qw", limits)
+        if self.delay.active:
+            self._delay_hop()
+
+    def _delay_hop(self) -> None:
+        """Every packet the line forwards goes through the delay hop and back: what comes in
+        from a site routes into the hop's TUN device, what the hop gives back routes on to
+        its site by the main table (packets for the line itself are delivered first)."""
+        hop, ns = binary(), self.line_ns
+        _ip("ip", "-n", ns, "tuntap", "add", "dev", DEVICE, "mode", "tun")
+        _ip("ip", "-n", ns, "link", "set", DEVICE, "mtu", str(self.mtu), "txqueuelen", "10000", "up")
+        _ip("ip", "-n", ns, "route", "add", "default", "dev", DEVICE, "table", TABLE)
+        for site in self.sites:
+            _ip("ip", "-n", ns, "rule", "add", "iif", f"to{site.lower()}", "lookup", TABLE)
+        for key in ("all", "default", DEVICE):  # what comes back from the hop has a site's source
+            _ip("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.conf.{key}.rp_filter=0")
+        self.hop = subprocess.Popen(
+            ["ip", "netns", "exec", ns, str(hop), *self.delay.args()],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     def _veth(self, ns_a: str, name_a: str, switch: str, port: str) -> None:
         """A veth pair from `ns_a` to a port of `switch`'s bridge, both ends up."""
@@ -284,8 +317,8 @@ class Lab:
 
 
 @contextlib.contextmanager
-def lab(hosts: Mapping[str, str], line_mbps: float, mtu: int = 9000) -> Iterator[Lab]:
+def lab(hosts: Mapping[str, str], line_mbps: float, mtu: int = 9000, delay: LineDelay = LineDelay()) -> Iterator[Lab]:
     """A lab, up for the `with` block and torn down after it, whatever happens."""
     remove_stale()
-    with Lab(hosts, line_mbps, mtu) as built:
+    with Lab(hosts, line_mbps, mtu, delay) as built:
         yield built
