@@ -285,7 +285,7 @@ def test_each_bench_target_has_its_own_help(capsys):
     from pdd.cli import build_parser, main
 
     own = {"serve": "--workload", "engine": "--skip-http", "handoff": "--handoff-tokens", "flood": "--stream-share",
-           "overhead": "--pairs"}
+           "overhead": "--pairs", "transfer": "--rtt-ms"}
     for target, option in own.items():
         with pytest.raises(SystemExit):
             main(["bench", target, "--help"])

@@ -2,8 +2,9 @@
 
 `pdd bench [serve] --url URL ...` replays agentic sessions or a Mooncake trace through
 the OpenAI API and writes `{"summary", "requests", "config"}` JSON (DESIGN.md contract).
-`pdd bench engine`, `handoff`, `flood` and `overhead` are owned by their modules in
-`pdd.bench`, which register their own options. Heavy imports happen inside the
+`pdd bench engine`, `handoff`, `flood`, `overhead` and `transfer` are owned by their
+modules (in `pdd.bench`; `transfer` in `pdd.netns`, beside the lab it runs in), which
+register their own options. Heavy imports happen inside the
 command, not at parse time, because `pdd --help` imports every command module.
 """
 
@@ -30,6 +31,7 @@ _IN_PROCESS = {
     "handoff": "pdd.bench.handoff",
     "flood": "pdd.bench.flood",
     "overhead": "pdd.bench.overhead",
+    "transfer": "pdd.netns.transfer",  # (beside the lab it runs in)
 }
 
 
