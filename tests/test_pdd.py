@@ -63,9 +63,10 @@ def _stats(url: str) -> dict:
 
 
 def _fallbacks(url: str) -> dict[str, float]:
-    """The router's `pdd_router_fallbacks` counters, by kind."""
+    """The router's `pdd_router_fallbacks` counters of the kinds that happened (every kind
+    is exported from the start, at 0)."""
     prefix = 'pdd_router_fallbacks_total{kind="'
-    return {k[len(prefix):-2]: v for k, v in metrics(url).items() if k.startswith(prefix)}
+    return {k[len(prefix):-2]: v for k, v in metrics(url).items() if k.startswith(prefix) and v}
 
 
 def _said(*streams: dict) -> dict[str, int]:
