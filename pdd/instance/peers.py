@@ -5,7 +5,8 @@ other datacenter), opened on first use: control, for small frames (reservations,
 handoffs, aborts); urgent KV, on a request's critical path (P -> MD, the relay's
 copy); and background KV (MD's copy behind a relay). A reservation never waits behind
 megabytes of KV, and background frames hold back while urgent ones are being sent;
-the KV connections keep a small kernel send buffer, so what waits, waits here. Each
+the KV connections keep few unsent bytes in the kernel (TCP_NOTSENT_LOWAT), so what
+waits, waits here, while their windows grow to the line's bandwidth-delay product. Each
 connection's reader hands every body, typed, to the owner; when one drops, the owner hears.
 """
 
@@ -29,7 +30,12 @@ from pdd.transfer.wire import FramedConnection
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
-BULK_SNDBUF = 64 * 1024
+# A KV connection's unsent bytes in the kernel, at most: what waits, waits in userspace,
+# where background KV yields to urgent KV frame by frame. Not a cap on the send buffer:
+# that (SO_SNDBUF 64 KiB, until 0.2) also capped the bytes in flight, to 128 KiB a round
+# trip, 4.4 MB/s through a 2 Gbit/s lab line at 20 ms (tests/test_line_delay.py), where
+# autotuning carries 232 MB/s. Bytes in flight grow with the window, as TCP grows it.
+BULK_NOTSENT_LOWAT = 128 * 1024
 CHANNEL_NAMES = {Priority.CONTROL: "control", Priority.URGENT: "urgent", Priority.BACKGROUND: "background"}
 
 OnBody = Callable[[str, Any], Awaitable[None]]
@@ -76,7 +82,7 @@ class PeerPool:
             if channel != Priority.CONTROL:
                 sock = conn.socket
                 if sock is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SNDBUF)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_NOTSENT_LOWAT)
             self._conns[(name, channel)] = conn
             self._tasks.spawn(self._read(name, channel, conn))
             if channel == Priority.CONTROL:

@@ -15,8 +15,8 @@ import argparse
 import asyncio
 import json
 import shutil
+import socket
 import subprocess
-import threading
 import time
 
 from rich.console import Console
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _kv_mb_per_s(net, args: argparse.Namespace) -> float:
-    """MB/s of KV frames from host a's PeerPool to a framed server on host b."""
+    """MB/s of KV frames from host a's PeerPool (P's urgent KV connection) to a framed
+    server on host b: one event loop in a's namespace, the server's socket made in b's."""
     from pdd import config as cfg
     from pdd.instance.peers import PeerPool
     from pdd.netns.lab import run_in
@@ -49,59 +50,41 @@ def _kv_mb_per_s(net, args: argparse.Namespace) -> float:
     from pdd.transfer.wire import MsgType, serve, server_handshake
 
     a, b = net.hosts["a"], net.hosts["b"]
+    listen = run_in(b.ns, lambda: socket.create_server((b.addr, 0)))
     frames = max(1, args.mbytes * 1_000_000 // (args.frame_kib * 1024))
-    ready, done = threading.Event(), threading.Event()
-    port: list[int] = []
-    received = [0]
-
-    def far_end() -> None:
-        async def main() -> None:
-            async def handle(conn) -> None:
-                await server_handshake(conn)
-                while True:
-                    frame = await conn.next_frame()
-                    if frame.type == MsgType.KV_LAYER:
-                        received[0] += 1
-                        if received[0] == frames:
-                            done.set()
-
-            server = await serve(handle, b.addr, 0, KEY)
-            port.append(server.sockets[0].getsockname()[1])
-            ready.set()
-            while not done.is_set():
-                await asyncio.sleep(0.05)
-            server.close()
-
-        asyncio.run(main())
-
-    threading.Thread(target=lambda: run_in(b.ns, far_end), daemon=True).start()
-    if not ready.wait(10):
-        raise RuntimeError("the far end did not start")
-    p0 = cfg.InstanceSpec("p0", "prefill", "A", host=a.addr)
-    md0 = cfg.InstanceSpec("md0", "main", "B", host=b.addr, kv_port=port[0])
-    dep = cfg.Deployment(instances=(p0, md0))
     blob = b"\x01" * (args.frame_kib * 1024)
 
-    async def ignore(_peer: str, _body: object) -> None:
-        pass
+    async def main() -> float:
+        done, received = asyncio.Event(), [0]
 
-    def send() -> float:
-        async def main() -> float:
-            pool = PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None)
-            try:
-                await pool.get("md0", Priority.URGENT)
-                began = time.monotonic()
-                for _ in range(frames):
-                    await pool.send_bulk("md0", Priority.URGENT, kv=("r", blob))
-                while not done.is_set():
-                    await asyncio.sleep(0.001)
-                return time.monotonic() - began
-            finally:
-                pool.close()
+        async def far_end(conn) -> None:
+            await server_handshake(conn)
+            while True:
+                if (await conn.next_frame()).type == MsgType.KV_LAYER:
+                    received[0] += 1
+                    if received[0] == frames:
+                        done.set()
 
-        return asyncio.run(main())
+        async def ignore(_peer: str, _body: object) -> None:
+            pass
 
-    return frames * len(blob) / run_in(a.ns, send) / 1e6
+        server = await serve(far_end, "", 0, KEY, sock=listen)
+        p0 = cfg.InstanceSpec("p0", "prefill", "A", host=a.addr)
+        md0 = cfg.InstanceSpec("md0", "main", "B", host=b.addr, kv_port=listen.getsockname()[1])
+        dep = cfg.Deployment(instances=(p0, md0))
+        pool = PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None)
+        try:
+            await pool.get("md0", Priority.URGENT)
+            began = time.monotonic()
+            for _ in range(frames):
+                await pool.send_bulk("md0", Priority.URGENT, kv=("r", blob))
+            await done.wait()
+            return time.monotonic() - began
+        finally:
+            pool.close()
+            server.close()
+
+    return frames * len(blob) / run_in(a.ns, lambda: asyncio.run(main())) / 1e6
 
 
 def _iperf_mb_per_s(net, seconds: float, streams: int) -> float:

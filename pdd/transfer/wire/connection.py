@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -216,8 +217,10 @@ async def serve(
     *,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     tls: ssl.SSLContext | None = None,
+    sock: socket.socket | None = None,
 ) -> asyncio.Server:
-    """Start a TCP server that hands every accepted connection to `handler`.
+    """Start a TCP server that hands every accepted connection to `handler`, listening on
+    `host`:`port`, or on `sock` (one bound already: in another network namespace, say).
 
     A connection whose handler fails — bad frame, peer gone, or a bug — is closed
     and logged; the server keeps serving everyone else.
@@ -251,4 +254,6 @@ async def serve(
             conn.close()
             await conn.wait_closed()
 
+    if sock is not None:
+        return await asyncio.start_server(on_accept, sock=sock, ssl=tls)
     return await asyncio.start_server(on_accept, host, port, ssl=tls)
