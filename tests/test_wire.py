@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import pdd
 from pdd.transfer import wire
 from pdd.transfer.wire import (
+    GMAC_TAG_SIZE,
     HEADER,
     PROTOCOL_VERSION,
     REJECTS,
@@ -109,6 +110,39 @@ def test_frame_sizes() -> None:
     payload = b"x" * 1000
     assert len(one_frame(None, payload)) == HEADER.size + 1000
     assert len(one_frame(KEY, payload)) == HEADER.size + 1000 + TAG_SIZE
+
+
+def _session(version: int) -> tuple[FrameCodec, FrameCodec]:
+    """Two ends of one connection after its handshake, in `version`: (sender, receiver)."""
+    c2s, s2c = b"c" * 32, b"s" * 32
+    sender, receiver = FrameCodec(KEY, version=version), FrameCodec(KEY, version=version)
+    sender.rekey(send_key=c2s, recv_key=s2c)
+    receiver.rekey(send_key=s2c, recv_key=c2s)
+    return sender, receiver
+
+
+def test_session_frames_carry_a_gmac_tag_from_protocol_5_and_hmac_before() -> None:
+    """Under session keys, a protocol-5 frame ends in a 16-byte GMAC tag and carries no
+    CRC32 (the tag covers it); protocol 4's carry HMAC-SHA256 and the CRC. Each decodes
+    only with its own end's keys, in order; a flipped bit of what the tag covers is a bad MAC."""
+    payload = bytes(range(256)) * 8
+    for version, tag, crc in ((5, GMAC_TAG_SIZE, 0), (4, TAG_SIZE, zlib.crc32(payload))):
+        sender, receiver = _session(version)
+        frames = [sender.encode(MsgType.KV_LAYER, payload) for _ in range(2)]
+        assert len(frames[0]) == HEADER.size + len(payload) + tag
+        assert int.from_bytes(frames[0][FIELDS["crc"].start:FIELDS["crc"].stop], "big") == crc
+        assert frames[0][-tag:] != frames[1][-tag:]  # the same payload: another sequence number, another tag
+        assert [f.payload for f in decode_stream(receiver, b"".join(frames))] == [payload, payload]
+        _, fresh = _session(version)
+        covered = [i for f in ("type", "flags", "seq", "crc") for i in FIELDS[f]]  # (framing: its own errors)
+        for index in [*covered, HEADER.size, HEADER.size + 1000, len(frames[0]) - 1]:
+            with pytest.raises(BadMac):
+                decode_stream(_session(version)[1], flipped(frames[0], index))
+        with pytest.raises(BadSequence):  # replayed: its tag is good, its place is not
+            decode_stream(fresh, frames[0] + frames[0])
+        reflected, _ = _session(version)  # sent back to its sender: the other direction's key
+        with pytest.raises(BadMac):
+            decode_stream(reflected, frames[0])
 
 
 @pytest.mark.parametrize("field", ["type", "flags", "seq", "crc"])

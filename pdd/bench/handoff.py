@@ -121,7 +121,7 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
     # 1. ship the handed-over tokens' KV: the frames P would send, through the line, then import
     encoded = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", n, n + k))]
     payloads = [wire.pack_with_header(m.to_dict(m.KVLayer("bench")), e) for e in encoded]
-    wire_bytes = sum(len(p) + wire.HEADER.size + wire.TAG_SIZE for p in payloads)
+    wire_bytes = sum(len(p) + wire.HEADER.size + wire.GMAC_TAG_SIZE for p in payloads)  # (a session's frames)
     line = WanLine(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, seed=None)
     ship = await _ship(payloads, line, args.trials)
     head = (prompt + tokens)[: k + 1]  # a same-sized range at the start, to import into a fresh reservation

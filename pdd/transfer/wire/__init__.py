@@ -14,6 +14,7 @@ from pdd.transfer.wire.connection import (
 from pdd.transfer.wire.frame import (
     DEFAULT_MAX_PAYLOAD,
     FLAG_AUTH,
+    GMAC_TAG_SIZE,
     HANDSHAKE_MAX_PAYLOAD,
     HEADER,
     MAGIC,
@@ -61,6 +62,7 @@ __all__ = [
     "serve",
     "DEFAULT_MAX_PAYLOAD",
     "FLAG_AUTH",
+    "GMAC_TAG_SIZE",
     "HANDSHAKE_MAX_PAYLOAD",
     "HEADER",
     "MAGIC",
