@@ -7,6 +7,10 @@ path sends `--mbytes` of KV_LAYER frames from a PeerPool in A (as P sends them, 
 urgent KV connection, authenticated) to a framed server in B, and iperf3 (Debian's
 package) sends for as long with one stream, then with `--streams` if more. It prints
 MB/s for each and their ratio. Needs root; numbers are printed, never asserted.
+
+`--loopback` measures the frame layer alone instead, between two processes on this
+machine: raw TCP, then pdd's frames with and without authentication (`--frame-kib`
+frames after the handshake, as a KV connection sends them), MB/s at the receiver.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mbytes", type=int, default=256, help="KV sent per measurement, MB (default 256)")
     p.add_argument("--frame-kib", type=int, default=1024, help="one KV_LAYER frame's payload, KiB (default 1024)")
     p.add_argument("--streams", type=int, default=4, help="iperf3's parallel streams beside one (default 4)")
+    p.add_argument("--loopback", action="store_true", help="the frame layer alone, two processes on loopback")
     options.out(p)
 
 
@@ -108,10 +113,97 @@ def _iperf_mb_per_s(net, seconds: float, streams: int) -> float:
         server.wait()
 
 
+def _receiver(kind: str, frames: int, frame_bytes: int, ready, result) -> None:
+    """A process that takes one connection and reports the MB/s it received at."""
+
+    async def main() -> None:
+        from pdd.transfer.wire import serve, server_handshake
+
+        done = asyncio.Event()
+
+        async def framed(conn) -> None:
+            await server_handshake(conn)
+            await conn.next_frame()
+            began = time.monotonic()  # from the first frame: the handshake is not the rate
+            for _ in range(frames - 1):
+                await conn.next_frame()
+            result.put((frames - 1) * frame_bytes / (time.monotonic() - began) / 1e6)
+            done.set()
+
+        async def raw(reader: asyncio.StreamReader, _writer) -> None:
+            first = got = len(await reader.read(1 << 22))
+            began = time.monotonic()
+            while got < frames * frame_bytes:
+                got += len(await reader.read(1 << 22))
+            result.put((got - first) / (time.monotonic() - began) / 1e6)
+            done.set()
+
+        if kind == "raw":
+            server = await asyncio.start_server(raw, "127.0.0.1", 0, limit=1 << 24)
+        else:
+            server = await serve(framed, "127.0.0.1", 0, KEY if kind == "auth" else None)
+        ready.put(server.sockets[0].getsockname()[1])
+        await done.wait()
+        server.close()
+
+    asyncio.run(main())
+
+
+def _loopback_mb_per_s(kind: str, frames: int, frame_bytes: int) -> float:
+    import multiprocessing
+
+    from pdd.transfer.messages import Hello, to_dict
+    from pdd.transfer.wire import MsgType, connect
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, result = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(kind, frames, frame_bytes, ready, result))
+    proc.start()
+    port, blob = ready.get(timeout=60), b"\x01" * frame_bytes
+
+    async def send() -> None:
+        if kind == "raw":
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(frames):
+                writer.write(blob)
+                await writer.drain()
+            writer.close()
+            return
+        hello = Hello("prefill", "bench", channel="urgent")
+        conn, _ = await connect("127.0.0.1", port, KEY if kind == "auth" else None, lambda v: to_dict(hello, v))
+        for _ in range(frames):
+            await conn.send(MsgType.KV_LAYER, blob)
+        conn.close()
+
+    try:
+        asyncio.run(send())
+        return float(result.get(timeout=300))
+    finally:
+        proc.join(30)
+
+
+def _loopback(args: argparse.Namespace) -> int:
+    frame_bytes = args.frame_kib * 1024
+    frames = max(1, args.mbytes * 1_000_000 // frame_bytes)
+    rates = {kind: _loopback_mb_per_s(kind, frames, frame_bytes) for kind in ("raw", "auth", "plain")}
+    title = f"The frame layer on loopback, two processes ({args.mbytes} MB of {args.frame_kib} KiB frames)"
+    table = Table(title=title)
+    for col in ("", "MB/s", "x raw TCP"):
+        table.add_column(col, justify="right")
+    for kind, label in (("raw", "raw TCP"), ("auth", "pdd frames, authenticated"), ("plain", "pdd frames, no key")):
+        table.add_row(label, f"{rates[kind]:.0f}", f"{rates[kind] / rates['raw']:.2f}")
+    Console().print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"loopback_mb_s": rates, "frame_kib": args.frame_kib}, indent=2) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pdd.netns.delay import LineDelay
     from pdd.netns.lab import lab
 
+    if args.loopback:
+        return _loopback(args)
     if shutil.which("iperf3") is None:
         print("pdd bench transfer: needs iperf3 (apt-get install iperf3)")
         return 2
