@@ -51,6 +51,7 @@ from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import (
     FLAG_AUTH,
+    GMAC_TAG_SIZE,
     HANDSHAKE_MAX_PAYLOAD,
     HEADER,
     MAGIC,
@@ -173,9 +174,7 @@ def receive(key: bytes | None, stream: bytes) -> Received:
         reader = asyncio.StreamReader()
         reader.feed_data(stream)
         reader.feed_eof()
-        codec_ = FrameCodec(key)
-        if key:
-            codec_.rekey(key, key)  # past the handshake: the full-size limit applies
+        codec_ = session(key)  # past the handshake: the full-size limit and the session's tags apply
         writer = _ReadOnlyWriter()
         conn = FramedConnection(reader, writer, codec_)  # type: ignore[arg-type]
         frames: list[Frame] = []
@@ -199,13 +198,28 @@ def clean_close(err: BaseException) -> bool:
     return isinstance(err, ConnectionClosed) and "middle" not in str(err)
 
 
+def session(key: bytes | None) -> FrameCodec:
+    """A connection's codec past its handshake (under session keys: GMAC tags, no CRC)."""
+    codec_ = FrameCodec(key)
+    if key:
+        codec_.rekey(key, key)
+    return codec_
+
+
 def encoded(key: bytes | None, frames: list[tuple[MsgType, bytes]]) -> list[bytes]:
-    sender = FrameCodec(key)
+    sender = session(key)
     return [sender.encode(t, p) for t, p in frames]
 
 
 def tag(key: bytes, header_and_payload: bytes) -> bytes:
     return hmac.new(key, header_and_payload, hashlib.sha256).digest()
+
+
+def session_tag(key: bytes, seq: int, msg_type: MsgType, payload: bytes) -> bytes:
+    """The tag a holder of `key` puts on frame `seq` of a session."""
+    sender = session(key)
+    sender.send_seq = seq
+    return sender.encode(msg_type, payload)[-GMAC_TAG_SIZE:]
 
 
 FRAMES = st.lists(st.tuples(st.sampled_from(list(MsgType)), st.binary(max_size=200)), min_size=1, max_size=4)
@@ -230,18 +244,18 @@ def mutate(data: st.DataObject, key: bytes | None, frames: list[tuple[MsgType, b
         new = data.draw(st.integers(0, 2**32 - 1).filter(lambda n: n != len(frames[k][1])))
         return before + frame[: at.start] + struct.pack("!I", new) + frame[at.stop:] + after
     if kind == "seq":
-        sender = FrameCodec(key)
+        sender = session(key)
         sender.send_seq = data.draw(st.integers(0, 2**64 - 1).filter(lambda s: s != k))
         return before + sender.encode(*frames[k]) + after
     if kind == "mac":
-        header, payload = frame[: HEADER.size], frame[HEADER.size: len(frame) - (TAG_SIZE if key else 0)]
+        header, payload = frame[: HEADER.size], frame[HEADER.size: len(frame) - (GMAC_TAG_SIZE if key else 0)]
         how = data.draw(st.sampled_from(["other key", "random tag", "auth flag flipped"]))
         if how == "auth flag flipped":  # an unauthenticated frame on an authenticated line, or the reverse
             flags = FIELDS["flags"].start
             header = header[:flags] + bytes([header[flags] ^ FLAG_AUTH]) + header[flags + 1:]
             return before + header + payload + (b"" if key else tag(KEY, header + payload)) + after
-        forged = tag(OTHER_KEY, header + payload) if how == "other key" else \
-            data.draw(st.binary(min_size=TAG_SIZE, max_size=TAG_SIZE))
+        forged = session_tag(OTHER_KEY, k, frames[k][0], frames[k][1]) if how == "other key" else \
+            data.draw(st.binary(min_size=GMAC_TAG_SIZE, max_size=GMAC_TAG_SIZE))
         return before + header + payload + forged + after
     if kind == "insert":
         i = data.draw(st.integers(0, len(stream)))
