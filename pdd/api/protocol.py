@@ -89,8 +89,19 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "include_stop_str_in_output": _neutral(None, False),
     "skip_special_tokens": _neutral(None, True),
 }
-# what changes nothing here whatever its value: bookkeeping a client sends by default
-INERT = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"})
+# what changes nothing here whatever its value: bookkeeping a client sends by default, and
+# vLLM's `return_token_ids` (pdd puts `token_ids` on every choice and chunk regardless)
+INERT = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+        "return_token_ids",
+    }
+)
 # fields of a chat message pdd does not render, refused where given (tool calls and results
 # in the history; a participant's name, which some templates would show)
 MESSAGE_NOT_RENDERED = ("tool_calls", "tool_call_id", "function_call", "name")
