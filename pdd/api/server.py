@@ -30,19 +30,7 @@ from pdd.sampling import SamplingParams
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024
-DISCONNECT_POLL_S = 0.25  # how often a request not yet streaming checks that its client is still there
-Piece = tuple[str, list[int]]  # a generation's text delta and its token ids
-
-
-async def _after(first: list[Piece], pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
-    """`first`, then the rest of `pieces` (closed with this)."""
-    try:
-        for piece in first:
-            yield piece
-        async for piece in pieces:
-            yield piece
-    finally:
-        await pieces.aclose()
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 class OpenAIServer:
@@ -98,7 +86,7 @@ class OpenAIServer:
         out: Outcome,
         slot: Slot,
         access: Access,
-    ) -> AsyncGenerator[Piece, None]:
+    ) -> AsyncGenerator[tuple[str, list[int]], None]:
         """Yield (text delta, token ids) pieces; fill `out` and `access`; close the backend
         stream and give the admission slot back on exit."""
         text = TextStream(self.tokenizer, stop)
@@ -154,19 +142,7 @@ class OpenAIServer:
         self.metrics.e2e.observe(time.monotonic() - access.arrived)
 
     @staticmethod
-    async def _unless_gone(task: asyncio.Future, client: Request) -> bool:
-        """Wait for `task`; False (and `task` cancelled) if the client left first. The task's
-        own error (an ApiError from the generation) is its result's to raise."""
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return True
-            if await client.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return False
-
-    async def _collect(self, pieces: AsyncIterator[Piece], client: Request) -> bool:
+    async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
         """Run a non-streamed generation to its end; False (and aborted) if the client left."""
 
         async def drain() -> None:
@@ -174,22 +150,15 @@ class OpenAIServer:
                 pass
 
         task = asyncio.ensure_future(drain())
-        if not await self._unless_gone(task, client):
-            return False
-        task.result()  # re-raises an ApiError from the generation
-        return True
-
-    async def _first(self, pieces: AsyncGenerator[Piece, None], client: Request) -> list[Piece] | None:
-        """A stream's first piece (none if it ended without one), before its 200 is sent: a
-        request refused or failed before its first token (no instance it needs is up, every
-        decode side is full) gets its status, 503 or 429 with Retry-After, which a client or
-        a load balancer retries, not a 200 whose stream says it failed. None if the client left."""
-        task = asyncio.ensure_future(anext(pieces, None))
-        if not await self._unless_gone(task, client):
-            await pieces.aclose()
-            return None
-        first = task.result()  # re-raises an ApiError from the generation
-        return [] if first is None else [first]
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()  # re-raises an ApiError from the generation
+                return True
+            if await client.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return False
 
     async def respond(
         self,
@@ -212,12 +181,9 @@ class OpenAIServer:
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            first = await self._first(pieces, client)
-            if first is None:
-                return Response(status_code=499)  # the client left; its request was aborted
             # the background release covers a client gone before the stream started
             return StreamingResponse(
-                sse_events(chat, base, _after(first, pieces), out, len(prompt), include_usage),
+                sse_events(chat, base, pieces, out, len(prompt), include_usage),
                 media_type="text/event-stream",
                 background=BackgroundTask(slot.release),
             )
