@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import yaml
+from procs import free_port, stop_group
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdd.deploy import wait_http
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "pdd.json"
@@ -102,34 +103,20 @@ def prometheus(targets: dict[str, dict[str, str]], where: Path) -> Iterator[str]
                                  for addr, labels in targets[job["job_name"]].items()]
         assert all(set(t["labels"]) == shipped for t in job["static_configs"]), (job["job_name"], shipped)
     (where / "prometheus.yml").write_text(yaml.safe_dump(conf))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         ["prometheus", f"--config.file={where / 'prometheus.yml'}", f"--storage.tsdb.path={where / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=subprocess.DEVNULL, stderr=open(where / "prometheus.log", "w"), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while not _ready(url):
-            assert proc.poll() is None and time.monotonic() < deadline, (where / "prometheus.log").read_text()
-            time.sleep(0.2)
+        try:
+            wait_http(f"{url}/-/ready", proc, 30)
+        except RuntimeError as e:
+            raise AssertionError(f"prometheus: {e}\n{(where / 'prometheus.log').read_text()}") from None
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        stop_group(proc)
 
 
 def query(url: str, expr: str) -> list[dict]:

@@ -145,6 +145,7 @@ class Lab:
         self.line_ns = self.tag + "line"
         self.sites = {site: i + 1 for i, site in enumerate(sites)}
         self.line_mbps, self.mtu, self.delay = line_mbps, mtu, delay
+        self.hop: subprocess.Popen | None = None  # the delay hop, while the line has one
         self.hosts: dict[str, Host] = {}
         for site, i in self.sites.items():
             for k, name in enumerate(sorted(h for h, s in hosts.items() if s == site)):
