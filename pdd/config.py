@@ -71,6 +71,14 @@ class LinkSpec:
     jitter_ms: float = 5.0
     host: str = "127.0.0.1"  # where `pdd up`'s emulator listens (its routes and admin API)
     admin_port: int = 0
+    # TCP connections per peer for each priority of KV across the line: frames go to
+    # whichever has drained, so one stream's window, slow start or loss recovery does
+    # not hold the transfer back (BENCHMARKS.md, "KV over a long line")
+    kv_streams: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.kv_streams <= 64:
+            raise ValueError(f"kv_streams must be 1-64, not {self.kv_streams}")
 
 
 @dataclass(frozen=True)

@@ -25,3 +25,8 @@ class Tasks:
     def cancel_all(self) -> None:
         for task in list(self._live):
             task.cancel()
+
+    async def wait_all(self) -> None:
+        """Until every task live now has ended (their errors are theirs to handle)."""
+        if self._live:
+            await asyncio.wait(list(self._live))

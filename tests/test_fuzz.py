@@ -47,6 +47,7 @@ from pdd.engine.engine import Engine
 from pdd.engine_port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
+from pdd.kv.reassembly import Reassembly
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import (
@@ -528,15 +529,13 @@ def layer_payload(layer: dict[str, Any], data: st.DataObject) -> bytes:
 
 
 def import_like_the_receiver(engine: Engine, payloads: list[bytes], imported: list[codec.KVHeader]) -> None:
-    """What `DecodeSide.on_peer` does with KV_LAYER frames: collect a chunk's layers,
-    join them at its last, import; the headers of the chunks imported go to `imported`."""
-    layers = []
+    """What `DecodeSide.on_peer` does with KV_LAYER frames: put each chunk's layers
+    together (`Reassembly`), import whole chunks in token order; the headers of the chunks
+    imported go to `imported`."""
+    arriving = Reassembly(0, len(PROMPT))
     for payload in payloads:
         head, blob = m.decode_kv(Frame(MsgType.KV_LAYER, 0, payload))
-        kv = codec.decode(blob)
-        layers.append(kv)
-        if kv.header.layer_end == kv.header.num_layers:
-            whole, layers = codec.join_layers(layers), []
+        for whole in arriving.add(codec.decode(blob)):
             engine.import_kv(head.rid, whole)
             imported.append(whole.header)
 

@@ -414,6 +414,48 @@ def test_json_messages_over_a_real_connection() -> None:
     run(go())
 
 
+def test_frames_of_every_size_cross_a_real_connection_whole_with_a_slow_reader() -> None:
+    """`FrameStream` stages headers and small payloads and reads large ones straight into
+    their own buffers: frames at each side of that line, and of the staging buffer's, in
+    both directions of a real connection, with a reader that falls behind (so the
+    transport pauses and resumes, and large buffers fill before their reader wakes),
+    arrive whole and in order; so does a PING answered while frames are still in."""
+    from pdd.transfer.wire.stream import DIRECT_MIN_BYTES, STAGING_BYTES
+
+    sizes = [0, 1, 23, DIRECT_MIN_BYTES - 1, DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, STAGING_BYTES + 7, 3 << 20]
+    payloads = [bytes((i * 131 + j) % 251 for j in range(n)) for i, n in enumerate(sizes * 3)]
+    echoed: list[bytes] = []
+
+    async def echo(conn: FramedConnection) -> None:
+        for i in range(len(payloads)):
+            frame = await conn.recv()
+            if i % 4 == 0:
+                await asyncio.sleep(0.05)  # behind: what the sender writes piles up
+            await conn.send(MsgType.KV_LAYER, frame.payload)
+
+    async def go() -> None:
+        server = await serve(echo, "127.0.0.1", 0, None)  # (with a key: a handshake first)
+        conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], None)
+        try:
+            sender = asyncio.ensure_future(_send_all(conn, payloads))
+            for _ in payloads:
+                echoed.append(bytes((await asyncio.wait_for(conn.recv(), 30)).payload))
+            await sender
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+    assert [len(p) for p in echoed] == [len(p) for p in payloads]
+    assert echoed == payloads
+
+
+async def _send_all(conn: FramedConnection, payloads: list[bytes]) -> None:
+    for p in payloads:
+        await conn.send(MsgType.KV_LAYER, p)
+
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -1,13 +1,16 @@
 """Outbound connections from one instance to others: P to its decode side, RLD to MD.
 
-Three framed connections per peer (through the WAN emulator when the peer is in the
-other datacenter), opened on first use: control, for small frames (reservations,
-handoffs, aborts); urgent KV, on a request's critical path (P -> MD, the relay's
-copy); and background KV (MD's copy behind a relay). A reservation never waits behind
-megabytes of KV, and background frames hold back while urgent ones are being sent;
-the KV connections keep few unsent bytes in the kernel (TCP_NOTSENT_LOWAT), so what
-waits, waits here, while their windows grow to the line's bandwidth-delay product. Each
-connection's reader hands every body, typed, to the owner; when one drops, the owner hears.
+Framed connections per peer (through the WAN emulator when the peer is in the other
+datacenter), opened on first use: control, for small frames (reservations, handoffs,
+aborts); urgent KV, on a request's critical path (P -> MD, the relay's copy); and
+background KV (MD's copy behind a relay). Across the line each kind of KV has
+`[link] kv_streams` connections (stripes): each frame goes to the first that has
+drained, and the receiver reassembles a request's KV by its token and layer offsets. A
+reservation never waits behind megabytes of KV, and background frames hold back while
+urgent ones are being sent; the KV connections keep few unsent bytes in the kernel
+(TCP_NOTSENT_LOWAT), so what waits, waits here, while their windows grow to the line's
+bandwidth-delay product. Each connection's reader hands every body, typed, to the
+owner; when one drops, the owner hears.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.tls import client_context
-from pdd.transfer.wire import FramedConnection
+from pdd.transfer.wire import FramedConnection, MsgType
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
@@ -36,6 +39,7 @@ HELLO_TIMEOUT_S = 10.0
 # trip, 4.4 MB/s through a 2 Gbit/s lab line at 20 ms (tests/test_line_delay.py), where
 # autotuning carries 232 MB/s. Bytes in flight grow with the window, as TCP grows it.
 BULK_NOTSENT_LOWAT = 128 * 1024
+URGENT_TAIL_POLL_S = 0.002  # how often background KV looks whether urgent KV has left the kernel
 CHANNEL_NAMES = {Priority.CONTROL: "control", Priority.URGENT: "urgent", Priority.BACKGROUND: "background"}
 
 OnBody = Callable[[str, Any], Awaitable[None]]
@@ -51,26 +55,56 @@ class _Yield:
         self.quiet.set()
 
 
+class _Stripes:
+    """The KV connections of one priority to one peer: their indices that are free (have
+    drained what was last written to them)."""
+
+    def __init__(self, count: int) -> None:
+        self.free: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(count):
+            self.free.put_nowait(i)
+
+
 class PeerPool:
     def __init__(
-        self, spec: InstanceSpec, deployment: Callable[[], Deployment], key: bytes, on_body: OnBody, on_lost: OnLost
+        self,
+        spec: InstanceSpec,
+        deployment: Callable[[], Deployment],
+        key: bytes,
+        on_body: OnBody,
+        on_lost: OnLost,
+        stripes: int | None = None,
     ) -> None:
+        """`stripes`: KV connections per priority to a peer across the line (default:
+        the deployment's `[link] kv_streams`); one to a peer in the same datacenter."""
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
-        # keyed by (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND)
-        self._conns: dict[tuple[str, Priority], FramedConnection] = {}
+        self._stripe_count = stripes
+        # keyed by (peer, Priority.CONTROL / Priority.URGENT / Priority.BACKGROUND, stripe)
+        self._conns: dict[tuple[str, Priority, int], FramedConnection] = {}
         self._yields: dict[str, _Yield] = {}
+        self._stripes: dict[tuple[str, Priority], _Stripes] = {}
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats
+        self._drains = Tasks()  # stripes draining what was written to them
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
         return self._deployment().instance(name).dc != self._spec.dc
 
-    async def get(self, name: str, channel: Priority = Priority.CONTROL) -> FramedConnection:
+    def stripes(self, name: str, priority: Priority = Priority.URGENT) -> int:
+        """KV connections of `priority` to `name`: across the line, urgent KV is striped;
+        background KV keeps one, since what each holds in its kernel buffers and on the
+        line is ahead of the next urgent frame: with four, 61 background frames arrived
+        during 64 urgent ones through `pdd wan` (tests/test_peers.py), with one, 11."""
+        if not self.remote(name) or priority == Priority.BACKGROUND:
+            return 1
+        return self._stripe_count or self._deployment().link.kv_streams
+
+    async def get(self, name: str, channel: Priority = Priority.CONTROL, stripe: int = 0) -> FramedConnection:
         async with self._lock:
-            conn = self._conns.get((name, channel))
+            conn = self._conns.get((name, channel, stripe))
             if conn is not None and not conn.closed:
                 return conn
             dep = self._deployment()
@@ -83,8 +117,8 @@ class PeerPool:
                 sock = conn.socket
                 if sock is not None:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_NOTSENT_LOWAT)
-            self._conns[(name, channel)] = conn
-            self._tasks.spawn(self._read(name, channel, conn))
+            self._conns[(name, channel, stripe)] = conn
+            self._tasks.spawn(self._read(name, channel, stripe, conn))
             if channel == Priority.CONTROL:
                 live = self._deployment().liveness
                 self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
@@ -96,30 +130,65 @@ class PeerPool:
     async def send_bulk(
         self, name: str, priority: Priority, body: Any = None, kv: tuple[str, bytes] | None = None
     ) -> int:
-        """One frame on the Priority.URGENT or Priority.BACKGROUND connection: a body (ordered after the KV
-        sent before it there) or a KV layer `(rid, blob)`; the payload bytes sent."""
-        conn = await self.get(name, priority)
+        """One frame on a Priority.URGENT or Priority.BACKGROUND connection: a KV layer
+        `(rid, blob)` or a body; the payload bytes sent. Across the line each frame goes
+        to the first of the priority's connections to have drained (the receiver puts a
+        request's KV back in order, and takes KV_DONE once all of it is in); the call
+        returns once the frame is written there, or, with one connection, has drained."""
         y = self._yields.setdefault(name, _Yield())
         if priority == Priority.BACKGROUND:
             # woken by the end of one urgent frame, it is no turn if the next has begun: a
-            # transfer sends frame after frame, and a stale wake-up would slip one in between
-            while y.urgent:
-                await y.quiet.wait()
+            # transfer sends frame after frame, and a stale wake-up would slip one in between.
+            # Nor while urgent bytes wait in the kernel: up to BULK_NOTSENT_LOWAT a stream
+            # (its tail, four streams of it, shared the line with the background KV that
+            # followed: 23-36 background frames of 64 KiB during 64 urgent ones through the
+            # lab's 32 Mbit/s line, against 0-2 once the tail had left)
+            while y.urgent or self._urgent_unsent(name):
+                if y.urgent:
+                    await y.quiet.wait()
+                else:
+                    await asyncio.sleep(URGENT_TAIL_POLL_S)
         else:
             y.urgent += 1
             y.quiet.clear()
+        stripes = self._stripes.setdefault((name, priority), _Stripes(self.stripes(name, priority)))
+        stripe = await stripes.free.get()
         try:
-            if kv is not None:
-                return await m.send_kv(conn, *kv)
-            await m.send(conn, body)
-            return 0
-        finally:
-            if priority != Priority.BACKGROUND:
-                y.urgent -= 1
-                if not y.urgent:
-                    y.quiet.set()
+            conn = await self.get(name, priority, stripe)
+            payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
+            conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
+        except BaseException:
+            self._release(name, priority, stripe)
+            raise
+        drained = self._drain(name, priority, stripe, conn)
+        if self.stripes(name, priority) > 1:
+            self._drains.spawn(drained)
+        else:
+            await drained
+        return len(payload) if kv is not None else 0
 
-    async def _read(self, name: str, channel: Priority, conn: FramedConnection) -> None:
+    async def _drain(self, name: str, priority: Priority, stripe: int, conn: FramedConnection) -> None:
+        try:
+            await conn.drain()
+            await conn.writable()  # (the kernel holds at most BULK_NOTSENT_LOWAT unsent: the rest waits here)
+        except ConnectionError as e:  # its reader hears of it too, and tells the owner
+            log.debug("KV connection %d to %s lost while draining: %s", stripe, name, e)
+        finally:
+            self._release(name, priority, stripe)
+
+    def _urgent_unsent(self, name: str) -> int:
+        """Bytes the kernel has yet to send on the urgent KV connections to `name`."""
+        return sum(c.unsent() for (n, ch, _), c in self._conns.items() if n == name and ch == Priority.URGENT)
+
+    def _release(self, name: str, priority: Priority, stripe: int) -> None:
+        self._stripes[(name, priority)].free.put_nowait(stripe)
+        if priority != Priority.BACKGROUND:
+            y = self._yields[name]
+            y.urgent -= 1
+            if not y.urgent:
+                y.quiet.set()
+
+    async def _read(self, name: str, channel: Priority, stripe: int, conn: FramedConnection) -> None:
         try:
             while True:
                 frame = await conn.next_frame()
@@ -134,17 +203,25 @@ class PeerPool:
         except Exception:
             log.exception("handling a frame from %s failed", name)
         finally:
-            if self._conns.get((name, channel)) is conn:
-                del self._conns[(name, channel)]
+            if self._conns.get((name, channel, stripe)) is conn:
+                del self._conns[(name, channel, stripe)]
             conn.close()
             if channel == Priority.CONTROL and conn.silent_for:  # the peer is gone: so are its KV connections
-                for ch in (Priority.URGENT, Priority.BACKGROUND):
-                    other = self._conns.pop((name, ch), None)
-                    if other is not None:
-                        other.abort()
+                for key in [k for k in self._conns if k[0] == name and k[1] != Priority.CONTROL]:
+                    self._conns.pop(key).abort()
             self._on_lost(name)
 
     def close(self) -> None:
         self._tasks.cancel_all()
+        self._drains.cancel_all()
         for conn in self._conns.values():
             conn.close()
+
+    async def aclose(self) -> None:
+        """Close once every frame written has drained into the kernel, and the
+        connections have closed."""
+        await self._drains.wait_all()
+        conns = list(self._conns.values())
+        self.close()
+        for conn in conns:
+            await conn.wait_closed()

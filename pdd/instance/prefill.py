@@ -329,10 +329,12 @@ class PrefillRole:
         return sent
 
     async def _to_main(self, job: PrefillJob, main: str, first: int, ready_to: str | None) -> int:
-        """The KV MD lacks; behind a relay, once MD confirms it has it all, READY to the relay."""
+        """The KV MD lacks, until MD confirms it has it all; behind a relay, then READY to
+        the relay. (Done once the KV is there, not once it is written: P's KV frames wait
+        in several connections' buffers, megabytes on a slow line, and a P that dies
+        with them unsent has not done its part: the router retries the request.)"""
         ack = await self._reservation(job, main)
-        if ready_to:
-            job.loaded[main] = asyncio.get_running_loop().create_future()
+        job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
         sent = await self._send_kv(
             job,
@@ -342,8 +344,8 @@ class PrefillRole:
             emit=ready_to is None,
             priority=Priority.BACKGROUND if ready_to else Priority.URGENT,
         )
+        await self._loaded(job, main)
         if ready_to:
-            await self._loaded(job, main)
             await self._tell(ready_to, m.Ready(job.rid))
         return sent
 

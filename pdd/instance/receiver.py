@@ -24,6 +24,7 @@ from pdd.engine_port import OutOfPages, OutputStream
 from pdd.instance.host import Host, report_failure, tokens_of
 from pdd.instance.reservations import ReservationLine
 from pdd.kv import codec
+from pdd.kv.reassembly import Reassembly
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -42,8 +43,9 @@ class DecodeJob:
     reserved: bool = False
     loaded: bool = False  # all KV is in (KV_DONE)
     first_token: int | None = None
-    layers: list[codec.KVBlob] = field(default_factory=list)  # the chunk in flight, layer by layer
-    importing: asyncio.Task | None = None  # the last chunk's import (they run in arrival order)
+    kv: Reassembly | None = None  # the KV arriving, from the reserved hit on (set once reserved)
+    importing: asyncio.Task | None = None  # the last chunk's import (they run in token order)
+    kv_in: asyncio.Event = field(default_factory=asyncio.Event)  # every prompt token's import issued, or ended
     output: list[int] = field(default_factory=list)  # output tokens known here, by position
     given: int = 0  # how many of them the engine has
     stream: OutputStream | None = None
@@ -129,6 +131,7 @@ class DecodeSide(Generic[J]):
                 await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
                 return
             job = self._job(body.rid, name)
+            await job.kv_in.wait()  # KV_DONE may overtake KV on another connection
             if job.importing is not None:
                 await job.importing
             if job.ended:
@@ -227,7 +230,9 @@ class DecodeSide(Generic[J]):
         if job.ended:  # released or aborted while the engine reserved
             await self.engine.release(r.rid)
             return
-        job.reserved = True
+        job.reserved, job.kv = True, Reassembly(hit, len(r.prompt))  # P sends the KV of [hit, prompt)
+        if job.kv.complete:
+            job.kv_in.set()
         await self.host.send(job.owner, m.ReserveAck(r.rid, hit))
 
     async def _refuse(self, job: J, reason: str, busy: bool = False) -> None:
@@ -235,12 +240,14 @@ class DecodeSide(Generic[J]):
         await self.host.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
     async def _on_layer(self, conn: FramedConnection, job: J, blob: codec.KVBlob) -> None:
-        job.layers.append(blob)
-        if blob.header.layer_end == blob.header.num_layers:  # the chunk's last layer: import it whole
-            whole, job.layers = codec.join_layers(job.layers), []
+        if job.kv is None:
+            raise m.BadMessage(f"KV of {job.rid} before its reservation was answered")
+        for whole in job.kv.add(blob):
             # not awaited: reading goes on (the line keeps flowing) while the engine is busy;
-            # engine commands run in the order they are issued, so chunks land in order
+            # engine commands run in the order they are issued, so chunks land in token order
             job.importing = self.host.spawn(self._import(conn, job, whole))
+        if job.kv.complete:
+            job.kv_in.set()
 
     async def _import(self, conn: FramedConnection, job: J, blob: codec.KVBlob) -> None:
         try:
@@ -318,6 +325,7 @@ class DecodeSide(Generic[J]):
     def forget(self, job: J) -> None:
         job.ended = True
         job.settled.set()
+        job.kv_in.set()
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
 
@@ -336,12 +344,20 @@ class DecodeSide(Generic[J]):
 
     def peer_lost(self, name: str) -> None:
         """A connection from P is gone: what it reserved and had not finished sending is
-        dropped, and the router hears so at once (it would otherwise wait for tokens that
-        cannot come until its timeout)."""
+        dropped, and the router hears so (it would otherwise wait for tokens that cannot
+        come until its timeout), once the router's own heartbeats would have told it of a
+        dead P: it then retries the request on another P, where MD's word, first, would
+        fail it as MD's own loss. (MD hears of it at once where one of P's connections
+        carries nothing: P's KV is striped over several, `pdd.instance.peers`.)"""
         for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
             self.host.spawn(self.end(job))
             lost = ConnectionError(f"prefill instance {name} was lost before the KV was complete")
-            self.host.spawn(report_failure(self.host, job.router_id, job.rid, lost))
+            self.host.spawn(self._report_p_lost(job, lost))
+
+    async def _report_p_lost(self, job: J, lost: ConnectionError) -> None:
+        live = self.host.dep.liveness
+        await asyncio.sleep(live.dead_after_s + live.heartbeat_s)  # (for the attempt it left: ignored)
+        await report_failure(self.host, job.router_id, job.rid, lost)
 
     def router_lost(self, router_id: str) -> None:
         """Nobody will read these tokens any more: stop computing them."""

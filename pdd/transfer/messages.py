@@ -33,6 +33,7 @@ from pdd.transfer.wire import (
     MAX_JSON_BYTES,
     PROTOCOL_VERSION,
     BadPayload,
+    Buffer,
     Frame,
     FramedConnection,
     MsgType,
@@ -324,7 +325,7 @@ _DECODERS: dict[MsgType, msgspec.json.Decoder[Any]] = {
 _ENCODER = msgspec.json.Encoder()
 
 
-def _decode(msg_type: MsgType, payload: bytes | memoryview) -> Any:
+def _decode(msg_type: MsgType, payload: Buffer) -> Any:
     """The body of type `msg_type` in a JSON payload. A payload that is no JSON at all is
     `BadPayload` (the stream cannot be trusted: the connection is dropped); JSON of the
     wrong shape is `BadMessage` naming the field (answered with an ERROR)."""
@@ -398,17 +399,18 @@ def rid_of(frame: Frame) -> str | None:
     return getattr(body, "rid", None)
 
 
+def encode_body(body: Message, version: int) -> bytes:
+    """`body`'s frame payload in protocol `version`."""
+    if any(since > version for since in body.SINCE.values()):
+        return encode_json(to_dict(body, version))
+    return _ENCODER.encode(body)
+
+
 async def send(conn: FramedConnection, body: Message) -> None:
     """Send `body` in the protocol version `conn` speaks."""
-    version = conn.version
-    if any(since > version for since in body.SINCE.values()):
-        await conn.send(body.TYPE, encode_json(to_dict(body, version)))
-    else:
-        await conn.send(body.TYPE, _ENCODER.encode(body))
+    await conn.send(body.TYPE, encode_body(body, conn.version))
 
 
-async def send_kv(conn: FramedConnection, rid: str, blob: bytes) -> int:
-    """Send one KV_LAYER frame; the payload bytes it put on the connection."""
-    payload = pack_with_header(to_dict(KVLayer(rid)), blob)
-    await conn.send(MsgType.KV_LAYER, payload)
-    return len(payload)
+def kv_payload(rid: str, blob: bytes | memoryview) -> bytes:
+    """A KV_LAYER frame's payload: its header, then the encoded KV blob."""
+    return pack_with_header(to_dict(KVLayer(rid)), blob)

@@ -30,6 +30,8 @@ from pdd.transfer.wire.frame import (
     BadPayload,
     BadSequence,
     BadVersion,
+    Buffer,
+    ByteSource,
     ConnectionClosed,
     Frame,
     FrameCodec,
@@ -55,6 +57,8 @@ from pdd.transfer.wire.handshake import (
 
 __all__ = [
     "REJECTS",
+    "Buffer",
+    "ByteSource",
     "FramedConnection",
     "Handler",
     "RejectCounter",

@@ -9,9 +9,12 @@ connection, since a byte stream that has lost its framing cannot be trusted agai
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,6 +23,8 @@ from prometheus_client import Counter
 
 from pdd.transfer.wire.frame import (
     DEFAULT_MAX_PAYLOAD,
+    Buffer,
+    ByteSource,
     Frame,
     FrameCodec,
     FrameError,
@@ -27,10 +32,12 @@ from pdd.transfer.wire.frame import (
     encode_json,
     offered_protocol,
 )
+from pdd.transfer.wire.stream import FrameStream
 
 log = logging.getLogger(__name__)
 
 MAX_UNAUTHENTICATED = 32  # connections a server holds that have not completed the handshake
+SIOCOUTQNSD = 0x894B  # linux/sockios.h: a TCP socket's unsent bytes
 
 
 class RejectCounter:
@@ -75,7 +82,7 @@ class FramedConnection:
     frames never interleave); receives must come from a single task.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, codec: FrameCodec) -> None:
+    def __init__(self, reader: ByteSource, writer: asyncio.StreamWriter, codec: FrameCodec) -> None:
         self._reader = reader
         self._writer = writer
         self._codec = codec
@@ -91,8 +98,46 @@ class FramedConnection:
     async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
         """Write one frame whole (concurrent senders never interleave), then wait for
         the socket buffer to drain, so a slow line pushes back on the producer."""
-        self._write(msg_type, payload)
+        self.post(msg_type, payload)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Wait until what is queued has gone into the kernel, but for a little."""
         await self._writer.drain()
+
+    def unsent(self) -> int:
+        """Bytes written to the socket that the kernel has not yet sent (SIOCOUTQNSD)."""
+        sock = self.socket
+        if sock is None or self.closed:
+            return 0
+        try:
+            return int.from_bytes(fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)), sys.byteorder, signed=True)
+        except OSError:
+            return 0
+
+    async def writable(self) -> None:
+        """Wait until the kernel would take more, by its own measure: with TCP_NOTSENT_LOWAT
+        set, until its unsent bytes are under that. (A write goes straight into the
+        kernel while the send buffer, autotuned to megabytes, has room; only polling
+        honours the mark.) The socket is polled through a duplicate of its descriptor,
+        since the transport's own is registered already."""
+        sock = self.socket
+        if sock is None or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        fd = os.dup(sock.fileno())
+        ready = loop.create_future()
+        loop.add_writer(fd, _settle, ready)
+        try:
+            while not self.closed:  # (the duplicate keeps a socket the transport closed alive)
+                try:
+                    await asyncio.wait_for(asyncio.shield(ready), 1.0)
+                    return
+                except TimeoutError:
+                    continue
+        finally:
+            loop.remove_writer(fd)
+            os.close(fd)
 
     async def send_json(self, msg_type: MsgType, obj: dict[str, Any]) -> None:
         await self.send(msg_type, encode_json(obj))
@@ -115,13 +160,14 @@ class FramedConnection:
         while True:
             frame = await self.recv()
             if frame.type == MsgType.PING:
-                self._write(MsgType.PONG, frame.payload)
+                self.post(MsgType.PONG, frame.payload)
             elif frame.type != MsgType.PONG:
                 return frame
 
-    def _write(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
+    def post(self, msg_type: MsgType, payload: Buffer = b"") -> None:
         """Queue one frame whole without waiting for the buffer to drain (a liveness
-        probe must not wait behind a slow line's backlog)."""
+        probe must not wait behind a slow line's backlog; a striped sender drains each
+        stream while it fills the next)."""
         parts = self._codec.encode_parts(msg_type, payload)
         self._writer.writelines(parts)
         self.bytes_sent += sum(len(p) for p in parts)
@@ -141,7 +187,7 @@ class FramedConnection:
                 log.warning("%s silent for %.1f s: dropping the connection", self.peer, silent)
                 self.abort()
                 return
-            self._write(MsgType.PING)
+            self.post(MsgType.PING)
 
     @property
     def socket(self) -> Any:
@@ -202,8 +248,17 @@ async def open_connection(
     """Connect to a frame server (over TLS with `tls`), to speak protocol `version` (default
     the newest this process offers); the timeout, which covers the TLS handshake too,
     keeps a silent WAN from hanging us. `wire.connect` also says HELLO."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), connect_timeout)
-    return FramedConnection(reader, writer, FrameCodec(key, max_payload, version or offered_protocol()))
+    loop = asyncio.get_running_loop()
+    transport, stream = await asyncio.wait_for(
+        loop.create_connection(FrameStream, host, port, ssl=tls), connect_timeout
+    )
+    writer = asyncio.StreamWriter(transport, stream, None, loop)
+    return FramedConnection(stream, writer, FrameCodec(key, max_payload, version or offered_protocol()))
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 Handler = Callable[[FramedConnection], Awaitable[None]]
@@ -228,7 +283,7 @@ async def serve(
 
     pending: set[FramedConnection] = set()  # accepted, not yet authenticated
 
-    async def on_accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def on_accept(reader: FrameStream, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer, FrameCodec(key, max_payload, version=None))  # the client's
         pending.difference_update([c for c in pending if c.codec.authenticated or c.closed])
         if key and len(pending) >= MAX_UNAUTHENTICATED:
@@ -249,11 +304,15 @@ async def serve(
             log.warning("connection from %s dropped: no complete handshake in time", conn.peer)
         except Exception:
             log.exception("handler for %s failed", conn.peer)
+        except asyncio.CancelledError:  # the loop is closing: end quietly (asyncio 3.11's stream
+            conn.abort()  # callback logs a cancelled connection task as an error)
+            return
         finally:
             pending.discard(conn)
             conn.close()
-            await conn.wait_closed()
+        await conn.wait_closed()
 
+    loop = asyncio.get_running_loop()
     if sock is not None:
-        return await asyncio.start_server(on_accept, sock=sock, ssl=tls)
-    return await asyncio.start_server(on_accept, host, port, ssl=tls)
+        return await loop.create_server(lambda: FrameStream(on_accept), sock=sock, ssl=tls)
+    return await loop.create_server(lambda: FrameStream(on_accept), host, port, ssl=tls)

@@ -27,7 +27,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -99,6 +99,15 @@ class MsgType(IntEnum):
     PROGRESS = 23  # instance -> router: a request moved forward without producing a token
 
 
+Buffer = bytes | bytearray | memoryview
+
+
+class ByteSource(Protocol):
+    """Where frames are read from: an `asyncio.StreamReader`, or a `FrameStream`."""
+
+    async def readexactly(self, n: int) -> bytes | bytearray: ...
+
+
 class FrameError(ValueError):
     """A frame that must not be accepted; the connection carrying it is dropped."""
 
@@ -151,7 +160,7 @@ class ConnectionClosed(ConnectionError):
 class Frame:
     type: MsgType
     seq: int
-    payload: bytes
+    payload: bytes | bytearray  # (a large one: the buffer the kernel read it into)
     version: int = PROTOCOL_VERSION  # the protocol version in its header
 
     def json(self) -> dict[str, Any]:
@@ -208,7 +217,7 @@ class FrameCodec:
         """Bytes a frame adds to its payload on this connection."""
         return HEADER.size + (self._tag_size if self._key else 0)
 
-    def encode_parts(self, msg_type: MsgType, payload: bytes | memoryview) -> list[bytes | memoryview]:
+    def encode_parts(self, msg_type: MsgType, payload: Buffer) -> list[Buffer]:
         """The frame as separate buffers, so a large KV payload is never copied."""
         msg_type = MsgType(msg_type)
         if len(payload) > self.max_payload:
@@ -226,10 +235,10 @@ class FrameCodec:
             return [header, payload, _gmac(self._send_key, seq, header, payload)]
         return [header, payload, _mac(self._send_key, header, payload)]
 
-    def encode(self, msg_type: MsgType, payload: bytes | memoryview) -> bytes:
+    def encode(self, msg_type: MsgType, payload: Buffer) -> bytes:
         return b"".join(self.encode_parts(msg_type, payload))
 
-    async def read(self, reader: asyncio.StreamReader) -> Frame:
+    async def read(self, reader: ByteSource) -> Frame:
         """Read exactly one frame, validating everything before returning it.
 
         Only what is needed to delimit the frame (magic, version, length, whether a
@@ -259,7 +268,7 @@ class FrameCodec:
             raise BadMac("authenticated frame on a connection without a key")
         payload = await _read_exactly(reader, length, at_boundary=False)
         if self._recv_key:  # set exactly when the connection has a key
-            tag = await _read_exactly(reader, self._tag_size, at_boundary=False)
+            tag = bytes(await _read_exactly(reader, self._tag_size, at_boundary=False))
             if self._gmac:
                 _check_gmac(self._recv_key, seq, header, payload, tag)  # (seq checked below, after the tag)
             elif not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
@@ -278,7 +287,7 @@ class FrameCodec:
         return Frame(msg_type, seq, payload, version)
 
 
-def _mac(key: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
+def _mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
     mac = hmac.new(key, header, hashlib.sha256)
     mac.update(payload)
     return mac.digest()
@@ -289,7 +298,7 @@ def _nonce(seq: int) -> bytes:
     return bytes(4) + seq.to_bytes(8, "big")
 
 
-def _gmac(key: bytes, seq: int, header: bytes, payload: bytes | memoryview) -> bytes:
+def _gmac(key: bytes, seq: int, header: Buffer, payload: Buffer) -> bytes:
     """AES-256-GCM over no plaintext, header and payload as associated data: their tag."""
     enc = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq))).encryptor()
     enc.authenticate_additional_data(header)
@@ -298,7 +307,7 @@ def _gmac(key: bytes, seq: int, header: bytes, payload: bytes | memoryview) -> b
     return enc.tag
 
 
-def _check_gmac(key: bytes, seq: int, header: bytes, payload: bytes | memoryview, tag: bytes) -> None:
+def _check_gmac(key: bytes, seq: int, header: Buffer, payload: Buffer, tag: bytes) -> None:
     dec = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq), tag)).decryptor()
     dec.authenticate_additional_data(header)
     dec.authenticate_additional_data(payload)
@@ -308,7 +317,7 @@ def _check_gmac(key: bytes, seq: int, header: bytes, payload: bytes | memoryview
         raise BadMac("message authentication code does not match") from None
 
 
-async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_boundary: bool) -> bytes:
+async def _read_exactly(reader: ByteSource, n: int, *, at_boundary: bool) -> bytes | bytearray:
     try:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as err:
@@ -328,7 +337,7 @@ def _reject_constant(name: str) -> Any:
     raise BadPayload(f"JSON constant {name} is not allowed")
 
 
-def decode_json(payload: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
+def decode_json(payload: Buffer, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
     """Parse a JSON-object payload, refusing anything oversized, non-UTF-8 or odd."""
     if len(payload) > max_bytes:
         raise BadPayload(f"JSON payload of {len(payload)} bytes exceeds {max_bytes}")
@@ -347,7 +356,7 @@ def pack_with_header(header: dict[str, Any], blob: bytes | memoryview) -> bytes:
     return b"".join([_HEADER_LEN.pack(len(encoded)), encoded, blob])
 
 
-def split_with_header(payload: bytes | memoryview) -> tuple[memoryview, memoryview]:
+def split_with_header(payload: Buffer) -> tuple[memoryview, memoryview]:
     """The JSON header's bytes and the blob of a `pack_with_header` payload, both zero-copy
     views (so a typed decoder reads the header without a dict in between)."""
     view = memoryview(payload).cast("B")
