@@ -36,7 +36,7 @@ from pdd.engine_port import (
     left_to_engine,
     read_auto,
 )
-from pdd.names import HARDWARE, NATIVE, HandoffMode, Mode, Pipeline, RoleName, role_chip
+from pdd.names import HARDWARE, LOSSY_KV_FORMS, NATIVE, HandoffMode, Mode, Pipeline, RoleName, role_chip
 
 ROLES = tuple(RoleName)
 MODES = tuple(Mode)
@@ -75,10 +75,19 @@ class LinkSpec:
     # whichever has drained, so one stream's window, slow start or loss recovery does
     # not hold the transfer back (BENCHMARKS.md, "KV over a long line")
     kv_streams: int = 4
+    # LOSSY, off by default: KV crossing the line quantized to "int8" (a scale a token and
+    # head), 1.9x fewer bytes than bf16 and 3.8x than fp32 at head_dim 128, tokens no longer
+    # always equal to colocated's (BENCHMARKS.md). Such KV lives in a cache namespace of
+    # its own on the far side (`pdd.policy.transfer.kv_namespace`), never taken for exact KV.
+    # A peer of a release before protocol 6 is sent exact KV.
+    lossy_kv: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.kv_streams <= 64:
             raise ValueError(f"kv_streams must be 1-64, not {self.kv_streams}")
+        if self.lossy_kv not in ("", *LOSSY_KV_FORMS):
+            forms = ", ".join(LOSSY_KV_FORMS)
+            raise ValueError(f'lossy_kv must be "" (exact KV) or one of {forms}, not {self.lossy_kv!r}')
 
 
 @dataclass(frozen=True)

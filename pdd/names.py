@@ -91,3 +91,7 @@ class Fallback(StrEnum):
     PREFILL_LOST = "prefill_lost"  # P was lost after the relay had its KV: the relay finished it
     PREFILL_RETRY = "prefill_retry"  # P was lost before the first token: retried on another
     RELAY_FINISHED = "relay_finished"  # the relay finished before MD had its KV
+
+
+# Lossy forms KV may cross the line in (`[link] lossy_kv`; `pdd.kv.codec` writes and reads them)
+LOSSY_KV_FORMS = ("int8",)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 
 import pytest
 import torch
@@ -349,6 +350,34 @@ def test_kv_codec_rejects_malformed_blobs(engine, mutate):
     assert torch.equal(decoded.k, exported.k) and torch.equal(decoded.v, exported.v)
     with pytest.raises(codec.KVFormatError):
         codec.decode(mutate(data))
+
+
+def test_int8_kv_for_the_line_is_a_quarter_of_fp32_within_half_a_step_and_checked(engine):
+    """`codec.encode(blob, "int8")`: each value within half its head's step (absmax / 127)
+    of the exact one, read back as float32 (the importer converts from it); the payload
+    an int8 a value and an fp32 scale a head and token; scales that are not finite and
+    not negative, and forms nobody knows, refused."""
+    engine.add_request("p", list(range(20, 60)), SamplingParams(max_tokens=1), hold=True)
+    _run(engine)
+    exact = engine.export_kv("p", 0, 40)
+    engine.release("p")
+    data = codec.encode(exact, "int8")
+    h = exact.header
+    values = 2 * (h.layer_end - h.layer_start) * h.num_tokens * h.kv_heads
+    assert len(data) - len(codec.encode(exact)) == values * (h.head_dim + 4) - values * h.head_dim * 4 + len(
+        b'"dtype":"int8"') - len(b'"dtype":"float32"')
+    got = codec.decode(data)
+    assert got.header.dtype == "float32" and got.k.shape == exact.k.shape
+    for x, y in ((exact.k, got.k), (exact.v, got.v)):
+        step = x.abs().amax(dim=-1, keepdim=True) / 127
+        assert bool(((x - y).abs() <= step / 2 + 1e-6).all())
+    assert not torch.equal(got.k, exact.k)  # lossy: named so
+    bad = bytearray(data)
+    bad[-4:] = struct.pack("<f", float("nan"))
+    with pytest.raises(codec.KVFormatError):
+        codec.decode(bytes(bad))
+    with pytest.raises(codec.KVFormatError):
+        codec.encode(exact, "int4")
 
 
 def test_a_full_pool_makes_sequences_take_turns(tiny_model_dir, engine):

@@ -80,6 +80,29 @@ def test_agentic_run_sends_only_the_missing_kv():
     assert stats["mirror_drift_abs_tokens"] == 0, "a steady run's mirror must predict every reservation"
 
 
+def test_lossy_kv_crosses_the_line_in_int8_and_lives_in_its_own_namespace(tmp_path, colocated_tokens):
+    """`[link] lossy_kv = "int8"`: P's KV crosses the line at about a quarter of its fp32
+    bytes; MD keeps it in a namespace of its own, which a later request in the same form
+    reuses (the third shares 300 tokens with the first) and the router's mirror predicts
+    exactly. Lossy: the tokens are counted against colocated's, not required equal."""
+    conf = tmp_path / "lossy.toml"
+    conf.write_text('mode = "pd-cross-dc"\n[link]\nlossy_kv = "int8"\n')
+    with pdd_up("--config", str(conf)) as dep:
+        got = [_complete(dep.url, p) for p in _requests()[:3]]
+    int8_bytes_per_token = 2 * 4 * 2 * (64 + 4)  # an int8 a value and an fp32 scale a head and token
+    for g, prompt in zip(got, _requests(), strict=False):
+        choice, rec = g["choices"][0], g["pdd"]
+        assert len(choice["token_ids"]) == 12 and choice["finish_reason"] == "length"
+        missed = len(prompt) - rec["d_hit_tokens"]
+        # (exact fp32 KV would take KV_BYTES_PER_TOKEN, 3.8x as much, a missed token)
+        assert missed * int8_bytes_per_token <= rec["wan_bytes"] <= missed * int8_bytes_per_token * 1.25, rec
+    assert got[2]["pdd"]["d_hit_tokens"] >= 288  # lossy pages reused in their namespace...
+    assert got[2]["pdd"]["d_hit_predicted"] == got[2]["pdd"]["d_hit_tokens"]  # ...which the mirror follows
+    equal = sum(g["choices"][0]["token_ids"] == c for g, c in zip(got, colocated_tokens, strict=False))
+    print(f"\nint8 KV over the line: {equal} of {len(got)} requests' greedy tokens equal colocated's; "
+          f"WAN bytes {[g['pdd']['wan_bytes'] for g in got]}")
+
+
 def test_small_decode_pool_evicts_and_stays_correct(tmp_path, colocated_tokens):
     """A decode pool smaller than the working set: MD evicts behind the router's back;
     the reservation (not the mirror) decides what P sends, so outputs stay exact. MD's

@@ -181,3 +181,41 @@ def test_the_receiver_puts_striped_kv_back_in_token_order():
             again.add(f)
     with pytest.raises(codec.KVFormatError):  # before the hit
         Reassembly(hit + 16, end).add(first[0])
+
+
+def test_an_urgent_send_cancelled_while_it_waits_for_a_connection_does_not_hold_background_back():
+    """Urgent KV waiting for its (one, busy) connection, cancelled there (its request was
+    aborted): once the urgent frame ahead of it is through, background KV flows."""
+
+    async def go() -> None:
+        reading = asyncio.Event()
+
+        async def far_end(conn: FramedConnection) -> None:
+            await server_handshake(conn)
+            await reading.wait()  # the peer falls behind: the urgent frame cannot drain
+            while True:
+                await conn.next_frame()
+
+        async def ignore(_peer: str, _body: object) -> None:
+            pass
+
+        server = await serve(far_end, "127.0.0.1", 0, KEY)
+        host, port = server.sockets[0].getsockname()[:2]
+        p0 = cfg.InstanceSpec("p0", "prefill", "A")
+        md0 = cfg.InstanceSpec("md0", "main", "A", host=host, kv_port=port)  # same site: one connection each
+        pool = PeerPool(p0, lambda: cfg.Deployment(instances=(p0, md0)), KEY, ignore, lambda _peer: None)
+        try:
+            ahead = asyncio.ensure_future(pool.send_bulk("md0", Priority.URGENT, kv=("a", b"\0" * (32 << 20))))
+            await asyncio.sleep(0.5)
+            assert not ahead.done()
+            waiting = asyncio.ensure_future(pool.send_bulk("md0", Priority.URGENT, kv=("b", b"\0" * 1024)))
+            await asyncio.sleep(0.2)
+            waiting.cancel()
+            reading.set()
+            await asyncio.wait_for(ahead, 30)
+            await asyncio.wait_for(pool.send_bulk("md0", Priority.BACKGROUND, kv=("c", b"\0" * 1024)), 10)
+        finally:
+            await pool.aclose()
+            server.close()
+
+    asyncio.run(go())

@@ -284,3 +284,14 @@ def test_the_line_meter_measures_acknowledged_kv_over_windows():
     assert meter.estimate.bytes_per_s == pytest.approx(0.7e6 + 0.3 * 100_000)
     meter.acked(("r", "md0"), 1000, True, now_s=10.6)
     assert meter.in_flight(Priority.BACKGROUND) == [50_000]
+
+
+def test_lossy_kv_lives_in_a_namespace_of_each_salt_and_form():
+    from pdd.config import LinkSpec
+    from pdd.policy.transfer import kv_namespace
+
+    assert kv_namespace("", "") == "" and kv_namespace("t1", "") == "t1"  # exact KV: the request's own
+    spaces = {kv_namespace(salt, form) for salt in ("", "t1") for form in ("", "int8")}
+    assert len(spaces) == 4
+    with pytest.raises(ValueError, match="lossy_kv"):
+        LinkSpec(lossy_kv="int4")

@@ -219,6 +219,26 @@ def test_crc_mismatch_without_auth() -> None:
         decode_stream(FrameCodec(None), flipped(frame, len(frame) - 1))
 
 
+def test_keyless_frames_carry_crc32c_from_protocol_6_and_crc32_before() -> None:
+    """A keyless frame's checksum is CRC32C (hardware: the 0.36x -> ~0.9x of raw TCP in
+    BENCHMARKS.md) from protocol 6 and zlib's CRC32 in 4 and 5; each end checks the one
+    its version names, so a frame with the other's is refused."""
+    from crc32c import crc32c
+
+    payload = bytes(range(256)) * 64
+    for version, crc in ((6, crc32c(payload)), (5, zlib.crc32(payload)), (4, zlib.crc32(payload))):
+        frame = FrameCodec(None, version=version).encode(MsgType.KV_LAYER, payload)
+        assert int.from_bytes(frame[FIELDS["crc"].start:FIELDS["crc"].stop], "big") == crc
+        assert decode_stream(FrameCodec(None, version=version), frame)[0].payload == payload
+        for index in (HEADER.size, len(frame) - 1):
+            with pytest.raises(BadChecksum):
+                decode_stream(FrameCodec(None, version=version), flipped(frame, index))
+    assert crc32c(payload) != zlib.crc32(payload)
+    other = HEADER.pack(b"PD", 6, MsgType.KV_LAYER, 0, 0, len(payload), zlib.crc32(payload)) + payload
+    with pytest.raises(BadChecksum):
+        decode_stream(FrameCodec(None, version=6), other)
+
+
 def test_oversized_frame_is_refused_before_its_payload_arrives() -> None:
     """The limit check must not wait for (or buffer) the announced payload."""
 
@@ -308,8 +328,8 @@ def _rfc5869(ikm: bytes, salt: bytes, info: bytes, length: int) -> bytes:
 
 def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
     """The derivations are on the wire: changing one is a new PROTOCOL_VERSION (and the
-    versions still spoken, 4 and 5, use these)."""
-    assert (wire.OLDEST_PROTOCOL, PROTOCOL_VERSION) == (4, 5)
+    versions still spoken, 4 to 6, use these)."""
+    assert (wire.OLDEST_PROTOCOL, PROTOCOL_VERSION) == (4, 6)
     assert KEY == _rfc5869(b"correct horse battery staple", b"", b"pdd/link-key/v2\x00dc-a/p0->dc-b/md0", 32)
     c, s = b"c" * wire.NONCE_BYTES, b"s" * wire.NONCE_BYTES
     both = _rfc5869(KEY, c + s, b"pdd/session/v2", 64)
@@ -534,6 +554,10 @@ class _Recorder:
         self.sent.extend(parts)
         self._writer.writelines(parts)
 
+    def get_extra_info(self, name: str, default=None):
+        # no socket: the connection writes through `writelines`, not to the descriptor itself
+        return None if name == "socket" else self._writer.get_extra_info(name, default)
+
     def __getattr__(self, name: str):
         return getattr(self._writer, name)
 
@@ -639,9 +663,9 @@ def test_the_version_is_settled_in_hello(server_speaks, monkeypatch) -> None:
 
 
 def test_a_pinned_version_must_be_one_spoken(monkeypatch) -> None:
-    for bad in ("3", "6", "five", "-4"):
+    for bad in ("3", "7", "five", "-4"):
         monkeypatch.setenv(wire.PROTOCOL_ENV, bad)
-        with pytest.raises(ValueError, match="speaks protocols 4-5"):
+        with pytest.raises(ValueError, match="speaks protocols 4-6"):
             wire.offered_protocol()
     monkeypatch.setenv(wire.PROTOCOL_ENV, "4")
     assert wire.offered_protocol() == 4

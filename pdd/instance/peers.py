@@ -152,7 +152,11 @@ class PeerPool:
             y.urgent += 1
             y.quiet.clear()
         stripes = self._stripes.setdefault((name, priority), _Stripes(self.stripes(name, priority)))
-        stripe = await stripes.free.get()
+        try:
+            stripe = await stripes.free.get()
+        except BaseException:  # (cancelled while every stripe was busy: the urgent count must not stay up)
+            self._unyield(name, priority)
+            raise
         try:
             conn = await self.get(name, priority, stripe)
             payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
@@ -182,6 +186,9 @@ class PeerPool:
 
     def _release(self, name: str, priority: Priority, stripe: int) -> None:
         self._stripes[(name, priority)].free.put_nowait(stripe)
+        self._unyield(name, priority)
+
+    def _unyield(self, name: str, priority: Priority) -> None:
         if priority != Priority.BACKGROUND:
             y = self._yields[name]
             y.urgent -= 1

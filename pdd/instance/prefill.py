@@ -26,7 +26,7 @@ from pdd.instance.peers import PeerPool
 from pdd.kv import codec
 from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
-from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_range
+from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_namespace, kv_range
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
@@ -52,6 +52,7 @@ class PrefillJob:
     submitted: float = field(default_factory=time.monotonic)
     last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
     progress_sent: float = 0.0  # when the router was last told the KV moves
+    lossy: dict[str, str] = field(default_factory=dict)  # peer -> the form its KV crosses in ("": exact)
 
     @property
     def rid(self) -> str:
@@ -194,9 +195,18 @@ class PrefillRole:
         s = job.submit
         job.acks[peer] = asyncio.get_running_loop().create_future()
         job.holders.add(peer)
-        await self.peers.get(peer)
+        conn = await self.peers.get(peer)
         job.reserve_sent[peer] = time.monotonic()
-        await self.peers.send(peer, m.Reserve(s.rid, s.prompt, s.params, s.router_id, s.use_cache, main))
+        job.lossy[peer] = self._lossy(peer, conn.version)
+        params = replace(s.params, cache_salt=kv_namespace(s.params.cache_salt, job.lossy[peer]))
+        await self.peers.send(peer, m.Reserve(s.rid, s.prompt, params, s.router_id, s.use_cache, main))
+
+    def _lossy(self, peer: str, version: int) -> str:
+        """The lossy form KV crosses the line to `peer` in: "" (exact) to a peer in this
+        site, or one that speaks a protocol before lossy KV (it would refuse the pages)."""
+        if not self.peers.remote(peer) or version < wire.LOSSY_KV_SINCE:
+            return ""
+        return self.host.dep.link.lossy_kv
 
     @staticmethod
     async def _ack(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
@@ -378,10 +388,10 @@ class PrefillRole:
             job.exports -= 1
             if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
                 self.host.spawn(self.engine.release(job.rid))
-        sent = 0
+        sent, lossy = 0, job.lossy.get(peer, "")
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):
-                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer)))
+                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer, lossy)))
         await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))

@@ -18,12 +18,14 @@ Two kinds of cache need more than that, and say so in fields plain blobs leave o
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from pdd.kv.blocks import block_hashes
+from pdd.names import LOSSY_KV_FORMS
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -37,6 +39,10 @@ RAW_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fnuz": torch.float8_e4m3fnuz,
 }
 ALL_DTYPES = {**DTYPES, **RAW_DTYPES}
+# Lossy forms for the line only (`[link] lossy_kv`): int8 with one fp32 scale per token,
+# head and side (absmax / 127), dequantized to float32 on arrival. Never a cache's dtype.
+LOSSY_FORMS = LOSSY_KV_FORMS
+_SCALE = torch.float32
 _EXTRAS = {"latent": False, "scales": []}  # header fields left out of a plain blob, so it reads as before
 
 
@@ -71,7 +77,10 @@ class KVHeader:
 
     @property
     def payload_bytes(self) -> int:
-        per = self.num_tokens * self.kv_heads * self.head_dim * ALL_DTYPES[self.dtype].itemsize
+        if self.dtype in LOSSY_FORMS:  # the int8 values, then a scale a head and token
+            per = self.num_tokens * self.kv_heads * (self.head_dim + _SCALE.itemsize)
+        else:
+            per = self.num_tokens * self.kv_heads * self.head_dim * ALL_DTYPES[self.dtype].itemsize
         return self.sides * (self.layer_end - self.layer_start) * per
 
 
@@ -89,13 +98,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise KVFormatError(f"unsupported KV dtype {dtype}")
 
 
-def encode(blob: KVBlob) -> bytes:
-    fields = {k: v for k, v in asdict(blob.header).items() if _EXTRAS.get(k, ...) != v}
+def encode(blob: KVBlob, lossy: str = "") -> bytes:
+    """The blob's bytes; with `lossy` ("int8"), quantized for the line (a blob of an fp8
+    cache travels as it is: it is quantized already)."""
+    tensors = list((blob.k, blob.v)[: blob.header.sides])
+    header_fields = asdict(blob.header)
+    if lossy and blob.header.dtype in DTYPES:
+        if lossy not in LOSSY_FORMS:
+            raise KVFormatError(f"unknown lossy KV form {lossy!r} (known: {', '.join(LOSSY_FORMS)})")
+        quantized = [_to_int8(t) for t in tensors]
+        tensors = [q for q, _ in quantized] + [scale for _, scale in quantized]
+        header_fields["dtype"] = lossy
+    fields = {k: v for k, v in header_fields.items() if _EXTRAS.get(k, ...) != v}
     header = json.dumps(fields, separators=(",", ":")).encode()
     parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
-    for t in (blob.k, blob.v)[: blob.header.sides]:
+    for t in tensors:
         parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
     return b"".join(parts)
+
+
+def _to_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension (a head's vector), with its fp32 scale."""
+    x = t.to(torch.float32)
+    scale = x.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(x / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), scale
 
 
 def _check_header(raw: dict) -> KVHeader:
@@ -116,7 +142,7 @@ def _check_header(raw: dict) -> KVHeader:
     )
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
         raise KVFormatError("KV header sizes must be integers")
-    if not isinstance(h.dtype, str) or h.dtype not in ALL_DTYPES:  # (a list or dict is not even hashable)
+    if not isinstance(h.dtype, str) or h.dtype not in (*ALL_DTYPES, *LOSSY_FORMS):  # (a list is not even hashable)
         raise KVFormatError(f"unknown KV dtype {h.dtype!r}")
     if type(h.latent) is not bool:
         raise KVFormatError("KV header latent must be true or false")
@@ -162,11 +188,27 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     if len(body) != h.payload_bytes:
         raise KVFormatError(f"KV payload is {len(body)} bytes, header says {h.payload_bytes}")
     shape = (h.layer_end - h.layer_start, h.num_tokens, h.kv_heads, h.head_dim)
+    if h.dtype in LOSSY_FORMS:
+        return _dequantized(h, body, shape)
     flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(ALL_DTYPES[h.dtype])
     if h.latent:
         return KVBlob(h, flat.view(shape), flat[:0].view(*shape[:3], 0))
     half = flat.numel() // 2
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
+
+
+def _dequantized(h: KVHeader, body: memoryview, shape: tuple[int, int, int, int]) -> KVBlob:
+    """An int8 blob as float32 (what the importer converts from): values times scales."""
+    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    n = h.sides * math.prod(shape)
+    q = raw[:n].view(torch.int8).view(h.sides, *shape).to(torch.float32)
+    scale = raw[n:].view(_SCALE).view(h.sides, *shape[:3], 1)
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise KVFormatError("int8 KV scales must be finite and not negative")
+    x = q * scale
+    k = x[0]
+    v = x[1] if h.sides == 2 else k[..., :0]
+    return KVBlob(replace(h, dtype="float32"), k, v)
 
 
 def token_slice(blob: KVBlob, start: int, end: int) -> KVBlob:

@@ -34,6 +34,14 @@ def kv_range(prompt_tokens: int, reserved_hit: int) -> tuple[int, int]:
     return reserved_hit, prompt_tokens
 
 
+def kv_namespace(cache_salt: str, lossy_kv: str) -> str:
+    """The cache namespace a request's KV lives in on a decode instance across the line:
+    its own (`cache_salt`), or, where that KV crosses the line quantized (`lossy_kv`), one
+    of that form's beside it, so that exact KV is never taken from lossy pages (a later
+    request across the line in the same form reuses them)."""
+    return f"{cache_salt}\x00lossy-kv:{lossy_kv}" if lossy_kv else cache_salt
+
+
 def kv_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
     """[start, end) in pieces of `chunk_tokens`: each travels (one frame per layer) and
     is imported on its own, so the receiver works while the rest is on the line."""

@@ -18,9 +18,11 @@ from pdd.names import Mode, RoleName
 from pdd.policy.capacity import Room, fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_request, plan_with_room
 from pdd.policy.routing import Candidate
+from pdd.policy.transfer import kv_namespace
 from pdd.router.client import InstanceClient
 from pdd.router.dispatch import DispatchLine
 from pdd.router.request import RouterRequest
+from pdd.transfer.wire import LOSSY_KV_SINCE
 
 
 class Planner:
@@ -45,7 +47,11 @@ class Planner:
 
     def _candidates(self, role: str, req: GenRequest, use_mirror: bool = True) -> list[Candidate]:
         def hit(c: InstanceClient) -> int:
-            return c.mirror.predicted_hit(req.prompt, req.params.cache_salt) if use_mirror else 0
+            # a decode instance across the line from P (in the router's site) holds the
+            # request's KV in the namespace of the form it crosses in (exact to one that is older)
+            across = c.spec.dc != self.dep.router.dc and role != RoleName.PREFILL
+            lossy = self.dep.link.lossy_kv if across and (c.protocol or 0) >= LOSSY_KV_SINCE else ""
+            return c.mirror.predicted_hit(req.prompt, kv_namespace(req.params.cache_salt, lossy)) if use_mirror else 0
 
         return [
             Candidate(c.name, hit(c), c.queued_tokens, c.available and not (req.params.cache_salt and _saltless(c)))
