@@ -12,7 +12,9 @@ generator's state that depends on how many draws an instance made before.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
+from typing import ClassVar
 
 import msgspec
 
@@ -40,6 +42,27 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # reused only by requests with the same salt. Not a sampling parameter: carried here
     # because these travel with the request to every instance. Empty: the shared cache.
     cache_salt: str = ""
+    # Logit shaping, as vLLM has it: functions of the prompt and the output so far, so every
+    # producer of a position (P, a relay, MD after a handoff) shapes it alike
+    # (`pdd.engine.sampler.shape`). Protocol 6's: left out at their defaults.
+    presence_penalty: float = 0.0  # minus this for each token already in the output
+    frequency_penalty: float = 0.0  # minus this times the count of each token in the output
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / this if > 0, else * this
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    min_p: float = 0.0  # drawn tokens only: drop those below min_p x the top token's probability
+    min_tokens: int = 0  # no EOS nor stop token before this many output tokens
+
+    # field -> the protocol version that added it; an instance speaking an older one is not
+    # planned a request that sets it (`needs_protocol`; cache_salt: 4 would ignore it)
+    SINCE: ClassVar[dict[str, int]] = {
+        "cache_salt": 5,
+        "presence_penalty": 6,
+        "frequency_penalty": 6,
+        "repetition_penalty": 6,
+        "logit_bias": 6,
+        "min_p": 6,
+        "min_tokens": 6,
+    }
 
     def __post_init__(self) -> None:
         ints = (self.max_tokens, self.top_k, *self.stop_token_ids) + (() if self.seed is None else (self.seed,))
@@ -62,11 +85,53 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        self._check_shaping()
+
+    def _check_shaping(self) -> None:
+        floats = [self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p]
+        floats += [b for _, b in self.logit_bias]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in floats):
+            raise ValueError("penalties, min_p and logit_bias values must be finite numbers")
+        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)):
+            raise ValueError("min_tokens must be an integer")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t, _ in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (integers >= 0)")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not all(-100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:  # (above max_tokens is a client's error, `pdd.api.shaping`; P runs
+            raise ValueError("min_tokens must be >= 0")  # a request for its first token alone)
+
+    @property
+    def shapes(self) -> bool:
+        """Whether the logits are shaped before the choice (`pdd.engine.sampler.shape`)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+    def needs_protocol(self) -> tuple[int, str]:
+        """The oldest protocol an instance must speak to honour what this sets, and a field
+        that needs it ((0, "") when nothing does)."""
+        return max(((v, f) for f, v in self.SINCE.items() if getattr(self, f) != _DEFAULTS[f]), default=(0, ""))
 
     @property
     def greedy(self) -> bool:
         # below this, logits / temperature overflows float32: the top token is certain anyway
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(SamplingParams)}
 
 
 def draw_key(seed: int, position: int) -> int:

@@ -8,6 +8,7 @@ import struct
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from pdd.engine import sampler
 from pdd.engine.engine import Engine
@@ -251,6 +252,61 @@ def test_kv_export_import_across_page_sizes(engine, other):
     hit = other.cache.match_prefix(turn2).num_pages * other.pool.page_size
     assert hit >= 224
     assert _handover(engine, other, turn2, params) == ref2
+
+
+def test_shaping_is_vllms_formula_on_prompt_and_output():
+    """Logit bias, then min_tokens (EOS and stop tokens masked while the output is short),
+    then the repetition penalty over prompt and output tokens (a positive logit divided,
+    a negative one multiplied), then frequency and presence over the output's counts."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
+    params = SamplingParams(max_tokens=9, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                            logit_bias=((2, 1.0),), min_tokens=4)
+    shaped = sampler.shape(logits, params, ([0], [1, 3, 3]), frozenset({4}))
+    assert shaped.tolist() == [1.0, -2.75, 1.5, 0.25, float("-inf")]
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, 0.0]  # a new tensor
+    enough = sampler.shape(logits, params, ([0], [1, 3, 3, 3]), frozenset({4}))
+    assert enough[4] == 0.0 and enough[3] == 1.5 - 1.5 - 0.25  # four outputs: EOS may come
+    assert sampler.shape(logits, SamplingParams(), ([0], [1]), frozenset()).tolist() == logits.tolist()
+    # greedy rows: the choice is the shaped argmax; an unshaped row beside it is untouched
+    rows = torch.stack([logits, logits])
+    assert sample(rows, [params, GREEDY], [0, 0], [3, 3], [([0], [1, 3, 3]), None], [frozenset({4})] * 2) == [2, 3]
+
+
+def test_min_p_draws_only_tokens_within_its_share_of_the_top():
+    """A drawn token's probability (after temperature) is at least min_p times the top
+    token's: over many seeds, none below; without min_p, some."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    drawn = {p: {sample(logits, [SamplingParams(temperature=1.0, min_p=p)], [seed], [0])[0] for seed in range(400)}
+             for p in (0.0, 0.15)}
+    assert drawn[0.0] == {0, 1, 2, 3, 4} and drawn[0.15] == {0, 1, 2}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=0.5),
+    SamplingParams(max_tokens=30, ignore_eos=True, temperature=25.0, top_p=0.95, seed=7, min_p=0.2,
+                   repetition_penalty=2.0, frequency_penalty=1.0, logit_bias=((1420, 40.0),)),
+], ids=["greedy", "seeded"])
+def test_shaped_decoding_continues_exactly_after_a_handover(engine, other, params):
+    """Penalties count the output so far wherever it was produced: MD, given P's first
+    token and a relay's, shapes every later position as one engine does; and they change
+    the tokens (else this would prove nothing)."""
+    rng = random.Random(21)
+    prompt = _prompt(rng, 150)
+    ref = engine.generate([prompt], params)[0]
+    plain = engine.generate([prompt], replace(params, repetition_penalty=1.0, frequency_penalty=0.0,
+                                              presence_penalty=0.0, logit_bias=(), min_p=0.0))[0]
+    engine.flush_cache()
+    assert ref != plain
+    engine.add_request("p", prompt, replace(params, max_tokens=1), hold=True)
+    _run(engine)
+    assert engine.seqs["p"].output == ref[:1]
+    hit = other.reserve("d", prompt, params)
+    other.import_kv("d", codec.decode(codec.encode(engine.export_kv("p", hit, len(prompt)))))
+    engine.release("p")
+    other.start("d", ref[:9])  # P's token and eight of a relay's
+    seq = other.seqs["d"]
+    _run(other)
+    assert seq.output == ref
 
 
 @pytest.mark.parametrize("chunks, cap, final", [((5,), 0, 2), ((3, 4, 1), 2, 2), ((1,) * 9, 1, 0)])

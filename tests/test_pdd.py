@@ -23,6 +23,9 @@ from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
+# penalties count the output so far, wherever it was produced (strong: the tiny model is decisive)
+SHAPED = [{"repetition_penalty": 2.0, "frequency_penalty": 2.0, "presence_penalty": 0.5, "min_tokens": 4},
+          {**SEEDED, "min_p": 0.2, "repetition_penalty": 2.0, "frequency_penalty": 1.0}]
 
 
 def _prompts() -> list[list[int]]:
@@ -92,8 +95,25 @@ def reference(colocated) -> dict:
     """Colocated outputs: greedy and seeded, for every prompt the tests send."""
     greedy = [colocated(p, 120) for p in _prompts()]
     seeded = [colocated(p, 60, **SEEDED) for p in _prompts()[:2]]
+    shaped = [colocated(p, 60, **extra) for p, extra in zip(_prompts(), SHAPED, strict=False)]
+    choices = [colocated(_prompts()[3], 30, **{**SEEDED, "seed": 1234 + i}) for i in range(3)]  # n = 3's
     assert len({tuple(g) for g in greedy}) == 4 and seeded[0] != greedy[0][:60]
-    return {"greedy": greedy, "seeded": seeded}
+    assert shaped[0] != greedy[0][:60] and shaped[1] != seeded[1]
+    return {"greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices}
+
+
+def _choices(url: str, prompt: list[int], max_tokens: int, n: int, **extra) -> dict[int, list[int]]:
+    """One streamed completion of `n` choices: each choice's token ids, by index."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "n": n,
+            **extra}
+    out: dict[int, list[int]] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    out.setdefault(choice["index"], []).extend(choice["token_ids"])
+    return out
 
 
 VARIANTS = {
@@ -121,15 +141,19 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         greedy = [_stream(dep.url, p, 120) for p in _prompts()]
         seeded = [_stream(dep.url, p, 60, **SEEDED) for p in _prompts()[:2]]
         unseeded = _stream(dep.url, _prompts()[2], 60, **unseeded_params)
+        shaped = [_stream(dep.url, p, 60, **extra) for p, extra in zip(_prompts(), SHAPED, strict=False)]
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        choices = _choices(dep.url, _prompts()[3], 30, 3, **SEEDED)
     assert [g["ids"] for g in greedy] == reference["greedy"]
     assert [s["ids"] for s in seeded] == reference["seeded"]
+    assert [s["ids"] for s in shaped] == reference["shaped"]
+    assert [choices[i] for i in range(3)] == reference["choices"]  # n = 3: one seed each
     # no seed given: the server chose one, every producer drew from it, and it replays anywhere
     server_seed = unseeded["record"]["seed"]
     assert isinstance(server_seed, int), unseeded["record"]
     assert unseeded["ids"] == colocated(_prompts()[2], 60, **unseeded_params, seed=server_seed)
     assert unseeded["ids"] != reference["greedy"][2][:60]  # it did sample
-    records = [g["record"] for g in greedy + seeded + [unseeded]]
+    records = [g["record"] for g in greedy + seeded + [unseeded] + shaped]
     want = {"pd-cross-dc": "P-MD", "P-MD": "P-MD"}.get(variant, "P-RLD-MD")
     assert {r["pipeline"] for r in records} == {want}
     if want == "P-RLD-MD":  # every request was handed over, in the configured mode

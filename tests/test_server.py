@@ -110,10 +110,13 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"five": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"min_tokens": 3}, "min_tokens"),  # above max_tokens (2)
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [CALL]}]}, "messages[2].tool_calls"),
@@ -128,6 +131,70 @@ def test_what_is_not_honoured_is_refused_by_name(server, extra, param):
                    timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param.split(".")[-1] in r.json()["error"]["message"], r.text
+
+
+def test_penalties_bias_min_p_and_min_tokens_are_honoured(server, tiny_model_dir):
+    """Each shaping parameter is taken and changes what a decisive model says where it
+    should: a bias of -100 on the greedy answer's first token removes it; min_tokens
+    with EOS biased up holds the end back exactly that long; a token beyond the
+    vocabulary is a 400 naming logit_bias."""
+    body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]["token_ids"]
+    banned = httpx.post(f"{server}/v1/completions", json={**body, "logit_bias": {str(plain[0]): -100}},
+                        timeout=30).json()["choices"][0]["token_ids"]
+    assert plain[0] not in banned
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    early = {**body, "logit_bias": {str(eos): 100}}
+    assert httpx.post(f"{server}/v1/completions", json=early, timeout=30).json()["choices"][0]["token_ids"] == [eos]
+    held = httpx.post(f"{server}/v1/completions", json={**early, "min_tokens": 5}, timeout=30).json()["choices"][0]
+    assert len(held["token_ids"]) == 6 and held["token_ids"][5] == eos and eos not in held["token_ids"][:5], held
+    assert held["finish_reason"] == "stop"
+    for extra in ({"presence_penalty": 1.5, "frequency_penalty": 2, "repetition_penalty": 1.5}, {"min_p": 0.5}):
+        r = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    r = httpx.post(f"{server}/v1/completions", json={**body, "logit_bias": {"999999": 1}}, timeout=30)
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+
+
+def test_a_chat_without_max_tokens_may_take_the_rest_of_the_context(server):
+    """As vLLM: no max_tokens on a chat completion is the context left after the prompt."""
+    messages = [{"role": "user", "content": "word " * 1950}]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": messages, "ignore_eos": True},
+                   timeout=120)
+    usage = r.json()["usage"]
+    limit = httpx.get(f"{server}/v1/models").json()["data"][0]["max_model_len"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == limit, usage
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_choices_are_single_requests_with_one_seed_each(server):
+    """n = 3: three choices, choice i equal to a single request seeded seed + i (vLLM's
+    rule), whole and streamed (each choice's chunks carry its index and its own finish);
+    usage counts the prompt once and every choice's tokens; n outside 1-16 is a 400."""
+    body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 10, "temperature": 25.0, "top_p": 0.95,
+            "seed": 40, "ignore_eos": True}
+    single = [httpx.post(f"{server}/v1/completions", json={**body, "seed": 40 + i}, timeout=30).json()
+              ["choices"][0]["token_ids"] for i in range(3)]
+    assert len({tuple(s) for s in single}) == 3
+    whole = httpx.post(f"{server}/v1/completions", json={**body, "n": 3}, timeout=30).json()
+    assert [c["token_ids"] for c in sorted(whole["choices"], key=lambda c: c["index"])] == single
+    assert whole["usage"]["completion_tokens"] == 30 and whole["usage"]["prompt_tokens"] == 5
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    streamed: dict[int, list[int]] = {}
+    finished = {}
+    openai_body = {k: v for k, v in body.items() if k != "ignore_eos"}
+    for chunk in client.completions.create(**openai_body, n=3, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(3)] == single and finished == {0: "length", 1: "length", 2: "length"}
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=2, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+    for n in (0, 17):
+        r = httpx.post(f"{server}/v1/completions", json={**body, "n": n}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    _settled(server)
 
 
 def test_what_changes_nothing_is_served(server):

@@ -134,6 +134,25 @@ def test_seeded_sampling_is_pdds_draw_on_vllm(engines):
         assert got != engines.run(_tokens(engines.vllm.generate(f"g2{i}", prompt, GREEDY)))
 
 
+SHAPED = [replace(GREEDY, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=0.5, min_tokens=4),
+          replace(SEEDED, min_p=0.2, repetition_penalty=2.0, frequency_penalty=1.0, logit_bias=((1420, 40.0),))]
+
+
+@pytest.mark.parametrize("params", SHAPED, ids=["greedy", "seeded"])
+def test_penalties_are_pdds_on_vllm_and_count_a_continuations_given_tokens(engines, params):
+    """Shaped logits (penalties, bias, min_p, min_tokens) on vLLM are pdd's own, equal to
+    the embedded engine's; continued on vLLM after P's token and a relay's, in catch-up
+    rounds, the output still equals one engine's: the given tokens count as output."""
+    prompt = [t ^ 3 for t in _prompts()[3]]
+    want = engines.run(_tokens(engines.embedded.generate("shape-e", prompt, params)))
+    assert want != engines.run(_tokens(engines.embedded.generate("plain-e", prompt, replace(
+        params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=(), min_p=0.0))))
+    assert engines.run(_tokens(engines.vllm.generate("shape-v", prompt, params))) == want
+    _, out, _ = engines.run(_move(engines.embedded, engines.vllm, "shape-m", prompt, params, [want[1:6], want[6:9]]))
+    assert out == want
+    engines.run(_settled(engines.vllm))
+
+
 def test_kv_from_vllm_continues_on_the_embedded_engine(engines, vllm_reference):
     prompt = [t ^ 5 for t in _prompts()[0]]
     engines.run(_tokens(engines.embedded.generate("warm", prompt[:100], replace(GREEDY, max_tokens=1))))

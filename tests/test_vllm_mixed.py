@@ -21,6 +21,8 @@ LAYOUTS = {  # which instances run vLLM
     "vllm-decode": {"rld0", "md0"},
 }
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}
+# with pdd's logit shaping, which counts the output so far wherever it was produced
+SHAPED = {**SEEDED, "min_p": 0.2, "repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 0.5}
 
 
 def _instances(on_vllm: set[str]) -> str:
@@ -60,26 +62,26 @@ def test_every_pipeline_and_handoff_equals_plain_vllm_across_engines(dep, vllm_r
     _settled(dep)
 
 
-def test_seeded_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
+def test_seeded_shaped_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
     from pdd.engine.engine import Engine
     from pdd.engine_port import EngineConfig
     from pdd.sampling import SamplingParams
 
     engine = Engine(tiny_model_dir, EngineConfig())
-    params = SamplingParams(max_tokens=120, ignore_eos=True, **SEEDED)
+    params = SamplingParams(max_tokens=120, ignore_eos=True, **SHAPED)
     # fresh prompts: P samples position 0, the relay the next, MD the rest. On a loaded machine
     # the relay may finish alone before MD is ready (the design's answer to a slow MD): that
     # request is still checked, and another is sent, a few times, until MD took over one
     for attempt in range(4):
         first = prompt(200 + 2 * attempt, 600)
-        got = stream_completion(dep.url, first, 120, **SEEDED)
+        got = stream_completion(dep.url, first, 120, **SHAPED)
         assert got["ids"] == engine.generate([first], params)[0]
         if got["record"]["md_output_tokens"] > 0:
             break
     else:
         raise AssertionError(f"four requests in a row were not handed over to MD in time: {got['record']}")
     turn = first + got["ids"] + prompt(201, 20)  # a second turn: P, then MD
-    got2 = stream_completion(dep.url, turn, 40, **SEEDED)
+    got2 = stream_completion(dep.url, turn, 40, **SHAPED)
     print(f"\nseeded: {got['record']['pipeline']}/{got['record']['handoff']}, then {got2['record']['pipeline']}")
     assert got2["ids"] == engine.generate([turn], replace(params, max_tokens=40))[0]
     _settled(dep)

@@ -70,12 +70,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "function_call": _neutral(None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     "structured_outputs": _empty,
-    "presence_penalty": _neutral(None, 0),
-    "frequency_penalty": _neutral(None, 0),
-    "repetition_penalty": _neutral(None, 1),
-    "logit_bias": _empty,
-    "min_p": _neutral(None, 0),
-    "min_tokens": _neutral(None, 0),
     "top_logprobs": _neutral(None, 0),
     "prompt_logprobs": _neutral(None, 0),
     "best_of": _neutral(None, 1),
@@ -118,6 +112,9 @@ def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None
     return None
 
 
+MAX_N = 16  # choices a request may ask for (each is a generation of its own)
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -140,11 +137,18 @@ class _Common(BaseModel):
     logprobs: StrictBool | StrictInt | None = None
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
+    # logit shaping (`pdd.sampling.SamplingParams`): OpenAI's, and vLLM's extensions
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias
+    min_p: StrictFloat | StrictInt | None = None
+    min_tokens: StrictInt | None = None
 
     def refuse_unhonoured(self) -> None:
         """ApiError 400 for what this request asks and pdd would not do (module doc)."""
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n must be 1 to {MAX_N}", param="n")
         if self.logprobs not in (None, False, 0):
             raise ApiError(400, "logprobs are not supported", param="logprobs")
         if error := unhonoured(self.model_extra):

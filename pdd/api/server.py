@@ -12,6 +12,7 @@ from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from msgspec.structs import replace  # sampling params are a msgspec struct
 from prometheus_client import CollectorRegistry
 from starlette.background import BackgroundTask
 
@@ -29,7 +30,6 @@ from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_DEFAULT_MAX_TOKENS = 1024
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
@@ -84,11 +84,11 @@ class OpenAIServer:
         params: SamplingParams,
         stop: list[str],
         out: Outcome,
-        slot: Slot,
+        release: Callable[[], None],
         access: Access,
     ) -> AsyncGenerator[tuple[str, list[int]], None]:
         """Yield (text delta, token ids) pieces; fill `out` and `access`; close the backend
-        stream and give the admission slot back on exit."""
+        stream and give the admission slot back on exit (`release`)."""
         text = TextStream(self.tokenizer, stop)
         gen = self.backend.generate(GenRequest(rid, prompt, params))
         first, last = None, None
@@ -129,9 +129,10 @@ class OpenAIServer:
                 e.status, f"generation failed: {e}", "server_error", headers=retry if e.status == 503 else None
             ) from None
         finally:
-            slot.release()
+            release()
             await gen.aclose()
-            access.completion_tokens, access.finish = len(out.token_ids), out.finish_reason or "abort"
+            access.completion_tokens += len(out.token_ids)
+            access.finish = out.finish_reason or "abort"
             access.pipeline = out.record.pipeline or "" if out.record else ""
         n = len(out.token_ids)
         self.metrics.generation_tokens.inc(n)
@@ -142,7 +143,7 @@ class OpenAIServer:
         self.metrics.e2e.observe(time.monotonic() - access.arrived)
 
     @staticmethod
-    async def _collect(pieces: AsyncIterator[tuple[str, list[int]]], client: Request) -> bool:
+    async def _collect(pieces: AsyncIterator[object], client: Request) -> bool:
         """Run a non-streamed generation to its end; False (and aborted) if the client left."""
 
         async def drain() -> None:
@@ -176,31 +177,45 @@ class OpenAIServer:
             req, len(prompt), max_tokens, default_max, limit, defaults, access.api_key if self.tenants else ""
         )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        out = Outcome()
-        pieces = self._run(rid, prompt, params, req.stop_strings(), out, slot, access)
+        outs = [Outcome() for _ in range(req.n)]
+        release = _countdown(req.n, slot.release)  # the slot is the request's, whatever its n
+        stop = req.stop_strings()
+        pieces = [
+            self._run(rid if req.n == 1 else f"{rid}-{i}", prompt, choice_params(params, i), stop, out, release, access)
+            for i, out in enumerate(outs)
+        ]
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background release covers a client gone before the stream started
             return StreamingResponse(
-                sse_events(chat, base, pieces, out, len(prompt), include_usage),
+                sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage),
                 media_type="text/event-stream",
                 background=BackgroundTask(slot.release),
             )
-        if not await self._collect(pieces, client):
+        if not await self._collect(merged(pieces), client):
             return Response(status_code=499)  # the client left; its request was aborted
-        text = "".join(out.text)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
-        choice["token_ids"] = out.token_ids
+        choices = []
+        for i, out in enumerate(outs):
+            text = "".join(out.text)
+            if chat:
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": out.finish_reason,
+                }
+            else:
+                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice["token_ids"] = out.token_ids
+            if req.n > 1:
+                choice["pdd"] = out.served()
+            choices.append(choice)
         body = {
             **base,
             "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice],
-            "usage": usage(len(prompt), out),
-            "pdd": out.served(),
+            "choices": choices,
+            "usage": usage(len(prompt), *outs),
+            "pdd": outs[0].served(),
         }
         return JSONResponse(body)
 
@@ -231,7 +246,8 @@ class OpenAIServer:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompt = await self._encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await self.respond(True, req, prompt, max_tokens, CHAT_DEFAULT_MAX_TOKENS, client, slot)
+        # as vLLM: without max_tokens, a chat completion may take the rest of the context
+        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
@@ -262,3 +278,46 @@ class OpenAIServer:
                 }
             ],
         }
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s parameters (of `n`): seed + index, as vLLM seeds its parallel
+    samples, so each choice equals a single request with its seed."""
+    return params if params.seed is None or not index else replace(params, seed=params.seed + index)
+
+
+def _countdown(n: int, then: Callable[[], None]) -> Callable[[], None]:
+    """A callable that runs `then` at its n-th call."""
+    left = [n]
+
+    def tick() -> None:
+        left[0] -= 1
+        if not left[0]:
+            then()
+
+    return tick
+
+
+async def merged(
+    gens: list[AsyncGenerator[tuple[str, list[int]], None]],
+) -> AsyncGenerator[tuple[int, str, list[int]], None]:
+    """The choices' pieces as they come, each with its choice's index; every generator
+    closed on the way out (an error in one ends them all)."""
+    nexts = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while nexts:
+            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=nexts.__getitem__):
+                i = nexts.pop(fut)
+                try:
+                    delta, ids = fut.result()
+                except StopAsyncIteration:
+                    continue
+                nexts[asyncio.ensure_future(anext(gens[i]))] = i
+                yield i, delta, ids
+    finally:
+        for fut in nexts:
+            fut.cancel()
+        await asyncio.gather(*nexts, return_exceptions=True)
+        for g in gens:
+            await g.aclose()

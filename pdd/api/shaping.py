@@ -8,6 +8,7 @@ import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from msgspec.structs import replace  # sampling params are a msgspec struct
@@ -81,6 +82,11 @@ def sampling_params(
         raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_API_SALT:
         raise ApiError(400, f"cache_salt must be 1 to {MAX_API_SALT} characters", param="cache_salt")
+    shaping = _shaping(req)
+    if shaping.get("min_tokens", 0) > max_tokens:
+        raise ApiError(
+            400, f"min_tokens ({shaping['min_tokens']}) exceeds max_tokens ({max_tokens})", param="min_tokens"
+        )
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -91,14 +97,41 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
             cache_salt=cache_namespace(unicode_text(req.cache_salt or "", "cache_salt"), tenant),
+            **shaping,
         )
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        named = [k for k in shaping if str(e).startswith(k)]
+        raise ApiError(400, str(e), param=named[0] if named else None) from None
     if params.seed is None and not params.greedy:
         # Chosen here, once: every instance that samples a position of this request
         # (prefill, relay, main decode) then draws from the same seed.
         params = replace(params, seed=secrets.randbits(63))
     return params
+
+
+def _shaping(req: _Common) -> dict[str, Any]:
+    """The request's logit shaping, as `SamplingParams` fields (what it leaves out: none)."""
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        value = getattr(req, name)
+        if value is not None:
+            try:
+                out[name] = float(value)
+            except OverflowError:
+                raise ApiError(400, f"{name} must be a finite number", param=name) from None
+    if req.min_tokens is not None:
+        out["min_tokens"] = req.min_tokens
+    if req.logit_bias:
+        bias = []
+        for key, value in req.logit_bias.items():
+            if not key.isdigit() or len(key) > 9:
+                raise ApiError(400, f"logit_bias keys must be token ids, not {key[:32]!r}", param="logit_bias")
+            try:
+                bias.append((int(key), float(value)))
+            except OverflowError:
+                raise ApiError(400, "logit_bias values must be in [-100, 100]", param="logit_bias") from None
+        out["logit_bias"] = tuple(sorted(bias))
+    return out
 
 
 MAX_API_SALT = MAX_CACHE_SALT - 16  # what a client may give; the namespace adds its kind
@@ -115,13 +148,14 @@ def cache_namespace(salt: str, tenant: str) -> str:
     return f"key:{tenant}" if tenant else ""
 
 
-def usage(prompt_len: int, out: Outcome) -> dict:
-    n = len(out.token_ids)
+def usage(prompt_len: int, *outs: Outcome) -> dict:
+    """OpenAI's usage of a request's choices: the prompt once, the completions summed."""
+    n = sum(len(out.token_ids) for out in outs)
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": n,
         "total_tokens": prompt_len + n,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens},
     }
 
 

@@ -12,34 +12,38 @@ from pdd.api.shaping import Outcome, usage
 async def sse_events(
     chat: bool,
     base: dict,
-    pieces: AsyncGenerator[tuple[str, list[int]], None],
-    out: Outcome,
+    pieces: AsyncGenerator[tuple[int, str, list[int]], None],
+    outs: list[Outcome],
     prompt_len: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """A generation as OpenAI's server-sent events: one chunk per piece, the record on the
-    last, usage if asked, an error as an event (the status is sent already), [DONE]."""
+    """A generation of one or more choices (`pieces`: (choice index, text delta, token
+    ids), filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's
+    record on its last, usage if asked, an error as an event (the status is sent already),
+    [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, ids: list[int], finish: str | None, extra: dict | None = None) -> str:
+    def chunk(i: int, delta: str | None, ids: list[int], finish: str | None, extra: dict | None = None) -> str:
         if chat:
-            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+            choice = {"index": i, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
         choice["token_ids"] = ids
         return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
 
     try:
         if chat:
-            opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [opening]})}\n\n"
-        async for delta, ids in pieces:
+            for i in range(len(outs)):
+                opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [opening]})}\n\n"
+        async for i, delta, ids in pieces:
+            out = outs[i]
             if out.finish_reason:
-                yield chunk(delta, ids, out.finish_reason, {"pdd": out.served()})
+                yield chunk(i, delta, ids, out.finish_reason, {"pdd": out.served()})
             else:
-                yield chunk(delta, ids, None)
+                yield chunk(i, delta, ids, None)
         if include_usage:
-            tail = {**base, "object": obj, "choices": [], "usage": usage(prompt_len, out), "pdd": out.served()}
+            tail = {**base, "object": obj, "choices": [], "usage": usage(prompt_len, *outs), "pdd": outs[0].served()}
             yield f"data: {json.dumps(tail)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"

@@ -65,6 +65,8 @@ class Engine:
         if not prompt:
             raise RequestError("prompt must contain at least one token")
         self._check_tokens(prompt)
+        if any(t >= self.model_cfg.vocab_size for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias names a token id beyond the vocabulary of {self.model_cfg.vocab_size}")
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
         if len(prompt) + params.max_tokens > limit:
             raise RequestError(
@@ -276,7 +278,9 @@ class Engine:
             logits = self.model.logits(hidden[[row for _, row in sampling]])
             seqs = [seq for seq, _ in sampling]
             positions = [s.num_output for s in seqs]
-            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
+            histories = [(s.tokens[: s.prompt_len], s.output) if s.params.shapes else None for s in seqs]
+            stops = [self.eos_ids | frozenset(s.params.stop_token_ids) for s in seqs]
+            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions, histories, stops)
             for seq, tok, position in zip(seqs, tokens, positions, strict=True):
                 seq.tokens.append(tok)
                 self.stats.decode_tokens += 1

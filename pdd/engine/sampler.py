@@ -14,6 +14,13 @@ same perturbation of the tiny model's hot (temperature 25, top-p 0.95) logits, t
 race changed 1 draw in 2,000 where the inverse CDF changed 240
 (`tests/test_engine.py::test_a_seeded_draw_survives_a_float_difference_in_the_logits`).
 
+Before the choice, a request's logits are shaped as vLLM shapes them (`shape`): its
+logit bias, `min_tokens` (no EOS nor stop token yet), then the repetition, frequency and
+presence penalties; `min_p` filters the drawn distribution beside top-k and top-p. Each
+is a function of the prompt and the output so far, which every producer of a position
+holds (MD after a handoff holds P's and the relay's tokens as its output), so the same
+position is shaped alike wherever it is produced.
+
 The draw runs on the logits' device, a GPU's step's sampled rows at once: vLLM calls
 this for each step's batch (`pdd.engines.vllm.draw`), over vocabularies of 150,000
 tokens.
@@ -21,7 +28,7 @@ tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,9 +79,55 @@ def exponentials(keys: list[int], vocab: int, device: torch.device) -> torch.Ten
     return words.add_(0.5).div_(float(1 << 53)).log_().neg_()  # u in (0, 1), never 0: -log u
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+History = tuple[Sequence[int], Sequence[int]]  # a request's prompt and its output so far
+
+
+def shape(logits: torch.Tensor, params: SamplingParams, history: History, stops: frozenset[int]) -> torch.Tensor:
+    """One row of logits [vocab] shaped by `params` (a new tensor), in vLLM's order:
+    logit bias; `min_tokens` (EOS and the stop tokens, `stops`, masked while the output is
+    shorter); the repetition penalty over the tokens of prompt and output; the frequency
+    and presence penalties over the output's. Tokens beyond the vocabulary are refused
+    where the request is taken (`check_shaping`)."""
+    prompt, output = history
+    row = logits.clone()
+    device, vocab = row.device, row.shape[0]
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias, strict=True)
+        row[torch.tensor(tokens, device=device)] += torch.tensor(biases, dtype=row.dtype, device=device)
+    if len(output) < params.min_tokens and not params.ignore_eos and stops:
+        row[torch.tensor(sorted(stops), device=device)] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor([*prompt, *output], dtype=torch.long, device=device)] = True
+        penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+        row = torch.where(seen, penalized, row)
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long, device=device), minlength=vocab)
+        row -= params.frequency_penalty * counts.to(row.dtype)
+        row -= params.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: list[int],
+    histories: Sequence[History | None] = (),
+    stops: Sequence[frozenset[int]] = (),
+) -> list[int]:
     """One token per row of `logits` [N, vocab] (float32); row i is output position
-    `positions[i]` of a request seeded `seeds[i]` (unused when greedy)."""
+    `positions[i]` of a request seeded `seeds[i]` (unused when greedy), its logits
+    shaped by its parameters (`shape`) over `histories[i]` with stop tokens `stops[i]`
+    where they ask for it."""
+    shaped = [i for i, p in enumerate(params) if p.shapes]
+    if shaped:
+        logits = logits.clone()
+        for i in shaped:
+            history = histories[i]
+            if history is None:
+                raise ValueError("a request whose logits are shaped needs its prompt and output")
+            logits[i] = shape(logits[i], params[i], history, stops[i])
     out = logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     # a GPU draws every row in one go; the CPU one row at a time, which stays in its cache
@@ -105,6 +158,11 @@ def _race(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -
         kth = kth.masked_fill(per_row([float(k == 0) for k in ks]) > 0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=1)
+    if any(p.min_p > 0 for p in params):
+        # below min_p times the row's top probability: no mass (vLLM's min-p, after temperature)
+        floor = probs.max(dim=1, keepdim=True).values * per_row([p.min_p for p in params])
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=1, keepdim=True)  # (top-p's cut measures what is left)
     if any(p.top_p < 1.0 for p in params):
         sorted_p, order = torch.sort(probs, dim=1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always the top token)

@@ -6,8 +6,10 @@ Two hosts in network namespaces (`pdd.netns.lab`), one per site, joined by a lin
 path sends `--mbytes` of KV_LAYER frames from a PeerPool in A (as P sends them, on its
 urgent KV connections, authenticated, striped over each of `--streams`) to a framed
 server in a process of its own in B, and iperf3 (Debian's package) sends for about as
-long with as many streams. It prints MB/s for each and their ratio. Needs root; numbers
-are printed, never asserted.
+long with as many streams. It prints MB/s for each and their ratio, and, on the same
+line, how many background KV frames reached B while urgent KV did (background KV
+flowing, then a quarter as much urgent KV). Needs root; numbers are printed, never
+asserted.
 
 `--loopback` measures the frame layer alone instead, between two processes on this
 machine: raw TCP (a `recv_into` loop into one buffer), then pdd's frames with and
@@ -82,8 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _kv_mb_per_s(net, args: argparse.Namespace, streams: int) -> float:
     """MB/s of KV frames from host a's PeerPool (P's urgent KV connections) to a framed
     server in a process of its own on host b, as MD receives them."""
-    from pdd import config as cfg
-    from pdd.instance.peers import PeerPool
     from pdd.netns.lab import run_in
     from pdd.policy.transfer import Priority
 
@@ -93,13 +93,7 @@ def _kv_mb_per_s(net, args: argparse.Namespace, streams: int) -> float:
     blob = b"\x01" * frame_bytes
 
     async def send(port: int) -> None:
-        async def ignore(_peer: str, _body: object) -> None:
-            pass
-
-        p0 = cfg.InstanceSpec("p0", "prefill", "A", host=a.addr)
-        md0 = cfg.InstanceSpec("md0", "main", "B", host=b.addr, kv_port=port)
-        dep = cfg.Deployment(instances=(p0, md0))
-        pool = PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None, stripes=streams)
+        pool = _pool(a.addr, b.addr, port, streams)
         try:
             for _ in range(frames):
                 await pool.send_bulk("md0", Priority.URGENT, kv=("r", blob))
@@ -109,6 +103,65 @@ def _kv_mb_per_s(net, args: argparse.Namespace, streams: int) -> float:
     with _Receiver("auth", frames, frame_bytes, ns=b.ns, host=b.addr) as far:
         run_in(a.ns, lambda: asyncio.run(send(far.port)))
         return far.mb_per_s()
+
+
+def _background_during_urgent(net, args: argparse.Namespace, streams: int) -> tuple[int, int]:
+    """Background KV frames that reached host b between its first and last urgent frame
+    (and after the last: background was still flowing, so the first count means something),
+    where P's PeerPool sends `--mbytes` of background KV and, once that flows, a quarter
+    as much urgent KV striped over `streams` (what `tests/test_peers.py` asserts on a
+    slow line, on this one)."""
+    from pdd.netns.lab import run_in
+    from pdd.policy.transfer import Priority
+
+    a, b = net.hosts["a"], net.hosts["b"]
+    frame_bytes = args.frame_kib * 1024
+    background, urgent = _overtaking_frames(args)
+    blob = b"\x01" * frame_bytes
+
+    async def send(port: int) -> None:
+        pool = _pool(a.addr, b.addr, port, streams)
+        sent = [0]
+
+        async def kv(priority: Priority, frames: int) -> None:
+            for _ in range(frames):
+                await pool.send_bulk("md0", priority, kv=("r", blob))
+                sent[0] += 1
+
+        try:
+            flowing = asyncio.ensure_future(kv(Priority.BACKGROUND, background))
+            while sent[0] < 8 and not flowing.done():  # background fills the line first
+                await asyncio.sleep(0.001)
+            await kv(Priority.URGENT, urgent)
+            await flowing
+        finally:
+            await pool.aclose()
+
+    with _Receiver("order", background + urgent, frame_bytes, ns=b.ns, host=b.addr) as far:
+        run_in(a.ns, lambda: asyncio.run(send(far.port)))
+        order = far.order()
+    first, last = order.index("u"), order.rindex("u")
+    return order[first:last].count("b"), order[last:].count("b")
+
+
+def _overtaking_frames(args: argparse.Namespace) -> tuple[int, int]:
+    """Background and urgent frames `_background_during_urgent` sends."""
+    background = max(8, args.mbytes * 1_000_000 // (args.frame_kib * 1024))
+    return background, max(2, background // 4)
+
+
+def _pool(a_addr: str, b_addr: str, port: int, streams: int) -> Any:
+    """P's PeerPool on host a (P0 in A), to MD0 on host b (in B) at `port`, `streams` urgent stripes."""
+    from pdd import config as cfg
+    from pdd.instance.peers import PeerPool
+
+    async def ignore(_peer: str, _body: object) -> None:
+        pass
+
+    p0 = cfg.InstanceSpec("p0", "prefill", "A", host=a_addr)
+    md0 = cfg.InstanceSpec("md0", "main", "B", host=b_addr, kv_port=port)
+    dep = cfg.Deployment(instances=(p0, md0))
+    return PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None, stripes=streams)
 
 
 def _iperf_mb_per_s(net, seconds: float, streams: int) -> float:
@@ -140,7 +193,8 @@ def _receive(
     first frame on (the handshake is not the rate). `raw`: plain TCP read into one
     preallocated buffer (`recv_into`), what the kernel hands one process; `auth` and
     `plain`: pdd's frames, with and without a key; `kv`: authenticated frames of a
-    `prompt_tokens` prompt's KV, each decoded and imported as MD does."""
+    `prompt_tokens` prompt's KV, each decoded and imported as MD does; `order`: which
+    channel each frame came on ("u"rgent, "b"ackground), in order of arrival."""
     if ns:
         from pdd.netns.lab import enter
 
@@ -166,15 +220,17 @@ def _receive(
 
         done, count, began, open_conns = asyncio.Event(), [0], [0.0], [0]
         land = _importer(prompt_tokens) if kind == "kv" else None
+        order: list[str] = []  # `order`: each frame's channel, "u" or "b", in order of arrival
 
         async def framed(conn) -> None:
             open_conns[0] += 1
             try:
-                await server_handshake(conn)
+                channel = (await server_handshake(conn)).get("channel", "")[:1]
                 while True:  # until the sender closes its end
                     frame = await conn.next_frame()
                     if land is not None:
                         land(frame.payload)
+                    order.append(channel)
                     count[0] += 1
                     if count[0] == 1:
                         began[0] = time.monotonic()
@@ -186,7 +242,9 @@ def _receive(
         server = await serve(framed, host, 0, None if kind == "plain" else KEY)
         ready.put(server.sockets[0].getsockname()[1])
         await done.wait()
-        result.put((frames - 1) * frame_bytes / (time.monotonic() - began[0]) / 1e6)
+        result.put(
+            "".join(order) if kind == "order" else (frames - 1) * frame_bytes / (time.monotonic() - began[0]) / 1e6
+        )
         server.close()
         for _ in range(1000):  # the sender closes its connections: their handlers end
             if not open_conns[0]:
@@ -248,6 +306,9 @@ class _Receiver:
 
     def mb_per_s(self) -> float:
         return float(self._result.get(timeout=300))
+
+    def order(self) -> str:
+        return str(self._result.get(timeout=300))
 
     def __exit__(self, *_exc: object) -> None:
         self._proc.join(5)
@@ -533,16 +594,36 @@ def run(args: argparse.Namespace) -> int:
             for n in args.streams:
                 kv = _kv_mb_per_s(net, args, n)
                 iperf = _iperf_mb_per_s(net, max(3.0, args.mbytes / max(kv, 1.0)), n)
-                rows.append({"rtt_ms": rtt, "streams": n, "kv_mb_s": kv, "iperf3_mb_s": iperf})
-                print(f"rtt {rtt:g} ms, {n} streams: pdd KV {kv:.1f} MB/s, iperf3 {iperf:.1f}", flush=True)
+                during, after = _background_during_urgent(net, args, n)
+                row = {
+                    "rtt_ms": rtt,
+                    "streams": n,
+                    "kv_mb_s": kv,
+                    "iperf3_mb_s": iperf,
+                    "background_during_urgent": during,
+                    "background_after": after,
+                }
+                rows.append(row)
+                print(
+                    f"rtt {rtt:g} ms, {n} streams: pdd KV {kv:.1f} MB/s, iperf3 {iperf:.1f}, "
+                    f"background frames during urgent {during} ({after} after)",
+                    flush=True,
+                )
     title = f"KV over a {args.bandwidth_mbps:g} Mbit/s line ({args.mbytes} MB, {args.frame_kib} KiB frames)"
     table = Table(title=title)
-    for col in ("RTT ms", "streams", "pdd KV MB/s", "iperf3 MB/s", "KV / iperf3"):
+    background, urgent = _overtaking_frames(args)
+    overtaking = f"background frames during {urgent} urgent (after; of {background})"
+    for col in ("RTT ms", "streams", "pdd KV MB/s", "iperf3 MB/s", "KV / iperf3", overtaking):
         table.add_column(col, justify="right")
     for r in rows:
         ratio = r["kv_mb_s"] / r["iperf3_mb_s"] if r["iperf3_mb_s"] else float("nan")
         table.add_row(
-            f"{r['rtt_ms']:g}", str(r["streams"]), f"{r['kv_mb_s']:.1f}", f"{r['iperf3_mb_s']:.1f}", f"{ratio:.2f}"
+            f"{r['rtt_ms']:g}",
+            str(r["streams"]),
+            f"{r['kv_mb_s']:.1f}",
+            f"{r['iperf3_mb_s']:.1f}",
+            f"{ratio:.2f}",
+            f"{r['background_during_urgent']} ({r['background_after']})",
         )
     Console().print(table)
     if args.out:

@@ -54,7 +54,7 @@ class Planner:
             return c.mirror.predicted_hit(req.prompt, kv_namespace(req.params.cache_salt, lossy)) if use_mirror else 0
 
         return [
-            Candidate(c.name, hit(c), c.queued_tokens, c.available and not (req.params.cache_salt and _saltless(c)))
+            Candidate(c.name, hit(c), c.queued_tokens, c.available and not _too_old(c, req.params.needs_protocol()[0]))
             for c in self.clients.values()
             if c.spec.role == role
         ]
@@ -94,8 +94,9 @@ class Planner:
                 return plan_with_room(n, m, entry, main, relay, rule, has_room, *weights)
             return plan_request(n, m, entry, main, relay, rule, *weights)
         except LookupError as e:
-            old = sorted(c.name for c in self.clients.values() if _saltless(c)) if req.params.cache_salt else []
-            why = f" (cache_salt needs protocol {SALT_SINCE}: {', '.join(old)} speak older)" if old else ""
+            needs, field = req.params.needs_protocol()
+            old = sorted(c.name for c in self.clients.values() if _too_old(c, needs))
+            why = f" ({field} needs protocol {needs}: {', '.join(old)} speak older)" if old else ""
             raise BackendError(f"{e}{why}", 503) from None
 
     async def dispatch(self, req: GenRequest) -> RouterRequest:
@@ -122,10 +123,8 @@ class Planner:
             self.line.changed()
 
 
-SALT_SINCE = 5  # the protocol version whose instances keep each cache_salt a namespace of its own
-
-
-def _saltless(c: InstanceClient) -> bool:
-    """An instance of protocol 4 knows no salt: planned a salted request, it would share
-    the tenant's prefixes with everyone (a rolling upgrade's middle: the others take it)."""
-    return c.protocol is not None and c.protocol < SALT_SINCE
+def _too_old(c: InstanceClient, needs: int) -> bool:
+    """An instance that speaks a protocol before what the request sets (`needs`): planned
+    it, it would refuse the request, or (protocol 4, a salted one) share the tenant's
+    prefixes with everyone. A rolling upgrade's middle: the others take it."""
+    return c.protocol is not None and c.protocol < needs

@@ -4,12 +4,15 @@ vLLM keeps one random generator per request, so the token it draws at a position
 depends on how many draws that generator made before: a continuation on another
 instance (MD after a relay, after P's first token) would draw differently. pdd's draw
 is a function of (seed, position) alone (`pdd.sampling.draw_key`), so every producer of
-a position draws the same token. For a non-greedy request pdd asks vLLM for greedy
-sampling and attaches its own parameters (`extra_args["pdd_draw"]`: seed, the output
-position of the first token this request samples, temperature, top-k, top-p); this
-processor applies pdd's sampler (`pdd.engine.sampler.sample`, the embedded engine's
-own) to the row and leaves only the drawn token standing, which vLLM's argmax then
-picks. Requests without it are untouched.
+a position draws the same token. For a non-greedy request, or one whose logits are
+shaped (penalties, logit bias, `min_tokens`), pdd asks vLLM for greedy sampling and
+attaches its own parameters (`extra_args["pdd_draw"]`: pdd's sampling parameters, seed,
+the output position of the first token this request samples, and what shaping needs
+of the prompt and of the output before it); this processor applies pdd's sampler
+(`pdd.engine.sampler.sample`, the embedded engine's own) to the row and leaves only the
+drawn token standing, which vLLM's argmax then picks. vLLM's own penalties are never
+asked for: they would count a continuation's given tokens as prompt, not output, and run
+after this processor. Requests without it are untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -30,18 +34,26 @@ class _Draw:
     params: SamplingParams
     seed: int
     first_position: int
+    seen: list[int]  # the prompt's distinct tokens, where the repetition penalty needs them
+    given: list[int]  # output tokens before this request's first sampled one (P's, a relay's)
     outputs: list[int]  # vLLM's running list of this request's sampled tokens (a live reference)
+    stops: frozenset[int]  # EOS and the request's stop tokens (for `min_tokens`)
 
 
-def draw_args(params: SamplingParams, seed: int, first_position: int) -> dict[str, Any]:
-    """The `extra_args` entry a request carries to be sampled by pdd's draw."""
+def draw_args(
+    params: SamplingParams, seed: int, prompt: list[int], outputs: list[int], stops: frozenset[int]
+) -> dict[str, Any]:
+    """The `extra_args` entry a request carries to be sampled (and its logits shaped) by
+    pdd: its parameters, seed, and what shaping needs of the prompt and of the output
+    tokens before the first it samples (`outputs`: none on P; P's and the relay's on MD)."""
     return {
         "pdd_draw": {
+            "params": msgspec.to_builtins(params),
             "seed": seed,
-            "position": first_position,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
+            "position": len(outputs),
+            "seen": sorted(set(prompt)) if params.repetition_penalty != 1.0 else [],
+            "given": list(outputs) if params.shapes else [],
+            "stops": sorted(stops),
         }
     }
 
@@ -66,6 +78,8 @@ class PddDraw(LogitsProcessor):
             [d.params for d in draws],
             [d.seed for d in draws],
             [d.first_position + len(d.outputs) for d in draws],
+            [(d.seen, d.given + d.outputs) if d.params.shapes else None for d in draws],
+            [d.stops for d in draws],
         )
         for i, token in zip(rows, tokens, strict=True):
             logits[i] = float("-inf")
@@ -77,7 +91,6 @@ def _new_state(params: Any, prompt_ids: list[int] | None, output_ids: list[int])
     spec = (params.extra_args or {}).get("pdd_draw") if params is not None else None
     if not isinstance(spec, dict):
         return None
-    p = SamplingParams(
-        max_tokens=1, temperature=float(spec["temperature"]), top_p=float(spec["top_p"]), top_k=int(spec["top_k"])
-    )
-    return _Draw(p, int(spec["seed"]), int(spec["position"]), output_ids)
+    p = msgspec.convert(spec["params"], SamplingParams)
+    stops = frozenset(spec["stops"])
+    return _Draw(p, int(spec["seed"]), int(spec["position"]), spec["seen"], spec["given"], output_ids, stops)

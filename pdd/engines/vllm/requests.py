@@ -48,6 +48,8 @@ class Requests:
         if not prompt:
             raise RequestError("prompt must contain at least one token")
         self._check_tokens(prompt)
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias names a token id beyond the vocabulary of {self.vocab_size}")
         if len(prompt) + params.max_tokens > self.limit:
             raise RequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -84,7 +86,8 @@ class Requests:
         sp = streams.vllm_params(
             params,
             req.seed,
-            0,
+            prompt,
+            [],
             params.max_tokens,
             self.eos_ids,
             {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}},
@@ -188,7 +191,7 @@ class Requests:
             req.pending = []
             chunk = StreamingInput(
                 {"prompt_token_ids": send},  # type: ignore[arg-type]
-                streams.vllm_params(req.params, req.seed, len(req.outputs), left, self.eos_ids),
+                streams.vllm_params(req.params, req.seed, req.prompt, req.outputs, left, self.eos_ids),
             )
             req.chunks.append((FINAL, len(req.outputs)))
             req.producing = True

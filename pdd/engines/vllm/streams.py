@@ -101,25 +101,27 @@ def seed_of(params: SamplingParams) -> int:
 def vllm_params(
     params: SamplingParams,
     seed: int,
-    first_position: int,
+    prompt: list[int],
+    outputs: list[int],
     max_tokens: int,
     eos_ids: frozenset[int],
     extra: dict[str, Any] | None = None,
 ) -> Any:
-    """vLLM's sampling parameters for `max_tokens` positions from `first_position` on:
-    greedy in vLLM, pdd's own draw (`pdd.engines.vllm.draw`) for anything else."""
+    """vLLM's sampling parameters for `max_tokens` positions after `outputs` (the output
+    tokens before, given): greedy in vLLM, pdd's own draw and shaping
+    (`pdd.engines.vllm.draw`) for anything else."""
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind
 
     args = dict(extra or {})
-    if not params.greedy:
-        args.update(draw_args(params, seed, first_position))
-    stops = [] if params.ignore_eos else sorted(set(params.stop_token_ids) | eos_ids)
+    stops = frozenset(params.stop_token_ids) | eos_ids
+    if not params.greedy or params.shapes:
+        args.update(draw_args(params, seed, prompt, outputs, stops))
     return VllmParams(
         max_tokens=max_tokens,
         temperature=0.0,
         ignore_eos=params.ignore_eos,
-        stop_token_ids=stops,
+        stop_token_ids=[] if params.ignore_eos else sorted(stops),
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         extra_args=args or None,
