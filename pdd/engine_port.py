@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdd.names import CHIPS, NATIVE
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     from pdd.kv.codec import KVBlob
@@ -134,6 +134,7 @@ class StepOutput:
     # the engine step that made this output, counted by the engine; -1 where a backend cannot
     # say (vLLM merges a request's outputs that its reader has not taken yet)
     step: int = -1
+    logprob: Logprob | None = None  # `token`'s, where the request asks (`SamplingParams.logprobs`)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ _FLOAT_MAX = sys.float_info.max
 
 
 MAX_CACHE_SALT = 256
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # (`pdd.engine.guide`)
+MAX_LOGPROBS = 20  # top log-probabilities a token may carry (OpenAI's top_logprobs bound)
+
+# One output token's log-probability, and the top tokens' (id, log-probability), likeliest first
+Logprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -51,6 +56,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_p: float = 0.0  # drawn tokens only: drop those below min_p x the top token's probability
     min_tokens: int = 0  # no EOS nor stop token before this many output tokens
+    # Each output token's log-probability, and this many of the likeliest's beside it (None:
+    # none); raw, as vLLM's default `logprobs_mode`: before shaping, temperature and filters
+    logprobs: int | None = None
+    # Constrained decoding (`pdd.engine.guide`): (kind, spec), the output held to a JSON
+    # Schema, any JSON object, a regex, one of a list of strings, or a Lark grammar
+    guide: tuple[str, str] | None = None
 
     # field -> the protocol version that added it; an instance speaking an older one is not
     # planned a request that sets it (`needs_protocol`; cache_salt: 4 would ignore it)
@@ -62,6 +73,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "logit_bias": 6,
         "min_p": 6,
         "min_tokens": 6,
+        "logprobs": 6,
+        "guide": 6,
     }
 
     def __post_init__(self) -> None:
@@ -106,6 +119,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise ValueError("min_p must be in [0, 1]")
         if not all(-100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int)
+            and not isinstance(self.logprobs, bool)
+            and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be 0 to {MAX_LOGPROBS} top tokens")
         if self.min_tokens < 0:  # (above max_tokens is a client's error, `pdd.api.shaping`; P runs
             raise ValueError("min_tokens must be >= 0")  # a request for its first token alone)
 

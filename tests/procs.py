@@ -224,7 +224,8 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
     id; with `stop_after`, the client goes away once that many tokens have arrived."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, **extra}
-    out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None, "finish_reason": None}
+    out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None, "finish_reason": None,
+                           "logprobs": []}
     began = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
@@ -236,6 +237,7 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
             out["id"] = chunk.get("id") or out["id"]
             for choice in chunk.get("choices") or []:
                 out["ids"] += choice.get("token_ids") or []
+                out["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
                 out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
             out["record"] = chunk.get("pdd") or out["record"]
             if stop_after is not None and len(out["ids"]) >= stop_after:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
@@ -307,6 +308,47 @@ def test_shaped_decoding_continues_exactly_after_a_handover(engine, other, param
     seq = other.seqs["d"]
     _run(other)
     assert seq.output == ref
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=60, guide=("json_schema", json.dumps(SCHEMA))),
+    SamplingParams(max_tokens=60, temperature=25.0, top_p=0.95, seed=5, guide=("json_schema", json.dumps(SCHEMA))),
+], ids=["greedy", "seeded"])
+def test_a_grammar_holds_whatever_the_weights_and_continues_after_a_handover(tiny_model_dir, engine, other, params):
+    """The random model's output, held to a JSON Schema, parses and has the schema's keys
+    and types, ending with EOS; continued on another engine after P's token and a relay's
+    (its grammar advanced over them, the prompt never reparsed) it is the same."""
+    from pdd.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    eos = tok.eos_token_ids
+    e1 = Engine(tiny_model_dir, EngineConfig(page_size=16, num_pages=128), eos)
+    e2 = Engine(tiny_model_dir, EngineConfig(page_size=32, num_pages=64), eos)
+    prompt = _prompt(random.Random(31), 90)
+    seq = e1.add_request("g", prompt, params)
+    _run(e1)
+    value = json.loads(tok.decode(seq.output))
+    assert seq.finish_reason == "stop" and seq.output[-1] in eos
+    assert set(value) == {"city", "days"} and isinstance(value["city"], str) and isinstance(value["days"], int)
+    e1.flush_cache()
+    e1.add_request("p", prompt, replace(params, max_tokens=1), hold=True)
+    _run(e1)
+    hit = e2.reserve("d", prompt, params)
+    e2.import_kv("d", codec.decode(codec.encode(e1.export_kv("p", hit, len(prompt)))))
+    e1.release("p")
+    e2.start("d", seq.output[:6])
+    moved = e2.seqs["d"]
+    _run(e2)
+    assert moved.output == seq.output
+
+
+def test_an_unknown_grammar_is_refused_where_the_request_is_taken(engine):
+    with pytest.raises(RequestError, match="regex"):
+        engine.add_request("bad", [5, 6, 7], SamplingParams(guide=("regex", "(unclosed")))
 
 
 @pytest.mark.parametrize("chunks, cap, final", [((5,), 0, 2), ((3, 4, 1), 2, 2), ((1,) * 9, 1, 0)])

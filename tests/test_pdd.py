@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,10 @@ from test_pd import KV_BYTES_PER_TOKEN
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
 # penalties count the output so far, wherever it was produced (strong: the tiny model is decisive)
+# the output held to a JSON Schema (`pdd.guide`): every producer advances the grammar over the output
+GUIDED = {"ignore_eos": False, "structured_outputs": {"json": {
+    "type": "object", "required": ["city", "days"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "maximum": 999}}}}}
 SHAPED = [{"repetition_penalty": 2.0, "frequency_penalty": 2.0, "presence_penalty": 0.5, "min_tokens": 4},
           {**SEEDED, "min_p": 0.2, "repetition_penalty": 2.0, "frequency_penalty": 1.0}]
 
@@ -87,7 +92,12 @@ def colocated(tiny_model_dir):
     """A standalone instance of the model: `colocated(prompt, max_tokens, **sampling)`
     is the token oracle for any request, including one replayed with a server's seed."""
     with standalone(tiny_model_dir, pages=512) as url:
-        yield lambda prompt, max_tokens, **extra: _stream(url, prompt, max_tokens, **extra)["ids"]
+
+        def oracle(prompt: list[int], max_tokens: int, whole: bool = False, **extra) -> Any:
+            out = _stream(url, prompt, max_tokens, **extra)
+            return out if whole else out["ids"]
+
+        yield oracle
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +109,12 @@ def reference(colocated) -> dict:
     choices = [colocated(_prompts()[3], 30, **{**SEEDED, "seed": 1234 + i}) for i in range(3)]  # n = 3's
     assert len({tuple(g) for g in greedy}) == 4 and seeded[0] != greedy[0][:60]
     assert shaped[0] != greedy[0][:60] and shaped[1] != seeded[1]
-    return {"greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices}
+    logprobs = colocated(_prompts()[1], 60, logprobs=2, whole=True)  # ids with their raw logprobs
+    guided = colocated(_prompts()[2], 80, **GUIDED, whole=True)
+    assert guided["finish_reason"] == "stop" and len(guided["ids"]) > 12
+    assert len(logprobs["logprobs"]) == 60 and logprobs["ids"] == greedy[1][:60]
+    return {"greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices, "logprobs": logprobs,
+            "guided": guided["ids"]}
 
 
 def _choices(url: str, prompt: list[int], max_tokens: int, n: int, **extra) -> dict[int, list[int]]:
@@ -144,10 +159,19 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         shaped = [_stream(dep.url, p, 60, **extra) for p, extra in zip(_prompts(), SHAPED, strict=False)]
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
         choices = _choices(dep.url, _prompts()[3], 30, 3, **SEEDED)
+        logprobs = _stream(dep.url, _prompts()[1], 60, logprobs=2)
+        guided = _stream(dep.url, _prompts()[2], 80, **GUIDED)
     assert [g["ids"] for g in greedy] == reference["greedy"]
     assert [s["ids"] for s in seeded] == reference["seeded"]
     assert [s["ids"] for s in shaped] == reference["shaped"]
     assert [choices[i] for i in range(3)] == reference["choices"]  # n = 3: one seed each
+    # each token's raw logprob, computed where it was produced (P, relay, MD), as colocated's
+    assert logprobs["ids"] == reference["logprobs"]["ids"] and len(logprobs["logprobs"]) == 60
+    assert max(abs(a - b) for a, b in zip(logprobs["logprobs"], reference["logprobs"]["logprobs"], strict=True)) < 1e-3
+    assert guided["ids"] == reference["guided"] and guided["finish_reason"] == "stop"
+    if variant != "pd-cross-dc" and variant != "P-MD":  # produced by P, the relay and MD
+        for r in (logprobs["record"], guided["record"]):
+            assert r["rld_output_tokens"] > 0 and r["md_output_tokens"] > 0, r
     # no seed given: the server chose one, every producer drew from it, and it replays anywhere
     server_seed = unseeded["record"]["seed"]
     assert isinstance(server_seed, int), unseeded["record"]

@@ -91,7 +91,7 @@ def test_stop_string_truncates(server):
     ({"model": "tiny", "prompt": [1] * 5000}, 400),
     ({"model": "tiny", "prompt": [99999999]}, 400),
     ({"model": "tiny"}, 400),
-    ({"model": "tiny", "prompt": "hi", "n": 3}, 400),
+    ({"model": "tiny", "prompt": "hi", "n": 17}, 400),
     ({"model": "tiny", "messages": []}, 400),
 ])
 def test_bad_input_gets_openai_errors(server, body, status):
@@ -109,7 +109,10 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 @pytest.mark.parametrize("extra,param", [
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}}, "structured_outputs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -195,6 +198,72 @@ def test_n_choices_are_single_requests_with_one_seed_each(server):
         r = httpx.post(f"{server}/v1/completions", json={**body, "n": n}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     _settled(server)
+
+
+def test_logprobs_in_openais_shapes_chat_and_completions_whole_and_streamed(server):
+    """Chat: `logprobs: true` with `top_logprobs`: each token, its raw log-probability, its
+    bytes and the likeliest tokens (greedy: the chosen one is the likeliest); completions:
+    `logprobs: k`, the parallel lists. Streamed, the same figures chunk by chunk."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.logprob == c.top_logprobs[0].logprob
+        assert c.logprob <= 0 and c.bytes == list(c.token.encode()) and c.top_logprobs[1].logprob <= c.logprob
+    streamed = []
+    for chunk in client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 5, "temperature": 25.0, "seed": 3,
+            "logprobs": 2, "ignore_eos": True}
+    done = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    lp = done["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    for top, value in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True):
+        assert len(top) <= 2 and max(top.values()) >= value
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": None}, timeout=30).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["token_ids"] == done["token_ids"]  # (sampled from the same draw)
+    for extra, param in (({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")):
+        r = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "top_logprobs": 2},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_structured_output_json_schema_json_object_regex_and_choice(server):
+    """The random model's output, held to the request's grammar: a JSON Schema (OpenAI's
+    response_format, through the official client, and vLLM's structured_outputs.json),
+    any JSON object, a regex, a choice; each parses and ends with finish_reason "stop"."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    value = json.loads(chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop" and set(value) == {"name", "tags"}
+    assert set(value["tags"]) <= {"a", "b"} and len(value["name"]) <= 8
+    body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 60, "temperature": 0}
+    for guide, check in (
+        ({"structured_outputs": {"json": schema}}, lambda t: set(json.loads(t)) == {"name", "tags"}),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: len(t) == 6 and t[3] == "-"),
+        ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ):
+        r = httpx.post(f"{server}/v1/completions", json={**body, **guide}, timeout=60).json()["choices"][0]
+        assert r["finish_reason"] == "stop" and check(r["text"]), (guide, r)
+    # any JSON object: its strings are unbounded, so the random model may not close it in time
+    r = httpx.post(f"{server}/v1/completions", json={**body, "response_format": {"type": "json_object"}},
+                   timeout=60).json()["choices"][0]
+    assert r["text"].startswith("{") and (r["finish_reason"] == "length" or isinstance(json.loads(r["text"]), dict))
 
 
 def test_what_changes_nothing_is_served(server):

@@ -423,7 +423,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
     import random
     from types import SimpleNamespace
 
-    from pdd.config import PolicySpec
+    from pdd.config import LinkSpec, PolicySpec
     from pdd.names import Mode, RoleName
     from pdd.policy.capacity import Room, fits, pages_needed
     from pdd.policy.plan import anomaly_rule, plan_with_room
@@ -448,7 +448,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
                     pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, salt, h=hit: h))
         if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
             continue  # (the router answers 503 there; not a dispatch decision)
-        planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy), clients)
+        planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy, link=LinkSpec()), clients)
         planner.max_context = max_context
         prompt, max_tokens = rng.choice([100, 600, 1000]), rng.choice([4, 100, 400])
         req = SimpleNamespace(prompt=[1] * prompt, params=SamplingParams(max_tokens=max_tokens))

@@ -289,3 +289,18 @@ def test_cli_model_init_writes_the_requested_model(
         make_tiny(tmp_path / "seed0", layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128,
                   vocab_size=512, max_position=256) / "model.safetensors"
     ).read_bytes()
+
+
+def test_tokens_past_a_stop_string_are_not_counted(tiny_model_dir):
+    """Several tokens handed at once (the router merges a relay's and MD's): the text
+    stops at the stop string, and only the tokens through the one that completed it count."""
+    from pdd.api.text import TextStream
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    ids = tok.encode("the cat sat on the mat today", add_special_tokens=False)
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    stop_at = next(i for i, text in enumerate(pieces) if "sat" in text)
+    stream = TextStream(tok, ["sat"])
+    text, kept = stream.feed_all(ids)
+    assert stream.stopped and kept == stop_at + 1 < len(ids)
+    assert text + stream.flush() == pieces[-1][: pieces[-1].index("sat")]

@@ -8,6 +8,7 @@ answer vLLM's own prefix-cache hit, and every way out gives vLLM's blocks back."
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 from collections.abc import Coroutine
@@ -21,6 +22,7 @@ pytest.importorskip("vllm")
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, open_engine  # noqa: E402
 from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
+from pdd.model.tokenizer import Tokenizer  # noqa: E402
 from pdd.sampling import SamplingParams  # noqa: E402
 
 PAGE = 32  # vLLM's block; the embedded engine's page is 16
@@ -41,8 +43,9 @@ class Engines:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
         async def make() -> tuple[Any, Any]:
-            return (open_engine(model_dir, EngineConfig(backend="vllm", page_size=PAGE, num_pages=300), 1),
-                    open_engine(model_dir, EngineConfig(), 1))
+            eos = Tokenizer.from_dir(model_dir).eos_token_ids  # as `pdd serve` opens them
+            return (open_engine(model_dir, EngineConfig(backend="vllm", page_size=PAGE, num_pages=300), 1, eos),
+                    open_engine(model_dir, EngineConfig(), 1, eos))
 
         self.vllm, self.embedded = self.run(make(), timeout=300)
 
@@ -150,6 +153,65 @@ def test_penalties_are_pdds_on_vllm_and_count_a_continuations_given_tokens(engin
     assert engines.run(_tokens(engines.vllm.generate("shape-v", prompt, params))) == want
     _, out, _ = engines.run(_move(engines.embedded, engines.vllm, "shape-m", prompt, params, [want[1:6], want[6:9]]))
     assert out == want
+    engines.run(_settled(engines.vllm))
+
+
+def test_a_grammar_holds_on_vllm_as_on_the_embedded_engine_and_after_a_handover(engines):
+    """A JSON Schema guide on vLLM (pdd's matcher in its logits processor): the same
+    tokens as the embedded engine's, greedy and seeded, ending with EOS; continued on vLLM
+    after P's token and a relay's, its grammar advanced over them, the same again."""
+    schema = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "maximum": 999}}}
+    prompt = [t ^ 7 for t in _prompts()[1]]
+    for base in (GREEDY, SEEDED):
+        params = replace(base, ignore_eos=False, max_tokens=60, guide=("json_schema", json.dumps(schema)))
+        want = engines.run(_tokens(engines.embedded.generate("gd-e", prompt, params)))
+        assert engines.run(_tokens(engines.vllm.generate("gd-v", prompt, params))) == want
+        _, out, _ = engines.run(_move(engines.embedded, engines.vllm, "gd-m", prompt, params, [want[1:4], want[4:7]]))
+        assert out == want and len(want) < 60  # it ended: the grammar closed and EOS came
+    engines.run(_settled(engines.vllm))
+
+
+async def _with_logprobs(stream) -> list[tuple[int, tuple]]:
+    return [(o.token, o.logprob) async for o in stream if o.token is not None]
+
+
+def test_vllms_raw_logprobs_are_the_embedded_engines_and_follow_a_continuation(engines):
+    """`logprobs = 3` on vLLM: each token's raw log-probability and its top three, within
+    1e-3 of the embedded engine's (both fp32); seeded too (raw: before pdd's draw, which
+    leaves vLLM one token standing); and on a continuation after P's and a relay's tokens."""
+    prompt = [t ^ 6 for t in _prompts()[0]]
+    for params in (replace(GREEDY, logprobs=3), replace(SEEDED, logprobs=3)):
+        got = engines.run(_with_logprobs(engines.vllm.generate("lp-v", prompt, params)))
+        want = engines.run(_with_logprobs(engines.embedded.generate("lp-e", prompt, params)))
+        assert [t for t, _ in got] == [t for t, _ in want] and all(lp is not None for _, lp in got)
+        for (_, (v, top)), (_, (w, wtop)) in zip(got, want, strict=True):
+            assert abs(v - w) < 1e-3 and [t for t, _ in top] == [t for t, _ in wtop]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(top, wtop, strict=True)) < 1e-3
+    params = replace(GREEDY, logprobs=0)
+    want = engines.run(_with_logprobs(engines.embedded.generate("lp-e2", prompt, params)))
+    tokens = [t for t, _ in want]
+
+    async def continued() -> list[tuple[int, tuple]]:
+        await _prefill(engines.embedded, "lp-p", prompt, params)
+        hit = await engines.vllm.reserve("lp-m", prompt, params)
+        blob = await engines.embedded.export_kv("lp-p", hit, len(prompt))
+        await engines.embedded.release("lp-p")
+        await engines.vllm.import_kv("lp-m", blob)
+        watch = engines.vllm.watch("lp-m")
+        await engines.vllm.start("lp-m", tokens[:5])  # P's token and four of a relay's
+        out = []
+        async for o in watch:
+            if o.token is not None:
+                out.append((o.token, o.logprob))
+            if o.finish_reason:
+                break
+        watch.close()
+        return out
+
+    got = engines.run(continued())
+    assert [t for t, _ in got] == tokens[5:]
+    assert max(abs(lp[0] - w[0]) for (_, lp), (_, w) in zip(got, want[5:], strict=True)) < 1e-3
     engines.run(_settled(engines.vllm))
 
 

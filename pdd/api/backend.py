@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdd.record import RequestRecord
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 
 
 class BackendError(Exception):
@@ -36,6 +36,8 @@ class GenEvent:
     cached_tokens: int = 0
     # Set on the last event: where the request ran (pipeline, hit tokens, WAN bytes, ...).
     record: RequestRecord | None = None
+    # each token's, where the request asks for logprobs (None where a producer did not say)
+    logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "tool_choice": _neutral(None, "none", "auto"),  # (with no tools: nothing to choose)
     "function_call": _neutral(None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "structured_outputs": _empty,
-    "top_logprobs": _neutral(None, 0),
     "prompt_logprobs": _neutral(None, 0),
     "best_of": _neutral(None, 1),
     "suffix": _neutral(None, ""),
@@ -115,6 +112,49 @@ def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None
 MAX_N = 16  # choices a request may ask for (each is a generation of its own)
 
 
+def _response_format(fmt: dict[str, Any]) -> tuple[str, str] | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", ""
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(
+                400, "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+            )
+        return "json_schema", json.dumps(schema)
+    raise ApiError(
+        400, f"response_format type {kind!r} is not text, json_object or json_schema", param="response_format"
+    )
+
+
+def _structured_outputs(so: dict[str, Any]) -> tuple[str, str]:
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    if len(given) != 1 or next(iter(given)) not in ("json", "regex", "choice", "grammar", "json_object"):
+        raise ApiError(
+            400, "structured_outputs takes one of json, regex, choice, grammar, json_object", param="structured_outputs"
+        )
+    (key, value), where = next(iter(given.items())), "structured_outputs"
+    if key == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise ApiError(400, "structured_outputs.json must be a JSON Schema", param=where)
+        return "json_schema", json.dumps(schema)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ApiError(400, "structured_outputs.choice must be a list of strings", param=where)
+        return "choice", json.dumps(value)
+    if key == "json_object":
+        return "json_object", ""
+    if not isinstance(value, str):
+        raise ApiError(400, f"structured_outputs.{key} must be a string", param=where)
+    return key, value
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -144,15 +184,31 @@ class _Common(BaseModel):
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias
     min_p: StrictFloat | StrictInt | None = None
     min_tokens: StrictInt | None = None
+    # constrained decoding (`pdd.guide`): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[StrictStr, Any] | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None
+
+    def guide(self) -> tuple[str, str] | None:
+        """The request's guide (kind, spec) for `SamplingParams.guide`; None without one.
+        ApiError 400 naming the field for a shape pdd does not know."""
+        if self.response_format is not None and self.structured_outputs:
+            raise ApiError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if self.response_format is not None:
+            return _response_format(self.response_format)
+        if self.structured_outputs:
+            return _structured_outputs(self.structured_outputs)
+        return None
 
     def refuse_unhonoured(self) -> None:
         """ApiError 400 for what this request asks and pdd would not do (module doc)."""
         if not 1 <= self.n <= MAX_N:
             raise ApiError(400, f"n must be 1 to {MAX_N}", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
         if error := unhonoured(self.model_extra):
             raise error
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many top tokens beside each chosen one, where logprobs are asked (None: off)."""
+        raise NotImplementedError
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -163,6 +219,14 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool = False
+
+    def top_logprobs_asked(self) -> int | None:
+        """Completions' `logprobs`: how many top tokens beside each chosen one (None: off)."""
+        if self.logprobs is None or isinstance(self.logprobs, bool):
+            if self.logprobs:
+                raise ApiError(400, "logprobs is a number of top tokens on completions", param="logprobs")
+            return None
+        return self.logprobs
 
     def refuse_unhonoured(self) -> None:
         if self.echo:
@@ -191,6 +255,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    top_logprobs: StrictInt | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        """Chat's `logprobs` (true/false) and `top_logprobs` (how many beside each token)."""
+        if not isinstance(self.logprobs, bool | None):
+            raise ApiError(400, "logprobs is true or false on chat completions", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unhonoured(self) -> None:
         super().refuse_unhonoured()

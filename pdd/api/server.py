@@ -19,11 +19,13 @@ from starlette.background import BackgroundTask
 from pdd.api.access import Access, access_of
 from pdd.api.admission import AdmissionGate, Slot
 from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
-from pdd.api.sse import sse_events
+from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
+from pdd.guide import GuideError, Guides
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
 from pdd.sampling import SamplingParams
@@ -51,6 +53,8 @@ class OpenAIServer:
         self.model_name = model_name
         self.metrics = ServingMetrics(backend.load, registry)
         self.gate = AdmissionGate(admission, self.metrics.registry)
+        source = tokenizer.source
+        self.guides = None if source is None else Guides(source, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
         self.created = int(time.time())
 
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
@@ -86,10 +90,13 @@ class OpenAIServer:
         out: Outcome,
         release: Callable[[], None],
         access: Access,
-    ) -> AsyncGenerator[tuple[str, list[int]], None]:
-        """Yield (text delta, token ids) pieces; fill `out` and `access`; close the backend
-        stream and give the admission slot back on exit (`release`)."""
+        chat: bool = False,
+    ) -> AsyncGenerator[Piece, None]:
+        """Yield (text delta, token ids, their `logprobs` object where asked) pieces; fill
+        `out` and `access`; close the backend stream and give the admission slot back on
+        exit (`release`)."""
         text = TextStream(self.tokenizer, stop)
+        formatter = LogprobFormatter(self.tokenizer, chat) if params.logprobs is not None else None
         gen = self.backend.generate(GenRequest(rid, prompt, params))
         first, last = None, None
         access.rid, access.prompt_tokens = rid, len(prompt)
@@ -106,8 +113,9 @@ class OpenAIServer:
                 if ev.tokens:
                     last = now
                 out.cached_tokens = ev.cached_tokens
-                delta = "".join(text.feed(t) for t in ev.tokens)
-                out.token_ids.extend(ev.tokens)
+                delta, kept = text.feed_all(ev.tokens)
+                tokens = ev.tokens[:kept]
+                out.token_ids.extend(tokens)
                 if ev.record:
                     out.record = ev.record
                 if text.stopped:
@@ -116,7 +124,11 @@ class OpenAIServer:
                     out.finish_reason = ev.finish_reason
                     delta += text.flush()
                 out.text.append(delta)
-                yield delta, ev.tokens
+                logprobs = None
+                if formatter is not None:
+                    logprobs = formatter.piece(tokens, (ev.logprobs or [None] * len(ev.tokens))[:kept])
+                    out.logprobs.append(logprobs)
+                yield delta, tokens, logprobs
                 if out.finish_reason:
                     break
         except BackendError as e:
@@ -176,12 +188,16 @@ class OpenAIServer:
         params = sampling_params(
             req, len(prompt), max_tokens, default_max, limit, defaults, access.api_key if self.tenants else ""
         )
+        if params.guide is not None:
+            self._check_guide(req, params.guide)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outs = [Outcome() for _ in range(req.n)]
         release = _countdown(req.n, slot.release)  # the slot is the request's, whatever its n
         stop = req.stop_strings()
         pieces = [
-            self._run(rid if req.n == 1 else f"{rid}-{i}", prompt, choice_params(params, i), stop, out, release, access)
+            self._run(
+                rid if req.n == 1 else f"{rid}-{i}", prompt, choice_params(params, i), stop, out, release, access, chat
+            )
             for i, out in enumerate(outs)
         ]
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
@@ -198,14 +214,12 @@ class OpenAIServer:
         choices = []
         for i, out in enumerate(outs):
             text = "".join(out.text)
+            logprobs = LogprobFormatter.merge(out.logprobs, chat) if params.logprobs is not None else None
+            choice: dict[str, object] = {"index": i, "finish_reason": out.finish_reason, "logprobs": logprobs}
             if chat:
-                choice = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": out.finish_reason,
-                }
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+                choice["text"] = text
             choice["token_ids"] = out.token_ids
             if req.n > 1:
                 choice["pdd"] = out.served()
@@ -248,6 +262,17 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context
         return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot)
+
+    def _check_guide(self, req: _Common, guide: tuple[str, str]) -> None:
+        """A 400 naming the field for a grammar that does not compile (checked here, once,
+        before any instance is asked)."""
+        if self.guides is None:
+            raise ApiError(400, "this server's tokenizer was not read from a file: no grammar", param="response_format")
+        try:
+            self.guides.check(*guide)
+        except GuideError as e:
+            param = "response_format" if req.response_format is not None else "structured_outputs"
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
@@ -298,9 +323,7 @@ def _countdown(n: int, then: Callable[[], None]) -> Callable[[], None]:
     return tick
 
 
-async def merged(
-    gens: list[AsyncGenerator[tuple[str, list[int]], None]],
-) -> AsyncGenerator[tuple[int, str, list[int]], None]:
+async def merged(gens: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[tuple[int, Piece], None]:
     """The choices' pieces as they come, each with its choice's index; every generator
     closed on the way out (an error in one ends them all)."""
     nexts = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
@@ -310,11 +333,11 @@ async def merged(
             for fut in sorted(done, key=nexts.__getitem__):
                 i = nexts.pop(fut)
                 try:
-                    delta, ids = fut.result()
+                    piece = fut.result()
                 except StopAsyncIteration:
                     continue
                 nexts[asyncio.ensure_future(anext(gens[i]))] = i
-                yield i, delta, ids
+                yield i, piece
     finally:
         for fut in nexts:
             fut.cancel()

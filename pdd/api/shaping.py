@@ -13,9 +13,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from msgspec.structs import replace  # sampling params are a msgspec struct
 
-from pdd.api.protocol import ApiError, _Common
+from pdd.api.protocol import ApiError, ChatCompletionRequest, _Common
 from pdd.record import RequestRecord
-from pdd.sampling import MAX_CACHE_SALT, SamplingParams
+from pdd.sampling import MAX_CACHE_SALT, MAX_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Outcome:
     finish_reason: str | None = None
     cached_tokens: int = 0
     record: RequestRecord | None = None
+    logprobs: list[dict] = field(default_factory=list)  # the `logprobs` object of each piece, where asked
 
     def served(self) -> dict:
         """The `pdd` object of the response: where the request ran."""
@@ -121,6 +122,18 @@ def _shaping(req: _Common) -> dict[str, Any]:
                 raise ApiError(400, f"{name} must be a finite number", param=name) from None
     if req.min_tokens is not None:
         out["min_tokens"] = req.min_tokens
+    try:
+        guide = req.guide()
+    except (ValueError, TypeError) as e:  # (a json string that does not parse)
+        raise ApiError(400, f"structured_outputs.json: {e}", param="structured_outputs") from None
+    if guide is not None:
+        out["guide"] = guide
+    top = req.top_logprobs_asked()
+    if top is not None:
+        if not 0 <= top <= MAX_LOGPROBS:
+            name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+            raise ApiError(400, f"{name} must be 0 to {MAX_LOGPROBS}", param=name)
+        out["logprobs"] = top
     if req.logit_bias:
         bias = []
         for key, value in req.logit_bias.items():

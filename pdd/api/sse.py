@@ -8,26 +8,28 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from pdd.api.protocol import ApiError
 from pdd.api.shaping import Outcome, usage
 
+Piece = tuple[str, list[int], dict | None]  # a text delta, its token ids, their `logprobs` object (where asked)
+
 
 async def sse_events(
     chat: bool,
     base: dict,
-    pieces: AsyncGenerator[tuple[int, str, list[int]], None],
+    pieces: AsyncGenerator[tuple[int, Piece], None],
     outs: list[Outcome],
     prompt_len: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """A generation of one or more choices (`pieces`: (choice index, text delta, token
-    ids), filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's
-    record on its last, usage if asked, an error as an event (the status is sent already),
-    [DONE]."""
+    """A generation of one or more choices (`pieces`: each with its choice's index,
+    filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's record
+    on its last, usage if asked, an error as an event (the status is sent already), [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(i: int, delta: str | None, ids: list[int], finish: str | None, extra: dict | None = None) -> str:
+    def chunk(i: int, piece: Piece, finish: str | None, extra: dict | None = None) -> str:
+        delta, ids, logprobs = piece
         if chat:
-            choice = {"index": i, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+            choice = {"index": i, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         choice["token_ids"] = ids
         return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
 
@@ -36,12 +38,12 @@ async def sse_events(
             for i in range(len(outs)):
                 opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield f"data: {json.dumps({**base, 'object': obj, 'choices': [opening]})}\n\n"
-        async for i, delta, ids in pieces:
+        async for i, piece in pieces:
             out = outs[i]
             if out.finish_reason:
-                yield chunk(i, delta, ids, out.finish_reason, {"pdd": out.served()})
+                yield chunk(i, piece, out.finish_reason, {"pdd": out.served()})
             else:
-                yield chunk(i, delta, ids, None)
+                yield chunk(i, piece, None)
         if include_usage:
             tail = {**base, "object": obj, "choices": [], "usage": usage(prompt_len, *outs), "pdd": outs[0].served()}
             yield f"data: {json.dumps(tail)}\n\n"

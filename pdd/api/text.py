@@ -23,6 +23,17 @@ class TextStream:
         self._text += self._detok.feed(token_id)
         return self._release(final=False)
 
+    def feed_all(self, token_ids: list[int]) -> tuple[str, int]:
+        """Feed tokens in order until a stop string appears: the text now safe to send, and
+        how many of the tokens count (through the one that completed the stop string; the
+        router may hand several at once, and tokens past a stop are never sent)."""
+        text = []
+        for n, token in enumerate(token_ids, 1):
+            text.append(self.feed(token))
+            if self.stopped:
+                return "".join(text), n
+        return "".join(text), len(token_ids)
+
     def flush(self) -> str:
         if not self.stopped:
             self._text += self._detok.flush()

@@ -2,7 +2,7 @@
 
 `pdd bench [serve] --url URL ...` replays agentic sessions or a Mooncake trace through
 the OpenAI API and writes `{"summary", "requests", "config"}` JSON (DESIGN.md contract).
-`pdd bench engine`, `handoff`, `flood`, `overhead` and `transfer` are owned by their
+`pdd bench engine`, `handoff`, `flood`, `overhead`, `sampling` and `transfer` are owned by their
 modules (in `pdd.bench`; `transfer` in `pdd.netns`, beside the lab it runs in), which
 register their own options. Heavy imports happen inside the
 command, not at parse time, because `pdd --help` imports every command module.
@@ -31,6 +31,7 @@ _IN_PROCESS = {
     "handoff": "pdd.bench.handoff",
     "flood": "pdd.bench.flood",
     "overhead": "pdd.bench.overhead",
+    "sampling": "pdd.bench.sampling",
     "transfer": "pdd.netns.transfer",  # (beside the lab it runs in)
 }
 

@@ -18,14 +18,16 @@ import torch
 from pdd.engine.attention import PagedAttention
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.radix_cache import RadixCache
+from pdd.engine.sampler import logprobs as sampler_logprobs
 from pdd.engine.sampler import sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import Sequence, Status
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
+from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
 from pdd.model.loader import load_model
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos_ids = eos_ids
+        self.guides = Guides(Path(model_dir) / "tokenizer.json", self.model_cfg.vocab_size, sorted(eos_ids))
         # (start, tokens, prompt length) per sequence of the last step: what it computed, for
         # step-time calibration and pacing
         self.last_step: list[tuple[int, int, int]] = []
@@ -67,6 +70,11 @@ class Engine:
         self._check_tokens(prompt)
         if any(t >= self.model_cfg.vocab_size for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias names a token id beyond the vocabulary of {self.model_cfg.vocab_size}")
+        if params.guide is not None:
+            try:
+                self.guides.check(*params.guide)
+            except GuideError as e:
+                raise RequestError(f"{params.guide[0]}: {e}") from None
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
         if len(prompt) + params.max_tokens > limit:
             raise RequestError(
@@ -280,15 +288,40 @@ class Engine:
             positions = [s.num_output for s in seqs]
             histories = [(s.tokens[: s.prompt_len], s.output) if s.params.shapes else None for s in seqs]
             stops = [self.eos_ids | frozenset(s.params.stop_token_ids) for s in seqs]
-            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions, histories, stops)
-            for seq, tok, position in zip(seqs, tokens, positions, strict=True):
+            guides = [self._guide(s) for s in seqs]
+            params = [s.params for s in seqs]
+            tokens = sample(logits, params, [s.seed for s in seqs], positions, histories, stops, guides)
+            lps = self._logprobs(logits, seqs, tokens)
+            for seq, tok, position, lp in zip(seqs, tokens, positions, lps, strict=True):
                 seq.tokens.append(tok)
                 self.stats.decode_tokens += 1
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     self._finish(seq, reason)
-                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position, step=step))
+                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position, step=step, logprob=lp))
         return outputs
+
+    def _guide(self, seq: Sequence) -> Guide | None:
+        """The sequence's grammar, advanced over its output so far (tokens given by P or a
+        relay included: the grammar's state is a function of the output alone)."""
+        if seq.params.guide is None:
+            return None
+        if seq.guide is None:
+            seq.guide = self.guides.start(*seq.params.guide)
+        seq.guide.advance(seq.output)
+        return seq.guide
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Logprob | None]:
+        """Each sampled token's raw log-probabilities, where its request asks for them."""
+        out: list[Logprob | None] = [None] * len(seqs)
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if asked:
+            tops = [seqs[i].params.logprobs or 0 for i in asked]
+            got = sampler_logprobs(logits[asked], [tokens[i] for i in asked], tops)
+            for i, lp in zip(asked, got, strict=True):
+                out[i] = lp
+        return out
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

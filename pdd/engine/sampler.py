@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdd.sampling import SamplingParams, draw_key
+from pdd.guide import Guide
+from pdd.sampling import Logprob, SamplingParams, draw_key
 
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
 
@@ -82,6 +83,25 @@ def exponentials(keys: list[int], vocab: int, device: torch.device) -> torch.Ten
 History = tuple[Sequence[int], Sequence[int]]  # a request's prompt and its output so far
 
 
+def logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprob]:
+    """Each row's raw log-probability (log-softmax of the logits as the model gave them,
+    before shaping and temperature: vLLM's default `logprobs_mode`) of its chosen token,
+    and of its `tops[i]` likeliest tokens, likeliest first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops, default=0)
+    best = torch.topk(lp, k, dim=-1) if k else None
+    out: list[Logprob] = []
+    for i, (value, top) in enumerate(zip(chosen, tops, strict=True)):
+        pairs = (
+            ()
+            if best is None
+            else tuple(zip(best.indices[i, :top].tolist(), best.values[i, :top].tolist(), strict=True))
+        )
+        out.append((value, pairs))
+    return out
+
+
 def shape(logits: torch.Tensor, params: SamplingParams, history: History, stops: frozenset[int]) -> torch.Tensor:
     """One row of logits [vocab] shaped by `params` (a new tensor), in vLLM's order:
     logit bias; `min_tokens` (EOS and the stop tokens, `stops`, masked while the output is
@@ -115,19 +135,25 @@ def sample(
     positions: list[int],
     histories: Sequence[History | None] = (),
     stops: Sequence[frozenset[int]] = (),
+    guides: Sequence[Guide | None] = (),
 ) -> list[int]:
     """One token per row of `logits` [N, vocab] (float32); row i is output position
     `positions[i]` of a request seeded `seeds[i]` (unused when greedy), its logits
     shaped by its parameters (`shape`) over `histories[i]` with stop tokens `stops[i]`
-    where they ask for it."""
+    where they ask for it, then held to its grammar (`guides[i]`, advanced over its output)."""
     shaped = [i for i, p in enumerate(params) if p.shapes]
-    if shaped:
+    guided = [i for i, g in enumerate(guides) if g is not None]
+    if shaped or guided:
         logits = logits.clone()
         for i in shaped:
             history = histories[i]
             if history is None:
                 raise ValueError("a request whose logits are shaped needs its prompt and output")
             logits[i] = shape(logits[i], params[i], history, stops[i])
+        for i in guided:
+            guide = guides[i]
+            assert guide is not None
+            guide.mask(logits[i])
     out = logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     # a GPU draws every row in one go; the CPU one row at a time, which stays in its cache

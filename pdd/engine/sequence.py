@@ -12,6 +12,8 @@ from pdd.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pdd.guide import Guide
+
 
 class Status(enum.Enum):
     RESERVED = "reserved"  # KV being imported (or a catch-up chunk computed); not schedulable
@@ -41,6 +43,7 @@ class Sequence:
     # cap) per step, then wait (RESERVED) for more.
     shadow: bool = False
     step_cap: int = 0
+    guide: Guide | None = None  # the request's grammar, advanced over its output (`params.guide`)
 
     @property
     def num_output(self) -> int:

@@ -82,9 +82,10 @@ class Role(Protocol):
 
 
 def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
-    return m.Tokens(
-        rid, max(out.position, 0), [] if out.token is None else [out.token], out.finish_reason, out.cached_tokens
+    tokens, logprobs = (
+        ([], None) if out.token is None else ([out.token], None if out.logprob is None else [out.logprob])
     )
+    return m.Tokens(rid, max(out.position, 0), tokens, out.finish_reason, out.cached_tokens, logprobs=logprobs)
 
 
 async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:

@@ -33,6 +33,8 @@ class LocalBackend:
             tokens = [] if out.token is None else [out.token]
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
+            if req.params.logprobs is not None and tokens:
+                event.logprobs = [out.logprob]
             if out.finish_reason:
                 event.record = RequestRecord(
                     pipeline=Pipeline.COLOCATED,

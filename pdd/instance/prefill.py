@@ -27,6 +27,7 @@ from pdd.kv import codec
 from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
 from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_namespace, kv_range
+from pdd.sampling import Logprob
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
@@ -53,6 +54,7 @@ class PrefillJob:
     last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
     progress_sent: float = 0.0  # when the router was last told the KV moves
     lossy: dict[str, str] = field(default_factory=dict)  # peer -> the form its KV crosses in ("": exact)
+    first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
 
     @property
     def rid(self) -> str:
@@ -239,6 +241,7 @@ class PrefillRole:
         first, cached, reason = None, 0, None
         async for out in self.engine.generate(s.rid, s.prompt, replace(s.params, max_tokens=1), hold=True):
             first, cached, reason = out.token, out.cached_tokens, out.finish_reason
+            job.first_logprob = out.logprob if out.token is not None else job.first_logprob
         if first is None:
             raise RuntimeError("prefill was aborted")
         t_prefilled = time.monotonic()
@@ -257,7 +260,8 @@ class PrefillRole:
         )
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
             self.host.to_router(job.router_id, m.Result(s.rid))
-            self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached))
+            lps = None if job.first_logprob is None else [job.first_logprob]
+            self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached, logprobs=lps))
             return
         paths: dict[str, Coroutine[Any, Any, int]] = {}
         if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
@@ -392,7 +396,7 @@ class PrefillRole:
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):
                 sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer, lossy)))
-        await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit))
+        await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit, job.first_logprob))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))
         return sent

@@ -26,6 +26,7 @@ from pdd.instance.reservations import ReservationLine
 from pdd.kv import codec
 from pdd.kv.reassembly import Reassembly
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
+from pdd.sampling import Logprob
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
@@ -43,6 +44,7 @@ class DecodeJob:
     reserved: bool = False
     loaded: bool = False  # all KV is in (KV_DONE)
     first_token: int | None = None
+    first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
     kv: Reassembly | None = None  # the KV arriving, from the reserved hit on (set once reserved)
     importing: asyncio.Task | None = None  # the last chunk's import (they run in token order)
     kv_in: asyncio.Event = field(default_factory=asyncio.Event)  # every prompt token's import issued, or ended
@@ -136,7 +138,7 @@ class DecodeSide(Generic[J]):
                 await job.importing
             if job.ended:
                 return
-            job.loaded, job.first_token = True, body.first_token
+            job.loaded, job.first_token, job.first_logprob = True, body.first_token, body.first_logprob
             await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
                 job.output = [body.first_token]
@@ -282,7 +284,11 @@ class DecodeSide(Generic[J]):
         if job.producing:
             job.settled.set()
         if emit_from is not None and emit_from < len(job.output):
-            self.host.to_router(job.router_id, m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached))
+            # known, not produced here: P's first token (its logprob came with KV_DONE), or a
+            # takeover's given tokens, whose logprobs the router has from their producer
+            lps = [job.first_logprob] if emit_from == 0 and len(job.output) == 1 and job.first_logprob else None
+            tokens = m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached, logprobs=lps)
+            self.host.to_router(job.router_id, tokens)
 
     async def _forward(self, job: J, stream: OutputStream) -> None:
         finished = False

@@ -40,6 +40,7 @@ class Tokenizer:
         special_tokens: dict[str, str],
         chat_template: str | None,
         generation_defaults: dict[str, float | int] | None = None,
+        source: Path | None = None,
     ) -> None:
         # Serving never pads or truncates inside the tokenizer; lengths are the engine's call.
         tokenizer.no_padding()
@@ -52,6 +53,7 @@ class Tokenizer:
         # the checkpoint's generation_config.json sampling values: a request's defaults, as
         # vLLM's OpenAI server applies them (`GENERATION_DEFAULTS`)
         self.generation_defaults = generation_defaults or {}
+        self.source = source  # its tokenizer.json, where it was read from one
         self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
@@ -80,6 +82,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             special_tokens=special_tokens,
             chat_template=_find_chat_template(root, tok_config),
+            source=root / "tokenizer.json",
             generation_defaults={
                 k: v
                 for k in GENERATION_DEFAULTS

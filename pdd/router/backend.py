@@ -109,6 +109,7 @@ class RouterBackend:
     async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
+        sent = 0  # output positions yielded so far
         self.in_flight += 1
         try:
             await self._submit(request, q)
@@ -128,10 +129,11 @@ class RouterBackend:
                         )
                 out = self.pacer.play_out(request)
                 if request.merger.finished and not request.held:
-                    yield self._finish(request, out)
+                    yield self._with_logprobs(request, self._finish(request, out), sent)
                     return
                 if out:
-                    yield GenEvent(out, None, self._cached(request))
+                    yield self._with_logprobs(request, GenEvent(out, None, self._cached(request)), sent)
+                    sent += len(out)
         except InstanceDown as e:
             self.metrics.failures.inc()
             raise BackendError(str(e)) from None
@@ -176,7 +178,7 @@ class RouterBackend:
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
             self.pacer.observe(request, source)
-            return request.merger.add(source, body.pos, body.tokens, body.finish_reason)
+            return request.merger.add(source, body.pos, body.tokens, body.finish_reason, body.logprobs)
         if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
             request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
         if isinstance(body, m.PipelineChosen):
@@ -254,6 +256,13 @@ class RouterBackend:
             if failed.main and request.handed_off:
                 message = LOST_AFTER_HANDOFF
             raise BackendError(message, failure_status(err.busy, err.lost))
+
+    @staticmethod
+    def _with_logprobs(request: RouterRequest, event: GenEvent, first: int) -> GenEvent:
+        """`event` (positions from `first` on) with its tokens' logprobs, where asked."""
+        if request.req.params.logprobs is not None:
+            event.logprobs = [request.merger.logprobs.get(first + i) for i in range(len(event.tokens))]
+        return event
 
     def _fell_back(self, request: RouterRequest, why: Fallback) -> None:
         request.fallbacks.append(why)

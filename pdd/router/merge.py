@@ -5,12 +5,16 @@ instance, and around a handoff (or a takeover after a failure) both may send the
 positions, in any order. Every TOKENS frame says the output position of its first
 token, so the merger delivers each position exactly once, in order: the first arrival
 wins, later copies are dropped (and counted if they disagree, which exact sampling
-rules out), and a position that arrives early waits for the ones before it.
+rules out), and a position that arrives early waits for the ones before it. A token's
+log-probabilities (where the request asks) are kept by position beside it, from
+whichever copy carries them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pdd.sampling import Logprob
 
 
 @dataclass
@@ -21,12 +25,22 @@ class TokenMerger:
     finish_reason: str | None = None
     _ahead: dict[int, tuple[int, str]] = field(default_factory=dict)  # position -> (token, producer)
     _end: int | None = None  # the position after the last one, once a producer finished
+    logprobs: dict[int, Logprob] = field(default_factory=dict)  # position -> its token's, where carried
 
-    def add(self, producer: str, pos: int, tokens: list[int], finish_reason: str | None = None) -> list[int]:
-        """Take a producer's tokens for positions [pos, pos + len); the tokens that are
-        now deliverable in order (possibly none)."""
+    def add(
+        self,
+        producer: str,
+        pos: int,
+        tokens: list[int],
+        finish_reason: str | None = None,
+        logprobs: list[Logprob] | None = None,
+    ) -> list[int]:
+        """Take a producer's tokens for positions [pos, pos + len) (and their logprobs);
+        the tokens that are now deliverable in order (possibly none)."""
         for i, token in enumerate(tokens):
             p = pos + i
+            if logprobs is not None and i < len(logprobs):
+                self.logprobs.setdefault(p, logprobs[i])
             known = self.delivered[p] if p < len(self.delivered) else self._ahead.get(p, (None,))[0]
             if known is None:
                 self._ahead[p] = (token, producer)

@@ -49,8 +49,11 @@ class Planner:
         def hit(c: InstanceClient) -> int:
             # a decode instance across the line from P (in the router's site) holds the
             # request's KV in the namespace of the form it crosses in (exact to one that is older)
-            across = c.spec.dc != self.dep.router.dc and role != RoleName.PREFILL
-            lossy = self.dep.link.lossy_kv if across and (c.protocol or 0) >= LOSSY_KV_SINCE else ""
+            lossy = self.dep.link.lossy_kv
+            if lossy and (
+                role == RoleName.PREFILL or c.spec.dc == self.dep.router.dc or (c.protocol or 0) < LOSSY_KV_SINCE
+            ):
+                lossy = ""
             return c.mirror.predicted_hit(req.prompt, kv_namespace(req.params.cache_salt, lossy)) if use_mirror else 0
 
         return [
@@ -127,4 +130,4 @@ def _too_old(c: InstanceClient, needs: int) -> bool:
     """An instance that speaks a protocol before what the request sets (`needs`): planned
     it, it would refuse the request, or (protocol 4, a salted one) share the tenant's
     prefixes with everyone. A rolling upgrade's middle: the others take it."""
-    return c.protocol is not None and c.protocol < needs
+    return needs > 0 and c.protocol is not None and c.protocol < needs

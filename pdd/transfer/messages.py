@@ -28,7 +28,7 @@ import msgspec
 from msgspec import Meta
 
 from pdd.names import PDD_PIPELINES, Fallback, HandoffMode, Pipeline, RoleName
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 from pdd.transfer.wire import (
     MAX_JSON_BYTES,
     PROTOCOL_VERSION,
@@ -143,9 +143,11 @@ class KVDone(Message, frozen=True):
     position 0 (P's first token); without, wait for a handoff."""
 
     TYPE: ClassVar[MsgType] = MsgType.KV_DONE
+    SINCE: ClassVar[dict[str, int]] = {"first_logprob": 6}
     rid: Rid
     first_token: Count
     emit: bool = True
+    first_logprob: Logprob | None = None  # the first token's, where the request asks for logprobs
 
 
 class Ready(Message, frozen=True):
@@ -159,12 +161,14 @@ class Tokens(Message, frozen=True):
     """Produced tokens for output positions [pos, pos + len(tokens))."""
 
     TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    SINCE: ClassVar[dict[str, int]] = {"logprobs": 6}
     rid: Rid
     pos: Count
     tokens: TokenIds
     finish_reason: Text | None = None
     cached_tokens: Count = 0
     stall_ms: float | None = None  # the first token after a handoff: the main instance's extend stall
+    logprobs: list[Logprob] | None = None  # each token's, where the request asks (as many as `tokens`)
 
 
 class PipelineChosen(Message, frozen=True):

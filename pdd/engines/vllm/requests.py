@@ -140,10 +140,11 @@ class Requests:
             # vLLM's own switch (skip_reading_prefix_cache) turns the connector's load off
             # too; a salt of the request's own makes vLLM's hashes match nothing cached
             first["cache_salt"] = f"{streams.UNCACHED_SALT}{rid}"
-        req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra)))  # type: ignore[arg-type]
+        lps = params.logprobs
+        req.inputs.put_nowait(StreamingInput(first, streams.chunk_params(extra, lps)))  # type: ignore[arg-type]
         req.chunks.append((LOAD, 0))
         req.task = asyncio.ensure_future(
-            self._consume(req, self.llm.generate(streams.chunk_stream(req), streams.chunk_params(), rid))
+            self._consume(req, self.llm.generate(streams.chunk_stream(req), streams.chunk_params(None, lps), rid))
         )
         try:
             req.hit = await req.reserved
@@ -182,7 +183,10 @@ class Requests:
             if not send:  # nothing to compute yet: caught up at once
                 req.emit(StepOutput(rid, None, None, caught_up=len(req.outputs)))
                 return req.hit
-            chunk = StreamingInput({"prompt_token_ids": send}, streams.chunk_params())  # type: ignore[arg-type]
+            chunk = StreamingInput(
+                {"prompt_token_ids": send},  # type: ignore[arg-type]
+                streams.chunk_params(None, req.params.logprobs),
+            )
             req.chunks.append((SHADOW, len(req.outputs)))
         else:
             left = req.params.max_tokens - len(req.outputs)

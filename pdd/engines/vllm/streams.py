@@ -37,7 +37,7 @@ from typing import Any
 
 from pdd.engine_port import StepOutput
 from pdd.engines.vllm.draw import draw_args
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 
 log = logging.getLogger(__name__)
 LOAD, SHADOW, FINAL = "load", "shadow", "final"  # what a session's input chunk is for
@@ -115,11 +115,13 @@ def vllm_params(
 
     args = dict(extra or {})
     stops = frozenset(params.stop_token_ids) | eos_ids
-    if not params.greedy or params.shapes:
-        args.update(draw_args(params, seed, prompt, outputs, stops))
+    if not params.greedy or params.shapes or params.guide:
+        args.update(draw_args(params, seed, prompt, outputs, stops, eos_ids))
     return VllmParams(
         max_tokens=max_tokens,
         temperature=0.0,
+        # vLLM's raw log-probabilities (its default logprobs_mode): before its processors, pdd's draw included
+        logprobs=params.logprobs,
         ignore_eos=params.ignore_eos,
         stop_token_ids=[] if params.ignore_eos else sorted(stops),
         output_kind=RequestOutputKind.DELTA,
@@ -128,8 +130,10 @@ def vllm_params(
     )
 
 
-def chunk_params(extra: dict[str, Any] | None = None) -> Any:
-    """A chunk computed only for its KV: one greedy token, dropped."""
+def chunk_params(extra: dict[str, Any] | None = None, logprobs: int | None = None) -> Any:
+    """A chunk computed only for its KV: one greedy token, dropped. `logprobs`: the
+    request's, on every chunk of its session (vLLM sizes a session's logprobs by its first
+    chunk's parameters, and fails a later chunk that asks for more)."""
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -137,6 +141,7 @@ def chunk_params(extra: dict[str, Any] | None = None) -> Any:
         max_tokens=1,
         temperature=0.0,
         ignore_eos=True,
+        logprobs=logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         extra_args=extra,
@@ -161,16 +166,27 @@ def deliver(req: Request, out: Any) -> bool:
         log.warning("vLLM ended request %s: %s (%s)", req.rid, reason, c.stop_reason)
         req.emit(RuntimeError(f"vLLM ended request {req.rid}: {reason}"))
         return True
+    logprobs = list(c.logprobs or [])  # (a KV chunk's token asked for none: these are the final chunk's)
     if req.session and _end_kv_chunks(req, tokens, reason):
         return False
+    # the tail that is the tokens left (a merged output's KV chunk asked for none)
+    logprobs = ([None] * len(tokens) + logprobs)[len(logprobs) :] if logprobs else []
     cached = req.hit if req.session else (out.num_cached_tokens or 0)
     for i, token in enumerate(tokens):
         req.outputs.append(token)
         last = FINISH_REASONS.get(reason) if i == len(tokens) - 1 else None
-        req.emit(StepOutput(req.rid, token, last, cached, len(req.outputs) - 1))
+        lp = _logprob(token, logprobs[i], req.params.logprobs or 0) if logprobs and logprobs[i] else None
+        req.emit(StepOutput(req.rid, token, last, cached, len(req.outputs) - 1, logprob=lp))
     if reason is not None and not tokens:
         req.emit(StepOutput(req.rid, None, FINISH_REASONS[reason], cached))
     return reason is not None
+
+
+def _logprob(token: int, entry: dict[int, Any], top: int) -> Logprob:
+    """pdd's form of vLLM's logprobs of one position ({token: Logprob(logprob, rank)}):
+    the chosen token's, and the `top` likeliest by rank."""
+    ranked = sorted((v.rank, t, v.logprob) for t, v in entry.items() if v.rank is not None and v.rank <= top)
+    return (entry[token].logprob, tuple((t, lp) for _, t, lp in ranked))
 
 
 def _end_kv_chunks(req: Request, tokens: list[int], reason: str | None) -> bool:
