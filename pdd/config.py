@@ -36,7 +36,17 @@ from pdd.engine_port import (
     left_to_engine,
     read_auto,
 )
-from pdd.names import HARDWARE, LOSSY_KV_FORMS, NATIVE, HandoffMode, Mode, Pipeline, RoleName, role_chip
+from pdd.names import (
+    HARDWARE,
+    KV_COMPRESSIONS,
+    LOSSY_KV_FORMS,
+    NATIVE,
+    HandoffMode,
+    Mode,
+    Pipeline,
+    RoleName,
+    role_chip,
+)
 
 ROLES = tuple(RoleName)
 MODES = tuple(Mode)
@@ -81,6 +91,10 @@ class LinkSpec:
     # its own on the far side (`pdd.policy.transfer.kv_namespace`), never taken for exact KV.
     # A peer of a release before protocol 6 is sent exact KV.
     lossy_kv: str = ""
+    # Lossless, off by default: KV crossing the line compressed ("zstd", level 1): pays on a
+    # 1 Gbit/s line (+29 % for bf16 KV, +9 % for fp32), costs a core per 0.75 GB/s each way
+    # (BENCHMARKS.md), so not on a 10 Gbit/s one. A peer before protocol 6 is sent it as it is.
+    compress_kv: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.kv_streams <= 64:
@@ -88,6 +102,8 @@ class LinkSpec:
         if self.lossy_kv not in ("", *LOSSY_KV_FORMS):
             forms = ", ".join(LOSSY_KV_FORMS)
             raise ValueError(f'lossy_kv must be "" (exact KV) or one of {forms}, not {self.lossy_kv!r}')
+        if self.compress_kv not in ("", *KV_COMPRESSIONS):
+            raise ValueError(f'compress_kv must be "" or one of {", ".join(KV_COMPRESSIONS)}, not {self.compress_kv!r}')
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,5 @@ class Fallback(StrEnum):
 
 # Lossy forms KV may cross the line in (`[link] lossy_kv`; `pdd.kv.codec` writes and reads them)
 LOSSY_KV_FORMS = ("int8",)
+# Lossless compressions KV may cross the line in (`[link] compress_kv`; `pdd.kv.codec`)
+KV_COMPRESSIONS = ("zstd",)

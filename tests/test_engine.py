@@ -450,6 +450,32 @@ def test_kv_codec_rejects_malformed_blobs(engine, mutate):
         codec.decode(mutate(data))
 
 
+def test_zstd_kv_for_the_line_decodes_to_the_same_bytes_and_is_bounded(engine):
+    """Compressed for the line, KV decodes to exactly what was sent; a payload that claims
+    fewer bytes than it holds, or is not zstd, is refused (never decompressed past it)."""
+    rng = random.Random(9)
+    prompt = _prompt(rng, 64)
+    engine.add_request("z", prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold=True)
+    _run(engine)
+    blob = engine.export_kv("z", 0, len(prompt))
+    engine.release("z")
+    for lossy in ("", "int8"):
+        data = codec.encode(blob, lossy, "zstd")
+        plain, back = codec.decode(codec.encode(blob, lossy)), codec.decode(data)
+        assert torch.equal(plain.k, back.k) and torch.equal(plain.v, back.v)
+        assert len(data) < len(codec.encode(blob, lossy))
+    data = codec.encode(blob, "", "zstd")
+    (hlen,) = struct.unpack_from("!I", data, 6)
+    header = json.loads(data[10 : 10 + hlen])
+    for fields, why in (({"token_end": header["token_end"] - 16, "block_hashes": header["block_hashes"][:-1]},
+                         "decompress"), ({"compressed": "lzma"}, "compression")):
+        forged = json.dumps({**header, **fields}).encode()
+        with pytest.raises(codec.KVFormatError, match=why):
+            codec.decode(data[:6] + struct.pack("!I", len(forged)) + forged + data[10 + hlen :])
+    with pytest.raises(codec.KVFormatError, match="decompress"):
+        codec.decode(data[: 10 + hlen] + b"not zstd at all" * 10)
+
+
 def test_int8_kv_for_the_line_is_a_quarter_of_fp32_within_half_a_step_and_checked(engine):
     """`codec.encode(blob, "int8")`: each value within half its head's step (absmax / 127)
     of the exact one, read back as float32 (the importer converts from it); the payload

@@ -103,6 +103,21 @@ def test_lossy_kv_crosses_the_line_in_int8_and_lives_in_its_own_namespace(tmp_pa
           f"WAN bytes {[g['pdd']['wan_bytes'] for g in got]}")
 
 
+def test_compressed_kv_crosses_the_line_in_fewer_bytes_and_changes_no_token(tmp_path, colocated_tokens):
+    """`[link] compress_kv = "zstd"`: lossless, so every token equals colocated's, in the
+    shared cache namespace; the line carries fewer bytes than the fp32 KV it holds (the
+    random model's KV compresses by about 8 %: BENCHMARKS.md)."""
+    conf = tmp_path / "zstd.toml"
+    conf.write_text('mode = "pd-cross-dc"\n[link]\ncompress_kv = "zstd"\n')
+    with pdd_up("--config", str(conf)) as dep:
+        got = [_complete(dep.url, p) for p in _requests()[:3]]
+    assert [g["choices"][0]["token_ids"] for g in got] == colocated_tokens[:3]
+    for g, prompt in zip(got, _requests(), strict=False):
+        missed = len(prompt) - g["pdd"]["d_hit_tokens"]
+        assert 0 < g["pdd"]["wan_bytes"] < 0.97 * missed * KV_BYTES_PER_TOKEN, g["pdd"]
+    assert got[2]["pdd"]["d_hit_tokens"] >= 288  # exact pages: the shared namespace, reused
+
+
 def test_small_decode_pool_evicts_and_stays_correct(tmp_path, colocated_tokens):
     """A decode pool smaller than the working set: MD evicts behind the router's back;
     the reservation (not the mirror) decides what P sends, so outputs stay exact. MD's

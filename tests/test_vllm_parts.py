@@ -38,7 +38,7 @@ from pdd.sampling import SamplingParams  # noqa: E402
 def test_draw_leaves_only_pdds_token_at_each_position():
     proc = PddDraw(None, torch.device("cpu"), False)
     params = SamplingParams(max_tokens=8, temperature=2.0, top_p=0.9, seed=77)
-    vparams = SimpleNamespace(extra_args=draw_args(params, 77, first_position=5))
+    vparams = SimpleNamespace(extra_args=draw_args(params, 77, [1], [21, 22, 23, 24, 25], frozenset()))  # 5 given
     outputs: list[int] = [11, 12]  # vLLM's live list: two tokens sampled in this request so far
     plain = SimpleNamespace(extra_args=None)
     proc.update_state(SimpleNamespace(batch_size=2, added=[(0, plain, [1], []), (1, vparams, [1], outputs)],

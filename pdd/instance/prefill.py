@@ -53,7 +53,8 @@ class PrefillJob:
     submitted: float = field(default_factory=time.monotonic)
     last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
     progress_sent: float = 0.0  # when the router was last told the KV moves
-    lossy: dict[str, str] = field(default_factory=dict)  # peer -> the form its KV crosses in ("": exact)
+    # peer -> the forms its KV crosses in: lossy ("": exact) and compressed ("": as it is)
+    forms: dict[str, tuple[str, str]] = field(default_factory=dict)
     first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
 
     @property
@@ -199,16 +200,17 @@ class PrefillRole:
         job.holders.add(peer)
         conn = await self.peers.get(peer)
         job.reserve_sent[peer] = time.monotonic()
-        job.lossy[peer] = self._lossy(peer, conn.version)
-        params = replace(s.params, cache_salt=kv_namespace(s.params.cache_salt, job.lossy[peer]))
+        job.forms[peer] = self._forms(peer, conn.version)
+        params = replace(s.params, cache_salt=kv_namespace(s.params.cache_salt, job.forms[peer][0]))
         await self.peers.send(peer, m.Reserve(s.rid, s.prompt, params, s.router_id, s.use_cache, main))
 
-    def _lossy(self, peer: str, version: int) -> str:
-        """The lossy form KV crosses the line to `peer` in: "" (exact) to a peer in this
-        site, or one that speaks a protocol before lossy KV (it would refuse the pages)."""
+    def _forms(self, peer: str, version: int) -> tuple[str, str]:
+        """The forms KV crosses the line to `peer` in, (lossy, compressed): as it is to a
+        peer in this site, or to one that speaks a protocol before them (it would refuse
+        the pages)."""
         if not self.peers.remote(peer) or version < wire.LOSSY_KV_SINCE:
-            return ""
-        return self.host.dep.link.lossy_kv
+            return "", ""
+        return self.host.dep.link.lossy_kv, self.host.dep.link.compress_kv
 
     @staticmethod
     async def _ack(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
@@ -392,10 +394,11 @@ class PrefillRole:
             job.exports -= 1
             if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
                 self.host.spawn(self.engine.release(job.rid))
-        sent, lossy = 0, job.lossy.get(peer, "")
+        sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
         for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):
-                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, codec.encode(layer, lossy)))
+                data = codec.encode(layer, lossy, compress)
+                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, data))
         await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit, job.first_logprob))
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from pdd.kv.blocks import block_hashes
-from pdd.names import LOSSY_KV_FORMS
+from pdd.names import KV_COMPRESSIONS, LOSSY_KV_FORMS
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -43,7 +43,11 @@ ALL_DTYPES = {**DTYPES, **RAW_DTYPES}
 # head and side (absmax / 127), dequantized to float32 on arrival. Never a cache's dtype.
 LOSSY_FORMS = LOSSY_KV_FORMS
 _SCALE = torch.float32
-_EXTRAS = {"latent": False, "scales": []}  # header fields left out of a plain blob, so it reads as before
+# Lossless compression for the line only (`[link] compress_kv`): the payload through zstd
+# level 1, which paid +29 % on a 1 Gbit/s line for bf16 KV (BENCHMARKS.md, "KV over a long line")
+COMPRESSIONS = KV_COMPRESSIONS
+_ZSTD_LEVEL = 1
+_EXTRAS = {"latent": False, "scales": [], "compressed": ""}  # header fields a plain blob leaves out
 
 
 class KVFormatError(ValueError):
@@ -65,6 +69,7 @@ class KVHeader:
     block_hashes: list[int]  # chained hashes of the full blocks of tokens [0, token_end)
     latent: bool = False  # one latent vector a token (MLA) in K, one head, V empty
     scales: list[float] = field(default_factory=list)  # fp8: K and V scale of each layer in the range
+    compressed: str = ""  # the payload as it travels: "" as it is, or "zstd" (of `payload_bytes` bytes)
 
     @property
     def num_tokens(self) -> int:
@@ -98,9 +103,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise KVFormatError(f"unsupported KV dtype {dtype}")
 
 
-def encode(blob: KVBlob, lossy: str = "") -> bytes:
+def encode(blob: KVBlob, lossy: str = "", compress: str = "") -> bytes:
     """The blob's bytes; with `lossy` ("int8"), quantized for the line (a blob of an fp8
-    cache travels as it is: it is quantized already)."""
+    cache travels as it is: it is quantized already); with `compress` ("zstd"), its payload
+    compressed, losslessly."""
     tensors = list((blob.k, blob.v)[: blob.header.sides])
     header_fields = asdict(blob.header)
     if lossy and blob.header.dtype in DTYPES:
@@ -109,12 +115,17 @@ def encode(blob: KVBlob, lossy: str = "") -> bytes:
         quantized = [_to_int8(t) for t in tensors]
         tensors = [q for q, _ in quantized] + [scale for _, scale in quantized]
         header_fields["dtype"] = lossy
+    body = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+    if compress:
+        if compress not in COMPRESSIONS:
+            raise KVFormatError(f"unknown KV compression {compress!r} (known: {', '.join(COMPRESSIONS)})")
+        import zstandard
+
+        body = [zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(b"".join(body))]
+        header_fields["compressed"] = compress
     fields = {k: v for k, v in header_fields.items() if _EXTRAS.get(k, ...) != v}
     header = json.dumps(fields, separators=(",", ":")).encode()
-    parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
-    for t in tensors:
-        parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return b"".join(parts)
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *body])
 
 
 def _to_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +157,8 @@ def _check_header(raw: dict) -> KVHeader:
         raise KVFormatError(f"unknown KV dtype {h.dtype!r}")
     if type(h.latent) is not bool:
         raise KVFormatError("KV header latent must be true or false")
+    if h.compressed not in ("", *COMPRESSIONS):
+        raise KVFormatError(f"unknown KV compression {h.compressed!r}")
     want = 2 * (h.layer_end - h.layer_start) if h.dtype in RAW_DTYPES else 0
     if (
         not isinstance(h.scales, list)
@@ -185,6 +198,9 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
         raise KVFormatError("KV header is not an object")
     h = _check_header(raw)
     body = data[_PREFIX.size + hlen :]
+    if h.compressed:
+        body = memoryview(_decompressed(body, h.payload_bytes))
+        h = replace(h, compressed="")
     if len(body) != h.payload_bytes:
         raise KVFormatError(f"KV payload is {len(body)} bytes, header says {h.payload_bytes}")
     shape = (h.layer_end - h.layer_start, h.num_tokens, h.kv_heads, h.head_dim)
@@ -195,6 +211,20 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
         return KVBlob(h, flat.view(shape), flat[:0].view(*shape[:3], 0))
     half = flat.numel() // 2
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
+
+
+def _decompressed(body: memoryview, size: int) -> bytes:
+    """A zstd payload of exactly `size` bytes once decompressed: never more is produced (a
+    frame that claims more, or holds more, is refused)."""
+    import zstandard
+
+    try:
+        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise KVFormatError(f"KV payload does not decompress: {e}") from None
+    if len(out) != size:
+        raise KVFormatError(f"KV payload decompresses to {len(out)} bytes, header says {size}")
+    return out
 
 
 def _dequantized(h: KVHeader, body: memoryview, shape: tuple[int, int, int, int]) -> KVBlob:

@@ -72,9 +72,7 @@ def draw_args(
 class PddDraw(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.rows: dict[int, _Draw] = {}
-        model = vllm_config.model_config
-        self._tokenizer_json = Path(model.tokenizer) / "tokenizer.json"
-        self._vocab = model.get_vocab_size()
+        self._config = vllm_config  # (its model's tokenizer and vocabulary: a grammar's, when one comes)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it decides the token
@@ -106,7 +104,9 @@ class PddDraw(LogitsProcessor):
         if d.params.guide is None:
             return None
         if d.guide is None:
-            d.guide = Guides(self._tokenizer_json, self._vocab, d.eos).start(*d.params.guide)
+            model = self._config.model_config
+            guides = Guides(Path(model.tokenizer) / "tokenizer.json", model.get_vocab_size(), d.eos)
+            d.guide = guides.start(*d.params.guide)
         d.guide.advance(d.given + d.outputs)
         return d.guide
 

@@ -42,11 +42,12 @@ MAGIC = b"PD"
 # 5: the version is negotiated in HELLO, which says the software's release (`Hello.software`);
 #    frames under session keys carry a GMAC tag, no CRC32
 # 6: the checksum of frames without a tag is CRC32C (hardware), not zlib's CRC32; KV pages
-#    may cross in int8 (`[link] lossy_kv`, `pdd.kv.codec`): an older peer is sent exact KV
+#    may cross in int8 or zstd (`[link] lossy_kv`, `compress_kv`; `pdd.kv.codec`): an older
+#    peer is sent them as they are
 PROTOCOL_VERSION = 6
 GMAC_SINCE = 5
 CRC32C_SINCE = 6
-LOSSY_KV_SINCE = 6
+LOSSY_KV_SINCE = 6  # (and compressed KV)
 # The oldest version still spoken, to a peer not yet upgraded: at least one release back,
 # so one site can be upgraded before the other (docs/deployment.md, "Rolling upgrades").
 OLDEST_PROTOCOL = 4
