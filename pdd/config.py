@@ -41,6 +41,7 @@ from pdd.names import (
     KV_COMPRESSIONS,
     LOSSY_KV_FORMS,
     NATIVE,
+    REASONING_PARSERS,
     HandoffMode,
     Mode,
     Pipeline,
@@ -57,6 +58,13 @@ class ModelSpec:
     __pydantic_config__ = STRICT_TABLE
     path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
     name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
+    # a chat completion's thinking moved into reasoning_content, as vLLM's --reasoning-parser ("": none)
+    reasoning_parser: str = ""
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            names = ", ".join(REASONING_PARSERS)
+            raise ValueError(f'reasoning_parser must be "" or one of {names}, not {self.reasoning_parser!r}')
 
     @property
     def served_name(self) -> str:

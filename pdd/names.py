@@ -95,5 +95,7 @@ class Fallback(StrEnum):
 
 # Lossy forms KV may cross the line in (`[link] lossy_kv`; `pdd.kv.codec` writes and reads them)
 LOSSY_KV_FORMS = ("int8",)
+# Reasoning parsers, as vLLM names them (`[model] reasoning_parser`; `pdd.api.reasoning`)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # Lossless compressions KV may cross the line in (`[link] compress_kv`; `pdd.kv.codec`)
 KV_COMPRESSIONS = ("zstd",)

@@ -120,7 +120,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"logit_bias": {"five": 10}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"min_tokens": 3}, "min_tokens"),  # above max_tokens (2)
-    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [CALL]}]}, "messages[2].tool_calls"),
     ({"messages": [*CHAT, {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]}, "messages[2].tool_call_id"),
@@ -264,6 +264,25 @@ def test_structured_output_json_schema_json_object_regex_and_choice(server):
     r = httpx.post(f"{server}/v1/completions", json={**body, "response_format": {"type": "json_object"}},
                    timeout=60).json()["choices"][0]
     assert r["text"].startswith("{") and (r["finish_reason"] == "length" or isinstance(json.loads(r["text"]), dict))
+
+
+def test_a_reasoning_parser_moves_thinking_into_reasoning_content(tiny_model_dir):
+    """`--reasoning-parser qwen3`: the output (held by a regex to open with a <think> block,
+    whatever the weights) comes back with the thinking in reasoning_content and the rest in
+    content, whole and streamed alike."""
+    with standalone(tiny_model_dir, "--reasoning-parser", "qwen3") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        ask = {"model": "tiny", "messages": CHAT, "max_tokens": 40, "temperature": 0,
+               "extra_body": {"structured_outputs": {"regex": "<think>[a-z]{2,6}</think>[a-z]{2,6}"}}}
+        whole = client.chat.completions.create(**ask).choices[0].message
+        reasoning = whole.model_extra["reasoning_content"]
+        assert 2 <= len(reasoning) <= 6 and reasoning.isalpha() and 2 <= len(whole.content) <= 6, whole
+        said = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            for c in chunk.choices:
+                said["content"] += c.delta.content or ""
+                said["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+        assert said == {"reasoning_content": reasoning, "content": whole.content}
 
 
 def test_what_changes_nothing_is_served(server):

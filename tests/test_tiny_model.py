@@ -304,3 +304,46 @@ def test_tokens_past_a_stop_string_are_not_counted(tiny_model_dir):
     text, kept = stream.feed_all(ids)
     assert stream.stopped and kept == stop_at + 1 < len(ids)
     assert text + stream.flush() == pieces[-1][: pieces[-1].index("sat")]
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_its_inputs(tiny_model_dir, tmp_path):
+    """A request's chat_template_kwargs are the template's own variables (Qwen3's
+    enable_thinking); one that would replace what pdd renders is refused by name."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(model)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == "hi"
+    assert tok.apply_chat_template(messages, kwargs={"enable_thinking": False}) == "hi<think></think>"
+    for clash in ("messages", "add_generation_prompt"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs may not set {clash}"):
+            tok.apply_chat_template(messages, kwargs={clash: []})
+
+
+def test_reasoning_parsers_split_thinking_whole_and_in_any_pieces():
+    """qwen3: thinking only where the output opens <think>; deepseek_r1: the output starts
+    inside it. The same split whatever the pieces (a tag cut anywhere)."""
+    from pdd.api.reasoning import splitter
+
+    def split(name: str, text: str, size: int) -> tuple[str, str]:
+        s, out = splitter(name), ("", "")
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            r, c = s.feed(piece, final=i == len(pieces) - 1)
+            out = (out[0] + r, out[1] + c)
+        return out
+
+    for size in range(1, 9):
+        assert split("qwen3", "<think>a b</think>c d", size) == ("a b", "c d")
+        assert split("qwen3", "c <think> d", size) == ("", "c <think> d")
+        assert split("deepseek_r1", "a b</think>c d", size) == ("a b", "c d")
+        assert split("deepseek_r1", "<think>a b</think>c", size) == ("a b", "c")
+        assert split("deepseek_r1", "a b", size) == ("a b", "")

@@ -41,10 +41,19 @@ def build_app(
     api_keys: Mapping[str, str] = {},
     openai_api: bool = True,
     admission: Limits = Limits(256, 256),
+    reasoning_parser: str = "",
 ) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
-    server = OpenAIServer(backend, tokenizer, model_name, registry, admission, tenants=len(api_keys) > 1)
+    server = OpenAIServer(
+        backend,
+        tokenizer,
+        model_name,
+        registry,
+        admission,
+        tenants=len(api_keys) > 1,
+        reasoning_parser=reasoning_parser,
+    )
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_keys:  # added after the body limit, so it runs first: no body is read for a caller without a key

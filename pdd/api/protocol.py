@@ -71,7 +71,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _neutral(None, 0),
     "best_of": _neutral(None, 1),
     "suffix": _neutral(None, ""),
-    "chat_template_kwargs": _empty,
     "reasoning_effort": _neutral(None),
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _neutral(None),
@@ -256,6 +255,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     top_logprobs: StrictInt | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # the template's own variables (vLLM's)
 
     def top_logprobs_asked(self) -> int | None:
         """Chat's `logprobs` (true/false) and `top_logprobs` (how many beside each token)."""

@@ -22,6 +22,7 @@ from pdd.api.backend import Backend, BackendError, GenRequest
 from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
+from pdd.api.reasoning import splitter
 from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
@@ -44,9 +45,12 @@ class OpenAIServer:
         registry: CollectorRegistry | None,
         admission: Limits,
         tenants: bool = False,
+        reasoning_parser: str = "",
     ) -> None:
         """`tenants`: keep each API key's requests in a prefix-cache namespace of their own
-        when they give no cache_salt (a server of several named keys)."""
+        when they give no cache_salt (a server of several named keys); `reasoning_parser`:
+        vLLM's name of one (`pdd.api.reasoning`), or none."""
+        self.reasoning_parser = reasoning_parser
         self.backend = backend
         self.tenants = tenants
         self.tokenizer = tokenizer
@@ -204,8 +208,9 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background release covers a client gone before the stream started
+            splitters = [splitter(self.reasoning_parser) for _ in outs] if chat and self.reasoning_parser else None
             return StreamingResponse(
-                sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage),
+                sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage, splitters),
                 media_type="text/event-stream",
                 background=BackgroundTask(slot.release),
             )
@@ -218,6 +223,9 @@ class OpenAIServer:
             choice: dict[str, object] = {"index": i, "finish_reason": out.finish_reason, "logprobs": logprobs}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if self.reasoning_parser:
+                    reasoning, content = splitter(self.reasoning_parser).feed(text, final=True)
+                    choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             else:
                 choice["text"] = text
             choice["token_ids"] = out.token_ids
@@ -255,9 +263,12 @@ class OpenAIServer:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": unicode_text(m.text(), "messages")} for m in req.messages]
         try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, True, req.chat_template_kwargs or {}
+            )
         except Exception as e:  # a template's raise_exception, or a template bug
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
         prompt = await self._encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context

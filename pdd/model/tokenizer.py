@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -108,17 +108,19 @@ class Tokenizer:
         """Text of `ids`; incomplete UTF-8 at the end decodes to U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template exactly as `transformers` does."""
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, kwargs: Mapping[str, Any] = {}
+    ) -> str:
+        """Render the model's chat template exactly as `transformers` does; `kwargs` are
+        the template's own variables (a request's `chat_template_kwargs`, e.g. Qwen3's
+        `enable_thinking`), never one of those set here (ValueError)."""
         if self._template is None:
             raise ValueError("this model has no chat_template; use a plain completion prompt")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=None,
-            documents=None,
-            **self._special_tokens,
-        )
+        given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None}
+        given |= self._special_tokens
+        if clash := sorted(set(kwargs) & set(given)):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        return self._template.render(**given, **kwargs)
 
 
 class IncrementalDetokenizer:

@@ -76,6 +76,7 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
         dep.router.max_body_bytes,
         keys,
         admission=Limits(dep.router.max_running, dep.router.max_waiting),
+        reasoning_parser=dep.model.reasoning_parser,
     )
     add_admin_routes(app, backend.members, dep)
     server = uvicorn.Server(

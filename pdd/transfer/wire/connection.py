@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_UNAUTHENTICATED = 32  # connections a server holds that have not completed the handshake
 SIOCOUTQNSD = 0x894B  # linux/sockios.h: a TCP socket's unsent bytes
+SIOCOUTQ = 0x5411  # (TIOCOUTQ) its unsent and unacknowledged bytes: all it has not delivered
 
 
 class RejectCounter:
@@ -108,13 +109,15 @@ class FramedConnection:
         """Wait until what is queued has gone into the kernel, but for a little."""
         await self._writer.drain()
 
-    def unsent(self) -> int:
-        """Bytes written to the socket that the kernel has not yet sent (SIOCOUTQNSD)."""
+    def unsent(self, unacked: bool = False) -> int:
+        """Bytes written to the socket that the kernel has not yet sent (SIOCOUTQNSD), or,
+        with `unacked`, not yet had acknowledged (SIOCOUTQ: in flight on the line too)."""
         sock = self.socket
         if sock is None or self.closed:
             return 0
         try:
-            return int.from_bytes(fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)), sys.byteorder, signed=True)
+            request = SIOCOUTQ if unacked else SIOCOUTQNSD
+            return int.from_bytes(fcntl.ioctl(sock.fileno(), request, bytes(4)), sys.byteorder, signed=True)
         except OSError:
             return 0
 
