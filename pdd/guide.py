@@ -82,19 +82,25 @@ class Guides:
             raise GuideError(error)
 
     def start(self, kind: str, spec: str) -> Guide:
-        return Guide(_tokenizer(*self._args), grammar_of(kind, spec), self._args[1])
+        """A request's matcher; GuideError when its grammar does not compile."""
+        try:
+            grammar = grammar_of(kind, spec)
+        except (ValueError, TypeError) as e:
+            raise GuideError(str(e)) from None
+        return Guide(_tokenizer(*self._args), grammar)
 
 
 class Guide:
     """One request's matcher: `advance` over output tokens, `mask` a row of logits."""
 
-    def __init__(self, tokenizer, grammar: str, vocab: int) -> None:
+    def __init__(self, tokenizer, grammar: str) -> None:
         import llguidance
         import llguidance.torch
 
         self._matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self._matcher.is_error():
+            raise GuideError(self._matcher.get_error())
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
-        self._vocab = vocab
         self.consumed = 0  # output tokens the matcher has taken
 
     def advance(self, output: Sequence[int]) -> None:

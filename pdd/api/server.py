@@ -221,11 +221,11 @@ class OpenAIServer:
             text = "".join(out.text)
             logprobs = LogprobFormatter.merge(out.logprobs, chat) if params.logprobs is not None else None
             choice: dict[str, object] = {"index": i, "finish_reason": out.finish_reason, "logprobs": logprobs}
-            if chat:
+            if chat and self.reasoning_parser:
+                reasoning, content = splitter(self.reasoning_parser).feed(text, final=True)
+                choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": text}
-                if self.reasoning_parser:
-                    reasoning, content = splitter(self.reasoning_parser).feed(text, final=True)
-                    choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             else:
                 choice["text"] = text
             choice["token_ids"] = out.token_ids

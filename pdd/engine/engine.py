@@ -70,9 +70,10 @@ class Engine:
         self._check_tokens(prompt)
         if any(t >= self.model_cfg.vocab_size for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias names a token id beyond the vocabulary of {self.model_cfg.vocab_size}")
-        if params.guide is not None:
+        guide = None
+        if params.guide is not None:  # (built here, once: a grammar that does not compile is the request's error)
             try:
-                self.guides.check(*params.guide)
+                guide = self.guides.start(*params.guide)
             except GuideError as e:
                 raise RequestError(f"{params.guide[0]}: {e}") from None
         limit = min(self.model_cfg.max_position, self.pool.num_pages * self.pool.page_size)
@@ -82,7 +83,9 @@ class Engine:
                 f"of {limit} tokens"
             )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, seed=seed)
+        seq = Sequence(
+            rid=rid, tokens=list(prompt), prompt_len=len(prompt), params=params, hold=hold, seed=seed, guide=guide
+        )
         self.seqs[rid] = seq
         return seq
 
@@ -301,14 +304,12 @@ class Engine:
                 outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position, step=step, logprob=lp))
         return outputs
 
-    def _guide(self, seq: Sequence) -> Guide | None:
+    @staticmethod
+    def _guide(seq: Sequence) -> Guide | None:
         """The sequence's grammar, advanced over its output so far (tokens given by P or a
         relay included: the grammar's state is a function of the output alone)."""
-        if seq.params.guide is None:
-            return None
-        if seq.guide is None:
-            seq.guide = self.guides.start(*seq.params.guide)
-        seq.guide.advance(seq.output)
+        if seq.guide is not None:
+            seq.guide.advance(seq.output)
         return seq.guide
 
     @staticmethod

@@ -106,8 +106,8 @@ def shape(logits: torch.Tensor, params: SamplingParams, history: History, stops:
     """One row of logits [vocab] shaped by `params` (a new tensor), in vLLM's order:
     logit bias; `min_tokens` (EOS and the stop tokens, `stops`, masked while the output is
     shorter); the repetition penalty over the tokens of prompt and output; the frequency
-    and presence penalties over the output's. Tokens beyond the vocabulary are refused
-    where the request is taken (`check_shaping`)."""
+    and presence penalties over the output's. (A logit bias beyond the vocabulary is refused
+    where the request is taken.)"""
     prompt, output = history
     row = logits.clone()
     device, vocab = row.device, row.shape[0]

@@ -259,14 +259,11 @@ def _importer(prompt_tokens: int) -> Any:
     payload: decode it and import it into a reservation (then abort it, freeing its pages)."""
     import torch
 
-    from pdd.engine.engine import Engine
-    from pdd.engine_port import EngineConfig
     from pdd.kv import codec
-    from pdd.model.store import resolve_model
     from pdd.sampling import SamplingParams
 
     torch.set_num_threads(1)  # (one core a process, as the frame layer: two of torch's threads each ran at 0.17x)
-    engine = Engine(resolve_model(""), EngineConfig(page_size=16, num_pages=prompt_tokens // 16 + 8))
+    engine = _engine(prompt_tokens // 16 + 8)
     prompt, count = _prompt(prompt_tokens), [0]
 
     def land(payload: Any) -> None:
@@ -368,16 +365,21 @@ def _prompt(tokens: int) -> list[int]:
     return [rng.randrange(16, 4000) for _ in range(tokens)]
 
 
-def _prefilled(prompt_tokens: int, pages: int = 8) -> tuple[Any, list[int]]:
-    """The default tiny model's engine (fp32) and a prompt of random token IDs whose KV
-    it holds (request "kv"), with `pages` pages to spare."""
-
+def _engine(pages: int) -> Any:
+    """The default tiny model's embedded engine (fp32), of `pages` 16-token pages."""
     from pdd.engine.engine import Engine
     from pdd.engine_port import EngineConfig
     from pdd.model.store import resolve_model
+
+    return Engine(resolve_model(""), EngineConfig(page_size=16, num_pages=pages))
+
+
+def _prefilled(prompt_tokens: int, pages: int = 8) -> tuple[Any, list[int]]:
+    """The default tiny model's engine (fp32) and a prompt of random token IDs whose KV
+    it holds (request "kv"), with `pages` pages to spare."""
     from pdd.sampling import SamplingParams
 
-    engine = Engine(resolve_model(""), EngineConfig(page_size=16, num_pages=prompt_tokens // 16 + pages))
+    engine = _engine(prompt_tokens // 16 + pages)
     prompt = _prompt(prompt_tokens)
     seq = engine.add_request("kv", prompt, SamplingParams(max_tokens=1), hold=True)
     while seq.num_computed < len(prompt):
@@ -483,14 +485,10 @@ def _lossy(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pdd.engine.engine import Engine
-    from pdd.engine_port import EngineConfig
     from pdd.kv import codec
-    from pdd.model.store import resolve_model
     from pdd.sampling import SamplingParams
 
-    pages = 3 * (args.prompt_tokens + args.output_tokens) // 16 + 8
-    engine = Engine(resolve_model(""), EngineConfig(page_size=16, num_pages=pages))
+    engine = _engine(3 * (args.prompt_tokens + args.output_tokens) // 16 + 8)
     rng = random.Random(0)
     forms = ("", "int8")
     equal, token_dlp, max_dlp, line_bytes = 0, [], [], dict.fromkeys(forms, 0)
