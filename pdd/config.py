@@ -42,6 +42,7 @@ from pdd.names import (
     LOSSY_KV_FORMS,
     NATIVE,
     REASONING_PARSERS,
+    TOOL_PARSERS,
     HandoffMode,
     Mode,
     Pipeline,
@@ -60,11 +61,14 @@ class ModelSpec:
     name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
     # a chat completion's thinking moved into reasoning_content, as vLLM's --reasoning-parser ("": none)
     reasoning_parser: str = ""
+    # a chat completion's tool calls read out of its text, as vLLM's --tool-call-parser ("": the
+    # one its chat template teaches, where pdd knows it: `pdd.api.tools.default_tool_parser`)
+    tool_parser: str = ""
 
     def __post_init__(self) -> None:
-        if self.reasoning_parser not in ("", *REASONING_PARSERS):
-            names = ", ".join(REASONING_PARSERS)
-            raise ValueError(f'reasoning_parser must be "" or one of {names}, not {self.reasoning_parser!r}')
+        for key, names in (("reasoning_parser", REASONING_PARSERS), ("tool_parser", TOOL_PARSERS)):
+            if getattr(self, key) not in ("", *names):
+                raise ValueError(f'{key} must be "" or one of {", ".join(names)}, not {getattr(self, key)!r}')
 
     @property
     def served_name(self) -> str:

@@ -97,5 +97,7 @@ class Fallback(StrEnum):
 LOSSY_KV_FORMS = ("int8",)
 # Reasoning parsers, as vLLM names them (`[model] reasoning_parser`; `pdd.api.reasoning`)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# Tool-call parsers, as vLLM names them (`[model] tool_parser`; `pdd.api.tools`)
+TOOL_PARSERS = ("hermes",)
 # Lossless compressions KV may cross the line in (`[link] compress_kv`; `pdd.kv.codec`)
 KV_COMPRESSIONS = ("zstd",)

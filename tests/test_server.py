@@ -104,11 +104,16 @@ def test_bad_input_gets_openai_errors(server, body, status):
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+BAD_ARGUMENTS = {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{"}}]}
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [TOOL]}, "tools"),
+    ({"functions": [TOOL["function"]]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
@@ -122,9 +127,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"min_tokens": 3}, "min_tokens"),  # above max_tokens (2)
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [CALL]}]}, "messages[2].tool_calls"),
-    ({"messages": [*CHAT, {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]}, "messages[2].tool_call_id"),
-    ({"messages": [*CHAT, {"role": "tool", "content": "sunny"}]}, "messages[2].role"),
+    ({"messages": [*CHAT, {"role": "user", "content": None, "tool_calls": [CALL]}]}, "messages[2].tool_calls"),
+    ({"messages": [*CHAT, BAD_ARGUMENTS]},
+     "messages[2].tool_calls[0].function.arguments"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "sunny"}]}, "messages[2].tool_call_id"),
+    ({"messages": [*CHAT, {"role": "user", "content": "hi", "name": "bob"}]}, "messages[2].name"),
     ({"max_tokens": "ten"}, "max_tokens"),
 ])
 def test_what_is_not_honoured_is_refused_by_name(server, extra, param):
@@ -301,8 +308,8 @@ def test_what_changes_nothing_is_served(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, tools=[TOOL])
-    assert refused.value.param == "tools"
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, functions=[TOOL["function"]])
+    assert refused.value.param == "functions"
 
 
 def test_malformed_json_and_unknown_route(server):

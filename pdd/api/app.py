@@ -23,6 +23,7 @@ from pdd.api.auth import RequireApiKey
 from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pdd.api.responses import ResponsesRequest
 from pdd.api.server import OpenAIServer
 from pdd.api.shaping import validation_error
 from pdd.model.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ def build_app(
     openai_api: bool = True,
     admission: Limits = Limits(256, 256),
     reasoning_parser: str = "",
+    tool_parser: str = "",
 ) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
@@ -53,6 +55,7 @@ def build_app(
         admission,
         tenants=len(api_keys) > 1,
         reasoning_parser=reasoning_parser,
+        tool_parser=tool_parser,
     )
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -110,3 +113,8 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def chat(req: ChatCompletionRequest, client: Request) -> Response:
         req.refuse_unhonoured()
         return await server.admitted(client, lambda slot: server.chat(req, client, slot))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, client: Request) -> Response:
+        req.as_chat().refuse_unhonoured()
+        return await server.admitted(client, lambda slot: server.responses(req, client, slot))

@@ -23,6 +23,8 @@ from pydantic import (
     StrictStr,
 )
 
+from pdd.api.tools import Function, ToolPlan
+
 
 class ApiError(Exception):
     def __init__(
@@ -64,8 +66,8 @@ def _empty(v: Any) -> bool:
 # OpenAI's and vLLM's parameters pdd does not honour, each with the test that its value
 # changes nothing (a client library's default): such a value is served, any other refused
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
-    "functions": _empty,
+    "tools": _empty,  # (on completions; chat declares its own)
+    "functions": _empty,  # (OpenAI's deprecated forms of tools and tool_choice)
     "tool_choice": _neutral(None, "none", "auto"),  # (with no tools: nothing to choose)
     "function_call": _neutral(None, "none", "auto"),
     "prompt_logprobs": _neutral(None, 0),
@@ -92,9 +94,9 @@ INERT = frozenset(
         "return_token_ids",
     }
 )
-# fields of a chat message pdd does not render, refused where given (tool calls and results
-# in the history; a participant's name, which some templates would show)
-MESSAGE_NOT_RENDERED = ("tool_calls", "tool_call_id", "function_call", "name")
+# fields of a chat message pdd does not render, refused where given (OpenAI's deprecated
+# function call; a participant's name, which some templates would show)
+MESSAGE_NOT_RENDERED = ("function_call", "name")
 
 
 def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None:
@@ -238,10 +240,48 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDef(_Strict):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None  # a JSON Schema of the arguments
+    strict: StrictBool | None = None  # (the arguments always follow it where a call is forced)
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it back
+
+
+class ToolCallIn(_Strict):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # to name what is refused
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: StrictStr | None = None  # a tool message's: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -250,12 +290,64 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_form(self, where: str) -> dict[str, Any]:
+        """As chat templates read a message (`transformers`' shape: a call's arguments as
+        an object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ApiError(400, f"{where}tool_calls are an assistant's", param=f"{where}tool_calls")
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c, i, where)},
+                }
+                for i, c in enumerate(self.tool_calls)
+            ]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ApiError(400, f"{where}tool_call_id is required in a tool message", param=f"{where}tool_call_id")
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: ToolCallIn, i: int, where: str) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        name = f"{where}tool_calls[{i}].function.arguments"
+        raise ApiError(400, f"{name} is not JSON", param=name) from None
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # the template's own variables (vLLM's)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and what it asks of them (None: no tools); a 400 for a
+        choice that names no tool it gives."""
+        choice = self.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+        return tool_plan(
+            [(t.function.name, t.function.description, t.function.parameters) for t in self.tools or []],
+            name,
+            self.parallel_tool_calls,
+        )
+
+    def guide(self) -> tuple[str, str] | None:
+        """The output's grammar: a forced tool call's, or else the response format's (which
+        holds text, and a forced call writes none: as OpenAI's, both may be given)."""
+        plan = self.tool_plan()
+        if plan is not None and plan.forced:
+            super().guide()  # (still checked)
+            return plan.grammar()
+        return super().guide()
 
     def top_logprobs_asked(self) -> int | None:
         """Chat's `logprobs` (true/false) and `top_logprobs` (how many beside each token)."""
@@ -267,12 +359,30 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unhonoured(self) -> None:
         super().refuse_unhonoured()
+        self.tool_plan()
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]."
             given = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
             if bad := [k for k in MESSAGE_NOT_RENDERED if given.get(k)]:
                 raise ApiError(400, f"{where}{bad[0]} is not supported by pdd", param=f"{where}{bad[0]}")
-            if message.role == "tool":
-                raise ApiError(400, f"{where}role 'tool' is not supported by pdd", param=f"{where}role")
             if error := unhonoured({k: v for k, v in given.items() if k not in MESSAGE_NOT_RENDERED}, where):
                 raise error
+
+
+def tool_plan(
+    functions: list[tuple[str, str | None, dict[str, Any] | None]], choice: str | None, parallel: bool | None
+) -> ToolPlan | None:
+    """A request's `ToolPlan` from its functions (name, description, parameters) and its
+    tool_choice (none, auto, required or a function's name; None: auto where tools are
+    given); a 400 naming `tool_choice` for one that cannot be."""
+    if not functions:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return None
+    names = [name for name, _, _ in functions]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "tools must have distinct names", param="tools")
+    choice = choice or "auto"
+    if choice not in ("none", "auto", "required") and choice not in names:
+        raise ApiError(400, f"tool_choice names {choice!r}, which is not among the tools", param="tool_choice")
+    return ToolPlan(tuple(Function(*f) for f in functions), choice, parallel is not False)

@@ -61,14 +61,14 @@ class ThinkSplitter:
                 reasoning.append(text[:end])
                 self._state, text = "after", text[end + len(CLOSE) :]
                 continue
-            keep = 0 if final else _partial_suffix(text, CLOSE)
+            keep = 0 if final else partial_suffix(text, CLOSE)
             reasoning.append(text[: len(text) - keep])
             self._held = text[len(text) - keep :]
             break
         return "".join(reasoning), "".join(content)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """How many of `text`'s last characters could begin `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

@@ -23,9 +23,11 @@ from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.reasoning import splitter
+from pdd.api.responses import PARAM_NAMES, ResponseForm, ResponsesRequest
 from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
+from pdd.api.tools import Assistant, ToolPlan, default_tool_parser
 from pdd.guide import GuideError, Guides
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
@@ -46,11 +48,14 @@ class OpenAIServer:
         admission: Limits,
         tenants: bool = False,
         reasoning_parser: str = "",
+        tool_parser: str = "",
     ) -> None:
         """`tenants`: keep each API key's requests in a prefix-cache namespace of their own
-        when they give no cache_salt (a server of several named keys); `reasoning_parser`:
-        vLLM's name of one (`pdd.api.reasoning`), or none."""
+        when they give no cache_salt (a server of several named keys); `reasoning_parser`,
+        `tool_parser`: vLLM's name of one (`pdd.api.reasoning`, `pdd.api.tools`), or none
+        (a tool parser then comes from the chat template, if it is one pdd knows)."""
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser or default_tool_parser(tokenizer.chat_template)
         self.backend = backend
         self.tenants = tenants
         self.tokenizer = tokenizer
@@ -186,7 +191,11 @@ class OpenAIServer:
         default_max: int,
         client: Request,
         slot: Slot,
+        tools: ToolPlan | None = None,
+        form: ResponseForm | None = None,
     ) -> Response:
+        """Run a request and answer it: a completion, a chat completion (`chat`), or with
+        `form`, a chat completion in the Responses API's shapes."""
         limit, defaults = self.backend.max_context, self.tokenizer.generation_defaults
         access = access_of(client.scope)
         params = sampling_params(
@@ -205,12 +214,23 @@ class OpenAIServer:
             for i, out in enumerate(outs)
         ]
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if form is not None:
+            assistant = self.assistant(tools)
+            if req.stream:
+                return StreamingResponse(
+                    form.events(merged(pieces), outs[0], assistant, len(prompt)),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(slot.release),
+                )
+            if not await self._collect(merged(pieces), client):
+                return Response(status_code=499)
+            return JSONResponse(form.whole(outs[0], assistant, len(prompt)))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background release covers a client gone before the stream started
-            splitters = [splitter(self.reasoning_parser) for _ in outs] if chat and self.reasoning_parser else None
+            assistants = [self.assistant(tools) for _ in outs] if chat else None
             return StreamingResponse(
-                sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage, splitters),
+                sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage, assistants),
                 media_type="text/event-stream",
                 background=BackgroundTask(slot.release),
             )
@@ -221,11 +241,11 @@ class OpenAIServer:
             text = "".join(out.text)
             logprobs = LogprobFormatter.merge(out.logprobs, chat) if params.logprobs is not None else None
             choice: dict[str, object] = {"index": i, "finish_reason": out.finish_reason, "logprobs": logprobs}
-            if chat and self.reasoning_parser:
-                reasoning, content = splitter(self.reasoning_parser).feed(text, final=True)
-                choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-            elif chat:
-                choice["message"] = {"role": "assistant", "content": text}
+            if chat:
+                assistant = self.assistant(tools)
+                assistant.feed(text, final=True)
+                choice["message"] = assistant.message()
+                choice["finish_reason"] = assistant.finish_reason(out.finish_reason)
             else:
                 choice["text"] = text
             choice["token_ids"] = out.token_ids
@@ -261,18 +281,57 @@ class OpenAIServer:
 
     async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": unicode_text(m.text(), "messages")} for m in req.messages]
-        try:
-            text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, True, req.chat_template_kwargs or {}
+        messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(req.messages)]
+        tools = req.tool_plan()
+        prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {})
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        # as vLLM: without max_tokens, a chat completion may take the rest of the context
+        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools)
+
+    async def chat_prompt(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict) -> list[int]:
+        """A conversation's prompt ids: the chat template rendered with its tools. A 400 for
+        `auto` tool choice where no parser reads this model's calls."""
+        if tools is not None and tools.choice == "auto" and not self.tool_parser:
+            raise ApiError(
+                400,
+                "tool_choice 'auto' needs a tool parser: this model's chat template is not one pdd knows "
+                "(pdd serve --tool-call-parser, [model] tool_parser)",
+                param="tool_choice",
             )
+        for message in messages:
+            unicode_text(message["content"], "messages")
+        spec = [f.template_form() for f in tools.functions] if tools is not None else None
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, kwargs, spec)
         except Exception as e:  # a template's raise_exception, or a template bug
             param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
-        prompt = await self._encode(text, add_special_tokens=False)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        # as vLLM: without max_tokens, a chat completion may take the rest of the context
-        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot)
+        return await self._encode(text, add_special_tokens=False)
+
+    async def responses(self, req: ResponsesRequest, client: Request, slot: Slot) -> Response:
+        """/v1/responses: run as the chat completion it reads as (`pdd.api.responses`)."""
+        self._check_model(req.model)
+        try:
+            chat = req.as_chat()
+            chat.refuse_unhonoured()
+            tools = chat.tool_plan()
+            messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(chat.messages)]
+            prompt = await self.chat_prompt(messages, tools, {})
+            form = ResponseForm(req, chat, self.model_name)
+            return await self.respond(
+                True, chat, prompt, chat.max_tokens, self.backend.max_context, client, slot, tools, form
+            )
+        except ApiError as e:  # named as the Responses API names it
+            if e.param is not None:
+                head, dot, rest = e.param.partition(".")
+                head = head.split("[")[0]
+                e.param = PARAM_NAMES.get(head, head) + (e.param[len(head) :] if head != "messages" else "")
+            raise
+
+    def assistant(self, tools: ToolPlan | None) -> Assistant:
+        """A reader of one choice's text into thinking, content and tool calls."""
+        splitter_ = splitter(self.reasoning_parser) if self.reasoning_parser else None
+        return Assistant(splitter_, tools.output(self.tool_parser) if tools is not None else None)
 
     def _check_guide(self, req: _Common, guide: tuple[str, str]) -> None:
         """A 400 naming the field for a grammar that does not compile (checked here, once,
@@ -283,6 +342,8 @@ class OpenAIServer:
             self.guides.check(*guide)
         except GuideError as e:
             param = "response_format" if req.response_format is not None else "structured_outputs"
+            if getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+                param = "tool_choice"
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -6,8 +6,8 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdd.api.protocol import ApiError
-from pdd.api.reasoning import ThinkSplitter
 from pdd.api.shaping import Outcome, usage
+from pdd.api.tools import Assistant
 
 Piece = tuple[str, list[int], dict | None]  # a text delta, its token ids, their `logprobs` object (where asked)
 
@@ -19,21 +19,27 @@ async def sse_events(
     outs: list[Outcome],
     prompt_len: int,
     include_usage: bool,
-    splitters: list[ThinkSplitter] | None = None,
+    assistants: list[Assistant] | None = None,
 ) -> AsyncIterator[str]:
     """A generation of one or more choices (`pieces`: each with its choice's index,
     filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's record
     on its last, usage if asked, an error as an event (the status is sent already), [DONE].
-    `splitters`: a chat's reasoning parser, one a choice (thinking as `reasoning_content`)."""
+    `assistants`: a chat's, one a choice (thinking as `reasoning_content`, tool calls as
+    `tool_calls`, each in its own key of the delta)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(i: int, piece: Piece, finish: str | None, extra: dict | None = None) -> str:
         delta, ids, logprobs = piece
         if chat:
-            said: dict[str, str] = {"content": delta}
-            if splitters is not None:
-                reasoning, content = splitters[i].feed(delta, final=finish is not None)
-                said = {"content": content} | ({"reasoning_content": reasoning} if reasoning else {})
+            said: dict[str, object] = {"content": delta}
+            if assistants is not None:
+                reasoning, content, calls = assistants[i].feed(delta, final=finish is not None)
+                said = {"content": content}
+                if reasoning:
+                    said["reasoning_content"] = reasoning
+                if calls:
+                    said["tool_calls"] = [c.openai() for c in calls]
+                finish = assistants[i].finish_reason(finish)
             choice = {"index": i, "delta": said, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -13,7 +13,7 @@ from typing import Any
 from pdd.config import ROLES
 from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
 from pdd.errors import Mistake
-from pdd.names import HARDWARE, HARDWARE_HELP, REASONING_PARSERS, RoleName, role_chip
+from pdd.names import HARDWARE, HARDWARE_HELP, REASONING_PARSERS, TOOL_PARSERS, RoleName, role_chip
 
 PASS_THROUGH: list[str] = []  # (`pdd.cli` hands a command that takes them its unknown flags here)
 
@@ -129,6 +129,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=REASONING_PARSERS,
         help="move a chat completion's thinking into reasoning_content, as vLLM's (default: none)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        help="read a chat completion's tool calls out of its text, as vLLM's (default: the one the chat "
+        "template teaches, where pdd knows it)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=1, help="torch threads for this instance")
@@ -212,8 +218,12 @@ def run(args: argparse.Namespace) -> int:
     keys = api_keys(args.api_key, args.api_keys_file)
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
     sock = listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
-    reasoning = dep.model.reasoning_parser if dep is not None else args.reasoning_parser or ""
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join, reasoning))
+    parsers = (
+        (dep.model.reasoning_parser, dep.model.tool_parser)
+        if dep is not None
+        else (args.reasoning_parser or "", args.tool_call_parser or "")
+    )
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join, parsers))
     return 0
 
 
@@ -227,8 +237,10 @@ async def _serve(
     keys: dict[str, str],
     openai_api: bool = True,
     join: bool = False,
-    reasoning: str = "",
+    parsers: tuple[str, str] = ("", ""),
 ) -> None:
+    """`parsers`: the names of the reasoning and the tool-call parser ("": none, the
+    template's)."""
     import torch
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -269,7 +281,8 @@ async def _serve(
         api_keys=keys,
         openai_api=openai_api,
         admission=Limits(spec.engine.max_requests, 0),
-        reasoning_parser=reasoning,
+        reasoning_parser=parsers[0],
+        tool_parser=parsers[1],
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)

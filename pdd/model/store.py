@@ -79,11 +79,20 @@ def _tiny() -> Path:
     from pdd.model.tiny import make_tiny  # torch and tokenizers: only when it has to be built
 
     target = home() / "models" / "tiny"
-    if not (target / "config.json").is_file():
+    stamp = target / REVISION_FILE
+    if not (target / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != TINY_REVISION:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
         try:
             make_tiny(tmp)
+            (tmp / REVISION_FILE).write_text(TINY_REVISION)
+            if target.exists():  # an older build: moved aside whole, so no reader sees half of each
+                old = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-old-"))
+                try:
+                    target.rename(old / "tiny")
+                except OSError:  # another process moved it first
+                    pass
+                shutil.rmtree(old, ignore_errors=True)
             try:
                 tmp.rename(target)
             except OSError:  # another process finished first: theirs is identical
@@ -91,3 +100,9 @@ def _tiny() -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# make_tiny's output, bumped when it changes, so a build cached under PDD_HOME is rebuilt
+# (2: a chat template that renders tools)
+TINY_REVISION = "2"
+REVISION_FILE = ".pdd-revision"

@@ -79,10 +79,34 @@ IM_END = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, PAD_TOKEN)
 
+# ChatML; with tools, Hermes-style as Qwen2.5's: the tools in a system turn, an assistant's
+# calls as <tool_call> blocks, a tool's result as a user turn. Without tools it renders
+# what it rendered before it knew of them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Their signatures:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each call, write a JSON object with its name and arguments within "
+    '<tool_call></tool_call> tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\\\"name\\\": ' + (call['function']['name'] | tojson) + ', \\\"arguments\\\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

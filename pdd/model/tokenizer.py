@@ -54,6 +54,7 @@ class Tokenizer:
         # vLLM's OpenAI server applies them (`GENERATION_DEFAULTS`)
         self.generation_defaults = generation_defaults or {}
         self.source = source  # its tokenizer.json, where it was read from one
+        self.chat_template = chat_template  # its source (a tool parser is chosen by what it teaches)
         self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
@@ -109,14 +110,24 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, kwargs: Mapping[str, Any] = {}
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        kwargs: Mapping[str, Any] = {},
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render the model's chat template exactly as `transformers` does; `kwargs` are
-        the template's own variables (a request's `chat_template_kwargs`, e.g. Qwen3's
+        """Render the model's chat template exactly as `transformers` does; `tools` in its
+        shape (`{"type": "function", "function": {...}}`), None without; `kwargs` are the
+        template's own variables (a request's `chat_template_kwargs`, e.g. Qwen3's
         `enable_thinking`), never one of those set here (ValueError)."""
         if self._template is None:
             raise ValueError("this model has no chat_template; use a plain completion prompt")
-        given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None}
+        given = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "documents": None,
+        }
         given |= self._special_tokens
         if clash := sorted(set(kwargs) & set(given)):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")

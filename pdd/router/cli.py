@@ -77,6 +77,7 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
         keys,
         admission=Limits(dep.router.max_running, dep.router.max_waiting),
         reasoning_parser=dep.model.reasoning_parser,
+        tool_parser=dep.model.tool_parser,
     )
     add_admin_routes(app, backend.members, dep)
     server = uvicorn.Server(

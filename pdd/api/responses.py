@@ -1,0 +1,388 @@
+"""OpenAI's Responses API (`/v1/responses`), what the Agents SDK calls by default: text and
+function tools, whole and streamed in its event shapes.
+
+A request is read into a chat completion (its `input` items as messages, its function
+tools as chat tools) and runs exactly as one: the same template, tool parsers, grammar
+and sampling. Only the shapes differ. Nothing is stored: a request that points at an
+earlier response (`previous_response_id`, `conversation`) is refused by name, as is any
+parameter or item pdd does not honour. Reasoning items given back in `input` are not
+rendered, as chat templates drop earlier turns' thinking.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from pdd.api.protocol import ApiError, ChatCompletionRequest, unhonoured
+from pdd.api.shaping import Outcome
+from pdd.api.sse import Piece
+from pdd.api.tools import Assistant, CallDelta
+
+# the Responses API's parameters that change nothing here at these values (what clients send
+# by default); any other value is refused by name
+NEUTRAL: dict[str, Any] = {
+    "include": ([], None),
+    "truncation": ("disabled", None),
+    "previous_response_id": (None,),
+    "conversation": (None,),
+    "background": (False, None),
+    "prompt": (None,),
+    "reasoning": (None, {}),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+    "stream_options": (None,),
+    "prompt_cache_retention": (None,),
+}
+# a Responses parameter -> the chat completion's that carries it (errors name the former)
+AS_CHAT = {
+    "max_output_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stream": "stream",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "user": "user",
+    "metadata": "metadata",
+    "store": "store",
+    "service_tier": "service_tier",
+    "prompt_cache_key": "prompt_cache_key",
+    "safety_identifier": "safety_identifier",
+}
+PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # to name what is refused
+
+    model: StrictStr
+    input: StrictStr | list[dict[StrictStr, Any]]
+    instructions: StrictStr | None = None
+    tools: list[dict[StrictStr, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[StrictStr, Any] | None = None
+    text: dict[StrictStr, Any] | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    stream: StrictBool = False
+    parallel_tool_calls: StrictBool | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion this request runs as; a 400 naming what it cannot carry."""
+        extra = {}
+        for key, value in (self.model_extra or {}).items():
+            if key in NEUTRAL:
+                if value not in NEUTRAL[key]:
+                    raise ApiError(400, f"{key} is not supported by pdd (README: what pdd honours)", param=key)
+            elif key not in AS_CHAT:
+                if error := unhonoured({key: value}):
+                    raise error
+            else:
+                extra[key] = value
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+        for key in self.model_fields_set & set(AS_CHAT):
+            if (value := getattr(self, key)) is not None:
+                body[AS_CHAT[key]] = value
+        body |= {AS_CHAT[k]: v for k, v in extra.items()}
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if self.text is not None:
+            body["response_format"] = _chat_format(self.text)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']}", param=PARAM_NAMES.get(where, where)) from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise ApiError(400, f"input[{i}].role {role!r} is not a message's", param=f"input[{i}].role")
+                messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+            elif kind == "function_call":
+                call = {
+                    "id": _string(item, "call_id", i),
+                    "type": "function",
+                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)},
+                }
+                if messages and messages[-1]["role"] == "assistant":  # (calls of one turn come in a row)
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = _text(item.get("output"), f"input[{i}].output")
+                messages.append({"role": "tool", "content": output, "tool_call_id": _string(item, "call_id", i)})
+            elif kind != "reasoning":  # (earlier thinking: not rendered, as chat templates drop it)
+                raise ApiError(400, f"input[{i}].type {kind!r} is not supported by pdd", param=f"input[{i}].type")
+        if not messages:
+            raise ApiError(400, "input holds no message", param="input")
+        return messages
+
+
+def _string(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"input[{i}].{key} must be a string", param=f"input[{i}].{key}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's or an output's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be text or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}[{j}] is not a text part pdd can render", param=f"{where}[{j}].type")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise ApiError(400, f"tools[{i}].type {tool.get('type')!r} is not supported by pdd", param=f"tools[{i}].type")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    if unknown := sorted(set(tool) - {"type", "name", "description", "parameters", "strict"}):
+        raise ApiError(400, f"tools[{i}].{unknown[0]} is not supported by pdd", param=f"tools[{i}].{unknown[0]}")
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise ApiError(400, "tool_choice must be none, auto, required or a function's", param="tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _chat_format(text: dict[str, Any]) -> dict[str, Any]:
+    if unknown := sorted(k for k, v in text.items() if k != "format" and v is not None):
+        raise ApiError(400, f"text.{unknown[0]} is not supported by pdd", param=f"text.{unknown[0]}")
+    fmt = text.get("format") or {"type": "text"}
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return {"type": fmt.get("type")}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseForm:
+    """One response's shapes: the whole object, and its stream of events."""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: str) -> None:
+        self.id, self.created = _id("resp"), int(time.time())
+        self._req, self._chat, self._model = req, chat, model
+
+    def body(self, status: str, output: list[dict], out: Outcome | None, prompt_len: int) -> dict[str, Any]:
+        req = self._req
+        incomplete = status == "incomplete"
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self._model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "tools": req.tools or [],
+            "truncation": "disabled",
+            "metadata": (req.model_extra or {}).get("metadata") or {},
+            "usage": None,
+        }
+        if out is not None:
+            body["usage"] = {
+                "input_tokens": prompt_len,
+                "input_tokens_details": {"cached_tokens": out.cached_tokens},
+                "output_tokens": len(out.token_ids),
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_len + len(out.token_ids),
+            }
+            body["pdd"] = out.served()
+        return body
+
+    @staticmethod
+    def _status(out: Outcome) -> str:
+        return "incomplete" if out.finish_reason == "length" else "completed"
+
+    def whole(self, out: Outcome, assistant: Assistant, prompt_len: int) -> dict[str, Any]:
+        """The response of a finished generation: thinking, text, calls, in that order."""
+        assistant.feed("".join(out.text), final=True)
+        output = []
+        reasoning, content = "".join(assistant.reasoning), "".join(assistant.content)
+        if reasoning:
+            output.append(_reasoning_item(_id("rs"), reasoning))
+        if content.strip() or not assistant.calls:
+            output.append(_message_item(_id("msg"), content, "completed"))
+        output += [_call_item(_id("fc"), c.id, c.name, c.arguments, "completed") for c in assistant.calls]
+        return self.body(self._status(out), output, out, prompt_len)
+
+    async def events(
+        self, pieces: AsyncGenerator[tuple[int, Piece], None], out: Outcome, assistant: Assistant, prompt_len: int
+    ) -> AsyncIterator[str]:
+        """The generation as the Responses API's server-sent events."""
+        stream = _EventStream()
+        try:
+            yield stream.event("response.created", response=self.body("in_progress", [], None, prompt_len))
+            yield stream.event("response.in_progress", response=self.body("in_progress", [], None, prompt_len))
+            async for _, (delta, _ids, _lp) in pieces:
+                for event in stream.feed(*assistant.feed(delta, final=out.finish_reason is not None)):
+                    yield event
+            for event in stream.feed(*assistant.feed("", final=True)):  # (what a parser still held)
+                yield event
+            for event in stream.close(bool(assistant.calls)):
+                yield event
+            status = self._status(out)
+            yield stream.event(f"response.{status}", response=self.body(status, stream.output, out, prompt_len))
+        except ApiError as e:
+            yield stream.event("error", code=e.code, message=e.message, param=e.param)
+        finally:
+            await pieces.aclose()
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+class _EventStream:
+    """The output items as they open, grow and close: one open at a time (thinking, a
+    message, a call), each closed when another kind of text comes. Whitespace between calls
+    opens no message."""
+
+    def __init__(self) -> None:
+        self.output: list[dict[str, Any]] = []  # the closed items
+        self._seq = 0
+        self._open: dict[str, Any] | None = None  # the item being written, its text so far in "text"
+        self._blank = ""  # whitespace not yet in a message
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self._seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self._seq - 1, **fields})}\n\n"
+
+    def feed(self, reasoning: str, content: str, calls: list[CallDelta]) -> list[str]:
+        events: list[str] = []
+        if reasoning:
+            events += self._write("reasoning", reasoning)
+        if content:
+            if self._open is None or self._open["type"] != "message":
+                if not (self._blank + content).strip():
+                    self._blank += content
+                    content = ""
+                else:
+                    content, self._blank = self._blank + content, ""
+            if content:
+                events += self._write("message", content)
+        for call in calls:
+            if call.id is not None:
+                events += self._close()
+                events += self._opened(_call_item(_id("fc"), call.id, call.name or "", "", "in_progress"))
+            events += self._write("function_call", call.arguments)
+        return events
+
+    def close(self, called: bool) -> list[str]:
+        """The last item closed; a message (empty if need be) where nothing else was said."""
+        events = []
+        if not called and not any(item["type"] == "message" for item in self.output) and self._open is None:
+            events += self._write("message", self._blank)
+        return events + self._close()
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["item"]["id"], "output_index": len(self.output)}
+
+    def _opened(self, item: dict[str, Any]) -> list[str]:
+        self._open = {"type": item["type"], "item": item, "text": ""}
+        events = [self.event("response.output_item.added", output_index=len(self.output), item=item)]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return events
+
+    def _write(self, kind: str, text: str) -> list[str]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close()
+            item = (
+                _reasoning_item(_id("rs"), "") if kind == "reasoning" else _message_item(_id("msg"), "", "in_progress")
+            )
+            events += self._opened(item)
+        assert self._open is not None
+        self._open["text"] += text
+        if kind == "function_call":
+            events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=text))
+        elif kind == "message":
+            events.append(
+                self.event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+            )
+        else:
+            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
+        return events
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        where, kind, text, item = self._where(), self._open["type"], self._open["text"], self._open["item"]
+        events = []
+        if kind == "function_call":
+            item = {**item, "arguments": text, "status": "completed"}
+            events.append(
+                self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)
+            )
+        elif kind == "message":
+            item = _message_item(item["id"], text, "completed")
+            events.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=item["content"][0]))
+        else:
+            item = _reasoning_item(item["id"], text)
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
+        events.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
+        self.output.append(item)
+        self._open = None
+        return events
