@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
+import openai
 
 from pdd import deploy
 from pdd.deploy import wait_http
@@ -244,3 +246,40 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
                 break
     out["elapsed_s"] = time.monotonic() - began
     return out
+
+
+# ---- agents ---------------------------------------------------------------------------------
+
+# a scripted agent's tool: the forecast's arguments, bounded so the random model ends them
+FORECAST = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 14}}}
+AGENT_TOOLS = [{"type": "function", "function": {"name": "get_forecast", "description": "The forecast",
+                                                 "parameters": FORECAST}}]
+
+
+def agent_session(url: str, **sampling) -> list[dict]:
+    """A scripted agent's two turns through the official client: the first must call the
+    tool (`tool_choice: required`: the grammar forces a valid call whatever the weights),
+    its arguments are checked against the schema and its result goes back in the second."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    messages: list[dict] = [{"role": "system", "content": "You plan trips."},
+                            {"role": "user", "content": "Will it rain in Paris this week?"}]
+    turns = []
+    for choice, max_tokens in (("required", 80), ("auto", 24)):
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=AGENT_TOOLS, tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=max_tokens, **sampling)
+        answer = r.choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls or []]
+        turns.append({"ids": answer.model_extra["token_ids"], "finish": answer.finish_reason, "calls": calls,
+                      "record": r.model_extra["pdd"]})
+        if choice == "required":
+            assert answer.finish_reason == "tool_calls" and len(calls) == 1, answer
+            for name, arguments in calls:
+                assert name == "get_forecast"
+                jsonschema.validate(arguments, FORECAST)
+            messages.append({"role": "assistant", "content": None,
+                             "tool_calls": [c.model_dump() for c in answer.message.tool_calls]})
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "rain on Tuesday"}
+                         for c in answer.message.tool_calls]
+    return turns

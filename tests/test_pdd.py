@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import metrics, pdd_up, session_turns, standalone, stream_completion, wait_until
+from procs import agent_session, metrics, pdd_up, session_turns, standalone, stream_completion, wait_until
 from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
@@ -97,6 +97,7 @@ def colocated(tiny_model_dir):
             out = _stream(url, prompt, max_tokens, **extra)
             return out if whole else out["ids"]
 
+        oracle.url = url  # type: ignore[attr-defined]
         yield oracle
 
 
@@ -113,8 +114,9 @@ def reference(colocated) -> dict:
     guided = colocated(_prompts()[2], 80, **GUIDED, whole=True)
     assert guided["finish_reason"] == "stop" and len(guided["ids"]) > 12
     assert len(logprobs["logprobs"]) == 60 and logprobs["ids"] == greedy[1][:60]
+    agent = [agent_session(colocated.url, temperature=0), agent_session(colocated.url, **SEEDED)]
     return {"greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices, "logprobs": logprobs,
-            "guided": guided["ids"]}
+            "guided": guided["ids"], "agent": agent}
 
 
 def _choices(url: str, prompt: list[int], max_tokens: int, n: int, **extra) -> dict[int, list[int]]:
@@ -161,6 +163,11 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         choices = _choices(dep.url, _prompts()[3], 30, 3, **SEEDED)
         logprobs = _stream(dep.url, _prompts()[1], 60, logprobs=2)
         guided = _stream(dep.url, _prompts()[2], 80, **GUIDED)
+        agent = [agent_session(dep.url, temperature=0), agent_session(dep.url, **SEEDED)]
+    # a scripted agent's session, greedy and seeded: every turn's tokens as colocated's (the
+    # forced call begun on the relay and finished on MD where it was handed over)
+    assert [[t["ids"] for t in a] for a in agent] == [[t["ids"] for t in a] for a in reference["agent"]]
+    assert [[t["calls"] for t in a] for a in agent] == [[t["calls"] for t in a] for a in reference["agent"]]
     assert [g["ids"] for g in greedy] == reference["greedy"]
     assert [s["ids"] for s in seeded] == reference["seeded"]
     assert [s["ids"] for s in shaped] == reference["shaped"]
@@ -170,7 +177,7 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
     assert max(abs(a - b) for a, b in zip(logprobs["logprobs"], reference["logprobs"]["logprobs"], strict=True)) < 1e-3
     assert guided["ids"] == reference["guided"] and guided["finish_reason"] == "stop"
     if variant != "pd-cross-dc" and variant != "P-MD":  # produced by P, the relay and MD
-        for r in (logprobs["record"], guided["record"]):
+        for r in (logprobs["record"], guided["record"], *(a[0]["record"] for a in agent)):
             assert r["rld_output_tokens"] > 0 and r["md_output_tokens"] > 0, r
     # no seed given: the server chose one, every producer drew from it, and it replays anywhere
     server_seed = unseeded["record"]["seed"]

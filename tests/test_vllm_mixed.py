@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from msgspec.structs import replace  # sampling params are a msgspec struct
-from procs import kv_bytes_per_token, stream_completion, vllm_settled
+from procs import agent_session, kv_bytes_per_token, standalone, stream_completion, vllm_settled
 from vllm_scenarios import assert_pdd_shapes, deployment, pipelines, prompt
 
 pytest.importorskip("vllm")
@@ -84,4 +84,17 @@ def test_seeded_shaped_sampling_is_the_same_draw_on_either_engine(dep, tiny_mode
     got2 = stream_completion(dep.url, turn, 40, **SHAPED)
     print(f"\nseeded: {got['record']['pipeline']}/{got['record']['handoff']}, then {got2['record']['pipeline']}")
     assert got2["ids"] == engine.generate([turn], replace(params, max_tokens=40))[0]
+    _settled(dep)
+
+
+def test_a_scripted_agent_session_on_vllm_equals_the_embedded_engines(dep, tiny_model_dir):
+    """Two turns of an agent (a required tool call held to its schema by the grammar on
+    whichever engine produces each position, then the tool's result and an answer), greedy
+    and seeded: the tokens the embedded engine alone gives."""
+    got = [agent_session(dep.url, temperature=0), agent_session(dep.url, **SEEDED)]
+    with standalone(tiny_model_dir) as url:
+        want = [agent_session(url, temperature=0), agent_session(url, **SEEDED)]
+    assert [[t["ids"] for t in a] for a in got] == [[t["ids"] for t in a] for a in want]
+    print(f"\n{sorted(dep.on_vllm)} on vLLM: the call's producers (relay, MD tokens):",
+          [(a[0]["record"]["rld_output_tokens"], a[0]["record"]["md_output_tokens"]) for a in got])
     _settled(dep)
