@@ -1,3 +1,3 @@
 """pdd: cross-datacenter Prefill / RelayDecode / MainDecode LLM serving."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

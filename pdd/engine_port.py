@@ -135,6 +135,9 @@ class StepOutput:
     # say (vLLM merges a request's outputs that its reader has not taken yet)
     step: int = -1
     logprob: Logprob | None = None  # `token`'s, where the request asks (`SamplingParams.logprobs`)
+    # with the first token, each prompt token's (the first's None), where the request asks
+    # (`SamplingParams.prompt_logprobs`)
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ _FLOAT_MAX = sys.float_info.max
 MAX_CACHE_SALT = 256
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # (`pdd.engine.guide`)
 MAX_LOGPROBS = 20  # top log-probabilities a token may carry (OpenAI's top_logprobs bound)
+# a prompt's log-probabilities, counted as entries (its tokens x (1 + top)): what one frame
+# carries back from P with room to spare (`wire.MAX_JSON_BYTES`, about 30 bytes an entry)
+MAX_PROMPT_LOGPROB_ENTRIES = 262_144
 
 # One output token's log-probability, and the top tokens' (id, log-probability), likeliest first
 Logprob = tuple[float, tuple[tuple[int, float], ...]]
@@ -62,6 +65,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # Constrained decoding (`pdd.engine.guide`): (kind, spec), the output held to a JSON
     # Schema, any JSON object, a regex, one of a list of strings, or a Lark grammar
     guide: tuple[str, str] | None = None
+    # Each prompt token's log-probability given the tokens before it, and this many of the
+    # likeliest's beside it (None: none; vLLM's `prompt_logprobs`): computed on P alone,
+    # which computes the whole prompt for them (no prefix cache), raw like `logprobs`
+    prompt_logprobs: int | None = None
 
     # field -> the protocol version that added it; an instance speaking an older one is not
     # planned a request that sets it (`needs_protocol`; cache_salt: 4 would ignore it)
@@ -75,6 +82,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "min_tokens": 6,
         "logprobs": 6,
         "guide": 6,
+        "prompt_logprobs": 7,
     }
 
     def __post_init__(self) -> None:
@@ -119,12 +127,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise ValueError("min_p must be in [0, 1]")
         if not all(-100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int)
-            and not isinstance(self.logprobs, bool)
-            and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs must be 0 to {MAX_LOGPROBS} top tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be 0 to {MAX_LOGPROBS} top tokens")
         if self.min_tokens < 0:  # (above max_tokens is a client's error, `pdd.api.shaping`; P runs
             raise ValueError("min_tokens must be >= 0")  # a request for its first token alone)
 

@@ -241,6 +241,7 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
                 out["ids"] += choice.get("token_ids") or []
                 out["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
                 out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+                out["prompt_logprobs"] = choice.get("prompt_logprobs") or out.get("prompt_logprobs")
             out["record"] = chunk.get("pdd") or out["record"]
             if stop_after is not None and len(out["ids"]) >= stop_after:
                 break

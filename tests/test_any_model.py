@@ -98,7 +98,7 @@ def test_a_log_level_or_protocol_that_is_none_is_one_line(command, tiny_model_di
 
     args = [str(tiny_model_dir) if a == "MODEL" else a for a in command]
     for env, said in ((("PDD_LOG", "loud"), "PDD_LOG='loud' is not one of DEBUG, INFO, WARNING, ERROR"),
-                      (("PDD_PROTOCOL", "3"), "PDD_PROTOCOL='3': this release speaks protocols 4-6")):
+                      (("PDD_PROTOCOL", "3"), "PDD_PROTOCOL='3': this release speaks protocols 4-7")):
         out = subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True, timeout=60,
                              env={**os.environ, env[0]: env[1]})
         assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"pdd {command[0]}: {said}"], out.stderr

@@ -33,6 +33,11 @@ SHAPED = [{"repetition_penalty": 2.0, "frequency_penalty": 2.0, "presence_penalt
           {**SEEDED, "min_p": 0.2, "repetition_penalty": 2.0, "frequency_penalty": 1.0}]
 
 
+def _chosen(prompt: list[int], got: dict) -> list[float | None]:
+    """Each prompt token's own logprob, out of a response's `prompt_logprobs`."""
+    return [None if e is None else e[str(t)]["logprob"] for t, e in zip(prompt, got["prompt_logprobs"], strict=True)]
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(42)
     return [[rng.randrange(16, 4096) for _ in range(n)] for n in (180, 260, 333, 410)]
@@ -115,7 +120,9 @@ def reference(colocated) -> dict:
     assert guided["finish_reason"] == "stop" and len(guided["ids"]) > 12
     assert len(logprobs["logprobs"]) == 60 and logprobs["ids"] == greedy[1][:60]
     agent = [agent_session(colocated.url, temperature=0), agent_session(colocated.url, **SEEDED)]
-    return {"greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices, "logprobs": logprobs,
+    prompt_lps = _chosen(_prompts()[0], colocated(_prompts()[0], 2, prompt_logprobs=0, whole=True))
+    return {"prompt_logprobs": prompt_lps,
+            "greedy": greedy, "seeded": seeded, "shaped": shaped, "choices": choices, "logprobs": logprobs,
             "guided": guided["ids"], "agent": agent}
 
 
@@ -164,6 +171,11 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         logprobs = _stream(dep.url, _prompts()[1], 60, logprobs=2)
         guided = _stream(dep.url, _prompts()[2], 80, **GUIDED)
         agent = [agent_session(dep.url, temperature=0), agent_session(dep.url, **SEEDED)]
+        prompt_lps = _chosen(_prompts()[0], _stream(dep.url, _prompts()[0], 2, prompt_logprobs=0))
+    # the prompt's logprobs, computed on P alone and carried to the router with the first token
+    assert prompt_lps[0] is None and len(prompt_lps) == len(reference["prompt_logprobs"])
+    want = reference["prompt_logprobs"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(prompt_lps[1:], want[1:], strict=True)) < 1e-3
     # a scripted agent's session, greedy and seeded: every turn's tokens as colocated's (the
     # forced call begun on the relay and finished on MD where it was handed over)
     assert [[t["ids"] for t in a] for a in agent] == [[t["ids"] for t in a] for a in reference["agent"]]

@@ -292,6 +292,45 @@ def test_a_reasoning_parser_moves_thinking_into_reasoning_content(tiny_model_dir
         assert said == {"reasoning_content": reasoning, "content": whole.content}
 
 
+def test_echo_and_prompt_logprobs_cover_the_prompt_computed_past_the_cache(server):
+    """`echo` puts the prompt before the completion, and with `logprobs` its tokens' (the
+    first's null) before the output's, whole and streamed; vLLM's `prompt_logprobs` gives
+    each prompt token's by id, on completions and chat. Asked twice, the same prompt is
+    computed again (cached_tokens 0): the cache holds KV, not logits."""
+    body = {"model": "tiny", "prompt": "The cat sat on", "max_tokens": 3, "temperature": 0, "echo": True,
+            "logprobs": 1}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
+    choice, n_prompt = whole["choices"][0], whole["usage"]["prompt_tokens"]
+    lps = choice["logprobs"]
+    assert choice["text"].startswith("The cat sat on") and len(lps["tokens"]) == n_prompt + 3
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lps["token_logprobs"][1:])
+    streamed = stream_text(server, body)
+    assert streamed == choice["text"]
+    ids = [5, 9, 77, 1000, 31] * 8  # (two pages: a cached prefix would be found)
+    seen = []
+    for _ in range(2):
+        r = httpx.post(f"{server}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert all(len(e) in (1, 2) and 1 in [v["rank"] for v in e.values()] for e in plp[1:]), plp
+        seen.append([e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:], strict=True)])
+    assert seen[0] == seen[1]
+    chat = httpx.post(f"{server}/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+
+
+def stream_text(url: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
 def test_what_changes_nothing_is_served(server):
     """Client libraries' defaults (no tools, zero penalties, text format) and bookkeeping
     (user, metadata, store, service_tier) are accepted; the completions endpoint refuses its
@@ -302,7 +341,8 @@ def test_what_changes_nothing_is_served(server):
     r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **inert},
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
-    for extra, param in (({"suffix": "end"}, "suffix"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of")):
+    for extra, param in (({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"), ({"prompt_logprobs": 21},
+                                                                                     "prompt_logprobs")):
         r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra},
                        timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

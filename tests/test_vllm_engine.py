@@ -19,7 +19,7 @@ from msgspec.structs import replace  # sampling params are a msgspec struct
 
 pytest.importorskip("vllm")
 
-from pdd.engine_port import EngineConfig, OutOfPages, RequestError, open_engine  # noqa: E402
+from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput, open_engine  # noqa: E402
 from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
 from pdd.model.tokenizer import Tokenizer  # noqa: E402
@@ -212,6 +212,29 @@ def test_vllms_raw_logprobs_are_the_embedded_engines_and_follow_a_continuation(e
     got = engines.run(continued())
     assert [t for t, _ in got] == tokens[5:]
     assert max(abs(lp[0] - w[0]) for (_, lp), (_, w) in zip(got, want[5:], strict=True)) < 1e-3
+    engines.run(_settled(engines.vllm))
+
+
+def test_prompt_logprobs_on_vllm_are_the_embedded_engines_computed_past_the_cache(engines):
+    """`prompt_logprobs = 2`: each prompt token's raw log-probability and the top two, within
+    1e-3 (relative) of the embedded engine's, the first token's None; a second request for the same
+    prompt gets them all again (vLLM and pdd compute the whole prompt for them, never
+    reading the prefix cache, which holds KV and no logits)."""
+    prompt = [t ^ 9 for t in _prompts()[1]]
+    params = replace(GREEDY, max_tokens=2, prompt_logprobs=2)
+
+    async def first_output(engine, rid: str) -> StepOutput:
+        return [o async for o in engine.generate(rid, prompt, params) if o.position == 0][0]
+
+    want = engines.run(first_output(engines.embedded, "pl-e")).prompt_logprobs
+    for rid in ("pl-v1", "pl-v2"):
+        out = engines.run(first_output(engines.vllm, rid))
+        got = out.prompt_logprobs
+        assert len(got) == len(want) == len(prompt) and got[0] is None and want[0] is None
+        # (a random prompt's tokens are unlikely ones, near -40: fp32 holds them to 1e-4 of that)
+        assert max(abs(g[0] - w[0]) / max(1.0, abs(w[0])) for g, w in zip(got[1:], want[1:], strict=True)) < 1e-3
+        assert [[t for t, _ in g[1]] for g in got[1:]] == [[t for t, _ in w[1]] for w in want[1:]]
+        assert out.cached_tokens == 0
     engines.run(_settled(engines.vllm))
 
 

@@ -328,8 +328,8 @@ def _rfc5869(ikm: bytes, salt: bytes, info: bytes, length: int) -> bytes:
 
 def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
     """The derivations are on the wire: changing one is a new PROTOCOL_VERSION (and the
-    versions still spoken, 4 to 6, use these)."""
-    assert (wire.OLDEST_PROTOCOL, PROTOCOL_VERSION) == (4, 6)
+    versions still spoken, 4 to 7, use these)."""
+    assert (wire.OLDEST_PROTOCOL, PROTOCOL_VERSION) == (4, 7)
     assert KEY == _rfc5869(b"correct horse battery staple", b"", b"pdd/link-key/v2\x00dc-a/p0->dc-b/md0", 32)
     c, s = b"c" * wire.NONCE_BYTES, b"s" * wire.NONCE_BYTES
     both = _rfc5869(KEY, c + s, b"pdd/session/v2", 64)
@@ -663,9 +663,9 @@ def test_the_version_is_settled_in_hello(server_speaks, monkeypatch) -> None:
 
 
 def test_a_pinned_version_must_be_one_spoken(monkeypatch) -> None:
-    for bad in ("3", "7", "five", "-4"):
+    for bad in ("3", "8", "five", "-4"):
         monkeypatch.setenv(wire.PROTOCOL_ENV, bad)
-        with pytest.raises(ValueError, match="speaks protocols 4-6"):
+        with pytest.raises(ValueError, match="speaks protocols 4-7"):
             wire.offered_protocol()
     monkeypatch.setenv(wire.PROTOCOL_ENV, "4")
     assert wire.offered_protocol() == 4

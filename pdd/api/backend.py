@@ -38,6 +38,8 @@ class GenEvent:
     record: RequestRecord | None = None
     # each token's, where the request asks for logprobs (None where a producer did not say)
     logprobs: list[Logprob | None] | None = None
+    # with the first token, each prompt token's (the first's None), where the request asks
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)

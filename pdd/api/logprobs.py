@@ -47,6 +47,23 @@ class LogprobFormatter:
         text = self._text(token)
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
+    def prompt(self, ids: Sequence[int], lps: Sequence[Logprob | None] | None) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: for each prompt token (the first has none) its own and
+        the top tokens', by token id. Ranks are known for the top tokens; a prompt token
+        outside them has none (null)."""
+        out: list[dict[str, Any] | None] = []
+        for token, lp in zip(ids, lps or [None] * len(ids), strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {
+                t: {"logprob": v, "rank": rank, "decoded_token": self._text(t)} for rank, (t, v) in enumerate(lp[1], 1)
+            }
+            if token not in entry:
+                entry[token] = {"logprob": lp[0], "rank": None, "decoded_token": self._text(token)}
+            out.append({str(t): e for t, e in entry.items()})
+        return out
+
     @staticmethod
     def merge(pieces: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
         """The pieces of one choice as one `logprobs` object (a whole response's)."""

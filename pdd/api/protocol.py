@@ -70,7 +70,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,  # (OpenAI's deprecated forms of tools and tool_choice)
     "tool_choice": _neutral(None, "none", "auto"),  # (with no tools: nothing to choose)
     "function_call": _neutral(None, "none", "auto"),
-    "prompt_logprobs": _neutral(None, 0),
     "best_of": _neutral(None, 1),
     "suffix": _neutral(None, ""),
     "reasoning_effort": _neutral(None),
@@ -176,6 +175,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     logprobs: StrictBool | StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's, and this many top ones beside it
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
     # logit shaping (`pdd.sampling.SamplingParams`): OpenAI's, and vLLM's extensions
@@ -211,6 +211,10 @@ class _Common(BaseModel):
         """How many top tokens beside each chosen one, where logprobs are asked (None: off)."""
         raise NotImplementedError
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many top tokens beside each prompt token, where the prompt's are asked."""
+        return self.prompt_logprobs
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -229,10 +233,11 @@ class CompletionRequest(_Common):
             return None
         return self.logprobs
 
-    def refuse_unhonoured(self) -> None:
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        super().refuse_unhonoured()
+    def prompt_logprobs_asked(self) -> int | None:
+        """vLLM's `prompt_logprobs`; or with `echo`, `logprobs` covers the prompt too."""
+        if self.echo and self.prompt_logprobs is None:
+            return self.top_logprobs_asked()
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):

@@ -100,10 +100,12 @@ class OpenAIServer:
         release: Callable[[], None],
         access: Access,
         chat: bool = False,
+        echo: str | None = None,
     ) -> AsyncGenerator[Piece, None]:
         """Yield (text delta, token ids, their `logprobs` object where asked) pieces; fill
         `out` and `access`; close the backend stream and give the admission slot back on
-        exit (`release`)."""
+        exit (`release`). With `echo` (the prompt's text), a first piece says the prompt,
+        with its logprobs where asked (no token ids: those are the output's)."""
         text = TextStream(self.tokenizer, stop)
         formatter = LogprobFormatter(self.tokenizer, chat) if params.logprobs is not None else None
         gen = self.backend.generate(GenRequest(rid, prompt, params))
@@ -116,6 +118,15 @@ class OpenAIServer:
                 if first is None and ev.tokens:
                     first = access.first_token = now
                     self.metrics.ttft.observe(now - access.arrived)
+                    if params.prompt_logprobs is not None:
+                        out.prompt_logprobs = LogprobFormatter(self.tokenizer, chat).prompt(prompt, ev.prompt_logprobs)
+                    if echo is not None:
+                        said = None
+                        if formatter is not None:
+                            said = formatter.piece(prompt, ev.prompt_logprobs or [None] * len(prompt))
+                            out.logprobs.append(said)
+                        out.text.append(echo)
+                        yield echo, [], said
                 elif ev.tokens and last is not None:
                     for gap in [now - last] + [0.0] * (len(ev.tokens) - 1):
                         self.metrics.itl.observe(gap)
@@ -207,9 +218,21 @@ class OpenAIServer:
         outs = [Outcome() for _ in range(req.n)]
         release = _countdown(req.n, slot.release)  # the slot is the request's, whatever its n
         stop = req.stop_strings()
+        echo = None
+        if isinstance(req, CompletionRequest) and req.echo:
+            given = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+            echo = given if isinstance(given, str) else self.tokenizer.decode(prompt)
         pieces = [
             self._run(
-                rid if req.n == 1 else f"{rid}-{i}", prompt, choice_params(params, i), stop, out, release, access, chat
+                rid if req.n == 1 else f"{rid}-{i}",
+                prompt,
+                choice_params(params, i),
+                stop,
+                out,
+                release,
+                access,
+                chat,
+                echo,
             )
             for i, out in enumerate(outs)
         ]
@@ -249,6 +272,8 @@ class OpenAIServer:
             else:
                 choice["text"] = text
             choice["token_ids"] = out.token_ids
+            if out.prompt_logprobs is not None and not chat:
+                choice["prompt_logprobs"] = out.prompt_logprobs
             if req.n > 1:
                 choice["pdd"] = out.served()
             choices.append(choice)
@@ -259,6 +284,8 @@ class OpenAIServer:
             "usage": usage(len(prompt), *outs),
             "pdd": outs[0].served(),
         }
+        if chat and outs[0].prompt_logprobs is not None:  # (vLLM's place for a chat's)
+            body["prompt_logprobs"] = outs[0].prompt_logprobs
         return JSONResponse(body)
 
     # ---- routes ----------------------------------------------------------------------------

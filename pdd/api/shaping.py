@@ -15,7 +15,7 @@ from msgspec.structs import replace  # sampling params are a msgspec struct
 
 from pdd.api.protocol import ApiError, ChatCompletionRequest, _Common
 from pdd.record import RequestRecord
-from pdd.sampling import MAX_CACHE_SALT, MAX_LOGPROBS, SamplingParams
+from pdd.sampling import MAX_CACHE_SALT, MAX_LOGPROBS, MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Outcome:
     cached_tokens: int = 0
     record: RequestRecord | None = None
     logprobs: list[dict] = field(default_factory=list)  # the `logprobs` object of each piece, where asked
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's shape, where asked (`LogprobFormatter.prompt`)
 
     def served(self) -> dict:
         """The `pdd` object of the response: where the request ran."""
@@ -84,6 +85,13 @@ def sampling_params(
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_API_SALT:
         raise ApiError(400, f"cache_salt must be 1 to {MAX_API_SALT} characters", param="cache_salt")
     shaping = _shaping(req)
+    if prompt_len * (1 + shaping.get("prompt_logprobs", -1)) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ApiError(
+            400,
+            f"prompt logprobs of {prompt_len} tokens x {1 + shaping['prompt_logprobs']} are more than "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES:,} entries",
+            param="prompt_logprobs",
+        )
     if shaping.get("min_tokens", 0) > max_tokens:
         raise ApiError(
             400, f"min_tokens ({shaping['min_tokens']}) exceeds max_tokens ({max_tokens})", param="min_tokens"
@@ -134,6 +142,11 @@ def _shaping(req: _Common) -> dict[str, Any]:
             name = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
             raise ApiError(400, f"{name} must be 0 to {MAX_LOGPROBS}", param=name)
         out["logprobs"] = top
+    prompt_top = req.prompt_logprobs_asked()
+    if prompt_top is not None:
+        if not 0 <= prompt_top <= MAX_LOGPROBS:
+            raise ApiError(400, f"prompt_logprobs must be 0 to {MAX_LOGPROBS}", param="prompt_logprobs")
+        out["prompt_logprobs"] = prompt_top
     if req.logit_bias:
         bias = []
         for key, value in req.logit_bias.items():

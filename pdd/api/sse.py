@@ -27,6 +27,7 @@ async def sse_events(
     `assistants`: a chat's, one a choice (thinking as `reasoning_content`, tool calls as
     `tool_calls`, each in its own key of the delta)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    opened: set[int] = set()
 
     def chunk(i: int, piece: Piece, finish: str | None, extra: dict | None = None) -> str:
         delta, ids, logprobs = piece
@@ -44,7 +45,15 @@ async def sse_events(
         else:
             choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         choice["token_ids"] = ids
-        return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **(extra or {})})}\n\n"
+        extra = dict(extra or {})
+        if i not in opened:  # a choice's first chunk: the prompt's logprobs, where asked (vLLM's places)
+            opened.add(i)
+            if outs[i].prompt_logprobs is not None:
+                if chat:
+                    extra["prompt_logprobs"] = outs[i].prompt_logprobs
+                else:
+                    choice["prompt_logprobs"] = outs[i].prompt_logprobs
+        return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
     try:
         if chat:

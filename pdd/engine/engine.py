@@ -269,6 +269,8 @@ class Engine:
             if seq.want_logits:
                 seq.step_logits = self.model.logits(hidden[offset : offset + n]).cpu()
                 seq.want_logits = False
+            if seq.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
+                self._prompt_logprobs(seq, hidden[offset : offset + n])
             if seq.num_computed < seq.prompt_len:
                 prompt_part = min(n, seq.prompt_len - seq.num_computed)
                 self.stats.prefill_tokens += prompt_part
@@ -301,8 +303,38 @@ class Engine:
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     self._finish(seq, reason)
-                outputs.append(StepOutput(seq.rid, tok, reason, seq.cached_tokens, position, step=step, logprob=lp))
+                prompt_lps = seq.prompt_logprobs if position == 0 and seq.params.prompt_logprobs is not None else None
+                outputs.append(
+                    StepOutput(
+                        seq.rid,
+                        tok,
+                        reason,
+                        seq.cached_tokens,
+                        position,
+                        step=step,
+                        logprob=lp,
+                        prompt_logprobs=prompt_lps,
+                    )
+                )
         return outputs
+
+    PROMPT_LOGITS_ROWS = 256  # rows of logits at a time: [rows, vocab] floats, 150 MB for 150k tokens
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The raw log-probabilities of the prompt tokens after the rows `hidden` computes
+        (positions from `seq.num_computed`), by position: the first token has none. A
+        sequence computed again from 0 (preempted) starts its list again."""
+        start = seq.num_computed
+        del seq.prompt_logprobs[start + 1 :]
+        if start == 0:
+            seq.prompt_logprobs[:] = [None]
+        rows = min(hidden.shape[0], seq.prompt_len - 1 - start)  # (the last prompt row predicts the output)
+        top = seq.params.prompt_logprobs or 0
+        for a in range(0, rows, self.PROMPT_LOGITS_ROWS):
+            b = min(rows, a + self.PROMPT_LOGITS_ROWS)
+            logits = self.model.logits(hidden[a:b])
+            nexts = seq.tokens[start + a + 1 : start + b + 1]
+            seq.prompt_logprobs.extend(sampler_logprobs(logits, nexts, [top] * len(nexts)))
 
     @staticmethod
     def _guide(seq: Sequence) -> Guide | None:

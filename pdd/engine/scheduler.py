@@ -80,8 +80,10 @@ class Scheduler:
         seq.status = Status.RESERVED
 
     def _match(self, seq: Sequence) -> None:
-        # Leave at least one token to compute: its logits choose the next token.
-        match = self.cache.match_prefix(seq.tokens[: len(seq.tokens) - 1], salt=seq.params.cache_salt)
+        # Leave at least one token to compute: its logits choose the next token. A request for
+        # its prompt's logprobs computes all of it (the cache keeps KV, not logits).
+        reusable = [] if seq.params.prompt_logprobs is not None else seq.tokens[: len(seq.tokens) - 1]
+        match = self.cache.match_prefix(reusable, salt=seq.params.cache_salt)
         self.cache.lock(match.node)
         seq.cache_node = match.node
         seq.pages = list(match.pages)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdd.engine.radix_cache import TreeNode
-from pdd.sampling import SamplingParams
+from pdd.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +44,8 @@ class Sequence:
     shadow: bool = False
     step_cap: int = 0
     guide: Guide | None = None  # the request's grammar, advanced over its output (`params.guide`)
+    # each prompt token's log-probabilities by position, where asked (`params.prompt_logprobs`)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:

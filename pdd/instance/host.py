@@ -85,7 +85,16 @@ def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
     tokens, logprobs = (
         ([], None) if out.token is None else ([out.token], None if out.logprob is None else [out.logprob])
     )
-    return m.Tokens(rid, max(out.position, 0), tokens, out.finish_reason, out.cached_tokens, logprobs=logprobs)
+    position = max(out.position, 0)
+    return m.Tokens(
+        rid,
+        position,
+        tokens,
+        out.finish_reason,
+        out.cached_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=out.prompt_logprobs if position == 0 and tokens else None,
+    )
 
 
 async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:

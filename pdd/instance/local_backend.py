@@ -35,6 +35,7 @@ class LocalBackend:
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)
             if req.params.logprobs is not None and tokens:
                 event.logprobs = [out.logprob]
+            event.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason:
                 event.record = RequestRecord(
                     pipeline=Pipeline.COLOCATED,

@@ -56,6 +56,7 @@ class PrefillJob:
     # peer -> the forms its KV crosses in: lossy ("": exact) and compressed ("": as it is)
     forms: dict[str, tuple[str, str]] = field(default_factory=dict)
     first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # the prompt's, where asked: P's alone
 
     @property
     def rid(self) -> str:
@@ -201,7 +202,9 @@ class PrefillRole:
         conn = await self.peers.get(peer)
         job.reserve_sent[peer] = time.monotonic()
         job.forms[peer] = self._forms(peer, conn.version)
-        params = replace(s.params, cache_salt=kv_namespace(s.params.cache_salt, job.forms[peer][0]))
+        # (the prompt's logprobs are P's to compute: the decode side keeps its prefix cache)
+        salt = kv_namespace(s.params.cache_salt, job.forms[peer][0])
+        params = replace(s.params, cache_salt=salt, prompt_logprobs=None)
         await self.peers.send(peer, m.Reserve(s.rid, s.prompt, params, s.router_id, s.use_cache, main))
 
     def _forms(self, peer: str, version: int) -> tuple[str, str]:
@@ -244,6 +247,7 @@ class PrefillRole:
         async for out in self.engine.generate(s.rid, s.prompt, replace(s.params, max_tokens=1), hold=True):
             first, cached, reason = out.token, out.cached_tokens, out.finish_reason
             job.first_logprob = out.logprob if out.token is not None else job.first_logprob
+            job.prompt_logprobs = out.prompt_logprobs or job.prompt_logprobs
         if first is None:
             raise RuntimeError("prefill was aborted")
         t_prefilled = time.monotonic()
@@ -263,7 +267,10 @@ class PrefillRole:
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
             self.host.to_router(job.router_id, m.Result(s.rid))
             lps = None if job.first_logprob is None else [job.first_logprob]
-            self.host.to_router(job.router_id, m.Tokens(s.rid, 0, [first], reason or "length", cached, logprobs=lps))
+            tokens = m.Tokens(
+                s.rid, 0, [first], reason or "length", cached, logprobs=lps, prompt_logprobs=job.prompt_logprobs
+            )
+            self.host.to_router(job.router_id, tokens)
             return
         paths: dict[str, Coroutine[Any, Any, int]] = {}
         if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
@@ -399,7 +406,8 @@ class PrefillRole:
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):
                 data = codec.encode(layer, lossy, compress)
                 sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, data))
-        await self.peers.send_bulk(peer, priority, m.KVDone(job.rid, first, emit, job.first_logprob))
+        done = m.KVDone(job.rid, first, emit, job.first_logprob, job.prompt_logprobs if emit else None)
+        await self.peers.send_bulk(peer, priority, done)
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))
         return sent

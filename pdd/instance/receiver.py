@@ -45,6 +45,7 @@ class DecodeJob:
     loaded: bool = False  # all KV is in (KV_DONE)
     first_token: int | None = None
     first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # P's, where asked: sent with position 0
     kv: Reassembly | None = None  # the KV arriving, from the reserved hit on (set once reserved)
     importing: asyncio.Task | None = None  # the last chunk's import (they run in token order)
     kv_in: asyncio.Event = field(default_factory=asyncio.Event)  # every prompt token's import issued, or ended
@@ -139,6 +140,7 @@ class DecodeSide(Generic[J]):
             if job.ended:
                 return
             job.loaded, job.first_token, job.first_logprob = True, body.first_token, body.first_logprob
+            job.prompt_logprobs = body.prompt_logprobs
             await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
             if body.emit:
                 job.output = [body.first_token]
@@ -287,7 +289,10 @@ class DecodeSide(Generic[J]):
             # known, not produced here: P's first token (its logprob came with KV_DONE), or a
             # takeover's given tokens, whose logprobs the router has from their producer
             lps = [job.first_logprob] if emit_from == 0 and len(job.output) == 1 and job.first_logprob else None
-            tokens = m.Tokens(job.rid, emit_from, job.output[emit_from:], None, cached, logprobs=lps)
+            prompt_lps = job.prompt_logprobs if emit_from == 0 else None
+            tokens = m.Tokens(
+                job.rid, emit_from, job.output[emit_from:], None, cached, logprobs=lps, prompt_logprobs=prompt_lps
+            )
             self.host.to_router(job.router_id, tokens)
 
     async def _forward(self, job: J, stream: OutputStream) -> None:

@@ -178,7 +178,9 @@ class RouterBackend:
             if body.stall_ms is not None:
                 request.stall_ms = body.stall_ms
             self.pacer.observe(request, source)
-            return request.merger.add(source, body.pos, body.tokens, body.finish_reason, body.logprobs)
+            return request.merger.add(
+                source, body.pos, body.tokens, body.finish_reason, body.logprobs, body.prompt_logprobs
+            )
         if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
             request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
         if isinstance(body, m.PipelineChosen):
@@ -259,9 +261,12 @@ class RouterBackend:
 
     @staticmethod
     def _with_logprobs(request: RouterRequest, event: GenEvent, first: int) -> GenEvent:
-        """`event` (positions from `first` on) with its tokens' logprobs, where asked."""
+        """`event` (positions from `first` on) with its tokens' logprobs, and with the first
+        token the prompt's, where asked."""
         if request.req.params.logprobs is not None:
             event.logprobs = [request.merger.logprobs.get(first + i) for i in range(len(event.tokens))]
+        if first == 0 and request.req.params.prompt_logprobs is not None:
+            event.prompt_logprobs = request.merger.prompt_logprobs
         return event
 
     def _fell_back(self, request: RouterRequest, why: Fallback) -> None:

@@ -26,6 +26,7 @@ class TokenMerger:
     _ahead: dict[int, tuple[int, str]] = field(default_factory=dict)  # position -> (token, producer)
     _end: int | None = None  # the position after the last one, once a producer finished
     logprobs: dict[int, Logprob] = field(default_factory=dict)  # position -> its token's, where carried
+    prompt_logprobs: list[Logprob | None] | None = None  # P's, from whichever copy of position 0 carries them
 
     def add(
         self,
@@ -34,9 +35,12 @@ class TokenMerger:
         tokens: list[int],
         finish_reason: str | None = None,
         logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[Logprob | None] | None = None,
     ) -> list[int]:
-        """Take a producer's tokens for positions [pos, pos + len) (and their logprobs);
-        the tokens that are now deliverable in order (possibly none)."""
+        """Take a producer's tokens for positions [pos, pos + len) (and their logprobs, and
+        with position 0 the prompt's); the tokens that are now deliverable in order."""
+        if pos == 0 and prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs
         for i, token in enumerate(tokens):
             p = pos + i
             if logprobs is not None and i < len(logprobs):

@@ -58,6 +58,8 @@ Name = Annotated[str, Meta(max_length=MAX_NAME)]
 Rid = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 TokenIds = Annotated[list[Count], Meta(max_length=MAX_TOKENS)]
+# each prompt token's (the first's None), bounded further by `MAX_PROMPT_LOGPROB_ENTRIES`
+PromptLogprobs = Annotated[list[Logprob | None], Meta(max_length=MAX_TOKENS)]
 
 
 class BadMessage(ValueError):
@@ -143,11 +145,12 @@ class KVDone(Message, frozen=True):
     position 0 (P's first token); without, wait for a handoff."""
 
     TYPE: ClassVar[MsgType] = MsgType.KV_DONE
-    SINCE: ClassVar[dict[str, int]] = {"first_logprob": 6}
+    SINCE: ClassVar[dict[str, int]] = {"first_logprob": 6, "prompt_logprobs": 7}
     rid: Rid
     first_token: Count
     emit: bool = True
     first_logprob: Logprob | None = None  # the first token's, where the request asks for logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # P's, where asked: for the emitter of position 0
 
 
 class Ready(Message, frozen=True):
@@ -161,7 +164,7 @@ class Tokens(Message, frozen=True):
     """Produced tokens for output positions [pos, pos + len(tokens))."""
 
     TYPE: ClassVar[MsgType] = MsgType.TOKENS
-    SINCE: ClassVar[dict[str, int]] = {"logprobs": 6}
+    SINCE: ClassVar[dict[str, int]] = {"logprobs": 6, "prompt_logprobs": 7}
     rid: Rid
     pos: Count
     tokens: TokenIds
@@ -169,6 +172,7 @@ class Tokens(Message, frozen=True):
     cached_tokens: Count = 0
     stall_ms: float | None = None  # the first token after a handoff: the main instance's extend stall
     logprobs: list[Logprob] | None = None  # each token's, where the request asks (as many as `tokens`)
+    prompt_logprobs: PromptLogprobs | None = None  # with position 0, where asked: P's (`KVDone`)
 
 
 class PipelineChosen(Message, frozen=True):

@@ -122,6 +122,7 @@ def vllm_params(
         temperature=0.0,
         # vLLM's raw log-probabilities (its default logprobs_mode): before its processors, pdd's draw included
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,  # (vLLM then computes the whole prompt: no prefix cache)
         ignore_eos=params.ignore_eos,
         stop_token_ids=[] if params.ignore_eos else sorted(stops),
         output_kind=RequestOutputKind.DELTA,
@@ -176,10 +177,20 @@ def deliver(req: Request, out: Any) -> bool:
         req.outputs.append(token)
         last = FINISH_REASONS.get(reason) if i == len(tokens) - 1 else None
         lp = _logprob(token, logprobs[i], req.params.logprobs or 0) if logprobs and logprobs[i] else None
-        req.emit(StepOutput(req.rid, token, last, cached, len(req.outputs) - 1, logprob=lp))
+        position = len(req.outputs) - 1
+        prompt_lps = _prompt_logprobs(req, out.prompt_logprobs) if position == 0 else None
+        req.emit(StepOutput(req.rid, token, last, cached, position, logprob=lp, prompt_logprobs=prompt_lps))
     if reason is not None and not tokens:
         req.emit(StepOutput(req.rid, None, FINISH_REASONS[reason], cached))
     return reason is not None
+
+
+def _prompt_logprobs(req: Request, entries: list[dict[int, Any] | None] | None) -> list[Logprob | None] | None:
+    """pdd's form of vLLM's prompt logprobs (the first position's None), where asked."""
+    if req.params.prompt_logprobs is None or entries is None:
+        return None
+    top = req.params.prompt_logprobs
+    return [None if e is None else _logprob(t, e, top) for t, e in zip(req.prompt, entries, strict=True)]
 
 
 def _logprob(token: int, entry: dict[int, Any], top: int) -> Logprob:

@@ -44,7 +44,9 @@ MAGIC = b"PD"
 # 6: the checksum of frames without a tag is CRC32C (hardware), not zlib's CRC32; KV pages
 #    may cross in int8 or zstd (`[link] lossy_kv`, `compress_kv`; `pdd.kv.codec`): an older
 #    peer is sent them as they are
-PROTOCOL_VERSION = 6
+# 7: a request may ask for its prompt's logprobs (`SamplingParams.prompt_logprobs`), which P
+#    sends with its first token (`KVDone`, `Tokens`); an instance of 6 is not planned one
+PROTOCOL_VERSION = 7
 GMAC_SINCE = 5
 CRC32C_SINCE = 6
 LOSSY_KV_SINCE = 6  # (and compressed KV)
