@@ -180,7 +180,8 @@ def test_a_chat_without_max_tokens_may_take_the_rest_of_the_context(server):
 def test_n_choices_are_single_requests_with_one_seed_each(server):
     """n = 3: three choices, choice i equal to a single request seeded seed + i (vLLM's
     rule), whole and streamed (each choice's chunks carry its index and its own finish);
-    usage counts the prompt once and every choice's tokens; n outside 1-16 is a 400."""
+    usage counts the prompt once and every choice's tokens; the prompt is computed once;
+    n outside 1-16 is a 400."""
     body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 10, "temperature": 25.0, "top_p": 0.95,
             "seed": 40, "ignore_eos": True}
     single = [httpx.post(f"{server}/v1/completions", json={**body, "seed": 40 + i}, timeout=30).json()
@@ -201,6 +202,12 @@ def test_n_choices_are_single_requests_with_one_seed_each(server):
     assert [streamed[i] for i in range(3)] == single and finished == {0: "length", 1: "length", 2: "length"}
     chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=2, temperature=0)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+    # the choices share the prompt: the first's prefill is in the prefix cache before the others
+    # start, so they compute only their last page (n x 200 tokens computed without sharing)
+    fresh, before = list(range(300, 500)), _engine(server)["prefill_tokens"]
+    r = httpx.post(f"{server}/v1/completions", json={**body, "prompt": fresh, "n": 3, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert _engine(server)["prefill_tokens"] - before <= 200 + 2 * 16
     for n in (0, 17):
         r = httpx.post(f"{server}/v1/completions", json={**body, "n": n}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -101,11 +101,15 @@ class OpenAIServer:
         access: Access,
         chat: bool = False,
         echo: str | None = None,
+        order: tuple[asyncio.Event, bool] | None = None,
     ) -> AsyncGenerator[Piece, None]:
         """Yield (text delta, token ids, their `logprobs` object where asked) pieces; fill
         `out` and `access`; close the backend stream and give the admission slot back on
         exit (`release`). With `echo` (the prompt's text), a first piece says the prompt,
-        with its logprobs where asked (no token ids: those are the output's)."""
+        with its logprobs where asked (no token ids: those are the output's). `order`: an
+        event and whether this generation sets it (with its first token, or its end) or
+        starts once it is set: the choices of one request after the first's prefill, which
+        they then find in the prefix cache."""
         text = TextStream(self.tokenizer, stop)
         formatter = LogprobFormatter(self.tokenizer, chat) if params.logprobs is not None else None
         gen = self.backend.generate(GenRequest(rid, prompt, params))
@@ -113,8 +117,12 @@ class OpenAIServer:
         access.rid, access.prompt_tokens = rid, len(prompt)
         self.metrics.prompt_tokens.inc(len(prompt))
         try:
+            if order is not None and not order[1]:
+                await order[0].wait()
             async for ev in gen:
                 now = time.monotonic()
+                if order is not None and ev.tokens:
+                    order[0].set()
                 if first is None and ev.tokens:
                     first = access.first_token = now
                     self.metrics.ttft.observe(now - access.arrived)
@@ -161,6 +169,8 @@ class OpenAIServer:
                 e.status, f"generation failed: {e}", "server_error", headers=retry if e.status == 503 else None
             ) from None
         finally:
+            if order is not None:
+                order[0].set()
             release()
             await gen.aclose()
             access.completion_tokens += len(out.token_ids)
@@ -222,6 +232,8 @@ class OpenAIServer:
         if isinstance(req, CompletionRequest) and req.echo:
             given = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
             echo = given if isinstance(given, str) else self.tokenizer.decode(prompt)
+        # n > 1: the first choice's prefill goes first, the others find it in the prefix cache
+        first_token = asyncio.Event() if req.n > 1 else None
         pieces = [
             self._run(
                 rid if req.n == 1 else f"{rid}-{i}",
@@ -233,6 +245,7 @@ class OpenAIServer:
                 access,
                 chat,
                 echo,
+                None if first_token is None else (first_token, i == 0),
             )
             for i, out in enumerate(outs)
         ]

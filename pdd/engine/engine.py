@@ -275,6 +275,8 @@ class Engine:
                 prompt_part = min(n, seq.prompt_len - seq.num_computed)
                 self.stats.prefill_tokens += prompt_part
             seq.num_computed += n
+            if not seq.published and seq.num_computed >= seq.prompt_len:
+                self._publish(seq)
             if seq.num_pending == 0:
                 ready.append((seq, offset + n - 1))
             offset += n
@@ -317,6 +319,23 @@ class Engine:
                     )
                 )
         return outputs
+
+    def _publish(self, seq: Sequence) -> None:
+        """Give the prefix cache the prompt's full pages as soon as they are computed, not
+        when the request ends: a request for the same prefix meanwhile (another choice of
+        the same request, another turn) reuses them. The sequence holds them locked. Where
+        another sequence cached some of them first, nothing is published: its own pages
+        stay its own (a cached copy's KV may differ in the last bits)."""
+        seq.published = True
+        full = seq.prompt_len // self.pool.page_size * self.pool.page_size
+        tokens, pages = seq.tokens[:full], seq.pages[: full // self.pool.page_size]
+        cached = self.cache.match_prefix(tokens, touch=False, salt=seq.params.cache_salt)
+        if cached.pages != pages[: cached.num_pages] or cached.num_pages == len(pages):
+            return
+        node = self.cache.insert(tokens, pages, seq.params.cache_salt)
+        self.cache.lock(node)
+        self.cache.unlock(seq.cache_node)
+        seq.cache_node = node
 
     PROMPT_LOGITS_ROWS = 256  # rows of logits at a time: [rows, vocab] floats, 150 MB for 150k tokens
 

@@ -55,6 +55,7 @@ class RadixCache:
         self.on_event = on_event
         self._clock = itertools.count(1)
         self.cached_pages = 0
+        self.locked_pages = 0  # cached pages some sequence holds (on a locked path): not evictable
 
     def _pages(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -87,12 +88,14 @@ class RadixCache:
         matched nothing yet: no-op)."""
         while node is not None and node.parent is not None:
             node.lock_ref += 1
+            self.locked_pages += node.lock_ref == 1
             node = node.parent
 
     def unlock(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
+            self.locked_pages -= node.lock_ref == 0
             node = node.parent
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "") -> TreeNode:

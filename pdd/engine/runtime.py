@@ -162,7 +162,7 @@ class EngineRuntime:
             max_running=e.scheduler.max_running,
             pages=e.pool.num_pages,
             free_pages=e.pool.free_pages,
-            cached_pages=e.cache.cached_pages,
+            cached_pages=e.cache.cached_pages - e.cache.locked_pages,  # (evictable: those no request holds)
         )
 
     def metric_collectors(self) -> list:

@@ -118,6 +118,7 @@ class Scheduler:
         match what is left and recompute the rest when admitted again."""
         self.release(seq)
         seq.num_computed = seq.cached_tokens = 0
+        seq.published = False  # (computed again, its prompt is published again)
         self.preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:

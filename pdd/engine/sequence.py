@@ -44,6 +44,7 @@ class Sequence:
     shadow: bool = False
     step_cap: int = 0
     guide: Guide | None = None  # the request's grammar, advanced over its output (`params.guide`)
+    published: bool = False  # its prompt's full pages are in the prefix cache (`Engine._publish`)
     # each prompt token's log-probabilities by position, where asked (`params.prompt_logprobs`)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
 

@@ -8,6 +8,7 @@ model that is not there is an error that says where it looked and how to get it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -78,31 +79,26 @@ def _from_hub_cache(repo_id: str) -> Path:
 def _tiny() -> Path:
     from pdd.model.tiny import make_tiny  # torch and tokenizers: only when it has to be built
 
-    target = home() / "models" / "tiny"
-    stamp = target / REVISION_FILE
+    models = home() / "models"
+    target, stamp = models / "tiny", models / "tiny.revision"  # (the stamp beside it: a model dir holds the model)
     if not (target / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != TINY_REVISION:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+        models.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=models, prefix=".tiny-"))
         try:
             make_tiny(tmp)
-            (tmp / REVISION_FILE).write_text(TINY_REVISION)
-            if target.exists():  # an older build: moved aside whole, so no reader sees half of each
-                old = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-old-"))
-                try:
+            if target.exists():  # an earlier revision's: moved aside whole, then removed
+                old = Path(tempfile.mkdtemp(dir=models, prefix=".tiny-old-"))
+                with contextlib.suppress(OSError):  # (another process moved it first)
                     target.rename(old / "tiny")
-                except OSError:  # another process moved it first
-                    pass
                 shutil.rmtree(old, ignore_errors=True)
-            try:
+            with contextlib.suppress(OSError):  # another process finished first: theirs is identical
                 tmp.rename(target)
-            except OSError:  # another process finished first: theirs is identical
-                pass
+            stamp.write_text(TINY_REVISION)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-# make_tiny's output, bumped when it changes, so a build cached under PDD_HOME is rebuilt
-# (2: a chat template that renders tools)
+# make_tiny's output, counted up when it changes, so a build cached under PDD_HOME by an
+# earlier release is built again (2: a chat template that renders tools)
 TINY_REVISION = "2"
-REVISION_FILE = ".pdd-revision"
