@@ -11,11 +11,11 @@ import pytest
 import torch
 from msgspec.structs import replace
 
-from pdd.engine import sampler
+from pdd import sampler
 from pdd.engine.engine import Engine
-from pdd.engine.sampler import exponentials, sample
 from pdd.engine_port import EngineConfig, RequestError
 from pdd.kv import codec
+from pdd.sampler import exponentials, sample
 from pdd.sampling import SamplingParams, draw_key
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)

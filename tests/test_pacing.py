@@ -13,9 +13,9 @@ from pdd import config as cfg
 from pdd.engine.pacing import StepPacer
 from pdd.engine_port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
+from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
 from pdd.sampling import SamplingParams
 from pdd.sim.emulated import scaled, token_scale
-from pdd.sim.steps import EMPTY, StepLoad, add, chunk_load
 
 
 def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():
@@ -107,7 +107,7 @@ def test_hardware_means_one_thing_everywhere():
 
     from pdd.instance.cli import add_engine_arguments, engine_from_flags
     from pdd.names import CHIPS
-    from pdd.sim.hardware import CATALOG
+    from pdd.perf.hardware import CATALOG
 
     assert tuple(CATALOG) == CHIPS  # the names pdd accepts are the chips the pacer can price
     for hardware, want in (("native", {"p0": "native", "rld0": "native", "md0": "native"}),

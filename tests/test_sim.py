@@ -18,10 +18,10 @@ import pytest
 import simpy
 
 from pdd.names import Fallback, HandoffMode, Pipeline
+from pdd.perf.hardware import line
 from pdd.record import RequestRecord
 from pdd.sim import paper
 from pdd.sim.cluster import Cluster, DeploymentSpec
-from pdd.sim.hardware import line
 from pdd.sim.link import SharedLink
 from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
 
@@ -528,10 +528,10 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
     arrival that is not reserved (the two would wait for each other), but does once it is."""
     from types import SimpleNamespace
 
-    from pdd.sim.hardware import CATALOG
+    from pdd.perf.hardware import CATALOG
+    from pdd.perf.model import MODELS
+    from pdd.perf.physics import Physics
     from pdd.sim.instance import Instance
-    from pdd.sim.model import MODELS
-    from pdd.sim.physics import Physics
     from pdd.sim.reserve import Reservations
     from pdd.sim.sequence import Landing
 

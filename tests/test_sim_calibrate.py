@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
+from pdd.perf.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 from pdd.sim.fit import _nnls, fit
 from pdd.sim.measure import Group, measure
 from pdd.sim.profile import LocalProfile, load_profile, profile_to_json
-from pdd.sim.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
 TRUTH = Fitted(base_s=1.5e-3, per_token_s=9e-5, per_pair_s=7e-8, per_seq_s=2e-5, per_kv_token_s=1.2e-6)
 

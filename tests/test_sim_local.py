@@ -14,11 +14,11 @@ import pytest
 from pdd import config as cfg
 from pdd.cli import main
 from pdd.engine.pacing import StepPacer
+from pdd.perf.steps import Fitted, StepLoad, chunk_load
 from pdd.sim.check import check, mode_deployment
 from pdd.sim.local import local_spec, on_scenario_line, simulate_demo
 from pdd.sim.metrics import summary
 from pdd.sim.profile import LocalProfile, profile_to_json
-from pdd.sim.steps import Fitted, StepLoad, chunk_load
 from pdd.workload.scenarios import SCENARIOS
 
 STEPS = Fitted(0.002, 8e-5, 9e-8, 2e-5, 1e-6, source="test")

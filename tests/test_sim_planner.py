@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pdd.perf.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim import paper
-from pdd.sim.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.metrics import goodput
 from pdd.sim.plan_cli import add_plan_arguments, plan_main
 from pdd.sim.plan_workload import agentic, mooncake

@@ -23,7 +23,6 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 
 from pdd import config as cfg  # noqa: E402
-from pdd.engine.sampler import sample  # noqa: E402
 from pdd.engine_port import AUTO, EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
 from pdd.engines.vllm import bridge, streams  # noqa: E402
@@ -31,6 +30,7 @@ from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
 from pdd.engines.vllm.events import VllmHashes  # noqa: E402
 from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
+from pdd.sampler import sample  # noqa: E402
 from pdd.sampling import SamplingParams  # noqa: E402
 
 # ---- pdd's draw inside vLLM ------------------------------------------------------------------

@@ -71,7 +71,7 @@ class StepPacer:
     def step_s(self, computed: Sequence[tuple[int, int, int]]) -> float:
         """`computed`: (start, tokens, prompt length) of each sequence in the step, as the
         engine ran it; priced by the simulator's own emulated-chip model (`pdd.sim.emulated`)."""
-        from pdd.sim.steps import EMPTY, add, chunk_load
+        from pdd.perf.steps import EMPTY, add, chunk_load
 
         load = EMPTY
         for start, n, prompt in computed:

@@ -3,7 +3,7 @@
 PDD_SPEC § The bathtub: benefit against hit rate is bathtub-shaped, with singular
 points around 20, 40 and 70 % hit where the uncached tail chunk is small, cannot be
 batched with other requests, and drags throughput down. What makes a small tail dear
-is in the step model (`pdd.sim.physics`): a chunk of a few hundred tokens still reads
+is in the step model (`pdd.perf.physics`): a chunk of a few hundred tokens still reads
 every expert's weights once, attends to its whole cached prefix, and pays a per-chunk
 cost; what decides whether it is batched is the scheduler.
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdd.perf.physics import Physics
+from pdd.perf.steps import chunk_load, decode_stretch
 from pdd.sim.cluster import DeploymentSpec, RoleSpec
-from pdd.sim.physics import Physics
-from pdd.sim.steps import chunk_load, decode_stretch
 from pdd.workload.agentic import AgenticConfig, estimate_hits
 
 SAMPLE_REQUESTS = 3000

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from pdd.engine_port import EngineConfig, engine_names
+from pdd.perf.steps import Fitted, chunk_load
 from pdd.sim.fit import Sample, fit, relative_errors
 from pdd.sim.measure import Measured, measure
 from pdd.sim.profile import TERMS, LocalProfile, profile_to_json
-from pdd.sim.steps import Fitted, chunk_load
 
 
 def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 64) -> float:

@@ -24,12 +24,13 @@ import simpy
 
 from pdd.config import PolicySpec
 from pdd.names import RoleName
+from pdd.perf.hardware import Line
+from pdd.perf.steps import StepModel
 from pdd.policy.capacity import fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_with_room
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import LineMeter, LinkEstimate
 from pdd.record import RequestRecord
-from pdd.sim.hardware import Line
 from pdd.sim.instance import Instance
 from pdd.sim.link import SharedLink
 from pdd.sim.parts import Proc
@@ -37,7 +38,6 @@ from pdd.sim.prefill import PrefillPaths
 from pdd.sim.relayed import RelayPaths
 from pdd.sim.reserve import Reservations
 from pdd.sim.sequence import SimSeq
-from pdd.sim.steps import StepModel
 from pdd.sim.stream import Stream, fell_back
 from pdd.sim.tcp import Tcp, TcpLink
 from pdd.sim.workload import SimSession

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from pdd.perf.hardware import Line
+from pdd.perf.physics import Physics
+from pdd.perf.steps import StepLoad, add, chunk_load
 from pdd.sim import paper
-from pdd.sim.hardware import Line
-from pdd.sim.physics import Physics
 from pdd.sim.plan_workload import agentic
 from pdd.sim.planner import FAMILIES, Layout, Probe, best_per_family, candidates, iso_goodput, search
 from pdd.sim.runner import Window, find_goodput, run_window, tail_s
-from pdd.sim.steps import StepLoad, add, chunk_load
 from pdd.sim.tcp import handoff_times_s
 
 REFERENCE_LOAD = 0.8  # of the same-datacenter baseline's goodput

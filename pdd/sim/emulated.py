@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from pdd.perf.physics import Physics
+from pdd.perf.steps import StepLoad, decode_stretch
 from pdd.policy.plan import SPEC_CONTEXT
-from pdd.sim.physics import Physics
-from pdd.sim.steps import StepLoad, decode_stretch
 
 
 def token_scale(max_context: int) -> float:
@@ -81,7 +81,7 @@ class EmulatedSteps:
 def emulated_steps(hardware: str, scale: float, dilation: float = 1.0) -> EmulatedSteps:
     """The catalog's chip `hardware` on the spec's instance of it (the paper setting's
     GPU count and model), as `pdd up --hardware emulated` paces it."""
-    from pdd.sim.hardware import CATALOG
+    from pdd.perf.hardware import CATALOG
     from pdd.sim.paper import SETTING
 
     if hardware not in CATALOG:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdd.sim.steps import Fitted, StepLoad
+from pdd.perf.steps import Fitted, StepLoad
 
 Sample = tuple[StepLoad, float]  # what a step computed, and its seconds
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from pdd.perf.steps import StepLoad, StepModel
 from pdd.policy.capacity import Room
 from pdd.sim.cache import BlockCache
 from pdd.sim.reserve import ReservationLine
 from pdd.sim.sequence import Hold, Landing, SimSeq, _Run
-from pdd.sim.steps import StepLoad, StepModel
 
 MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import simpy
 
-from pdd.sim.hardware import LINE_ONE_WAY_MS, Line
+from pdd.perf.hardware import LINE_ONE_WAY_MS, Line
 from pdd.sim.link import SharedLink
 from pdd.sim.tcp import HANDOFF_BYTES, HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, handoff_times_s
 from pdd.wan import Route, WanLine, WanRelay

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from pdd.sim.hardware import Line
+from pdd.perf.hardware import Line
 
 
 @dataclass

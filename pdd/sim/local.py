@@ -21,12 +21,12 @@ import simpy
 
 from pdd import config as cfg
 from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
+from pdd.perf.hardware import Line
+from pdd.perf.steps import StepModel
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
 from pdd.sim.emulated import emulated_steps, token_scale
-from pdd.sim.hardware import Line
 from pdd.sim.profile import LocalProfile
-from pdd.sim.steps import StepModel
 from pdd.sim.workload import agentic_sessions
 from pdd.workload.scenarios import Scenario
 

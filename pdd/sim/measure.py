@@ -36,9 +36,9 @@ from typing import Any
 
 from pdd.engine_port import EngineConfig, EnginePort, StepOutput, open_engine
 from pdd.model.config import Declared
+from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
 from pdd.sampling import SamplingParams
 from pdd.sim.fit import Sample
-from pdd.sim.steps import EMPTY, StepLoad, add, chunk_load
 
 _MIN_RUNS, _MAX_RUNS, _CHEAP_S = 3, 7, 0.05  # runs of a shape; cheap ones get more (a tick distorts them most)
 _OWN_TOKENS = 16  # each decoder's prompt after the shared prefix: one page of its own

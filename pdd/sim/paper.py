@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdd.config import PolicySpec
+from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
+from pdd.perf.model import MODELS, ModelSpec
+from pdd.perf.physics import GPUS_PER_NODE, Efficiency, Physics
 from pdd.sim.cluster import DeploymentSpec, RoleSpec
-from pdd.sim.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
-from pdd.sim.model import MODELS, ModelSpec
-from pdd.sim.physics import GPUS_PER_NODE, Efficiency, Physics
 from pdd.sim.tcp import Tcp
 from pdd.workload.agentic import AgenticConfig
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdd.perf.hardware import LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim import paper
-from pdd.sim.hardware import LINE_PRICE_PER_GBPS_HOUR
 from pdd.sim.plan_workload import Workload, agentic, mooncake
 from pdd.sim.planner import Probe, best_per_family, candidates, search, search_resolution
 from pdd.workload.mooncake import load_trace

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Final, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdd.perf.steps import Fitted
 from pdd.sim.fit import Sample, relative_errors
-from pdd.sim.steps import Fitted
 
 PROFILE_VERSION: Final = 1
 TERMS = tuple(f.name for f in fields(Fitted) if f.name != "source")  # the step model's coefficients, in order

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from pdd.perf.hardware import CHIPS
+from pdd.perf.model import FP8
 from pdd.sim import paper
 from pdd.sim.compare import LINES_GBPS, MAX_GPUS, change
-from pdd.sim.hardware import CHIPS
-from pdd.sim.model import FP8
 from pdd.sim.plan_workload import agentic
 from pdd.sim.planner import Probe, best_per_family, candidates, search
 

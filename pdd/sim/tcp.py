@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import simpy
 
-from pdd.sim.hardware import Line
+from pdd.perf.hardware import Line
 from pdd.sim.link import Delivery, LinkStats
 
 # The spec's handoff microbenchmark (PDD_SPEC § mechanism 2): 100 tokens' incremental KV.

@@ -10,7 +10,7 @@ matcher advanced over the output so far, given tokens included), pdd asks vLLM f
 greedy sampling and attaches its own parameters (`extra_args["pdd_draw"]`: pdd's sampling parameters, seed,
 the output position of the first token this request samples, and what shaping needs
 of the prompt and of the output before it); this processor applies pdd's sampler
-(`pdd.engine.sampler.sample`, the embedded engine's own) to the row and leaves only the
+(`pdd.sampler.sample`, the embedded engine's own) to the row and leaves only the
 drawn token standing, which vLLM's argmax then picks. vLLM's own penalties are never
 asked for: they would count a continuation's given tokens as prompt, not output, and run
 after this processor. Requests without it are untouched.
@@ -27,8 +27,8 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from pdd.engine.sampler import sample
 from pdd.guide import Guide, Guides
+from pdd.sampler import sample
 from pdd.sampling import SamplingParams
 
 

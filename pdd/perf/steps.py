@@ -3,7 +3,7 @@
 A step of continuous batching computes some new tokens (prefill chunks, extend
 tokens, one per decoding sequence) and reads the KV its sequences attend to. Two
 models price it: `Physics` for a group of accelerators from their datasheet figures
-(`pdd.sim.physics`), and `Fitted` for a machine we measured (`pdd sim calibrate`), a
+(`pdd.perf.physics`), and `Fitted` for a machine we measured (`pdd sim calibrate`), a
 linear model whose coefficients come from real steps.
 
 Both price a load whose fields may be numpy arrays (`steps_s`): a decode stretch

@@ -35,9 +35,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from pdd.sim.hardware import Chip
-from pdd.sim.model import ModelSpec
-from pdd.sim.steps import StepLoad
+from pdd.perf.hardware import Chip
+from pdd.perf.model import ModelSpec
+from pdd.perf.steps import StepLoad
 
 GPUS_PER_NODE = 8
 
