@@ -31,6 +31,9 @@ _COMMANDS: dict[str, str] = {
 }
 
 
+# what only the lab needs (pyproject's `lab` extra): a server installed without it serves
+LAB_ONLY = ("simpy", "matplotlib")
+
 # sub-commands whose first word may be left out: `pdd bench --url U` is `pdd bench serve --url U`
 _IMPLIED = {"bench": "serve"}
 
@@ -42,8 +45,26 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, module in _COMMANDS.items():
         if wanted is None or name == wanted:
             path, _, function = module.partition(":")
-            getattr(importlib.import_module(path), function or "add_parser")(sub)
+            try:
+                getattr(importlib.import_module(path), function or "add_parser")(sub)
+            except ModuleNotFoundError as e:
+                if e.name not in LAB_ONLY:
+                    raise
+                _needs_the_lab(sub, name, e)
     return parser
+
+
+def _needs_the_lab(sub: argparse._SubParsersAction, name: str, error: ModuleNotFoundError) -> None:
+    """`name` is a lab command and the lab's packages are not installed: it says so."""
+    said = f"needs the lab's packages (pip install 'pdd[lab]'): {error}"
+
+    def refuse(_: argparse.Namespace) -> int:
+        from pdd.errors import Mistake
+
+        raise Mistake(said)
+
+    p = sub.add_parser(name, help=f"({said})", add_help=False)
+    p.set_defaults(func=refuse, engine_flags=[])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except Mistake as e:  # what the user got wrong: one line, no traceback (pdd.errors)
         print(f"pdd {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # a lab command whose parser loaded, and whose work needs the lab
+        if e.name not in LAB_ONLY:
+            raise
+        print(f"pdd {args.command}: needs the lab's packages (pip install 'pdd[lab]'): {e}", file=sys.stderr)
         return 2
 
 

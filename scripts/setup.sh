@@ -9,13 +9,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-extras=test
-[ "${PDD_VLLM:-0}" = 1 ] && extras=test,vllm
+extras=test,lab
+[ "${PDD_VLLM:-0}" = 1 ] && extras=test,lab,vllm
 stamp=.venv/.pdd-installed-$extras
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[$extras]"
-  if [ "$extras" = test,vllm ]; then
+  if [ "$extras" = test,lab,vllm ]; then
     .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   fi
   touch "$stamp"

@@ -13,9 +13,9 @@ from pdd import config as cfg
 from pdd.engine.pacing import StepPacer
 from pdd.engine_port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
+from pdd.perf.emulated import scaled, token_scale
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
 from pdd.sampling import SamplingParams
-from pdd.sim.emulated import scaled, token_scale
 
 
 def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():

@@ -5,7 +5,7 @@ what the other processes did meanwhile, and nothing of the spec's heterogeneous
 hardware shows. With `[engine] hardware = "A"` (or "B", or any chip of the
 simulator's catalog) the runtime computes every step for real — the tokens are the
 engine's own — and then holds it until the time that chip would have taken, from the
-simulator's step model (`pdd.sim.emulated`: the paper's 1T MoE model on the paper's
+simulator's step model (`pdd.perf.emulated`: the paper's 1T MoE model on the paper's
 instance of that chip, the tiny model's lengths scaled up by `token_scale`), the same
 function `pdd sim check` simulates a paced deployment with. Real tokens, emulated time.
 
@@ -50,12 +50,12 @@ class StepPacer:
     """The emulated seconds of one engine step, and the tally of how pacing went."""
 
     hardware: str
-    scale: float  # `pdd.sim.emulated.token_scale`
+    scale: float  # `pdd.perf.emulated.token_scale`
     dilation: float = 1.0
     stats: PaceStats = field(default_factory=PaceStats)
 
     def __post_init__(self) -> None:
-        from pdd.sim.emulated import emulated_steps
+        from pdd.perf.emulated import emulated_steps
 
         self._steps = emulated_steps(self.hardware, self.scale, self.dilation)  # an unknown chip: the error names them
         physics = self._steps.physics
@@ -70,7 +70,7 @@ class StepPacer:
 
     def step_s(self, computed: Sequence[tuple[int, int, int]]) -> float:
         """`computed`: (start, tokens, prompt length) of each sequence in the step, as the
-        engine ran it; priced by the simulator's own emulated-chip model (`pdd.sim.emulated`)."""
+        engine ran it; priced by the simulator's own emulated-chip model (`pdd.perf.emulated`)."""
         from pdd.perf.steps import EMPTY, add, chunk_load
 
         load = EMPTY

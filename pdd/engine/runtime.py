@@ -26,8 +26,8 @@ from pdd.engine.pacing import StepPacer
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.names import NATIVE
+from pdd.perf.emulated import token_scale
 from pdd.sampling import SamplingParams
-from pdd.sim.emulated import token_scale
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -119,3 +119,5 @@ def dense_twin(model: ModelSpec) -> ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {"paper-1t": _kimi_k2()}
+SPEC_MODEL = "paper-1t"  # the spec's model
+SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for

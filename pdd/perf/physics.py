@@ -40,6 +40,8 @@ from pdd.perf.model import ModelSpec
 from pdd.perf.steps import StepLoad
 
 GPUS_PER_NODE = 8
+MEMORY_UTILIZATION = 0.9  # of device memory for weights + KV, as serving engines default
+MIN_KV_CONTEXTS = 4  # an instance must hold at least this many full contexts beside the weights
 
 
 @dataclass(frozen=True)
@@ -186,3 +188,19 @@ class Physics:
             "efficiency": self.eff.to_dict(),
             "model": self.model.name,
         }
+
+
+def kv_capacity_tokens(chip: Chip, model: ModelSpec, gpus: int, memory_utilization: float) -> int:
+    """KV tokens one instance of `gpus` chips holds: its memory, less the weights
+    (negative: they do not fit)."""
+    room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes
+    return int(room / model.kv_bytes_per_token)
+
+
+def instance_gpus(chip: Chip, model: ModelSpec, memory_utilization: float, contexts: int, context: int) -> int | None:
+    """Whole nodes, the fewest whose memory holds the weights and `contexts` full contexts
+    of `context` tokens (None: not even 4 nodes do)."""
+    for nodes in (1, 2, 4):
+        if kv_capacity_tokens(chip, model, nodes * GPUS_PER_NODE, memory_utilization) >= contexts * context:
+            return nodes * GPUS_PER_NODE
+    return None

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from pdd.names import Fallback, RoleName
+from pdd.perf.model import SPEC_CONTEXT
 from pdd.policy.routing import Candidate, pick
 
-SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for
 SPEC_SHORT_OUTPUT = 500  # "ultra-short output (< 500 tokens)"
 
 

@@ -8,7 +8,7 @@ and comparing with what `pdd demo` measured tells whether the simulator can be
 believed at cluster scale.
 
 A paced deployment (`topology.hardware = "emulated"`) is simulated with each instance's
-emulated chip (`pdd.sim.emulated`, the function its pacer holds steps to) on hardware
+emulated chip (`pdd.perf.emulated`, the function its pacer holds steps to) on hardware
 of its own, and the line in emulated time: what is left between prediction and
 measurement is then the control plane's error (and any step the CPU overran).
 """
@@ -21,11 +21,11 @@ import simpy
 
 from pdd import config as cfg
 from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
+from pdd.perf.emulated import emulated_steps, token_scale
 from pdd.perf.hardware import Line
 from pdd.perf.steps import StepModel
 from pdd.record import RequestRecord
 from pdd.sim.cluster import Cluster, DeploymentSpec, RoleSpec
-from pdd.sim.emulated import emulated_steps, token_scale
 from pdd.sim.profile import LocalProfile
 from pdd.sim.workload import agentic_sessions
 from pdd.workload.scenarios import Scenario

@@ -14,17 +14,25 @@ from typing import Any
 
 from pdd.config import PolicySpec
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
-from pdd.perf.model import MODELS, ModelSpec
-from pdd.perf.physics import GPUS_PER_NODE, Efficiency, Physics
+from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL, ModelSpec
+from pdd.perf.physics import (
+    GPUS_PER_NODE,
+    MEMORY_UTILIZATION,
+    MIN_KV_CONTEXTS,
+    Efficiency,
+    Physics,
+    instance_gpus,
+    kv_capacity_tokens,
+)
 from pdd.sim.cluster import DeploymentSpec, RoleSpec
 from pdd.sim.tcp import Tcp
 from pdd.workload.agentic import AgenticConfig
 
-MODEL = MODELS["paper-1t"]
+MODEL = MODELS[SPEC_MODEL]
 LINE_GBPS = 25.0
 SLO_TTFT_MS = 5000.0
 SLO_TPOT_MS = 50.0
-MIN_KV_CONTEXTS = 4  # an instance must hold at least this many full contexts beside the weights
+# (an instance must hold at least MIN_KV_CONTEXTS full contexts beside the weights)
 
 # The demo's `paper` scenario (pdd/workload/scenarios.py) is the spec's setting / 16;
 # this is it x 16 again, back at the spec's scale: 64K contexts, a 2K shared system
@@ -38,7 +46,7 @@ WORKLOAD = AgenticConfig(
     tool_output_tokens=(64, 1536),
     large_tool_output_tokens=(4800, 16000),
     output_tokens=(768, 1280),
-    max_context=65536,
+    max_context=SPEC_CONTEXT,
     anomalous_output_tokens=(16, 496),
 )
 
@@ -57,7 +65,7 @@ class Setting:
     a: Chip = CATALOG["A"]
     b: Chip = CATALOG["B"]
     model: ModelSpec = MODEL
-    memory_utilization: float = 0.9  # of device memory for weights + KV, as serving engines default
+    memory_utilization: float = MEMORY_UTILIZATION
     eff: Efficiency = field(default_factory=Efficiency)
     tcp: Tcp = field(default_factory=Tcp)
     one_way_ms: float = LINE_ONE_WAY_MS
@@ -71,17 +79,12 @@ class Setting:
 
     def kv_capacity_tokens(self, hw: str, gpus: int) -> int:
         """KV tokens one instance holds: its memory, less the weights (negative: does not fit)."""
-        room = gpus * self.chip(hw).mem_gb * 1e9 * self.memory_utilization - self.model.weight_bytes
-        return int(room / self.model.kv_bytes_per_token)
+        return kv_capacity_tokens(self.chip(hw), self.model, gpus, self.memory_utilization)
 
     def instance_gpus(self, hw: str) -> int | None:
         """Whole nodes, the fewest that hold the weights and `MIN_KV_CONTEXTS` contexts
         (None: not even 4 nodes do)."""
-        need = MIN_KV_CONTEXTS * WORKLOAD.max_context
-        for nodes in (1, 2, 4):
-            if self.kv_capacity_tokens(hw, nodes * GPUS_PER_NODE) >= need:
-                return nodes * GPUS_PER_NODE
-        return None
+        return instance_gpus(self.chip(hw), self.model, self.memory_utilization, MIN_KV_CONTEXTS, WORKLOAD.max_context)
 
     def role(self, name: str, dc: str, count: int, hw: str) -> RoleSpec:
         gpus = self.instance_gpus(hw)

@@ -18,11 +18,27 @@ import os
 import ssl
 import sys
 from pathlib import Path
+from typing import Protocol
 
-from pdd.config import TLSSpec
+
+class TLSPaths(Protocol):
+    """What TLS needs of the deployment's `[tls]` (`pdd.config.TLSSpec`): the files, and
+    whether they are given."""
+
+    @property
+    def cert(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def ca(self) -> str: ...
+
+    @property
+    def enabled(self) -> bool: ...
 
 
-def server_context(tls: TLSSpec) -> ssl.SSLContext | None:
+def server_context(tls: TLSPaths) -> ssl.SSLContext | None:
     if not tls.enabled:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=tls.ca)
@@ -32,7 +48,7 @@ def server_context(tls: TLSSpec) -> ssl.SSLContext | None:
     return ctx
 
 
-def client_context(tls: TLSSpec) -> ssl.SSLContext | None:
+def client_context(tls: TLSPaths) -> ssl.SSLContext | None:
     if not tls.enabled:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from pdd.perf.physics import Physics
+from pdd.perf.hardware import CATALOG
+from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL
+from pdd.perf.physics import MEMORY_UTILIZATION, MIN_KV_CONTEXTS, Efficiency, Physics, instance_gpus
 from pdd.perf.steps import StepLoad, decode_stretch
-from pdd.policy.plan import SPEC_CONTEXT
 
 
 def token_scale(max_context: int) -> float:
@@ -79,13 +80,11 @@ class EmulatedSteps:
 
 
 def emulated_steps(hardware: str, scale: float, dilation: float = 1.0) -> EmulatedSteps:
-    """The catalog's chip `hardware` on the spec's instance of it (the paper setting's
-    GPU count and model), as `pdd up --hardware emulated` paces it."""
-    from pdd.perf.hardware import CATALOG
-    from pdd.sim.paper import SETTING
-
+    """The catalog's chip `hardware` on the spec's instance of it (the spec's model, on
+    the fewest whole nodes that hold it and its contexts: the simulator's paper setting's),
+    as `pdd up --hardware emulated` paces it."""
     if hardware not in CATALOG:
         raise ValueError(f"unknown hardware {hardware!r}: native, or one of {sorted(CATALOG)}")
-    chip = CATALOG[hardware]
-    gpus = SETTING.instance_gpus(hardware) or 8
-    return EmulatedSteps(Physics(chip, SETTING.model, gpus, SETTING.eff), scale, dilation, hardware)
+    chip, model = CATALOG[hardware], MODELS[SPEC_MODEL]
+    gpus = instance_gpus(chip, model, MEMORY_UTILIZATION, MIN_KV_CONTEXTS, SPEC_CONTEXT) or 8
+    return EmulatedSteps(Physics(chip, model, gpus, Efficiency()), scale, dilation, hardware)
