@@ -245,8 +245,11 @@ _PAGE_SIZES: dict[str, int] = {}  # a backend's own default page size, where pdd
 
 
 def register_engine(name: str, target: str, page_size: int | None = None) -> None:
-    """Make `[engine] backend = name` build engines with `target` ("module:function");
-    `page_size`: the page size it runs when none is chosen."""
+    """Make `[engine] backend = name` build engines with `target` ("module:function",
+    imported when an engine is opened); `page_size`: the page size it runs when none is
+    chosen. A name taken already is an error (as vLLM's connector factory has it)."""
+    if name in _ENGINES:
+        raise ValueError(f"engine backend {name!r} is registered already ({_ENGINES[name]})")
     _ENGINES[name] = target
     if page_size is not None:
         _PAGE_SIZES[name] = page_size

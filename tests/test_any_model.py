@@ -209,3 +209,12 @@ def test_the_router_plans_with_what_each_instance_reports():
     assert planner._fits("md0", need) and planner.max_context == 4096
     md.committed_pages = 8191 - need + 1
     assert not planner._fits("md0", need)
+
+
+def test_an_engine_backend_name_is_registered_once():
+    """As vLLM's connector factory: a second registration of a name is refused, naming the
+    one it has (a plugin cannot replace a backend in silence)."""
+    from pdd.engine_port import register_engine
+
+    with pytest.raises(ValueError, match="'vllm' is registered already"):
+        register_engine("vllm", "my_plugin:open_engine")

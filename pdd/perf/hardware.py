@@ -94,7 +94,7 @@ class Line:
 
 # A dedicated inter-city line: the spec's 10-100 Gbit/s. The one-way delay is the one
 # the spec's handoff microbenchmark implies for a slow-starting TCP flow (see
-# `pdd.sim.link.calibrate_one_way_ms`): about 1,000 km of fibre. Priced per Gbit/s:
+# `pdd.sim.tcp.calibrate_one_way_ms`): about 1,000 km of fibre. Priced per Gbit/s:
 # 100 Gbit/s costs as much as 4 GPU A.
 LINE_PRICE_PER_GBPS_HOUR = 0.04
 LINE_ONE_WAY_MS = 10.15

@@ -154,7 +154,7 @@ def paper_deployments(gbps: float = LINE_GBPS, setting: Setting = SETTING) -> di
     """The spec's three deployments, as near as whole instances come: its 88 GPU A are
     5 instances of 16 (the 594 GB of weights do not fit 8 x 80 GB), its 43 A + 32 B are
     3 A instances + 4 B instances of 8. These are the tests' fixtures and a reference;
-    `pdd sim --paper` compares each family's best layout, searched (`pdd.sim.fair`)."""
+    `pdd sim --paper` compares each family's best layout, searched (`pdd.sim.planner`)."""
     r = setting.role
     return {
         "same-dc-pd": setting.deployment("same-dc-pd", (r("prefill", "A", 2, "A"), r("main", "A", 3, "A")), gbps),
