@@ -340,7 +340,25 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed
+    assert "What the verdict rests on: rho = 0.98" in printed and "below 1.23 a GPU hour" in printed
     report = json.loads(out.read_text())
+    assert report["rho"]["break_even_b_price"] == pytest.approx(1.25 * report["rho"]["rho"])
     assert {r["family"] for r in report["layouts"]} <= set(FAMILIES)
     assert report["assumptions"]["line_price_per_gbps_hour"] == LINE_PRICE_PER_GBPS_HOUR
     assert plan_main(parser.parse_args(["--attainment", "1.5"])) == 2
+
+
+def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_memory() -> None:
+    """ρ (`pdd.perf.decode`): the catalog's pair decodes alike for its price (ρ = 0.98, both
+    bound by KV memory, so B's 25 % dearer GPU buys 25 % less); B at A's price decodes
+    cheaper (ρ x 1.25); with twice the memory, too, until the TPOT target binds (ρ 1.07);
+    the batch never breaks the TPOT target."""
+    base = paper.rho()
+    assert base is not None and 0.95 < base.rho < 1.0 and base.a.bound == base.b.bound == "kv"
+    assert base.b.step_s <= 0.050 and base.a.step_s <= 0.050
+    cheap = paper.rho(replace(paper.SETTING, b=replace(paper.SETTING.b, price_per_hour=1.0)))
+    assert cheap is not None and cheap.rho == pytest.approx(base.rho * 1.25)
+    roomy = paper.rho(replace(paper.SETTING, b=replace(paper.SETTING.b, mem_gb=2 * paper.SETTING.b.mem_gb)))
+    assert roomy is not None and roomy.rho > 1.0 and roomy.b.bound == "tpot"  # (then the TPOT target binds)
+    tight = paper.rho(tpot_ms=10.0)
+    assert tight is None or tight.b.bound == "tpot"

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdd.config import PolicySpec
+from pdd.perf.decode import DecodeRate, decode_rate
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
 from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL, ModelSpec
 from pdd.perf.physics import (
@@ -211,3 +212,67 @@ PAPER: dict[str, Any] = {
     "recompute_ms": {"mean": 305.0, "max": 321.4, "std": 4.8},
     "gpus": {"same-dc-pd": {"A": 88}, "pdd": {"A": 43, "B": 32}},
 }
+
+
+@dataclass(frozen=True)
+class Rho:
+    """B's decode for its price against A's (`pdd.perf.decode`), and what it rests on."""
+
+    rho: float
+    context: int
+    tpot_ms: float
+    a: DecodeRate
+    b: DecodeRate
+    b_price: float  # B's price per GPU hour (in GPU A hours)
+    gpus: tuple[int, int]  # an instance's, on A and on B
+
+    @property
+    def break_even_b_price(self) -> float:
+        """B's price at which it decodes exactly as cheaply as A (ρ = 1)."""
+        return self.b_price * self.rho
+
+    def line(self) -> str:
+        a, b = self.a, self.b
+        return (
+            f"rho = {self.rho:.2f}: B decodes {b.tokens_per_s:,.0f} tokens/s an instance of {self.gpus[1]} GPUs "
+            f"(batch {b.batch}, bound by {b.bound}) at {self.b_price:g} a GPU hour, A {a.tokens_per_s:,.0f} on "
+            f"{self.gpus[0]} (batch {a.batch}, bound by {a.bound}) at 1, each sequence at {self.context:,} "
+            f"tokens and TPOT <= {self.tpot_ms:g} ms. "
+            f"B decodes cheaper than A below {self.break_even_b_price:.2f} a GPU hour (rho = 1). "
+            + (
+                "With rho <= 1 a cross-site split cannot win on cost: PDD adds a relay and a line to the "
+                "same prefill, and B's decode costs no less than A's."
+                if self.rho <= 1
+                else "PDD's cost edge over same-dc PD on A can be no more than B's decode saving."
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rho": self.rho,
+            "context": self.context,
+            "tpot_ms": self.tpot_ms,
+            "A": self.a.to_dict(),
+            "B": self.b.to_dict(),
+            "b_price": self.b_price,
+            "break_even_b_price": self.break_even_b_price,
+            "gpus": {"A": self.gpus[0], "B": self.gpus[1]},
+        }
+
+
+def rho(setting: Setting = SETTING, tpot_ms: float = SLO_TPOT_MS, context: int = SPEC_CONTEXT // 2) -> Rho | None:
+    """ρ of `setting`'s chips (None where the model fits one of them in no instance)."""
+    rates, sizes = {}, []
+    for hw in ("A", "B"):
+        gpus = setting.instance_gpus(hw)
+        if gpus is None:
+            return None
+        sizes.append(gpus)
+        physics = Physics(setting.chip(hw), setting.model, gpus, setting.eff)
+        rate = decode_rate(physics, setting.kv_capacity_tokens(hw, gpus), context, tpot_ms / 1000, setting.max_running)
+        if rate is None:
+            return None
+        rates[hw] = (rate, rate.per_price(gpus, setting.chip(hw).price_per_hour))
+    (a, a_per), (b, b_per) = rates["A"], rates["B"]
+    b_price = setting.b.price_per_hour / setting.a.price_per_hour
+    return Rho(b_per / a_per, context, tpot_ms, a, b, b_price, (sizes[0], sizes[1]))

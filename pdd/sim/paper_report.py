@@ -155,6 +155,8 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         f"{1e6 * e.a2a_latency_up_s:g} / {1e6 * e.a2a_latency_out_s:g} us in / across nodes; routing skew "
         f"{e.routing_skew:g}. Everything in the JSON's `assumptions`."
     )
+    ratio = paper.rho(tpot_ms=result["assumptions"]["slo"]["tpot_ms"])
+    console.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance'}")
     console.print(
         f"{len(result['layouts'])} layouts, {sum(r['simulated'] for r in result['layouts'])} simulated; "
         f"{result['wall_s']:.0f} s"

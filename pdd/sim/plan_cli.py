@@ -216,6 +216,8 @@ def plan_main(args: argparse.Namespace) -> int:
     families = best_per_family(rows)
     out.print(_table(list(families.values()), len(families), "each family's best"))
     out.print(f"Assumptions: {assumption_line(probe, workload)}")
+    ratio = paper.rho(tpot_ms=probe.slo[1])
+    out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     probes = sum(r["probes"] for r in rows)
     out.print(
         f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))."
@@ -238,6 +240,7 @@ def plan_main(args: argparse.Namespace) -> int:
                             "steps": probe.steps,
                         },
                     },
+                    "rho": ratio.to_dict() if ratio else None,
                     "wall_s": wall,
                 },
                 indent=2,
