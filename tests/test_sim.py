@@ -58,13 +58,13 @@ def _scenarios() -> dict[str, tuple[DeploymentSpec, list[SimSession]]]:
     wl = _agentic()
     scenarios = {name: (spec, wl) for name, spec in paper.paper_deployments().items()}
     # A decode pool that holds two or three requests at a time: reservations wait for room.
-    scenarios["cross-dc-pd, tight MD pool"] = (
+    scenarios["pd-cross-dc, tight MD pool"] = (
         dep("tight", (R("prefill", "A", 2, "A"), _capacity("main", 150_000, dc="B", hw="B"))), wl)
     scenarios["pdd, tight MD pool"] = (
         dep("tight", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
                       _capacity("main", 150_000, dc="B", hw="B"))), wl)
     # A decode pool smaller than many requests: some reservations are refused.
-    scenarios["cross-dc-pd, MD pool too small"] = (
+    scenarios["pd-cross-dc, MD pool too small"] = (
         dep("small-md", (R("prefill", "A", 2, "A"), _capacity("main", 40_000, dc="B", hw="B"))), wl)
     scenarios["pdd, MD pool too small"] = (
         dep("small-md", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
@@ -88,8 +88,8 @@ SCENARIOS = _scenarios()
 # of its session, never sent. Every other scenario serves every request.
 _TOO_SMALL = ("cannot hold", "not sent: turn")
 ALLOWED_FAILURES = {
-    "cross-dc-pd, tight MD pool": ("refused the reservation", "not sent: turn"),
-    "cross-dc-pd, MD pool too small": ("refused the reservation", "not sent: turn"),
+    "pd-cross-dc, tight MD pool": ("refused the reservation", "not sent: turn"),
+    "pd-cross-dc, MD pool too small": ("refused the reservation", "not sent: turn"),
     # the anomaly filter's requests, larger than the relay's whole pool: its reservation refuses them
     "pdd, tiny relay": (*_TOO_SMALL, "refused the reservation"),
     "colocated, pool too small": _TOO_SMALL,
@@ -288,7 +288,7 @@ def _lone_sessions(requests: int = 80) -> list[SimSession]:
     return [dataclasses.replace(s, start_s=5000.0 * i) for i, s in enumerate(sessions)]
 
 
-@pytest.mark.parametrize("deployment", ["cross-dc-pd", "pdd"])
+@pytest.mark.parametrize("deployment", ["pd-cross-dc", "pdd"])
 def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> None:
     sessions = _lone_sessions()
     runs = {}
@@ -321,7 +321,7 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
 
 # ---- 4. a fully cached prompt sends (almost) nothing --------------------------------------
 
-@pytest.mark.parametrize("deployment", ["cross-dc-pd", "pdd"])
+@pytest.mark.parametrize("deployment", ["pd-cross-dc", "pdd"])
 @pytest.mark.parametrize("prompt", [32 * BLOCK, 32 * BLOCK + 77])
 def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) -> None:
     """The same prompt, again and again (one session; and separate sessions sharing one
@@ -601,7 +601,7 @@ def test_a_steady_window_judges_only_what_arrives_in_it():
 
     slo = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
     window = Window(30.0, 60.0, tail_s(paper.WORKLOAD.output_tokens[1], slo))
-    result = run_window(paper.paper_deployments()["same-dc-pd"], steady_sessions(paper.WORKLOAD), 0.5, window, slo)
+    result = run_window(paper.paper_deployments()["pd-same-dc"], steady_sessions(paper.WORKLOAD), 0.5, window, slo)
     assert 0 < result["requests"] < result["simulated_requests"]  # the warm-up is simulated, not judged
     assert result["offered_rps"] == pytest.approx(result["requests"] / 30.0)
     assert result["slo_attainment"] == 1.0  # a light load meets the SLO

@@ -53,9 +53,9 @@ def test_candidates_spend_the_budget_and_cover_every_family(max_gpus: int) -> No
         used = layout.gpus()
         smallest = min(size[layout.prefill_hw], size[layout.main_hw])
         assert used <= max_gpus < used + smallest, layout  # no further instance of its kinds would fit
-        assert (layout.line_gbps in lines) == (layout.family not in ("same-dc-pd", "same-dc-pd-b"))
+        assert (layout.line_gbps in lines) == (layout.family not in ("pd-same-dc", "pd-same-dc-b"))
     families = {layout.family for layout in layouts}
-    assert {"same-dc-pd", "same-dc-pd-b", "cross-dc-pd"} <= families
+    assert {"pd-same-dc", "pd-same-dc-b", "pd-cross-dc"} <= families
     assert ("pdd" in families) == (max_gpus >= 2 * size["A"] + size["B"])  # a relay is a third instance
     assert len(set(layouts)) == len(layouts)
 
@@ -104,7 +104,7 @@ def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
 
 
 def _layouts() -> list[Layout]:
-    return [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("same-dc-pd-b", "cross-dc-pd")]
+    return [lay for lay in candidates(48, [100.0], ["A", "B"]) if lay.family in ("pd-same-dc-b", "pd-cross-dc")]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_each_family_is_ranked_by_the_best_layout_it_simulated(rows: list[dict])
     shuffled = random.Random(0).sample(rows, len(rows))  # whatever order the rows come in
     best = best_per_family(shuffled)
     assert best == best_per_family(rows[::-1])
-    assert set(best) == {"same-dc-pd-b", "cross-dc-pd"}
+    assert set(best) == {"pd-same-dc-b", "pd-cross-dc"}
     for family, chosen in best.items():
         simulated = [r for r in rows if r["family"] == family and r["simulated"]]
         assert len(simulated) >= 2 or any(not r["simulated"] for r in rows if r["family"] == family)
@@ -196,7 +196,7 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
     from pdd.sim import planner
 
     monkeypatch.setattr(planner, "goodput_of", _rising)
-    layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "same-dc-pd-b"][:4]
+    layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "pd-same-dc-b"][:4]
     one, two = (search(layouts, agentic(SMALL), TINY_PROBE, workers=n) for n in (1, 2))
     assert [r["beat_rps"] for r in one].count(None) == 1  # every layout after the first was probed to beat one
     assert one == two

@@ -45,7 +45,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="pdd sim sweep: one assumption at a time, every family searched again")
-    for col in ("variant", "same-dc-pd (A)", "pdd", "PDD goodput / cost / BCR vs same-dc"):
+    for col in ("variant", "pd-same-dc (A)", "pdd", "PDD goodput / cost / BCR vs same-dc"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in result["variants"].items():
         fam, delta = v["families"], v["pdd_vs_same_dc"]
@@ -59,7 +59,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
         table.add_row(
             name,
-            cell("same-dc-pd"),
+            cell("pd-same-dc"),
             cell("pdd"),
             " / ".join("-" if delta.get(k) is None else f"{delta[k]:+.1%}" for k in ("goodput", "cost", "bcr")),
         )

@@ -59,9 +59,9 @@ def run_paper(
         exact=True,
     )  # the iso-goodput counts need every layout's goodput
     best = best_per_family(rows)
-    if "same-dc-pd" not in best or not best["same-dc-pd"]["goodput_rps"]:
-        raise RuntimeError("same-dc-pd met the SLO at no rate searched")
-    base = best["same-dc-pd"]["goodput_rps"]
+    if "pd-same-dc" not in best or not best["pd-same-dc"]["goodput_rps"]:
+        raise RuntimeError("pd-same-dc met the SLO at no rate searched")
+    base = best["pd-same-dc"]["goodput_rps"]
     reference = REFERENCE_LOAD * base
     configs = {}
     for family in FAMILIES:
@@ -198,11 +198,11 @@ def anchors(configs: dict[str, dict[str, Any]], setting: paper.Setting) -> dict[
             f"{1000 * step:.0f}), {setting.instance_gpus('B')} x {setting.b.name}",
         },
     }
-    for family, key, spec_value in (("same-dc-pd", "same-dc TTFT P50 (ms)", f"{p['same_dc_ttft_p50_ms']:,.0f}"),):
+    for family, key, spec_value in (("pd-same-dc", "same-dc TTFT P50 (ms)", f"{p['same_dc_ttft_p50_ms']:,.0f}"),):
         if family in configs:
             rows[key] = {"spec": spec_value, "simulated": f"{configs[family]['ttft_ms']['p50']:,.0f}"}
-    if "cross-dc-pd" in configs:
-        t = configs["cross-dc-pd"]["ttft_ms"]
+    if "pd-cross-dc" in configs:
+        t = configs["pd-cross-dc"]["ttft_ms"]
         rows["cross-dc TTFT P50 / P90 / P99 (ms)"] = {
             "spec": " / ".join(f"{p['cross_dc_ttft_ms'][q]:,.0f}" for q in ("p50", "p90", "p99")),
             "simulated": " / ".join(f"{t[q]:,.0f}" for q in ("p50", "p90", "p99")),

@@ -158,8 +158,8 @@ def paper_deployments(gbps: float = LINE_GBPS, setting: Setting = SETTING) -> di
     `pdd sim --paper` compares each family's best layout, searched (`pdd.sim.planner`)."""
     r = setting.role
     return {
-        "same-dc-pd": setting.deployment("same-dc-pd", (r("prefill", "A", 2, "A"), r("main", "A", 3, "A")), gbps),
-        "cross-dc-pd": setting.deployment("cross-dc-pd", (r("prefill", "A", 3, "A"), r("main", "B", 4, "B")), gbps),
+        "pd-same-dc": setting.deployment("pd-same-dc", (r("prefill", "A", 2, "A"), r("main", "A", 3, "A")), gbps),
+        "pd-cross-dc": setting.deployment("pd-cross-dc", (r("prefill", "A", 3, "A"), r("main", "B", 4, "B")), gbps),
         "pdd": setting.deployment(
             "pdd", (r("prefill", "A", 2, "A"), r("relay", "A", 1, "A"), r("main", "B", 4, "B")), gbps
         ),
@@ -197,20 +197,20 @@ def with_prices(setting: Setting, a_price: float, b_price: float) -> Setting:
 # baseline too.
 PAPER: dict[str, Any] = {
     "ttft_change": -0.515,
-    "ttft_against": "cross-dc-pd",
+    "ttft_against": "pd-cross-dc",
     "goodput_change": 0.278,
-    "goodput_against": "same-dc-pd",
+    "goodput_against": "pd-same-dc",
     "cost_change": (-0.071, -0.035),
-    "cost_against": "same-dc-pd",
+    "cost_against": "pd-same-dc",
     "bcr_change": 0.375,
-    "bcr_against": "same-dc-pd",
+    "bcr_against": "pd-same-dc",
     "rld_share": 0.062,
     "rld_load_ratio": 15.2,
     "same_dc_ttft_p50_ms": 4200.0,
     "cross_dc_ttft_ms": {"p50": 6700.0, "p90": 18300.0, "p99": 29700.0},
     "handoff_ms": {"mean": 185.0, "peak": 512.6},
     "recompute_ms": {"mean": 305.0, "max": 321.4, "std": 4.8},
-    "gpus": {"same-dc-pd": {"A": 88}, "pdd": {"A": 43, "B": 32}},
+    "gpus": {"pd-same-dc": {"A": 88}, "pdd": {"A": 43, "B": 32}},
 }
 
 

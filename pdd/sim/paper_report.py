@@ -66,20 +66,20 @@ def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         rows.append(
             ("BCR, PDD", p["bcr_against"], _pct(change(vs["bcr"]["bcr"], pdd["bcr"])), f"up to {p['bcr_change']:+.1%}")
         )
-    if c.get("cross-dc-pd"):
+    if c.get("pd-cross-dc"):
         rows.append(
             (
                 "goodput, PDD",
-                "cross-dc-pd",
-                _pct(change(c["cross-dc-pd"]["goodput_rps"], pdd["goodput_rps"])),
+                "pd-cross-dc",
+                _pct(change(c["pd-cross-dc"]["goodput_rps"], pdd["goodput_rps"])),
                 "(not published)",
             )
         )
         rows.append(
             (
                 "TTFT p99, PDD",
-                "cross-dc-pd",
-                _pct(change(c["cross-dc-pd"]["ttft_ms"]["p99"], pdd["ttft_ms"]["p99"])),
+                "pd-cross-dc",
+                _pct(change(c["pd-cross-dc"]["ttft_ms"]["p99"], pdd["ttft_ms"]["p99"])),
                 "(not published)",
             )
         )
@@ -91,7 +91,7 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
     c = result["configs"]
     table = Table(
         title=f"pdd sim --paper: each family's best layout within {result['assumptions']['budget_gpus']} "
-        f"GPUs; latencies at {result['reference_rps']:.1f} req/s (80 % of same-dc-pd's goodput)"
+        f"GPUs; latencies at {result['reference_rps']:.1f} req/s (80 % of pd-same-dc's goodput)"
     )
     table.add_column("metric")
     for name in c:
@@ -104,7 +104,7 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         ("BCR (req/s per GPU A hour/h)", lambda r: f"{r['bcr']:.3f}"),
         ("binding at goodput", lambda r: f"{r['binding_at_goodput']} ({_util(r['utilisation_at_goodput'])})"),
         (
-            "GPUs for same-dc-pd's goodput",
+            "GPUs for pd-same-dc's goodput",
             lambda r: "-" if r["iso_goodput_gpus_linear"] is None else f"{r['iso_goodput_gpus_linear']:.0f} (scaled)",
         ),
         ("TTFT p50 / p90 / p99 (ms)", lambda r: " / ".join(f"{r['ttft_ms'][q]:,.0f}" for q in ("p50", "p90", "p99"))),

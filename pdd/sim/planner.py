@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdd.names import CHIPS
+from pdd.names import CHIPS, Mode
 from pdd.sim import paper
 from pdd.sim.bounds import capacity_rps
 from pdd.sim.cluster import DeploymentSpec
@@ -30,7 +30,8 @@ from pdd.sim.runner import Window, find_goodput, run_window, tail_s
 MIN_PREFILL_SHARE, MAX_PREFILL_SHARE = 0.15, 0.8  # of the layout's GPUs: outside, one side idles
 RELAYS = (1, 2)
 HEADROOM = 1.5  # how far above its analytic capacity a layout's goodput is searched, and may be before pruning
-FAMILIES = ("same-dc-pd", "same-dc-pd-b", "cross-dc-pd", "pdd")
+# the deployments compared, named as the modes are (`pdd.names.Mode`); pd-same-dc-b: same-site PD on B
+FAMILIES = (Mode.PD_SAME_DC.value, f"{Mode.PD_SAME_DC}-b", Mode.PD_CROSS_DC.value, Mode.PDD.value)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class Layout:
         if self.relays:
             return "pdd"
         if self.line_gbps:
-            return "cross-dc-pd"
-        return "same-dc-pd" if self.prefill_hw == "A" else f"same-dc-pd-{self.prefill_hw.lower()}"
+            return "pd-cross-dc"
+        return "pd-same-dc" if self.prefill_hw == "A" else f"pd-same-dc-{self.prefill_hw.lower()}"
 
     @property
     def name(self) -> str:

@@ -43,7 +43,7 @@ PRICES = ((1.0, 1.2), (1.0, 1.3), (1.0, 1.0), (1.0, 1.5))  # (A, B) in GPU A hou
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = best_per_family(rows)
-    same, pdd = best.get("same-dc-pd"), best.get("pdd")
+    same, pdd = best.get("pd-same-dc"), best.get("pdd")
 
     def of(key: str) -> tuple[float | None, float | None]:
         """(same-dc PD's, PDD's) figure, None for a family without a layout."""
