@@ -27,14 +27,14 @@ SERVED = (
     "kv_predicted_ms",
     "kv_bytes",
     "wan_bytes",
-    "rld_output_tokens",
-    "md_output_tokens",
+    "relay_output_tokens",
+    "main_output_tokens",
     "handoff",
     "handoff_tokens",
     "handoff_chunks",
     "handoff_stall_ms",
     "anomalous",
-    "fallback",
+    "fallbacks",
     "retries",
     "instances",
     "seed",
@@ -68,14 +68,14 @@ class RequestRecord:
     kv_predicted_ms: float | None = None  # when P predicted MD's KV would arrive
     kv_bytes: int = 0  # KV P sent, every path
     wan_bytes: int = 0  # ... of which across the line
-    rld_output_tokens: int = 0
-    md_output_tokens: int = 0
+    relay_output_tokens: int = 0
+    main_output_tokens: int = 0
     handoff: str | None = None
     handoff_tokens: int = 0  # tokens the relay handed over by ID
     handoff_chunks: int = 0
     handoff_stall_ms: float | None = None  # MD's extend stall at the handoff
     anomalous: bool = False  # the router's anomaly filter kept it on the relay
-    fallback: str | None = None  # what the request survived, or how it ended off plan (comma-separated)
+    fallbacks: list[str] = field(default_factory=list)  # what it survived, or how it ended off plan (`Fallback`s)
     retries: int = 0
     instances: dict[str, str | None] = field(default_factory=dict)
     seed: int | None = None  # a sampling request's: the client's, or the server's (its answer can be replayed)

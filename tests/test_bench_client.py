@@ -99,8 +99,8 @@ def make_app() -> FastAPI:
                                   "prompt_tokens_details": {"cached_tokens": cached}},
                         "pdd": {"pipeline": "P-RLD-MD" if relayed else "P-MD",
                                 "p_hit_tokens": cached, "d_hit_tokens": cached,
-                                "wan_bytes": wan_bytes, "rld_output_tokens": rld,
-                                "md_output_tokens": n - rld,
+                                "wan_bytes": wan_bytes, "relay_output_tokens": rld,
+                                "main_output_tokens": n - rld,
                                 "handoff": "one_shot" if relayed else None}})
             yield _sse("[DONE]")
 
@@ -177,7 +177,7 @@ def test_replay_builds_turns_from_returned_ids_and_records_failures(server_url):
     assert [r.cached_tokens for r in s0] == [0, 306, len(second) + 4]
     assert [r.pipeline for r in s0] == ["P-RLD-MD", "P-MD", "P-MD"]
     assert [r.handoff for r in s0] == ["one_shot", None, None]
-    assert s0[0].rld_output_tokens + s0[0].md_output_tokens == 6
+    assert s0[0].relay_output_tokens + s0[0].main_output_tokens == 6
     for r in s0:
         assert 0 < r.ttft_ms <= r.e2e_ms
         assert r.tpot_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / (r.output_tokens - 1))

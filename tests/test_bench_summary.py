@@ -12,7 +12,7 @@ from pdd.record import RequestRecord
 
 CONTRACT_KEYS = {"requests", "completed", "failed", "ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms",
                  "prompt_tokens", "output_tokens", "p_hit_tokens", "d_hit_tokens", "wan_bytes",
-                 "rld_output_tokens", "md_output_tokens", "pipelines", "handoffs",
+                 "relay_output_tokens", "main_output_tokens", "pipelines", "handoffs",
                  "slo_attainment", "d_hit_rate", "duration_s", "output_tokens_per_s"}
 
 
@@ -23,8 +23,8 @@ def _ok(i: int, ttft: float, tpot: float | None, *, pipeline: str | None = "P-MD
     return RequestRecord(id=f"{i}-0", session=i, turn=0, start_s=i * 0.5, prompt_tokens=100,
                          output_tokens=output, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e,
                          max_itl_ms=itl, cached_tokens=90, pipeline=pipeline, p_hit_tokens=90,
-                         d_hit_tokens=80, wan_bytes=1000, rld_output_tokens=1 if handoff else 0,
-                         md_output_tokens=output - (1 if handoff else 0), handoff=handoff)
+                         d_hit_tokens=80, wan_bytes=1000, relay_output_tokens=1 if handoff else 0,
+                         main_output_tokens=output - (1 if handoff else 0), handoff=handoff)
 
 
 def _failed(i: int) -> RequestRecord:
@@ -60,7 +60,7 @@ def test_counts_sums_and_shares(records):
     assert summary["prompt_tokens"] == 400 and summary["output_tokens"] == 34
     assert summary["p_hit_tokens"] == 360 and summary["d_hit_tokens"] == 320
     assert summary["d_hit_rate"] == pytest.approx(0.8)
-    assert summary["rld_output_tokens"] == 2 and summary["md_output_tokens"] == 32
+    assert summary["relay_output_tokens"] == 2 and summary["main_output_tokens"] == 32
     assert summary["pipelines"] == {"P-MD": 1, "P-RLD-MD": 2, "P-RLD": 1}
     assert summary["handoffs"] == {"one_shot": 1, "catch_up": 1}
     # Without a server counter, WAN bytes are the per-request sum, failed ones included.
@@ -144,7 +144,7 @@ def test_the_headline_divides_pdd_by_the_baselines_at_equal_hardware_and_grades_
 
     def mode(ttft_p99: float, itl_p99: float, rld: int = 0) -> dict:
         return {"ttft_ms": {"p99": ttft_p99}, "max_itl_ms": {"p99": itl_p99}, "output_tokens": 1000,
-                "rld_output_tokens": rld}
+                "relay_output_tokens": rld}
 
     run = {"pd-same-dc": mode(100.0, 10.0), "pd-same-dc:main=2": mode(500.0, 40.0), "pd-cross-dc": mode(1000.0, 50.0),
            "pdd": mode(550.0, 70.0, rld=150)}

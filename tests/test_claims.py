@@ -184,7 +184,7 @@ def test_pd_same_dc_greedy_equals_colocated(colocated):
     records = [g["pdd"] for g in got]
     assert {r["pipeline"] for r in records} == {"P-MD"}
     assert all(r["instances"] == {"entry": "p0", "relay": None, "main": "md0"} for r in records)
-    assert all(r["md_output_tokens"] == 40 and r["wan_bytes"] == 0 for r in records), records
+    assert all(r["main_output_tokens"] == 40 and r["wan_bytes"] == 0 for r in records), records
     assert records[1]["d_hit_tokens"] >= 288  # the second shares the first's 300 tokens at MD
 
 

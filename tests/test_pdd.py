@@ -84,7 +84,7 @@ def _fallbacks(url: str) -> dict[str, float]:
 
 def _said(*streams: dict) -> dict[str, int]:
     """The fallbacks these responses' records report, by kind."""
-    return dict(Counter(k for s in streams for k in (s["record"]["fallback"] or "").split(",") if k))
+    return dict(Counter(k for s in streams for k in s["record"]["fallbacks"]))
 
 
 def _held(url: str) -> int:
@@ -190,7 +190,7 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
     assert guided["ids"] == reference["guided"] and guided["finish_reason"] == "stop"
     if variant != "pd-cross-dc" and variant != "P-MD":  # produced by P, the relay and MD
         for r in (logprobs["record"], guided["record"], *(a[0]["record"] for a in agent)):
-            assert r["rld_output_tokens"] > 0 and r["md_output_tokens"] > 0, r
+            assert r["relay_output_tokens"] > 0 and r["main_output_tokens"] > 0, r
     # no seed given: the server chose one, every producer drew from it, and it replays anywhere
     server_seed = unseeded["record"]["seed"]
     assert isinstance(server_seed, int), unseeded["record"]
@@ -202,16 +202,16 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
     if want == "P-RLD-MD":  # every request was handed over, in the configured mode
         mode_name = policy["handoff"]
         print(f"\n{variant}: (relay tokens, handed over, chunks, MD stall ms)",
-              [(r["rld_output_tokens"], r["handoff_tokens"], r["handoff_chunks"],
+              [(r["relay_output_tokens"], r["handoff_tokens"], r["handoff_chunks"],
                 r["handoff_stall_ms"] and round(r["handoff_stall_ms"], 1)) for r in records])
         assert {r["handoff"] for r in records} == {mode_name}, records
-        assert all(r["md_output_tokens"] > 0 for r in records), records
+        assert all(r["main_output_tokens"] > 0 for r in records), records
         assert all(r["handoff_stall_ms"] is not None for r in records)
         if variant in ("catch-up-2", "catch-up-7"):
             assert max(r["handoff_chunks"] for r in records) >= 2
         assert stats[f"handoff:{mode_name}"] == len(records)
     else:
-        assert all(r["rld_output_tokens"] == 0 for r in records)
+        assert all(r["relay_output_tokens"] == 0 for r in records)
     assert stats.get("pipeline:P-RLD", 0) == 0
 
 
@@ -228,7 +228,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
     print(f"\nanomalous request: {short['record']['pipeline']}; MD after it {md_after['node']}, {md_after['kv']}; "
           f"long-output request: {normal['record']['pipeline']}, handoff {normal['record']['handoff']} "
-          f"after {normal['record']['rld_output_tokens']} relay tokens")
+          f"after {normal['record']['relay_output_tokens']} relay tokens")
     # nothing of it reached MD: no reservation was ever held there, no KV imported into its pool (the
     # line's byte counters cannot say this: heartbeats and the router's control traffic cross it too)
     assert md_after["node"]["peak_held"] == 0 and md_after["kv"]["free"] == md_after["kv"]["pages"], md_after
@@ -238,7 +238,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
     assert stats_p0_prefilled >= len(long_input) - 1
     assert short["record"]["wan_bytes"] == 0
     assert normal["record"]["pipeline"] == "P-RLD-MD" and normal["record"]["handoff"]
-    assert normal["record"]["md_output_tokens"] > 0  # it did not end on the relay
+    assert normal["record"]["main_output_tokens"] > 0  # it did not end on the relay
     assert stats["anomaly_filtered"] == 1 and stats.get("fallback:relay_finished", 0) == 0
 
 
@@ -288,7 +288,7 @@ num_pages = 210
     records = [r["record"] for r in done]
     print("\n(predicted hit, reserved hit, predicted KV ms, pipeline, handoff, relay tokens):",
           [(r["d_hit_predicted"], r["d_hit_tokens"], r["kv_predicted_ms"] and round(r["kv_predicted_ms"]),
-            r["pipeline"], r["handoff"], r["rld_output_tokens"]) for r in records],
+            r["pipeline"], r["handoff"], r["relay_output_tokens"]) for r in records],
           f"mirror drift {stats['mirror_drift_abs_tokens']} tokens")
     assert all(r["error"] is None for r in done)
     assert any(r["d_hit_predicted"] > r["d_hit_tokens"] for r in records), "MD should have evicted behind the router"
@@ -299,7 +299,7 @@ num_pages = 210
             assert r["handoff"], "a request through the relay must be handed over, not end there"
     # with 300-400-token outputs and 30 ms each way, a relay covers about half of a
     # request whose KV crosses; one that ended requests itself would be near 1
-    assert sum(r["rld_output_tokens"] for r in records) / sum(len(r["ids"]) for r in done) < 0.75
+    assert sum(r["relay_output_tokens"] for r in records) / sum(len(r["ids"]) for r in done) < 0.75
 
 
 # ---- failure paths ---------------------------------------------------------------------
@@ -336,7 +336,7 @@ def test_relay_killed_mid_request_main_finishes_it(reference, tmp_path):
         _settled([http["p0"], http["md0"]])
         fallbacks = _fallbacks(dep.url)
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
-    assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
+    assert "relay_lost" in got["record"]["fallbacks"] and got["record"]["main_output_tokens"] > 0
     assert fallbacks == _said(got), fallbacks  # /metrics counts what the record says
 
 
@@ -349,7 +349,7 @@ def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
         assert httpx.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
         fallbacks = _fallbacks(dep.url)
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
-    assert "main_lost" in got["record"]["fallback"] and got["record"]["rld_output_tokens"] == 120
+    assert "main_lost" in got["record"]["fallbacks"] and got["record"]["relay_output_tokens"] == 120
     assert fallbacks == _said(got), fallbacks
 
 
@@ -365,7 +365,7 @@ def test_line_blackholed_before_the_handoff_relay_finishes_it(reference, tmp_pat
         http = dep.http
         _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
     assert got["error"] is None and got["ids"] == reference["greedy"][3]
-    assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
+    assert got["record"]["relay_output_tokens"] == 120 and "relay_finished" in got["record"]["fallbacks"]
 
 
 @pytest.mark.parametrize("fault", ["kill", "blackhole"])
@@ -417,7 +417,7 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, 
         _settled([dep.http["p1"], dep.http["md0"]])
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert got["record"]["retries"] == 1 and got["record"]["instances"]["entry"] == "p1"
-    assert "prefill_retry" in got["record"]["fallback"]
+    assert "prefill_retry" in got["record"]["fallbacks"]
 
 
 # ---- liveness --------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def test_new_requests_route_around_a_silent_main_to_the_relay(tmp_path):
         http = dep.http
         _settled([http["p0"], http["rld0"], http["md0"]], timeout=30)
     assert before["error"] is None and during["error"] is None and during["ids"] == before["ids"]
-    assert "no_main" in during["record"]["fallback"] and during["record"]["rld_output_tokens"] == 60
+    assert "no_main" in during["record"]["fallbacks"] and during["record"]["relay_output_tokens"] == 60
     assert took < 10.0
 
 
@@ -543,7 +543,7 @@ def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):
             got = running.result(timeout=120)
     _settled(list(dep.http.values()), timeout=60)
     assert got["error"] is None and got["ids"] == reference["greedy"][3]
-    assert got["record"]["rld_output_tokens"] == 120 and "relay_finished" in got["record"]["fallback"]
+    assert got["record"]["relay_output_tokens"] == 120 and "relay_finished" in got["record"]["fallbacks"]
 
 
 def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, colocated):
@@ -564,10 +564,10 @@ def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, coloc
     turn = prompt + first["ids"] + [rng.randrange(16, 4096) for _ in range(30)]
     second = _stream(dep.url, turn, 20)
     counted = {k: v - fallbacks.get(k, 0) for k, v in _fallbacks(dep.url).items() if v != fallbacks.get(k, 0)}
-    print(f"\nfill: first turn {first['record']['fallback']}, next turn's hit at MD "
+    print(f"\nfill: first turn {first['record']['fallbacks']}, next turn's hit at MD "
           f"{second['record']['d_hit_tokens']} of {len(turn)}; fallbacks counted {counted}")
     assert first["error"] is None and first["ids"] == colocated(prompt, 40)
-    assert first["record"]["rld_output_tokens"] == 40 and "relay_finished" in first["record"]["fallback"]
+    assert first["record"]["relay_output_tokens"] == 40 and "relay_finished" in first["record"]["fallbacks"]
     held = (len(prompt) + len(first["ids"])) // 16 * 16  # prompt and output, in whole pages
     assert second["record"]["d_hit_tokens"] >= held > len(prompt), second["record"]
     assert second["error"] is None and second["ids"] == colocated(turn, 20)
@@ -589,7 +589,7 @@ def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(patien
         wait_until(lambda: not _held(md), 60, "MD to take in the three turns' KV and fills")
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == colocated(p, 16), g["record"]
-        assert g["record"]["rld_output_tokens"] == 16 and "relay_finished" in g["record"]["fallback"]
+        assert g["record"]["relay_output_tokens"] == 16 and "relay_finished" in g["record"]["fallbacks"]
     assert _stats(md)["node"]["prefix_waits_expired"] == expired
 
 

@@ -102,15 +102,16 @@ def test_pdd_mode_on_the_checkpoint_equals_one_instance_and_transformers(synth: 
         runs = [_complete(dep.url, "synth", p) for p in _prompts()]
         chat = _chat(dep.url, "synth")
     print("\n(relay tokens, MD tokens, handoff) per request:",
-          [(r["pdd"]["rld_output_tokens"], r["pdd"]["md_output_tokens"], r["pdd"]["handoff"]) for r in runs + [chat]])
+          [(r["pdd"]["relay_output_tokens"], r["pdd"]["main_output_tokens"], r["pdd"]["handoff"])
+           for r in runs + [chat]])
     assert [r["choices"][0]["token_ids"] for r in runs] == colocated
     assert chat["choices"][0]["token_ids"] == colocated_chat["choices"][0]["token_ids"]
     # every request through the relay; those MD took over (on a loaded machine the relay may
     # finish one alone first) by catch-up, and at least one was
     assert all(r["pdd"]["pipeline"] == "P-RLD-MD" for r in runs + [chat])
-    handed = [r["pdd"]["handoff"] for r in runs + [chat] if r["pdd"]["md_output_tokens"] > 0]
+    handed = [r["pdd"]["handoff"] for r in runs + [chat] if r["pdd"]["main_output_tokens"] > 0]
     assert handed and set(handed) == {"catch_up"}, handed
-    assert all(r["pdd"]["rld_output_tokens"] > 0 for r in runs + [chat])
+    assert all(r["pdd"]["relay_output_tokens"] > 0 for r in runs + [chat])
 
 
 def test_a_model_not_cached_or_not_supported_stops_up_and_serve_with_the_reason(

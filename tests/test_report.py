@@ -45,8 +45,8 @@ def _summaries() -> dict[str, dict]:
         "pd-same-dc": _summary([_record(i, 60.0 + i, **hits) for i in range(10)]),
         "pd-cross-dc": _summary([_record(i, 300.0 + 900 * (i >= 8), wan_bytes=100_000, **hits)
                                  for i in range(10)], wan_bytes=1_000_000),
-        "pdd": _summary([_record(i, 80.0, wan_bytes=100_000, rld_output_tokens=2,
-                                 md_output_tokens=18, pipeline="P-RLD-MD" if i < 3 else "P-MD",
+        "pdd": _summary([_record(i, 80.0, wan_bytes=100_000, relay_output_tokens=2,
+                                 main_output_tokens=18, pipeline="P-RLD-MD" if i < 3 else "P-MD",
                                  handoff="one_shot" if i < 3 else None, handoff_tokens=2 if i < 3 else 0,
                                  handoff_stall_ms=12.0 + i if i < 3 else None, **hits)
                          for i in range(10)], wan_bytes=1_000_000),
@@ -62,7 +62,7 @@ def test_report_files_follow_the_contract(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"modes", "meta"}
     assert list(report["modes"]) == ["colocated", "pd-same-dc", "pd-cross-dc", "pdd"]
-    assert report["modes"]["pdd"]["rld_output_tokens"] == 20
+    assert report["modes"]["pdd"]["relay_output_tokens"] == 20
     assert report["meta"] == meta
 
     pngs = sorted(p for p in paths.values() if p.suffix == ".png")

@@ -126,7 +126,7 @@ def _complete(url: str, max_tokens: int, **extra) -> dict:
 def _handed_over(body: dict, before: int | None = None) -> bool:
     """Both the relay and MD produced some of it (MD from position `before` at the latest)."""
     record = body["pdd"]
-    handed = record["pipeline"] == "P-RLD-MD" and record["handoff"] and record["md_output_tokens"] > 0
+    handed = record["pipeline"] == "P-RLD-MD" and record["handoff"] and record["main_output_tokens"] > 0
     return bool(handed) and (before is None or record["handoff_tokens"] <= before)
 
 

@@ -148,8 +148,8 @@ def test_a_relay_that_cannot_hold_the_request_leaves_it_to_the_main_instance() -
     cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(20_000, 200),), 0)])
     (o,) = cluster.records
     assert o.error is None, o
-    assert o.pipeline == Pipeline.P_MD and o.fallback == Fallback.RELAY_BUSY, o
-    assert o.output_tokens == o.max_tokens and o.md_output_tokens == o.max_tokens, o
+    assert o.pipeline == Pipeline.P_MD and o.fallbacks == [Fallback.RELAY_BUSY], o
+    assert o.output_tokens == o.max_tokens and o.main_output_tokens == o.max_tokens, o
     assert o.ttft_ms < 5000, o  # no wait for a refusal: the relay answers at once
     assert all(i.used == 0 for i in cluster.instances.values())
 
@@ -170,7 +170,7 @@ def test_under_overload_every_admitted_request_completes_and_a_small_relay_stays
     assert [o for o in records if o.error is not None] == []
     assert all(o.output_tokens == o.max_tokens for o in records)
     assert sum(o.ttft_ms > 45_000 for o in records) > len(records) // 4  # they waited, and were served
-    assert sum(Fallback.RELAY_BUSY in (o.fallback or "") for o in records) > 0  # the relay turned some away
+    assert sum(Fallback.RELAY_BUSY in o.fallbacks for o in records) > 0  # the relay turned some away
     assert cluster.instances["relay0@A"].stats.peak_held <= relay.max_running
     # the router, not MD's line, holds the waiting requests (without dispatch by room MD would hold them all)
     assert cluster.instances["main0@B"].stats.peak_held <= len(sessions) // 2
@@ -476,7 +476,7 @@ def test_anomalous_request_is_prefilled_on_p_and_decoded_wholly_on_the_relay() -
     (o,) = cluster.records
     assert o.error is None and o.anomalous
     assert o.pipeline == Pipeline.P_RLD
-    assert o.output_tokens == o.rld_output_tokens == 32 and o.md_output_tokens == 0
+    assert o.output_tokens == o.relay_output_tokens == 32 and o.main_output_tokens == 0
     assert o.wan_bytes == 0 and o.handoff is None
     # P prefilled it (not the relay, whose streams its chunks would stall); the relay decoded
     # all of it; the main instances saw nothing
@@ -500,8 +500,8 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     assert first.error is None and not first.anomalous
     assert first.pipeline == Pipeline.P_RLD_MD
     assert first.handoff in (HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP)
-    assert first.handoff_tokens >= 1 and first.md_output_tokens >= 1
-    assert first.rld_output_tokens + first.md_output_tokens == first.output_tokens == output
+    assert first.handoff_tokens >= 1 and first.main_output_tokens >= 1
+    assert first.relay_output_tokens + first.main_output_tokens == first.output_tokens == output
     assert first.wan_bytes == prompt * KVB
     assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
     assert second.error is None and not second.anomalous and second.pipeline == Pipeline.P_MD

@@ -165,7 +165,7 @@ def test_a_whole_deployment_runs_the_same_with_and_without_stretches() -> None:
     slow, slow_events = simulate(dataclasses.replace(spec, stretches=False), sessions)
     key = lambda o: (o.session, o.turn)  # noqa: E731
     for a, b in zip(sorted(fast, key=key), sorted(slow, key=key), strict=True):
-        assert (a.pipeline, a.handoff, a.output_tokens, a.rld_output_tokens, a.error) == \
-               (b.pipeline, b.handoff, b.output_tokens, b.rld_output_tokens, b.error), (a, b)
+        assert (a.pipeline, a.handoff, a.output_tokens, a.relay_output_tokens, a.error) == \
+               (b.pipeline, b.handoff, b.output_tokens, b.relay_output_tokens, b.error), (a, b)
         assert a.ttft_ms == pytest.approx(b.ttft_ms, rel=1e-9) and a.e2e_ms == pytest.approx(b.e2e_ms, rel=1e-9)
     assert fast_events < slow_events / 5  # what the stretches are for

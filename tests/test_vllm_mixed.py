@@ -76,7 +76,7 @@ def test_seeded_shaped_sampling_is_the_same_draw_on_either_engine(dep, tiny_mode
         first = prompt(200 + 2 * attempt, 600)
         got = stream_completion(dep.url, first, 120, **SHAPED)
         assert got["ids"] == engine.generate([first], params)[0]
-        if got["record"]["md_output_tokens"] > 0:
+        if got["record"]["main_output_tokens"] > 0:
             break
     else:
         raise AssertionError(f"four requests in a row were not handed over to MD in time: {got['record']}")
@@ -96,5 +96,5 @@ def test_a_scripted_agent_session_on_vllm_equals_the_embedded_engines(dep, tiny_
         want = [agent_session(url, temperature=0), agent_session(url, **SEEDED)]
     assert [[t["ids"] for t in a] for a in got] == [[t["ids"] for t in a] for a in want]
     print(f"\n{sorted(dep.on_vllm)} on vLLM: the call's producers (relay, MD tokens):",
-          [(a[0]["record"]["rld_output_tokens"], a[0]["record"]["md_output_tokens"]) for a in got])
+          [(a[0]["record"]["relay_output_tokens"], a[0]["record"]["main_output_tokens"]) for a in got])
     _settled(dep)

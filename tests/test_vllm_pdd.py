@@ -139,7 +139,7 @@ def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(dep, m
                    timeout=5).raise_for_status()
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == moe_reference.greedy(p, 16), g["record"]
-    assert [(g["record"]["pipeline"], g["record"]["md_output_tokens"]) for g in done] == [("P-RLD-MD", 0)] * 3
+    assert [(g["record"]["pipeline"], g["record"]["main_output_tokens"]) for g in done] == [("P-RLD-MD", 0)] * 3
     assert _node(md)["prefix_waits_expired"] == expired
     vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
 
@@ -169,7 +169,7 @@ def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, moe_refere
             got["record"] = chunk.get("pdd") or got.get("record")
             got["error"] = chunk.get("error") or got.get("error")
     assert got.get("error") is None and got["ids"] == moe_reference.greedy(long_prompt, 300)
-    assert "relay_lost" in got["record"]["fallback"] and got["record"]["md_output_tokens"] > 0
+    assert "relay_lost" in got["record"]["fallbacks"] and got["record"]["main_output_tokens"] > 0
     vllm_settled([dep.http["p0"], dep.http["md0"]])
     wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_core), 15,
                "the dead relay's vLLM processes to go")

@@ -70,8 +70,8 @@ def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict
     assert [(len(g["ids"]), g["finish_reason"]) for g in done] == [(OUTPUT, "length")] * 6 + [(long, "length")]
     print(f"\nstall {stall_s:.2f} s for a {long}-token output; (pipeline, handoff, relay tokens, MD tokens, "
           "reserved hit, predicted hit):",
-          [(g["record"]["pipeline"], g["record"]["handoff"], g["record"]["rld_output_tokens"],
-            g["record"]["md_output_tokens"], g["record"]["d_hit_tokens"], g["record"]["d_hit_predicted"])
+          [(g["record"]["pipeline"], g["record"]["handoff"], g["record"]["relay_output_tokens"],
+            g["record"]["main_output_tokens"], g["record"]["d_hit_tokens"], g["record"]["d_hit_predicted"])
            for g in done])
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == reference.greedy(p, len(g["ids"])), g["record"]
@@ -88,7 +88,7 @@ def assert_pdd_shapes(done: list[dict]) -> None:
     assert got[:3] == [("P-RLD-MD", "one_shot")] * 3, got
     assert got[3:6] == [("P-MD", None)] * 3, got
     assert got[6] == ("P-RLD-MD", "catch_up") and done[6]["record"]["handoff_chunks"] >= 2, got
-    assert all(g["record"]["md_output_tokens"] > 0 for g in done)
+    assert all(g["record"]["main_output_tokens"] > 0 for g in done)
 
 
 def rid(got: dict) -> str:

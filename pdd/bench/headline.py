@@ -67,12 +67,12 @@ def headlines(summaries: Mapping[str, Mapping[str, Any]]) -> list[Headline]:
     pdd = summaries.get(Mode.PDD)
     share = None
     if pdd is not None and pdd["output_tokens"]:
-        share = pdd["rld_output_tokens"] / pdd["output_tokens"]
+        share = pdd["relay_output_tokens"] / pdd["output_tokens"]
     return [
         Headline("PDD / same-dc PD, TTFT P99", ttft_same, 1.2, True, basis_same),
         Headline("PDD / cross-dc PD, TTFT P99", ttft_cross, 0.5, True, basis_cross),
         Headline("PDD / same-dc PD, max ITL P99", itl, 1.5, True, basis_itl),
-        Headline("RLD share of output tokens", share, 0.15, False, "rld_output_tokens / output_tokens", percent=True),
+        Headline("RLD share of output tokens", share, 0.15, False, "relay_output_tokens / output_tokens", percent=True),
     ]
 
 

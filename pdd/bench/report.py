@@ -180,8 +180,8 @@ def _wan_plot(summaries: Summaries) -> Figure | None:
 def _producer_plot(summaries: Summaries) -> Figure | None:
     """Who produced the output tokens, and through which pipeline requests went."""
     modes = list(summaries)
-    rld = [summaries[m].get("rld_output_tokens") or 0 for m in modes]
-    md = [summaries[m].get("md_output_tokens") or 0 for m in modes]
+    rld = [summaries[m].get("relay_output_tokens") or 0 for m in modes]
+    md = [summaries[m].get("main_output_tokens") or 0 for m in modes]
     counts: dict[str, list[int]] = {
         p: [(summaries[m].get("pipelines") or {}).get(p) or 0 for m in modes] for p in PIPELINES
     }

@@ -88,7 +88,7 @@ def summarize(
     d_hit = sum(r.d_hit_tokens for r in done)
     pipelines = dict.fromkeys(PIPELINES, 0) | Counter(r.pipeline for r in done if r.pipeline)
     handoffs = dict.fromkeys(HANDOFFS, 0) | Counter(r.handoff for r in done if r.handoff)
-    fallbacks = Counter(kind for r in done if r.fallback for kind in r.fallback.split(","))
+    fallbacks = Counter(kind for r in done for kind in r.fallbacks)
     duration = _duration_s(records)
     summary: dict[str, Any] = {
         "requests": len(records),
@@ -104,8 +104,8 @@ def summarize(
         "p_hit_rate": p_hit / prompt_tokens if prompt_tokens else None,
         "d_hit_rate": d_hit / prompt_tokens if prompt_tokens else None,
         "wan_bytes": wan_bytes if wan_bytes is not None else sum(r.wan_bytes for r in records),
-        "rld_output_tokens": sum(r.rld_output_tokens for r in done),
-        "md_output_tokens": sum(r.md_output_tokens for r in done),
+        "relay_output_tokens": sum(r.relay_output_tokens for r in done),
+        "main_output_tokens": sum(r.main_output_tokens for r in done),
         "pipelines": pipelines,
         "handoffs": handoffs,
         "handoff_tokens": sum(r.handoff_tokens for r in done),
@@ -171,8 +171,8 @@ _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("P hit", lambda s: _pct(s["p_hit_rate"])),
     ("D hit", lambda s: _pct(s["d_hit_rate"])),
     ("WAN bytes", lambda s: _bytes(s["wan_bytes"])),
-    ("RLD output tokens", lambda s: _share(s["rld_output_tokens"], s["output_tokens"])),
-    ("MD output tokens", lambda s: _share(s["md_output_tokens"], s["output_tokens"])),
+    ("RLD output tokens", lambda s: _share(s["relay_output_tokens"], s["output_tokens"])),
+    ("MD output tokens", lambda s: _share(s["main_output_tokens"], s["output_tokens"])),
     ("pipelines", lambda s: _counts({k: n for k, n in s["pipelines"].items() if n})),
     ("handoffs", lambda s: _counts(s["handoffs"])),
     (

@@ -41,7 +41,7 @@ class LocalBackend:
                     pipeline=Pipeline.COLOCATED,
                     p_hit_tokens=out.cached_tokens,
                     d_hit_tokens=out.cached_tokens,
-                    md_output_tokens=produced,
+                    main_output_tokens=produced,
                     seed=req.params.seed,
                 )
             yield event

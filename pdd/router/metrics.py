@@ -143,7 +143,7 @@ class RouterMetrics:
         self.completed += 1
         self.pipelines.labels(record.pipeline).inc()
         self.totals[f"pipeline:{record.pipeline}"] += 1
-        for tier, tokens in ((RoleName.RELAY, record.rld_output_tokens), (RoleName.MAIN, record.md_output_tokens)):
+        for tier, tokens in ((RoleName.RELAY, record.relay_output_tokens), (RoleName.MAIN, record.main_output_tokens)):
             self.output_tokens.labels(tier).inc(tokens)
             self.totals[f"tokens:{tier}"] += tokens
         if record.handoff:

@@ -66,9 +66,9 @@ def check(report: dict[str, Any], profile: LocalProfile) -> dict[str, Any]:
             for q in ("p50", "p90", "p99")
         }
         rows[mode]["tpot_p50"] = {"predicted": predicted["tpot_ms"]["p50"], "measured": measured["tpot_ms"]["p50"]}
-        rows[mode]["rld_output_tokens"] = {
-            "predicted": predicted["rld_output_tokens"],
-            "measured": measured["rld_output_tokens"],
+        rows[mode]["relay_output_tokens"] = {
+            "predicted": predicted["relay_output_tokens"],
+            "measured": measured["relay_output_tokens"],
         }
         rows[mode]["within"] = (
             abs(rows[mode]["p50"]["error"]) <= P50_TOLERANCE and abs(rows[mode]["p99"]["error"]) <= P99_TOLERANCE
@@ -106,7 +106,7 @@ def print_check(result: dict[str, Any], console: Console) -> None:
             cells += [f"{r[q]['predicted']:,.1f} / {r[q]['measured']:,.1f}", f"{r[q]['error']:+.0%}"]
         cells += [
             f"{r['tpot_p50']['predicted']:.1f} / {r['tpot_p50']['measured']:.1f}",
-            f"{r['rld_output_tokens']['predicted']:,} / {r['rld_output_tokens']['measured']:,}",
+            f"{r['relay_output_tokens']['predicted']:,} / {r['relay_output_tokens']['measured']:,}",
             "yes" if r["within"] else "NO",
         ]
         table.add_row(*cells)

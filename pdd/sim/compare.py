@@ -124,9 +124,9 @@ def _config(
         "utilisation": result["utilisation"],
         "slo_attainment": result["slo_attainment"],
         "offered_rps": result["offered_rps"],
-        "rld_share": result["rld_output_tokens"] / output if output else 0.0,
-        "rld_load_ratio": result["md_output_tokens"] / result["rld_output_tokens"]
-        if result["rld_output_tokens"]
+        "rld_share": result["relay_output_tokens"] / output if output else 0.0,
+        "rld_load_ratio": result["main_output_tokens"] / result["relay_output_tokens"]
+        if result["relay_output_tokens"]
         else None,
         "p_hit_rate": result["p_hit_tokens"] / result["prompt_tokens"] if result["prompt_tokens"] else None,
         "d_hit_rate": result["d_hit_rate"],

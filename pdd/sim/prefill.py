@@ -157,7 +157,7 @@ class PrefillPaths(ClusterParts):
             stream.take(seq)
         else:
             reserved[1].release()
-        rec.md_output_tokens = stream.tokens
+        rec.main_output_tokens = stream.tokens
 
     if TYPE_CHECKING:  # provided by the cluster's other halves
 

@@ -57,7 +57,7 @@ class RelayPaths(ClusterParts):
         rld_reserved[1].settle()  # the relay produces
         stream.emit(env.now)  # P's first token, streamed by the relay
         if out.max_tokens == 1:
-            out.rld_output_tokens = 1
+            out.relay_output_tokens = 1
             rld_reserved[1].release()
             if md_has_kv is not None:
                 self.env.process(self._drop_when(md_has_kv))
@@ -69,14 +69,14 @@ class RelayPaths(ClusterParts):
         if md_has_kv is None:
             yield finished
             stream.take(rseq)
-            out.rld_output_tokens = stream.tokens
+            out.relay_output_tokens = stream.tokens
             return
         assert md is not None  # md_has_kv is its landing
         yield finished | md_has_kv
         if not md_has_kv.triggered or md_has_kv.value is None:
             yield finished
             stream.take(rseq)
-            out.rld_output_tokens = stream.tokens
+            out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
@@ -85,7 +85,7 @@ class RelayPaths(ClusterParts):
         yield env.timeout(self.link(p, md).line.one_way_ms / 1000 + self.link(p, rld).line.one_way_ms / 1000)
         if rseq.done:
             stream.take(rseq)
-            out.rld_output_tokens = stream.tokens
+            out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
@@ -191,14 +191,14 @@ class RelayPaths(ClusterParts):
             mseq.on_computed = None
         if rseq.done:
             stream.take(rseq)
-            out.rld_output_tokens = stream.tokens
+            out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
             self.env.process(self._fill(rld, md, None, s, out, mseq, sent))
             return
         rld.stop(rseq)
         relayed = 1 + rseq.produced
         stream.take(rseq)
-        out.rld_output_tokens = relayed
+        out.relay_output_tokens = relayed
         out.handoff_tokens = relayed
         out.handoff_chunks += 1
         yield env.timeout(one_way)
@@ -210,4 +210,4 @@ class RelayPaths(ClusterParts):
         assert first_s is not None and last_s is not None  # MD produced after the relay's last token
         out.handoff_stall_ms = 1000 * (first_s - last_s)
         stream.take(mseq)
-        out.md_output_tokens = mseq.produced
+        out.main_output_tokens = mseq.produced

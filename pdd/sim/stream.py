@@ -67,10 +67,9 @@ class Stream:
 
 
 def fell_back(rec: RequestRecord, reason: str) -> None:
-    """Count what the request survived, as the router does (comma-separated, once each)."""
-    reasons = rec.fallback.split(",") if rec.fallback else []
-    if reason not in reasons:
-        rec.fallback = ",".join([*reasons, reason])
+    """Count what the request survived, as the router does (once each)."""
+    if reason not in rec.fallbacks:
+        rec.fallbacks.append(reason)
 
 
 def ended(records: Sequence[RequestRecord]) -> list[RequestRecord]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -41,7 +41,7 @@ class SoakOutcome:
     rid: str | None = None  # the router's id, from the first chunk (for its logs)
     detail: str | None = None  # the error, or why the request counts as lost
     pipeline: str | None = None
-    fallback: str | None = None
+    fallbacks: list[str] = field(default_factory=list)
     retry_after_s: float = BACKOFF_S  # how long the client waits before its next request, after a failure
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,7 +127,7 @@ async def send(
         out.outcome, out.detail = LOST, f"malformed stream: {exc}"
     out.end = time.monotonic() - t0
     out.tokens, out.rid = stream.tokens, stream.rid
-    out.pipeline, out.fallback = stream.record.get("pipeline"), stream.record.get("fallback")
+    out.pipeline, out.fallbacks = stream.record.get("pipeline"), stream.record.get("fallbacks") or []
     return out
 
 

@@ -195,7 +195,7 @@ class Run:
             "failed_reasons": report.reasons(outcomes, FAILED),
             "lost_requests": [o.to_dict() for o in outcomes if o.outcome == LOST],
             "pipelines": report.counter(o.pipeline for o in outcomes if o.outcome == COMPLETED),
-            "fallbacks": report.counter(o.fallback for o in outcomes if o.fallback),
+            "fallbacks": report.counter(kind for o in outcomes for kind in o.fallbacks),
             "wall_s": self._now(),
             "requests": [o.to_dict() for o in outcomes],
         }
