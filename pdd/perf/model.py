@@ -18,7 +18,10 @@ BF16 = 2.0
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
+    """A model's size and shape, as the step model prices it (not `pdd.config.ModelSpec`,
+    which names the checkpoint a deployment serves)."""
+
     name: str
     layers: int
     moe_layers: int  # layers whose FFN is routed experts (0: a dense model)
@@ -61,7 +64,7 @@ class ModelSpec:
             self.dense_params + self.embedding_params
         ) * self.dense_bytes_per_param + self.routed_params * self.expert_bytes_per_param
 
-    def with_expert_precision(self, bytes_per_param: float, fp8: bool) -> ModelSpec:
+    def with_expert_precision(self, bytes_per_param: float, fp8: bool) -> ModelShape:
         return replace(self, expert_bytes_per_param=bytes_per_param, expert_fp8=fp8)
 
     def to_dict(self) -> dict[str, object]:
@@ -72,7 +75,7 @@ class ModelSpec:
         }
 
 
-def _kimi_k2() -> ModelSpec:
+def _kimi_k2() -> ModelShape:
     """Kimi K2's published config.json: 61 layers (1 dense, 60 MoE), hidden 7,168, 384
     routed experts of FFN width 2,048 (top 8) plus one shared, MLA with 64 heads
     (q rank 1,536, kv rank 512, rope 64, nope 128, v 128), vocabulary 163,840; 1.03T
@@ -83,7 +86,7 @@ def _kimi_k2() -> ModelSpec:
     expert = 3 * hidden * 2048
     attention = hidden * 1536 + 1536 * heads * 192 + hidden * (512 + 64) + 512 * heads * 256 + heads * 128 * hidden
     dense = layers * attention + 60 * expert + 3 * hidden * 18432 + vocab * hidden  # + shared experts, FFN 0, head
-    return ModelSpec(
+    return ModelShape(
         "paper-1t",
         layers=layers,
         moe_layers=60,
@@ -104,7 +107,7 @@ def _kimi_k2() -> ModelSpec:
     )
 
 
-def dense_twin(model: ModelSpec) -> ModelSpec:
+def dense_twin(model: ModelShape) -> ModelShape:
     """A dense model of the same active size: every parameter read by every step."""
     return replace(
         model,
@@ -118,6 +121,6 @@ def dense_twin(model: ModelSpec) -> ModelSpec:
     )
 
 
-MODELS: dict[str, ModelSpec] = {"paper-1t": _kimi_k2()}
+MODELS: dict[str, ModelShape] = {"paper-1t": _kimi_k2()}
 SPEC_MODEL = "paper-1t"  # the spec's model
 SPEC_CONTEXT = 65536  # the spec's evaluation context, which its thresholds are stated for

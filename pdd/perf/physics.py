@@ -36,7 +36,7 @@ from functools import lru_cache
 import numpy as np
 
 from pdd.perf.hardware import Chip
-from pdd.perf.model import ModelSpec
+from pdd.perf.model import ModelShape
 from pdd.perf.steps import StepLoad
 
 GPUS_PER_NODE = 8
@@ -89,7 +89,7 @@ class Physics:
     expert-parallel MoE."""
 
     chip: Chip
-    model: ModelSpec
+    model: ModelShape
     gpus: int
     eff: Efficiency = Efficiency()
     # decode_s's per-batch-size costs (not a field: a cache)
@@ -190,14 +190,14 @@ class Physics:
         }
 
 
-def kv_capacity_tokens(chip: Chip, model: ModelSpec, gpus: int, memory_utilization: float) -> int:
+def kv_capacity_tokens(chip: Chip, model: ModelShape, gpus: int, memory_utilization: float) -> int:
     """KV tokens one instance of `gpus` chips holds: its memory, less the weights
     (negative: they do not fit)."""
     room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes
     return int(room / model.kv_bytes_per_token)
 
 
-def instance_gpus(chip: Chip, model: ModelSpec, memory_utilization: float, contexts: int, context: int) -> int | None:
+def instance_gpus(chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int) -> int | None:
     """Whole nodes, the fewest whose memory holds the weights and `contexts` full contexts
     of `context` tokens (None: not even 4 nodes do)."""
     for nodes in (1, 2, 4):

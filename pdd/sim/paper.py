@@ -15,7 +15,7 @@ from typing import Any
 from pdd.config import PolicySpec
 from pdd.perf.decode import DecodeRate, decode_rate
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
-from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL, ModelSpec
+from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL, ModelShape
 from pdd.perf.physics import (
     GPUS_PER_NODE,
     MEMORY_UTILIZATION,
@@ -65,7 +65,7 @@ class Setting:
 
     a: Chip = CATALOG["A"]
     b: Chip = CATALOG["B"]
-    model: ModelSpec = MODEL
+    model: ModelShape = MODEL
     memory_utilization: float = MEMORY_UTILIZATION
     eff: Efficiency = field(default_factory=Efficiency)
     tcp: Tcp = field(default_factory=Tcp)
