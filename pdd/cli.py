@@ -19,15 +19,15 @@ _COMMANDS: dict[str, str] = {
     "serve": "pdd.instance.cli",
     "router": "pdd.router.cli",
     "drain": "pdd.router.drain",
-    "up": "pdd.deploy",
-    "wan": "pdd.wan.cli",
+    "up": "pdd.lab.deploy",
+    "wan": "pdd.lab.wan.cli",
     "cert": "pdd.transfer.tls",
-    "netns": "pdd.netns.cli",
-    "soak": "pdd.soak.cli",
-    "bench": "pdd.bench.cli",
-    "demo": "pdd.demo",
-    "sim": "pdd.sim.cli",
-    "plan": "pdd.sim.cli:add_plan_parser",
+    "netns": "pdd.lab.netns.cli",
+    "soak": "pdd.lab.soak.cli",
+    "bench": "pdd.lab.bench.cli",
+    "demo": "pdd.lab.demo",
+    "sim": "pdd.lab.sim.cli",
+    "plan": "pdd.lab.sim.cli:add_plan_parser",
 }
 
 

@@ -5,7 +5,7 @@ request ran: pipeline, hits, bytes on the line, producers, handoff, fallbacks) a
 send it as the `pdd` object of every response; `pdd bench` adds what only a client
 sees (its timings) and reads the server's part back from that object; the simulator
 fills both. So a live column and a simulated one are the same type, summarised by the
-same code (`pdd.bench.summary`).
+same code (`pdd.lab.bench.summary`).
 
 Times are milliseconds; `start_s` is seconds since the run started (None for a turn
 never sent because an earlier turn of its session failed).

@@ -18,7 +18,7 @@ import yaml
 from procs import free_port, stop_group
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdd.deploy import wait_http
+from pdd.lab.deploy import wait_http
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "pdd.json"

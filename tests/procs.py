@@ -18,9 +18,9 @@ import httpx
 import jsonschema
 import openai
 
-from pdd import deploy
-from pdd.deploy import wait_http
 from pdd.engine_port import EngineConfig
+from pdd.lab import deploy
+from pdd.lab.deploy import wait_http
 
 _DRAWN: set[int] = set()  # every port this test process drew: a test's several draws never repeat
 

@@ -22,10 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from procs import free_port
 
-from pdd.bench.client import replay
 from pdd.cli import main
+from pdd.lab.bench.client import replay
+from pdd.lab.workload.types import Session, Turn
 from pdd.policy.prefix import common_prefix
-from pdd.workload.types import Session, Turn
 
 # A prompt ending in one of these IDs (below the workloads' low_id, so never generated)
 # makes the fake fail.
@@ -260,8 +260,8 @@ def test_cli_unreachable_server_is_an_error_not_a_crash(tmp_path, capsys):
 
 
 def test_the_workload_follows_the_served_model(monkeypatch, capsys):
-    from pdd.bench import cli as bench_cli
     from pdd.cli import build_parser
+    from pdd.lab.bench import cli as bench_cli
 
     def plan(*extra: str) -> tuple[list, dict]:
         argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "30", *extra]

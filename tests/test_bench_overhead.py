@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.bench.overhead import compare, metrics_of
+from pdd.lab.bench.overhead import compare, metrics_of
 
 
 def _pair(vllm: dict, pdd: dict) -> dict:
@@ -55,7 +55,7 @@ def test_metrics_come_from_a_bench_summary():
 def test_the_control_runs_plain_vllm_in_pdds_place(tiny_model_dir):
     import argparse
 
-    from pdd.bench.overhead import _commands
+    from pdd.lab.bench.overhead import _commands
 
     args = argparse.Namespace(vllm_layout="in-process", kv_cache_gib=1, threads=1, control=False)
     measured = _commands(tiny_model_dir, args)

@@ -7,7 +7,7 @@ import json
 import pytest
 from rich.console import Console
 
-from pdd.bench.summary import format_table, summarize
+from pdd.lab.bench.summary import format_table, summarize
 from pdd.record import RequestRecord
 
 CONTRACT_KEYS = {"requests", "completed", "failed", "ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms",
@@ -140,7 +140,7 @@ def test_a_summary_without_intervals_differs_only_by_them():
 
 
 def test_the_headline_divides_pdd_by_the_baselines_at_equal_hardware_and_grades_each_bound():
-    from pdd.bench.headline import headlines
+    from pdd.lab.bench.headline import headlines
 
     def mode(ttft_p99: float, itl_p99: float, rld: int = 0) -> dict:
         return {"ttft_ms": {"p99": ttft_p99}, "max_itl_ms": {"p99": itl_p99}, "output_tokens": 1000,

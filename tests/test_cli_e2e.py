@@ -112,7 +112,7 @@ def test_up_refuses_a_port_another_server_holds(tiny_model_dir):
     import sys
     import threading
 
-    from pdd.deploy import PortTaken, stop_group, wait_http
+    from pdd.lab.deploy import PortTaken, stop_group, wait_http
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:

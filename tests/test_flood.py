@@ -17,7 +17,7 @@ import httpx
 import pytest
 from procs import metrics, pdd_up, wait_until
 
-from pdd.bench.flood import flood
+from pdd.lab.bench.flood import flood
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
@@ -230,7 +230,7 @@ def test_background_copies_behind_a_stalled_line_leave_p_its_places(tmp_path):
 
 
 def test_flood_prompts_are_distinct_token_ids_of_the_vocabulary():
-    from pdd.bench.flood import _prompt
+    from pdd.lab.bench.flood import _prompt
 
     prompts = [_prompt(i, 150, 4096) for i in range(40)]
     assert len({tuple(p) for p in prompts}) == 40  # nothing shared: each costs its full KV

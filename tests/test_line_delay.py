@@ -1,4 +1,4 @@
-"""The lab line's delay hop (`pdd.netns.delay`): real delay on a real kernel path.
+"""The lab line's delay hop (`pdd.lab.netns.delay`): real delay on a real kernel path.
 
 Through a lab line with a one-way delay, `ping` shows the round trip; the kernels' TCP
 sees it, so a connection whose window is capped carries no more than that window per
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from pdd.netns.delay import LineDelay
-from pdd.netns.lab import lab, run_in
+from pdd.lab.netns.delay import LineDelay
+from pdd.lab.netns.lab import lab, run_in
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdd import config as cfg
-from pdd.deploy import resolve
+from pdd.lab.deploy import resolve
 
 TYPO = 'mode = "pdd"\n[router]\nprot = 8000\n'
 TYPO_SAYS = "typo.toml: [router] has unknown keys: ['prot']"

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from procs import pdd_up, rejected_frames
 
-from pdd.bench.client import run_bench
-from pdd.bench.summary import summarize
+from pdd.lab.bench.client import run_bench
+from pdd.lab.bench.summary import summarize
+from pdd.lab.workload.agentic import AgenticConfig, plan_sessions
 from pdd.transfer import wire
-from pdd.workload.agentic import AgenticConfig, plan_sessions
 
 KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head dim 64, fp32
 

@@ -18,14 +18,14 @@ import pytest
 
 from pdd import config as cfg
 from pdd.instance.peers import BULK_NOTSENT_LOWAT, PeerPool
-from pdd.netns.delay import LineDelay
-from pdd.netns.lab import lab, run_in
+from pdd.lab.netns.delay import LineDelay
+from pdd.lab.netns.lab import lab, run_in
+from pdd.lab.wan.line import WanLine
+from pdd.lab.wan.relay import Route, WanRelay
 from pdd.policy.transfer import Priority
 from pdd.sampling import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
-from pdd.wan.line import WanLine
-from pdd.wan.relay import Route, WanRelay
 
 KEY = b"k" * 32
 FRAME_BYTES = 64 * 1024  # one KV layer frame

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pdd import demo_deploy
-from pdd.bench.report import write_report
-from pdd.bench.summary import summarize
 from pdd.cli import main
+from pdd.lab import demo_deploy
+from pdd.lab.bench.report import write_report
+from pdd.lab.bench.summary import summarize
 from pdd.record import RequestRecord
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""The cluster simulator (`pdd.sim`): what a user of `pdd sim` would notice.
+"""The cluster simulator (`pdd.lab.sim`): what a user of `pdd sim` would notice.
 
 Every request is accounted for and no pool room leaks; a line never moves more bytes
 than its bandwidth allows, shared fairly; more bandwidth never slows a lone request;
@@ -17,13 +17,13 @@ import random
 import pytest
 import simpy
 
+from pdd.lab.sim import paper
+from pdd.lab.sim.cluster import Cluster, DeploymentSpec
+from pdd.lab.sim.link import SharedLink
+from pdd.lab.sim.workload import SimSession, SimTurn, agentic_sessions
 from pdd.names import Fallback, HandoffMode, Pipeline
 from pdd.perf.hardware import line
 from pdd.record import RequestRecord
-from pdd.sim import paper
-from pdd.sim.cluster import Cluster, DeploymentSpec
-from pdd.sim.link import SharedLink
-from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
 
 REQUESTS = 300
 KVB = paper.MODEL.kv_bytes_per_token
@@ -105,7 +105,7 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
     seen = {(o.session, o.turn) for o in outcomes}
     missing = [(s.id, k) for s in sessions for k in range(len(s.turns)) if (s.id, k) not in seen]
     # `pdd bench` records every turn: a failed one with its error, and the later turns of
-    # its session as failed "not sent" (pdd/bench/client.py `_run_session`).
+    # its session as failed "not sent" (pdd/lab/bench/client.py `_run_session`).
     if len(outcomes) != _requests(sessions):
         problems.append(f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
                         f"{len(missing)} never recorded, e.g. {missing[:5]}")
@@ -355,22 +355,22 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
 # Each decision the simulator makes, the module that calls it, and the live code that
 # calls the very same function.
 POLICIES = {
-    "plan_with_room": ("pdd.sim.cluster", "pdd.policy.plan"),  # = the router's plan(room=True): see below
-    "anomaly_rule": ("pdd.sim.cluster", "pdd.router.planning"),
-    "fits": ("pdd.sim.cluster", "pdd.router.planning"),
-    "pages_needed": ("pdd.sim.cluster", "pdd.router.planning"),
-    "relay_accepts": ("pdd.sim.reserve", "pdd.instance.relay"),
-    "prefix_holder": ("pdd.sim.reserve", "pdd.instance.receiver"),
-    "may_hold": ("pdd.sim.reserve", "pdd.instance.receiver"),
-    "reserve_retry_delay": ("pdd.sim.reserve", "pdd.instance.reservations"),
-    "choose_pipeline": ("pdd.sim.prefill", "pdd.instance.prefill"),
-    "answer_wait_s": ("pdd.sim.prefill", "pdd.instance.prefill"),
-    "main_refused": ("pdd.sim.prefill", "pdd.instance.prefill"),
-    "relay_refused": ("pdd.sim.prefill", "pdd.instance.prefill"),
-    "kv_range": ("pdd.sim.prefill", "pdd.instance.prefill"),
-    "choose_handoff": ("pdd.sim.relayed", "pdd.instance.relay"),
-    "cut_over": ("pdd.sim.relayed", "pdd.instance.relay"),
-    "occupancy": ("pdd.sim.relayed", "pdd.instance.relay"),
+    "plan_with_room": ("pdd.lab.sim.cluster", "pdd.policy.plan"),  # = the router's plan(room=True): see below
+    "anomaly_rule": ("pdd.lab.sim.cluster", "pdd.router.planning"),
+    "fits": ("pdd.lab.sim.cluster", "pdd.router.planning"),
+    "pages_needed": ("pdd.lab.sim.cluster", "pdd.router.planning"),
+    "relay_accepts": ("pdd.lab.sim.reserve", "pdd.instance.relay"),
+    "prefix_holder": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
+    "may_hold": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
+    "reserve_retry_delay": ("pdd.lab.sim.reserve", "pdd.instance.reservations"),
+    "choose_pipeline": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "answer_wait_s": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "main_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "relay_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "kv_range": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "choose_handoff": ("pdd.lab.sim.relayed", "pdd.instance.relay"),
+    "cut_over": ("pdd.lab.sim.relayed", "pdd.instance.relay"),
+    "occupancy": ("pdd.lab.sim.relayed", "pdd.instance.relay"),
 }
 # P's line estimate: the live prefill instance's `LineMeter`, every method it uses.
 METER = ("begin", "acked", "end", "in_flight", "round_trip")
@@ -388,9 +388,9 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
 
     from pdd.instance import prefill as live_prefill
     from pdd.instance import receiver
+    from pdd.lab.sim import prefill as sim_prefill
+    from pdd.lab.sim import relayed, reserve
     from pdd.policy.transfer import LineMeter
-    from pdd.sim import prefill as sim_prefill
-    from pdd.sim import relayed, reserve
 
     calls: dict[str, int] = {}
 
@@ -528,12 +528,12 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
     arrival that is not reserved (the two would wait for each other), but does once it is."""
     from types import SimpleNamespace
 
+    from pdd.lab.sim.instance import Instance
+    from pdd.lab.sim.reserve import Reservations
+    from pdd.lab.sim.sequence import Landing
     from pdd.perf.hardware import CATALOG
     from pdd.perf.model import MODELS
     from pdd.perf.physics import Physics
-    from pdd.sim.instance import Instance
-    from pdd.sim.reserve import Reservations
-    from pdd.sim.sequence import Landing
 
     model = next(iter(MODELS.values()))
     prompt = [("turn", i) for i in range(8)]
@@ -568,7 +568,7 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
 # ---- 8. a running request's cached prefix is never evicted under it ----------------------
 
 def test_a_running_requests_prefix_is_pinned_against_eviction():
-    from pdd.sim.cache import BlockCache
+    from pdd.lab.sim.cache import BlockCache
 
     cache = BlockCache(4)
     cache.insert(["a0", "a1"])
@@ -597,7 +597,7 @@ def test_pool_room_counts_the_pinned_prefix():
 # ---- 9. goodput is judged in steady state ------------------------------------------------
 
 def test_a_steady_window_judges_only_what_arrives_in_it():
-    from pdd.sim.runner import Window, run_window, steady_sessions, tail_s
+    from pdd.lab.sim.runner import Window, run_window, steady_sessions, tail_s
 
     slo = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
     window = Window(30.0, 60.0, tail_s(paper.WORKLOAD.output_tokens[1], slo))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdd.sim import paper
-from pdd.sim.bathtub import SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep, valleys
-from pdd.sim.runner import Window, simulate
+from pdd.lab.sim import paper
+from pdd.lab.sim.bathtub import SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep, valleys
+from pdd.lab.sim.runner import Window, simulate
 
 PROMPT, OUTPUT, BLOCK = 4096, 16, paper.SETTING.block_tokens
 

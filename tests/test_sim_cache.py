@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable, Sequence
 
-from pdd.sim.cache import BlockCache
+from pdd.lab.sim.cache import BlockCache
 
 
 class _PlainLru:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
+from pdd.lab.sim.fit import _nnls, fit
+from pdd.lab.sim.measure import Group, measure
+from pdd.lab.sim.profile import LocalProfile, load_profile, profile_to_json
 from pdd.perf.steps import EMPTY, Fitted, StepLoad, add, chunk_load
-from pdd.sim.fit import _nnls, fit
-from pdd.sim.measure import Group, measure
-from pdd.sim.profile import LocalProfile, load_profile, profile_to_json
 
 TRUTH = Fitted(base_s=1.5e-3, per_token_s=9e-5, per_pair_s=7e-8, per_seq_s=2e-5, per_kv_token_s=1.2e-6)
 
@@ -138,7 +138,7 @@ def test_an_output_is_placed_by_its_engine_step_not_by_when_it_came() -> None:
     import asyncio
 
     from pdd.engine_port import StepOutput
-    from pdd.sim.measure import _Batch
+    from pdd.lab.sim.measure import _Batch
 
     async def go() -> tuple[int, int]:
         batch = _Batch()
@@ -200,19 +200,19 @@ def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> Non
 
 
 def test_importing_the_module_does_not_import_torch() -> None:
-    code = "import sys, pdd.sim.calibrate, pdd.sim.measure; assert 'torch' not in sys.modules"
+    code = "import sys, pdd.lab.sim.calibrate, pdd.lab.sim.measure; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
-    """Nothing in pdd/sim imports the embedded engine (issue 13 § 1): calibration goes
+    """Nothing in pdd/lab/sim imports the embedded engine (issue 13 § 1): calibration goes
     through `pdd.engine_port`, so any backend can be calibrated."""
     import ast
 
-    import pdd.sim
+    import pdd.lab.sim
 
     offenders = []
-    for path in sorted(Path(pdd.sim.__file__).parent.glob("*.py")):
+    for path in sorted(Path(pdd.lab.sim.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -221,16 +221,16 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
 
 
 def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The `pdd up` measurement's glue (it once imported a class pdd.demo no longer had):
+    """The `pdd up` measurement's glue (it once imported a class pdd.lab.demo no longer had):
     the deployment it starts is asked for its router and stopped; the overhead is the
     median TTFT less one prefill step. The deployment and the bench are stand-ins: a real
     `pdd up` takes longer than the suite can spend (test_cli_e2e calibrates --skip-http)."""
     import types
 
-    from pdd import demo_deploy
-    from pdd.bench import client
+    from pdd.lab import demo_deploy
+    from pdd.lab.bench import client
+    from pdd.lab.sim.calibrate import request_overhead_s
     from pdd.record import RequestRecord
-    from pdd.sim.calibrate import request_overhead_s
 
     seen: list[str] = []
 

@@ -14,12 +14,12 @@ import pytest
 from pdd import config as cfg
 from pdd.cli import main
 from pdd.engine.pacing import StepPacer
+from pdd.lab.sim.check import check, mode_deployment
+from pdd.lab.sim.local import local_spec, on_scenario_line, simulate_demo
+from pdd.lab.sim.metrics import summary
+from pdd.lab.sim.profile import LocalProfile, profile_to_json
+from pdd.lab.workload.scenarios import SCENARIOS
 from pdd.perf.steps import Fitted, StepLoad, chunk_load
-from pdd.sim.check import check, mode_deployment
-from pdd.sim.local import local_spec, on_scenario_line, simulate_demo
-from pdd.sim.metrics import summary
-from pdd.sim.profile import LocalProfile, profile_to_json
-from pdd.workload.scenarios import SCENARIOS
 
 STEPS = Fitted(0.002, 8e-5, 9e-8, 2e-5, 1e-6, source="test")
 PROFILE = LocalProfile(STEPS, kv_bytes_per_token=4096, max_context=4096, request_overhead_s=0.02, cores=2)

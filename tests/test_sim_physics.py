@@ -10,16 +10,16 @@ import statistics
 import pytest
 import simpy
 
+from pdd.lab.sim import paper
+from pdd.lab.sim.instance import Instance
+from pdd.lab.sim.runner import simulate
+from pdd.lab.sim.sequence import SimSeq
+from pdd.lab.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLink, calibrate_one_way_ms, handoff_times_s
+from pdd.lab.sim.workload import SimSession, SimTurn, agentic_sessions
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, Line
 from pdd.perf.model import MODELS, dense_twin
 from pdd.perf.physics import Physics, touched_max
 from pdd.perf.steps import chunk_load, decode_stretch
-from pdd.sim import paper
-from pdd.sim.instance import Instance
-from pdd.sim.runner import simulate
-from pdd.sim.sequence import SimSeq
-from pdd.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLink, calibrate_one_way_ms, handoff_times_s
-from pdd.sim.workload import SimSession, SimTurn, agentic_sessions
 
 MOE = MODELS["paper-1t"]
 

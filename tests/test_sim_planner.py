@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pdd.perf.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
-from pdd.sim import paper
-from pdd.sim.metrics import goodput
-from pdd.sim.plan_cli import add_plan_arguments, plan_main
-from pdd.sim.plan_workload import agentic, mooncake
-from pdd.sim.planner import (
+from pdd.lab.sim import paper
+from pdd.lab.sim.metrics import goodput
+from pdd.lab.sim.plan_cli import add_plan_arguments, plan_main
+from pdd.lab.sim.plan_workload import agentic, mooncake
+from pdd.lab.sim.planner import (
     FAMILIES,
     Layout,
     Probe,
@@ -26,8 +25,9 @@ from pdd.sim.planner import (
     search,
     search_resolution,
 )
-from pdd.workload.agentic import AgenticConfig
-from pdd.workload.mooncake import TraceRecord
+from pdd.lab.workload.agentic import AgenticConfig
+from pdd.lab.workload.mooncake import TraceRecord
+from pdd.perf.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
 
 # Short prompts and long answers: quick to simulate, and decode is what runs out first.
 SMALL = AgenticConfig(
@@ -140,7 +140,7 @@ def test_each_family_is_ranked_by_the_best_layout_it_simulated(rows: list[dict])
 
 
 def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
-    from pdd.sim.planner import HEADROOM
+    from pdd.lab.sim.planner import HEADROOM
 
     best = best_per_family(rows)
     for r in rows:
@@ -193,7 +193,7 @@ def _rising(layout: Layout, setting, workload, probe, capacity: float, beat_rps:
 def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a layout is probed at depends on its family's earlier layouts only, not on
     which process finished first: two workers give the rows one gives."""
-    from pdd.sim import planner
+    from pdd.lab.sim import planner
 
     monkeypatch.setattr(planner, "goodput_of", _rising)
     layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "pd-same-dc-b"][:4]
@@ -205,7 +205,7 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
 def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bisection that comes back to a rate (the ends, a bracket widened downwards)
     reuses its run: the simulation is deterministic."""
-    from pdd.sim import runner
+    from pdd.lab.sim import runner
 
     probed: list[float] = []
 
@@ -226,7 +226,7 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
     """A layout that misses the SLO at the rate that would beat its family's best gets a
     bound from that one probe; one that meets it is searched upwards and gets its goodput,
     at least that rate and within the bisection's resolution of its threshold."""
-    from pdd.sim import planner, runner
+    from pdd.lab.sim import planner, runner
 
     workload, beat_rps = agentic(SMALL), 6.0
     threshold_rps = threshold_x * beat_rps
@@ -259,7 +259,7 @@ def test_a_probe_lost_in_its_tail_stops_there() -> None:
     change, and the run stops with the one it would have reached."""
     from dataclasses import replace
 
-    from pdd.sim.runner import CHECK_S, Window, run_window, tail_s
+    from pdd.lab.sim.runner import CHECK_S, Window, run_window, tail_s
 
     workload, slo = agentic(SMALL), TINY_PROBE.slo
     spec = replace(Layout(1, 1, 0, "B", "B").spec(), block_tokens=workload.block_tokens)
@@ -285,8 +285,8 @@ def test_more_decode_instances_never_lose_goodput() -> None:
 def test_a_smaller_draw_is_cut_from_a_larger_one() -> None:
     """Sessions are drawn once, at the largest size a search needs: every smaller draw
     cut from it is the draw itself, its last session cut to the requests left."""
-    from pdd.sim import runner
-    from pdd.sim.workload import agentic_sessions
+    from pdd.lab.sim import runner
+    from pdd.lab.sim.workload import agentic_sessions
 
     config = replace(SMALL, seed=SMALL.seed + 1)  # a config no other test has drawn
     runner.draw_ahead(config, 8.0, 100.0)

@@ -13,7 +13,7 @@ cannot add.
 
 Needs root. Without it the test skips, and in CI a skip is a failure (conftest.py).
 The namespaces are removed on the way out, also after a failure; a crashed run's are
-removed by the next (`pdd.netns.lab.remove_stale`).
+removed by the next (`pdd.lab.netns.lab.remove_stale`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from procs import kv_bytes_per_token, standalone, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdd import config as cfg
-from pdd.netns.cli import LabLauncher, hosts, lab_deployment
-from pdd.netns.lab import enter, lab
+from pdd.lab.netns.cli import LabLauncher, hosts, lab_deployment
+from pdd.lab.netns.lab import enter, lab
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 

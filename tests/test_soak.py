@@ -25,9 +25,9 @@ import httpx
 import pytest
 from procs import pdd_process
 
-from pdd.soak.client import COMPLETED, FAILED, LOST, send
-from pdd.soak.faults import KINDS
-from pdd.soak.workload import SoakRequest
+from pdd.lab.soak.client import COMPLETED, FAILED, LOST, send
+from pdd.lab.soak.faults import KINDS
+from pdd.lab.soak.workload import SoakRequest
 
 MAX_TOKENS = 4
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from pdd.addresses import parse_addr
+from pdd.lab.wan import LinkSettings, Route, WanLine, WanRelay, run_wan
 from pdd.process import identity
-from pdd.wan import LinkSettings, Route, WanLine, WanRelay, run_wan
 
 REPO = Path(__file__).resolve().parents[1]
 MBIT = 1e6

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdd.workload.agentic import AgenticConfig, estimate_hits, iter_sessions, plan_sessions
-from pdd.workload.mooncake import MooncakeConfig, load_trace, scaled_lengths, trace_sessions
-from pdd.workload.scenarios import SCENARIOS, TINY_KV_BYTES_PER_TOKEN, fit_scenario
+from pdd.lab.workload.agentic import AgenticConfig, estimate_hits, iter_sessions, plan_sessions
+from pdd.lab.workload.mooncake import MooncakeConfig, load_trace, scaled_lengths, trace_sessions
+from pdd.lab.workload.scenarios import SCENARIOS, TINY_KV_BYTES_PER_TOKEN, fit_scenario
 
 # 35 unchanged lines of the published Mooncake conversation trace (tests/data/README.md):
 # in the checkout, so the test never depends on a file a clean CI checkout lacks

@@ -81,7 +81,7 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (H800, H200, H20)}
 class Line:
     """A line between two sites: bandwidth, one-way propagation delay and its price.
     What a transfer over it costs beyond that (TCP's ramp, jitter, loss, other traffic)
-    is `pdd.sim.link`'s."""
+    is `pdd.lab.sim.link`'s."""
 
     gbps: float
     one_way_ms: float
@@ -94,7 +94,7 @@ class Line:
 
 # A dedicated inter-city line: the spec's 10-100 Gbit/s. The one-way delay is the one
 # the spec's handoff microbenchmark implies for a slow-starting TCP flow (see
-# `pdd.sim.tcp.calibrate_one_way_ms`): about 1,000 km of fibre. Priced per Gbit/s:
+# `pdd.lab.sim.tcp.calibrate_one_way_ms`): about 1,000 km of fibre. Priced per Gbit/s:
 # 100 Gbit/s costs as much as 4 GPU A.
 LINE_PRICE_PER_GBPS_HOUR = 0.04
 LINE_ONE_WAY_MS = 10.15

@@ -7,7 +7,7 @@ models price it: `Physics` for a group of accelerators from their datasheet figu
 linear model whose coefficients come from real steps.
 
 Both price a load whose fields may be numpy arrays (`steps_s`): a decode stretch
-(`pdd.sim.instance`) prices all its steps in one call, with the very arithmetic a
+(`pdd.lab.sim.instance`) prices all its steps in one call, with the very arithmetic a
 single step uses, so a stretch and step-by-step simulation agree to the last bit.
 """
 

@@ -1,0 +1,89 @@
+"""What a layout can carry at most, from the step model alone: the planner's analytic
+capacity, which seeds its goodput search and prunes layouts that cannot win.
+
+Three ceilings, each optimistic (no queueing, perfect batching):
+- prefill: every P step full (`max_batch_tokens`), so a request pays its share of a
+  full step's weights, all-to-all and fixed costs, plus its own attention over its
+  cached prefix;
+- decode: the largest batch whose step still meets the TPOT target and whose KV fits
+  the pool, at the workload's mean context, spread over the mean output;
+- the line: the mean KV delta per request against the line's bandwidth.
+The layout's capacity is the smallest. The simulation then finds the real goodput
+below it; a layout whose capacity per cost is below a fraction of the best goodput
+per cost already found is not simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdd.lab.sim.cluster import DeploymentSpec, RoleSpec
+from pdd.lab.workload.agentic import AgenticConfig, estimate_hits
+from pdd.perf.physics import Physics
+from pdd.perf.steps import chunk_load, decode_stretch
+
+SAMPLE_REQUESTS = 3000
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload's per-request averages (decode-side hit as the planner of turns expects)."""
+
+    requests: list[tuple[int, int]]  # (prompt tokens, hit tokens) of a sample
+    mean_output: float
+    mean_context: float  # a decoding sequence's context, halfway through its output
+
+    @property
+    def mean_delta(self) -> float:
+        return float(np.mean([p - h for p, h in self.requests]))
+
+
+def shape_of(config: AgenticConfig) -> Shape:
+    turns = estimate_hits(config, SAMPLE_REQUESTS)
+    from pdd.lab.sim.workload import agentic_sessions
+
+    outputs = [t.max_tokens for s in agentic_sessions(config, SAMPLE_REQUESTS, 1.0) for t in s.turns]
+    mean_output = float(np.mean(outputs))
+    requests = [(t.prompt_tokens, t.hit_tokens) for t in turns]
+    return Shape(requests, mean_output, float(np.mean([p for p, _ in requests])) + mean_output / 2)
+
+
+def prefill_rps(role: RoleSpec, shape: Shape) -> float:
+    """Requests a second one prefill instance can take, batching perfectly."""
+    physics = role.steps
+    assert isinstance(physics, Physics), "the bounds split a step into the physical model's parts"
+    full = physics.parts(chunk_load(0, role.max_batch_tokens))
+    shared = float(full["dense"] + full["experts"] + full["all_to_all"] + full["fixed"]) / role.max_batch_tokens
+    seconds = [(p - h) * shared + float(physics.parts(chunk_load(h, p - h))["attention"]) for p, h in shape.requests]
+    return 1.0 / float(np.mean(seconds))
+
+
+def decode_rps(role: RoleSpec, shape: Shape, tpot_s: float) -> float:
+    """Requests a second one decode instance finishes at the largest batch that meets
+    the TPOT target and fits its pool."""
+    context = int(shape.mean_context)
+    fits = max(1, int(role.capacity_tokens / (context + shape.mean_output / 2)))
+    low, high = 1, min(fits, role.max_running)
+    step = lambda b: float(role.steps.steps_s(decode_stretch(b * context, b, 1))[0])  # noqa: E731
+    if step(low) > tpot_s:
+        return low / step(low) / shape.mean_output
+    while low < high:  # the largest batch within the TPOT target
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if step(mid) <= tpot_s else (low, mid - 1)
+    return low / step(low) / shape.mean_output
+
+
+def capacity_rps(spec: DeploymentSpec, shape: Shape, tpot_s: float) -> dict[str, float]:
+    """Each ceiling of a deployment, and the smallest (`rps`)."""
+    caps: dict[str, float] = {}
+    for r in spec.roles:
+        if r.role in ("prefill", "standalone"):
+            caps["prefill"] = caps.get("prefill", 0.0) + r.count * prefill_rps(r, shape)
+        if r.role in ("main", "standalone"):
+            caps["decode"] = caps.get("decode", 0.0) + r.count * decode_rps(r, shape, tpot_s)
+    if len({r.dc for r in spec.roles}) > 1:
+        caps["line"] = spec.wan.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token)
+    caps["rps"] = min(caps.values())
+    return caps

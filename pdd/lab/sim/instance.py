@@ -1,0 +1,355 @@
+"""A simulated engine: continuous batching over a KV pool with a prefix cache.
+
+The same rule as `pdd.engine.scheduler`: running sequences go first (decodes stay
+smooth), then waiting ones are admitted while the step's token budget, the running
+slots and the pool last; every sequence computes up to its pending tokens (chunked
+prefill, extend) or one token (decode). A step's time comes from a `StepModel`; on a
+machine whose processes share cores (`cpu`), a step first waits for a core.
+
+Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
+handoff) a decoding instance runs identical steps, except that every context grows by
+one token a step. Rather than one simulation event per step (per token), the instance
+prices the whole stretch up to the next finish in one vectorized call (`decode_s`),
+and sleeps until its end or until something pokes it (a new sequence, a released
+hold, a stop); then the steps completed so far are applied and the batch is re-planned,
+exactly where step-by-step simulation would have re-planned. Stretch follows stretch
+in a decode run (`pdd.lab.sim.sequence._Run`) while the batch only decodes: a sequence
+joins as it is admitted and leaves as it finishes or stops, and its own counts and
+times are brought up to date only then, or when read (`produced`, `last_s`, ...), so
+a stretch costs its changes, not a pass over a batch of hundreds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from pdd.lab.sim.cache import BlockCache
+from pdd.lab.sim.reserve import ReservationLine
+from pdd.lab.sim.sequence import Hold, Landing, SimSeq, _Run
+from pdd.perf.steps import StepLoad, StepModel
+from pdd.policy.capacity import Room
+
+MAX_STRETCH_STEPS = 4096  # bounds one stretch's arrays; a longer run is several stretches
+
+
+@dataclass
+class InstanceStats:
+    """What an instance did: each role's share of the work, and how busy it was."""
+
+    tokens_out: int = 0
+    prefill_tokens: int = 0
+    busy_s: float = 0.0  # time spent in steps
+    steps: int = 0
+    peak_held: int = 0  # the most requests it held at once
+
+
+@dataclass
+class Instance:
+    env: simpy.Environment
+    name: str
+    role: str  # standalone | prefill | relay | main
+    dc: str
+    steps: StepModel
+    capacity_tokens: int
+    block_tokens: int
+    max_batch_tokens: int
+    max_running: int
+    cpu: simpy.PriorityResource | None = None
+    cpu_priority: int = 0
+    stretches: bool = True  # decode stretches (off: one event per step, the reference)
+    max_chunks: int = 0  # prefill/extend chunks a step may hold (0: as many as the budget takes, as the engine)
+    max_requests: int = 256  # most requests held at once (`EngineConfig.max_requests`)
+    # the router's counts: work assigned here and not finished; pages and requests of
+    # what it dispatched here to hold (`pdd.policy.capacity.fits`)
+    queued_tokens: int = 0
+    committed_pages: int = 0
+    committed_requests: int = 0
+    stats: InstanceStats = field(default_factory=InstanceStats)
+
+    def __post_init__(self) -> None:
+        self.cache = BlockCache(self.capacity_tokens // self.block_tokens)
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.used = 0  # pool tokens held by sequences (reserved or running)
+        self.holds = 0  # requests holding pool room
+        self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
+        self.unsettled: list[Landing] = []  # accepted requests not settled yet, in arrival order
+        self.arrivals = itertools.count()  # numbers them
+        self.reservations = ReservationLine(self.env)  # required reservations waiting for room
+        self._run: _Run | None = None  # decode-only steps under way (see _stretch)
+        self._wake = self.env.event()
+        self.env.process(self._loop())
+
+    # ---- the pool ------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Requests this instance holds, as the live instance counts its jobs."""
+        return self.holds + self.without_room
+
+    @property
+    def room(self) -> Room:
+        """What it holds at most, as the router sees it: the pool in pages (a page is a
+        block here) and `max_requests`."""
+        return Room(self.capacity_tokens // self.block_tokens, self.max_requests)
+
+    def hit_tokens(self, blocks: Sequence[Hashable], prompt_tokens: int, touch: bool = True) -> int:
+        """Prompt tokens this instance holds, leaving at least one to compute (its logits
+        give the next token), as the engine's match does."""
+        return min(self.cache.match(blocks, touch) * self.block_tokens, prompt_tokens - 1)
+
+    def cache_room(self) -> int:
+        """Blocks the cache may keep beside what sequences hold."""
+        return max(0, (self.capacity_tokens - self.used) // self.block_tokens)
+
+    def hold(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
+        """Reserve pool room beside the `pinned` prefix blocks, evicting other cached
+        blocks for it; None when the pool cannot hold it now."""
+        new_pins = self.cache.unpinned(pinned)
+        if self.used + tokens + (self.cache.pinned + new_pins) * self.block_tokens > self.capacity_tokens:
+            return None
+        self.cache.pin(pinned)
+        self.used += tokens
+        self.holds += 1
+        self.stats.peak_held = max(self.stats.peak_held, self.held)
+        self.cache.shrink(self.cache_room())
+        return Hold(self, tokens, pinned)
+
+    def room_for(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
+        """`hold` for a request held here without room so far: held either way after."""
+        self.without_room -= 1
+        hold = self.hold(tokens, pinned)
+        self.without_room += hold is None
+        return hold
+
+    def release(self, seq: SimSeq) -> None:
+        """Its pool room back; its blocks stay cached (what the decode-side cache keeps
+        for the next turn of the session)."""
+        if seq.hold is not None:
+            seq.hold.release()
+            seq.hold = None
+        if seq.blocks:
+            self.cache.insert(seq.blocks, room_for=self.used // self.block_tokens)
+
+    # ---- work ----------------------------------------------------------------------------
+    def submit(self, seq: SimSeq) -> None:
+        self.without_room += seq.hold is None
+        self.waiting.append(seq)
+        self.poke()
+
+    def feed(self, seq: SimSeq, tokens: int, live: bool, step_cap: int = 0) -> None:
+        """Hand-over tokens for a sequence that waits (or has not started): compute them
+        (at most `step_cap` per step), then produce if `live`."""
+        seq.pending += tokens
+        seq.live, seq.step_cap = live, step_cap
+        if self._run is not None:
+            self._run.dirty = True
+        if seq not in self.running and seq not in self.waiting:
+            self.running.append(seq)
+        self.poke()
+
+    def stop(self, seq: SimSeq) -> None:
+        """A handoff cut: the sequence produces no more here and gives its room back."""
+        seq._sync()
+        if seq.done:
+            return
+        seq.stopped = True
+        self._end(seq)
+
+    def poke(self) -> None:
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def _schedule(self) -> tuple[list[tuple[SimSeq, int]], bool]:
+        """The next step's batch, and whether it only decodes (a token for each, nothing pending)."""
+        budget, chunks, decodes = self.max_batch_tokens, 0, True
+        batch: list[tuple[SimSeq, int]] = []
+        for seq in self.running:  # (`_tokens`, inlined: this runs every step over every sequence)
+            if budget <= 0:
+                break
+            pending = seq.pending
+            if pending:
+                if self.max_chunks and chunks >= self.max_chunks:
+                    continue
+                n = min(pending, budget, seq.step_cap or budget)
+                decodes = False
+            elif seq.live and seq._produced < seq.produce:
+                n = 1
+            else:
+                continue
+            batch.append((seq, n))
+            budget -= n
+            chunks += n > 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if self.max_chunks and chunks >= self.max_chunks:
+                break
+            seq = self.waiting[0]
+            if seq.hold is None and not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = self._tokens(seq, budget)
+            if n:
+                batch.append((seq, n))
+                budget -= n
+                chunks += n > 1
+                decodes = decodes and not seq.pending
+        return batch, decodes
+
+    def _admit(self, seq: SimSeq) -> bool:
+        seq.hold = self.room_for(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
+        return seq.hold is not None
+
+    @staticmethod
+    def _tokens(seq: SimSeq, budget: int) -> int:
+        if seq.pending:
+            return min(seq.pending, budget, seq.step_cap or budget)
+        return 1 if seq.live and seq._produced < seq.produce else 0
+
+    def _loop(self):
+        env = self.env
+        while True:
+            self._wake = env.event()
+            if self._run is not None:
+                if self._run_on():
+                    yield from self._stretch()
+                    continue
+                self._run.dissolve(self.running)
+                self._run = None
+            batch, decodes = self._schedule()
+            if not batch:
+                yield self._wake
+                continue
+            if decodes and self.stretches and self.cpu is None:
+                self._run = run = _Run(self)
+                for seq, _ in batch:
+                    run.join(seq)
+                yield from self._stretch()
+                continue
+            seconds = self.steps.step_s(_load(batch))
+            started = env.now
+            if self.cpu is not None:
+                with self.cpu.request(priority=self.cpu_priority) as core:
+                    yield core
+                    started = env.now
+                    yield env.timeout(seconds)
+            else:
+                yield env.timeout(seconds)
+            self.stats.busy_s += env.now - started
+            self.stats.steps += 1
+            self._apply(batch)
+
+    def _run_on(self) -> bool:
+        """Whether the next step still only decodes: `_schedule`'s admissions, for a
+        batch that is the run's members (each a token) and sequences with nothing to do.
+        False leaves what it admitted in `running` for `_schedule` to take from there,
+        as it would have: a member's work changed, a chunk came in, or no member is left."""
+        run = self._run
+        assert run is not None  # called with one
+        if run.dirty:
+            return False
+        budget = self.max_batch_tokens - run.members
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.hold is None and not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.pending:
+                return False
+            if seq.live and seq._produced < seq.produce:
+                run.join(seq)
+                budget -= 1
+        return run.members > 0
+
+    def _stretch(self):
+        """Decode the run's members until the first of them finishes, or until poked;
+        then apply the steps completed (the one in progress included) and return to
+        re-plan."""
+        env, run = self.env, self._run
+        assert run is not None  # the loop's
+        steps = min(MAX_STRETCH_STEPS, run.steps_to_finish())
+        seconds = self.steps.decode_s(run.contexts(), run.members, steps)
+        run.ends = ends = np.add.accumulate(np.concatenate(([env.now], seconds)))[1:]
+        started = env.now
+        yield env.timeout(float(ends[-1]) - env.now) | self._wake
+        done = len(ends)
+        if env.now < ends[-1]:
+            done = bisect.bisect_right(ends, env.now)
+            if done < len(ends) and ends[done] > env.now:  # the step in progress completes
+                yield env.timeout(float(ends[done]) - env.now)
+                done += 1
+        self.stats.busy_s += env.now - started
+        self.stats.steps += done
+        for seq in run.advance(done):  # these produced their last token
+            self._end(seq)
+            if seq.on_finish is not None:
+                seq.on_finish(seq)
+
+    def _apply(self, batch: list[tuple[SimSeq, int]], now: float | None = None) -> None:
+        now = self.env.now if now is None else now
+        for seq, n in batch:
+            if seq.done or seq.stopped:
+                continue
+            seq.context += n
+            if not seq.pending and seq._produced + 1 < seq.produce:  # a decode token, not the last
+                seq._token_at(now)
+                self.stats.tokens_out += 1
+                continue
+            if seq.pending:
+                seq.pending -= n
+                self.stats.prefill_tokens += n
+                if seq.pending:
+                    continue
+                if seq.on_computed is not None:
+                    seq.on_computed(seq)
+                if not seq.live or seq.stopped:
+                    continue
+            if seq._produced < seq.produce:
+                self._token(seq, now)
+
+    def _token(self, seq: SimSeq, now: float) -> None:
+        seq._token_at(now)
+        self.stats.tokens_out += 1
+        if seq._produced >= seq.produce:
+            self._end(seq)
+            if seq.on_finish is not None:
+                seq.on_finish(seq)
+
+    def _end(self, seq: SimSeq) -> None:
+        if seq._run is not None:  # a member stopped (brought up to date by its read)
+            seq._run.leave(seq)
+        seq.done = True
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            self.without_room -= seq.hold is None
+        self.release(seq)
+        self.poke()
+
+
+def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:
+    """`steps.add` of each sequence's `chunk_load`, inlined (the simulator's hot loop)."""
+    new = seqs = kv = chunks = outputs = 0
+    pairs = chunk_pairs = output_pairs = 0.0
+    for seq, n in batch:
+        start = seq.context
+        new += n
+        seqs += 1
+        kv += start + n
+        p = n * start + n * (n + 1) / 2
+        pairs += p
+        if n > 1:
+            chunks += 1
+            chunk_pairs += p
+            if start + n > seq.prompt:  # an extend of outputs (`chunk_load`)
+                outputs += n
+                output_pairs += p
+    return StepLoad(new, pairs, seqs, kv, chunks, chunk_pairs, outputs, output_pairs)

@@ -1,0 +1,252 @@
+"""`pdd plan`: the layouts of a GPU budget, searched for the best BCR per family
+(`pdd.lab.sim.planner`), printed with every assumption."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pdd.lab.sim import paper
+from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
+from pdd.lab.sim.planner import Probe, best_per_family, candidates, search, search_resolution
+from pdd.lab.workload.mooncake import load_trace
+from pdd.perf.hardware import LINE_PRICE_PER_GBPS_HOUR
+
+
+def _floats(value: str) -> list[float]:
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
+
+
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _workload_arg(value: str) -> tuple[str, Path | None]:
+    kind, _, path = value.partition(":")
+    if kind == "agentic" and not path:
+        return "agentic", None
+    if kind == "mooncake" and path:
+        return "mooncake", Path(path)
+    raise argparse.ArgumentTypeError("expected 'agentic' or 'mooncake:PATH'")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `pdd plan`; defaults are the spec's setting (pdd/lab/sim/paper.py)."""
+    p.add_argument("--max-gpus", type=int, default=88, help="GPU budget; layouts spend all of it (default 88)")
+    p.add_argument(
+        "--line-gbps",
+        type=_floats,
+        default=[25.0, 100.0],
+        help="line bandwidths to try for the cross-datacenter layouts (default 25,100)",
+    )
+    p.add_argument(
+        "--chips",
+        type=_names,
+        default=["A", "B"],
+        help="A and/or B: the first is datacenter A's (P, relays), the last B's (MD across the line); "
+        "same-dc PD is tried on each (default A,B)",
+    )
+    p.add_argument(
+        "--workload",
+        type=_workload_arg,
+        default=("agentic", None),
+        metavar="agentic|mooncake:PATH",
+        help="agentic: the spec's 64K agentic sessions (default); mooncake: the trace, its arrivals "
+        "rescaled to each probed rate",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=Probe.requests,
+        help=f"requests judged per goodput probe, after the warm-up (default {Probe.requests})",
+    )
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=Probe.warmup_s,
+        help=f"seconds of arrivals before a probe judges any, after a warm start (default {Probe.warmup_s:g})",
+    )
+    p.add_argument(
+        "--min-window-s",
+        type=float,
+        default=Probe.min_window_s,
+        help=f"shortest judged window of a probe, whatever its requests (default {Probe.min_window_s:g})",
+    )
+    p.add_argument("--steps", type=int, default=Probe.steps, help=f"bisection steps per layout (default {Probe.steps})")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="layouts simulated at once, one process each (default: 2, or the cores if fewer)",
+    )
+    p.add_argument("--slo-ttft-ms", type=float, default=paper.SLO_TTFT_MS)
+    p.add_argument("--slo-tpot-ms", type=float, default=paper.SLO_TPOT_MS)
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=Probe.attainment,
+        help="share of requests within the SLO that goodput requires (default 0.9)",
+    )
+    p.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="find every simulated layout's goodput (default: only until it is shown not to beat its "
+        "family's best, one probe at the rate that would)",
+    )
+    p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def probe_of(args: argparse.Namespace) -> Probe:
+    return Probe(
+        args.requests,
+        args.warmup_s,
+        (args.slo_ttft_ms, args.slo_tpot_ms),
+        args.attainment,
+        args.steps,
+        args.min_window_s,
+    )
+
+
+def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = paper.SETTING) -> str:
+    chips = "; ".join(
+        f"GPU {hw} = {c.name} ({c.bf16_tflops:g} TFLOPS BF16, {c.mem_bw_gbs / 1000:g} TB/s, "
+        f"{c.mem_gb:g} GB) at {c.price_per_hour:g}, {setting.instance_gpus(hw)} per instance"
+        for hw, c in (("A", setting.a), ("B", setting.b))
+    )
+    return (
+        f"{setting.model.name} ({setting.model.note}). {chips}. Memory {setting.memory_utilization:.0%} for "
+        f"weights + KV. A line costs {LINE_PRICE_PER_GBPS_HOUR:g} per Gbit/s, {setting.one_way_ms:g} ms one way, "
+        f"TCP (initial window {setting.tcp.initial_window_segments}, {setting.tcp.window_bytes / 2**20:g} MiB "
+        f"buffers). SLO: TTFT <= {probe.slo[0]:g} ms and TPOT <= {probe.slo[1]:g} ms for "
+        f"{probe.attainment:.0%} of requests. Workload: {workload.name}; each probe judges {probe.requests} "
+        f"requests, and at least {probe.min_window_s:g} s, after a warm start and {probe.warmup_s:g} s; "
+        f"goodput found to "
+        f"{search_resolution(probe):.0%}. Costs in GPU A hours per hour; BCR = goodput / cost."
+    )
+
+
+def _table(rows: list[dict[str, Any]], total: int, title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("#", "layout", "GPUs", "goodput req/s", "capacity", "cost/h", "BCR", "binding", "TTFT p50/p99 ms"):
+        table.add_column(col, justify="left" if col in ("layout", "GPUs", "binding") else "right")
+    for i, r in enumerate(rows, 1):
+        ttft = (
+            "-"
+            if r["ttft_p50_ms"] is None or r["goodput_rps"] is None
+            else f"{r['ttft_p50_ms']:,.0f}/{r['ttft_p99_ms']:,.0f}"
+        )
+        if r["goodput_rps"] is None:  # missed the SLO at the rate that would beat its family's best
+            goodput, bcr = f"missed {r['missed_rps']:.1f}", "-"
+        else:
+            goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['bcr']:.3f}"
+        table.add_row(
+            str(i),
+            r["layout"],
+            "+".join(f"{n}{k}" for k, n in r["gpus"].items()),
+            goodput,
+            f"{r['capacity_rps']:.1f}",
+            f"{r['cost_per_hour']:.1f}",
+            bcr,
+            r["binding"],
+            ttft,
+        )
+    return table
+
+
+def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
+    """The layouts and the workload, or a ValueError saying what is wrong with the options."""
+    if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1:
+        raise ValueError("--requests, --workers and --top must be >= 1, --steps and --warmup-s >= 0")
+    if not 0 < args.attainment < 1:
+        raise ValueError("--attainment must lie in (0, 1)")
+    layouts = candidates(args.max_gpus, args.line_gbps, args.chips)
+    if not layouts:
+        raise ValueError("no layout fits: the budget must hold two instances the model fits on")
+    kind, path = args.workload
+    return layouts, agentic() if kind == "agentic" else mooncake(load_trace(path))
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """Search, print the best `--top` layouts, each family's best and the assumptions, write `--out`."""
+    from rich.console import Console
+
+    from pdd.progress import progress_bar
+
+    try:
+        layouts, workload = _prepare(args)
+    except (ValueError, OSError) as exc:
+        print(f"pdd plan: {exc}", file=sys.stderr)
+        return 2
+    probe = probe_of(args)
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    with progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("layouts", total=len(layouts))
+        rows = search(
+            layouts,
+            workload,
+            probe,
+            workers=args.workers,
+            progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
+            exact=args.exact,
+        )
+    wall = time.perf_counter() - started
+    out = Console()
+    simulated = sum(r["simulated"] for r in rows)
+    out.print(
+        _table(
+            rows[: args.top],
+            len(rows),
+            f"pdd plan: the best {min(args.top, len(rows))} of {len(rows)} "
+            f"layouts by BCR ({simulated} simulated; G: line Gbit/s)",
+        )
+    )
+    families = best_per_family(rows)
+    out.print(_table(list(families.values()), len(families), "each family's best"))
+    out.print(f"Assumptions: {assumption_line(probe, workload)}")
+    ratio = paper.rho(tpot_ms=probe.slo[1])
+    out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
+    probes = sum(r["probes"] for r in rows)
+    out.print(
+        f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))."
+    )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        slim = [{k: v for k, v in r.items() if k != "run"} for r in rows]
+        args.out.write_text(
+            json.dumps(
+                {
+                    "layouts": slim,
+                    "assumptions": paper.SETTING.to_dict()
+                    | {
+                        "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
+                        "workload": workload.name,
+                        "probe": {
+                            "judged_requests": probe.requests,
+                            "warmup_s": probe.warmup_s,
+                            "min_window_s": probe.min_window_s,
+                            "steps": probe.steps,
+                        },
+                    },
+                    "rho": ratio.to_dict() if ratio else None,
+                    "wall_s": wall,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
+    return 0

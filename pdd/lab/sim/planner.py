@@ -1,0 +1,382 @@
+"""`pdd plan`'s search: which deployment of each family gives the most goodput per unit
+of hardware cost (BCR), under one GPU budget and one SLO.
+
+A comparison between two hand-picked layouts says more about the picking than about the
+architectures, so every family is given its own best layout before any two are compared
+(`best_per_family`): same-datacenter PD on A, on B, cross-datacenter PD, and PDD, with
+their P:D (and relay) counts, at each line bandwidth. Every layout that spends the
+budget is a candidate. Each one's analytic capacity (`pdd.lab.sim.bounds`) orders the
+search and seeds its goodput bisection; a layout whose capacity per cost cannot reach
+the best goodput per cost its family has already shown is not simulated. The rest are
+simulated in steady state (`pdd.lab.sim.runner`), several at a time in worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdd.lab.sim import paper
+from pdd.lab.sim.bounds import capacity_rps
+from pdd.lab.sim.cluster import DeploymentSpec
+from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT
+from pdd.lab.sim.plan_workload import Workload
+from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
+from pdd.names import CHIPS, Mode
+
+MIN_PREFILL_SHARE, MAX_PREFILL_SHARE = 0.15, 0.8  # of the layout's GPUs: outside, one side idles
+RELAYS = (1, 2)
+HEADROOM = 1.5  # how far above its analytic capacity a layout's goodput is searched, and may be before pruning
+# the deployments compared, named as the modes are (`pdd.names.Mode`); pd-same-dc-b: same-site PD on B
+FAMILIES = (Mode.PD_SAME_DC.value, f"{Mode.PD_SAME_DC}-b", Mode.PD_CROSS_DC.value, Mode.PDD.value)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A deployment to price: P (and relays) in datacenter A, MD in A when there is no
+    line, else across the line in B."""
+
+    prefill: int
+    main: int
+    relays: int = 0
+    prefill_hw: str = "A"  # P and the relays
+    main_hw: str = "A"
+    line_gbps: float = 0.0  # 0: one datacenter, no line
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.main < 1 or self.relays < 0:
+            raise ValueError("a layout needs at least one prefill and one main instance")
+        if self.relays and not self.line_gbps:
+            raise ValueError("relays only make sense when MD is across a line")
+
+    @property
+    def family(self) -> str:
+        if self.relays:
+            return "pdd"
+        if self.line_gbps:
+            return "pd-cross-dc"
+        return "pd-same-dc" if self.prefill_hw == "A" else f"pd-same-dc-{self.prefill_hw.lower()}"
+
+    @property
+    def name(self) -> str:
+        if not self.line_gbps:
+            return f"same-dc {self.prefill}P+{self.main}D {self.prefill_hw}"
+        near = f"{self.prefill}P" + (f"+{self.relays}R" if self.relays else "")
+        return (
+            f"{'pdd' if self.relays else 'cross-dc'} {near} {self.prefill_hw} | {self.main}MD {self.main_hw} "
+            f"{self.line_gbps:g}G"
+        )
+
+    def spec(self, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
+        far = "B" if self.line_gbps else "A"
+        roles = [setting.role("prefill", "A", self.prefill, self.prefill_hw)]
+        if self.relays:
+            roles.append(setting.role("relay", "A", self.relays, self.prefill_hw))
+        roles.append(setting.role("main", far, self.main, self.main_hw))
+        return setting.deployment(self.family, tuple(roles), self.line_gbps)
+
+    def gpus(self, setting: paper.Setting = paper.SETTING) -> int:
+        near, far = setting.instance_gpus(self.prefill_hw) or 0, setting.instance_gpus(self.main_hw) or 0
+        return (self.prefill + self.relays) * near + self.main * far
+
+
+def candidates(
+    max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str], setting: paper.Setting = paper.SETTING
+) -> list[Layout]:
+    """Layouts that spend the budget (no instance of either kind would still fit): same-dc
+    PD on each hardware, and for each line P (and relays) on `hardware[0]` with MD on
+    `hardware[-1]`, within a sensible share of prefill GPUs."""
+    unknown = [h for h in hardware if h not in CHIPS]
+    if unknown or not hardware:
+        raise ValueError(f"chips must be {' or '.join(CHIPS)}, got {list(hardware)}")
+    size = {h: setting.instance_gpus(h) or 0 for h in hardware}  # 0: no instance of it holds the model
+
+    def fits(layout: Layout, smallest: int) -> bool:
+        used = layout.gpus(setting)
+        share = (layout.prefill * size[layout.prefill_hw]) / (
+            layout.prefill * size[layout.prefill_hw] + layout.main * size[layout.main_hw]
+        )
+        return used <= max_gpus < used + smallest and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
+
+    layouts: list[Layout] = []
+    for hw in hardware:
+        if size[hw]:
+            n = max_gpus // size[hw]
+            layouts += [lay for p in range(1, n) if fits(lay := Layout(p, n - p, 0, hw, hw), size[hw])]
+    near, far = hardware[0], hardware[-1]
+    if not (size[near] and size[far]):
+        return layouts
+    smallest = min(size[near], size[far])
+    for gbps in line_gbps:
+        for relays in (0, *RELAYS):
+            for p in range(1, max_gpus // size[near] + 1):
+                left = max_gpus - (p + relays) * size[near]
+                if left >= size[far]:
+                    lay = Layout(p, left // size[far], relays, near, far, gbps)
+                    if fits(lay, smallest):
+                        layouts.append(lay)
+    return layouts
+
+
+# ---- the workload a probe replays ----------------------------------------------------------
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One steady-state run: arrivals for `warmup_s` unjudged (after a warm start), then
+    until about `requests` requests are judged and at least `min_window_s` have passed;
+    the goodput bisection's `steps`. The window's length, not its count of requests,
+    is what sees an overload: at 10 % over capacity a queue takes about TTFT target /
+    10 % to grow past the TTFT target, and agentic arrivals come in bursts of sessions'
+    long first turns, which a window of a few seconds samples by luck."""
+
+    requests: int = 300
+    warmup_s: float = 20.0
+    slo: tuple[float, float] = (paper.SLO_TTFT_MS, paper.SLO_TPOT_MS)
+    attainment: float = GOODPUT_ATTAINMENT
+    steps: int = 4
+    min_window_s: float = 60.0
+
+    def window(self, rps: float, workload: Workload) -> Window:
+        judged = max(self.requests / rps, self.min_window_s)
+        return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
+
+
+def goodput_of(
+    layout: Layout,
+    setting: paper.Setting,
+    workload: Workload,
+    probe: Probe,
+    capacity: float,
+    beat_rps: float | None = None,
+) -> dict[str, Any]:
+    """The layout's goodput, searched around its analytic capacity: the bracket
+    [capacity / 3, `HEADROOM` x capacity] (the capacity is an estimate: relays decode
+    too, and requests vary around the means it takes), widened downwards while even its
+    bottom misses.
+
+    With `beat_rps` (the rate, probed, at which it would beat the best BCR its family has
+    shown), one probe at that rate comes first: a layout that misses the SLO there
+    cannot win, and its row says only that (`goodput_rps` None, `missed_rps`: the rate); one that
+    meets it is searched upwards from there. `probed_rps`: the rate its goodput was
+    probed at (session rate x turns), which is what `beat_rps` is made of: the goodput
+    itself is the rate judged, and closed-loop sessions arrive faster than probed when
+    turns end sooner than the warm start's nominal ones (by up to a third here), so a
+    goodput is no rate to probe another layout at."""
+    spec = replace(layout.spec(setting), block_tokens=workload.block_tokens)
+    sessions, turns = workload.sessions(), workload.turns
+    runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
+
+    def searched(low: float, high: float, steps: int) -> dict[str, Any] | None:
+        return find_goodput(
+            spec,
+            sessions,
+            probe.slo,
+            lambda rate: probe.window(rate * turns, workload),
+            low / turns,
+            high / turns,
+            steps=steps,
+            attainment=probe.attainment,
+            runs=runs,
+        )
+
+    if beat_rps is not None:
+        rate = beat_rps / turns
+        run = runs[rate] = run_window(
+            spec,
+            sessions,
+            rate,
+            probe.window(beat_rps, workload),
+            probe.slo,
+            stop_early=True,
+            attainment=probe.attainment,
+            intervals=False,
+        )
+        if (run["slo_attainment"] or 0.0) < probe.attainment:
+            return _row(layout, setting, run, capacity) | {
+                "goodput_rps": None,
+                "bcr": None,
+                "probes": 1,
+                "missed_rps": beat_rps,
+            }
+        high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
+        best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
+    else:
+        high, low, best, tried = HEADROOM * capacity, capacity / 3, None, 0
+        while best is None and tried < 3:
+            best = searched(low, high, probe.steps)
+            high, low, tried = low, low / 4, tried + 1
+    return _row(layout, setting, best, capacity) | {
+        "probes": len(runs),
+        "probed_rps": best["session_rate"] * turns if best else None,
+    }
+
+
+def steps_for(ratio: float, probe: Probe) -> int:
+    """Bisection steps that resolve a bracket of `ratio` as finely as the full one."""
+    return max(1, math.ceil(math.log2(math.log(ratio) / math.log(1 + search_resolution(probe)))))
+
+
+def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float) -> dict[str, Any]:
+    bill = paper.bill(layout.spec(setting), setting)
+    rps = run["offered_rps"] if run else 0.0
+    ttft = run["ttft_ms"] if run else {}
+    return {
+        "layout": layout.name,
+        "family": layout.family,
+        "prefill": layout.prefill,
+        "relays": layout.relays,
+        "main": layout.main,
+        "prefill_hw": layout.prefill_hw,
+        "main_hw": layout.main_hw,
+        "line_gbps": layout.line_gbps,
+        "gpus": bill.gpus,
+        "cost_per_hour": bill.per_hour,
+        "capacity_rps": capacity,
+        "goodput_rps": rps,
+        "bcr": rps / bill.per_hour,
+        "simulated": True,
+        "ttft_p50_ms": ttft.get("p50"),
+        "ttft_p99_ms": ttft.get("p99"),
+        "slo_attainment": run["slo_attainment"] if run else None,
+        "utilisation": run["utilisation"] if run else {},
+        "binding": run["binding"] if run else "-",
+        "missed_rps": None,
+        "probed_rps": None,
+        "probes": 0,
+        "run": run,
+    }
+
+
+OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
+
+
+def search(
+    layouts: Sequence[Layout],
+    workload: Workload,
+    probe: Probe = Probe(),
+    setting: paper.Setting = paper.SETTING,
+    workers: int = 2,
+    progress: OnProgress | None = None,
+    exact: bool = False,
+) -> list[dict[str, Any]]:
+    """Every layout's row, best BCR first: simulated ones with their goodput, pruned ones
+    with their capacity (`simulated` False). Each family's layouts go in order of
+    capacity per cost; the next is simulated only while `HEADROOM` x its capacity per
+    cost can beat its family's best BCR so far, and (unless `exact`) first at the one
+    rate that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
+    win has the rate it missed at, not a goodput. Up to `workers` layouts run at once, one
+    process each and one per family, the family with the most layouts left first: what a
+    layout is probed at and whether it is pruned depend only on its own family's earlier
+    layouts, never on which of two processes finished first, so the rows are the same
+    whatever the workers and the machine's load."""
+    shape = workload.shape()
+    caps = {
+        lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape, probe.slo[1] / 1000)[
+            "rps"
+        ]
+        for lay in layouts
+    }
+    cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
+    queues = {
+        f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
+        for f in sorted({lay.family for lay in layouts})
+    }
+    best = {f: 0.0 for f in queues}
+    pace = {f: 0.0 for f in queues}  # the probed rate per cost of the family's best: what beat_rps scales
+    rows: list[dict[str, Any]] = []
+    running: dict[Future, str] = {}
+
+    def next_layout() -> tuple[Layout, float | None] | None:
+        busy = set(running.values())
+        for f in sorted((f for f in queues if f not in busy), key=lambda f: -len(queues[f])):
+            queue = queues[f]
+            while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
+                lay = queue.pop(0)
+                rows.append(_row(lay, setting, None, caps[lay]) | {"simulated": False})
+            if not queue:
+                continue
+            lay = queue.pop(0)
+            return lay, None if exact or not best[f] else pace[f] * cost[lay]
+        return None
+
+    if caps:  # the largest probe's sessions, drawn once here rather than in every worker
+        top = (1 + search_resolution(probe)) * HEADROOM * max(caps.values())
+        workload.draw_ahead(top, probe.window(top, workload).end_s)
+    with ProcessPoolExecutor(workers) if workers > 1 else _Inline() as pool:
+        while True:
+            while len(running) < workers and (picked := next_layout()) is not None:
+                lay, beat = picked
+                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay], beat)] = lay.family
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                running.pop(future)
+                row = future.result()
+                rows.append(row)
+                if (row["bcr"] or 0.0) > best[row["family"]]:
+                    best[row["family"]] = row["bcr"]
+                    pace[row["family"]] = row["probed_rps"] / row["cost_per_hour"]
+                if progress is not None:
+                    progress(
+                        sum(r["simulated"] for r in rows),
+                        len(layouts),
+                        f"{row['layout']}: "
+                        + (
+                            f"{row['goodput_rps']:.1f} req/s"
+                            if row["goodput_rps"] is not None
+                            else f"missed at {row['missed_rps']:.1f} req/s"
+                        ),
+                    )
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: dict[str, Any]) -> tuple[int, float, float, str]:
+    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last
+    (ties by name, not by which finished first)."""
+    if row["bcr"] is not None:
+        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"], row["layout"]
+    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"], row["layout"]
+
+
+class _Inline:
+    """One worker: run each layout here, no process (what tests and one core want)."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+    @staticmethod
+    def submit(fn: Callable[..., dict[str, Any]], *args: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each family's layout of the highest BCR among those whose goodput was found."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
+            best[r["family"]] = r
+    return best
+
+
+def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dict[str, Any] | None:
+    """The cheapest simulated layout of a family that reaches `target_rps` (None: none does)."""
+    able = [r for r in family_rows if r["simulated"] and (r["goodput_rps"] or 0.0) >= target_rps]
+    return min(able, key=lambda r: r["cost_per_hour"]) if able else None
+
+
+def search_resolution(probe: Probe) -> float:
+    """The goodput bisection's step, as a fraction: from capacity / 4 to 1.1 capacity."""
+    return math.exp(math.log(4.4) / 2**probe.steps) - 1
