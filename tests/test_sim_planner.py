@@ -22,6 +22,7 @@ from pdd.lab.sim.planner import (
     Probe,
     best_per_family,
     candidates,
+    published,
     search,
     search_resolution,
 )
@@ -362,3 +363,24 @@ def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_m
     assert roomy is not None and roomy.rho > 1.0 and roomy.b.bound == "tpot"  # (then the TPOT target binds)
     tight = paper.rho(tpot_ms=10.0)
     assert tight is None or tight.b.bound == "tpot"
+
+
+def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Path, capsys) -> None:
+    """`pdd plan --published`: the publication's layouts, as near as whole instances come
+    (same-dc PD on 80 GPU A; PDD on 48 A + 32 B with one relay; cross-dc PD on the same),
+    each evaluated as given, and PDD against same-dc PD by our accounting and by the
+    publication's (its GPU counts at their prices)."""
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    out = tmp_path / "plan.json"
+    args = parser.parse_args(["--max-gpus", "16", "--chips", "B", "--line-gbps", "100", "--requests", "20",
+                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--workers", "1",
+                              "--published", "--out", str(out), "--quiet"])
+    assert plan_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "the publication's layouts, as given" in printed and "Head to head" in printed
+    assert [lay.gpus() for lay in published(100.0)] == [80, 80, 80]
+    versus = json.loads(out.read_text())["published"]
+    if versus is not None:  # (a layout may miss the SLO at every rate so short a probe tries)
+        assert versus["their_cost_change"] == pytest.approx((43 + 32 * 1.25) / 88 - 1)
+        assert versus["bcr_change"] == pytest.approx((1 + versus["goodput_change"]) / (1 + versus["cost_change"]) - 1)

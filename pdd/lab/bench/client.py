@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from pdd.lab.bench.sse import SseError, chunks
 from pdd.lab.workload.types import Session
 from pdd.progress import progress_bar
 from pdd.record import RequestRecord
@@ -147,24 +148,13 @@ class _Stream:
 async def _read_stream(response: httpx.Response, stream: _Stream) -> None:
     if response.status_code != 200:
         raise _RequestFailed(f"HTTP {response.status_code}: {_error_message(await response.aread())}")
-    event = None
-    async for line in response.aiter_lines():
-        if not line:
-            event = None  # a blank line ends an SSE event
-        elif line.startswith("event:"):
-            event = line[len("event:") :].strip()
-        elif line.startswith("data:"):
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                return
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise _RequestFailed(f"stream chunk is not JSON: {data[:200]}") from None
+    try:
+        async for event, chunk in chunks(response):
             if event == "error":
-                raise _RequestFailed(f"error event: {data[:200]}")
+                raise _RequestFailed(f"error event: {json.dumps(chunk)[:200]}")
             stream.on_chunk(chunk, time.perf_counter())
-    raise _RequestFailed("stream ended before [DONE]")
+    except SseError as e:
+        raise _RequestFailed(str(e)) from None
 
 
 def _fill(record: RequestRecord, stream: _Stream, ended: float) -> None:

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from pdd.engine_port import EnginePort, engine_names
 from pdd.lab.bench import options
+from pdd.lab.bench.sse import chunks
 from pdd.lab.deploy import free_port, wait_http
 
 
@@ -106,12 +107,11 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_to
     t0, ttft, n = time.perf_counter(), None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                ids = json.loads(line[6:])["choices"][0].get("token_ids", [])
-                if ids and ttft is None:
-                    ttft = time.perf_counter() - t0
-                n += len(ids)
+        async for _, chunk in chunks(r):
+            ids = chunk["choices"][0].get("token_ids", [])
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            n += len(ids)
     return ttft or float("nan"), n
 
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd.lab.bench import options
+from pdd.lab.bench.sse import chunks_of
 
 REFUSED = (429, 503)
 DEFAULT_VOCAB = 4096  # a server that does not say its vocabulary: the tiny model's
@@ -82,10 +83,7 @@ async def _one(
     finish: str | None = None
     try:
         if stream:
-            for line in raw.decode().splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for _, chunk in chunks_of(raw.decode()):
                 if "error" in chunk:
                     return 200, f"error event: {chunk['error'].get('message', '')[:160]}"
                 choice = chunk["choices"][0]

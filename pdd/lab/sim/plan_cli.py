@@ -13,7 +13,15 @@ from typing import Any
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
-from pdd.lab.sim.planner import Probe, best_per_family, candidates, search, search_resolution
+from pdd.lab.sim.planner import (
+    Probe,
+    best_per_family,
+    candidates,
+    head_to_head,
+    published,
+    search,
+    search_resolution,
+)
 from pdd.lab.workload.mooncake import load_trace
 from pdd.perf.hardware import LINE_PRICE_PER_GBPS_HOUR
 
@@ -101,6 +109,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="find every simulated layout's goodput (default: only until it is shown not to beat its "
         "family's best, one probe at the rate that would)",
+    )
+    p.add_argument(
+        "--published",
+        action="store_true",
+        help="also evaluate the publication's layouts as given (88 A against 43 A + 32 B, the nearest "
+        "buildable), head to head, on the first --line-gbps",
     )
     p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -218,6 +232,12 @@ def plan_main(args: argparse.Namespace) -> int:
     out.print(f"Assumptions: {assumption_line(probe, workload)}")
     ratio = paper.rho(tpot_ms=probe.slo[1])
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
+    versus = None
+    if args.published:
+        given = search(published(args.line_gbps[0]), workload, probe, workers=args.workers, exact=True)
+        out.print(_table(given, len(given), "the publication's layouts, as given (nearest buildable)"))
+        versus = head_to_head(given)
+        out.print(_versus_line(versus))
     probes = sum(r["probes"] for r in rows)
     out.print(
         f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))."
@@ -241,6 +261,7 @@ def plan_main(args: argparse.Namespace) -> int:
                         },
                     },
                     "rho": ratio.to_dict() if ratio else None,
+                    "published": versus,
                     "wall_s": wall,
                 },
                 indent=2,
@@ -250,3 +271,17 @@ def plan_main(args: argparse.Namespace) -> int:
             encoding="utf-8",
         )
     return 0
+
+
+def _versus_line(versus: dict[str, Any] | None) -> str:
+    if versus is None:
+        return "Head to head: a published layout met the SLO at no rate searched."
+    pub = versus["published"]
+    return (
+        f"Head to head, PDD against same-dc PD as published: goodput {versus['goodput_change']:+.1%} "
+        f"(published {pub['goodput_change']:+.1%}), cost {versus['cost_change']:+.1%} as built, line priced "
+        f"({versus['their_cost_change']:+.1%} by the publication's GPU counts; published "
+        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {versus['bcr_change']:+.1%} "
+        f"({versus['bcr_change_their_costs']:+.1%} at the publication's costs; published up to "
+        f"{pub['bcr_change']:+.1%})."
+    )

@@ -362,6 +362,41 @@ class _Inline:
         return future
 
 
+def published(line_gbps: float, setting: paper.Setting = paper.SETTING) -> list[Layout]:
+    """The publication's layouts as near as whole instances come (`paper.paper_deployments`):
+    its 88 GPU A in one site as 2 P + 3 D of 16, its 43 A + 32 B as 2 P + 1 relay of 16 on A
+    and 4 MD of 8 on B, and cross-site PD on the same GPUs without the relay."""
+    return [
+        Layout(2, 3, 0, "A", "A"),
+        Layout(3, 4, 0, "A", "B", line_gbps),
+        Layout(2, 4, 1, "A", "B", line_gbps),
+    ]
+
+
+def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.SETTING) -> dict[str, Any] | None:
+    """PDD's published layout against same-dc PD's, each evaluated as given: goodput, cost
+    and BCR, by our accounting (the instances as built, the line priced) and by the
+    publication's (its GPU counts at their prices, no line). None where either missed."""
+    by = {r["family"]: r for r in rows if r["simulated"] and r["goodput_rps"]}
+    pd, pdd = by.get("pd-same-dc"), by.get("pdd")
+    if pd is None or pdd is None:
+        return None
+    counts = paper.PAPER["gpus"]
+    theirs = {
+        family: sum(n * setting.chip(hw).price_per_hour for hw, n in counts[family].items())
+        for family in ("pd-same-dc", "pdd")
+    }
+    goodput = pdd["goodput_rps"] / pd["goodput_rps"] - 1
+    return {
+        "goodput_change": goodput,
+        "cost_change": pdd["cost_per_hour"] / pd["cost_per_hour"] - 1,
+        "bcr_change": pdd["bcr"] / pd["bcr"] - 1,
+        "their_cost_change": theirs["pdd"] / theirs["pd-same-dc"] - 1,
+        "bcr_change_their_costs": (1 + goodput) * theirs["pd-same-dc"] / theirs["pdd"] - 1,
+        "published": {k: paper.PAPER[k] for k in ("goodput_change", "cost_change", "bcr_change")},
+    }
+
+
 def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each family's layout of the highest BCR among those whose goodput was found."""
     best: dict[str, dict[str, Any]] = {}

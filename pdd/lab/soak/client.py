@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from pdd.lab.bench.sse import SseParser
 from pdd.lab.soak.workload import SoakRequest
 
 COMPLETED, FAILED, LOST = "completed", "failed", "lost"
@@ -59,13 +60,7 @@ class _Stream:
         self.record: dict[str, Any] = {}
         self.rid: str | None = None
 
-    def feed(self, data: str) -> None:
-        if data == "[DONE]":
-            self.done = True
-            return
-        chunk = json.loads(data)
-        if not isinstance(chunk, dict):
-            raise ValueError(f"chunk is not an object: {data[:80]}")
+    def feed(self, chunk: dict[str, Any]) -> None:
         self.rid = self.rid or chunk.get("id")
         if "error" in chunk:
             self.error = _message(chunk)
@@ -115,9 +110,11 @@ async def send(
                     out.outcome, out.retry_after_s = FAILED, _retry_after(response)
                     out.detail = f"HTTP {response.status_code}: {_message(_json(payload))}"
                 else:
+                    parser = SseParser()
                     async for line in response.aiter_lines():
-                        if line.startswith("data:"):
-                            stream.feed(line[5:].strip())
+                        if (chunk := parser.line(line)) is not None:
+                            stream.feed(chunk[1])
+                    stream.done = parser.done
                     _classify(out, stream)
     except TimeoutError:
         out.outcome, out.detail = _broken(out, stream, f"no end within {timeout_s:g} s")
