@@ -54,9 +54,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _needs_lab(error: ModuleNotFoundError) -> str:
+    return f"needs the lab's packages (pip install 'pdd[lab]'): {error}"
+
+
 def _needs_the_lab(sub: argparse._SubParsersAction, name: str, error: ModuleNotFoundError) -> None:
     """`name` is a lab command and the lab's packages are not installed: it says so."""
-    said = f"needs the lab's packages (pip install 'pdd[lab]'): {error}"
+    said = _needs_lab(error)
 
     def refuse(_: argparse.Namespace) -> int:
         from pdd.errors import Mistake
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # a lab command whose parser loaded, and whose work needs the lab
         if e.name not in LAB_ONLY:
             raise
-        print(f"pdd {args.command}: needs the lab's packages (pip install 'pdd[lab]'): {e}", file=sys.stderr)
+        print(f"pdd {args.command}: {_needs_lab(e)}", file=sys.stderr)
         return 2
 
 

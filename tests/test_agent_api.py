@@ -172,6 +172,8 @@ def test_responses_text_and_function_tools_whole_and_streamed(server):
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": "hi", "name": "bob"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x", "extra": 1}]}, "input[0].extra"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -11,7 +11,7 @@ import sys
 import httpx
 from procs import free_port, pdd_process
 
-LAB_ONLY = ("simpy", "matplotlib")
+from pdd.cli import LAB_ONLY
 
 
 def _without_the_lab(tmp_path) -> dict[str, str]:

@@ -23,7 +23,7 @@ from pdd.api.auth import RequireApiKey
 from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from pdd.api.responses import ResponsesRequest
+from pdd.api.responses import ResponsesRequest, named_as_responses
 from pdd.api.server import OpenAIServer
 from pdd.api.shaping import validation_error
 from pdd.model.tokenizer import Tokenizer
@@ -116,5 +116,7 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, client: Request) -> Response:
-        req.as_chat().refuse_unhonoured()
-        return await server.admitted(client, lambda slot: server.responses(req, client, slot))
+        with named_as_responses():
+            chat = req.as_chat()
+            chat.refuse_unhonoured()
+        return await server.admitted(client, lambda slot: server.responses(req, chat, client, slot))

@@ -11,10 +11,12 @@ rendered, as chat templates drop earlier turns' thinking.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -54,6 +56,27 @@ AS_CHAT = {
     "safety_identifier": "safety_identifier",
 }
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # a Responses function tool's, beside its type
+# the keys of an input item pdd reads, and the bookkeeping an item given back carries (`id`,
+# `status`): any other is refused (a reasoning item is not rendered at all)
+ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+}
+
+
+@contextlib.contextmanager
+def named_as_responses() -> Iterator[None]:
+    """An ApiError raised inside names its parameter as the Responses API does (a chat
+    message's position is not an input item's: `input` alone)."""
+    try:
+        yield
+    except ApiError as e:
+        if e.param is not None:
+            head = re.split(r"[.\[]", e.param, maxsplit=1)[0]
+            e.param = PARAM_NAMES.get(head, head) + ("" if head == "messages" else e.param[len(head) :])
+        raise
 
 
 class ResponsesRequest(BaseModel):
@@ -109,6 +132,9 @@ class ResponsesRequest(BaseModel):
             return [*messages, {"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if unknown := sorted(set(item) - ITEM_KEYS.get(kind, set(item))):
+                where = f"input[{i}].{unknown[0]}"
+                raise ApiError(400, f"{where} is not supported by pdd", param=where)
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "system", "developer", "assistant"):
@@ -159,8 +185,8 @@ def _text(content: Any, where: str) -> str:
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise ApiError(400, f"tools[{i}].type {tool.get('type')!r} is not supported by pdd", param=f"tools[{i}].type")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    if unknown := sorted(set(tool) - {"type", "name", "description", "parameters", "strict"}):
+    function = {k: tool[k] for k in FUNCTION_KEYS if tool.get(k) is not None}
+    if unknown := sorted(set(tool) - {"type", *FUNCTION_KEYS}):
         raise ApiError(400, f"tools[{i}].{unknown[0]} is not supported by pdd", param=f"tools[{i}].{unknown[0]}")
     return {"type": "function", "function": function}
 
@@ -190,9 +216,9 @@ def _id(prefix: str) -> str:
 class ResponseForm:
     """One response's shapes: the whole object, and its stream of events."""
 
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
         self.id, self.created = _id("resp"), int(time.time())
-        self._req, self._chat, self._model = req, chat, model
+        self._req, self._model = req, model
 
     def body(self, status: str, output: list[dict], out: Outcome | None, prompt_len: int) -> dict[str, Any]:
         req = self._req

@@ -23,7 +23,7 @@ from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
 from pdd.api.reasoning import splitter
-from pdd.api.responses import PARAM_NAMES, ResponseForm, ResponsesRequest
+from pdd.api.responses import ResponseForm, ResponsesRequest, named_as_responses
 from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
@@ -121,9 +121,9 @@ class OpenAIServer:
                 await order[0].wait()
             async for ev in gen:
                 now = time.monotonic()
-                if order is not None and ev.tokens:
-                    order[0].set()
                 if first is None and ev.tokens:
+                    if order is not None:
+                        order[0].set()
                     first = access.first_token = now
                     self.metrics.ttft.observe(now - access.arrived)
                     if params.prompt_logprobs is not None:
@@ -319,14 +319,17 @@ class OpenAIServer:
             False, req, await self._prompt_ids(req), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, client, slot
         )
 
-    async def chat(self, req: ChatCompletionRequest, client: Request, slot: Slot) -> Response:
+    async def chat(
+        self, req: ChatCompletionRequest, client: Request, slot: Slot, form: ResponseForm | None = None
+    ) -> Response:
+        """A chat completion; with `form`, answered in the Responses API's shapes."""
         self._check_model(req.model)
         messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(req.messages)]
         tools = req.tool_plan()
         prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context
-        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools)
+        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools, form)
 
     async def chat_prompt(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict) -> list[int]:
         """A conversation's prompt ids: the chat template rendered with its tools. A 400 for
@@ -348,25 +351,13 @@ class OpenAIServer:
             raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
         return await self._encode(text, add_special_tokens=False)
 
-    async def responses(self, req: ResponsesRequest, client: Request, slot: Slot) -> Response:
-        """/v1/responses: run as the chat completion it reads as (`pdd.api.responses`)."""
-        self._check_model(req.model)
-        try:
-            chat = req.as_chat()
-            chat.refuse_unhonoured()
-            tools = chat.tool_plan()
-            messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(chat.messages)]
-            prompt = await self.chat_prompt(messages, tools, {})
-            form = ResponseForm(req, chat, self.model_name)
-            return await self.respond(
-                True, chat, prompt, chat.max_tokens, self.backend.max_context, client, slot, tools, form
-            )
-        except ApiError as e:  # named as the Responses API names it
-            if e.param is not None:
-                head, dot, rest = e.param.partition(".")
-                head = head.split("[")[0]
-                e.param = PARAM_NAMES.get(head, head) + (e.param[len(head) :] if head != "messages" else "")
-            raise
+    async def responses(
+        self, req: ResponsesRequest, chat: ChatCompletionRequest, client: Request, slot: Slot
+    ) -> Response:
+        """/v1/responses: `req` run as `chat`, the chat completion it reads as
+        (`pdd.api.responses`)."""
+        with named_as_responses():
+            return await self.chat(chat, client, slot, ResponseForm(req, self.model_name))
 
     def assistant(self, tools: ToolPlan | None) -> Assistant:
         """A reader of one choice's text into thinking, content and tool calls."""

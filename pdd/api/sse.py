@@ -24,23 +24,21 @@ async def sse_events(
     """A generation of one or more choices (`pieces`: each with its choice's index,
     filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's record
     on its last, usage if asked, an error as an event (the status is sent already), [DONE].
-    `assistants`: a chat's, one a choice (thinking as `reasoning_content`, tool calls as
-    `tool_calls`, each in its own key of the delta)."""
+    `assistants`: a chat's (None: a completion's), one a choice (thinking as
+    `reasoning_content`, tool calls as `tool_calls`, each in its own key of the delta)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     opened: set[int] = set()
 
     def chunk(i: int, piece: Piece, finish: str | None, extra: dict | None = None) -> str:
         delta, ids, logprobs = piece
-        if chat:
-            said: dict[str, object] = {"content": delta}
-            if assistants is not None:
-                reasoning, content, calls = assistants[i].feed(delta, final=finish is not None)
-                said = {"content": content}
-                if reasoning:
-                    said["reasoning_content"] = reasoning
-                if calls:
-                    said["tool_calls"] = [c.openai() for c in calls]
-                finish = assistants[i].finish_reason(finish)
+        if assistants is not None:  # (a chat's)
+            reasoning, content, calls = assistants[i].feed(delta, final=finish is not None)
+            said: dict[str, object] = {"content": content}
+            if reasoning:
+                said["reasoning_content"] = reasoning
+            if calls:
+                said["tool_calls"] = [c.openai() for c in calls]
+            finish = assistants[i].finish_reason(finish)
             choice = {"index": i, "delta": said, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}

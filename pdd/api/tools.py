@@ -40,8 +40,13 @@ class Function:
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
-        function["parameters"] = self.parameters if self.parameters is not None else {"type": "object"}
+        function["parameters"] = self.arguments_schema
         return {"type": "function", "function": function}
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        """The JSON Schema of its arguments (none given: any object)."""
+        return self.parameters if self.parameters is not None else {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,11 @@ class ToolPlan:
             return None
         if self.choice != "required":
             (function,) = [f for f in self.functions if f.name == self.choice]
-            return "json_schema", json.dumps(_arguments_schema(function))
+            return "json_schema", json.dumps(function.arguments_schema)
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [f.name]}, "parameters": _arguments_schema(f)},
+                "properties": {"name": {"type": "string", "enum": [f.name]}, "parameters": f.arguments_schema},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -87,10 +92,6 @@ class ToolPlan:
         if self.choice == "auto":
             return TOOL_PARSER_CLASSES[parser](self.parallel)
         return NamedCall(self.choice)
-
-
-def _arguments_schema(function: Function) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {"type": "object"}
 
 
 @dataclass
