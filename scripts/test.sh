@@ -19,4 +19,5 @@ fi
 .venv/bin/ruff format --check pdd
 .venv/bin/mypy pdd
 .venv/bin/lint-imports
-exec .venv/bin/python -m pytest "$@"
+# the slowest tests are listed at the end: where the suite's time goes, run by run
+exec .venv/bin/python -m pytest --durations=25 "$@"

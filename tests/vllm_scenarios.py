@@ -27,6 +27,11 @@ OUTPUT = 120
 # from a budget: 256 MiB here (2,048 blocks of the tiny model), not pdd's CPU default of 1 GiB,
 # which every instance of every deployment would allocate and touch
 ENGINE = '[engine]\ndtype = "float32"\n[engine.vllm]\nkv_cache_memory_bytes = 268435456\n'
+# `pipelines` stalls the line up to 5 s (a slow machine's full stall), and the router's
+# connections to B's instances cross it: silence counts from a heartbeat up to 1 s before the
+# stall, so under the default liveness limit (5 s) a full stall could drop MD. The limit sits
+# well above the stall: the line is late, never lost.
+LIVENESS = "[liveness]\ndead_after_s = 15.0\n"
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -37,7 +42,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def write_config(path: Path, mode: str, instances: str = "") -> str:
     path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
                     + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items())
-                    + ENGINE + instances)
+                    + ENGINE + LIVENESS + instances)
     return str(path)
 
 
