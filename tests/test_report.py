@@ -100,7 +100,7 @@ def test_html_escapes_hostile_text(tmp_path: Path) -> None:
     paths = write_report(tmp_path, summaries, title=hostile, meta={"command": hostile})
     page = paths["html"].read_text()
     assert "<script>" not in page and "<b>" not in page
-    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &lt;b&gt;" in page
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &amp; &lt;b&gt;" in page
 
 
 _LAUNCHER = """

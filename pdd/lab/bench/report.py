@@ -8,14 +8,14 @@ name) so the whole output folder can be copied or attached as it is.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import jinja2
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -273,74 +273,46 @@ _PLOTS: list[tuple[str, str, Callable[[Summaries], Figure | None]]] = [
 
 # ----------------------------------------------------------------------------- html
 
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 72rem;
-       color: #222; padding: 0 1rem; }
-h1 { font-size: 1.5rem; }
-dl.meta { display: grid; grid-template-columns: max-content 1fr; gap: .3rem 1rem; }
-dl.meta dt { font-weight: 600; }
-dl.meta dd { margin: 0; }
-pre { background: #f5f5f5; padding: .5rem; overflow-x: auto; margin: 0; }
-table { border-collapse: collapse; margin: 1rem 0; }
-th, td { border: 1px solid #ccc; padding: .25rem .6rem; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-th { background: #eee; }
-tbody tr:nth-child(even) { background: #fafafa; }
-figure { margin: 1.5rem 0; }
-figure img { max-width: 100%; }
-figcaption { color: #555; font-size: .9rem; }
-"""
+_PAGE = jinja2.Environment(
+    loader=jinja2.PackageLoader("pdd.lab.bench", "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+).get_template("report.html.jinja")
 
 
-def _esc(value: object) -> str:
-    return html.escape(str(value), quote=True)
+class _TableRows(NamedTuple):
+    header: list[str]
+    rows: list[list[str]]
 
 
-def _meta_value(value: object) -> str:
-    if isinstance(value, str):
-        return _esc(value) if "\n" not in value else f"<pre>{_esc(value)}</pre>"
-    return f"<pre>{_esc(json.dumps(value, indent=2, default=str))}</pre>"
+def _rows(table: Table) -> _TableRows:
+    """A console table's header and rows, so the page and the terminal agree."""
+    cells = [[str(cell) for cell in c.cells] for c in table.columns]
+    return _TableRows([str(c.header) for c in table.columns], [list(row) for row in zip(*cells, strict=True)])
 
 
-def _meta_html(meta: Mapping[str, Any]) -> str:
-    # The three fields every report has come first, whatever order the caller used.
+def _meta_rows(meta: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
+    """(key, text, whether it is a block) per field; the three every report has come first."""
     order = [k for k in ("date", "command", "config") if k in meta]
     order += [k for k in meta if k not in order]
-    rows = "".join(f"<dt>{_esc(k)}</dt><dd>{_meta_value(meta[k])}</dd>" for k in order)
-    return f'<dl class="meta">{rows}</dl>'
-
-
-def _table_html(summaries: Summaries) -> str:
-    """The console table's rows and columns, so the page and the terminal agree."""
-    return _rich_html(format_table(summaries))
-
-
-def _rich_html(table: Table) -> str:
-    columns = table.columns
-    head = "".join(f"<th>{_esc(c.header)}</th>" for c in columns)
-    cells = [[str(cell) for cell in c.cells] for c in columns]
-    body = "".join(
-        "<tr>" + f"<th>{_esc(row[0])}</th>" + "".join(f'<td class="num">{_esc(v)}</td>' for v in row[1:]) + "</tr>"
-        for row in zip(*cells, strict=True)
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    out = []
+    for key in order:
+        value = meta[key]
+        text = value if isinstance(value, str) else json.dumps(value, indent=2, default=str)
+        out.append((key, text, not isinstance(value, str) or "\n" in value))
+    return out
 
 
 def _html(summaries: Summaries, *, title: str, meta: Mapping[str, Any], plots: list[tuple[str, str]]) -> str:
-    figures = "".join(
-        f'<figure><img src="{_esc(name)}" alt="{_esc(caption)}"><figcaption>{_esc(caption)}</figcaption></figure>'
-        for name, caption in plots
-    )
     hardware = format_hardware_table(summaries)
     figures_of_run = headlines(summaries)
-    headline = "" if all(h.value is None for h in figures_of_run) else _rich_html(format_headlines(figures_of_run))
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
-        f"<h1>{_esc(title)}</h1>{_meta_html(meta)}"
-        f"<h2>Key numbers</h2>{_table_html(summaries)}"
-        f"{'' if not headline else '<h2>Headline</h2>' + headline}"
-        f"{'' if hardware is None else '<h2>Hardware</h2>' + _rich_html(hardware)}"
-        f"<h2>Plots</h2>{figures or '<p>No plot: every value was zero or missing.</p>'}"
-        "</body></html>\n"
+    headline = None if all(h.value is None for h in figures_of_run) else _rows(format_headlines(figures_of_run))
+    return _PAGE.render(
+        title=title,
+        meta=_meta_rows(meta),
+        key_numbers=_rows(format_table(summaries)),
+        headline=headline,
+        hardware=None if hardware is None else _rows(hardware),
+        plots=plots,
     )
