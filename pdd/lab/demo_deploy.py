@@ -15,16 +15,14 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
-from pdd.lab.deploy import stop_group
+from pdd.lab.deploy import PDD_COMMAND, STOP_GRACE_S, start, stop_group
 from pdd.names import mode_options
 
 START_TIMEOUT_S = 360.0  # (longer than `pdd up` gives its instances: it reports which one did not start)
 # `pdd up` gets this long after SIGTERM to stop its instances before they are killed.
-STOP_GRACE_S = 15.0
 _TAIL_LINES = 30
 _ROUTER_LINE = re.compile(r"router:\s+(https?://\S+)")
 _INSTANCE_LINE = re.compile(r"instance (\S+) \(.*\): (https?://\S+)")
@@ -42,7 +40,7 @@ def up_command(*args: str) -> list[str]:
     launcher that keeps the same contract: `--help` lists `--mode {...}` choices, and a
     deployment prints `router: http://HOST:PORT` once it serves.
     """
-    return [sys.executable, "-m", "pdd.cli", "up", *args]
+    return [*PDD_COMMAND, "up", *args]
 
 
 def accepted_modes() -> frozenset[str] | None:
@@ -84,16 +82,7 @@ class DemoDeployment:
         self.instances: dict[str, str] = {}  # name -> HTTP URL, as `pdd up` announces them
         self.pacing = ""  # `pdd up`'s pacing line
         self._url: queue.Queue[str | None] = queue.Queue()
-        self.proc = subprocess.Popen(
-            up_command(*args),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        self.proc = start(up_command(*args), subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._drain, name=f"pdd-up-{mode}", daemon=True)
         self._reader.start()
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -141,6 +142,36 @@ def check_ports(dep: cfg.Deployment) -> None:
             raise Mistake(f"{name}: {e}") from None
 
 
+PDD_COMMAND = (sys.executable, "-m", "pdd.cli")  # `pdd`, as this interpreter runs it
+STOP_GRACE_S = 15.0  # a server's time to stop after SIGTERM, before SIGKILL
+
+
+def start(
+    argv: Sequence[str],
+    output: IO | int | None = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
+    nice: int = 0,
+    own_group: bool = True,
+    text: bool = False,
+) -> subprocess.Popen:
+    """Every process the lab starts, started one way: `argv` with its stdout and stderr to
+    `output` (a file, PIPE, DEVNULL), no stdin, `env` over this process's environment and
+    Python unbuffered (a log shows what happened up to a kill), at `nice`. `own_group`: in a
+    process group of its own, which `stop_group` stops whole, its children with it; a
+    deployment's children stay in the deployment's, so stopping `pdd up` stops them too."""
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        start_new_session=own_group,
+        text=text,
+        errors="replace" if text else None,
+    )
+
+
 class PortTaken(RuntimeError):
     """A server of another launch answers where a child of this one should."""
 
@@ -252,13 +283,7 @@ class Launcher:
 
     def _popen(self, name: str, args: list[str], log: IO, nice: int) -> subprocess.Popen:
         """`pdd ARGS` as child `name` (here: on this host)."""
-        return subprocess.Popen(
-            [sys.executable, "-m", "pdd.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCH_ENV: self.launch},
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
-        )
+        return start([*PDD_COMMAND, *args], log, {LAUNCH_ENV: self.launch}, nice, own_group=False)
 
     def wan_line(self) -> tuple[float, float, float]:
         """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""

@@ -12,8 +12,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from rich.table import Table
 from pdd.engine_port import EnginePort, engine_names
 from pdd.lab.bench import options
 from pdd.lab.bench.sse import chunks
-from pdd.lab.deploy import free_port, wait_http
+from pdd.lab.deploy import PDD_COMMAND, STOP_GRACE_S, free_port, start, stop_group, wait_http
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,34 +133,13 @@ async def _http_numbers(url: str, repeats: int) -> dict[str, float]:
 def http_numbers(model_dir: str, repeats: int, threads: int = 1, device: str = "cpu") -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdd.cli",
-            "serve",
-            "--model",
-            model_dir,
-            "--port",
-            str(port),
-            "--served-model-name",
-            "bench",
-            "--num-pages",
-            "4096",
-            "--threads",
-            str(threads),
-            "--device",
-            device,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    serve = ["serve", "--model", model_dir, "--port", str(port), "--served-model-name", "bench"]
+    proc = start([*PDD_COMMAND, *serve, "--num-pages", "4096", "--threads", str(threads), "--device", device])
     try:
         wait_http(f"{url}/health", proc, 60)
         return asyncio.run(_http_numbers(url, repeats))
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_group(proc, STOP_GRACE_S)
 
 
 def run(args: argparse.Namespace) -> int:

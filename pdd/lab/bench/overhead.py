@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd.lab.bench import options
-from pdd.lab.deploy import free_port, stop_group, wait_http
+from pdd.lab.deploy import STOP_GRACE_S, free_port, start, stop_group, wait_http
 from pdd.lab.workload.types import Session
 
 SERVERS = ("vllm", "pdd")  # plain vLLM, pdd on vLLM
 START_TIMEOUT_S = 600.0  # vLLM starts in tens of seconds alone; two at once on two busy cores take minutes
-STOP_GRACE_S = 15.0  # a server's time to stop after SIGTERM
 SETTLE_S = 2.0  # between runs: vLLM's engine core spins a second after its last step
 BLOCK_TOKENS = 32  # pdd's page on vLLM = vLLM's block
 # metric -> (what a summary says, whether more is better)
@@ -158,14 +156,7 @@ def _server(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> I
     port = free_port()
     log = log_dir / f"{name}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *args, "--port", str(port)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = start([sys.executable, *args, "--port", str(port)], out, env)
     try:
         yield _Server(name, f"http://127.0.0.1:{port}", proc, log)
     finally:

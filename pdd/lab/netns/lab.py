@@ -25,12 +25,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TypeVar
 
+from pdd.lab.deploy import PDD_COMMAND, start
 from pdd.lab.netns.delay import DEVICE, TABLE, LineDelay, binary
 
 PREFIX = "pddns-"
@@ -284,24 +284,8 @@ class Lab:
         """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of
         its own, with `env` added to this process's environment."""
         ns = self.line_ns if host == "line" else self.hosts[host].ns
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            *(["nice", "-n", str(nice)] if nice else []),
-            sys.executable,
-            "-m",
-            "pdd.cli",
-            *args,
-        ]
-        return subprocess.Popen(
-            cmd,
-            stdout=log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
+        niced = ["nice", "-n", str(nice)] if nice else []
+        return start(["ip", "netns", "exec", ns, *niced, *PDD_COMMAND, *args], log or subprocess.DEVNULL, env)
 
     def line_bytes(self) -> dict[str, int]:
         """Bytes the line has carried into each site (its tbf-shaped egress: what crossed)."""
