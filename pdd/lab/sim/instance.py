@@ -121,6 +121,22 @@ class Instance:
         self.cache.shrink(self.cache_room())
         return Hold(self, tokens, pinned)
 
+    def unhold(self, tokens: int, pinned: Sequence[Hashable]) -> None:
+        """`hold`'s room and pins back (`Hold.release`): the blocks they kept may be evicted."""
+        self.used -= tokens
+        self.holds -= 1
+        self.cache.unpin(pinned)
+        self.cache.shrink(self.cache_room())
+
+    def accept(self, landing: Landing) -> None:
+        """A request accepted here that has not settled yet (`Landing`), in arrival order."""
+        self.unsettled.append(landing)
+
+    def settle(self, landing: Landing) -> None:
+        """It produces here now, or has gone (a second call is no change)."""
+        if landing in self.unsettled:
+            self.unsettled.remove(landing)
+
     def room_for(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
         """`hold` for a request held here without room so far: held either way after."""
         self.without_room -= 1

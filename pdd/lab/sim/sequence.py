@@ -30,7 +30,7 @@ class Landing:
     _settled: simpy.Event | None = None
 
     def __post_init__(self) -> None:
-        self.inst.unsettled.append(self)
+        self.inst.accept(self)
 
     def settled(self) -> simpy.Event:
         if self._settled is None:
@@ -39,8 +39,7 @@ class Landing:
 
     def settle(self) -> None:
         """Its request produces here now, or has gone: nothing more to wait for."""
-        if self in self.inst.unsettled:
-            self.inst.unsettled.remove(self)
+        self.inst.settle(self)
         settled = self.settled()
         if not settled.triggered:
             settled.succeed()
@@ -65,10 +64,7 @@ class Hold:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.inst.used -= self.tokens
-            self.inst.holds -= 1
-            self.inst.cache.unpin(self.pinned)
-            self.inst.cache.shrink(self.inst.cache_room())
+            self.inst.unhold(self.tokens, self.pinned)
             self.settle()
             self.inst.poke()  # a waiting sequence may fit now
 
