@@ -9,13 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "pdd"
 
-# circles that only type annotations close, each with why it is still there
-KNOWN: dict[frozenset[str], str] = {
-    frozenset(f"pdd.lab.sim.{m}" for m in ("cluster", "instance", "parts", "prefill", "relayed", "reserve",
-                                            "sequence", "stream")):
-    "the simulator's Cluster is one class over three partial bases (parts.py), whose halves name it in their "
-    "types; issue 28 composes it of its managers instead",
-}
+# circles that only type annotations close, each with why it is still there (none now: the
+# simulator's Cluster, one class over three partial bases whose halves named it, is composed
+# of its managers)
+KNOWN: dict[frozenset[str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

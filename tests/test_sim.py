@@ -18,7 +18,8 @@ import pytest
 import simpy
 
 from pdd.lab.sim import paper
-from pdd.lab.sim.cluster import Cluster, DeploymentSpec
+from pdd.lab.sim.cluster import Cluster
+from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.link import SharedLink
 from pdd.lab.sim.workload import SimSession, SimTurn, agentic_sessions
 from pdd.names import Fallback, HandoffMode, Pipeline
@@ -362,7 +363,7 @@ POLICIES = {
     "relay_accepts": ("pdd.lab.sim.reserve", "pdd.instance.relay"),
     "prefix_holder": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
     "may_hold": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
-    "reserve_retry_delay": ("pdd.lab.sim.reserve", "pdd.instance.reservations"),
+    "reserve_retry_delay": ("pdd.lab.sim.lines", "pdd.instance.reservations"),
     "choose_pipeline": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "answer_wait_s": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "main_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
@@ -526,10 +527,8 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
     its own reservation holds most of a later one's prompt, so the later one waits for it
     rather than fetch the same KV over the line; an earlier one never waits for a later
     arrival that is not reserved (the two would wait for each other), but does once it is."""
-    from types import SimpleNamespace
-
     from pdd.lab.sim.instance import Instance
-    from pdd.lab.sim.reserve import Reservations
+    from pdd.lab.sim.reserve import await_prefix
     from pdd.lab.sim.sequence import Landing
     from pdd.perf.hardware import CATALOG
     from pdd.perf.model import MODELS
@@ -547,7 +546,7 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
         done: list[float] = []
 
         def ask():
-            yield from Reservations._await_prefix(SimpleNamespace(env=env), inst, me)
+            yield from await_prefix(inst, me)
             done.append(env.now)
 
         def land():

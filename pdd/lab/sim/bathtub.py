@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.bounds import Shape, prefill_rps
-from pdd.lab.sim.cluster import DeploymentSpec
+from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.runner import Window, simulate
 from pdd.lab.sim.workload import SimSession, SimTurn
 

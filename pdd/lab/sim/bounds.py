@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdd.lab.sim.cluster import DeploymentSpec, RoleSpec
+from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.workload.agentic import AgenticConfig, estimate_hits
 from pdd.perf.physics import Physics
 from pdd.perf.steps import chunk_load, decode_stretch

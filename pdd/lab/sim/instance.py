@@ -31,7 +31,7 @@ import numpy as np
 import simpy
 
 from pdd.lab.sim.cache import BlockCache
-from pdd.lab.sim.reserve import ReservationLine
+from pdd.lab.sim.lines import ReservationLine
 from pdd.lab.sim.sequence import Hold, Landing, SimSeq, _Run
 from pdd.perf.steps import StepLoad, StepModel
 from pdd.policy.capacity import Room

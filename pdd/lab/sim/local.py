@@ -21,7 +21,8 @@ import simpy
 
 from pdd import config as cfg
 from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
-from pdd.lab.sim.cluster import Cluster, DeploymentSpec, RoleSpec
+from pdd.lab.sim.cluster import Cluster
+from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.sim.profile import LocalProfile
 from pdd.lab.sim.workload import agentic_sessions
 from pdd.lab.workload.scenarios import Scenario

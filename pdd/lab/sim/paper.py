@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdd.config import PolicySpec
-from pdd.lab.sim.cluster import DeploymentSpec, RoleSpec
+from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.sim.tcp import Tcp
 from pdd.lab.workload.agentic import AgenticConfig
 from pdd.perf.decode import DecodeRate, decode_rate

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.bounds import capacity_rps
-from pdd.lab.sim.cluster import DeploymentSpec
+from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT
 from pdd.lab.sim.plan_workload import Workload
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s

@@ -14,57 +14,58 @@ line holds it: a required reservation has no deadline.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING
 
 import simpy
 
-from pdd.lab.sim.parts import ClusterParts, Proc
+from pdd.lab.sim.fleet import Fleet, Proc
+from pdd.lab.sim.instance import Instance
+from pdd.lab.sim.relayed import RelayPaths
+from pdd.lab.sim.reserve import Reservations
 from pdd.lab.sim.sequence import SimSeq
-from pdd.lab.sim.stream import fell_back
+from pdd.lab.sim.stream import Stream, fell_back
+from pdd.lab.sim.workload import SimSession
 from pdd.names import Pipeline
 from pdd.policy.capacity import RELAY_ANSWER_S
 from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline, main_refused, relay_refused
 from pdd.policy.plan import Plan
 from pdd.policy.transfer import Priority, kv_range
-
-if TYPE_CHECKING:
-    from pdd.lab.sim.instance import Instance
-    from pdd.lab.sim.reserve import Granted
-    from pdd.lab.sim.stream import Stream
-    from pdd.lab.sim.workload import SimSession
-    from pdd.record import RequestRecord
+from pdd.record import RequestRecord
 
 
-class PrefillPaths(ClusterParts):
-    """P's half of `pdd.lab.sim.cluster.Cluster`, which provides what it uses."""
+class PrefillPaths:
+    """P's part of a deployment's disaggregated requests, which reserves at the decode
+    side (`reservations`) and hands a relayed pipeline to `relay`."""
 
-    def _disaggregated(self, plan: Plan, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
-        env, prompt = self.env, rec.prompt_tokens
-        p = self.instances[plan.entry]
-        md = self.instances[plan.main] if plan.main else None
-        rld = self.instances[plan.relay] if plan.relay else None
-        md_res = env.process(self._reserve(p, md, s, rec, False)) if md else None
-        rld_res = env.process(self._reserve(p, rld, s, rec, md is not None)) if rld else None
-        rec.p_hit_tokens = p.hit_tokens(self._keys(s, prompt), prompt)
+    def __init__(self, fleet: Fleet, reservations: Reservations, relay: RelayPaths) -> None:
+        self.fleet, self.reservations, self.relay = fleet, reservations, relay
+
+    def disaggregated(self, plan: Plan, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
+        env, prompt = self.fleet.env, rec.prompt_tokens
+        p = self.fleet.instances[plan.entry]
+        md = self.fleet.instances[plan.main] if plan.main else None
+        rld = self.fleet.instances[plan.relay] if plan.relay else None
+        md_res = env.process(self.reservations.reserve(p, md, s, rec, False)) if md else None
+        rld_res = env.process(self.reservations.reserve(p, rld, s, rec, md is not None)) if rld else None
+        rec.p_hit_tokens = p.hit_tokens(self.fleet.keys(s, prompt), prompt)
         pseq = SimSeq(
             context=rec.p_hit_tokens,
             pending=prompt - rec.p_hit_tokens,
             produce=1,
             hold=None,
-            blocks=self._keys(s, prompt),
+            blocks=self.fleet.keys(s, prompt),
         )
-        if not self._fits(p, pseq, rec):
+        if not self.fleet.fits(p, pseq, rec):
             for res in (md_res, rld_res):
                 if res is not None:
-                    self.env.process(self._drop_when(res))
+                    self.fleet.env.process(self.fleet.drop_when(res))
             return
-        yield self._until_finished(p, pseq)
+        yield self.fleet.until_finished(p, pseq)
         decision = yield from self._decide(p, md, md_res, rld_res, rec)
         if decision is None:
             assert md is not None  # only MD's refusal leaves no pipeline
             rec.error = f"{md.name} refused the reservation, and the relay did not take the request"
             if rld_res is not None:
-                self.env.process(self._drop_when(rld_res))
+                self.fleet.env.process(self.fleet.drop_when(rld_res))
             return
         rec.pipeline = decision.pipeline
         rec.kv_predicted_ms = None if decision.predicted_s is None else 1000 * decision.predicted_s
@@ -73,7 +74,7 @@ class PrefillPaths(ClusterParts):
         if decision.pipeline == Pipeline.P_MD:
             assert md is not None and md_res is not None  # P -> MD is chosen only with an MD
             if rld_res is not None:
-                self.env.process(self._drop_when(rld_res))
+                self.fleet.env.process(self.fleet.drop_when(rld_res))
             yield from self._p_md(p, md, md_res, s, rec, stream)
             return
         assert rld is not None and rld_res is not None  # a relayed pipeline is chosen only with a relay
@@ -81,7 +82,7 @@ class PrefillPaths(ClusterParts):
         if rld_res.value is None:
             rec.error = f"{rld.name} refused the reservation"
             return
-        yield from self._relayed(
+        yield from self.relay.relayed(
             p, md if decision.pipeline == Pipeline.P_RLD_MD else None, md_res, rld, rld_res.value, s, rec, stream
         )
 
@@ -98,11 +99,11 @@ class PrefillPaths(ClusterParts):
         if md is None:  # the relay produces alone (the plan counted it: no_main)
             return Decision(Pipeline.P_RLD, None)
         assert md_res is not None  # reserved with every MD
-        meter = self.line_meter(p, md)
-        budget = self.spec.policy.ttft_budget_ms / 1000
-        waited = self.env.now
+        meter = self.fleet.line_meter(p, md)
+        budget = self.fleet.spec.policy.ttft_budget_ms / 1000
+        waited = self.fleet.env.now
         if rld_res is not None:
-            yield md_res | self.env.timeout(answer_wait_s(budget, meter.estimate))
+            yield md_res | self.fleet.env.timeout(answer_wait_s(budget, meter.estimate))
         else:
             yield md_res
         reserved = md_res.value if md_res.triggered else None
@@ -112,15 +113,15 @@ class PrefillPaths(ClusterParts):
         delta = None
         if reserved is not None:
             rec.d_hit_tokens = reserved[0]
-            delta = int((rec.prompt_tokens - reserved[0]) * self.spec.kv_bytes_per_token)
-        left = budget - (self.env.now - waited)
+            delta = int((rec.prompt_tokens - reserved[0]) * self.fleet.spec.kv_bytes_per_token)
+        left = budget - (self.fleet.env.now - waited)
         decision = choose_pipeline(
             delta,
             meter.estimate,
             meter.in_flight(Priority.URGENT),
             left,
             rld_res is not None,
-            self.spec.policy.pipeline,
+            self.fleet.spec.policy.pipeline,
         )
         if decision.pipeline == Pipeline.P_RLD_MD:
             assert rld_res is not None  # choose_pipeline takes the relay only when there is one
@@ -130,7 +131,7 @@ class PrefillPaths(ClusterParts):
 
     def _relay_takes(self, rld_res: simpy.Process) -> Generator[simpy.Event, object, bool]:
         """Whether the relay holds the request: it answers at once, unless loaded."""
-        yield rld_res | self.env.timeout(RELAY_ANSWER_S)
+        yield rld_res | self.fleet.env.timeout(RELAY_ANSWER_S)
         return rld_res.triggered and rld_res.value is not None
 
     def _p_md(
@@ -142,40 +143,19 @@ class PrefillPaths(ClusterParts):
             rec.error = f"{md.name} refused the reservation"
             return
         rec.d_hit_tokens = reserved[0]
-        yield from self.send(p, md, rec, kv_range(rec.prompt_tokens, reserved[0]), Priority.URGENT)
+        yield from self.fleet.send(p, md, rec, kv_range(rec.prompt_tokens, reserved[0]), Priority.URGENT)
         reserved[1].settle()  # MD produces
-        stream.emit(self.env.now)  # P's first token, streamed by MD as the KV lands
+        stream.emit(self.fleet.env.now)  # P's first token, streamed by MD as the KV lands
         if rec.max_tokens > 1:
             seq = SimSeq(
                 context=rec.prompt_tokens,
                 pending=0,
                 produce=rec.max_tokens - 1,
                 hold=reserved[1],
-                blocks=self._keys(s, rec.prompt_tokens + rec.max_tokens),
+                blocks=self.fleet.keys(s, rec.prompt_tokens + rec.max_tokens),
             )
-            yield self._until_finished(md, seq)
+            yield self.fleet.until_finished(md, seq)
             stream.take(seq)
         else:
             reserved[1].release()
         rec.main_output_tokens = stream.tokens
-
-    if TYPE_CHECKING:  # provided by the cluster's other halves
-
-        def _reserve(
-            self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
-        ) -> Generator[simpy.Event, object, Granted | None]: ...
-
-        def _relayed(
-            self,
-            p: Instance,
-            md: Instance | None,
-            md_res: simpy.Process | None,
-            rld: Instance,
-            rld_reserved: Granted,
-            s: SimSession,
-            rec: RequestRecord,
-            stream: Stream,
-        ) -> Proc: ...
-
-        @staticmethod
-        def _drop_when(event: simpy.Event) -> Proc: ...

@@ -12,29 +12,28 @@ cached for the next turn.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING
 
 import simpy
 
-from pdd.lab.sim.parts import ClusterParts, Proc
+from pdd.lab.sim.fleet import Fleet, Proc
+from pdd.lab.sim.instance import Instance
+from pdd.lab.sim.lines import Granted
 from pdd.lab.sim.sequence import Hold, SimSeq
-from pdd.lab.sim.stream import fell_back
+from pdd.lab.sim.stream import Stream, fell_back
+from pdd.lab.sim.workload import SimSession
 from pdd.names import Fallback, HandoffMode
 from pdd.policy.handoff import choose_handoff, cut_over, occupancy
 from pdd.policy.transfer import Priority, kv_range
-
-if TYPE_CHECKING:
-    from pdd.lab.sim.instance import Instance
-    from pdd.lab.sim.reserve import Granted
-    from pdd.lab.sim.stream import Stream
-    from pdd.lab.sim.workload import SimSession
-    from pdd.record import RequestRecord
+from pdd.record import RequestRecord
 
 
-class RelayPaths(ClusterParts):
-    """The relayed half of `pdd.lab.sim.cluster.Cluster`, which provides what it uses."""
+class RelayPaths:
+    """The relayed pipeline of a deployment's requests."""
 
-    def _relayed(
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def relayed(
         self,
         p: Instance,
         md: Instance | None,
@@ -47,8 +46,8 @@ class RelayPaths(ClusterParts):
     ) -> Proc:
         """P -> RLD -> MD (or P -> RLD when MD is out): the relay streams at once; MD
         takes over once its KV has landed."""
-        env, prompt = self.env, out.prompt_tokens
-        to_rld = env.process(self.send(p, rld, out, kv_range(prompt, rld_reserved[0]), Priority.URGENT))
+        env, prompt = self.fleet.env, out.prompt_tokens
+        to_rld = env.process(self.fleet.send(p, rld, out, kv_range(prompt, rld_reserved[0]), Priority.URGENT))
         md_has_kv: simpy.Process | None = None  # MD's KV landed: its hold, or None (refused)
         if md is not None:
             assert md_res is not None  # reserved with every MD
@@ -60,12 +59,16 @@ class RelayPaths(ClusterParts):
             out.relay_output_tokens = 1
             rld_reserved[1].release()
             if md_has_kv is not None:
-                self.env.process(self._drop_when(md_has_kv))
+                self.fleet.env.process(self.fleet.drop_when(md_has_kv))
             return
         rseq = SimSeq(
-            context=prompt, pending=0, produce=out.max_tokens - 1, hold=rld_reserved[1], blocks=self._keys(s, prompt)
+            context=prompt,
+            pending=0,
+            produce=out.max_tokens - 1,
+            hold=rld_reserved[1],
+            blocks=self.fleet.keys(s, prompt),
         )
-        finished = self._until_finished(rld, rseq)
+        finished = self.fleet.until_finished(rld, rseq)
         if md_has_kv is None:
             yield finished
             stream.take(rseq)
@@ -78,27 +81,20 @@ class RelayPaths(ClusterParts):
             stream.take(rseq)
             out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
-            self.env.process(self._fill(rld, md, md_has_kv, s, out))
+            self.fleet.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
         hold = md_has_kv.value
         # READY reaches the relay: MD's acknowledgement back to P, then P -> relay.
-        yield env.timeout(self.link(p, md).line.one_way_ms / 1000 + self.link(p, rld).line.one_way_ms / 1000)
+        yield env.timeout(
+            self.fleet.link(p, md).line.one_way_ms / 1000 + self.fleet.link(p, rld).line.one_way_ms / 1000
+        )
         if rseq.done:
             stream.take(rseq)
             out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
-            self.env.process(self._fill(rld, md, md_has_kv, s, out))
+            self.fleet.env.process(self._fill(rld, md, md_has_kv, s, out))
             return
         yield from self._hand_off(rld, rseq, md, hold, s, out, stream)
-
-    @staticmethod
-    def _drop_when(event: simpy.Event) -> Proc:
-        """Give back a reservation that will not be used, once it is made: `event` gives
-        (hit, hold), a hold, or None (refused)."""
-        yield event
-        value = event.value
-        if value is not None:
-            (value[1] if isinstance(value, tuple) else value).release()
 
     def _fill(
         self,
@@ -123,12 +119,12 @@ class RelayPaths(ClusterParts):
                 produce=0,
                 hold=landed.value,
                 live=False,
-                blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+                blocks=self.fleet.keys(s, out.prompt_tokens + out.max_tokens),
             )
         assert mseq is not None  # without a landing to wait for, the fill continues a handoff's sequence
-        yield self.env.timeout(self.link(rld, md).line.one_way_ms / 1000)
+        yield self.fleet.env.timeout(self.fleet.link(rld, md).line.one_way_ms / 1000)
         mseq.on_computed = md.stop
-        md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.spec.policy.catch_up_chunk)
+        md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.fleet.spec.policy.catch_up_chunk)
 
     def _behind_relay(
         self, p: Instance, md: Instance, md_res: simpy.Process, out: RequestRecord
@@ -140,14 +136,14 @@ class RelayPaths(ClusterParts):
         if reserved is None:
             return None
         out.d_hit_tokens = reserved[0]
-        yield from self.send(p, md, out, kv_range(out.prompt_tokens, reserved[0]), Priority.BACKGROUND)
+        yield from self.fleet.send(p, md, out, kv_range(out.prompt_tokens, reserved[0]), Priority.BACKGROUND)
         return reserved[1]
 
     def _hand_off(
         self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord, stream: Stream
     ) -> Proc:
-        env, p = self.env, self.spec.policy
-        one_way = self.link(rld, md).line.one_way_ms / 1000
+        env, p = self.fleet.env, self.fleet.spec.policy
+        one_way = self.fleet.link(rld, md).line.one_way_ms / 1000
         gap = 1 + rseq.produced
         plan = choose_handoff(
             gap,
@@ -164,9 +160,9 @@ class RelayPaths(ClusterParts):
             produce=0,
             hold=hold,
             live=False,
-            blocks=self._keys(s, out.prompt_tokens + out.max_tokens),
+            blocks=self.fleet.keys(s, out.prompt_tokens + out.max_tokens),
         )
-        finished = self._until_finished(md, mseq, submit=False)
+        finished = self.fleet.until_finished(md, mseq, submit=False)
         sent = 0
         if plan.mode == HandoffMode.CATCH_UP:
             rounds, previous = 0, None
@@ -193,7 +189,7 @@ class RelayPaths(ClusterParts):
             stream.take(rseq)
             out.relay_output_tokens = stream.tokens
             fell_back(out, Fallback.RELAY_FINISHED)
-            self.env.process(self._fill(rld, md, None, s, out, mseq, sent))
+            self.fleet.env.process(self._fill(rld, md, None, s, out, mseq, sent))
             return
         rld.stop(rseq)
         relayed = 1 + rseq.produced

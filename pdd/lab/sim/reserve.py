@@ -15,69 +15,37 @@ see. The answer travels back a one-way delay; P learns the round trip.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, TypeAlias, cast
+from collections.abc import Generator, Sequence
+from typing import cast
 
 import simpy
 
-from pdd.lab.sim.parts import ClusterParts, Proc
+from pdd.lab.sim.fleet import Fleet, Proc
+from pdd.lab.sim.instance import Instance
+from pdd.lab.sim.lines import Granted
 from pdd.lab.sim.sequence import Landing
+from pdd.lab.sim.workload import SimSession
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
-from pdd.policy.retry import reserve_retry_delay
-
-if TYPE_CHECKING:
-    from pdd.lab.sim.instance import Instance
-    from pdd.lab.sim.sequence import Hold
-    from pdd.lab.sim.workload import SimSession
-    from pdd.record import RequestRecord
-
-Granted: TypeAlias = "tuple[int, Hold]"  # (the reserved hit in tokens, the pool room held)
+from pdd.record import RequestRecord
 
 
-class ReservationLine:
-    """First come, first served: only the head tries, and retries as the live line does
-    (`reserve_retry_delay` without a limit); the next one tries as soon as it leaves."""
+class Reservations:
+    """A deployment's reservations: what each decode-side instance answers P."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env = env
-        self._turns: deque[simpy.Event] = deque()
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
 
-    def __len__(self) -> int:
-        return len(self._turns)
-
-    def take(self, attempt: Callable[[], Granted | None]) -> Generator[simpy.Event, object, Granted]:
-        turn = self.env.event()
-        self._turns.append(turn)
-        if len(self._turns) > 1:
-            yield turn
-        tries = 0
-        while (granted := attempt()) is None:
-            delay_s = reserve_retry_delay(tries, 0.0, math.inf)
-            assert delay_s is not None  # no limit: the line never refuses
-            yield self.env.timeout(delay_s)
-            tries += 1
-        self._turns.popleft()
-        if self._turns:
-            self._turns[0].succeed()
-        return granted
-
-
-class Reservations(ClusterParts):
-    """The reserving half of `pdd.lab.sim.cluster.Cluster`, which provides what it uses."""
-
-    def _reserve(
+    def reserve(
         self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
     ) -> Generator[simpy.Event, object, Granted | None]:
         """RESERVE from P: (hit, hold) once the answer is back at P, None if refused."""
-        sent = self.env.now
-        one_way = self.link(p, inst).line.one_way_ms / 1000
-        yield self.env.timeout(one_way)
+        sent = self.fleet.env.now
+        one_way = self.fleet.link(p, inst).line.one_way_ms / 1000
+        yield self.fleet.env.timeout(one_way)
         granted = yield from self._held_at(inst, s, rec, optional)
-        yield self.env.timeout(one_way)
-        self.line_meter(p, inst).round_trip(self.env.now - sent)
+        yield self.fleet.env.timeout(one_way)
+        self.fleet.line_meter(p, inst).round_trip(self.fleet.env.now - sent)
         return granted
 
     def _held_at(
@@ -87,10 +55,10 @@ class Reservations(ClusterParts):
             return None
         if inst.held >= inst.max_requests:
             return None
-        prompt, keys = rec.prompt_tokens, self._keys(s, rec.prompt_tokens)
+        prompt, keys = rec.prompt_tokens, self.fleet.keys(s, rec.prompt_tokens)
         inst.without_room += 1  # held from here on, as the live instance's job is
         landing = Landing(inst, keys, next(inst.arrivals))
-        yield from self._await_prefix(inst, landing)
+        yield from await_prefix(inst, landing)
         if prompt + rec.max_tokens > inst.capacity_tokens:  # the engine's "exceeds the context window"
             inst.without_room -= 1
             landing.settle()
@@ -106,38 +74,39 @@ class Reservations(ClusterParts):
             inst.without_room -= 1
             landing.settle()
             return None
-        landing.reserved, landing.keys = True, self._keys(s, prompt + rec.max_tokens)
+        landing.reserved, landing.keys = True, self.fleet.keys(s, prompt + rec.max_tokens)
         granted[1].landing = landing
         return granted
 
-    def _await_prefix(self, inst: Instance, me: Landing) -> Proc:
-        """As the live decode side: wait (at most `PREFIX_WAIT_S`) for a request that is
-        not producing yet and holds most of this prompt (`prefix_holder`), reserved or
-        come before this one (`may_hold`), rather than have the same KV cross the line
-        twice. The simulator works in blocks: the prompt and the requests in flight are
-        their block keys, the cached length is in blocks and a page is one block. A key
-        names its whole prefix (chained hashes), so a request whose key at the least
-        qualifying length differs cannot qualify and is passed over without a walk."""
-        deadline = self.env.now + PREFIX_WAIT_S
-        keys = me.keys
-        while True:
-            cached = inst.cache.match(keys, touch=False)
-            least = max(cached + 1, len(keys) // 2)
-            if least > len(keys):
-                return
-            mark = keys[least - 1]
-            others = [
-                h
-                for h in inst.unsettled
-                if h is not me
-                and may_hold(h.order < me.order, h.reserved)
-                and len(h.keys) >= least
-                and h.keys[least - 1] == mark
-            ]
-            # Block keys stand where the live side has token IDs: prefix_holder only compares them.
-            in_flight = [cast("Sequence[int]", h.keys) for h in others]
-            i = prefix_holder(cast("Sequence[int]", keys), cached, 1, in_flight) if others else None
-            left = deadline - self.env.now
-            if i is None or left <= 0:
-                return
-            yield others[i].settled() | self.env.timeout(left)
+
+def await_prefix(inst: Instance, me: Landing) -> Proc:
+    """As the live decode side: wait (at most `PREFIX_WAIT_S`) for a request that is
+    not producing yet and holds most of this prompt (`prefix_holder`), reserved or
+    come before this one (`may_hold`), rather than have the same KV cross the line
+    twice. The simulator works in blocks: the prompt and the requests in flight are
+    their block keys, the cached length is in blocks and a page is one block. A key
+    names its whole prefix (chained hashes), so a request whose key at the least
+    qualifying length differs cannot qualify and is passed over without a walk."""
+    deadline = inst.env.now + PREFIX_WAIT_S
+    keys = me.keys
+    while True:
+        cached = inst.cache.match(keys, touch=False)
+        least = max(cached + 1, len(keys) // 2)
+        if least > len(keys):
+            return
+        mark = keys[least - 1]
+        others = [
+            h
+            for h in inst.unsettled
+            if h is not me
+            and may_hold(h.order < me.order, h.reserved)
+            and len(h.keys) >= least
+            and h.keys[least - 1] == mark
+        ]
+        # Block keys stand where the live side has token IDs: prefix_holder only compares them.
+        in_flight = [cast("Sequence[int]", h.keys) for h in others]
+        i = prefix_holder(cast("Sequence[int]", keys), cached, 1, in_flight) if others else None
+        left = deadline - inst.env.now
+        if i is None or left <= 0:
+            return
+        yield others[i].settled() | inst.env.timeout(left)

@@ -30,9 +30,9 @@ from typing import Any
 
 import simpy
 
-from pdd.lab.sim.cluster import Cluster, DeploymentSpec
+from pdd.lab.sim.cluster import Cluster
+from pdd.lab.sim.fleet import DeploymentSpec, Proc
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.lab.sim.parts import Proc
 from pdd.lab.sim.workload import SimSession, agentic_sessions
 from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes
 from pdd.record import RequestRecord

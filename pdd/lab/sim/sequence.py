@@ -7,13 +7,33 @@ import bisect
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import simpy
 
-if TYPE_CHECKING:
-    from pdd.lab.sim.instance import Instance
+
+class _Counts(Protocol):
+    tokens_out: int
+
+
+class Host(Protocol):
+    """What a hold, a landing and a decode run ask of the instance they belong to
+    (`pdd.lab.sim.instance.Instance`, which is built from them: named by shape here)."""
+
+    @property
+    def env(self) -> simpy.Environment: ...
+
+    @property
+    def stats(self) -> _Counts: ...
+
+    def unhold(self, tokens: int, pinned: Sequence[Hashable]) -> None: ...
+
+    def accept(self, landing: Landing) -> None: ...
+
+    def settle(self, landing: Landing) -> None: ...
+
+    def poke(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -23,7 +43,7 @@ class Landing:
     handoff or a fill still to land. A later request sharing most of `keys` may wait for
     it (`settled`), as the live side waits for its jobs (`pdd.policy.prefix.may_hold`)."""
 
-    inst: Instance
+    inst: Host
     keys: Sequence[Hashable]  # its prompt; once reserved, its prompt and output
     order: int  # its arrival at `inst`
     reserved: bool = False
@@ -50,7 +70,7 @@ class Hold:
     """Pool room reserved for one request on one instance, and the cached prefix blocks
     it relies on, pinned (eviction passes them by) until the hold is released."""
 
-    inst: Instance
+    inst: Host
     tokens: int
     pinned: Sequence[Hashable]
     released: bool = False
@@ -147,7 +167,7 @@ class _Run:
     in it, not a pass over the batch: the steps' times are kept (`log`), and the sums a
     stretch is priced from are kept as members join and leave."""
 
-    inst: Instance
+    inst: Host
     # end times of the steps applied, in order: the first `logged` of `log`
     log: np.ndarray = field(default_factory=lambda: np.empty(1024))
     logged: int = 0
