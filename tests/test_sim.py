@@ -604,3 +604,24 @@ def test_a_steady_window_judges_only_what_arrives_in_it():
     assert 0 < result["requests"] < result["simulated_requests"]  # the warm-up is simulated, not judged
     assert result["offered_rps"] == pytest.approx(result["requests"] / 30.0)
     assert result["slo_attainment"] == 1.0  # a light load meets the SLO
+
+
+def test_a_pools_held_share_counts_the_prefixes_its_requests_pin() -> None:
+    """What the planner reports as a decode pool's use (`utilisation`'s `<role>_kv`): the
+    requests' own room and the cached prefix blocks they pin, which no eviction may take
+    either; released, neither is held."""
+    from pdd.lab.sim.instance import Instance
+    from pdd.perf.hardware import CATALOG
+    from pdd.perf.model import MODELS
+    from pdd.perf.physics import Physics
+
+    env = simpy.Environment()
+    inst = Instance(env, "main0@B", "main", "B", Physics(CATALOG["B"], next(iter(MODELS.values())), 8), 400_000,
+                    BLOCK, 16384, 64)
+    prefix = [("shared", i) for i in range(40)]
+    inst.cache.insert(prefix)
+    hold = inst.hold(3 * BLOCK, prefix)
+    assert hold is not None and inst.used == 3 * BLOCK
+    assert inst.kv_held_tokens == 3 * BLOCK + 40 * BLOCK
+    hold.release()
+    assert inst.kv_held_tokens == 0 and len(inst.cache) == 40  # the prefix stays cached, held by nobody

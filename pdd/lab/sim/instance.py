@@ -104,6 +104,13 @@ class Instance:
         give the next token), as the engine's match does."""
         return min(self.cache.match(blocks, touch) * self.block_tokens, prompt_tokens - 1)
 
+    @property
+    def kv_held_tokens(self) -> int:
+        """Pool tokens its requests hold: their own room, and the cached prefix blocks they
+        pin (which no eviction may take either). `used` alone left the pins out: a pool
+        shown 8 % full was about 65 % held at the publication's scale."""
+        return self.used + self.cache.pinned * self.block_tokens
+
     def cache_room(self) -> int:
         """Blocks the cache may keep beside what sequences hold."""
         return max(0, (self.capacity_tokens - self.used) // self.block_tokens)

@@ -164,7 +164,9 @@ class _Probe:
 
     def snapshot(self) -> dict[str, tuple[float, float, float]]:
         c = self.cluster
-        marks = {name: (i.stats.busy_s, float(i.stats.steps), float(i.used)) for name, i in c.instances.items()}
+        marks = {
+            name: (i.stats.busy_s, float(i.stats.steps), float(i.kv_held_tokens)) for name, i in c.instances.items()
+        }
         marks["line"] = (c.wan.stats.bytes if c.wan is not None else 0.0, 0.0, 0.0)
         return marks
 
@@ -235,8 +237,8 @@ def utilisation(
     """How close each resource ran to its limit over the window: a prefill instance's
     share of time in steps (it queues work); a decoding one's mean step over the TPOT
     target (it always has steps to run; their length is what the SLO bounds) and its
-    pool in use at the window's end; the line's share of its bandwidth. Per role, the
-    mean over its instances."""
+    pool held at the window's end (requests' room and the prefixes they pin); the line's
+    share of its bandwidth. Per role, the mean over its instances."""
     if "start" not in marks or "end" not in marks or seconds <= 0:
         return {}
     start, end = marks["start"], marks["end"]
