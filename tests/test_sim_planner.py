@@ -367,9 +367,10 @@ def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_m
 
 def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Path, capsys) -> None:
     """`pdd plan --published`: the publication's layouts, as near as whole instances come
-    (same-dc PD on 80 GPU A; PDD on 48 A + 32 B with one relay; cross-dc PD on the same),
-    each evaluated as given, and PDD against same-dc PD by our accounting and by the
-    publication's (its GPU counts at their prices)."""
+    (same-dc PD on 80 GPU A; PDD on 48 A + 32 B with one relay; cross-dc PD on the same;
+    between them, that P and D in one site), each evaluated as given; PDD against same-dc
+    PD by our accounting and by the publication's (its GPU counts at their prices); and
+    the step from one to the other a change at a time, each against the step before."""
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
@@ -379,8 +380,16 @@ def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Pat
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "the publication's layouts, as given" in printed and "Head to head" in printed
-    assert [lay.gpus() for lay in published(100.0)] == [80, 80, 80]
-    versus = json.loads(out.read_text())["published"]
+    assert [lay.gpus() for lay in published(100.0)] == [80, 80, 80, 80]
+    assert [lay.family for lay in published(100.0)] == ["pd-same-dc", "pd-same-dc-ab", "pd-cross-dc", "pdd"]
+    assert "one change at a time" in printed
+    report = json.loads(out.read_text())
+    steps = {s["step"]: s for s in report["breakdown"]}
+    assert list(steps) == ["D on B, same site", "D across the line", "a relay beside P"]
+    costs = {r["family"]: r["cost_per_hour"] for r in report["published_layouts"]}
+    assert steps["D on B, same site"]["cost_change"] == pytest.approx(costs["pd-same-dc-ab"] / costs["pd-same-dc"] - 1)
+    assert steps["a relay beside P"]["cost_change"] == pytest.approx(costs["pdd"] / costs["pd-cross-dc"] - 1)
+    versus = report["published"]
     if versus is not None:  # (a layout may miss the SLO at every rate so short a probe tries)
         assert versus["their_cost_change"] == pytest.approx((43 + 32 * 1.25) / 88 - 1)
         assert versus["bcr_change"] == pytest.approx((1 + versus["goodput_change"]) / (1 + versus["cost_change"]) - 1)

@@ -16,6 +16,7 @@ from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
 from pdd.lab.sim.planner import (
     Probe,
     best_per_family,
+    breakdown,
     candidates,
     head_to_head,
     published,
@@ -232,23 +233,28 @@ def plan_main(args: argparse.Namespace) -> int:
     out.print(f"Assumptions: {assumption_line(probe, workload)}")
     ratio = paper.rho(tpot_ms=probe.slo[1])
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
-    versus = None
+    versus, steps, given = None, None, []
     if args.published:
         given = search(published(args.line_gbps[0]), workload, probe, workers=args.workers, exact=True)
         out.print(_table(given, len(given), "the publication's layouts, as given (nearest buildable)"))
         versus = head_to_head(given)
         out.print(_versus_line(versus))
+        steps = breakdown(given)
+        out.print(_breakdown_table(steps))
     probes = sum(r["probes"] for r in rows)
     out.print(
         f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))."
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        slim = [{k: v for k, v in r.items() if k != "run"} for r in rows]
+
+        def slim(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [{k: v for k, v in r.items() if k != "run"} for r in rows]
+
         args.out.write_text(
             json.dumps(
                 {
-                    "layouts": slim,
+                    "layouts": slim(rows),
                     "assumptions": paper.SETTING.to_dict()
                     | {
                         "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
@@ -262,6 +268,8 @@ def plan_main(args: argparse.Namespace) -> int:
                     },
                     "rho": ratio.to_dict() if ratio else None,
                     "published": versus,
+                    "published_layouts": slim(given),
+                    "breakdown": steps,
                     "wall_s": wall,
                 },
                 indent=2,
@@ -271,6 +279,24 @@ def plan_main(args: argparse.Namespace) -> int:
             encoding="utf-8",
         )
     return 0
+
+
+def _breakdown_table(steps: list[dict[str, Any]]):
+    from rich.table import Table
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:+.1%}"
+
+    table = Table(title="from same-dc PD on A to PDD, one change at a time (each against the row before)")
+    for col in ("step", "layout", "goodput", "cost", "BCR", "TTFT p99"):
+        table.add_column(col, justify="left" if col in ("step", "layout") else "right")
+    for s in steps:
+        table.add_row(
+            s["step"],
+            s["layout"] or "-",
+            *(pct(s[k]) for k in ("goodput_change", "cost_change", "bcr_change", "ttft_p99_change")),
+        )
+    return table
 
 
 def _versus_line(versus: dict[str, Any] | None) -> str:

@@ -58,10 +58,13 @@ class Layout:
             return "pdd"
         if self.line_gbps:
             return "pd-cross-dc"
-        return "pd-same-dc" if self.prefill_hw == "A" else f"pd-same-dc-{self.prefill_hw.lower()}"
+        chips = self.prefill_hw if self.main_hw == self.prefill_hw else self.prefill_hw + self.main_hw
+        return "pd-same-dc" if chips == "A" else f"pd-same-dc-{chips.lower()}"
 
     @property
     def name(self) -> str:
+        if not self.line_gbps and self.main_hw != self.prefill_hw:
+            return f"same-dc {self.prefill}P {self.prefill_hw} + {self.main}D {self.main_hw}"
         if not self.line_gbps:
             return f"same-dc {self.prefill}P+{self.main}D {self.prefill_hw}"
         near = f"{self.prefill}P" + (f"+{self.relays}R" if self.relays else "")
@@ -365,12 +368,53 @@ class _Inline:
 def published(line_gbps: float, setting: paper.Setting = paper.SETTING) -> list[Layout]:
     """The publication's layouts as near as whole instances come (`paper.paper_deployments`):
     its 88 GPU A in one site as 2 P + 3 D of 16, its 43 A + 32 B as 2 P + 1 relay of 16 on A
-    and 4 MD of 8 on B, and cross-site PD on the same GPUs without the relay."""
+    and 4 MD of 8 on B, and cross-site PD on the same GPUs without the relay; between the
+    first and those, the same P and D in one site (the `BREAKDOWN`'s middle step)."""
     return [
         Layout(2, 3, 0, "A", "A"),
+        Layout(3, 4, 0, "A", "B"),
         Layout(3, 4, 0, "A", "B", line_gbps),
         Layout(2, 4, 1, "A", "B", line_gbps),
     ]
+
+
+# From same-dc PD on A to PDD, one change at a time: (the family after the step, what the step changes)
+BREAKDOWN = (
+    ("pd-same-dc-ab", "D on B, same site"),
+    ("pd-cross-dc", "D across the line"),
+    ("pdd", "a relay beside P"),
+)
+
+
+def breakdown(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each step from same-dc PD on A to PDD changes, on the published layouts
+    (`published`): B decoding in the same site, then the line between P and D, then a relay
+    (in place of one P's GPUs). Each step's goodput, cost, BCR and TTFT p99 against the step
+    before; a step whose either end met the SLO at no rate searched has None there."""
+    by = {r["family"]: r for r in rows}
+
+    def change(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> float | None:
+        if before is None or after is None or not before[key] or after[key] is None:
+            return None
+        if key != "cost_per_hour" and not (before["goodput_rps"] and after["goodput_rps"]):
+            return None  # (what a layout that met the SLO at no rate searched did is no figure)
+        return after[key] / before[key] - 1
+
+    out, before = [], by.get("pd-same-dc")
+    for family, step in BREAKDOWN:
+        after = by.get(family)
+        out.append(
+            {
+                "step": step,
+                "layout": after["layout"] if after else None,
+                "goodput_change": change(before, after, "goodput_rps"),
+                "cost_change": change(before, after, "cost_per_hour"),
+                "bcr_change": change(before, after, "bcr"),
+                "ttft_p99_change": change(before, after, "ttft_p99_ms"),
+            }
+        )
+        before = after
+    return out
 
 
 def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.SETTING) -> dict[str, Any] | None:
