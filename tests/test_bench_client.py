@@ -147,7 +147,7 @@ def _session(sid: int, *turns: tuple[int, int, int | None]) -> Session:
     """Turns of (new tokens, max_tokens, failure trigger appended or None)."""
     base = 100 + 1000 * sid
     return Session(sid, tuple(
-        Turn(tuple(range(base, base + size)) + ((trigger,) if trigger else ()), n)
+        Turn.of(tuple(range(base, base + size)) + ((trigger,) if trigger else ()), n)
         for size, n, trigger in turns))
 
 

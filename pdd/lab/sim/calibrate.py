@@ -37,7 +37,7 @@ def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 6
 
     rng = random.Random(0)
     sessions = [
-        Session(i, (Turn(tuple(rng.randrange(16, 4000) for _ in range(prompt_tokens)), 1),), start_s=0.3 * i)
+        Session(i, (Turn.of([rng.randrange(16, 4000) for _ in range(prompt_tokens)], 1),), start_s=0.3 * i)
         for i in range(requests)
     ]
     deployment = DemoDeployment("colocated", None)

@@ -17,11 +17,11 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from pdd.lab.workload.types import Session, SessionShape, Turn, TurnShape
+from pdd.lab.workload.types import Session, Turn
 
 _NORMAL, _ANOMALOUS, _SCHEDULE, _SYSTEM = range(4)
 
@@ -167,26 +167,23 @@ def _stream(config: AgenticConfig, draw: Draw) -> Iterator[tuple[int, list[tuple
 def iter_sessions(config: AgenticConfig) -> Iterator[Session]:
     """Yield sessions without end, ids 0, 1, 2, ..."""
     for sid, turns, anomalous in _stream(config, _ids):
-        yield Session(sid, tuple(Turn(a, n) for a, n in turns), anomalous=anomalous)
+        yield Session(sid, tuple(Turn.of(a, n) for a, n in turns), anomalous=anomalous)
 
 
-def iter_session_shapes(config: AgenticConfig) -> Iterator[SessionShape]:
+def iter_session_shapes(config: AgenticConfig) -> Iterator[Session]:
     """`iter_sessions` without the token IDs: each turn's appended length (the first
     turn's includes the shared system prompt), for the simulator."""
     for sid, turns, anomalous in _stream(config, _count):
-        yield SessionShape(sid, tuple(TurnShape(a, n) for a, n in turns), anomalous=anomalous)
+        yield Session(sid, tuple(Turn(a, n) for a, n in turns), anomalous=anomalous)
 
 
-S = TypeVar("S", Session, SessionShape)
-
-
-def _plan(config: AgenticConfig, sessions: Iterator[S], requests: int, rate: float) -> list[S]:
+def _plan(config: AgenticConfig, sessions: Iterator[Session], requests: int, rate: float) -> list[Session]:
     if requests < 1:
         raise ValueError("requests must be >= 1")
     if not rate > 0:
         raise ValueError("rate must be > 0 (use math.inf to start all sessions at once)")
     gaps = _rng(config.seed, _SCHEDULE)
-    planned: list[S] = []
+    planned: list[Session] = []
     left = requests
     start = 0.0
     for session in sessions:
@@ -211,7 +208,7 @@ def plan_sessions(config: AgenticConfig, requests: int, rate: float = math.inf) 
     return _plan(config, iter_sessions(config), requests, rate)
 
 
-def plan_session_shapes(config: AgenticConfig, requests: int, rate: float = math.inf) -> list[SessionShape]:
+def plan_session_shapes(config: AgenticConfig, requests: int, rate: float = math.inf) -> list[Session]:
     """`plan_sessions`, as shapes: the same sessions, turns and start times."""
     return _plan(config, iter_session_shapes(config), requests, rate)
 
@@ -244,7 +241,7 @@ def estimate_hits(config: AgenticConfig, requests: int) -> list[TurnEstimate]:
     for session in plan_sessions(config, requests):
         context = 0
         for k, turn in enumerate(session.turns):
-            prompt = context + len(turn.append_ids)
+            prompt = context + turn.append_tokens
             if k > 0:
                 hit = context
             elif session.anomalous or not system_cached:

@@ -176,5 +176,5 @@ def trace_sessions(records: Sequence[TraceRecord], config: MooncakeConfig) -> li
         ids = itertools.chain.from_iterable(blocks[h] for h in record.hash_ids)
         prompt = tuple(itertools.islice(ids, prompt_tokens))
         start = (record.timestamp_ms - origin) / 1000.0 / config.time_scale
-        sessions.append(Session(index, (Turn(prompt, max_tokens),), start_s=start))
+        sessions.append(Session(index, (Turn.of(prompt, max_tokens),), start_s=start))
     return sessions

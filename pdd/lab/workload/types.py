@@ -7,21 +7,36 @@ agentic and trace benchmarks measure the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of a session.
+    """One request of a session: it appends `append_tokens` to the session's context,
+    then asks for up to `max_tokens`.
 
-    The prompt of turn 0 is `append_ids`. Turn k > 0 re-sends the whole context: the
-    prompt of turn k-1, the token IDs the server actually returned for it, then
-    `append_ids` (the new tool output). Output IDs are only known at run time, which is
-    why a turn stores the increment and not the full prompt.
+    The prompt of turn 0 is what it appends. Turn k > 0 re-sends the whole context: the
+    prompt of turn k-1, the tokens the server returned for it, then what it appends (the
+    new tool output). Outputs are only known at run time, which is why a turn stores the
+    increment and not the full prompt. `append_ids` are the appended tokens themselves,
+    where a client sends them (`pdd bench`); the simulator needs only their number, and
+    a workload drawn for it leaves them out (`iter_session_shapes`).
     """
 
-    append_ids: tuple[int, ...]
+    append_tokens: int
     max_tokens: int
+    append_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.append_ids and len(self.append_ids) != self.append_tokens:
+            raise ValueError(f"a turn of {len(self.append_ids)} token IDs appends {self.append_tokens} tokens")
+
+    @classmethod
+    def of(cls, append_ids: Sequence[int], max_tokens: int) -> Turn:
+        """The turn that appends these tokens."""
+        ids = tuple(append_ids)
+        return cls(len(ids), max_tokens, ids)
 
 
 @dataclass(frozen=True)
@@ -30,22 +45,5 @@ class Session:
 
     id: int
     turns: tuple[Turn, ...]
-    start_s: float = 0.0
-    anomalous: bool = False
-
-
-@dataclass(frozen=True)
-class TurnShape:
-    """A turn as the simulator sees it: how many tokens it appends (the first turn's
-    count includes the shared system prompt), and its output length."""
-
-    append_tokens: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class SessionShape:
-    id: int
-    turns: tuple[TurnShape, ...]
     start_s: float = 0.0
     anomalous: bool = False
