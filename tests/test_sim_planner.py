@@ -393,3 +393,11 @@ def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Pat
     if versus is not None:  # (a layout may miss the SLO at every rate so short a probe tries)
         assert versus["their_cost_change"] == pytest.approx((43 + 32 * 1.25) / 88 - 1)
         assert versus["bcr_change"] == pytest.approx((1 + versus["goodput_change"]) / (1 + versus["cost_change"]) - 1)
+        # what would flip it: at that goodput, or at that price of B, the two BCRs are equal
+        rows = {r["family"]: r for r in report["published_layouts"]}
+        pd, pdd = rows["pd-same-dc"], rows["pdd"]
+        assert versus["flip_goodput_rps"] / pdd["cost_per_hour"] == pytest.approx(pd["bcr"])
+        b = pdd["gpus"]["B"]
+        at_flip = pdd["cost_per_hour"] + b * (versus["flip_b_price"] - versus["b_price"])
+        assert pdd["goodput_rps"] / at_flip == pytest.approx(pd["bcr"])
+        assert "The BCRs would be equal at a PDD goodput of" in printed

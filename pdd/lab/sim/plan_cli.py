@@ -309,5 +309,17 @@ def _versus_line(versus: dict[str, Any] | None) -> str:
         f"({versus['their_cost_change']:+.1%} by the publication's GPU counts; published "
         f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {versus['bcr_change']:+.1%} "
         f"({versus['bcr_change_their_costs']:+.1%} at the publication's costs; published up to "
-        f"{pub['bcr_change']:+.1%})."
+        f"{pub['bcr_change']:+.1%}). {_flip_line(versus)}"
     )
+
+
+def _flip_line(versus: dict[str, Any]) -> str:
+    """What would make PDD's BCR equal same-dc PD's, one figure at a time."""
+    price = versus["flip_b_price"]
+    if price is None:
+        at_price = ""
+    elif price <= 0:
+        at_price = f"; no price of B would, not even free B GPUs (B is at {versus['b_price']:g} a GPU hour)"
+    else:
+        at_price = f", or B at {price:.2f} a GPU hour (now {versus['b_price']:g})"
+    return f"The BCRs would be equal at a PDD goodput of {versus['flip_goodput_rps']:.1f} req/s{at_price}."

@@ -420,7 +420,9 @@ def breakdown(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.SETTING) -> dict[str, Any] | None:
     """PDD's published layout against same-dc PD's, each evaluated as given: goodput, cost
     and BCR, by our accounting (the instances as built, the line priced) and by the
-    publication's (its GPU counts at their prices, no line). None where either missed."""
+    publication's (its GPU counts at their prices, no line); and what would make their BCRs
+    equal, one figure at a time: PDD's goodput, or B's price (negative: not even free B
+    GPUs would). None where either missed."""
     by = {r["family"]: r for r in rows if r["simulated"] and r["goodput_rps"]}
     pd, pdd = by.get("pd-same-dc"), by.get("pdd")
     if pd is None or pdd is None:
@@ -431,7 +433,18 @@ def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.
         for family in ("pd-same-dc", "pdd")
     }
     goodput = pdd["goodput_rps"] / pd["goodput_rps"] - 1
+    # What would flip the verdict, one figure at a time, the others as they are: BCR is goodput
+    # over cost, and PDD's cost is linear in B's price (its B GPUs at it, the rest fixed)
+    b_gpus = pdd["gpus"].get("B", 0)
+    b_price = setting.chip("B").price_per_hour
+    pd_pace = pd["goodput_rps"] / pd["cost_per_hour"]
+    flip_b_price = (
+        (pdd["goodput_rps"] / pd_pace - (pdd["cost_per_hour"] - b_gpus * b_price)) / b_gpus if b_gpus else None
+    )
     return {
+        "flip_goodput_rps": pd_pace * pdd["cost_per_hour"],
+        "flip_b_price": flip_b_price,
+        "b_price": b_price,
         "goodput_change": goodput,
         "cost_change": pdd["cost_per_hour"] / pd["cost_per_hour"] - 1,
         "bcr_change": pdd["bcr"] / pd["bcr"] - 1,
