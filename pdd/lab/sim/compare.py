@@ -173,7 +173,7 @@ def _slo_sensitivity(
                 steps=variant.steps,
                 attainment=attainment,
             )
-            rps = run["offered_rps"] if run else 0.0
+            rps = run["session_rate"] * workload.turns if run else 0.0  # the probed rate, as the planner's goodput
             out[key][family] = {"goodput_rps": rps, "bcr": rps / row["cost_per_hour"]}
     return out
 

@@ -18,6 +18,7 @@ from pdd.lab.sim.planner import (
     best_per_family,
     breakdown,
     candidates,
+    cheapest_at,
     head_to_head,
     published,
     search,
@@ -117,6 +118,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="also evaluate the publication's layouts as given (88 A against 43 A + 32 B, the nearest "
         "buildable), head to head, on the first --line-gbps",
     )
+    p.add_argument(
+        "--target-rps",
+        type=float,
+        help="also find each family's cheapest layout within the budget that meets the SLO at this many "
+        "requests a second (one probe at that rate a layout, cheapest first)",
+    )
     p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -184,6 +191,8 @@ def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
     """The layouts and the workload, or a ValueError saying what is wrong with the options."""
     if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1:
         raise ValueError("--requests, --workers and --top must be >= 1, --steps and --warmup-s >= 0")
+    if args.target_rps is not None and not args.target_rps > 0:
+        raise ValueError("--target-rps must be > 0")
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
     layouts = candidates(args.max_gpus, args.line_gbps, args.chips)
@@ -241,6 +250,26 @@ def plan_main(args: argparse.Namespace) -> int:
         out.print(_versus_line(versus))
         steps = breakdown(given)
         out.print(_breakdown_table(steps))
+    at_target: list[dict[str, Any]] = []
+    if args.target_rps is not None:
+        everything = candidates(args.max_gpus, args.line_gbps, args.chips, spend=False)
+        with progress_bar(console, args.quiet) as bar:
+            task = bar.add_task("at the target", total=None)
+            found = cheapest_at(
+                everything,
+                args.target_rps,
+                workload,
+                probe,
+                progress=lambda done, _total, msg: bar.update(task, completed=done, description=msg),
+            )
+        at_target = [found[f] for f in sorted(found, key=lambda f: found[f]["cost_per_hour"])]
+        title = (
+            f"each family's cheapest layout within {args.max_gpus} GPUs that meets the SLO at {args.target_rps:g} req/s"
+        )
+        out.print(_table(at_target, len(at_target), title))
+        missing = sorted({lay.family for lay in everything} - set(found))
+        if missing:
+            out.print(f"No layout of {', '.join(missing)} within the budget meets it.")
     probes = sum(r["probes"] for r in rows)
     out.print(
         f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))."
@@ -270,6 +299,9 @@ def plan_main(args: argparse.Namespace) -> int:
                     "published": versus,
                     "published_layouts": slim(given),
                     "breakdown": steps,
+                    "at_target": {"target_rps": args.target_rps, "layouts": slim(at_target)}
+                    if args.target_rps is not None
+                    else None,
                     "wall_s": wall,
                 },
                 indent=2,

@@ -87,11 +87,15 @@ class Layout:
 
 
 def candidates(
-    max_gpus: int, line_gbps: Sequence[float], hardware: Sequence[str], setting: paper.Setting = paper.SETTING
+    max_gpus: int,
+    line_gbps: Sequence[float],
+    hardware: Sequence[str],
+    setting: paper.Setting = paper.SETTING,
+    spend: bool = True,
 ) -> list[Layout]:
-    """Layouts that spend the budget (no instance of either kind would still fit): same-dc
-    PD on each hardware, and for each line P (and relays) on `hardware[0]` with MD on
-    `hardware[-1]`, within a sensible share of prefill GPUs."""
+    """Layouts within the budget: same-dc PD on each hardware, and for each line P (and
+    relays) on `hardware[0]` with MD on `hardware[-1]`, within a sensible share of prefill
+    GPUs. `spend`: only those that spend it (no instance of either kind would still fit)."""
     unknown = [h for h in hardware if h not in CHIPS]
     if unknown or not hardware:
         raise ValueError(f"chips must be {' or '.join(CHIPS)}, got {list(hardware)}")
@@ -102,13 +106,20 @@ def candidates(
         share = (layout.prefill * size[layout.prefill_hw]) / (
             layout.prefill * size[layout.prefill_hw] + layout.main * size[layout.main_hw]
         )
-        return used <= max_gpus < used + smallest and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
+        spent = max_gpus < used + smallest or not spend
+        return used <= max_gpus and spent and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
 
     layouts: list[Layout] = []
     for hw in hardware:
         if size[hw]:
             n = max_gpus // size[hw]
-            layouts += [lay for p in range(1, n) if fits(lay := Layout(p, n - p, 0, hw, hw), size[hw])]
+            sizes = [n] if spend else range(2, n + 1)
+            layouts += [
+                lay
+                for total in sizes
+                for p in range(1, total)
+                if fits(lay := Layout(p, total - p, 0, hw, hw), size[hw])
+            ]
     near, far = hardware[0], hardware[-1]
     if not (size[near] and size[far]):
         return layouts
@@ -116,10 +127,9 @@ def candidates(
     for gbps in line_gbps:
         for relays in (0, *RELAYS):
             for p in range(1, max_gpus // size[near] + 1):
-                left = max_gpus - (p + relays) * size[near]
-                if left >= size[far]:
-                    lay = Layout(p, left // size[far], relays, near, far, gbps)
-                    if fits(lay, smallest):
+                most = (max_gpus - (p + relays) * size[near]) // size[far]  # MD instances the rest holds
+                for main in range(most if spend else 1, most + 1):
+                    if main >= 1 and fits(lay := Layout(p, main, relays, near, far, gbps), smallest):
                         layouts.append(lay)
     return layouts
 
@@ -202,7 +212,7 @@ def goodput_of(
             intervals=False,
         )
         if (run["slo_attainment"] or 0.0) < probe.attainment:
-            return _row(layout, setting, run, capacity) | {
+            return _row(layout, setting, run, capacity, beat_rps) | {
                 "goodput_rps": None,
                 "bcr": None,
                 "probes": 1,
@@ -215,10 +225,8 @@ def goodput_of(
         while best is None and tried < 3:
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
-    return _row(layout, setting, best, capacity) | {
-        "probes": len(runs),
-        "probed_rps": best["session_rate"] * turns if best else None,
-    }
+    probed = best["session_rate"] * turns if best else None
+    return _row(layout, setting, best, capacity, probed) | {"probes": len(runs), "probed_rps": probed}
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
@@ -226,9 +234,16 @@ def steps_for(ratio: float, probe: Probe) -> int:
     return max(1, math.ceil(math.log2(math.log(ratio) / math.log(1 + search_resolution(probe)))))
 
 
-def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float) -> dict[str, Any]:
+def _row(
+    layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float, probed_rps: float | None
+) -> dict[str, Any]:
+    """A layout's row. Its goodput is the steady rate the probe that met the SLO offered
+    (`probed_rps`: sessions a second x turns a session), not the requests its window
+    happened to judge (`judged_rps`): closed-loop sessions arrive sooner where turns end
+    sooner than the warm start's nominal ones, so counting arrivals credited faster
+    decoding twice, by about 10 % at the publication's setting."""
     bill = paper.bill(layout.spec(setting), setting)
-    rps = run["offered_rps"] if run else 0.0
+    rps = probed_rps if run and probed_rps else 0.0
     ttft = run["ttft_ms"] if run else {}
     return {
         "layout": layout.name,
@@ -243,6 +258,7 @@ def _row(layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, cap
         "cost_per_hour": bill.per_hour,
         "capacity_rps": capacity,
         "goodput_rps": rps,
+        "judged_rps": run["offered_rps"] if run else None,
         "bcr": rps / bill.per_hour,
         "simulated": True,
         "ttft_p50_ms": ttft.get("p50"),
@@ -302,7 +318,7 @@ def search(
             queue = queues[f]
             while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
                 lay = queue.pop(0)
-                rows.append(_row(lay, setting, None, caps[lay]) | {"simulated": False})
+                rows.append(_row(lay, setting, None, caps[lay], None) | {"simulated": False})
             if not queue:
                 continue
             lay = queue.pop(0)
@@ -452,6 +468,50 @@ def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.
         "bcr_change_their_costs": (1 + goodput) * theirs["pd-same-dc"] / theirs["pdd"] - 1,
         "published": {k: paper.PAPER[k] for k in ("goodput_change", "cost_change", "bcr_change")},
     }
+
+
+def cheapest_at(
+    layouts: Sequence[Layout],
+    target_rps: float,
+    workload: Workload,
+    probe: Probe = Probe(),
+    setting: paper.Setting = paper.SETTING,
+    progress: OnProgress | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Each family's cheapest layout that meets the SLO at `target_rps`: its layouts in
+    order of cost, one probe each at that rate, past those whose analytic capacity could
+    not carry it even with `HEADROOM`; the first that meets it is the answer (a family
+    none of whose layouts does is left out). Its row: the probe's figures at the target."""
+    shape = workload.shape()
+    found: dict[str, dict[str, Any]] = {}
+    families = sorted({lay.family for lay in layouts})
+    probed = 0
+    for family in families:
+        for lay in sorted(
+            (x for x in layouts if x.family == family),
+            key=lambda x: (paper.bill(x.spec(setting), setting).per_hour, x.name),
+        ):
+            spec = replace(lay.spec(setting), block_tokens=workload.block_tokens)
+            capacity = capacity_rps(spec, shape, probe.slo[1] / 1000)["rps"]
+            if HEADROOM * capacity < target_rps:
+                continue
+            run = run_window(
+                spec,
+                workload.sessions(),
+                target_rps / workload.turns,
+                probe.window(target_rps, workload),
+                probe.slo,
+                stop_early=True,
+                attainment=probe.attainment,
+                intervals=False,
+            )
+            probed += 1
+            if progress is not None:
+                progress(probed, probed, f"{lay.name} at {target_rps:g} req/s")
+            if (run["slo_attainment"] or 0.0) >= probe.attainment:
+                found[family] = _row(lay, setting, run, capacity, target_rps) | {"probes": 1, "probed_rps": target_rps}
+                break
+    return found
 
 
 def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
