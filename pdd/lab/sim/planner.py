@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd.lab.sim import paper
-from pdd.lab.sim.bounds import capacity_rps
+from pdd.lab.sim.bounds import Shape, capacity_rps
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT
 from pdd.lab.sim.plan_workload import Workload
@@ -161,6 +161,30 @@ class Probe:
         return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
+def _spec(layout: Layout, setting: paper.Setting, workload: Workload) -> DeploymentSpec:
+    """The layout's deployment, its cache in the workload's blocks."""
+    return replace(layout.spec(setting), block_tokens=workload.block_tokens)
+
+
+def _capacity(spec: DeploymentSpec, shape: Shape, probe: Probe) -> float:
+    """The deployment's analytic capacity in requests a second (`bounds.capacity_rps`)."""
+    return capacity_rps(spec, shape, probe.slo[1] / 1000)["rps"]
+
+
+def _probe_at(spec: DeploymentSpec, workload: Workload, probe: Probe, rps: float) -> dict[str, Any]:
+    """One probe at `rps` requests a second, stopped as soon as it cannot meet the SLO."""
+    return run_window(
+        spec,
+        workload.sessions(),
+        rps / workload.turns,
+        probe.window(rps, workload),
+        probe.slo,
+        stop_early=True,
+        attainment=probe.attainment,
+        intervals=False,
+    )
+
+
 def goodput_of(
     layout: Layout,
     setting: paper.Setting,
@@ -178,11 +202,9 @@ def goodput_of(
     shown), one probe at that rate comes first: a layout that misses the SLO there
     cannot win, and its row says only that (`goodput_rps` None, `missed_rps`: the rate); one that
     meets it is searched upwards from there. `probed_rps`: the rate its goodput was
-    probed at (session rate x turns), which is what `beat_rps` is made of: the goodput
-    itself is the rate judged, and closed-loop sessions arrive faster than probed when
-    turns end sooner than the warm start's nominal ones (by up to a third here), so a
-    goodput is no rate to probe another layout at."""
-    spec = replace(layout.spec(setting), block_tokens=workload.block_tokens)
+    probed at (session rate x turns), which is its goodput (`_row`) and what `beat_rps`
+    is made of."""
+    spec = _spec(layout, setting, workload)
     sessions, turns = workload.sessions(), workload.turns
     runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
 
@@ -200,17 +222,7 @@ def goodput_of(
         )
 
     if beat_rps is not None:
-        rate = beat_rps / turns
-        run = runs[rate] = run_window(
-            spec,
-            sessions,
-            rate,
-            probe.window(beat_rps, workload),
-            probe.slo,
-            stop_early=True,
-            attainment=probe.attainment,
-            intervals=False,
-        )
+        run = runs[beat_rps / turns] = _probe_at(spec, workload, probe, beat_rps)
         if (run["slo_attainment"] or 0.0) < probe.attainment:
             return _row(layout, setting, run, capacity, beat_rps) | {
                 "goodput_rps": None,
@@ -239,9 +251,10 @@ def _row(
 ) -> dict[str, Any]:
     """A layout's row. Its goodput is the steady rate the probe that met the SLO offered
     (`probed_rps`: sessions a second x turns a session), not the requests its window
-    happened to judge (`judged_rps`): closed-loop sessions arrive sooner where turns end
-    sooner than the warm start's nominal ones, so counting arrivals credited faster
-    decoding twice, by about 10 % at the publication's setting."""
+    happened to judge (`judged_rps`): closed-loop sessions arrive as their turns end,
+    which the warm start's nominal turn lengths do not know, so the count moved with how
+    fast a layout decodes (-8 % to +19 % of the probed rate over the default search's top
+    layouts, BENCHMARKS.md)."""
     bill = paper.bill(layout.spec(setting), setting)
     rps = probed_rps if run and probed_rps else 0.0
     ttft = run["ttft_ms"] if run else {}
@@ -296,12 +309,7 @@ def search(
     layouts, never on which of two processes finished first, so the rows are the same
     whatever the workers and the machine's load."""
     shape = workload.shape()
-    caps = {
-        lay: capacity_rps(replace(lay.spec(setting), block_tokens=workload.block_tokens), shape, probe.slo[1] / 1000)[
-            "rps"
-        ]
-        for lay in layouts
-    }
+    caps = {lay: _capacity(_spec(lay, setting, workload), shape, probe) for lay in layouts}
     cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
     queues = {
         f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
@@ -491,20 +499,11 @@ def cheapest_at(
             (x for x in layouts if x.family == family),
             key=lambda x: (paper.bill(x.spec(setting), setting).per_hour, x.name),
         ):
-            spec = replace(lay.spec(setting), block_tokens=workload.block_tokens)
-            capacity = capacity_rps(spec, shape, probe.slo[1] / 1000)["rps"]
+            spec = _spec(lay, setting, workload)
+            capacity = _capacity(spec, shape, probe)
             if HEADROOM * capacity < target_rps:
                 continue
-            run = run_window(
-                spec,
-                workload.sessions(),
-                target_rps / workload.turns,
-                probe.window(target_rps, workload),
-                probe.slo,
-                stop_early=True,
-                attainment=probe.attainment,
-                intervals=False,
-            )
+            run = _probe_at(spec, workload, probe, target_rps)
             probed += 1
             if progress is not None:
                 progress(probed, probed, f"{lay.name} at {target_rps:g} req/s")
