@@ -284,8 +284,7 @@ class Lab:
         """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of
         its own, with `env` added to this process's environment."""
         ns = self.line_ns if host == "line" else self.hosts[host].ns
-        niced = ["nice", "-n", str(nice)] if nice else []
-        return start(["ip", "netns", "exec", ns, *niced, *PDD_COMMAND, *args], log or subprocess.DEVNULL, env)
+        return start(["ip", "netns", "exec", ns, *PDD_COMMAND, *args], log or subprocess.DEVNULL, env, nice)
 
     def line_bytes(self) -> dict[str, int]:
         """Bytes the line has carried into each site (its tbf-shaped egress: what crossed)."""
