@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -116,23 +115,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 # ---- a failed test against a deployment shows what its processes logged --------------------
-# `pdd up` removes its run directory on exit, and a module's deployment outlives the test
-# that failed on it: its processes' warnings (a dropped connection, a refused frame) are
-# read into the report now, or never (CI prints only the report).
-LOG_LINES = 30
-PDD_WARNING = re.compile(r" pdd\.[\w.]+ (WARNING|ERROR|CRITICAL) ")  # pdd's own (vLLM's start-up warnings are many)
-
-
+# A module's deployment outlives the test that failed on it, so `procs.pdd_up` never sees the
+# failure: its logs are read into the report here (a deployment a test starts itself prints
+# them on the way out).
 def _attach_deployment_logs(item: pytest.Item, report: pytest.TestReport) -> None:
     for value in getattr(item, "funcargs", {}).values():
         run_dir = getattr(value, "run_dir", None)
-        if not isinstance(run_dir, Path) or not run_dir.is_dir():
-            continue
-        for log in sorted(run_dir.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()
-            notable = [line for line in lines if PDD_WARNING.search(line) or line.startswith("Traceback")]
-            report.sections.append((f"{log.name}: its last {LOG_LINES} warnings and errors",
-                                    "\n".join(notable[-LOG_LINES:]) or "(none)"))
+        if isinstance(run_dir, Path):
+            from procs import logged_warnings  # (only where a deployment ran: procs is importable)
+
+            report.sections.extend(logged_warnings(run_dir))
 
 
 # ---- property tests run the same examples every time --------------------------------

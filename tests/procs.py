@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,9 +144,32 @@ def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None
             if time.monotonic() > deadline:
                 raise TimeoutError("pdd up did not print its router line:\n" + "".join(lines))
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-        yield Deployment(proc, lines)
+        dep = Deployment(proc, lines)
+        try:
+            yield dep
+        except BaseException:  # what its processes logged, into the test's captured output: gone after
+            for title, text in logged_warnings(dep.run_dir):
+                print(f"---- {title}\n{text}")
+            raise
     finally:
         stop_group(proc)
+
+
+# a failed test's report shows its deployment's processes' pdd warnings and errors (`pdd up`
+# removes its run directory on exit: read now, or never; CI prints only the report)
+LOG_LINES = 30
+PDD_WARNING = re.compile(r" pdd\.[\w.]+ (WARNING|ERROR|CRITICAL) ")  # pdd's own (vLLM's start-up warnings are many)
+
+
+def logged_warnings(run_dir: Path) -> list[tuple[str, str]]:
+    """(title, text) for each process log in `run_dir`: its last pdd warnings, errors and tracebacks."""
+    out = []
+    for log in sorted(run_dir.glob("*.log")) if run_dir.is_dir() else []:
+        lines = log.read_text(errors="replace").splitlines()
+        notable = [line for line in lines if PDD_WARNING.search(line) or line.startswith("Traceback")]
+        text = "\n".join(notable[-LOG_LINES:]) or "(none)"
+        out.append((f"{log.name}: its last {LOG_LINES} warnings and errors", text))
+    return out
 
 
 # ---- vLLM ---------------------------------------------------------------------------------
