@@ -363,7 +363,7 @@ POLICIES = {
     "relay_accepts": ("pdd.lab.sim.reserve", "pdd.instance.relay"),
     "prefix_holder": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
     "may_hold": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
-    "reserve_retry_delay": ("pdd.lab.sim.lines", "pdd.instance.reservations"),
+    "reserve_retry_delay": ("pdd.instance.reservations", "pdd.instance.reservations"),
     "choose_pipeline": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "answer_wait_s": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "main_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
@@ -415,6 +415,69 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
         _run(*SCENARIOS[name])
     expected = set(POLICIES) | {f"LineMeter.{m}" for m in METER}
     assert set(calls) == expected, f"never called: {sorted(expected - set(calls))}"
+
+
+# The serving code's structures the simulator does not run, each with why. The router's
+# dispatch line and a decode instance's reservation line it does run (on its clock).
+NOT_LIVE = {
+    "prefix cache": "the live RadixCache finds what to evict by walking its whole tree at each "
+    "evict; the simulator evicts at each of ~76k inserts of a 32-GPU plan, over pools of up to "
+    "~10^5 blocks (pdd.lab.sim.cache.BlockCache: an LRU of block keys)",
+    "scheduler": "the live Scheduler plans one step at a time over engine Sequences (token IDs, "
+    "page lists from a KVPool of torch tensors); the simulator prices a decode-only run of up "
+    "to 4096 steps as one event (16x fewer events: BENCHMARKS.md), which the planner's minute "
+    "rests on (pdd.lab.sim.instance.Instance._schedule)",
+}
+
+
+def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatch) -> None:
+    """The router's `DispatchLine` and a decode instance's `ReservationLine` are the very
+    classes the simulator waits in, on its clock; runs that take every path hold requests
+    in both (an attempt refused, then granted once room came free). The cache and the
+    scheduler are its own, for the reasons in NOT_LIVE."""
+    from pdd.instance.reservations import ReservationLine
+    from pdd.lab.sim.cache import BlockCache
+    from pdd.lab.sim.clock import SimClock
+    from pdd.router.dispatch import DispatchLine
+
+    cluster = Cluster(simpy.Environment(), SCENARIOS["pdd"][0])
+    assert type(cluster.line) is DispatchLine
+    for inst in cluster.instances.values():
+        assert type(inst.reservations) is ReservationLine and isinstance(inst.reservations._clock, SimClock)
+        assert type(inst.cache) is BlockCache, NOT_LIVE["prefix cache"]
+    tries: dict[str, list[int]] = {"dispatch": [], "reservation": []}
+    turn, take = DispatchLine.turn, ReservationLine.take
+
+    async def counted_turn(self, attempt):
+        n = 0
+
+        def counted():
+            nonlocal n
+            n += 1
+            return attempt()
+
+        got = await turn(self, counted)
+        tries["dispatch"].append(n)
+        return got
+
+    async def counted_take(self, job, attempt, ended):
+        n = 0
+
+        async def counted():
+            nonlocal n
+            n += 1
+            return await attempt()
+
+        got = await take(self, job, counted, ended)
+        tries["reservation"].append(n)
+        return got
+
+    monkeypatch.setattr(DispatchLine, "turn", counted_turn)
+    monkeypatch.setattr(ReservationLine, "take", counted_take)
+    for name in PATHS:
+        _run(*SCENARIOS[name])
+    assert tries["dispatch"] and tries["reservation"]
+    assert max(tries["dispatch"]) > 1 and max(tries["reservation"]) > 1, {k: max(v) for k, v in tries.items()}
 
 
 def test_the_simulators_dispatch_is_the_routers() -> None:

@@ -8,35 +8,38 @@ as the requests ahead finish — and leaves only when it is granted or its reque
 ends (an abort, a lost P or router). First come, first served: a large prompt is not
 passed over forever by small ones. Each time the line moves, the requests still in it
 are reported as progressing, so the router does not take them for stuck ones.
+
+The simulator runs this class under its simulated clock (`pdd.clock`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from pdd.clock import ASYNCIO, Clock
 from pdd.engine_port import OutOfPages
 from pdd.policy.retry import reserve_retry_delay
 
 J = TypeVar("J")
+R = TypeVar("R")
 PROGRESS_EVERY_S = 1.0  # at most this often, a waiting request is reported as moving
 
 
 class ReservationLine(Generic[J]):
-    def __init__(self, on_moved: Callable[[J], None]) -> None:
+    def __init__(self, on_moved: Callable[[J], None], clock: Clock = ASYNCIO) -> None:
         self._line: deque[J] = deque()
-        self._moved = asyncio.Event()
+        self._clock = clock
+        self._moved = clock.signal()
         self._on_moved = on_moved
         self._reported: dict[int, float] = {}  # id(job) -> when last reported
 
     def __len__(self) -> int:
         return len(self._line)
 
-    async def take(self, job: J, attempt: Callable[[], Awaitable[int]], ended: Callable[[], bool]) -> int | None:
+    async def take(self, job: J, attempt: Callable[[], Awaitable[R]], ended: Callable[[], bool]) -> R | None:
         """`attempt()` (a reservation raising OutOfPages while the pool is full) once
         `job` is first in line, retried as pages may have freed; its result, or None if
         the request ended while waiting."""
@@ -49,11 +52,9 @@ class ReservationLine(Generic[J]):
                         return await attempt()
                     except OutOfPages:
                         tries += 1
-                delay = reserve_retry_delay(tries, 0.0, math.inf)
-                try:
-                    await asyncio.wait_for(self._moved.wait(), delay)
-                except TimeoutError:
-                    pass
+                delay_s = reserve_retry_delay(tries, 0.0, math.inf)
+                assert delay_s is not None  # no limit: the line never refuses
+                await self._moved.wait(delay_s)
             return None
         finally:
             head = self._line[0] is job
@@ -65,8 +66,8 @@ class ReservationLine(Generic[J]):
     def _advance(self) -> None:
         """The head left: wake the next, and report everyone still waiting as moving."""
         self._moved.set()
-        self._moved = asyncio.Event()
-        now = time.monotonic()
+        self._moved = self._clock.signal()
+        now = self._clock.now()
         for job in self._line:
             if now - self._reported.get(id(job), 0.0) >= PROGRESS_EVERY_S:
                 self._reported[id(job)] = now

@@ -6,24 +6,25 @@ planned, and its decode-side instance charged with its pages, only once the plan
 (`pdd.policy.capacity.fits`). Until then it waits here, first come first served, and
 no timeout runs for it: the request is admitted and will run. Whatever an instance
 still refuses after this (another router filled it) is the rare case its own line
-absorbs.
+absorbs. The simulator runs this class under its simulated clock (`pdd.clock`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
+
+from pdd.clock import ASYNCIO, Clock
 
 T = TypeVar("T")
 RECHECK_S = 0.5  # a waiting head also looks again this often (an instance joined or came back)
 
 
 class DispatchLine:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = ASYNCIO) -> None:
         self._line: deque[object] = deque()
-        self._changed = asyncio.Event()
+        self._changed = clock.signal()
 
     @property
     def waiting(self) -> int:
@@ -45,10 +46,7 @@ class DispatchLine:
                     if got is not None:
                         return got
                 self._changed.clear()
-                try:
-                    await asyncio.wait_for(self._changed.wait(), RECHECK_S)
-                except TimeoutError:
-                    pass
+                await self._changed.wait(RECHECK_S)
         finally:
             head = self._line[0] is ticket
             self._line.remove(ticket)

@@ -2,7 +2,8 @@
 
 Every choice a live deployment makes is made here by the same function: the router's
 plan and its dispatch by room (`plan_with_room` over `capacity.fits`/`pages_needed`,
-first come first served, the anomaly filter), the reservations (`pdd.lab.sim.reserve`:
+the anomaly filter, in the router's own `DispatchLine` on the simulated clock), the
+reservations (`pdd.lab.sim.reserve`:
 `relay_accepts`, `prefix_holder`, `reserve_retry_delay`), P's pipeline choice after
 prefill with its `LineMeter` (`pdd.lab.sim.prefill`: `answer_wait_s`, `choose_pipeline`,
 `main_refused`, `relay_refused`), the relay's handoff (`pdd.lab.sim.relayed`:
@@ -16,11 +17,11 @@ extends. Each request is a `pdd.record.RequestRecord`, filled as the router fill
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Generator, Hashable, Sequence
 
 import simpy
 
+from pdd.lab.sim.clock import SimClock, drive
 from pdd.lab.sim.fleet import DeploymentSpec, Fleet, Proc
 from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.prefill import PrefillPaths
@@ -34,6 +35,7 @@ from pdd.policy.capacity import fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_with_room
 from pdd.policy.routing import Candidate
 from pdd.record import RequestRecord
+from pdd.router.dispatch import DispatchLine
 
 
 class Cluster(Fleet):
@@ -46,8 +48,7 @@ class Cluster(Fleet):
         self.reservations = Reservations(self)
         self.relay = RelayPaths(self)
         self.prefill = PrefillPaths(self, self.reservations, self.relay)
-        self._dispatch_line: deque[simpy.Event] = deque()  # the router's: requests waiting for room
-        self._room = env.event()  # room came free at a decode-side instance
+        self.line = DispatchLine(SimClock(env))  # the router's: requests waiting for room
         p = spec.policy
         self.rule = anomaly_rule(
             p.anomaly_filter,
@@ -151,21 +152,7 @@ class Cluster(Fleet):
     def _dispatch(self, s: SimSession, rec: RequestRecord) -> Generator[simpy.Event, object, Plan]:
         """The request's plan once its decode side has room, first come first served (the
         router's dispatch line: no deadline, the request is admitted and will run)."""
-        if not self._dispatch_line:
-            plan = self._plan(s, rec)
-            if plan is not None:
-                return plan
-        turn = self.env.event()
-        self._dispatch_line.append(turn)
-        if len(self._dispatch_line) > 1:
-            yield turn
-        while (plan := self._plan(s, rec)) is None:
-            self._room = self.env.event()
-            yield self._room
-        self._dispatch_line.popleft()
-        if self._dispatch_line:
-            self._dispatch_line[0].succeed()  # the next one's turn
-        return plan
+        return (yield from drive(self.line.turn(lambda: self._plan(s, rec))))
 
     def _commit(self, plan: Plan, rec: RequestRecord, sign: int) -> None:
         """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
@@ -176,8 +163,8 @@ class Cluster(Fleet):
         inst = self.instances[name]
         inst.committed_pages += sign * self._need(rec, name, plan.predicted_hit if plan.main else 0)
         inst.committed_requests += sign
-        if sign < 0 and not self._room.triggered:
-            self._room.succeed()
+        if sign < 0:
+            self.line.changed()
 
     # ---- one request ---------------------------------------------------------------------
     def _serve(self, s: SimSession, rec: RequestRecord) -> Proc:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from pdd.instance.reservations import ReservationLine
 from pdd.lab.sim.cache import BlockCache
-from pdd.lab.sim.lines import ReservationLine
+from pdd.lab.sim.clock import SimClock
 from pdd.lab.sim.sequence import Hold, Landing, SimSeq, _Run
 from pdd.perf.steps import StepLoad, StepModel
 from pdd.policy.capacity import Room
@@ -82,7 +83,9 @@ class Instance:
         self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
         self.unsettled: list[Landing] = []  # accepted requests not settled yet, in arrival order
         self.arrivals = itertools.count()  # numbers them
-        self.reservations = ReservationLine(self.env)  # required reservations waiting for room
+        # required reservations waiting for room: the live line, on the simulated clock (no
+        # router here to be told a waiting request moves)
+        self.reservations: ReservationLine[Landing] = ReservationLine(lambda landing: None, SimClock(self.env))
         self._run: _Run | None = None  # decode-only steps under way (see _stretch)
         self._wake = self.env.event()
         self.env.process(self._loop())

@@ -17,8 +17,7 @@ import simpy
 
 from pdd.lab.sim.fleet import Fleet, Proc
 from pdd.lab.sim.instance import Instance
-from pdd.lab.sim.lines import Granted
-from pdd.lab.sim.sequence import Hold, SimSeq
+from pdd.lab.sim.sequence import Granted, Hold, SimSeq
 from pdd.lab.sim.stream import Stream, fell_back
 from pdd.lab.sim.workload import SimSession
 from pdd.names import Fallback, HandoffMode

@@ -8,9 +8,10 @@ waits, bounded, for a request in flight that holds most of its prompt
 (`pdd.policy.prefix`). Then a request that could never fit the pool is refused, as the
 engine refuses it (too long); an optional one is refused if the pool cannot hold it
 now; a required one (MD; the relay when it is the only decode side) waits in a
-first-come line with no deadline until the pool holds it: the router dispatched it
-only once the instance had room, so the line only absorbs what the router could not
-see. The answer travels back a one-way delay; P learns the round trip.
+first-come line with no deadline until the pool holds it (the live
+`ReservationLine`, on the simulated clock): the router dispatched it only once the
+instance had room, so the line only absorbs what the router could not see. The answer
+travels back a one-way delay; P learns the round trip.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import cast
 
 import simpy
 
+from pdd.engine_port import OutOfPages
+from pdd.lab.sim.clock import drive
 from pdd.lab.sim.fleet import Fleet, Proc
 from pdd.lab.sim.instance import Instance
-from pdd.lab.sim.lines import Granted
-from pdd.lab.sim.sequence import Landing
+from pdd.lab.sim.sequence import Granted, Landing
 from pdd.lab.sim.workload import SimSession
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
@@ -69,7 +71,13 @@ class Reservations:
             hold = inst.room_for(prompt - hit + rec.max_tokens, keys[: hit // inst.block_tokens])
             return None if hold is None else (hit, hold)
 
-        granted = attempt() if optional else (yield from inst.reservations.take(attempt))
+        async def reserve() -> Granted:  # the live line's attempt: OutOfPages while the pool is full
+            granted = attempt()
+            if granted is None:
+                raise OutOfPages("the pool is full")
+            return granted
+
+        granted = attempt() if optional else (yield from drive(inst.reservations.take(landing, reserve, _never)))
         if granted is None:  # (only an optional one is refused for room)
             inst.without_room -= 1
             landing.settle()
@@ -77,6 +85,10 @@ class Reservations:
         landing.reserved, landing.keys = True, self.fleet.keys(s, prompt + rec.max_tokens)
         granted[1].landing = landing
         return granted
+
+
+def _never() -> bool:
+    return False  # a simulated request is never aborted while it waits
 
 
 def await_prefix(inst: Instance, me: Landing) -> Proc:

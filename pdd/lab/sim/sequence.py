@@ -7,7 +7,7 @@ import bisect
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import simpy
@@ -87,6 +87,9 @@ class Hold:
             self.inst.unhold(self.tokens, self.pinned)
             self.settle()
             self.inst.poke()  # a waiting sequence may fit now
+
+
+Granted: TypeAlias = tuple[int, Hold]  # a reservation: (the reserved hit in tokens, the pool room held)
 
 
 @dataclass(eq=False)
