@@ -5,7 +5,10 @@ roofline: the time of its arithmetic at a fraction of peak, or of its memory tra
 at a fraction of bandwidth, whichever is longer; the parts add up.
 
 - Dense weights (attention projections, shared experts, dense FFN layers, the output
-  head) are read whole every step: 2 FLOPs per parameter per new token.
+  head) are read whole every step: 2 FLOPs per parameter per new token. Sharded
+  (tensor-parallel) by default; under data-parallel attention (`dp_attention`, as
+  SGLang serves DeepSeek-class models) every GPU holds and reads its own copy and
+  computes its own share of the tokens.
 - Routed experts: a step reads the experts its batch touches. A token picks `top_k`
   of `experts`, so an expert is touched by a batch of T tokens with probability
   1 - (1 - k/E)^T: a batch of 15 touches 27 % of 384 experts at top 8, a batch of 128
@@ -85,13 +88,14 @@ def touched_max(experts: int, top_k: int, gpus: int, tokens: int) -> float:
 
 @dataclass(frozen=True)
 class Physics:
-    """`gpus` devices of `chip` serving `model`, tensor-parallel attention and
-    expert-parallel MoE."""
+    """`gpus` devices of `chip` serving `model`, tensor-parallel attention (or, with
+    `dp_attention`, data-parallel) and expert-parallel MoE."""
 
     chip: Chip
     model: ModelShape
     gpus: int
     eff: Efficiency = Efficiency()
+    dp_attention: bool = False
     # decode_s's per-batch-size costs (not a field: a cache)
     _decode_batch: dict[int, tuple[float, float, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -106,8 +110,9 @@ class Physics:
         m, e, g = self.model, self.eff, self.gpus
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
+        copies = g if self.dp_attention else 1  # each GPU reads the dense weights it holds
         dense = np.maximum(
-            2.0 * m.dense_params * tokens / (g * bf16), m.dense_params * m.dense_bytes_per_param / (g * bw)
+            2.0 * m.dense_params * tokens / (g * bf16), copies * m.dense_params * m.dense_bytes_per_param / (g * bw)
         )
         experts = np.zeros_like(tokens)
         comm = np.zeros_like(tokens)
@@ -190,17 +195,25 @@ class Physics:
         }
 
 
-def kv_capacity_tokens(chip: Chip, model: ModelShape, gpus: int, memory_utilization: float) -> int:
+def kv_capacity_tokens(
+    chip: Chip, model: ModelShape, gpus: int, memory_utilization: float, dp_attention: bool = False
+) -> int:
     """KV tokens one instance of `gpus` chips holds: its memory, less the weights
-    (negative: they do not fit)."""
-    room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes
+    (negative: they do not fit). Under data-parallel attention the dense weights are on
+    every GPU: 23 GB each for the spec's model, where sharded they are 1.4 GB on 16."""
+    copies = gpus if dp_attention else 1
+    dense = (model.dense_params + model.embedding_params) * model.dense_bytes_per_param
+    room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes - (copies - 1) * dense
     return int(room / model.kv_bytes_per_token)
 
 
-def instance_gpus(chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int) -> int | None:
+def instance_gpus(
+    chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int, dp_attention: bool = False
+) -> int | None:
     """Whole nodes, the fewest whose memory holds the weights and `contexts` full contexts
     of `context` tokens (None: not even 4 nodes do)."""
     for nodes in (1, 2, 4):
-        if kv_capacity_tokens(chip, model, nodes * GPUS_PER_NODE, memory_utilization) >= contexts * context:
+        room = kv_capacity_tokens(chip, model, nodes * GPUS_PER_NODE, memory_utilization, dp_attention)
+        if room >= contexts * context:
             return nodes * GPUS_PER_NODE
     return None

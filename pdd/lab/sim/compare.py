@@ -24,7 +24,6 @@ from pdd.lab.sim.planner import FAMILIES, Layout, Probe, best_per_family, candid
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
 from pdd.lab.sim.tcp import handoff_times_s
 from pdd.perf.hardware import Line
-from pdd.perf.physics import Physics
 from pdd.perf.steps import StepLoad, add, chunk_load
 
 REFERENCE_LOAD = 0.8  # of the same-datacenter baseline's goodput
@@ -182,7 +181,7 @@ def anchors(configs: dict[str, dict[str, Any]], setting: paper.Setting) -> dict[
     """The spec's single measurements, beside the simulated ones."""
     p = paper.PAPER
     handoff = handoff_times_s(Line(paper.LINE_GBPS, setting.one_way_ms, 0.0), setting.tcp)
-    md = Physics(setting.b, setting.model, setting.instance_gpus("B") or 8, setting.eff)
+    md = setting.physics("B", setting.instance_gpus("B") or 8)
     batch, context = 128, 32768
     decode = StepLoad(batch, float(batch * (context + 1)), batch, batch * (context + 1))
     step, extend = md.step_s(decode), md.step_s(add(decode, chunk_load(context, 100)))

@@ -74,18 +74,24 @@ class Setting:
     block_tokens: int = 256  # cache granularity
     max_batch_tokens: int = 16384  # chunked prefill: tokens per step
     max_running: int = 1024  # the engine's slot limit, and its most requests held; KV memory binds long before
+    dp_attention: bool = False  # data-parallel attention: the dense weights on every GPU (`pdd.perf.physics`)
 
     def chip(self, name: str) -> Chip:
         return {"A": self.a, "B": self.b}[name]
 
     def kv_capacity_tokens(self, hw: str, gpus: int) -> int:
         """KV tokens one instance holds: its memory, less the weights (negative: does not fit)."""
-        return kv_capacity_tokens(self.chip(hw), self.model, gpus, self.memory_utilization)
+        return kv_capacity_tokens(self.chip(hw), self.model, gpus, self.memory_utilization, self.dp_attention)
 
     def instance_gpus(self, hw: str) -> int | None:
         """Whole nodes, the fewest that hold the weights and `MIN_KV_CONTEXTS` contexts
         (None: not even 4 nodes do)."""
-        return instance_gpus(self.chip(hw), self.model, self.memory_utilization, MIN_KV_CONTEXTS, WORKLOAD.max_context)
+        return instance_gpus(
+            self.chip(hw), self.model, self.memory_utilization, MIN_KV_CONTEXTS, WORKLOAD.max_context, self.dp_attention
+        )
+
+    def physics(self, hw: str, gpus: int) -> Physics:
+        return Physics(self.chip(hw), self.model, gpus, self.eff, self.dp_attention)
 
     def role(self, name: str, dc: str, count: int, hw: str) -> RoleSpec:
         gpus = self.instance_gpus(hw)
@@ -95,7 +101,7 @@ class Setting:
             name,
             dc,
             count,
-            Physics(self.chip(hw), self.model, gpus, self.eff),
+            self.physics(hw, gpus),
             self.kv_capacity_tokens(hw, gpus),
             self.max_batch_tokens,
             self.max_running,
@@ -131,6 +137,7 @@ class Setting:
             "block_tokens": self.block_tokens,
             "max_batch_tokens": self.max_batch_tokens,
             "max_running": self.max_running,
+            "dp_attention": self.dp_attention,
             "instance_gpus": {hw: self.instance_gpus(hw) for hw in ("A", "B")},
             "kv_capacity_tokens": {
                 hw: self.kv_capacity_tokens(hw, self.instance_gpus(hw) or GPUS_PER_NODE) for hw in ("A", "B")
@@ -268,8 +275,13 @@ def rho(setting: Setting = SETTING, tpot_ms: float = SLO_TPOT_MS, context: int =
         if gpus is None:
             return None
         sizes.append(gpus)
-        physics = Physics(setting.chip(hw), setting.model, gpus, setting.eff)
-        rate = decode_rate(physics, setting.kv_capacity_tokens(hw, gpus), context, tpot_ms / 1000, setting.max_running)
+        rate = decode_rate(
+            setting.physics(hw, gpus),
+            setting.kv_capacity_tokens(hw, gpus),
+            context,
+            tpot_ms / 1000,
+            setting.max_running,
+        )
         if rate is None:
             return None
         rates[hw] = (rate, rate.per_price(gpus, setting.chip(hw).price_per_hour))

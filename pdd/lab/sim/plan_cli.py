@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="also find each family's cheapest layout within the budget that meets the SLO at this many "
         "requests a second (one probe at that rate a layout, cheapest first)",
     )
+    p.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="data-parallel attention: every GPU holds and reads the dense weights (23 GB), as SGLang serves "
+        "DeepSeek-class models. A keeps less room for KV than B: rho 1.66 where it is 0.98, the premise the "
+        "publication's figures imply (BENCHMARKS.md)",
+    )
     p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -145,9 +153,11 @@ def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = p
         f"{c.mem_gb:g} GB) at {c.price_per_hour:g}, {setting.instance_gpus(hw)} per instance"
         for hw, c in (("A", setting.a), ("B", setting.b))
     )
+    attention = "data-parallel attention (the dense weights on every GPU)" if setting.dp_attention else "TP attention"
     return (
-        f"{setting.model.name} ({setting.model.note}). {chips}. Memory {setting.memory_utilization:.0%} for "
-        f"weights + KV. A line costs {LINE_PRICE_PER_GBPS_HOUR:g} per Gbit/s, {setting.one_way_ms:g} ms one way, "
+        f"{setting.model.name} ({setting.model.note}), {attention}. {chips}. Memory "
+        f"{setting.memory_utilization:.0%} for weights + KV. A line costs {LINE_PRICE_PER_GBPS_HOUR:g} per "
+        f"Gbit/s, {setting.one_way_ms:g} ms one way, "
         f"TCP (initial window {setting.tcp.initial_window_segments}, {setting.tcp.window_bytes / 2**20:g} MiB "
         f"buffers). SLO: TTFT <= {probe.slo[0]:g} ms and TPOT <= {probe.slo[1]:g} ms for "
         f"{probe.attainment:.0%} of requests. Workload: {workload.name}; each probe judges {probe.requests} "
@@ -187,6 +197,10 @@ def _table(rows: list[dict[str, Any]], total: int, title: str):
     return table
 
 
+def setting_of(args: argparse.Namespace) -> paper.Setting:
+    return replace(paper.SETTING, dp_attention=args.dp_attention)
+
+
 def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
     """The layouts and the workload, or a ValueError saying what is wrong with the options."""
     if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1:
@@ -195,7 +209,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
         raise ValueError("--target-rps must be > 0")
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
-    layouts = candidates(args.max_gpus, args.line_gbps, args.chips)
+    layouts = candidates(args.max_gpus, args.line_gbps, args.chips, setting_of(args))
     if not layouts:
         raise ValueError("no layout fits: the budget must hold two instances the model fits on")
     kind, path = args.workload
@@ -213,7 +227,7 @@ def plan_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdd plan: {exc}", file=sys.stderr)
         return 2
-    probe = probe_of(args)
+    probe, setting = probe_of(args), setting_of(args)
     console = Console(stderr=True)
     started = time.perf_counter()
     with progress_bar(console, args.quiet) as bar:
@@ -222,6 +236,7 @@ def plan_main(args: argparse.Namespace) -> int:
             layouts,
             workload,
             probe,
+            setting,
             workers=args.workers,
             progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
             exact=args.exact,
@@ -239,20 +254,20 @@ def plan_main(args: argparse.Namespace) -> int:
     )
     families = best_per_family(rows)
     out.print(_table(list(families.values()), len(families), "each family's best"))
-    out.print(f"Assumptions: {assumption_line(probe, workload)}")
-    ratio = paper.rho(tpot_ms=probe.slo[1])
+    out.print(f"Assumptions: {assumption_line(probe, workload, setting)}")
+    ratio = paper.rho(setting, tpot_ms=probe.slo[1])
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     versus, steps, given = None, None, []
     if args.published:
-        given = search(published(args.line_gbps[0]), workload, probe, workers=args.workers, exact=True)
+        given = search(published(args.line_gbps[0], setting), workload, probe, setting, args.workers, exact=True)
         out.print(_table(given, len(given), "the publication's layouts, as given (nearest buildable)"))
-        versus = head_to_head(given)
+        versus = head_to_head(given, setting)
         out.print(_versus_line(versus))
         steps = breakdown(given)
         out.print(_breakdown_table(steps))
     at_target: list[dict[str, Any]] = []
     if args.target_rps is not None:
-        everything = candidates(args.max_gpus, args.line_gbps, args.chips, spend=False)
+        everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
         with progress_bar(console, args.quiet) as bar:
             task = bar.add_task("at the target", total=None)
             found = cheapest_at(
@@ -260,6 +275,7 @@ def plan_main(args: argparse.Namespace) -> int:
                 args.target_rps,
                 workload,
                 probe,
+                setting,
                 progress=lambda done, _total, msg: bar.update(task, completed=done, description=msg),
             )
         at_target = [found[f] for f in sorted(found, key=lambda f: found[f]["cost_per_hour"])]
@@ -284,7 +300,7 @@ def plan_main(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "layouts": slim(rows),
-                    "assumptions": paper.SETTING.to_dict()
+                    "assumptions": setting.to_dict()
                     | {
                         "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
                         "workload": workload.name,
