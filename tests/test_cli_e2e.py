@@ -68,14 +68,24 @@ def test_sim_calibrate_writes_a_profile(profile):
     assert written["request_overhead_s"] == 0.0  # --skip-http: the request path was not measured
 
 
+# How far `pdd sim check` may put a mode's TTFT (p50 and p99) from the measured one, either
+# way, on this test's demo (2 requests a mode, native pacing, a 1 s profile without the
+# request path: `--skip-http`). Measured in two runs: predicted/measured 0.92-0.94
+# colocated, 0.83 pd-same-dc, 0.78 pd-cross-dc, 0.41-0.58 pdd (its extra hops' request
+# path is what the profile leaves out).
+SIM_CHECK_FACTOR = 4.0  # (3 would leave pdd a 24 % margin on a loaded CI machine)
+
+
 def test_sim_check_puts_the_demo_against_its_simulation(demo, profile, tmp_path):
     out = tmp_path / "check.json"
     code, output = _pdd("sim", "check", "--profile", str(profile), "--demo", str(demo), "--out", str(out))
     result = json.loads(out.read_text())
     assert set(result["modes"]) == set(MODES) and result["requests"] == DEMO_REQUESTS
     for mode, row in result["modes"].items():
-        assert row["p50"]["measured"] > 0 and row["p50"]["predicted"] > 0, (mode, row)
-    # exit 0 when every mode's prediction is within tolerance, 1 when one is not (a small demo may miss)
+        for q in ("p50", "p99"):
+            ratio = row[q]["predicted"] / row[q]["measured"]
+            assert 1 / SIM_CHECK_FACTOR <= ratio <= SIM_CHECK_FACTOR, (mode, q, row[q])
+    # exit 0 when every mode's prediction is within the command's own tolerance, 1 when one is not
     assert code == (0 if all(r["within"] for r in result["modes"].values()) else 1), output[-3000:]
     assert "simulated vs measured" in output
 

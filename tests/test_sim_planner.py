@@ -14,7 +14,7 @@ import pytest
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.metrics import goodput
-from pdd.lab.sim.plan_cli import add_plan_arguments, plan_main
+from pdd.lab.sim.plan_cli import add_plan_arguments, assumption_line, plan_main, setting_of
 from pdd.lab.sim.plan_workload import agentic, mooncake
 from pdd.lab.sim.planner import (
     FAMILIES,
@@ -366,6 +366,35 @@ def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_m
     assert roomy is not None and roomy.rho > 1.0 and roomy.b.bound == "tpot"  # (then the TPOT target binds)
     tight = paper.rho(tpot_ms=10.0)
     assert tight is None or tight.b.bound == "tpot"
+
+
+def test_data_parallel_attention_holds_the_dense_weights_on_every_gpu_and_lifts_rho() -> None:
+    """`--dp-attention`: every GPU holds the dense weights (23 GB of the spec's model), so
+    an instance keeps (GPUs - 1) copies' less room for KV and each GPU reads its whole
+    copy in a step. A (16 GPUs of 80 GB) loses more of its room than B (8 of 141 GB):
+    ρ 1.66, the premise the publication's figures imply, where it is 0.98."""
+    from pdd.perf.physics import kv_capacity_tokens
+    from pdd.perf.steps import StepLoad
+
+    m, dp = paper.SETTING.model, replace(paper.SETTING, dp_attention=True)
+    dense = (m.dense_params + m.embedding_params) * m.dense_bytes_per_param
+    assert 23e9 < dense < 23.2e9
+    for hw in ("A", "B"):
+        gpus = paper.SETTING.instance_gpus(hw)
+        assert dp.instance_gpus(hw) == gpus
+        lost = paper.SETTING.kv_capacity_tokens(hw, gpus) - dp.kv_capacity_tokens(hw, gpus)
+        assert lost == pytest.approx((gpus - 1) * dense / m.kv_bytes_per_token, abs=1)
+        assert dp.kv_capacity_tokens(hw, gpus) == kv_capacity_tokens(dp.chip(hw), m, gpus, 0.9, True)
+        one = StepLoad(seqs=1, new_tokens=1, attn_pairs=1, kv_read_tokens=1)
+        tp_s, dp_s = paper.SETTING.physics(hw, gpus).parts(one)["dense"], dp.physics(hw, gpus).parts(one)["dense"]
+        assert dp_s == pytest.approx(gpus * tp_s)  # a small batch is bound by reading them
+    ratio = paper.rho(dp)
+    assert ratio is not None and 1.6 < ratio.rho < 1.7 and ratio.a.bound == ratio.b.bound == "kv"
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    setting = setting_of(parser.parse_args(["--dp-attention"]))
+    assert setting == dp and not setting_of(parser.parse_args([])).dp_attention
+    assert "data-parallel attention" in assumption_line(Probe(), agentic(), setting)
 
 
 def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Path, capsys) -> None:
