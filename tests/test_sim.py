@@ -21,7 +21,8 @@ from pdd.lab.sim import paper
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.link import SharedLink
-from pdd.lab.sim.workload import SimSession, SimTurn, agentic_sessions
+from pdd.lab.sim.workload import agentic_sessions
+from pdd.lab.workload.types import Session, Turn
 from pdd.names import Fallback, HandoffMode, Pipeline
 from pdd.perf.hardware import line
 from pdd.record import RequestRecord
@@ -31,7 +32,7 @@ KVB = paper.MODEL.kv_bytes_per_token
 BLOCK = paper.SETTING.block_tokens
 
 
-def _run(spec: DeploymentSpec, sessions: list[SimSession]) -> Cluster:
+def _run(spec: DeploymentSpec, sessions: list[Session]) -> Cluster:
     """Run to the end (every event processed: the simulation has drained)."""
     env = simpy.Environment()
     cluster = Cluster(env, spec)
@@ -40,7 +41,7 @@ def _run(spec: DeploymentSpec, sessions: list[SimSession]) -> Cluster:
     return cluster
 
 
-def _requests(sessions: list[SimSession]) -> int:
+def _requests(sessions: list[Session]) -> int:
     return sum(len(s.turns) for s in sessions)
 
 
@@ -50,11 +51,11 @@ def _capacity(role: str, tokens: int, count: int = 1, dc: str = "A", hw: str = "
 
 # ---- 1. every request completes or is counted as failed; no pool room leaks ----------------
 
-def _agentic(rate: float = 2.0) -> list[SimSession]:
+def _agentic(rate: float = 2.0) -> list[Session]:
     return agentic_sessions(paper.WORKLOAD, REQUESTS, rate)
 
 
-def _scenarios() -> dict[str, tuple[DeploymentSpec, list[SimSession]]]:
+def _scenarios() -> dict[str, tuple[DeploymentSpec, list[Session]]]:
     R, dep = paper.role, paper.deployment
     wl = _agentic()
     scenarios = {name: (spec, wl) for name, spec in paper.paper_deployments().items()}
@@ -78,7 +79,7 @@ def _scenarios() -> dict[str, tuple[DeploymentSpec, list[SimSession]]]:
     scenarios["colocated, pool too small"] = (dep("small-colo", (_capacity("standalone", 30_000),)), wl)
     # Low-hit, not anomalous (prompt under half the context) prompts with a one-token
     # answer: P-RLD-MD, where P's token is the whole answer.
-    one_token = [SimSession(i, 100.0 * i, (SimTurn(20_000, 1),), 0) for i in range(5)]
+    one_token = [Session(i, (Turn(20_000, 1),), 100.0 * i) for i in range(5)]
     scenarios["pdd, one-token answers"] = (paper.paper_deployments()["pdd"], one_token)
     return scenarios
 
@@ -146,7 +147,7 @@ def test_a_relay_that_cannot_hold_the_request_leaves_it_to_the_main_instance() -
     R = paper.role
     spec = paper.deployment("small-relay", (R("prefill", "A", 1, "A"), _capacity("relay", 10_000),
                                             R("main", "B", 1, "B")))
-    cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(20_000, 200),), 0)])
+    cluster = _run(spec, [Session(0, (Turn(20_000, 200),))])
     (o,) = cluster.records
     assert o.error is None, o
     assert o.pipeline == Pipeline.P_MD and o.fallbacks == [Fallback.RELAY_BUSY], o
@@ -194,7 +195,7 @@ def test_a_full_main_instance_holds_a_reservation_as_long_as_it_takes() -> None:
         foreign.release()
 
     env.process(release_later())
-    (o,) = cluster.run([SimSession(0, 0.0, (SimTurn(20_000, 100),), 0)])
+    (o,) = cluster.run([Session(0, (Turn(20_000, 100),))])
     assert o.error is None and o.output_tokens == 100, o
     assert o.ttft_ms > 60_000, o
     assert md.used == 0 and md.held == 0
@@ -282,7 +283,7 @@ def test_link_processor_sharing_and_priority() -> None:
 
 # ---- 3. more bandwidth never slows a lone request ------------------------------------------
 
-def _lone_sessions(requests: int = 80) -> list[SimSession]:
+def _lone_sessions(requests: int = 80) -> list[Session]:
     """Agentic sessions 5,000 simulated seconds apart: one request in the system at a
     time (a session's turns follow each other)."""
     sessions = agentic_sessions(paper.WORKLOAD, requests, 1.0)
@@ -325,30 +326,27 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
 @pytest.mark.parametrize("deployment", ["pd-cross-dc", "pdd"])
 @pytest.mark.parametrize("prompt", [32 * BLOCK, 32 * BLOCK + 77])
 def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) -> None:
-    """The same prompt, again and again (one session; and separate sessions sharing one
-    trace prefix). After the first, the decode side holds every full block of it.
+    """The same prompt, again and again: separate sessions sharing one trace prefix, each
+    after the one before has ended. After the first, the decode side holds every full
+    block of it. (A session's own turns each add the answer before them: no two of its
+    prompts are the same.)
 
     Not exactly 0 bytes cross: the simulator's hit, as the engine's match, leaves at least
     one prompt token to compute (its logits give the next token), and only whole blocks
     are cached. So the delta is the prompt's last token when the prompt is block-aligned,
     and its partial last block otherwise: always under one block's KV."""
     spec = paper.paper_deployments()[deployment]
-    again = [SimSession(0, 0.0, tuple(SimTurn(prompt, 64) for _ in range(6)), 0)]
     keys = tuple(("shared-prefix", i) for i in range(prompt // BLOCK))
-    traced = [SimSession(i, 1000.0 * i, (SimTurn(prompt, 64),), 0, trace_keys=keys) for i in range(6)]
+    traced = [Session(i, (Turn(prompt, 64),), 1000.0 * i, trace_keys=keys) for i in range(6)]
     tail = prompt - min(prompt // BLOCK * BLOCK, prompt - 1)
-    for sessions in (again, traced):
-        outcomes = sorted(_run(spec, sessions).records, key=lambda o: o.start_s)
-        assert len(outcomes) == 6 and not any(o.error for o in outcomes)
-        assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
-        for o in outcomes[1:]:
-            # Back to back, the second turn can arrive before the first's KV (or the relay's
-            # fill of its output) has landed at MD: its reservation waits for it, so it may
-            # go through the relay, but sends only the tail. Every later one goes P-MD.
-            assert o.pipeline == Pipeline.P_MD or (sessions is again and o.turn == 1), o
-            assert o.d_hit_tokens == prompt - tail, o
-            assert o.wan_bytes == tail * KVB, o
-            assert o.wan_bytes <= BLOCK * KVB, o
+    outcomes = sorted(_run(spec, traced).records, key=lambda o: o.start_s)
+    assert len(outcomes) == 6 and not any(o.error for o in outcomes)
+    assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
+    for o in outcomes[1:]:
+        assert o.pipeline == Pipeline.P_MD, o
+        assert o.d_hit_tokens == prompt - tail, o
+        assert o.wan_bytes == tail * KVB, o
+        assert o.wan_bytes <= BLOCK * KVB, o
 
 
 # ---- 5. the simulator decides with the serving system's functions --------------------------
@@ -536,7 +534,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
 def test_anomalous_request_is_prefilled_on_p_and_decoded_wholly_on_the_relay() -> None:
     spec = paper.paper_deployments()["pdd"]
     prompt = 40_000  # over half the 64K context, fresh: a low hit everywhere
-    cluster = _run(spec, [SimSession(0, 0.0, (SimTurn(prompt, 32),), 0, anomalous=True)])
+    cluster = _run(spec, [Session(0, (Turn(prompt, 32),), anomalous=True)])
     (o,) = cluster.records
     assert o.error is None and o.anomalous
     assert o.pipeline == Pipeline.P_RLD
@@ -559,7 +557,7 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     # turn 1 is fresh (a low hit, a long output); turn 2 is long (over half the context)
     # with a short output, but MD now holds its prefix, so it is not anomalous, and its
     # small delta goes P-MD
-    session = SimSession(0, 0.0, (SimTurn(prompt, output), SimTurn(prompt + output + 1_000, 32)), 0)
+    session = Session(0, (Turn(prompt, output), Turn(1_000, 32)))
     first, second = sorted(_run(spec, [session]).records, key=lambda o: o.turn)
     assert first.error is None and not first.anomalous
     assert first.pipeline == Pipeline.P_RLD_MD

@@ -33,7 +33,7 @@ from pdd.lab.sim import paper
 from pdd.lab.sim.bounds import Shape, prefill_rps
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.runner import Window, simulate
-from pdd.lab.sim.workload import SimSession, SimTurn
+from pdd.lab.workload.types import Session, Turn
 
 GROUPS = 16
 PROMPT_TOKENS, OUTPUT_TOKENS = 63 * 1024, 16  # a short output: only P's work differs with the hit
@@ -58,19 +58,18 @@ def group_sessions(
     block: int,
     seed: int = 0,
     groups: int = GROUPS,
-) -> list[SimSession]:
+) -> list[Session]:
     """Single-turn requests, a Poisson process of `rate` a second, each in one of `groups`
     prefix groups (drawn at random) whose first `hit` of the prompt it shares."""
     rng = np.random.default_rng(seed)
     shared = shared_blocks(hit, prompt_tokens, block)
     starts = np.cumsum(rng.exponential(1.0, requests)) / rate
-    turn = (SimTurn(prompt_tokens, output_tokens),)
+    turn = (Turn(prompt_tokens, output_tokens),)
     return [
-        SimSession(
+        Session(
             i,
-            float(start),
             turn,
-            0,
+            float(start),
             trace_keys=tuple(("group", int(g), b) if b < shared else (i, b) for b in range(prompt_tokens // block)),
         )
         for i, (start, g) in enumerate(zip(starts, rng.integers(0, groups, requests), strict=True))

@@ -16,6 +16,7 @@ per cost already found is not simulated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -54,9 +55,15 @@ def prefill_rps(role: RoleSpec, shape: Shape) -> float:
     """Requests a second one prefill instance can take, batching perfectly."""
     physics = role.steps
     assert isinstance(physics, Physics), "the bounds split a step into the physical model's parts"
-    full = physics.parts(chunk_load(0, role.max_batch_tokens))
-    shared = float(full["dense"] + full["experts"] + full["all_to_all"] + full["fixed"]) / role.max_batch_tokens
-    seconds = [(p - h) * shared + float(physics.parts(chunk_load(h, p - h))["attention"]) for p, h in shape.requests]
+    return _prefill_rps(physics, role.max_batch_tokens, tuple(shape.requests))
+
+
+@lru_cache(maxsize=64)
+def _prefill_rps(physics: Physics, max_batch_tokens: int, requests: tuple[tuple[int, int], ...]) -> float:
+    # (a plan's layouts share two P instances, one a chip: 3,000 requests priced twice, not per layout)
+    full = physics.parts(chunk_load(0, max_batch_tokens))
+    shared = float(full["dense"] + full["experts"] + full["all_to_all"] + full["fixed"]) / max_batch_tokens
+    seconds = [(p - h) * shared + float(physics.parts(chunk_load(h, p - h))["attention"]) for p, h in requests]
     return 1.0 / float(np.mean(seconds))
 
 

@@ -29,7 +29,7 @@ from pdd.lab.sim.relayed import RelayPaths
 from pdd.lab.sim.reserve import Reservations
 from pdd.lab.sim.sequence import SimSeq
 from pdd.lab.sim.stream import Stream, fell_back
-from pdd.lab.sim.workload import SimSession
+from pdd.lab.workload.types import Session
 from pdd.names import RoleName
 from pdd.policy.capacity import fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_with_room
@@ -59,13 +59,13 @@ class Cluster(Fleet):
         )
 
     # ---- the workload --------------------------------------------------------------------
-    def run(self, sessions: list[SimSession], until: float | None = None) -> list[RequestRecord]:
+    def run(self, sessions: list[Session], until: float | None = None) -> list[RequestRecord]:
         for s in sessions:
             self.start(s)
         self.env.run(until=until)
         return self.records
 
-    def warm(self, sessions: list[SimSession], blocks: Sequence[Hashable] = ()) -> None:
+    def warm(self, sessions: list[Session], blocks: Sequence[Hashable] = ()) -> None:
         """Caches as a deployment that has served a while holds them: `blocks` on every
         instance, and each resumed session's context (`warm_tokens`) on one entry and one
         main instance, which the router's affinity then keeps it on."""
@@ -80,11 +80,12 @@ class Cluster(Fleet):
                     if group:
                         group[s.id % len(group)].cache.insert(keys)
 
-    def start(self, s: SimSession) -> None:
+    def start(self, s: Session) -> None:
         self.env.process(self._session(s))
 
-    def _session(self, s: SimSession) -> Proc:
+    def _session(self, s: Session) -> Proc:
         yield self.env.timeout(max(0.0, s.start_s - self.env.now))
+        prompts = s.prompts()
         for k, turn in enumerate(s.turns):
             rec = RequestRecord(
                 id=f"{s.id}-{k}",
@@ -92,7 +93,7 @@ class Cluster(Fleet):
                 turn=k,
                 planned_anomalous=s.anomalous,
                 start_s=self.env.now,
-                prompt_tokens=turn.prompt_tokens,
+                prompt_tokens=prompts[k],
                 max_tokens=turn.max_tokens,
             )
             self.records.append(rec)  # now: a run stopped at a horizon still sees it, unfinished
@@ -104,16 +105,16 @@ class Cluster(Fleet):
                         session=s.id,
                         turn=j,
                         planned_anomalous=s.anomalous,
-                        prompt_tokens=later.prompt_tokens,
-                        max_tokens=later.max_tokens,
+                        prompt_tokens=prompts[j],
+                        max_tokens=s.turns[j].max_tokens,
                         error=f"not sent: turn {k} failed",
                     )
-                    for j, later in enumerate(s.turns[k + 1 :], start=k + 1)
+                    for j in range(k + 1, len(s.turns))
                 ]
                 return
 
     # ---- the router --------------------------------------------------------------------------
-    def _candidates(self, role: str, s: SimSession, prompt: int) -> list[Candidate]:
+    def _candidates(self, role: str, s: Session, prompt: int) -> list[Candidate]:
         keys = self.keys(s, prompt)
         return [
             Candidate(i.name, i.hit_tokens(keys, prompt, touch=False), i.queued_tokens)
@@ -131,7 +132,7 @@ class Cluster(Fleet):
             self._need(rec, c.name, c.predicted_hit_tokens), inst.committed_pages, inst.committed_requests, inst.room
         )
 
-    def _plan(self, s: SimSession, rec: RequestRecord) -> Plan | None:
+    def _plan(self, s: Session, rec: RequestRecord) -> Plan | None:
         mode, prompt = self.spec.mode, rec.prompt_tokens
         entry = RoleName.STANDALONE if mode == "colocated" else RoleName.PREFILL
         main = self._candidates(RoleName.MAIN, s, prompt) if mode != "colocated" else []
@@ -149,7 +150,7 @@ class Cluster(Fleet):
             p.load_weight,
         )
 
-    def _dispatch(self, s: SimSession, rec: RequestRecord) -> Generator[simpy.Event, object, Plan]:
+    def _dispatch(self, s: Session, rec: RequestRecord) -> Generator[simpy.Event, object, Plan]:
         """The request's plan once its decode side has room, first come first served (the
         router's dispatch line: no deadline, the request is admitted and will run)."""
         return (yield from drive(self.line.turn(lambda: self._plan(s, rec))))
@@ -167,7 +168,7 @@ class Cluster(Fleet):
             self.line.changed()
 
     # ---- one request ---------------------------------------------------------------------
-    def _serve(self, s: SimSession, rec: RequestRecord) -> Proc:
+    def _serve(self, s: Session, rec: RequestRecord) -> Proc:
         yield self.env.timeout(self.spec.request_overhead_s)
         plan = yield from self._dispatch(s, rec)
         rec.anomalous, rec.d_hit_predicted = plan.anomalous, plan.predicted_hit
@@ -191,7 +192,7 @@ class Cluster(Fleet):
             self._commit(plan, rec, -1)
         stream.close()
 
-    def _whole(self, inst: Instance, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
+    def _whole(self, inst: Instance, s: Session, rec: RequestRecord, stream: Stream) -> Proc:
         """Prefill and decode on one instance (colocated)."""
         prompt = rec.prompt_tokens
         hit = inst.hit_tokens(self.keys(s, prompt), prompt)

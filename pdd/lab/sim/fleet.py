@@ -19,7 +19,8 @@ from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.link import SharedLink
 from pdd.lab.sim.sequence import SimSeq
 from pdd.lab.sim.tcp import Tcp, TcpLink
-from pdd.lab.sim.workload import SimSession
+from pdd.lab.sim.workload import session_keys
+from pdd.lab.workload.types import Session
 from pdd.perf.hardware import Line
 from pdd.perf.steps import StepModel
 from pdd.policy.transfer import LineMeter, LinkEstimate
@@ -131,13 +132,13 @@ class Fleet:
         rec.wan_bytes += nbytes if link is self.wan else 0
 
     # ---- requests ------------------------------------------------------------------------
-    def keys(self, s: SimSession, tokens: int) -> list:
+    def keys(self, s: Session, tokens: int) -> list:
         """The first `tokens` // block keys of a session's context (one list per session,
         sliced: every turn's keys are a prefix of the longest)."""
         block = self.spec.block_tokens
         keys = self._key_cache.get(s.id)
         if keys is None or len(keys) < tokens // block:
-            keys = self._key_cache[s.id] = s.keys(max(tokens, self.spec.max_context), block)
+            keys = self._key_cache[s.id] = session_keys(s, max(tokens, self.spec.max_context), block)
         return keys[: tokens // block]
 
     @staticmethod

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pdd.lab.sim import paper
 from pdd.lab.sim.bounds import Shape, shape_of
 from pdd.lab.sim.runner import Sessions, draw_ahead, steady_sessions, turns_per_session
-from pdd.lab.sim.workload import SimSession, trace_sessions
+from pdd.lab.sim.workload import trace_sessions
 from pdd.lab.workload.agentic import AgenticConfig
 from pdd.lab.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
+from pdd.lab.workload.types import Session
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Workload:
         records = self.records
         natural = len(records) / ((records[-1].timestamp_ms - records[0].timestamp_ms) / 1000)
 
-        def replay(rate: float, end_s: float) -> list[SimSession]:
+        def replay(rate: float, end_s: float) -> list[Session]:
             drawn = trace_sessions(records, time_scale=rate / natural, max_context=self.max_context)
             return [s for s in drawn if s.start_s < end_s]
 

@@ -23,7 +23,7 @@ from pdd.lab.sim.relayed import RelayPaths
 from pdd.lab.sim.reserve import Reservations
 from pdd.lab.sim.sequence import SimSeq
 from pdd.lab.sim.stream import Stream, fell_back
-from pdd.lab.sim.workload import SimSession
+from pdd.lab.workload.types import Session
 from pdd.names import Pipeline
 from pdd.policy.capacity import RELAY_ANSWER_S
 from pdd.policy.pipeline import Decision, answer_wait_s, choose_pipeline, main_refused, relay_refused
@@ -39,7 +39,7 @@ class PrefillPaths:
     def __init__(self, fleet: Fleet, reservations: Reservations, relay: RelayPaths) -> None:
         self.fleet, self.reservations, self.relay = fleet, reservations, relay
 
-    def disaggregated(self, plan: Plan, s: SimSession, rec: RequestRecord, stream: Stream) -> Proc:
+    def disaggregated(self, plan: Plan, s: Session, rec: RequestRecord, stream: Stream) -> Proc:
         env, prompt = self.fleet.env, rec.prompt_tokens
         p = self.fleet.instances[plan.entry]
         md = self.fleet.instances[plan.main] if plan.main else None
@@ -135,7 +135,7 @@ class PrefillPaths:
         return rld_res.triggered and rld_res.value is not None
 
     def _p_md(
-        self, p: Instance, md: Instance, md_res: simpy.Process, s: SimSession, rec: RequestRecord, stream: Stream
+        self, p: Instance, md: Instance, md_res: simpy.Process, s: Session, rec: RequestRecord, stream: Stream
     ) -> Proc:
         yield md_res  # its answer, however long MD's line holds it (at once when it is in)
         reserved = md_res.value

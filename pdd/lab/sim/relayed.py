@@ -19,7 +19,7 @@ from pdd.lab.sim.fleet import Fleet, Proc
 from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.sequence import Granted, Hold, SimSeq
 from pdd.lab.sim.stream import Stream, fell_back
-from pdd.lab.sim.workload import SimSession
+from pdd.lab.workload.types import Session
 from pdd.names import Fallback, HandoffMode
 from pdd.policy.handoff import choose_handoff, cut_over, occupancy
 from pdd.policy.transfer import Priority, kv_range
@@ -39,7 +39,7 @@ class RelayPaths:
         md_res: simpy.Process | None,
         rld: Instance,
         rld_reserved: Granted,
-        s: SimSession,
+        s: Session,
         out: RequestRecord,
         stream: Stream,
     ) -> Proc:
@@ -100,7 +100,7 @@ class RelayPaths:
         rld: Instance,
         md: Instance,
         landed: simpy.Event | None,
-        s: SimSession,
+        s: Session,
         out: RequestRecord,
         mseq: SimSeq | None = None,
         computed: int = 0,
@@ -139,7 +139,7 @@ class RelayPaths:
         return reserved[1]
 
     def _hand_off(
-        self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: SimSession, out: RequestRecord, stream: Stream
+        self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: Session, out: RequestRecord, stream: Stream
     ) -> Proc:
         env, p = self.fleet.env, self.fleet.spec.policy
         one_way = self.fleet.link(rld, md).line.one_way_ms / 1000

@@ -26,7 +26,7 @@ from pdd.lab.sim.clock import drive
 from pdd.lab.sim.fleet import Fleet, Proc
 from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.sequence import Granted, Landing
-from pdd.lab.sim.workload import SimSession
+from pdd.lab.workload.types import Session
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
 from pdd.record import RequestRecord
@@ -39,7 +39,7 @@ class Reservations:
         self.fleet = fleet
 
     def reserve(
-        self, p: Instance, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
+        self, p: Instance, inst: Instance, s: Session, rec: RequestRecord, optional: bool
     ) -> Generator[simpy.Event, object, Granted | None]:
         """RESERVE from P: (hit, hold) once the answer is back at P, None if refused."""
         sent = self.fleet.env.now
@@ -51,7 +51,7 @@ class Reservations:
         return granted
 
     def _held_at(
-        self, inst: Instance, s: SimSession, rec: RequestRecord, optional: bool
+        self, inst: Instance, s: Session, rec: RequestRecord, optional: bool
     ) -> Generator[simpy.Event, object, Granted | None]:
         if optional and not relay_accepts(inst.held, len(inst.waiting), inst.max_running):
             return None

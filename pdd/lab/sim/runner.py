@@ -33,8 +33,9 @@ import simpy
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, Proc
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.lab.sim.workload import SimSession, agentic_sessions
+from pdd.lab.sim.workload import agentic_sessions
 from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes
+from pdd.lab.workload.types import Session
 from pdd.record import RequestRecord
 
 NOMINAL_TTFT_S, NOMINAL_TPOT_S = 1.0, 0.035  # a turn's length, to place warm-started sessions
@@ -55,7 +56,7 @@ class Window:
         return [r for r in records if r.start_s is not None and self.warmup_s <= r.start_s < self.end_s]
 
 
-Sessions = Callable[[float, float], list[SimSession]]  # (session rate, arrivals until s) -> sessions
+Sessions = Callable[[float, float], list[Session]]  # (session rate, arrivals until s) -> sessions
 
 
 def tail_s(longest_output: int, slo: tuple[float, float]) -> float:
@@ -69,26 +70,26 @@ def history_s(config: AgenticConfig) -> float:
     return config.turns[1] * (NOMINAL_TTFT_S + NOMINAL_TPOT_S * config.output_tokens[1])
 
 
-def _resume(s: SimSession, history: float) -> SimSession | None:
+def _resume(s: Session, history: float) -> Session | None:
     """A session drawn as if it started `history` ago: None if it has ended by now,
     else from its next turn on, with the context its earlier turns left cached."""
     t = s.start_s - history
     if t >= 0:
         return replace(s, start_s=t)
-    for k, turn in enumerate(s.turns):
+    for k, (turn, prompt) in enumerate(zip(s.turns, s.prompts(), strict=True)):
         t += NOMINAL_TTFT_S + NOMINAL_TPOT_S * turn.max_tokens
         if t > 0:
             if k + 1 == len(s.turns):
                 return None
-            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=turn.prompt_tokens + turn.max_tokens)
+            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=prompt + turn.max_tokens)
     return None
 
 
-_LARGEST: dict[AgenticConfig, tuple[SimSession, ...]] = {}  # each config's largest unit-rate draw so far
+_LARGEST: dict[AgenticConfig, tuple[Session, ...]] = {}  # each config's largest unit-rate draw so far
 
 
 @lru_cache(maxsize=8)
-def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[SimSession, ...]:
+def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[Session, ...]:
     """`agentic_sessions(config, requests, 1.0)`, cut from the largest draw made so far
     when it holds as many requests: sessions are drawn one by one from the stream, so a
     smaller draw is a larger one's head, its last session cut to the requests left (the
@@ -119,7 +120,7 @@ def draw_ahead(config: AgenticConfig, rate: float, end_s: float) -> None:
     _at_unit_rate(config, _requests(config, rate, end_s, True))
 
 
-def _drawn(config: AgenticConfig, requests: int, rate: float, until_s: float) -> list[SimSession]:
+def _drawn(config: AgenticConfig, requests: int, rate: float, until_s: float) -> list[Session]:
     """`agentic_sessions(config, requests, rate)`'s sessions that start before `until_s`,
     from one draw at a unit rate: start times are a Poisson process, so at `rate` they are
     the unit-rate ones / `rate`. A search probes many rates of one workload; this draws
@@ -137,7 +138,7 @@ def steady_sessions(config: AgenticConfig, warm: bool = True) -> Sessions:
     """Agentic sessions starting at a rate until a time (the stream is planned long
     enough, then cut there); `warm`: from a stationary mix (see the module's note)."""
 
-    def sessions(rate: float, end_s: float) -> list[SimSession]:
+    def sessions(rate: float, end_s: float) -> list[Session]:
         history = history_s(config) if warm else 0.0
         drawn = _drawn(config, _requests(config, rate, end_s, warm), rate, end_s + history)
         if not warm:
@@ -214,7 +215,7 @@ class _Probe:
 
 
 def simulate(
-    spec: DeploymentSpec, sessions: list[SimSession], horizon_s: float = math.inf, warm: Sequence[Hashable] = ()
+    spec: DeploymentSpec, sessions: list[Session], horizon_s: float = math.inf, warm: Sequence[Hashable] = ()
 ) -> tuple[list[RequestRecord], int]:
     """The records (unfinished ones too, when the horizon stops the run), and how many
     events the simulation processed. `warm`: blocks every instance holds at the start,

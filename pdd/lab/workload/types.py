@@ -7,7 +7,7 @@ agentic and trace benchmarks measure the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -41,9 +41,26 @@ class Turn:
 
 @dataclass(frozen=True)
 class Session:
-    """Turns that run one after another, starting `start_s` seconds into the run."""
+    """Turns that run one after another, starting `start_s` seconds into the run.
+
+    What the simulator also reads (a client needs none of it): the leading tokens every
+    session shares (`shared_tokens`: the system prompt), a trace request's block hashes
+    (`trace_keys`: which prefixes it shares with which), and the context its earlier
+    turns left cached when it is resumed part-way (`warm_tokens`: a warm start)."""
 
     id: int
     turns: tuple[Turn, ...]
     start_s: float = 0.0
     anomalous: bool = False
+    shared_tokens: int = 0
+    trace_keys: tuple[Hashable, ...] = ()
+    warm_tokens: int = 0
+
+    def prompts(self) -> list[int]:
+        """Each turn's prompt length when every answer is `max_tokens` long (the simulator's
+        requests): the context before it, then what it appends."""
+        context, out = self.warm_tokens, []
+        for turn in self.turns:
+            out.append(context + turn.append_tokens)
+            context = out[-1] + turn.max_tokens
+        return out
