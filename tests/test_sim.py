@@ -21,7 +21,7 @@ from pdd.lab.sim import paper
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.link import SharedLink
-from pdd.lab.sim.workload import agentic_sessions
+from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.types import Session, Turn
 from pdd.names import Fallback, HandoffMode, Pipeline
 from pdd.perf.hardware import line
@@ -52,7 +52,7 @@ def _capacity(role: str, tokens: int, count: int = 1, dc: str = "A", hw: str = "
 # ---- 1. every request completes or is counted as failed; no pool room leaks ----------------
 
 def _agentic(rate: float = 2.0) -> list[Session]:
-    return agentic_sessions(paper.WORKLOAD, REQUESTS, rate)
+    return plan_session_shapes(paper.WORKLOAD, REQUESTS, rate)
 
 
 def _scenarios() -> dict[str, tuple[DeploymentSpec, list[Session]]]:
@@ -165,7 +165,7 @@ def test_under_overload_every_admitted_request_completes_and_a_small_relay_stays
     R = paper.role
     relay = dataclasses.replace(R("relay", "A", 1, "A"), max_running=2)
     spec = paper.deployment("overload", (R("prefill", "A", 1, "A"), relay, _capacity("main", 100_000, dc="B", hw="B")))
-    sessions = agentic_sessions(dataclasses.replace(paper.WORKLOAD, anomalous_fraction=0.0), 500, 50.0)
+    sessions = plan_session_shapes(dataclasses.replace(paper.WORKLOAD, anomalous_fraction=0.0), 500, 50.0)
     cluster = _run(spec, sessions)
     records = cluster.records
     assert len(records) == _requests(sessions)
@@ -286,7 +286,7 @@ def test_link_processor_sharing_and_priority() -> None:
 def _lone_sessions(requests: int = 80) -> list[Session]:
     """Agentic sessions 5,000 simulated seconds apart: one request in the system at a
     time (a session's turns follow each other)."""
-    sessions = agentic_sessions(paper.WORKLOAD, requests, 1.0)
+    sessions = plan_session_shapes(paper.WORKLOAD, requests, 1.0)
     return [dataclasses.replace(s, start_s=5000.0 * i) for i, s in enumerate(sessions)]
 
 
@@ -574,7 +574,7 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
 
 def test_same_sessions_same_outcomes() -> None:
     def once() -> list[RequestRecord]:
-        return _run(paper.paper_deployments()["pdd"], agentic_sessions(paper.WORKLOAD, REQUESTS, 2.0)).records
+        return _run(paper.paper_deployments()["pdd"], plan_session_shapes(paper.WORKLOAD, REQUESTS, 2.0)).records
 
     a, b = once(), once()
     assert len(a) == REQUESTS

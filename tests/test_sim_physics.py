@@ -15,7 +15,7 @@ from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.runner import simulate
 from pdd.lab.sim.sequence import SimSeq
 from pdd.lab.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLink, calibrate_one_way_ms, handoff_times_s
-from pdd.lab.sim.workload import agentic_sessions
+from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.types import Session, Turn
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, Line
 from pdd.perf.model import MODELS, dense_twin
@@ -159,7 +159,7 @@ def test_the_decode_stretch_equals_per_step_simulation() -> None:
 
 
 def test_a_whole_deployment_runs_the_same_with_and_without_stretches() -> None:
-    sessions = agentic_sessions(paper.WORKLOAD, 60, 1.0)
+    sessions = plan_session_shapes(paper.WORKLOAD, 60, 1.0)
     sessions.append(Session(10_000, (Turn(45_000, 300),), 5.0, anomalous=True))
     spec = paper.paper_deployments()["pdd"]
     fast, fast_events = simulate(spec, sessions)

@@ -290,14 +290,14 @@ def test_a_smaller_draw_is_cut_from_a_larger_one() -> None:
     """Sessions are drawn once, at the largest size a search needs: every smaller draw
     cut from it is the draw itself, its last session cut to the requests left."""
     from pdd.lab.sim import runner
-    from pdd.lab.sim.workload import agentic_sessions
+    from pdd.lab.workload.agentic import plan_session_shapes
 
     config = replace(SMALL, seed=SMALL.seed + 1)  # a config no other test has drawn
     runner.draw_ahead(config, 8.0, 100.0)
     (largest,) = (draw for held, draw in runner._LARGEST.items() if held == config)
     for requests in (1024, 1027, 2048):
         cut = runner._at_unit_rate(config, requests)
-        assert len(cut) < len(largest) and cut == tuple(agentic_sessions(config, requests, 1.0))
+        assert len(cut) < len(largest) and cut == tuple(plan_session_shapes(config, requests, 1.0))
     assert sum(len(s.turns) for s in runner._at_unit_rate(config, 1027)) == 1027
 
 

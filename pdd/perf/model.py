@@ -59,10 +59,13 @@ class ModelShape:
         return self.experts * self.expert_params * self.expert_bytes_per_param
 
     @property
+    def dense_bytes(self) -> float:
+        """Everything but the routed experts: what data-parallel attention puts on every GPU."""
+        return (self.dense_params + self.embedding_params) * self.dense_bytes_per_param
+
+    @property
     def weight_bytes(self) -> float:
-        return (
-            self.dense_params + self.embedding_params
-        ) * self.dense_bytes_per_param + self.routed_params * self.expert_bytes_per_param
+        return self.dense_bytes + self.routed_params * self.expert_bytes_per_param
 
     def with_expert_precision(self, bytes_per_param: float, fp8: bool) -> ModelShape:
         return replace(self, expert_bytes_per_param=bytes_per_param, expert_fp8=fp8)

@@ -202,8 +202,7 @@ def kv_capacity_tokens(
     (negative: they do not fit). Under data-parallel attention the dense weights are on
     every GPU: 23 GB each for the spec's model, where sharded they are 1.4 GB on 16."""
     copies = gpus if dp_attention else 1
-    dense = (model.dense_params + model.embedding_params) * model.dense_bytes_per_param
-    room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes - (copies - 1) * dense
+    room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes - (copies - 1) * model.dense_bytes
     return int(room / model.kv_bytes_per_token)
 
 

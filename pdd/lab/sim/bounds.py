@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
-from pdd.lab.workload.agentic import AgenticConfig, estimate_hits
+from pdd.lab.workload.agentic import AgenticConfig, estimate_hits, plan_session_shapes
 from pdd.perf.physics import Physics
 from pdd.perf.steps import chunk_load, decode_stretch
 
@@ -43,9 +43,7 @@ class Shape:
 
 def shape_of(config: AgenticConfig) -> Shape:
     turns = estimate_hits(config, SAMPLE_REQUESTS)
-    from pdd.lab.sim.workload import agentic_sessions
-
-    outputs = [t.max_tokens for s in agentic_sessions(config, SAMPLE_REQUESTS, 1.0) for t in s.turns]
+    outputs = [t.max_tokens for s in plan_session_shapes(config, SAMPLE_REQUESTS, 1.0) for t in s.turns]
     mean_output = float(np.mean(outputs))
     requests = [(t.prompt_tokens, t.hit_tokens) for t in turns]
     return Shape(requests, mean_output, float(np.mean([p for p, _ in requests])) + mean_output / 2)

@@ -24,7 +24,7 @@ from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.sim.profile import LocalProfile
-from pdd.lab.sim.workload import agentic_sessions
+from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.scenarios import Scenario
 from pdd.perf.emulated import emulated_steps, token_scale
 from pdd.perf.hardware import Line
@@ -100,5 +100,5 @@ def simulate_demo(
 ) -> list[RequestRecord]:
     """What `pdd demo` would measure for `mode`, by simulation."""
     spec = local_spec(on_scenario_line(dep, scenario), mode, profile)
-    sessions = agentic_sessions(replace(scenario.workload, seed=seed), requests, rate)
+    sessions = plan_session_shapes(replace(scenario.workload, seed=seed), requests, rate)
     return Cluster(simpy.Environment(), spec).run(sessions)

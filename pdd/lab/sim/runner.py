@@ -33,7 +33,6 @@ import simpy
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, Proc
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.lab.sim.workload import agentic_sessions
 from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes
 from pdd.lab.workload.types import Session
 from pdd.record import RequestRecord
@@ -90,13 +89,13 @@ _LARGEST: dict[AgenticConfig, tuple[Session, ...]] = {}  # each config's largest
 
 @lru_cache(maxsize=8)
 def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[Session, ...]:
-    """`agentic_sessions(config, requests, 1.0)`, cut from the largest draw made so far
+    """`plan_session_shapes(config, requests, 1.0)`, cut from the largest draw made so far
     when it holds as many requests: sessions are drawn one by one from the stream, so a
     smaller draw is a larger one's head, its last session cut to the requests left (the
     draw is most of a probe's set-up, and a search needs several sizes of it)."""
     held = _LARGEST.get(config)
     if held is None or sum(len(s.turns) for s in held) < requests:
-        held = _LARGEST[config] = tuple(agentic_sessions(config, requests, 1.0))
+        held = _LARGEST[config] = tuple(plan_session_shapes(config, requests, 1.0))
     head, left = [], requests
     for s in held:
         if len(s.turns) >= left:
@@ -121,7 +120,7 @@ def draw_ahead(config: AgenticConfig, rate: float, end_s: float) -> None:
 
 
 def _drawn(config: AgenticConfig, requests: int, rate: float, until_s: float) -> list[Session]:
-    """`agentic_sessions(config, requests, rate)`'s sessions that start before `until_s`,
+    """`plan_session_shapes(config, requests, rate)`'s sessions that start before `until_s`,
     from one draw at a unit rate: start times are a Poisson process, so at `rate` they are
     the unit-rate ones / `rate`. A search probes many rates of one workload; this draws
     its sessions once."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
-from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes
 from pdd.lab.workload.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
 from pdd.lab.workload.types import Session, Turn
 
@@ -32,11 +31,6 @@ def session_keys(s: Session, tokens: int, block: int) -> list[Hashable]:
     own = s.id * KEY_STRIDE
     keys: list[Hashable] = [-1 - i for i in range(shared)]
     return keys + list(range(own + shared, own + n))
-
-
-def agentic_sessions(config: AgenticConfig, requests: int, rate: float) -> list[Session]:
-    """The sessions `pdd bench` would replay for this config, as shapes."""
-    return plan_session_shapes(config, requests, rate)
 
 
 def trace_sessions(

@@ -164,26 +164,23 @@ def _stream(config: AgenticConfig, draw: Draw) -> Iterator[tuple[int, list[tuple
             anomalous += 1
 
 
-def _shared(config: AgenticConfig, anomalous: bool) -> int:
-    """What a session shares with every other: the system prompt (an anomalous one has none)."""
-    return 0 if anomalous else config.system_prompt_tokens
+def _sessions(config: AgenticConfig, draw: Draw, turn: Callable[[Any, int], Turn]) -> Iterator[Session]:
+    """The stream as sessions, each turn made by `turn` of what `draw` drew; every session
+    but an anomalous one shares the system prompt."""
+    for sid, turns, anomalous in _stream(config, draw):
+        shared = 0 if anomalous else config.system_prompt_tokens
+        yield Session(sid, tuple(turn(a, n) for a, n in turns), anomalous=anomalous, shared_tokens=shared)
 
 
 def iter_sessions(config: AgenticConfig) -> Iterator[Session]:
     """Yield sessions without end, ids 0, 1, 2, ..."""
-    for sid, turns, anomalous in _stream(config, _ids):
-        yield Session(
-            sid, tuple(Turn.of(a, n) for a, n in turns), anomalous=anomalous, shared_tokens=_shared(config, anomalous)
-        )
+    return _sessions(config, _ids, Turn.of)
 
 
 def iter_session_shapes(config: AgenticConfig) -> Iterator[Session]:
     """`iter_sessions` without the token IDs: each turn's appended length (the first
     turn's includes the shared system prompt), for the simulator."""
-    for sid, turns, anomalous in _stream(config, _count):
-        yield Session(
-            sid, tuple(Turn(a, n) for a, n in turns), anomalous=anomalous, shared_tokens=_shared(config, anomalous)
-        )
+    return _sessions(config, _count, Turn)
 
 
 def _plan(config: AgenticConfig, sessions: Iterator[Session], requests: int, rate: float) -> list[Session]:
