@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pdd.engine.kv_pool import KVPool
-from pdd.engine.radix_cache import RadixCache
 from pdd.kv.blocks import block_hashes
+from pdd.kv.radix_cache import RadixCache
 from pdd.model.config import ModelConfig
 
 CFG = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4, 1e-5, 512, False, False, False)
@@ -90,3 +90,65 @@ def test_each_cache_salt_is_a_namespace_of_its_own():
     cache.unlock(node)
     assert cache.evict(16) == 2 and set(cache.roots) == {""}  # alice's emptied namespace is dropped
     assert pool.free_pages == pool.num_pages
+
+
+def _oldest_evictable_leaf(cache: RadixCache):
+    """The reference order: walk the whole tree for the least recently used leaf no lock holds."""
+    leaves = [n for n in cache._walk() if not n.children and n.lock_ref == 0]
+    return min(leaves, key=lambda n: n.last_access, default=None)
+
+
+def test_eviction_keeps_its_order_as_it_goes_and_frees_what_a_walk_would():
+    """Random inserts, uses, looks, locks and evictions over shared prefixes: every page
+    `evict` frees is the one a walk of the whole tree finds oldest at that moment, and the
+    heap of entries stays in proportion to the tree (stale ones are dropped)."""
+    import random
+
+    rng = random.Random(7)
+    pool, cache, events = _cache(64)
+    held: list = []
+    for _ in range(3000):
+        op = rng.random()
+        prompt = [rng.randrange(3) for _ in range(4 * rng.randrange(1, 6))]  # few distinct pages: deep sharing
+        if op < 0.35:
+            m = cache.match_prefix(prompt)
+            need = len(prompt) // 4 - m.num_pages
+            cache.lock(m.node)
+            if need > pool.free_pages:
+                cache.evict(need - pool.free_pages)
+            if need <= pool.free_pages:
+                cache.insert(prompt, m.pages + pool.allocate(need))
+            cache.unlock(m.node)
+        elif op < 0.5:
+            cache.match_prefix(prompt, touch=rng.random() < 0.5)
+        elif op < 0.65:
+            node = cache.match_prefix(prompt).node
+            cache.lock(node)
+            held.append(node)
+        elif op < 0.8 and held:
+            cache.unlock(held.pop(rng.randrange(len(held))))
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                expected = _oldest_evictable_leaf(cache)
+                assert cache.evict(1) == (expected is not None)
+                if expected is not None:
+                    assert events[-1] == ("removed", [expected.hash])
+        assert cache.evictable_pages() == sum(1 for n in cache._walk() if n.lock_ref == 0)
+        assert len(cache._leaves) <= 2 * cache.cached_pages + 1024
+    assert cache.cached_pages + pool.free_pages == 64
+    for _ in range(3000):  # uses alone, nothing evicted: each enters its leaf again
+        cache.match_prefix(prompt)
+    assert len(cache._leaves) <= 2 * cache.cached_pages + 1024
+
+
+def test_keys_stand_for_pages_where_there_are_no_tokens():
+    """The simulator's use: one key a page, chained by its own rule, on a pool without tensors."""
+    from pdd.kv.pages import PagePool
+
+    pool = PagePool(8, 1)
+    cache = RadixCache(pool, chain=lambda parent, key: hash((parent, key)))
+    shared, mine = [-1, -2], [(5, 2), (5, 3)]
+    node = cache.insert_keys(shared + mine, pool.allocate(4))
+    assert cache.match_keys(shared + [(6, 2)]).num_pages == 2
+    assert cache.lock(node) == 4 and cache.lock(cache.match_keys(shared).node) == 0
+    assert cache.evictable_pages() == 0 and cache.evict(4) == 0

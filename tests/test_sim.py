@@ -416,25 +416,26 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
 
 
 # The serving code's structures the simulator does not run, each with why. The router's
-# dispatch line and a decode instance's reservation line it does run (on its clock).
+# dispatch line, a decode instance's reservation line (both on its clock) and the engine's
+# radix cache it does run.
 NOT_LIVE = {
-    "prefix cache": "the live RadixCache finds what to evict by walking its whole tree at each "
-    "evict; the simulator evicts at each of ~76k inserts of a 32-GPU plan, over pools of up to "
-    "~10^5 blocks (pdd.lab.sim.cache.BlockCache: an LRU of block keys)",
-    "scheduler": "the live Scheduler plans one step at a time over engine Sequences (token IDs, "
-    "page lists from a KVPool of torch tensors); the simulator prices a decode-only run of up "
-    "to 4096 steps as one event (16x fewer events: BENCHMARKS.md), which the planner's minute "
-    "rests on (pdd.lab.sim.instance.Instance._schedule)",
+    "scheduler": "the live Scheduler plans one step at a time over engine Sequences that carry "
+    "token IDs and take pages as they grow (preempting the newest when none are left); the "
+    "simulator's sequences are token counts and block keys that reserve their whole room when "
+    "admitted, and it prices a decode-only run of up to 4096 steps as one event (16x fewer "
+    "events: BENCHMARKS.md), which the planner's time rests on "
+    "(pdd.lab.sim.instance.Instance._schedule)",
 }
 
 
 def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatch) -> None:
     """The router's `DispatchLine` and a decode instance's `ReservationLine` are the very
-    classes the simulator waits in, on its clock; runs that take every path hold requests
-    in both (an attempt refused, then granted once room came free). The cache and the
-    scheduler are its own, for the reasons in NOT_LIVE."""
+    classes the simulator waits in, on its clock, and its prefix cache is the engine's
+    `RadixCache`; runs that take every path hold requests in both lines (an attempt
+    refused, then granted once room came free) and evict from the caches. The scheduler
+    is its own, for the reason in NOT_LIVE."""
     from pdd.instance.reservations import ReservationLine
-    from pdd.lab.sim.cache import BlockCache
+    from pdd.kv.radix_cache import RadixCache
     from pdd.lab.sim.clock import SimClock
     from pdd.router.dispatch import DispatchLine
 
@@ -442,7 +443,7 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     assert type(cluster.line) is DispatchLine
     for inst in cluster.instances.values():
         assert type(inst.reservations) is ReservationLine and isinstance(inst.reservations._clock, SimClock)
-        assert type(inst.cache) is BlockCache, NOT_LIVE["prefix cache"]
+        assert type(inst.cache) is RadixCache
     tries: dict[str, list[int]] = {"dispatch": [], "reservation": []}
     turn, take = DispatchLine.turn, ReservationLine.take
 
@@ -470,11 +471,19 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
         tries["reservation"].append(n)
         return got
 
+    evict, evicted = RadixCache.evict, []
+
+    def counted_evict(self, num_pages):
+        evicted.append(evict(self, num_pages))
+        return evicted[-1]
+
     monkeypatch.setattr(DispatchLine, "turn", counted_turn)
     monkeypatch.setattr(ReservationLine, "take", counted_take)
+    monkeypatch.setattr(RadixCache, "evict", counted_evict)
     for name in PATHS:
         _run(*SCENARIOS[name])
     assert tries["dispatch"] and tries["reservation"]
+    assert sum(evicted) > 0, "no run filled a cache"
     assert max(tries["dispatch"]) > 1 and max(tries["reservation"]) > 1, {k: max(v) for k, v in tries.items()}
 
 
@@ -627,18 +636,25 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
 
 # ---- 8. a running request's cached prefix is never evicted under it ----------------------
 
-def test_a_running_requests_prefix_is_pinned_against_eviction():
-    from pdd.lab.sim.cache import BlockCache
-
-    cache = BlockCache(4)
-    cache.insert(["a0", "a1"])
-    cache.pin(["a0", "a1"])  # a request runs on this prefix
-    cache.insert(["b0", "b1", "b2", "b3"])  # newer blocks push the cache past capacity
-    assert cache.match(["a0", "a1"]) == 2  # the pinned prefix stayed; older unpinned blocks went
-    assert len(cache) == 4 and cache.evicted == 2
-    cache.unpin(["a0", "a1"])
-    cache.shrink(1)
-    assert cache.match(["a0"]) == 0 and len(cache) == 1
+def test_a_running_requests_prefix_is_locked_against_eviction():
+    """The instance's cache is the engine's radix cache over a pool of blocks: a hold
+    locks its prefix, newer blocks evict the others, and released, it may go too."""
+    env = simpy.Environment()
+    inst = dataclasses.replace(paper.role("main", "B", 1, "B"), capacity_tokens=6 * BLOCK)
+    cluster = Cluster(env, paper.deployment("x", (paper.role("prefill", "A", 1, "A"), inst)))
+    md = cluster.instances["main0@B"]
+    md.keep(["a0", "a1"])
+    md.keep(["c0"])
+    hold = md.hold(2 * BLOCK, ["a0", "a1"])  # a request runs on this prefix, with 2 blocks of its own
+    assert hold is not None
+    md.keep(["b0", "b1", "b2"])  # newer blocks: room for two beside the hold and its prefix
+    assert md.hit_tokens(["a0", "a1", "x"], 3 * BLOCK) == 2 * BLOCK  # the locked prefix stayed
+    assert md.hit_tokens(["c0", "x"], 2 * BLOCK) == 0  # the oldest other went
+    assert md.hit_tokens(["b0", "b1", "b2", "x"], 4 * BLOCK) == 2 * BLOCK  # the tail found no room
+    assert md.cache.cached_pages == 4 and md.kv_held_tokens == 4 * BLOCK
+    hold.release()
+    md.keep([f"d{i}" for i in range(6)])  # the whole pool: the prefix goes now
+    assert md.hit_tokens(["a0", "x"], 2 * BLOCK) == 0 and md.cache.cached_pages == 6
 
 
 def test_pool_room_counts_the_pinned_prefix():
@@ -647,7 +663,7 @@ def test_pool_room_counts_the_pinned_prefix():
     inst = dataclasses.replace(paper.role("main", "B", 1, "B"), capacity_tokens=10 * BLOCK)
     cluster = Cluster(env, paper.deployment("x", (paper.role("prefill", "A", 1, "A"), inst)))
     md = cluster.instances["main0@B"]
-    md.cache.insert([("s", i) for i in range(6)])
+    md.keep([("s", i) for i in range(6)])
     hold = md.hold(4 * BLOCK, [("s", i) for i in range(6)])
     assert hold is not None and md.hold(1, ()) is None  # 6 pinned + 4 held = the whole pool
     hold.release()
@@ -680,9 +696,9 @@ def test_a_pools_held_share_counts_the_prefixes_its_requests_pin() -> None:
     inst = Instance(env, "main0@B", "main", "B", Physics(CATALOG["B"], next(iter(MODELS.values())), 8), 400_000,
                     BLOCK, 16384, 64)
     prefix = [("shared", i) for i in range(40)]
-    inst.cache.insert(prefix)
+    inst.keep(prefix)
     hold = inst.hold(3 * BLOCK, prefix)
     assert hold is not None and inst.used == 3 * BLOCK
     assert inst.kv_held_tokens == 3 * BLOCK + 40 * BLOCK
     hold.release()
-    assert inst.kv_held_tokens == 0 and len(inst.cache) == 40  # the prefix stays cached, held by nobody
+    assert inst.kv_held_tokens == 0 and inst.cache.cached_pages == 40  # the prefix stays cached, held by nobody

@@ -17,13 +17,13 @@ import torch
 
 from pdd.engine.attention import PagedAttention
 from pdd.engine.kv_pool import KVPool
-from pdd.engine.radix_cache import RadixCache
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import Sequence, Status
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.radix_cache import RadixCache
 from pdd.model.loader import load_model
 from pdd.sampler import logprobs as sampler_logprobs
 from pdd.sampler import sample

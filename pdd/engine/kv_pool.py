@@ -1,45 +1,29 @@
-"""The paged KV pool: fixed-size pages of per-token K/V slots, and who may use them.
+"""The paged KV pool: fixed-size pages of per-token K/V slots over a `PagePool`
+(which pages are free, and who owns them).
 
 K and V live in one flat slot array per layer (slot = page * page_size + offset), so
 a sequence's KV is addressed by a page table and a token's slot is computed, not
-looked up. Pages are owned exclusively — by a running sequence or by the radix
-cache — and return here when their owner lets go.
+looked up.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdd.engine_port import OutOfPages
+from pdd.kv.pages import PagePool
 from pdd.model.config import ModelConfig
 
 
-class KVPool:
+class KVPool(PagePool):
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError("num_pages and page_size must be positive")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        super().__init__(num_pages, page_size)
         self.dtype = dtype
         shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
         # Gather buffers (K, V), kept across steps and grown as needed: a fresh tensor of
         # tens of MB per gather costs more in page faults than the copy itself on CPU.
         self._gather_buffers: list[torch.Tensor] = [torch.empty(0, dtype=dtype, device=device)] * 2
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of tokens [start, end) of a sequence with this page table."""
@@ -60,9 +44,6 @@ class KVPool:
         out = buffer[:n]
         torch.index_select(paged, 0, pages.flatten(), out=out)
         return out.view(*pages.shape, *paged.shape[1:])
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
     def bytes_per_token(self) -> int:
         return 2 * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from pdd.engine.kv_pool import KVPool
-from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sequence import Sequence, Status
+from pdd.kv.radix_cache import RadixCache
 
 
 class Scheduler:

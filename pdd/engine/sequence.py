@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdd.engine.radix_cache import TreeNode
+from pdd.kv.radix_cache import TreeNode
 from pdd.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:

@@ -89,7 +89,7 @@ def point(spec: DeploymentSpec, hit: float, seed: int, window: Window) -> dict[s
     p = next(r for r in spec.roles if r.role == "prefill")
     capacity = prefill_rps(p, Shape([(PROMPT_TOKENS, shared * block)], OUTPUT_TOKENS, PROMPT_TOKENS))
     rate = OVERLOAD * capacity
-    warm = [("group", g, b) for g in range(GROUPS) for b in range(shared)]
+    warm = [[("group", g, b) for b in range(shared)] for g in range(GROUPS)]
 
     # at least `MIN_JUDGED` completions judged, so a low hit's throughput is not one request's grain
     window = replace(window, end_s=max(window.end_s, window.warmup_s + MIN_JUDGED / capacity))

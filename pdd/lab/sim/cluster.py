@@ -65,12 +65,14 @@ class Cluster(Fleet):
         self.env.run(until=until)
         return self.records
 
-    def warm(self, sessions: list[Session], blocks: Sequence[Hashable] = ()) -> None:
-        """Caches as a deployment that has served a while holds them: `blocks` on every
-        instance, and each resumed session's context (`warm_tokens`) on one entry and one
-        main instance, which the router's affinity then keeps it on."""
+    def warm(self, sessions: list[Session], prefixes: Sequence[Sequence[Hashable]] = ()) -> None:
+        """Caches as a deployment that has served a while holds them: `prefixes` (each a
+        prompt's blocks) on every instance, and each resumed session's context
+        (`warm_tokens`) on one entry and one main instance, which the router's affinity
+        then keeps it on."""
         for inst in self.instances.values():
-            inst.cache.insert(list(blocks))
+            for blocks in prefixes:
+                inst.keep(blocks)
         entry = [i for i in self.instances.values() if i.role in ("prefill", "standalone")]
         main = [i for i in self.instances.values() if i.role == "main"]
         for s in sessions:
@@ -78,7 +80,7 @@ class Cluster(Fleet):
                 keys = self.keys(s, s.warm_tokens)
                 for group in (entry, main):
                     if group:
-                        group[s.id % len(group)].cache.insert(keys)
+                        group[s.id % len(group)].keep(keys)
 
     def start(self, s: Session) -> None:
         self.env.process(self._session(s))

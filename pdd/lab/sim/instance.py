@@ -1,10 +1,16 @@
-"""A simulated engine: continuous batching over a KV pool with a prefix cache.
+"""A simulated engine: continuous batching over a KV pool with the engine's prefix cache.
 
 The same rule as `pdd.engine.scheduler`: running sequences go first (decodes stay
 smooth), then waiting ones are admitted while the step's token budget, the running
 slots and the pool last; every sequence computes up to its pending tokens (chunked
 prefill, extend) or one token (decode). A step's time comes from a `StepModel`; on a
 machine whose processes share cores (`cpu`), a step first waits for a core.
+
+The rule, not the live `Scheduler` itself: that one plans a step at a time over engine
+sequences that carry token IDs and take pages as they grow, preempting when none are
+left. Here a sequence is token counts and block keys that reserve their whole room
+when admitted, and a run of decode-only steps is priced as one event (below), which
+the planner's time rests on. The prefix cache is the live `RadixCache`.
 
 Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
 handoff) a decoding instance runs identical steps, except that every context grows by
@@ -31,7 +37,8 @@ import numpy as np
 import simpy
 
 from pdd.instance.reservations import ReservationLine
-from pdd.lab.sim.cache import BlockCache
+from pdd.kv.pages import PagePool
+from pdd.kv.radix_cache import RadixCache, TreeNode
 from pdd.lab.sim.clock import SimClock
 from pdd.lab.sim.sequence import Hold, Landing, SimSeq, _Run
 from pdd.perf.steps import StepLoad, StepModel
@@ -75,7 +82,10 @@ class Instance:
     stats: InstanceStats = field(default_factory=InstanceStats)
 
     def __post_init__(self) -> None:
-        self.cache = BlockCache(self.capacity_tokens // self.block_tokens)
+        # The engine's own prefix cache. A page is a block here, named by its block key (a key
+        # names its whole prefix, as a chained hash does), and the pool is the cache's alone:
+        # what sequences hold is counted in `used`, and the cache keeps within the rest.
+        self.cache = RadixCache(PagePool(self.capacity_tokens // self.block_tokens, 1), chain=_named_by_key)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.used = 0  # pool tokens held by sequences (reserved or running)
@@ -105,38 +115,60 @@ class Instance:
     def hit_tokens(self, blocks: Sequence[Hashable], prompt_tokens: int, touch: bool = True) -> int:
         """Prompt tokens this instance holds, leaving at least one to compute (its logits
         give the next token), as the engine's match does."""
-        return min(self.cache.match(blocks, touch) * self.block_tokens, prompt_tokens - 1)
+        return min(self.cache.match_keys(blocks, touch).node.depth * self.block_tokens, prompt_tokens - 1)
 
     @property
     def kv_held_tokens(self) -> int:
         """Pool tokens its requests hold: their own room, and the cached prefix blocks they
         pin (which no eviction may take either). `used` alone left the pins out: a pool
         shown 8 % full was about 65 % held at the publication's scale."""
-        return self.used + self.cache.pinned * self.block_tokens
+        return self.used + self.cache.locked_pages * self.block_tokens
 
     def cache_room(self) -> int:
         """Blocks the cache may keep beside what sequences hold."""
         return max(0, (self.capacity_tokens - self.used) // self.block_tokens)
 
-    def hold(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
-        """Reserve pool room beside the `pinned` prefix blocks, evicting other cached
-        blocks for it; None when the pool cannot hold it now."""
-        new_pins = self.cache.unpinned(pinned)
-        if self.used + tokens + (self.cache.pinned + new_pins) * self.block_tokens > self.capacity_tokens:
+    def shrink(self) -> None:
+        """Evict the least recently used unlocked blocks down to `cache_room` (or as far
+        as locks allow)."""
+        self.cache.evict(self.cache.cached_pages - self.cache_room())
+
+    def keep(self, blocks: Sequence[Hashable]) -> None:
+        """Cache `blocks` (a prompt's, or a finished sequence's context) as most recently
+        used, evicting others for them within `cache_room`; a tail with no room is not kept."""
+        cache = self.cache
+        held = cache.match_keys(blocks).node
+        new = len(blocks) - held.depth
+        if not new:
+            return
+        cache.lock(held)  # (its own prefix is not evicted for its tail)
+        cache.evict(cache.cached_pages + new - self.cache_room())
+        cache.unlock(held)
+        new = max(0, min(new, self.cache_room() - cache.cached_pages))
+        tail = blocks[held.depth : held.depth + new]
+        cache.insert_keys(tail, cache.pool.allocate(new), below=held)
+
+    def hold(self, tokens: int, prefix: Sequence[Hashable] = ()) -> Hold | None:
+        """Reserve pool room beside the cached `prefix` blocks, locked (no eviction takes
+        them while it holds), evicting other cached blocks for it; None when the pool
+        cannot hold it now."""
+        node = self.cache.match_keys(prefix, touch=False).node
+        self.cache.lock(node)
+        if self.used + tokens + self.cache.locked_pages * self.block_tokens > self.capacity_tokens:
+            self.cache.unlock(node)
             return None
-        self.cache.pin(pinned)
         self.used += tokens
         self.holds += 1
         self.stats.peak_held = max(self.stats.peak_held, self.held)
-        self.cache.shrink(self.cache_room())
-        return Hold(self, tokens, pinned)
+        self.shrink()
+        return Hold(self, tokens, node)
 
-    def unhold(self, tokens: int, pinned: Sequence[Hashable]) -> None:
-        """`hold`'s room and pins back (`Hold.release`): the blocks they kept may be evicted."""
+    def unhold(self, tokens: int, locked: TreeNode) -> None:
+        """`hold`'s room and lock back (`Hold.release`): the blocks it kept may be evicted."""
         self.used -= tokens
         self.holds -= 1
-        self.cache.unpin(pinned)
-        self.cache.shrink(self.cache_room())
+        self.cache.unlock(locked)
+        self.shrink()
 
     def accept(self, landing: Landing) -> None:
         """A request accepted here that has not settled yet (`Landing`), in arrival order."""
@@ -147,10 +179,10 @@ class Instance:
         if landing in self.unsettled:
             self.unsettled.remove(landing)
 
-    def room_for(self, tokens: int, pinned: Sequence[Hashable] = ()) -> Hold | None:
+    def room_for(self, tokens: int, prefix: Sequence[Hashable] = ()) -> Hold | None:
         """`hold` for a request held here without room so far: held either way after."""
         self.without_room -= 1
-        hold = self.hold(tokens, pinned)
+        hold = self.hold(tokens, prefix)
         self.without_room += hold is None
         return hold
 
@@ -161,7 +193,7 @@ class Instance:
             seq.hold.release()
             seq.hold = None
         if seq.blocks:
-            self.cache.insert(seq.blocks, room_for=self.used // self.block_tokens)
+            self.keep(seq.blocks)
 
     # ---- work ----------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
@@ -359,6 +391,11 @@ class Instance:
             self.without_room -= seq.hold is None
         self.release(seq)
         self.poke()
+
+
+def _named_by_key(_parent: int, key: Hashable) -> int:
+    """A simulated page's chain hash: its block key's (which names its whole prefix)."""
+    return hash(key)
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:

@@ -102,7 +102,7 @@ def await_prefix(inst: Instance, me: Landing) -> Proc:
     deadline = inst.env.now + PREFIX_WAIT_S
     keys = me.keys
     while True:
-        cached = inst.cache.match(keys, touch=False)
+        cached = inst.cache.match_keys(keys, touch=False).num_pages
         least = max(cached + 1, len(keys) // 2)
         if least > len(keys):
             return

@@ -12,6 +12,8 @@ from typing import Protocol, TypeAlias
 import numpy as np
 import simpy
 
+from pdd.kv.radix_cache import TreeNode
+
 
 class _Counts(Protocol):
     tokens_out: int
@@ -27,7 +29,7 @@ class Host(Protocol):
     @property
     def stats(self) -> _Counts: ...
 
-    def unhold(self, tokens: int, pinned: Sequence[Hashable]) -> None: ...
+    def unhold(self, tokens: int, locked: TreeNode) -> None: ...
 
     def accept(self, landing: Landing) -> None: ...
 
@@ -68,11 +70,12 @@ class Landing:
 @dataclass(eq=False)
 class Hold:
     """Pool room reserved for one request on one instance, and the cached prefix blocks
-    it relies on, pinned (eviction passes them by) until the hold is released."""
+    it relies on, locked in the instance's radix cache (eviction passes them by) until
+    the hold is released."""
 
     inst: Host
     tokens: int
-    pinned: Sequence[Hashable]
+    locked: TreeNode  # the deepest block of its prefix (the cache's root: none)
     released: bool = False
     landing: Landing | None = None  # while its request has not settled here
 
@@ -84,7 +87,7 @@ class Hold:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.inst.unhold(self.tokens, self.pinned)
+            self.inst.unhold(self.tokens, self.locked)
             self.settle()
             self.inst.poke()  # a waiting sequence may fit now
 
