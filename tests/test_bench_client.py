@@ -9,6 +9,7 @@ in the ways a real server can, so the tests see failures recorded rather than ra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -194,6 +195,15 @@ def test_replay_builds_turns_from_returned_ids_and_records_failures(server_url):
     # KV was sent: that is why the summary prefers it to the per-request sum.
     failed_after_transfer = (151 + 121) * WAN_BYTES_PER_TOKEN
     assert run.wan_bytes == sum(r.wan_bytes for r in run.records) + failed_after_transfer
+
+
+def test_a_turn_is_sent_after_its_tool_time(server_url):
+    """`pause_s`: the client waits that long after the previous answer before it sends."""
+    first, second = _session(5, (40, 3, None), (5, 3, None)).turns
+    session = Session(5, (first, dataclasses.replace(second, pause_s=0.6)))
+    records = sorted(asyncio.run(replay(server_url + "/v1", [session], timeout_s=5.0)).records, key=lambda r: r.turn)
+    assert all(r.error is None for r in records)
+    assert records[1].start_s >= records[0].start_s + records[0].e2e_ms / 1000 + 0.6 - 1e-3
 
 
 def _bench(server_url: str, tmp_path: Path, *extra: str) -> tuple[int, dict]:

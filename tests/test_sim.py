@@ -702,3 +702,23 @@ def test_a_pools_held_share_counts_the_prefixes_its_requests_pin() -> None:
     assert inst.kv_held_tokens == 3 * BLOCK + 40 * BLOCK
     hold.release()
     assert inst.kv_held_tokens == 0 and inst.cache.cached_pages == 40  # the prefix stays cached, held by nobody
+
+
+def test_a_turn_waits_for_its_tool_and_a_warm_start_resumes_inside_the_wait() -> None:
+    """A turn with `pause_s` is sent that long after the previous answer, its context held
+    in the cache meanwhile; a session resumed while a tool runs starts when it is sent."""
+    from pdd.lab.sim.runner import NOMINAL_TPOT_S, NOMINAL_TTFT_S, _resume
+
+    s = Session(0, (Turn(4 * BLOCK, 8), Turn(BLOCK, 8, pause_s=3.0), Turn(BLOCK, 8, pause_s=2.0)))
+    spec = paper.deployment("colo", (paper.role("standalone", "A", 1, "A"),))
+    r0, r1, r2 = sorted(_run(spec, [s]).records, key=lambda r: r.turn)
+    assert all(r.error is None and r.output_tokens == 8 for r in (r0, r1, r2))
+    assert r1.start_s == pytest.approx(r0.start_s + r0.e2e_ms / 1000 + 3.0)
+    assert r2.start_s == pytest.approx(r1.start_s + r1.e2e_ms / 1000 + 2.0)
+    assert r1.p_hit_tokens == 4 * BLOCK  # the first turn's context (its full blocks) waited in the cache
+
+    first = NOMINAL_TTFT_S + 8 * NOMINAL_TPOT_S
+    resumed = _resume(s, first + 0.5)  # half a second into the first tool's run
+    assert resumed is not None and resumed.start_s == pytest.approx(2.5)
+    assert [t.pause_s for t in resumed.turns] == [0.0, 2.0] and resumed.warm_tokens == 4 * BLOCK + 8
+    assert resumed.prompts() == s.prompts()[1:]

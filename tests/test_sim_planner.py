@@ -352,6 +352,22 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     assert plan_main(parser.parse_args(["--attainment", "1.5"])) == 2
 
 
+def test_plan_shapes_the_agentic_workload_by_its_options_and_refuses_them_for_a_trace(capsys) -> None:
+    from pdd.lab.sim.plan_cli import _prepare
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    _, workload = _prepare(parser.parse_args(["--tool-time-s", "5,30", "--task-tokens", "56000,60000"]))
+    assert workload.config is not None and workload.config.tool_time_s == (5.0, 30.0)
+    assert workload.config.task_tokens == (56000, 60000)
+    assert workload.name == "agentic, tasks of 56,000-60,000 tokens, 5-30 s of tool time between turns"
+    args = parser.parse_args(["--workload", "mooncake:trace.jsonl", "--tool-time-s", "1,2"])
+    assert plan_main(args) == 2
+    assert "shape the agentic workload, not a trace" in capsys.readouterr().err
+    assert plan_main(parser.parse_args(["--task-tokens", "70000,80000"])) == 2
+    assert "cannot hold a first turn" in capsys.readouterr().err
+
+
 def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_memory() -> None:
     """ρ (`pdd.perf.decode`): the catalog's pair decodes alike for its price (ρ = 0.98, both
     bound by KV memory, so B's 25 % dearer GPU buys 25 % less); B at A's price decodes

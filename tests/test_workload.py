@@ -206,3 +206,18 @@ def test_published_trace_loads_and_keeps_its_shared_prefixes():
     starts = [s.start_s for s in sessions]
     assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] == records[-1].timestamp_ms / 1000
     assert all(math.isfinite(t) for t in starts)
+
+
+def test_tool_time_spaces_turns_and_changes_nothing_else():
+    """A later turn waits for its tool (drawn in `tool_time_s`), the first never does, and
+    the turns themselves are the ones drawn without tool time (its RNG is its own)."""
+    plain = plan_sessions(AgenticConfig(), 60)
+    timed = plan_sessions(AgenticConfig(tool_time_s=(2.0, 5.0)), 60)
+    strip = [[(t.append_ids, t.max_tokens) for t in s.turns] for s in timed]
+    assert strip == [[(t.append_ids, t.max_tokens) for t in s.turns] for s in plain]
+    assert all(t.pause_s == 0 for s in plain for t in s.turns)
+    pauses = [t.pause_s for s in timed for t in s.turns[1:]]
+    assert pauses and all(2.0 <= p <= 5.0 for p in pauses) and len(set(pauses)) == len(pauses)
+    assert all(s.turns[0].pause_s == 0 for s in timed)
+    with pytest.raises(ValueError, match="tool_time_s"):
+        AgenticConfig(tool_time_s=(3.0, 1.0))

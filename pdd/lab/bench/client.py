@@ -241,6 +241,8 @@ async def _run_session(
             record.error = f"not sent: {broken}"
             emit(record)
             continue
+        if turn.pause_s:  # its tool runs
+            await asyncio.sleep(turn.pause_s)
         prompt = context + list(turn.append_ids)
         record.prompt_tokens = len(prompt)
         output = await send_completion(client, target, record, prompt, turn.max_tokens, run_start)

@@ -89,6 +89,8 @@ class Cluster(Fleet):
         yield self.env.timeout(max(0.0, s.start_s - self.env.now))
         prompts = s.prompts()
         for k, turn in enumerate(s.turns):
+            if turn.pause_s:  # its tool runs
+                yield self.env.timeout(turn.pause_s)
             rec = RequestRecord(
                 id=f"{s.id}-{k}",
                 session=s.id,

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ def _floats(value: str) -> list[float]:
         return [float(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
+
+
+def _pair(kind: type) -> Callable[[str], tuple[Any, Any]]:
+    def parse(value: str) -> tuple[Any, Any]:
+        try:
+            low, high = (kind(v) for v in value.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {value!r}") from None
+        return low, high
+
+    return parse
 
 
 def _names(value: str) -> list[str]:
@@ -72,6 +84,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         metavar="agentic|mooncake:PATH",
         help="agentic: the spec's 64K agentic sessions (default); mooncake: the trace, its arrivals "
         "rescaled to each probed rate",
+    )
+    p.add_argument(
+        "--tool-time-s",
+        type=_pair(float),
+        metavar="LOW,HIGH",
+        help="agentic: seconds a tool runs between a turn's answer and the next turn, drawn uniformly "
+        "(default none); the session's KV waits in the decode side's cache meanwhile",
+    )
+    p.add_argument(
+        "--task-tokens",
+        type=_pair(int),
+        metavar="LOW,HIGH",
+        help=f"agentic: a session's first prompt beyond the system prompt, drawn uniformly (default "
+        f"{paper.WORKLOAD.task_tokens[0]},{paper.WORKLOAD.task_tokens[1]}); near the context "
+        f"({paper.WORKLOAD.max_context:,}) every request is about that long",
     )
     p.add_argument(
         "--requests",
@@ -213,7 +240,16 @@ def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
     if not layouts:
         raise ValueError("no layout fits: the budget must hold two instances the model fits on")
     kind, path = args.workload
-    return layouts, agentic() if kind == "agentic" else mooncake(load_trace(path))
+    if kind != "agentic":
+        if args.tool_time_s or args.task_tokens:
+            raise ValueError("--tool-time-s and --task-tokens shape the agentic workload, not a trace")
+        return layouts, mooncake(load_trace(path))
+    config = paper.WORKLOAD
+    if args.tool_time_s:
+        config = replace(config, tool_time_s=args.tool_time_s)
+    if args.task_tokens:
+        config = replace(config, task_tokens=args.task_tokens)
+    return layouts, agentic(config)
 
 
 def plan_main(args: argparse.Namespace) -> int:

@@ -69,7 +69,13 @@ class Workload:
 
 
 def agentic(config: AgenticConfig = paper.WORKLOAD) -> Workload:
-    return Workload("agentic", config)
+    """The agentic sessions; the name says where they differ from the spec's in tasks or tool time."""
+    name = "agentic"
+    if config.task_tokens != paper.WORKLOAD.task_tokens:
+        name += f", tasks of {config.task_tokens[0]:,}-{config.task_tokens[1]:,} tokens"
+    if config.tool_time_s[1]:
+        name += f", {config.tool_time_s[0]:g}-{config.tool_time_s[1]:g} s of tool time between turns"
+    return Workload(name, config)
 
 
 def mooncake(records: Sequence[TraceRecord], max_context: int = paper.WORKLOAD.max_context) -> Workload:

@@ -68,21 +68,28 @@ def tail_s(longest_output: int, slo: tuple[float, float]) -> float:
 def history_s(config: AgenticConfig) -> float:
     """How long the longest session lasts, at the nominal turn length: a warm start
     needs sessions drawn that far back."""
-    return config.turns[1] * (NOMINAL_TTFT_S + NOMINAL_TPOT_S * config.output_tokens[1])
+    return config.turns[1] * (NOMINAL_TTFT_S + NOMINAL_TPOT_S * config.output_tokens[1] + config.tool_time_s[1])
 
 
 def _resume(s: Session, history: float) -> Session | None:
     """A session drawn as if it started `history` ago: None if it has ended by now,
-    else from its next turn on, with the context its earlier turns left cached."""
+    else from its next turn on (a turn whose tool still runs is sent when it ends), with
+    the context its earlier turns left cached."""
     t = s.start_s - history
     if t >= 0:
         return replace(s, start_s=t)
+    context = s.warm_tokens
     for k, (turn, prompt) in enumerate(zip(s.turns, s.prompts(), strict=True)):
+        t += turn.pause_s
+        if t > 0:  # its tool still runs: it is sent at t
+            turns = (replace(turn, pause_s=0.0), *s.turns[k + 1 :])
+            return replace(s, start_s=t, turns=turns, warm_tokens=context)
         t += NOMINAL_TTFT_S + NOMINAL_TPOT_S * turn.max_tokens
+        context = prompt + turn.max_tokens
         if t > 0:
             if k + 1 == len(s.turns):
                 return None
-            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=prompt + turn.max_tokens)
+            return replace(s, start_s=t, turns=s.turns[k + 1 :], warm_tokens=context)
     return None
 
 

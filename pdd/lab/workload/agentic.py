@@ -23,7 +23,7 @@ import numpy as np
 
 from pdd.lab.workload.types import Session, Turn
 
-_NORMAL, _ANOMALOUS, _SCHEDULE, _SYSTEM = range(4)
+_NORMAL, _ANOMALOUS, _SCHEDULE, _SYSTEM, _TOOL_TIME = range(5)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class AgenticConfig:
     # An anomalous input fills this share of max_context: "long" relative to the model.
     anomalous_input_share: tuple[float, float] = (0.6, 0.95)
     anomalous_output_tokens: tuple[int, int] = (1, 4)
+    # Seconds a tool runs between a turn's answer and the next turn, drawn uniformly: the
+    # session's KV then sits idle in the decode side's cache. (0, 0): turns follow at once.
+    tool_time_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,6 +88,8 @@ class AgenticConfig:
             )
         if _anomalous_input_range(self)[1] < 1:
             raise ValueError("max_context too small for anomalous requests")
+        if not 0.0 <= self.tool_time_s[0] <= self.tool_time_s[1]:
+            raise ValueError(f"tool_time_s must satisfy 0 <= low <= high, got {self.tool_time_s}")
 
 
 def _anomalous_input_range(config: AgenticConfig) -> tuple[int, int]:
@@ -166,10 +171,17 @@ def _stream(config: AgenticConfig, draw: Draw) -> Iterator[tuple[int, list[tuple
 
 def _sessions(config: AgenticConfig, draw: Draw, turn: Callable[[Any, int], Turn]) -> Iterator[Session]:
     """The stream as sessions, each turn made by `turn` of what `draw` drew; every session
-    but an anomalous one shares the system prompt."""
+    but an anomalous one shares the system prompt. A later turn waits for its tool
+    (`tool_time_s`, drawn from an RNG of its own: without tool time every other draw is
+    the same)."""
+    low, high = config.tool_time_s
     for sid, turns, anomalous in _stream(config, draw):
         shared = 0 if anomalous else config.system_prompt_tokens
-        yield Session(sid, tuple(turn(a, n) for a, n in turns), anomalous=anomalous, shared_tokens=shared)
+        made = [turn(a, n) for a, n in turns]
+        if high > 0 and len(made) > 1:
+            pauses = _rng(config.seed, _TOOL_TIME, sid).uniform(low, high, len(made) - 1)
+            made[1:] = [replace(t, pause_s=float(p)) for t, p in zip(made[1:], pauses, strict=True)]
+        yield Session(sid, tuple(made), anomalous=anomalous, shared_tokens=shared)
 
 
 def iter_sessions(config: AgenticConfig) -> Iterator[Session]:

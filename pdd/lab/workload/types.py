@@ -21,16 +21,20 @@ class Turn:
     new tool output). Outputs are only known at run time, which is why a turn stores the
     increment and not the full prompt. `append_ids` are the appended tokens themselves,
     where a client sends them (`pdd bench`); the simulator needs only their number, and
-    a workload drawn for it leaves them out (`iter_session_shapes`).
+    a workload drawn for it leaves them out (`iter_session_shapes`). `pause_s`: how long
+    it waits after the previous turn's answer (a tool runs) before it is sent.
     """
 
     append_tokens: int
     max_tokens: int
     append_ids: tuple[int, ...] = ()
+    pause_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.append_ids and len(self.append_ids) != self.append_tokens:
             raise ValueError(f"a turn of {len(self.append_ids)} token IDs appends {self.append_tokens} tokens")
+        if self.pause_s < 0:
+            raise ValueError(f"a turn cannot wait {self.pause_s} s")
 
     @classmethod
     def of(cls, append_ids: Sequence[int], max_tokens: int) -> Turn:
