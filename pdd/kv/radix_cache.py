@@ -149,17 +149,14 @@ class RadixCache:
         return newly
 
     def unlock(self, node: TreeNode | None) -> None:
-        if node is not None and node.lock_ref == 1:
-            leaf = node  # evictable once this lock goes, if no child came meanwhile
-        else:
-            leaf = None
+        start = node
         while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
             self.locked_pages -= node.lock_ref == 0
             node = node.parent
-        if leaf is not None:
-            self._candidate(leaf)
+        if start is not None:
+            self._candidate(start)  # evictable now, if this was its last lock and no child came meanwhile
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "") -> TreeNode:
         """Take ownership of the full pages of `tokens`, in `salt`'s namespace; duplicates
@@ -216,10 +213,12 @@ class RadixCache:
         freed: list[int] = []
         removed: list[int] = []
         while self._leaves and len(freed) < num_pages:  # (`_candidate` may replace the heap)
-            used, _, node = heapq.heappop(self._leaves)
+            entry = heapq.heappop(self._leaves)
+            if not self._current(*entry):
+                continue  # stale: evicted, grown, locked or used since it was entered
+            node = entry[2]
             parent = node.parent
-            if parent is None or node.children or node.lock_ref or node.last_access != used:
-                continue  # stale: evicted, grown, locked or used since it was entered (`_current`)
+            assert parent is not None  # (current)
             del parent.children[node.key]
             node.parent = None
             freed.append(node.page)

@@ -115,7 +115,7 @@ class Instance:
     def hit_tokens(self, blocks: Sequence[Hashable], prompt_tokens: int, touch: bool = True) -> int:
         """Prompt tokens this instance holds, leaving at least one to compute (its logits
         give the next token), as the engine's match does."""
-        return min(self.cache.match_keys(blocks, touch).node.depth * self.block_tokens, prompt_tokens - 1)
+        return min(self.cache.match_keys(blocks, touch).num_pages * self.block_tokens, prompt_tokens - 1)
 
     @property
     def kv_held_tokens(self) -> int:

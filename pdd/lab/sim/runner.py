@@ -22,16 +22,15 @@ run on until the last judged request ends.
 
 from __future__ import annotations
 
-import gc
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 import simpy
 
+from pdd.heap import no_cyclic_collection
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, Proc
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
@@ -222,24 +221,7 @@ class _Probe:
         return missed > (1 - self.attainment) * expected
 
 
-@contextmanager
-def _no_collections() -> Iterator[None]:
-    """No cyclic collection while a run lasts, its set-up included (reference counting still frees nearly all it
-    drops). The instances' radix caches make a tree node (and its children's dict) per
-    cached block, hundreds of thousands a probe, each in a cycle with its parent, and the
-    collector kept walking them: a same-dc A probe at 30 req/s took 2.6-3.3 s of CPU even
-    collecting every 20,000 allocations, 1.3-1.4 s without (as much as the LRU of block
-    keys it replaced took), and two probes' peak RSS was 225 MB either way."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@_no_collections()
+@no_cyclic_collection()
 def simulate(
     spec: DeploymentSpec,
     sessions: list[Session],
@@ -295,7 +277,7 @@ def binding(util: dict[str, float]) -> str:
     return max(util, key=util.__getitem__) if util else "-"
 
 
-@_no_collections()
+@no_cyclic_collection()
 def run_window(
     spec: DeploymentSpec,
     sessions: Sessions,
