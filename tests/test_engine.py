@@ -91,7 +91,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(tiny_model_dir, engine):
     ref = engine.generate(prompts, params)
     small = Engine(tiny_model_dir, EngineConfig(page_size=16, num_pages=20))
     assert small.generate(prompts, params) == ref
-    assert small.scheduler.preemptions > 0
+    assert small.kv.preemptions > 0
     _assert_no_leaks(small)
 
 
@@ -512,7 +512,7 @@ def test_a_full_pool_makes_sequences_take_turns(tiny_model_dir, engine):
     ref = [engine.generate([p], params)[0] for p in prompts]
     tight = Engine(tiny_model_dir, EngineConfig(page_size=4, num_pages=8))
     assert tight.generate(prompts, params) == ref
-    assert tight.scheduler.preemptions > 0
+    assert tight.kv.preemptions > 0
     _assert_no_leaks(tight)
 
 

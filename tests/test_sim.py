@@ -419,21 +419,23 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
 # dispatch line, a decode instance's reservation line (both on its clock) and the engine's
 # radix cache it does run.
 NOT_LIVE = {
-    "scheduler": "the live Scheduler plans one step at a time over engine Sequences that carry "
-    "token IDs and take pages as they grow (preempting the newest when none are left); the "
-    "simulator's sequences are token counts and block keys that reserve their whole room when "
-    "admitted, and it prices a decode-only run of up to 4096 steps as one event (16x fewer "
-    "events: BENCHMARKS.md), which the planner's time rests on "
-    "(pdd.lab.sim.instance.Instance._schedule)",
+    "PagedKV": "the engine's PagedKV takes pages as a sequence grows and preempts the newest "
+    "when none are left; a simulated sequence reserves its prompt and all its output when "
+    "admitted (_ReservedKV), so no step can run short and a decode-only run of up to 4096 "
+    "steps is priced as one event (16x fewer events: BENCHMARKS.md), which the planner's time "
+    "rests on (pdd.lab.sim.instance)",
 }
 
 
 def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatch) -> None:
     """The router's `DispatchLine` and a decode instance's `ReservationLine` are the very
-    classes the simulator waits in, on its clock, and its prefix cache is the engine's
-    `RadixCache`; runs that take every path hold requests in both lines (an attempt
-    refused, then granted once room came free) and evict from the caches. The scheduler
-    is its own, for the reason in NOT_LIVE."""
+    classes the simulator waits in, on its clock, its prefix cache is the engine's
+    `RadixCache` and its batches are planned by the engine's `Scheduler`; runs that take
+    every path hold requests in both lines (an attempt refused, then granted once room
+    came free), evict from the caches and schedule every batch they step. Where a
+    sequence's KV room comes from is the simulator's own, for the reason in NOT_LIVE."""
+    from pdd.batching import BaseKV, Scheduler
+    from pdd.engine.paged_kv import PagedKV
     from pdd.instance.reservations import ReservationLine
     from pdd.kv.radix_cache import RadixCache
     from pdd.lab.sim.clock import SimClock
@@ -444,6 +446,9 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     for inst in cluster.instances.values():
         assert type(inst.reservations) is ReservationLine and isinstance(inst.reservations._clock, SimClock)
         assert type(inst.cache) is RadixCache
+        assert type(inst.scheduler) is Scheduler
+        assert isinstance(inst.scheduler.kv, BaseKV) and not isinstance(inst.scheduler.kv, PagedKV)
+    assert set(NOT_LIVE) == {PagedKV.__name__}
     tries: dict[str, list[int]] = {"dispatch": [], "reservation": []}
     turn, take = DispatchLine.turn, ReservationLine.take
 
@@ -479,11 +484,22 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
 
     monkeypatch.setattr(DispatchLine, "turn", counted_turn)
     monkeypatch.setattr(ReservationLine, "take", counted_take)
+    schedule, batches = Scheduler.schedule, []
+
+    def counted_schedule(self):
+        batches.append(schedule(self))
+        return batches[-1]
+
     monkeypatch.setattr(RadixCache, "evict", counted_evict)
+    monkeypatch.setattr(Scheduler, "schedule", counted_schedule)
+    steps = 0
     for name in PATHS:
-        _run(*SCENARIOS[name])
+        cluster = _run(*SCENARIOS[name])
+        steps += sum(inst.stats.steps for inst in cluster.instances.values())
     assert tries["dispatch"] and tries["reservation"]
     assert sum(evicted) > 0, "no run filled a cache"
+    # every step's batch came from the live scheduler (a decode run's later steps are its first's)
+    assert sum(bool(b) for b in batches) > 0 and steps >= sum(bool(b) for b in batches)
     assert max(tries["dispatch"]) > 1 and max(tries["reservation"]) > 1, {k: max(v) for k, v in tries.items()}
 
 

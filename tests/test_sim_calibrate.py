@@ -93,7 +93,7 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     import torch
 
     from pdd import engine_port
-    from pdd.engine.scheduler import Scheduler
+    from pdd.batching import Scheduler
 
     scheduled: list[StepLoad] = []
     schedule = Scheduler.schedule

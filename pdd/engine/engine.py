@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from pdd.batching import Scheduler, Status
 from pdd.engine.attention import PagedAttention
 from pdd.engine.kv_pool import KVPool
-from pdd.engine.scheduler import Scheduler
-from pdd.engine.sequence import Sequence, Status
+from pdd.engine.paged_kv import PagedKV
+from pdd.engine.sequence import Sequence
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
@@ -52,7 +53,8 @@ class Engine:
         kv_dtype = codec.DTYPES[config.kv_dtype or config.dtype]
         self.pool = KVPool(self.model_cfg, config.num_pages, config.page_size, kv_dtype, config.device)
         self.cache = RadixCache(self.pool)  # a node subscribes through cache.on_event
-        self.scheduler = Scheduler(self.pool, self.cache, config.max_batch_tokens, config.max_running)
+        self.kv = PagedKV(self.pool, self.cache)
+        self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos_ids = eos_ids
@@ -114,9 +116,10 @@ class Engine:
             return
         self.stats.aborted += aborting and seq.status != Status.FINISHED
         if seq.status in (Status.WAITING, Status.RUNNING):
-            self.scheduler.finish(seq, "abort")
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
         if seq.status in (Status.RESERVED, Status.HELD):
-            self.scheduler.release(seq)
+            self.kv.release(seq)
         seq.status = Status.FINISHED
 
     def has_work(self) -> bool:
@@ -386,7 +389,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.stats.finished += 1
         self.stats.cached_prompt_tokens += seq.cached_tokens
-        self.scheduler.finish(seq, reason)
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
         if seq.status == Status.FINISHED:
             del self.seqs[seq.rid]
 

@@ -178,7 +178,7 @@ class EngineRuntime:
             "cached_prompt_tokens": s.cached_prompt_tokens,
             "decode_tokens": s.decode_tokens,
             "aborted": s.aborted,
-            "preemptions": e.scheduler.preemptions,
+            "preemptions": e.kv.preemptions,
             "pacing": {"hardware": NATIVE}
             if self.pacer is None
             else {**self.pacer.describe, **self.pacer.stats.to_dict()},

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdd.batching import Status
 from pdd.kv.radix_cache import TreeNode
 from pdd.sampling import Logprob, SamplingParams
 
@@ -13,14 +13,6 @@ if TYPE_CHECKING:
     import torch
 
     from pdd.guide import Guide
-
-
-class Status(enum.Enum):
-    RESERVED = "reserved"  # KV being imported (or a catch-up chunk computed); not schedulable
-    WAITING = "waiting"
-    RUNNING = "running"
-    HELD = "held"  # finished, pages kept for export until released
-    FINISHED = "finished"
 
 
 @dataclass(eq=False)

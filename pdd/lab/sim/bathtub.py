@@ -11,9 +11,9 @@ The sweep holds everything but the hit rate fixed: single-turn 63K-token prompts
 `GROUPS` prefix groups (so requests do not all share one prefix), each sharing the
 first `hit` of its prompt with its group, on caches warm with every group's prefix; P
 is offered more than it can prefill, so what it completes a second is its throughput.
-Two schedulers: the live engine's (`pdd.engine.scheduler`: a step takes chunks of as
-many requests as its token budget holds, so a tail rides along with the next request's
-head) and one whose steps hold one request's chunk (a tail runs alone). Each point is
+The live scheduler (`pdd.batching.Scheduler`) two ways: as the engine runs it (a step
+takes chunks of as many requests as its token budget holds, so a tail rides along with
+the next request's head) and with `max_chunks` 1 (a tail runs alone). Each point is
 repeated over seeds: the mean and the spread are reported.
 """
 

@@ -1,16 +1,15 @@
-"""A simulated engine: continuous batching over a KV pool with the engine's prefix cache.
+"""A simulated engine: the engine's continuous batching and prefix cache over a pool
+whose room a request reserves whole.
 
-The same rule as `pdd.engine.scheduler`: running sequences go first (decodes stay
-smooth), then waiting ones are admitted while the step's token budget, the running
-slots and the pool last; every sequence computes up to its pending tokens (chunked
-prefill, extend) or one token (decode). A step's time comes from a `StepModel`; on a
-machine whose processes share cores (`cpu`), a step first waits for a core.
-
-The rule, not the live `Scheduler` itself: that one plans a step at a time over engine
-sequences that carry token IDs and take pages as they grow, preempting when none are
-left. Here a sequence is token counts and block keys that reserve their whole room
-when admitted, and a run of decode-only steps is priced as one event (below), which
-the planner's time rests on. The prefix cache is the live `RadixCache`.
+It runs the live `pdd.batching.Scheduler` (running sequences first, so decodes stay
+smooth, then waiting ones admitted while the step's token budget, the running slots and
+the pool last; each computes up to its pending tokens, or one to decode) and the live
+`RadixCache`. What differs is the room (`_ReservedKV`): the engine's `PagedKV` takes
+pages as a sequence grows and preempts when none are left; here a sequence reserves
+its prompt and all its output when admitted, so no step can run short of pages and a
+run of decode-only steps can be priced as one event (below), which the planner's time
+rests on. A step's time comes from a `StepModel`; on a machine whose processes share
+cores (`cpu`), a step first waits for a core.
 
 Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
 handoff) a decoding instance runs identical steps, except that every context grows by
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from pdd.batching import BaseKV, Scheduler, Status
 from pdd.instance.reservations import ReservationLine
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache, TreeNode
@@ -86,8 +86,7 @@ class Instance:
         # names its whole prefix, as a chained hash does), and the pool is the cache's alone:
         # what sequences hold is counted in `used`, and the cache keeps within the rest.
         self.cache = RadixCache(PagePool(self.capacity_tokens // self.block_tokens, 1), chain=_named_by_key)
-        self.waiting: deque[SimSeq] = deque()
-        self.running: list[SimSeq] = []
+        self.scheduler = Scheduler(_ReservedKV(self), self.max_batch_tokens, self.max_running, self.max_chunks)
         self.used = 0  # pool tokens held by sequences (reserved or running)
         self.holds = 0  # requests holding pool room
         self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
@@ -99,6 +98,14 @@ class Instance:
         self._run: _Run | None = None  # decode-only steps under way (see _stretch)
         self._wake = self.env.event()
         self.env.process(self._loop())
+
+    @property
+    def waiting(self) -> deque[SimSeq]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[SimSeq]:
+        return self.scheduler.running
 
     # ---- the pool ------------------------------------------------------------------------
     @property
@@ -198,7 +205,7 @@ class Instance:
     # ---- work ----------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
         self.without_room += seq.hold is None
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         self.poke()
 
     def feed(self, seq: SimSeq, tokens: int, live: bool, step_cap: int = 0) -> None:
@@ -209,6 +216,7 @@ class Instance:
         if self._run is not None:
             self._run.dirty = True
         if seq not in self.running and seq not in self.waiting:
+            seq.status = Status.RUNNING
             self.running.append(seq)
         self.poke()
 
@@ -226,49 +234,12 @@ class Instance:
 
     def _schedule(self) -> tuple[list[tuple[SimSeq, int]], bool]:
         """The next step's batch, and whether it only decodes (a token for each, nothing pending)."""
-        budget, chunks, decodes = self.max_batch_tokens, 0, True
-        batch: list[tuple[SimSeq, int]] = []
-        for seq in self.running:  # (`_tokens`, inlined: this runs every step over every sequence)
-            if budget <= 0:
-                break
-            pending = seq.pending
-            if pending:
-                if self.max_chunks and chunks >= self.max_chunks:
-                    continue
-                n = min(pending, budget, seq.step_cap or budget)
-                decodes = False
-            elif seq.live and seq._produced < seq.produce:
-                n = 1
-            else:
-                continue
-            batch.append((seq, n))
-            budget -= n
-            chunks += n > 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            if self.max_chunks and chunks >= self.max_chunks:
-                break
-            seq = self.waiting[0]
-            if seq.hold is None and not self._admit(seq):
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            n = self._tokens(seq, budget)
-            if n:
-                batch.append((seq, n))
-                budget -= n
-                chunks += n > 1
-                decodes = decodes and not seq.pending
-        return batch, decodes
+        batch = self.scheduler.schedule()
+        return batch, not any(seq.pending for seq, _ in batch)
 
     def _admit(self, seq: SimSeq) -> bool:
         seq.hold = self.room_for(seq.pending + seq.produce, seq.blocks[: seq.context // self.block_tokens])
         return seq.hold is not None
-
-    @staticmethod
-    def _tokens(seq: SimSeq, budget: int) -> int:
-        if seq.pending:
-            return min(seq.pending, budget, seq.step_cap or budget)
-        return 1 if seq.live and seq._produced < seq.produce else 0
 
     def _loop(self):
         env = self.env
@@ -312,18 +283,12 @@ class Instance:
         assert run is not None  # called with one
         if run.dirty:
             return False
-        budget = self.max_batch_tokens - run.members
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if seq.hold is None and not self._admit(seq):
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
+        admitted: list[tuple[SimSeq, int]] = []
+        self.scheduler.admit(self.max_batch_tokens - run.members, 0, admitted)
+        for seq, _ in admitted:
             if seq.pending:
                 return False
-            if seq.live and seq._produced < seq.produce:
-                run.join(seq)
-                budget -= 1
+            run.join(seq)
         return run.members > 0
 
     def _stretch(self):
@@ -384,13 +349,31 @@ class Instance:
         if seq._run is not None:  # a member stopped (brought up to date by its read)
             seq._run.leave(seq)
         seq.done = True
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if seq.status is Status.WAITING:
             self.without_room -= seq.hold is None
-        self.release(seq)
+        self.scheduler.finish(seq)
         self.poke()
+
+
+class _ReservedKV(BaseKV[SimSeq]):
+    """A sequence's whole room (its prompt and every token it will produce), taken when it
+    is admitted (`Instance.hold`) unless it arrived holding it: a running sequence never
+    runs short, so none is preempted."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+
+    def admit(self, seq: SimSeq, budget: int, alone: bool) -> int | None:
+        if seq.hold is None and not self.inst._admit(seq):
+            return None
+        return min(seq.num_pending, budget, seq.step_cap or budget)
+
+    def grow(self, seq: SimSeq, n: int) -> bool:
+        return True
+
+    def finish(self, seq: SimSeq) -> None:
+        seq.status = Status.FINISHED
+        self.inst.release(seq)
 
 
 def _named_by_key(_parent: int, key: Hashable) -> int:

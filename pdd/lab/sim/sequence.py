@@ -12,6 +12,7 @@ from typing import Protocol, TypeAlias
 import numpy as np
 import simpy
 
+from pdd.batching import Status
 from pdd.kv.radix_cache import TreeNode
 
 
@@ -117,6 +118,7 @@ class SimSeq:
     # its prompt's length: what it holds and computes first (context + pending at the start);
     # a chunk ending past it is an extend of outputs (a handoff's), priced as outputs are
     prompt: int = -1
+    status: Status = Status.RESERVED  # (the scheduler's; RESERVED: in no queue yet)
     done: bool = False
     stopped: bool = False  # cut by a handoff: produces no more
     _produced: int = 0
@@ -133,6 +135,15 @@ class SimSeq:
     def _sync(self) -> None:
         if self._run is not None:
             self._run.sync(self)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens it would compute now (`pdd.batching.Schedulable`): its pending ones, or
+        one to decode while it produces. (Not brought up to date: the scheduler plans
+        only when no decode run holds it.)"""
+        if self.pending:
+            return self.pending
+        return 1 if self.live and self._produced < self.produce else 0
 
     @property
     def produced(self) -> int:
