@@ -48,8 +48,9 @@ class BaseKV(ABC, Generic[S]):
     @abstractmethod
     def admit(self, seq: S, budget: int, alone: bool) -> int | None:
         """Room for a waiting sequence's first step: the tokens it computes in it (up to
-        `budget`), or None, with nothing taken, when there is no room now. `alone`:
-        nothing else runs, so nothing will finish and free room."""
+        `budget`), or None when there is no room now (nothing taken). `alone`: nothing
+        else runs, so nothing will finish and free room; a room may then give up what the
+        sequence held (`preempt`) rather than keep it waiting on itself."""
 
     @abstractmethod
     def grow(self, seq: S, n: int) -> bool:

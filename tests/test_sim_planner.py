@@ -336,6 +336,7 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
             "2",
             "--workers",
             "1",
+            "--no-published",
             "--out",
             str(out),
             "--quiet",
@@ -344,6 +345,7 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed
+    assert "Head to head" not in printed and "the publication's" not in printed  # (--no-published)
     assert "What the verdict rests on: rho = 0.98" in printed and "below 1.23 a GPU hour" in printed
     report = json.loads(out.read_text())
     assert report["rho"]["break_even_b_price"] == pytest.approx(1.25 * report["rho"]["rho"])
@@ -414,7 +416,7 @@ def test_data_parallel_attention_holds_the_dense_weights_on_every_gpu_and_lifts_
 
 
 def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Path, capsys) -> None:
-    """`pdd plan --published`: the publication's layouts, as near as whole instances come
+    """`pdd plan` (by default): the publication's layouts, as near as whole instances come
     (same-dc PD on 80 GPU A; PDD on 48 A + 32 B with one relay; cross-dc PD on the same;
     between them, that P and D in one site), each evaluated as given; PDD against same-dc
     PD by our accounting and by the publication's (its GPU counts at their prices); and
@@ -424,7 +426,7 @@ def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Pat
     out = tmp_path / "plan.json"
     args = parser.parse_args(["--max-gpus", "16", "--chips", "B", "--line-gbps", "100", "--requests", "20",
                               "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--workers", "1",
-                              "--published", "--out", str(out), "--quiet"])
+                              "--out", str(out), "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "the publication's layouts, as given" in printed and "Head to head" in printed
