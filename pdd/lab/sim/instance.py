@@ -275,10 +275,11 @@ class Instance:
             self._apply(batch)
 
     def _run_on(self) -> bool:
-        """Whether the next step still only decodes: `_schedule`'s admissions, for a
-        batch that is the run's members (each a token) and sequences with nothing to do.
-        False leaves what it admitted in `running` for `_schedule` to take from there,
-        as it would have: a member's work changed, a chunk came in, or no member is left."""
+        """Whether the next step still only decodes: the scheduler's admissions
+        (`Scheduler.admit`) beside a batch that is the run's members (a token each) and
+        sequences with nothing to do; a decoder admitted joins the run. False leaves what
+        it admitted in `running` for `_schedule` to take from there, as it would have: a
+        member's work changed, a chunk came in, or no member is left."""
         run = self._run
         assert run is not None  # called with one
         if run.dirty:
