@@ -25,6 +25,7 @@ from pdd.lab.sim.planner import (
     published,
     search,
     search_resolution,
+    tie,
 )
 from pdd.lab.workload.agentic import AgenticConfig
 from pdd.lab.workload.mooncake import TraceRecord
@@ -413,6 +414,26 @@ def test_data_parallel_attention_holds_the_dense_weights_on_every_gpu_and_lifts_
     setting = setting_of(parser.parse_args(["--dp-attention"]))
     assert setting == dp and not setting_of(parser.parse_args([])).dp_attention
     assert "data-parallel attention" in assumption_line(Probe(), agentic(), setting)
+
+
+def test_a_change_inside_the_searchs_resolution_is_a_tie() -> None:
+    """Each goodput is known to one bisection step (9.7 % at the default four steps), so a
+    verdict calls a smaller change of goodput or BCR, either way, a tie, and says so."""
+    from pdd.lab.sim.plan_cli import _versus_line, judged
+
+    probe = Probe()
+    step = search_resolution(probe)
+    assert 0.09 < step < 0.1
+    assert tie(0.05, probe) and tie(step * 0.99, probe) and tie(-step / (1 + step) * 0.99, probe)
+    assert not tie(step * 1.01, probe) and not tie(-step / (1 + step) * 1.01, probe) and not tie(None, probe)
+    assert judged(-0.035, probe) == "-3.5% (a tie: inside the search's 10%)"
+    assert judged(-0.132, probe) == "-13.2%" and judged(0.05, probe, short=True) == "+5.0% (tie)"
+    assert tie(0.05, Probe(steps=1)) and not tie(0.05, Probe(steps=8))  # (finer searches tell more apart)
+    versus = {"goodput_change": -0.035, "cost_change": 0.113, "their_cost_change": -0.057, "bcr_change": -0.132,
+              "bcr_change_their_costs": 0.023, "flip_goodput_rps": 24.9, "flip_b_price": 0.88, "b_price": 1.25,
+              "published": {"goodput_change": 0.278, "cost_change": [-0.071, -0.035], "bcr_change": 0.375}}
+    line = _versus_line(versus, probe)
+    assert "goodput -3.5% (a tie" in line and "BCR -13.2% (+2.3% (a tie" in line, line
 
 
 def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Path, capsys) -> None:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.compare import change
-from pdd.lab.sim.plan_cli import assumption_line
+from pdd.lab.sim.plan_cli import assumption_line, judged
 from pdd.lab.sim.plan_workload import agentic
 from pdd.lab.sim.planner import Probe
 
@@ -26,6 +26,7 @@ def _util(u: dict[str, float]) -> str:
 def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(figure, against, simulated, published) for each figure the spec gives."""
     c, p = result["configs"], result["paper"]
+    probe = Probe(steps=result["assumptions"]["probe"]["steps"])  # (what the goodputs are known to)
     pdd = c.get("pdd")
     rows: list[tuple[str, str, str, str]] = []
     if pdd is None:
@@ -48,7 +49,7 @@ def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "goodput, PDD",
                 p["goodput_against"],
-                _pct(change(vs["goodput"]["goodput_rps"], pdd["goodput_rps"])),
+                judged(change(vs["goodput"]["goodput_rps"], pdd["goodput_rps"]), probe),
                 f"{p['goodput_change']:+.1%}",
             )
         )
@@ -64,14 +65,19 @@ def graded(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         )
     if vs["bcr"]:
         rows.append(
-            ("BCR, PDD", p["bcr_against"], _pct(change(vs["bcr"]["bcr"], pdd["bcr"])), f"up to {p['bcr_change']:+.1%}")
+            (
+                "BCR, PDD",
+                p["bcr_against"],
+                judged(change(vs["bcr"]["bcr"], pdd["bcr"]), probe),
+                f"up to {p['bcr_change']:+.1%}",
+            )
         )
     if c.get("pd-cross-dc"):
         rows.append(
             (
                 "goodput, PDD",
                 "pd-cross-dc",
-                _pct(change(c["pd-cross-dc"]["goodput_rps"], pdd["goodput_rps"])),
+                judged(change(c["pd-cross-dc"]["goodput_rps"], pdd["goodput_rps"]), probe),
                 "(not published)",
             )
         )

@@ -25,6 +25,7 @@ from pdd.lab.sim.planner import (
     published,
     search,
     search_resolution,
+    tie,
 )
 from pdd.lab.workload.mooncake import load_trace
 from pdd.perf.hardware import LINE_PRICE_PER_GBPS_HOUR
@@ -309,9 +310,9 @@ def plan_main(args: argparse.Namespace) -> int:
             )
         out.print(_table(given, len(given), "the publication's layouts, as given (nearest buildable)"))
         versus = head_to_head(given, setting)
-        out.print(_versus_line(versus))
+        out.print(_versus_line(versus, probe))
         steps = breakdown(given)
-        out.print(_breakdown_table(steps))
+        out.print(_breakdown_table(steps, probe))
     at_target: list[dict[str, Any]] = []
     if args.target_rps is not None:
         everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
@@ -378,34 +379,53 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _breakdown_table(steps: list[dict[str, Any]]):
+def _breakdown_table(steps: list[dict[str, Any]], probe: Probe):
     from rich.table import Table
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:+.1%}"
 
-    table = Table(title="from same-dc PD on A to PDD, one change at a time (each against the row before)")
+    table = Table(
+        title="from same-dc PD on A to PDD, one change at a time (each against the row before; "
+        f"tie: inside the search's {search_resolution(probe):.0%})"
+    )
     for col in ("step", "layout", "goodput", "cost", "BCR", "TTFT p99"):
         table.add_column(col, justify="left" if col in ("step", "layout") else "right")
     for s in steps:
         table.add_row(
             s["step"],
             s["layout"] or "-",
-            *(pct(s[k]) for k in ("goodput_change", "cost_change", "bcr_change", "ttft_p99_change")),
+            judged(s["goodput_change"], probe, short=True),
+            pct(s["cost_change"]),  # (exact: goodput, and so BCR, are known to the search's resolution)
+            judged(s["bcr_change"], probe, short=True),
+            pct(s["ttft_p99_change"]),
         )
     return table
 
 
-def _versus_line(versus: dict[str, Any] | None) -> str:
+def judged(change: float | None, probe: Probe, short: bool = False) -> str:
+    """A change of goodput or BCR, a tie where it is inside the search's resolution (`tie`)."""
+    if change is None:
+        return "-"
+    if not tie(change, probe):
+        return f"{change:+.1%}"
+    return (
+        f"{change:+.1%} (tie)"
+        if short
+        else f"{change:+.1%} (a tie: inside the search's {search_resolution(probe):.0%})"
+    )
+
+
+def _versus_line(versus: dict[str, Any] | None, probe: Probe) -> str:
     if versus is None:
         return "Head to head: a published layout met the SLO at no rate searched."
     pub = versus["published"]
     return (
-        f"Head to head, PDD against same-dc PD as published: goodput {versus['goodput_change']:+.1%} "
+        f"Head to head, PDD against same-dc PD as published: goodput {judged(versus['goodput_change'], probe)} "
         f"(published {pub['goodput_change']:+.1%}), cost {versus['cost_change']:+.1%} as built, line priced "
         f"({versus['their_cost_change']:+.1%} by the publication's GPU counts; published "
-        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {versus['bcr_change']:+.1%} "
-        f"({versus['bcr_change_their_costs']:+.1%} at the publication's costs; published up to "
+        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {judged(versus['bcr_change'], probe)} "
+        f"({judged(versus['bcr_change_their_costs'], probe)} at the publication's costs; published up to "
         f"{pub['bcr_change']:+.1%}). {_flip_line(versus)}"
     )
 

@@ -531,3 +531,10 @@ def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dic
 def search_resolution(probe: Probe) -> float:
     """The goodput bisection's step, as a fraction: from capacity / 4 to 1.1 capacity."""
     return math.exp(math.log(4.4) / 2**probe.steps) - 1
+
+
+def tie(change: float | None, probe: Probe) -> bool:
+    """Whether a change of goodput, or of BCR (goodput over an exact cost), is inside the
+    search's resolution, where a verdict must call it a tie: each goodput is known only
+    to within one bisection step of the rate that met the SLO."""
+    return change is not None and abs(math.log1p(change)) < math.log1p(search_resolution(probe))
