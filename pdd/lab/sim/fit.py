@@ -23,7 +23,9 @@ def _design(loads: Sequence[StepLoad]) -> np.ndarray:
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """min |a x - b| over x >= 0, by Lawson and Hanson's active set: a coefficient is
     freed while the residual still pulls it up, and a free one that the unconstrained
-    solution would push negative is walked back to zero and pinned there again."""
+    solution would push negative is walked back to zero and pinned there again. (Written
+    here: numpy has no NNLS, and scipy, which has, is no dependency of pdd's, nor of any
+    it installs; tests/test_sim_calibrate.py checks it against a brute force.)"""
     n = a.shape[1]
     x, free = np.zeros(n), np.zeros(n, dtype=bool)
     tol = 1e-12 * max(1.0, float(np.abs(a.T @ b).max()))
