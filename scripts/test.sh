@@ -6,11 +6,12 @@ cd "$(dirname "$0")/.."
 export PDD_VLLM=${PDD_VLLM:-1}
 scripts/setup.sh
 # Debian's packages that tests run: a real Prometheus and its promtool (the monitoring files),
-# systemd-analyze (the units). Installed as root where missing; elsewhere those tests skip
-# (and a skip fails CI).
+# systemd-analyze (the units), ping (the namespace lab's delayed line). Installed as root where
+# missing; elsewhere those tests skip (and a skip fails CI).
 missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+command -v ping >/dev/null || missing+=(iputils-ping)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }

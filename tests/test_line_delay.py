@@ -28,9 +28,11 @@ SEND_S = 2.0
 
 
 def _ping(ns: str, addr: str, count: int, interval: float) -> tuple[float, int]:
-    out = subprocess.run(["ip", "netns", "exec", ns, "ping", "-q", "-c", str(count), "-i", str(interval), addr],
-                         capture_output=True, text=True, timeout=60).stdout
-    received = int(re.search(r"(\d+) received", out).group(1))
+    run = subprocess.run(["ip", "netns", "exec", ns, "ping", "-q", "-c", str(count), "-i", str(interval), addr],
+                         capture_output=True, text=True, timeout=60)
+    out, found = run.stdout, re.search(r"(\d+) received", run.stdout)
+    assert found, run.stdout + run.stderr  # (ping itself is Debian's iputils-ping: scripts/test.sh installs it)
+    received = int(found.group(1))
     avg = re.search(r"= [\d.]+/([\d.]+)/", out)
     return (float(avg.group(1)) if avg else float("nan")), received
 
