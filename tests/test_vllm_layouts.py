@@ -64,6 +64,7 @@ from pdd.engines.vllm.layout import (  # noqa: E402
     LatentLayout,
     TokenMajorLayout,
     check_against_vllm,
+    cpu_packing,
     describe,
 )
 from pdd.engines.vllm.worker_side import WorkerSide  # noqa: E402
@@ -302,13 +303,15 @@ def test_vllms_cpu_mla_write_is_read_back_as_the_latent():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_packed_caches_read_what_vllm_packed_and_pack_what_it_reads(dtype):
+    """The "vec" kernels' packing, from their source (`cpu_packed_offsets`), against what
+    pdd reads and what vLLM's kernel writes (on any x86 CPU: vLLM picks "vec" where it has
+    no AMX, and for fp32 where it has)."""
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=dtype)
     caches = vllm_caches(spec, "LBHNC")
-    isa = cpu_isa(dtype, 32, 64, "auto")  # what vLLM's CPU metadata builder gives each layer
-    layers = [attention_layer(CPUAttentionBackend, spec, isa=isa) for _ in range(2)]
+    layers = [attention_layer(CPUAttentionBackend, spec, isa="vec") for _ in range(2)]
     shape = describe(vllm_config("LBHNC"), layers, 0, 1)
     layout_1 = shape.layout_of(caches[1])
-    assert isinstance(layout_1, CpuPackedLayout) and (shape.isa, isa) == (isa, "vec")  # (AVX2, no AMX here)
+    assert isinstance(layout_1, CpuPackedLayout) and shape.isa == "vec"
     slots = torch.randperm(96, generator=torch.Generator().manual_seed(9))[:50]
     k, v = (torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(s)).to(dtype) for s in (10, 11))
     t, h, d, k_off, v_off = cpu_packed_offsets(caches[1], 1, slots, 64)
@@ -319,6 +322,28 @@ def test_cpu_packed_caches_read_what_vllm_packed_and_pack_what_it_reads(dtype):
     mem.zero_()
     layout_1.write(slots, v, k)  # vLLM's own kernel packs
     assert torch.equal(mem[k_off], v[t, h, d]) and torch.equal(mem[v_off], k[t, h, d])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pdd_reads_the_packing_vllm_chooses_on_this_cpu_through_vllms_own_kernel(dtype):
+    """Whatever kernel vLLM picks here ("amx" for bf16 on an AMX Xeon: pairs interleaved
+    for its tiles; "vec" elsewhere), pdd reads exactly what that kernel wrote, having
+    learned where it puts each value from the kernel itself (`cpu_packing`): a one-to-one
+    arrangement of each (block, head)'s K and V regions, "vec"'s the one its source gives."""
+    isa = cpu_isa(dtype, 32, 64, "auto")  # what vLLM's CPU metadata builder gives each layer
+    assert isa in (("amx", "vec") if dtype == torch.bfloat16 else ("vec",))
+    k_at, v_at = cpu_packing(isa, 32, 64, dtype)
+    for offsets in (k_at, v_at):
+        assert torch.equal(torch.sort(offsets.flatten()).values, torch.arange(32 * 64))
+    o, d = torch.arange(32)[:, None], torch.arange(64)[None, :]
+    assert (torch.equal(k_at, d * 32 + o) and torch.equal(v_at, o * 64 + d)) == (isa == "vec")
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=dtype)
+    layout = CpuPackedLayout(vllm_caches(spec, "LBHNC", layers=1)[0], 64, isa)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(3))[:70]
+    k, v = (torch.randn(70, 2, 64, generator=torch.Generator().manual_seed(s)).to(dtype) for s in (4, 5))
+    layout.write(slots, k, v)  # vLLM's kernel
+    got_k, got_v = layout.read(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
 # ---- the start-up check: vLLM's own write, read back by pdd ----------------------------------------

@@ -71,16 +71,19 @@ def test_the_embedded_engine_refuses_the_moe_by_name(moe_dir):
 
 def test_an_mla_model_on_cpu_is_refused_at_start_saying_why(tmp_path, tiny_model_dir):
     """A DeepSeek-V2-style checkpoint (latent attention, routed experts), which plain vLLM
-    on CPU serves without its prefix cache: pdd's decode side is that cache, so pdd on
-    vLLM refuses it at start, before any weight loads, in one line that says why."""
+    on CPU serves without its prefix cache under its reference MLA backend (CPU_MLA, what
+    it runs where the CPU has no AMX; asked for by name, as vLLM's own flag passed through,
+    so that an AMX machine runs it too): pdd's decode side is that cache, so pdd on vLLM
+    refuses it at start, before any weight loads, in one line that says why."""
     mla = save_random_mla(tmp_path / "tiny-mla", tiny_model_dir)
     out = subprocess.run([sys.executable, "-m", "pdd.cli", "serve", str(mla), "--engine", "vllm", "--dtype",
-                          "float32", "--port", "0"], capture_output=True, text=True, timeout=300)
+                          "float32", "--attention-backend", "CPU_MLA", "--port", "0"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == (
         f"pdd serve: vLLM cannot serve {mla}: vLLM turned its prefix cache off for this model (it does for MLA "
-        "models on CPU), and pdd's decode-side cache, reservations and cache events are vLLM's prefix cache: "
-        "serve it on a GPU")
+        "models on CPU without AMX), and pdd's decode-side cache, reservations and cache events are vLLM's "
+        "prefix cache: serve it on a GPU")
 
 
 def test_vllm_sizes_each_instance_and_the_router_plans_with_it(dep):

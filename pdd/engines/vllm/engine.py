@@ -230,12 +230,13 @@ class VllmEngine(Requests):
 
 
 def _check_vllm_kept_pdds_terms(vc: Any, page_size: int) -> None:
-    """vLLM may change what pdd asked for, model by model (MLA on CPU: prefix caching off,
-    16-token blocks, with a warning in its log); pdd cannot run on what it changed."""
+    """vLLM may change what pdd asked for, model by model (MLA on CPU with its reference
+    CPU_MLA backend, the one it runs where the CPU has no AMX: prefix caching off, 16-token
+    blocks, with a warning in its log); pdd cannot run on what it changed."""
     if not vc.cache_config.enable_prefix_caching:
         raise RuntimeError(
-            "vLLM turned its prefix cache off for this model (it does for MLA models on CPU), and pdd's "
-            "decode-side cache, reservations and cache events are vLLM's prefix cache: serve it on a GPU"
+            "vLLM turned its prefix cache off for this model (it does for MLA models on CPU without AMX), and "
+            "pdd's decode-side cache, reservations and cache events are vLLM's prefix cache: serve it on a GPU"
         )
     if vc.cache_config.block_size != page_size:
         raise RuntimeError(

@@ -14,10 +14,12 @@ holds is the attention backend's business:
 * MLA (`LatentLayout`): one head; `content` is one latent vector per token,
   kv_lora_rank + qk_rope_head_dim wide (DeepSeek V3: 512 + 64), no K/V split.
 * CPU_ATTN (`CpuPackedLayout`): each (block, head) holds a K region then a V region of
-  N * D values each, packed per instruction set. With the "vec" and "vec16" kernels
-  (x86 AVX-512/AVX2 without AMX) K is column-major `[D, N]` and V row-major `[N, D]`.
-  vLLM has a kernel that packs (`cpu_attn_reshape_and_cache`, what the forward pass
-  calls) and none that unpacks: importing uses vLLM's kernel, exporting reads here.
+  N * D values each, packed per instruction set: with the "vec" and "vec16" kernels
+  (x86 AVX-512/AVX2) K is column-major `[D, N]` and V row-major `[N, D]`; with "amx"
+  (bf16 on AMX Xeons) both are interleaved in pairs for the tiles. vLLM has a kernel
+  that packs (`cpu_attn_reshape_and_cache`, what the forward pass calls) and none that
+  unpacks: importing uses vLLM's kernel, and exporting reads through the packing that
+  same kernel is seen to make (`cpu_packing`), whatever its instruction set.
 
 `describe` picks the layout from what vLLM says of each layer (backend class, KV cache
 spec, cache dtype, tensor-parallel shard), never from the tensor. `check_against_vllm`
@@ -35,7 +37,6 @@ from typing import Any
 
 import torch
 
-READABLE_CPU_ISAS = ("vec", "vec16")
 DENSE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # one scale a layer for K, one for V
 
@@ -82,19 +83,59 @@ class LatentLayout:
         return k, k[..., :0]
 
 
+_PACKINGS: dict[tuple[str, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU kernel for `isa` puts value d of a block's token o, in its (block,
+    head)'s K region and in its V region: two `[N, D]` offsets into N * D values each.
+    Seen, not assumed: the kernel itself writes a block whose every value is its token's
+    position + 1, then one whose every value is its dimension + 1 (exact integers in any
+    cache dtype), and where each (o, d) landed is read off; a packing that is not a
+    one-to-one arrangement of each region is refused."""
+    key = (isa, block_size, head_dim, dtype)
+    if key in _PACKINGS:
+        return _PACKINGS[key]
+    from vllm import _custom_ops as ops
+
+    n, d = block_size, head_dim
+    exact = int(2 / torch.finfo(dtype).eps)  # integers up to this are exact in `dtype` (bf16: 256)
+    if max(n, d) > exact:
+        raise ValueError(f"pdd cannot learn vLLM's {isa!r} KV packing of {n} x {d} in {dtype}")
+    cache = torch.zeros(1, 1, 2 * n, d, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    seen = []
+    for values in (torch.arange(1, n + 1)[:, None].expand(n, d), torch.arange(1, d + 1)[None, :].expand(n, d)):
+        cache.zero_()
+        x = values[:, None, :].to(dtype).contiguous()  # [N, 1 head, D]
+        ops.cpu_attn_reshape_and_cache(x, x, key_cache, value_cache, torch.arange(n), isa)
+        seen.append(cache.view(2, n * d).long() - 1)
+    token, dim = seen
+    packing = []
+    for side in range(2):  # K, V
+        where = token[side] * d + dim[side]  # the (o, d) each offset holds, as o * D + d
+        if not torch.equal(torch.sort(where).values, torch.arange(n * d)):
+            raise ValueError(f"vLLM's {isa!r} CPU kernel does not pack KV one value to one place: pdd cannot read it")
+        offsets = torch.empty(n * d, dtype=torch.long)
+        offsets[where] = torch.arange(n * d)
+        packing.append(offsets.view(n, d))
+    _PACKINGS[key] = (packing[0], packing[1])
+    return _PACKINGS[key]
+
+
 class CpuPackedLayout:
-    """A layer's cache on CPU, packed as vLLM's "vec" kernels pack it."""
+    """A layer's cache on CPU, packed as vLLM's kernel for `isa` packs it (`cpu_packing`)."""
 
     def __init__(self, cache: torch.Tensor, head_dim: int, isa: str) -> None:
-        if isa not in READABLE_CPU_ISAS:
-            raise ValueError(f"vLLM's CPU attention packs KV for {isa!r} here; pdd reads only {READABLE_CPU_ISAS}")
         blocks, heads, n, content = cache.shape
         if content != 2 * head_dim:
             raise ValueError(f"KV cache of shape {tuple(cache.shape)} is not [blocks, heads, block, 2 * {head_dim}]")
         # the forward pass's own view: [B, H, 2N, D] split in two along the token axis
         self.key_cache, self.value_cache = cache.view(blocks, heads, 2 * n, head_dim).chunk(2, dim=2)
-        self.k_packed = self.key_cache.reshape(blocks, heads, head_dim, n)  # (views: the regions are contiguous)
-        self.v_packed = self.value_cache.reshape(blocks, heads, n, head_dim)
+        self.k_regions = self.key_cache.reshape(blocks, heads, n * head_dim)  # (views: the regions are contiguous)
+        self.v_regions = self.value_cache.reshape(blocks, heads, n * head_dim)
+        self.k_offsets, self.v_offsets = cpu_packing(isa, n, head_dim, cache.dtype)
+        self.heads = torch.arange(heads)[None, :, None]
         self.block_size, self.isa = n, isa
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -106,10 +147,10 @@ class CpuPackedLayout:
         )
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, o = slots // self.block_size, slots % self.block_size
-        k = self.k_packed[b, :, :, o]  # [T, H, D]: K's token is a column of its region
-        v = self.v_packed[b, :, o, :]
-        return k.clone(), v.clone()
+        b, o = (slots // self.block_size)[:, None, None], slots % self.block_size
+        k = self.k_regions[b, self.heads, self.k_offsets[o][:, None, :]]  # [T, H, D]
+        v = self.v_regions[b, self.heads, self.v_offsets[o][:, None, :]]
+        return k, v
 
 
 Layout = TokenMajorLayout | LatentLayout | CpuPackedLayout
