@@ -420,13 +420,18 @@ def _versus_line(versus: dict[str, Any] | None, probe: Probe) -> str:
     if versus is None:
         return "Head to head: a published layout met the SLO at no rate searched."
     pub = versus["published"]
+    changes = [versus[k] for k in ("goodput_change", "bcr_change", "bcr_change_their_costs")]
+    ties = (
+        f" (A tie: inside the search's {search_resolution(probe):.0%}.)" if any(tie(c, probe) for c in changes) else ""
+    )
+    goodput, bcr, theirs = (judged(c, probe, short=True) for c in changes)
     return (
-        f"Head to head, PDD against same-dc PD as published: goodput {judged(versus['goodput_change'], probe)} "
+        f"Head to head, PDD against same-dc PD as published: goodput {goodput} "
         f"(published {pub['goodput_change']:+.1%}), cost {versus['cost_change']:+.1%} as built, line priced "
         f"({versus['their_cost_change']:+.1%} by the publication's GPU counts; published "
-        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {judged(versus['bcr_change'], probe)} "
-        f"({judged(versus['bcr_change_their_costs'], probe)} at the publication's costs; published up to "
-        f"{pub['bcr_change']:+.1%}). {_flip_line(versus)}"
+        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {bcr} "
+        f"({theirs} at the publication's costs; published up to "
+        f"{pub['bcr_change']:+.1%}). {_flip_line(versus)}{ties}"
     )
 
 
