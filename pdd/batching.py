@@ -42,6 +42,11 @@ class Schedulable(Protocol):
 S = TypeVar("S", bound=Schedulable)
 
 
+def step_tokens(pending: int, step_cap: int, budget: int) -> int:
+    """What a sequence with `pending` tokens computes in a step with `budget` left."""
+    return min(pending, budget, step_cap or budget)
+
+
 class BaseKV(ABC, Generic[S]):
     """Where a scheduled sequence's KV room comes from."""
 
@@ -90,7 +95,7 @@ class Scheduler(Generic[S]):
             pending = seq.num_pending
             if not pending or (pending > 1 and max_chunks and chunks >= max_chunks):
                 continue
-            n = min(pending, budget, seq.step_cap or budget)
+            n = step_tokens(pending, seq.step_cap, budget)
             if not self._grow(seq, n, batch):
                 continue
             batch.append((seq, n))

@@ -3,7 +3,7 @@ sequence grows, over the prefix cache."""
 
 from __future__ import annotations
 
-from pdd.batching import BaseKV, Status
+from pdd.batching import BaseKV, Status, step_tokens
 from pdd.engine.sequence import Sequence
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache
@@ -22,7 +22,7 @@ class PagedKV(BaseKV[Sequence]):
         matched_now = seq.cache_node is None  # (imported sequences arrive matched)
         if matched_now:
             self._match(seq)
-        n = min(seq.num_pending, budget, seq.step_cap or budget)
+        n = step_tokens(seq.num_pending, seq.step_cap, budget)
         if self.grow(seq, n):
             return n
         if matched_now:  # a waiting sequence must not pin cache pages others could evict

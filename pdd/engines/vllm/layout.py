@@ -31,6 +31,7 @@ bit for bit: a build whose packing pdd does not know is refused, never misread.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,9 +84,7 @@ class LatentLayout:
         return k, k[..., :0]
 
 
-_PACKINGS: dict[tuple[str, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.cache
 def cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Where vLLM's CPU kernel for `isa` puts value d of a block's token o, in its (block,
     head)'s K region and in its V region: two `[N, D]` offsets into N * D values each.
@@ -93,9 +92,6 @@ def cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) ->
     position + 1, then one whose every value is its dimension + 1 (exact integers in any
     cache dtype), and where each (o, d) landed is read off; a packing that is not a
     one-to-one arrangement of each region is refused."""
-    key = (isa, block_size, head_dim, dtype)
-    if key in _PACKINGS:
-        return _PACKINGS[key]
     from vllm import _custom_ops as ops
 
     n, d = block_size, head_dim
@@ -119,8 +115,7 @@ def cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) ->
         offsets = torch.empty(n * d, dtype=torch.long)
         offsets[where] = torch.arange(n * d)
         packing.append(offsets.view(n, d))
-    _PACKINGS[key] = (packing[0], packing[1])
-    return _PACKINGS[key]
+    return packing[0], packing[1]
 
 
 class CpuPackedLayout:

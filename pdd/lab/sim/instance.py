@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from pdd.batching import BaseKV, Scheduler, Status
+from pdd.batching import BaseKV, Scheduler, Status, step_tokens
 from pdd.instance.reservations import ReservationLine
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache, TreeNode
@@ -367,7 +367,7 @@ class _ReservedKV(BaseKV[SimSeq]):
     def admit(self, seq: SimSeq, budget: int, alone: bool) -> int | None:
         if seq.hold is None and not self.inst._admit(seq):
             return None
-        return min(seq.num_pending, budget, seq.step_cap or budget)
+        return step_tokens(seq.num_pending, seq.step_cap, budget)
 
     def grow(self, seq: SimSeq, n: int) -> bool:
         return True
