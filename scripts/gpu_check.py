@@ -11,12 +11,21 @@ c vllm-layouts: pdd's layouts on caches in each physical order vLLM allocates, w
 d bench-engine: `pdd bench engine --device cuda` figures, engine and HTTP, printed and never judged.
 
 Each line reads PASS, FAIL or SKIP, the check, its numbers; the exit code is 1 if one failed.
+PASS means every part of the check ran and held; a part that did not run makes it SKIP, naming it.
 Without CUDA, a, b and c run as a dry run, the CPU in the GPU's place, and say SKIP (CPU against
-CPU is tests/test_engine.py's): a check broken here fails before it costs device time.
+CPU is tests/test_engine.py's) when they hold and FAIL when not: a check broken here fails before
+it costs device time. `--only ab` runs those checks alone.
+
+A check that cannot fail proves nothing, so PDD_GPU_CHECK_INJECT plants a fault in one check's own
+path, for its comparison to catch (on the CPU too: its line must then say FAIL, and the exit be 1):
+  logit-offset  a: the device engine's logits gain +1.0 on one prompt position;
+  corrupt-page  b: one page of a prompt's KV is scaled on its way, between the bytes and the import.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -28,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +59,14 @@ MAX_ABS_TOL, REL_TOL = 0.05, 1e-4
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0, seed=7)
 SUBPROCESS_S = 180  # a hung pytest or bench fails its check and leaves the device call time to report
+INJECTIONS = {"logit-offset": "a", "corrupt-page": "b"}  # PDD_GPU_CHECK_INJECT's faults -> the check they target
+LOGIT_OFFSET = 1.0  # 20x check a's MAX_ABS_TOL
+PAGE_SCALE = -4.0  # corrupt-page: a page's K and V, sign flipped and 4x: attention over it is another
+
+
+def inject() -> str:
+    """The fault PDD_GPU_CHECK_INJECT asks for ("" for none); read per call so a test can set it."""
+    return os.environ.get("PDD_GPU_CHECK_INJECT", "")
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -78,10 +95,34 @@ def verdict(ok: bool, numbers: str) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), numbers
 
 
+@contextlib.contextmanager
+def offset_logits(engine: Engine, offset: float = LOGIT_OFFSET) -> Iterator[None]:
+    """The logit-offset fault: while it lasts, the first row of each of the engine's logits calls gains
+    `offset` in every entry. In a first step's logits that row is the first prompt position, which check
+    a's tolerance must catch; in a sampling call it is one sequence's row, whose sampling (greedy,
+    seeded: no penalties) a uniform shift leaves as it was, so the tolerance alone is what catches it.
+    The engine is check b's too: its own logits come back after."""
+    model = engine.model
+    original = model.logits
+
+    def shifted(hidden: torch.Tensor) -> torch.Tensor:
+        out = original(hidden)
+        return torch.cat([out[:1] + offset, out[1:]])  # out of place: an inference-mode tensor
+
+    model.logits = shifted  # an instance attribute over the method (nn.Module keeps plain callables as such)
+    try:
+        yield
+    finally:
+        del model.logits
+
+
 def check_cuda_vs_cpu(cpu: Engine, dev: Engine) -> tuple[str, str]:
+    """a: the device engine's first-step logits and 64-token outputs against the CPU engine's."""
     batch = prompts(1, 4)
     want, want_logits = run(cpu, batch, GREEDY)
-    got, got_logits = run(dev, batch, GREEDY)
+    faulty = inject() == "logit-offset"
+    with offset_logits(dev) if faulty else contextlib.nullcontext():
+        got, got_logits = run(dev, batch, GREEDY)
     pairs = list(zip(got_logits, want_logits, strict=True))
     max_abs = max((g - w).abs().max().item() for g, w in pairs)
     rel = max(((g - w).norm() / w.norm()).item() for g, w in pairs)
@@ -97,9 +138,18 @@ def check_cuda_vs_cpu(cpu: Engine, dev: Engine) -> tuple[str, str]:
     )
 
 
+def corrupt_page(blob: codec.KVBlob, page_size: int) -> None:
+    """The corrupt-page fault: the blob's first page of tokens, K and V in every layer, scaled by PAGE_SCALE
+    in place, as a line or a buffer gone wrong would leave the bytes the importer reads."""
+    page = slice(0, min(page_size, blob.header.num_tokens))
+    blob.k[:, page] *= PAGE_SCALE
+    blob.v[:, page] *= PAGE_SCALE
+
+
 def handover(src: Engine, dst: Engine, batch: list[list[int]]) -> tuple[list[list[int]], int]:
     """Prefill on src, ship each prompt's KV as bytes, decode on dst (tests/test_engine.py's _handover, batched);
-    the outputs and the bytes shipped."""
+    the outputs and the bytes shipped. With the corrupt-page fault the first prompt's KV arrives with one page
+    corrupted: its continuation should then differ from a colocated run's."""
     src.flush_cache()
     dst.flush_cache()  # nothing cached: every prompt token's KV crosses
     for i, p in enumerate(batch):
@@ -110,7 +160,10 @@ def handover(src: Engine, dst: Engine, batch: list[list[int]]) -> tuple[list[lis
         hit = dst.reserve(f"d{i}", p, GREEDY)
         data = codec.encode(src.export_kv(f"p{i}", hit, len(p)))
         shipped += len(data)
-        dst.import_kv(f"d{i}", codec.decode(data))
+        blob = codec.decode(data)
+        if i == 0 and inject() == "corrupt-page":
+            corrupt_page(blob, dst.config.page_size)
+        dst.import_kv(f"d{i}", blob)
         seqs.append(dst.start(f"d{i}", src.seqs[f"p{i}"].output))
         src.release(f"p{i}")
     drain(dst)
@@ -118,6 +171,7 @@ def handover(src: Engine, dst: Engine, batch: list[list[int]]) -> tuple[list[lis
 
 
 def check_kv_across_devices(cpu: Engine, dev: Engine) -> tuple[str, str]:
+    """b: KV handed over as bytes each way between the engines continues as a colocated run does."""
     batch = prompts(2, 3)
     parts, ok, shipped = [], True, 0
     for src, dst in ((dev, cpu), (cpu, dev)):
@@ -183,26 +237,52 @@ def synthetic_layouts() -> tuple[bool, str]:
     return passed == cases, f"{passed}/{cases} {what} read what a kernel wrote and written where it reads"
 
 
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported: its CUDA cases need it (a function, for a test to stand in for it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_cases(proc: subprocess.CompletedProcess[str], said: str, test: str) -> tuple[str, str]:
+    """Check c's verdict from its pytest run of vLLM's CUDA cases, after synthetic cases that passed (`said`):
+    PASS only if some ran and all of them passed, FAIL if one failed, SKIP naming what did not run (pytest
+    finding none, or skipping some): a case that did not run is not one that passed."""
+    summaries = re.findall(
+        r"^=* ?(\d+ (?:passed|failed|errors?|skipped|deselected).*?) ?=*$", proc.stdout, re.MULTILINE
+    )
+    summary = summaries[-1] if summaries else "no summary"
+    counts = {word.rstrip("s"): int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary)}
+    where = f"{said}; {test} -k cuda: {summary}"
+    if proc.returncode == 5:  # pytest: no test collected
+        return "SKIP", f"{said}; {test} -k cuda collected no test: vLLM's own kernels did not run"
+    if proc.returncode:
+        print(tail(proc), file=sys.stderr)
+        return "FAIL", f"{where} (exit {proc.returncode})"
+    if counts.get("skipped") or not counts.get("passed"):
+        reasons = re.findall(r"^SKIPPED \[\d+\] (.+)$", proc.stdout, re.MULTILINE)
+        why = f": {reasons[0][:200]}" if reasons else ""
+        why += f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+        return "SKIP", f"{where}; {counts.get('skipped', 0)} of vLLM's kernel cases did not run{why}"
+    return "PASS", where
+
+
 def check_vllm_layouts() -> tuple[str, str]:
+    """c: the synthetic layout cases (synthetic_layouts), then, on CUDA with vLLM, tests/test_vllm_layouts.py's
+    CUDA cases on vLLM's own kernels. PASS only when both ran and passed; SKIP, naming the part that did not
+    run, when one did not (always without CUDA: a dry run); FAIL when a part that ran failed."""
     status, said = verdict(*synthetic_layouts())
     test = "tests/test_vllm_layouts.py"
     if status == "FAIL":
         return status, said
     if not CUDA:
         return status, f"{said}; vLLM's own kernels: {test}, whose CPU cases the suite runs"
-    if importlib.util.find_spec("vllm") is None or not (ROOT / test).exists():
+    if not vllm_installed() or not (ROOT / test).exists():
         # vLLM's CUDA build is a wheel of hundreds of MiB: more than a device call carries (64 MiB)
-        return status, f"{said}; vLLM is not installed: {test}'s CUDA cases (vLLM's own kernels) did not run"
+        return "SKIP", f"{said}; vLLM is not installed: {test}'s CUDA cases (vLLM's own kernels) did not run"
     # the CUDA cases: a "cuda" device parameter, or "cuda" in the name
     cmd = [sys.executable, "-m", "pytest", test, "-k", "cuda", "-p", "no:cacheprovider", "-rs"]
     env = {**os.environ, "PDD_VLLM": "1"}  # a vLLM test: PDD_VLLM=0 would leave the file out
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_S)
-    counts = re.findall(r"^\d+ (?:passed|failed|errors?|skipped|deselected).*$", proc.stdout, re.MULTILINE)
-    summary = counts[-1] if counts else "no summary"
-    if proc.returncode:
-        print(tail(proc), file=sys.stderr)
-        return "FAIL", f"{said}; {test} -k cuda: {summary} (exit {proc.returncode})"
-    return status, f"{said}; {test} -k cuda: {summary}"
+    return vllm_cases(proc, said, test)
 
 
 def check_bench(model: Path) -> tuple[str, str]:
@@ -219,7 +299,25 @@ def check_bench(model: Path) -> tuple[str, str]:
     return "PASS", ", ".join(f"{k} {v:,.1f}" for k, v in figures.items())
 
 
-def main() -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (--only), checked with PDD_GPU_CHECK_INJECT: a fault named wrong, or planted in a check
+    left out, is a usage error (exit 2), not a run whose checks could not have failed."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="abcd", help="the checks to run, by letter: a, ab, b,c (default: all)")
+    args = parser.parse_args(argv)
+    args.only = set(args.only.replace(",", ""))
+    if not args.only or not args.only <= set("abcd"):
+        parser.error(f"--only takes letters of a, b, c, d, not {''.join(sorted(args.only))!r}")
+    fault = inject()
+    if fault and fault not in INJECTIONS:
+        parser.error(f"PDD_GPU_CHECK_INJECT={fault!r}: known faults are {', '.join(INJECTIONS)}")
+    if fault and INJECTIONS[fault] not in args.only:
+        parser.error(f"PDD_GPU_CHECK_INJECT={fault} targets check {INJECTIONS[fault]}, which --only leaves out")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     # fp32 on the matrix units (tf32) keeps 10 mantissa bits: ~1e-3 relative, 10x what a allows
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -229,6 +327,8 @@ def main() -> int:
     started = time.perf_counter()
     where = torch.cuda.get_device_name() if CUDA else "no CUDA device"
     print(f"gpu-check: python {sys.version.split()[0]}, torch {torch.__version__}, {where}", flush=True)
+    if inject():
+        print(f"gpu-check: injecting {inject()} into check {INJECTIONS[inject()]}: its line must say FAIL", flush=True)
     model = resolve_model("")
 
     @functools.cache
@@ -244,6 +344,8 @@ def main() -> int:
     }
     failed = 0
     for name, check in checks.items():
+        if name[0] not in args.only:
+            continue
         t = time.perf_counter()
         try:
             status, numbers = check()

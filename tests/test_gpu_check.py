@@ -1,14 +1,18 @@
 """scripts/gpu-check.sh, the checks for a lent GPU machine, runs where CI runs: without CUDA its
 engine checks run as dry runs on the CPU, so one broken here fails before it costs device time,
-and what a CPU cannot check says SKIP with its reason (10 s on two cores)."""
+and what a CPU cannot check says SKIP with its reason (10 s on two cores). Each engine check, with
+a fault planted in its path (PDD_GPU_CHECK_INJECT), must say FAIL (5 s each): a check that cannot
+fail proves nothing. Check c's verdict on CUDA, which CI has not, is tested on its parts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,9 +24,14 @@ CHECKS = ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "d bench-eng
 @pytest.fixture(scope="module")
 def run(tiny_model_dir: Path) -> subprocess.CompletedProcess[str]:
     """The script, once, under this interpreter, on the session's tiny model (PDD_HOME)."""
-    env = {**os.environ, "PYTHON": sys.executable}
+    return _script()
+
+
+def _script(*args: str, inject: str = "") -> subprocess.CompletedProcess[str]:
+    """scripts/gpu-check.sh with `args`, under this interpreter, with PDD_GPU_CHECK_INJECT=`inject`."""
+    env = {**os.environ, "PYTHON": sys.executable, "PDD_GPU_CHECK_INJECT": inject}
     return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, capture_output=True, text=True, timeout=240
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh"), *args], env=env, capture_output=True, text=True, timeout=240
     )
 
 
@@ -45,6 +54,9 @@ def test_each_check_says_what_it_did(run):
     cuda = torch.cuda.is_available()
     for check in ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts"):
         status, said = lines[check]
+        if cuda and check == "c vllm-layouts" and importlib.util.find_spec("vllm") is None:
+            assert status == "SKIP" and "did not run" in said, said  # vLLM's own kernels did not run: no PASS
+            continue
         assert (status, said.startswith("no CUDA; dry run")) == (("PASS", False) if cuda else ("SKIP", True)), said
     device = "cuda" if cuda else "cpu"
     assert "4/4 greedy and 4/4 seeded runs of 64 tokens equal" in lines["a cuda-vs-cpu"][1]
@@ -52,3 +64,80 @@ def test_each_check_says_what_it_did(run):
     status, said = lines["d bench-engine"]
     assert (status == "PASS" and "decode_batch8_tok_s" in said) if cuda else status == "SKIP" and said, said
     assert "12/12 caches (NHD, HND, MLA latent; fp16, bf16, fp32, fp8 bytes)" in lines["c vllm-layouts"][1]
+
+
+@pytest.mark.parametrize(
+    ("fault", "check", "caught"),
+    [
+        ("logit-offset", "a cuda-vs-cpu", "first-step logits max |diff| 1 (tol 0.05)"),
+        ("corrupt-page", "b kv-across-devices", "->cpu 2/3, cpu->"),
+    ],
+)
+def test_an_injected_fault_fails_its_check(tiny_model_dir, fault, check, caught):
+    """The fault planted in the check's path is caught by the check's own comparison, CPU or CUDA:
+    FAIL, the number that caught it, exit 1. The dry run's SKIP says only that the comparison held."""
+    proc = _script("--only", check[0], inject=fault)
+    found = re.findall(r"^(PASS|FAIL|SKIP) ([a-d] [a-z-]+): (.+)$", proc.stdout, re.MULTILINE)
+    assert [(status, name) for status, name, _ in found] == [("FAIL", check)], proc.stdout + proc.stderr[-3000:]
+    assert caught in found[0][2], found[0][2]
+    assert proc.returncode == 1
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> ModuleType:
+    """scripts/gpu_check.py as a module, for the parts of its checks a CPU cannot reach by running it."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("args", "fault", "error"),
+    [
+        (["--only", "ae"], "", "--only takes letters"),
+        ([], "nan-logits", "known faults are logit-offset, corrupt-page"),
+        (["--only", "a"], "corrupt-page", "targets check b, which --only leaves out"),
+    ],
+)
+def test_usage_errors(gpu_check, monkeypatch, capsys, args, fault, error):
+    """A fault named wrong, or planted in a check that will not run, is a usage error, not a clean run."""
+    monkeypatch.setenv("PDD_GPU_CHECK_INJECT", fault)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.arguments(args)
+    assert exit_.value.code == 2 and error in capsys.readouterr().err
+
+
+def _pytest(code: int, stdout: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.CompletedProcess([], code, stdout, "")
+
+
+SKIPPED = "SKIPPED [2] tests/test_vllm_layouts.py:40: vLLM built without CUDA\n"
+
+
+@pytest.mark.parametrize(
+    ("proc", "status", "said"),
+    [
+        (_pytest(0, "== 6 passed, 20 deselected in 3.1s =="), "PASS", "-k cuda: 6 passed, 20 deselected in 3.1s"),
+        (_pytest(0, SKIPPED + "== 4 passed, 2 skipped in 3s =="), "SKIP", "2 of vLLM's kernel cases did not run: "),
+        (_pytest(0, SKIPPED + "== 2 skipped, 20 deselected in 1s =="), "SKIP", "vLLM built without CUDA"),
+        (_pytest(5, "== 26 deselected in 1s =="), "SKIP", "collected no test: vLLM's own kernels did not run"),
+        (_pytest(1, "== 1 failed, 5 passed in 3s =="), "FAIL", "1 failed, 5 passed in 3s (exit 1)"),
+        (_pytest(0, ""), "SKIP", "no summary"),
+    ],
+)
+def test_vllm_cases_pass_only_when_all_ran_and_passed(gpu_check, proc, status, said):
+    """On CUDA, check c's pytest run of vLLM's kernel cases: a skipped case, or none, is SKIP, not PASS."""
+    got = gpu_check.vllm_cases(proc, "12/12 caches", "tests/test_vllm_layouts.py")
+    assert got[0] == status and said in got[1], got
+
+
+def test_vllm_layouts_without_vllm_skips_on_cuda(gpu_check, monkeypatch):
+    """On CUDA without vLLM the synthetic cases pass, but vLLM's own did not run: SKIP, naming them."""
+    monkeypatch.setattr(gpu_check, "CUDA", True)  # DEVICE stays: the synthetic cases run where they can
+    monkeypatch.setattr(gpu_check, "vllm_installed", lambda: False)
+    status, said = gpu_check.check_vllm_layouts()
+    assert (
+        status == "SKIP" and said.startswith("12/12 caches") and "CUDA cases (vLLM's own kernels) did not run" in said
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import queue
+import os
 import threading
 from dataclasses import replace
 from types import SimpleNamespace
@@ -67,6 +67,7 @@ from pdd.engines.vllm.layout import (  # noqa: E402
     cpu_packing,
     describe,
 )
+from pdd.engines.vllm.staging import SLOT_BYTES, SLOTS, Region  # noqa: E402
 from pdd.engines.vllm.worker_side import WorkerSide  # noqa: E402
 from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
@@ -502,36 +503,37 @@ def test_each_rank_says_which_heads_it_holds(total, tp, starts):
 
 class Bridge:
     """A worker's bridge channel, both ways, without the socket: what the instance sends
-    is served at once by the worker (as its model thread would), whose answers go
-    straight to the instance's `WorkerKV`."""
+    goes to the worker's copy thread, whose answers go straight to the instance's
+    `WorkerKV`; a staging region's descriptor is handed over as SCM_RIGHTS would (a
+    duplicate)."""
 
     def __init__(self, kv: WorkerKV, worker: WorkerSide) -> None:
         self.kv, self.worker, self.ops, self.layout = kv, worker, [], {}
         worker.channel = SimpleNamespace(send=self.answer)
 
-    def answer(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def answer(self, header: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         if header["op"] == "layout":
-            self.layout = header
+            self.layout = {**header, "fds": [os.dup(fd) for fd in fds]}
         else:
-            self.kv.answer(header, payload)
+            self.kv.answer(header)
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def send(self, header: dict[str, Any]) -> None:
         self.ops.append(header["op"])
-        self.worker.jobs.put((header, payload))
-        self.worker.serve_jobs(idle=False)
+        self.worker._on_message(header)
 
 
 def workers(
-    config: Any, layers: dict[str, Any], caches: list[dict[str, torch.Tensor]]
+    config: Any, layers: dict[str, Any], caches: list[dict[str, torch.Tensor]], slot_bytes: int = SLOT_BYTES
 ) -> tuple[WorkerKV, list[Bridge]]:
     """One `WorkerSide` a rank over `caches[rank]`, registered as vLLM registers them, and
-    the instance's `WorkerKV` built from their "layout" messages."""
+    the instance's `WorkerKV` built from their "layout" messages (`slot_bytes`: each
+    staging slot's size, small to cut a request into many slices)."""
     kv, bridges = WorkerKV(), []
     config.compilation_config.static_forward_context = layers
     for rank, rank_caches in enumerate(caches):
         worker = WorkerSide.__new__(WorkerSide)  # (its __init__ dials the bridge; what it sets up besides:)
         worker.config, worker.rank, worker.world = config, rank, len(caches)
-        worker.jobs, worker.wake = queue.SimpleQueue(), threading.Event()
+        worker.region, worker.copier = Region.create(slot_bytes, SLOTS), None
         worker.block_size = config.cache_config.block_size
         bridge = Bridge(kv, worker)
         worker.register_kv_caches(rank_caches)
@@ -587,13 +589,52 @@ def test_replicated_heads_are_read_once_and_written_to_every_replica():
     k, v = (torch.randn(1, 40, 2, 64).to(MODEL_DTYPE) for _ in range(2))
     asyncio.run(kv.write([1, 0], blob(kv, tokens, 40, k, v)))
     for rank, bridge in enumerate(bridges):
-        got_k, got_v = bridge.worker.layers[0].read(torch.cat([torch.arange(32, 64), torch.arange(8)]))
+        got_k, got_v = bridge.worker.copier.layers[0].read(torch.cat([torch.arange(32, 64), torch.arange(8)]))
         assert torch.equal(got_k, k[0, :, rank // 2 : rank // 2 + 1]) and torch.equal(
             got_v, v[0, :, rank // 2 : rank // 2 + 1]
         )
     out = asyncio.run(kv.read([1, 0], tokens, 0, 40))
     assert [b.ops for b in bridges] == [["write", "read"], ["write"], ["write", "read"], ["write"]]
     assert torch.equal(out.k, k) and torch.equal(out.v, v)
+
+
+def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_when_its_last_slice_is():
+    """A request larger than a staging slot goes slice by slice, each copied into the cache
+    on the worker's copy thread (never the caller's); held back, the last slice keeps the
+    write from completing (the instance reports a load only when `write` returns), and the
+    export reads back every slice."""
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=MODEL_DTYPE)
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    caches = [dict(zip(names, vllm_caches(spec, "LBHNC"), strict=True))]
+    per_token = 2 * 2 * 2 * 64 * 2  # K and V, two layers, two heads of 64, bf16
+    kv, bridges = workers(vllm_config("LBHNC", block_size=32), dict.fromkeys(names, cpu_attn_layer(spec)), caches,
+                          slot_bytes=10 * per_token)  # fmt: skip
+    copier = bridges[0].worker.copier
+    assert kv.ranks[0].slice_tokens == 10
+    threads, gate, write = [], threading.Event(), copier.write
+
+    def held_write(header: dict[str, Any]) -> None:
+        threads.append(threading.current_thread().name)
+        if header["token_end"] == 55:
+            assert gate.wait(10)
+        write(header)
+
+    copier.write = held_write
+    tokens, blocks = list(range(60)), [1, 0]
+    k, v = (torch.randn(2, 55, 2, 64).to(MODEL_DTYPE) for _ in range(2))
+
+    async def go() -> None:
+        task = asyncio.ensure_future(kv.write(blocks, blob(kv, tokens, 55, k, v)))
+        await asyncio.sleep(0.5)
+        assert not task.done() and len(threads) == 6  # every slice asked, the last one held
+        gate.set()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(go())
+    assert bridges[0].ops == ["write"] * 6 and set(threads) == {"pdd-kv-copy"}
+    out = asyncio.run(kv.read(blocks, tokens, 3, 55))
+    assert bridges[0].ops[6:] == ["read"] * 6  # [3, 13), ..., [53, 55)
+    assert torch.equal(out.k, k[:, 3:]) and torch.equal(out.v, v[:, 3:])
 
 
 def test_slots_count_the_schedulers_blocks_where_vllm_splits_them_into_kernel_blocks():

@@ -25,7 +25,7 @@ from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from pdd import config as cfg  # noqa: E402
 from pdd.engine_port import AUTO, EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
-from pdd.engines.vllm import bridge, streams  # noqa: E402
+from pdd.engines.vllm import bridge, staging, streams  # noqa: E402
 from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
 from pdd.engines.vllm.events import VllmHashes  # noqa: E402
 from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
@@ -87,35 +87,51 @@ def test_a_page_stays_cached_while_any_vllm_block_holds_it():
 
 # ---- the bridge ------------------------------------------------------------------------------
 
-def test_bridge_carries_json_and_payload_and_refuses_strangers():
+def test_bridge_carries_json_and_descriptors_and_refuses_strangers():
     got = []
     with tempfile.TemporaryDirectory() as d:
-        server = bridge.BridgeServer(d, lambda peer, h, p: got.append((peer["side"], h["op"], p)), lambda peer: None)
+        server = bridge.BridgeServer(d, lambda peer, h: got.append((peer["side"], h)), lambda peer: None)
         assert oct(os.stat(d).st_mode & 0o777) == "0o700"
         channel = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         channel._sock.connect(server.path)
         channel.send({"op": "hello", "token": "wrong", "side": "worker"})
         try:
-            channel.send({"op": "write"}, b"x" * 10)  # (the server may have closed already: a broken pipe)
+            channel.send({"op": "write"})  # (the server may have closed already: a broken pipe)
             stranger_gone = channel._sock.recv(1) == b""
         except (BrokenPipeError, ConnectionResetError):  # (or it closed with our frame unread)
             stranger_gone = True
         c = bridge.Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         c._sock.connect(server.path)
         c.send({"op": "hello", "token": server.token, "side": "worker"})
-        c.send({"op": "write", "n": 1}, b"\x00\x01" * 1000)
+        region = staging.Region.create(slot_bytes=4096, slots=2)
+        region.flat[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        c.send({"op": "layout", "n": 1}, fds=(region.fd,))
         deadline = time.monotonic() + 10
         while len(got) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         server.close()
     assert stranger_gone
-    assert got == [("worker", "hello", b""), ("worker", "write", b"\x00\x01" * 1000)]
+    assert got[0] == ("worker", {"op": "hello"}) and got[1][1]["op"] == "layout"
+    fds = got[1][1]["fds"]
+    assert len(fds) == 1 and fds[0] != region.fd
+    mapped = staging.Region.attach(fds[0], 4096, 2)  # the same pages, seen from the other end
+    assert mapped.flat[:4].tolist() == [1, 2, 3, 4]
+    mapped.flat[4] = 9
+    assert int(region.flat[4]) == 9
 
 
 def test_a_bridge_frame_over_the_limits_is_not_read():
     a, b = socket.socketpair()
-    a.sendall(bridge._FRAME.pack(bridge.MAGIC, bridge.MAX_HEADER_BYTES + 1, 0))
+    a.sendall(bridge._FRAME.pack(bridge.MAGIC, bridge.MAX_HEADER_BYTES + 1))
     with pytest.raises(bridge.BridgeError):
+        bridge.Channel(b).recv()
+
+
+def test_a_message_whose_descriptors_do_not_match_its_header_is_refused():
+    a, b = socket.socketpair()
+    body = b'{"op":"layout","fds":2}'
+    socket.send_fds(a, [bridge._FRAME.pack(bridge.MAGIC, len(body)) + body], [os.memfd_create("x")])
+    with pytest.raises(bridge.BridgeError, match="names 2 descriptors and carried 1"):
         bridge.Channel(b).recv()
 
 

@@ -10,6 +10,7 @@ sequence with given tokens in one forward pass.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from pdd.batching import Scheduler, Status
 from pdd.engine.attention import PagedAttention
+from pdd.engine.copies import Copies, Copy, import_slices, token_slices
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.paged_kv import PagedKV
 from pdd.engine.sequence import Sequence
@@ -56,6 +58,7 @@ class Engine:
         self.kv = PagedKV(self.pool, self.cache)
         self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
         self.seqs: dict[str, Sequence] = {}
+        self.copies: Copies | None = None  # the copy thread, where a runtime runs one (`pdd.engine.copies`)
         self.stats = EngineStats()
         self.eos_ids = eos_ids
         self.guides = Guides(Path(model_dir) / "tokenizer.json", self.model_cfg.vocab_size, sorted(eos_ids))
@@ -114,6 +117,12 @@ class Engine:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return
+        if seq.copies:  # its copies stop before its pages go (waiting out one slice at most)
+            if self.copies is not None:
+                self.copies.cancel(seq)
+            seq.copy_cancelled = True
+            if seq.status == Status.RESERVED:  # only what its finished slices wrote is there
+                seq.num_computed = min(seq.num_computed, seq.copied_end)
         self.stats.aborted += aborting and seq.status != Status.FINISHED
         if seq.status in (Status.WAITING, Status.RUNNING):
             seq.finish_reason = "abort"
@@ -154,18 +163,39 @@ class Engine:
 
     def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
         """Write imported KV for tokens [token_start, token_end), all layers, of a reserved
-        sequence. Ranges must follow each other: token_start is what is computed so far,
-        so imported KV never overwrites cached (shared) pages nor leaves a hole."""
+        sequence, here and now (the runtime copies beside its steps instead: `claim_import`)."""
+        copy = self.claim_import(rid, blob)
+        for _, end, run in copy.slices:
+            run()
+            copy.seq.copied_end = end
+        self.copied(copy)
+
+    def claim_import(self, rid: str, blob: codec.KVBlob) -> Copy:
+        """Check an import and claim its tokens; the `Copy` writes them. Ranges must follow
+        each other: token_start is what is computed (or claimed) so far, so imported KV
+        never overwrites cached (shared) pages nor leaves a hole."""
         seq = self.seqs.get(rid)
         if seq is None or seq.status != Status.RESERVED:
             raise RequestError(f"request {rid!r} is not reserved for import")
         h = blob.header
         self._check_blob(seq, h)
         slots = self.pool.slots(seq.pages, h.token_start, h.token_end).to(self.pool.k.device)
-        for i, layer in enumerate(range(h.layer_start, h.layer_end)):
-            self.pool.k[layer][slots] = blob.k[i].to(self.pool.k.device, self.pool.dtype)
-            self.pool.v[layer][slots] = blob.v[i].to(self.pool.v.device, self.pool.dtype)
+        layers = slice(h.layer_start, h.layer_end)
+        writer = import_slices(self.pool.k[layers], self.pool.v[layers], slots, blob.k, blob.v, h.token_start)
+        per_token = self.pool.bytes_per_token() * (h.layer_end - h.layer_start) // self.model_cfg.num_layers
+        if not seq.copies:
+            seq.copied_end = seq.num_computed
+        seq.copies += 1
         seq.num_computed = h.token_end
+        return Copy(seq, True, [(a, b, writer(a, b)) for a, b in token_slices(h.token_start, h.token_end, per_token)])
+
+    def copied(self, copy: Copy) -> None:
+        """A claimed copy ended (done, failed or cancelled): a start that waited for it runs now."""
+        seq = copy.seq
+        seq.copies -= 1
+        if not seq.copies and seq.start_deferred and not seq.copy_cancelled:
+            seq.start_deferred = False
+            self.scheduler.add(seq)
 
     def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
         cfg = self.model_cfg
@@ -205,7 +235,9 @@ class Engine:
         if seq.status == Status.RESERVED:
             if seq.num_pending < 1 and not shadow:
                 raise RequestError("nothing left to compute: import must leave the last token")
-            if seq.num_pending:
+            if seq.num_pending and seq.copies:
+                seq.start_deferred = True  # (`copied` schedules it once its KV is in place)
+            elif seq.num_pending:
                 self.scheduler.add(seq)
         return seq
 
@@ -229,13 +261,25 @@ class Engine:
         seq.want_logits = want_logits
 
     def export_kv(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> codec.KVBlob:
-        seq = self.seqs[rid]
+        """KV of tokens [token_start, token_end) of a sequence, here and now (the runtime
+        copies beside its steps instead: `claim_export`)."""
+        copy = self.claim_export(rid, token_start, token_end, layers)
+        for _, _, run in copy.slices:
+            run()
+        self.copied(copy)
+        return copy.result
+
+    def claim_export(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> Copy:
+        """Check an export; the `Copy` gathers the KV into its result, a blob (on the CPU)."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            raise RequestError(f"request {rid!r} is not active")
         if not 0 <= token_start < token_end <= seq.num_computed:
             raise RequestError(f"cannot export [{token_start}, {token_end}): {seq.num_computed} tokens computed")
         layers = layers or range(self.model_cfg.num_layers)
         slots = self.pool.slots(seq.pages, token_start, token_end).to(self.pool.k.device)
-        k = torch.stack([self.pool.k[i][slots] for i in layers]).cpu()
-        v = torch.stack([self.pool.v[i][slots] for i in layers]).cpu()
+        shape = (len(layers), token_end - token_start, self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
+        k, v = (torch.empty(shape, dtype=self.pool.dtype) for _ in range(2))
         header = codec.KVHeader(
             num_layers=self.model_cfg.num_layers,
             layer_start=layers.start,
@@ -249,7 +293,20 @@ class Engine:
             block_size=HASH_BLOCK,
             block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
         )
-        return codec.KVBlob(header, k, v)
+
+        def reader(a: int, b: int) -> Callable[[], None]:
+            def run() -> None:
+                at = slots[a - token_start : b - token_start]
+                for i, layer in enumerate(layers):
+                    k[i, a - token_start : b - token_start] = self.pool.k[layer][at]
+                    v[i, a - token_start : b - token_start] = self.pool.v[layer][at]
+
+            return run
+
+        per_token = self.pool.bytes_per_token() * len(layers) // self.model_cfg.num_layers
+        seq.copies += 1
+        slices = [(a, b, reader(a, b)) for a, b in token_slices(token_start, token_end, per_token)]
+        return Copy(seq, False, slices, result=codec.KVBlob(header, k, v))
 
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

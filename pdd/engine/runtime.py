@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from pdd.engine.copies import Copies
 from pdd.engine.engine import Engine
 from pdd.engine.pacing import StepPacer
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
@@ -75,11 +76,13 @@ class EngineRuntime:
         engine.cache.on_event = self._on_cache_event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.copies = engine.copies = Copies()
 
     def start_thread(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
+        self.copies.close()
         self._stop.set()
         self._cmds.put((lambda e: None, None))
         self._thread.join(timeout=10)
@@ -126,10 +129,13 @@ class EngineRuntime:
         )
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
-        await self.call(lambda e: e.import_kv(rid, blob))
+        """Checked and claimed on the engine thread, copied beside its steps (`pdd.engine.copies`)."""
+        copy = await self.call(lambda e: e.claim_import(rid, blob))
+        await self.copies.run(copy, lambda: self._cmds.put((lambda e: e.copied(copy), None)))
 
     async def export_kv(self, rid: str, start: int, end: int) -> KVBlob:
-        return await self.call(lambda e: e.export_kv(rid, start, end))
+        copy = await self.call(lambda e: e.claim_export(rid, start, end))
+        return await self.copies.run(copy, lambda: self._cmds.put((lambda e: e.copied(copy), None)))
 
     async def start(self, rid: str, tokens: list[int], shadow: bool = False, step_cap: int = 0) -> int:
         return await self.call(lambda e: e.start(rid, tokens, shadow, step_cap).cached_tokens)

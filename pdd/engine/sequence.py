@@ -39,6 +39,11 @@ class Sequence:
     published: bool = False  # its prompt's full pages are in the prefix cache (`Engine._publish`)
     # each prompt token's log-probabilities by position, where asked (`params.prompt_logprobs`)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    # KV copies claimed and not yet done (`pdd.engine.copies`): a start waits for them
+    copies: int = 0
+    copied_end: int = 0  # an import's tokens in place so far (what counts if it is cancelled)
+    copy_cancelled: bool = False
+    start_deferred: bool = False  # started while its import was being copied: scheduled when it lands
 
     @property
     def num_output(self) -> int:

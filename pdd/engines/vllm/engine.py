@@ -107,7 +107,7 @@ class VllmEngine(Requests):
         log.info("vLLM sized this instance: %s", self.sizes)
 
     # ---- the bridge (its threads) ---------------------------------------------------------
-    def _on_bridge(self, peer: dict[str, Any], header: dict[str, Any], payload: bytes) -> None:
+    def _on_bridge(self, peer: dict[str, Any], header: dict[str, Any]) -> None:
         op = header["op"]
         if op == "layout":
             self._world = header["world"]
@@ -117,7 +117,7 @@ class VllmEngine(Requests):
         elif op == "cache_refused":  # a worker cannot carry its KV: vLLM fails to start, this says why
             self.refused = f"rank {header['rank']}: {header['error']}"
         elif op in ("written", "data", "failed"):
-            self.kv.answer(header, payload)
+            self.kv.answer(header)
         elif op in ("reserved", "refused", "finished"):
             self.on_scheduler(header)
         elif op == "load":

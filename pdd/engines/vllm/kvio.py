@@ -1,25 +1,30 @@
 """KV between pdd's blobs and vLLM's workers: split by tensor-parallel rank on the way in,
-gathered on the way out.
+gathered on the way out, in slices through each worker's staging region.
 
 Each worker holds a contiguous slice of the KV heads, from `head_start` on (rank r of
 w: heads [r * H / w, (r + 1) * H / w)); past H ranks, consecutive ranks hold the same
 head (vLLM replicates it), and an MLA cache's one latent "head" is whole on every rank.
-A blob (`pdd.kv.codec.KVBlob`, all heads) is converted to the cache's dtype (an fp8
-one only ever arrives as itself, `check_import`) and sent to each worker as its slice;
-an export asks the first rank holding each slice for it (rank 0 alone for a latent)
-and stacks them back.
+A blob (`pdd.kv.codec.KVBlob`, all heads) is cut into token slices that fit one staging
+slot (`pdd.engines.vllm.staging`); each slice of a rank's heads is copied into a free
+slot of that rank's region, converted to the cache's dtype on the way (an fp8 one only
+ever arrives as itself, `check_import`), and the worker is asked to write it into the
+blocks; an export asks the first rank holding each slice of heads (rank 0 alone for a
+latent) to read each token slice into a slot, and copies it out into the blob. The
+slices of one request are in flight together, as many as a region has slots; the
+copies on this side run off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pdd.engine_port import RequestError
+from pdd.engines.vllm.staging import Region, Slots
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
 
@@ -36,6 +41,17 @@ class WorkerInfo:
     dtype: str  # a `pdd.kv.codec` dtype name: the values', fp8 included
     latent: bool  # MLA: K is the latent, there is no V
     scales: tuple[float, ...]  # an fp8 cache's K and V scale of every layer
+    slots: Slots = field(repr=False)  # its staging region's slots
+
+    @property
+    def sides(self) -> int:
+        return 1 if self.latent else 2
+
+    @property
+    def slice_tokens(self) -> int:
+        """Tokens of this rank's KV one staging slot holds."""
+        per_token = self.sides * self.layers * self.heads * self.head_dim * codec.ALL_DTYPES[self.dtype].itemsize
+        return self.slots.tokens_per_slot(per_token)
 
     @classmethod
     def from_layout(cls, channel: Any, msg: dict[str, Any]) -> WorkerInfo:
@@ -51,6 +67,7 @@ class WorkerInfo:
             msg["dtype"],
             msg["latent"],
             tuple(msg["scales"]),
+            Slots(Region.attach(msg["fds"][0], msg["slot_bytes"], msg["slots"])),
         )
 
 
@@ -85,7 +102,7 @@ class WorkerKV:
         sides = 1 if w.latent else 2
         return sides * w.layers * self.total_heads * w.head_dim * codec.ALL_DTYPES[w.dtype].itemsize
 
-    def answer(self, header: dict[str, Any], payload: bytes) -> None:
+    def answer(self, header: dict[str, Any]) -> None:
         """A worker's reply (bridge thread)."""
         seq = header.get("seq")
         pending = self._waiting.pop(seq, None) if isinstance(seq, int) else None
@@ -93,53 +110,90 @@ class WorkerKV:
             return
         loop, fut = pending
         error = RuntimeError(f"vLLM worker: {header.get('error')}") if header["op"] == "failed" else None
-        loop.call_soon_threadsafe(_settle, fut, payload, error)
+        loop.call_soon_threadsafe(_settle, fut, error)
 
     def fail_all(self, error: Exception) -> None:
         for seq in list(self._waiting):
             loop, fut = self._waiting.pop(seq)
-            loop.call_soon_threadsafe(_settle, fut, b"", error)
+            loop.call_soon_threadsafe(_settle, fut, error)
 
-    async def _ask(self, worker: WorkerInfo, header: dict[str, Any], payload: bytes = b"") -> bytes:
-        seq = next(self._seq)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._waiting[seq] = (loop, fut)
-        await asyncio.to_thread(worker.channel.send, {**header, "seq": seq}, payload)
-        return await fut
+    async def _slice(self, worker: WorkerInfo, header: dict[str, Any], fill: Any = None, empty: Any = None) -> None:
+        """One slice through a staging slot of `worker`'s: `fill(slot)` copies it in (an
+        import), the worker is asked (`header`), `empty(slot)` copies it out (an export).
+        The slot is given back only once the worker has answered, even if this is
+        cancelled meanwhile: it may still be copying from or into it."""
+        slot = await worker.slots.take()
+        shape = (
+            worker.sides,
+            worker.layers,
+            header["token_end"] - header["token_start"],
+            worker.heads,
+            worker.head_dim,
+        )
+        staged = worker.slots.region.slot(slot, codec.ALL_DTYPES[worker.dtype], shape)
+        answered: asyncio.Future[None] | None = None
+        try:
+            if fill is not None:
+                await asyncio.to_thread(fill, staged)
+            seq = next(self._seq)
+            loop = asyncio.get_running_loop()
+            answered = loop.create_future()
+            self._waiting[seq] = (loop, answered)
+            worker.channel.send({**header, "seq": seq, "slot": slot, "heads": worker.heads})
+            await asyncio.shield(answered)
+            if empty is not None:
+                await asyncio.to_thread(empty, staged)
+        finally:
+            if answered is None or answered.done():
+                worker.slots.give(slot)
+            else:
+                answered.add_done_callback(lambda _: worker.slots.give(slot))
+
+    @staticmethod
+    def _header(op: str, blocks: list[int], block_size: int, start: int, end: int, head_dim: int) -> dict[str, Any]:
+        """A slice's request: tokens [start, end) and only the blocks that hold them."""
+        first, last = start // block_size, -(-end // block_size)
+        return {
+            "op": op,
+            "blocks": blocks[first:last],
+            "base": first * block_size,
+            "token_start": start,
+            "token_end": end,
+            "head_dim": head_dim,
+        }
 
     async def write(self, blocks: list[int], blob: codec.KVBlob) -> None:
-        """Lay `blob` (all layers) into `blocks` on every worker."""
+        """Lay `blob` (all layers) into `blocks` on every worker, slice by slice."""
         h = blob.header
-        first = self.ranks[0]
-        dtype = codec.ALL_DTYPES[first.dtype]
-        sides = [blob.k.to(dtype), blob.v.to(dtype)][: h.sides]
+        sides = [blob.k, blob.v][: h.sides]
         sends = []
         for w in self.ranks:
-            part = torch.stack([x[:, :, w.head_start : w.head_start + w.heads] for x in sides]).contiguous()
-            header = {
-                "op": "write",
-                "blocks": blocks,
-                "token_start": h.token_start,
-                "token_end": h.token_end,
-                "heads": w.heads,
-                "head_dim": h.head_dim,
-                "dtype": w.dtype,
-            }
-            sends.append(self._ask(w, header, part.view(torch.uint8).numpy().tobytes()))
+            for a, b in _slices(h.token_start, h.token_end, w.slice_tokens):
+
+                def fill(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
+                    for side, x in enumerate(sides):
+                        staged[side].copy_(
+                            x[:, a - h.token_start : b - h.token_start, w.head_start : w.head_start + w.heads]
+                        )
+
+                header = self._header("write", blocks, w.block_size, a, b, h.head_dim)
+                sends.append(self._slice(w, header, fill=fill))
         await asyncio.gather(*sends)
 
     async def read(self, blocks: list[int], tokens: list[int], start: int, end: int) -> codec.KVBlob:
         """Tokens [start, end) of the request in `blocks` (whose tokens are `tokens`), all layers."""
-        header = {"op": "read", "blocks": blocks, "token_start": start, "token_end": end}
-        readers = self.readers
-        parts = await asyncio.gather(*(self._ask(w, header) for w in readers))
-        sides = []
-        for w, raw in zip(readers, parts, strict=True):
-            flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(codec.ALL_DTYPES[w.dtype])
-            sides.append(flat.view(-1, w.layers, end - start, w.heads, w.head_dim))
         first = self.ranks[0]
-        kv = torch.cat(sides, dim=3)
+        dtype = codec.ALL_DTYPES[first.dtype]
+        out = torch.empty(first.sides, first.layers, end - start, self.total_heads, first.head_dim, dtype=dtype)
+        reads = []
+        for w in self.readers:
+            for a, b in _slices(start, end, w.slice_tokens):
+
+                def empty(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
+                    out[:, :, a - start : b - start, w.head_start : w.head_start + w.heads].copy_(staged)
+
+                reads.append(self._slice(w, self._header("read", blocks, w.block_size, a, b, w.head_dim), empty=empty))
+        await asyncio.gather(*reads)
         header_out = codec.KVHeader(
             num_layers=first.layers,
             layer_start=0,
@@ -155,7 +209,7 @@ class WorkerKV:
             latent=first.latent,
             scales=list(first.scales),
         )
-        return codec.KVBlob(header_out, kv[0], kv[0][..., :0] if first.latent else kv[1])
+        return codec.KVBlob(header_out, out[0], out[0][..., :0] if first.latent else out[1])
 
     def check_import(self, blob: codec.KVBlob, tokens: list[int], computed: int, prompt_len: int) -> None:
         first = self.ranks[0]
@@ -168,10 +222,14 @@ class WorkerKV:
             raise RequestError(why)
 
 
-def _settle(fut: asyncio.Future, payload: bytes, error: Exception | None) -> None:
+def _slices(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+def _settle(fut: asyncio.Future, error: Exception | None) -> None:
     if fut.done():
         return
     if error is not None:
         fut.set_exception(error)
     else:
-        fut.set_result(payload)
+        fut.set_result(None)

@@ -62,7 +62,7 @@ class TokenMajorLayout:
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.k.device)
         b, o = slots // self.block_size, slots % self.block_size
-        return self.k[b, o].cpu(), self.v[b, o].cpu()
+        return self.k[b, o], self.v[b, o]
 
 
 class LatentLayout:
@@ -80,7 +80,7 @@ class LatentLayout:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.latent.device)
-        k = self.latent[slots // self.block_size, slots % self.block_size].cpu()
+        k = self.latent[slots // self.block_size, slots % self.block_size]
         return k, k[..., :0]
 
 

@@ -74,7 +74,7 @@ class SchedulerSide:
         self.abandoned: list[str] = []  # loads of requests aborted while their KV was on the way
         self.used_blocks = -1  # last reported to the instance
 
-    def _on_message(self, header: dict[str, Any], payload: bytes) -> None:
+    def _on_message(self, header: dict[str, Any]) -> None:
         if header["op"] in ("loaded", "free") and isinstance(header.get("rid"), str):
             self.inbox.put((header["op"], header["rid"]))
 

@@ -2,7 +2,7 @@
 
 `pdd bench [serve] --url URL ...` replays agentic sessions or a Mooncake trace through
 the OpenAI API and writes `{"summary", "requests", "config"}` JSON (DESIGN.md contract).
-`pdd bench engine`, `handoff`, `flood`, `overhead`, `sampling` and `transfer` are owned by their
+`pdd bench engine`, `handoff`, `flood`, `overhead`, `sampling`, `stall` and `transfer` are owned by their
 modules (in `pdd.lab.bench`; `transfer` in `pdd.lab.netns`, beside the lab it runs in), which
 register their own options. Heavy imports happen inside the
 command, not at parse time, because `pdd --help` imports every command module.
@@ -32,6 +32,7 @@ _IN_PROCESS = {
     "flood": "pdd.lab.bench.flood",
     "overhead": "pdd.lab.bench.overhead",
     "sampling": "pdd.lab.bench.sampling",
+    "stall": "pdd.lab.bench.stall",
     "transfer": "pdd.lab.netns.transfer",  # (beside the lab it runs in)
 }
 

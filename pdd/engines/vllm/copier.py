@@ -1,0 +1,110 @@
+"""KV between a worker's staging region and its caches, beside the forward passes.
+
+A vLLM worker's model thread is vLLM's: pdd's connector gets it only between steps, and
+a copy made there holds every request batched on that worker for as long as it takes (a
+64K-token import of a large model's KV is gigabytes). So the copies run on a thread of
+their own, one slice (one staging slot, `pdd.engines.vllm.staging`) at a time, in the
+order the instance asked for them:
+
+* on CUDA on a stream of their own, from and to the page-locked region, after an event
+  the model thread records every step (what earlier forward passes wrote is in place
+  before it is read, and a block freed by them is no longer read when it is written);
+  the copy thread, never the model thread, waits for the copy's own event;
+* on the CPU on the thread alone: large tensor copies release the GIL, so the forward
+  pass and the copy run on cores of their own.
+
+Nothing a forward pass reads is touched: an import writes the blocks of a reservation
+(vLLM keeps its request in WAITING_FOR_REMOTE_KVS until the instance reports the load,
+which it does only once every slice's answer is in), an export reads the blocks of a
+finished request that vLLM holds for it. A slice is answered only when its last value
+is in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pdd.engines.vllm.layout import Layout
+from pdd.engines.vllm.staging import Region
+from pdd.kv.copy_stream import CopyStream
+
+log = logging.getLogger(__name__)
+
+
+class Copier:
+    """Slices of KV in and out of one worker's caches, on the thread `start` starts."""
+
+    def __init__(
+        self,
+        layers: list[Layout],
+        sides: int,
+        storage: torch.dtype,
+        block_size: int,
+        region: Region,
+        answer: Callable[[dict[str, Any]], None],
+        device: torch.device,
+    ) -> None:
+        self.layers, self.sides, self.storage, self.block_size = layers, sides, storage, block_size
+        self.region, self.answer, self.device = region, answer, device
+        self.stream = CopyStream(device)
+        self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.done = threading.Event()  # set whenever a slice is answered (an idle step waits on it)
+        self._thread = threading.Thread(target=self._run, name="pdd-kv-copy", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (header := self.jobs.get()) is not None:
+            try:
+                if header["op"] == "write":
+                    self.write(header)
+                    self.answer({"op": "written", "seq": header["seq"]})
+                else:
+                    self.read(header)
+                    self.answer({"op": "data", "seq": header["seq"]})
+            except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+                log.warning("pdd KV %s failed: %s", header.get("op"), e)
+                self.answer({"op": "failed", "seq": header.get("seq"), "error": f"{type(e).__name__}: {e}"})
+            except OSError as e:  # the instance is gone; vLLM is being shut down with it
+                log.warning("pdd KV copy's answer not delivered: %s", e)
+            self.done.set()
+
+    def slots(self, header: dict[str, Any]) -> torch.Tensor:
+        """The cache slots of tokens [token_start, token_end) in the scheduler's `blocks`,
+        the first of which begins at token `base` (a layout indexes them in its own,
+        possibly smaller, kernel blocks: vLLM splits each scheduler block into equal
+        consecutive ones)."""
+        bs = self.block_size
+        blocks = torch.tensor(header["blocks"], dtype=torch.long)
+        positions = torch.arange(header["token_start"], header["token_end"], dtype=torch.long) - header["base"]
+        return (blocks[positions // bs] * bs + positions % bs).to(self.device)
+
+    def staged(self, header: dict[str, Any]) -> torch.Tensor:
+        """The slice's staging slot as [sides, layers, tokens, heads, head_dim] of the cache's storage dtype."""
+        tokens = header["token_end"] - header["token_start"]
+        shape = (self.sides, len(self.layers), tokens, header["heads"], header["head_dim"])
+        return self.region.slot(header["slot"], self.storage, shape)
+
+    def write(self, header: dict[str, Any]) -> None:
+        slots, staged = self.slots(header), self.staged(header)
+        with self.stream.copying():
+            kv = staged.to(self.device, non_blocking=True)  # (the slot itself, on a CPU)
+            for i, layer in enumerate(self.layers):
+                layer.write(slots, kv[0, i], kv[-1, i])  # (a latent's layout takes K alone)
+
+    def read(self, header: dict[str, Any]) -> None:
+        slots, staged = self.slots(header), self.staged(header)
+        with self.stream.copying():
+            for i, layer in enumerate(self.layers):
+                for side, part in enumerate(layer.read(slots)[: self.sides]):
+                    staged[side, i].copy_(part, non_blocking=True)

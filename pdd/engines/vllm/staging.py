@@ -1,0 +1,122 @@
+"""The staging region: memory that a pdd instance and one vLLM worker both map, through
+which KV crosses between them with one copy on each side and no socket in between.
+
+Each worker makes its own region at start (`Region.create`: an anonymous memory file,
+`memfd_create`, so no /dev/shm size limit applies and nothing is left on disk), pins it
+for the device where it has CUDA (`cudaHostRegister`: the copy stream reads and writes
+it asynchronously), and hands its descriptor to the instance over the bridge (SCM_RIGHTS
+on the authenticated Unix socket), which maps the same pages (`Region.attach`).
+
+The region is cut into `slots` equal slots of `slot_bytes`; a slice of one request's KV
+fills one slot. The instance owns the slots (`Slots`): it takes a free one, fills it (an
+import) or names it in a read (an export), and gives it back when the worker has
+answered, so a slot is never written by both sides at once. Bridge messages carry only
+the slot's number and the slice's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import mmap
+import os
+
+import torch
+
+SLOT_BYTES = 4 << 20  # one slice of one request's KV on one worker: what a copy holds the cache for at most
+SLOTS = 8  # slices in flight per worker (the region: 32 MiB)
+
+
+class Region:
+    """One mapping of a staging region, as a flat uint8 tensor cut into slots."""
+
+    def __init__(self, fd: int, slot_bytes: int, slots: int) -> None:
+        self.fd, self.slot_bytes, self.slots = fd, slot_bytes, slots
+        self._map = mmap.mmap(fd, slot_bytes * slots)
+        self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> Region:
+        """A new region (the worker's side), its descriptor kept open to be handed over."""
+        fd = os.memfd_create("pdd-kv-staging", os.MFD_CLOEXEC)
+        os.ftruncate(fd, slot_bytes * slots)
+        return cls(fd, slot_bytes, slots)
+
+    @classmethod
+    def attach(cls, fd: int, slot_bytes: int, slots: int) -> Region:
+        """The instance's mapping of a region a worker handed over (its descriptor closed once mapped)."""
+        if os.fstat(fd).st_size != slot_bytes * slots:
+            os.close(fd)
+            raise ValueError(f"staging region of {os.fstat(fd).st_size} bytes, not {slots} x {slot_bytes}")
+        try:
+            return cls(fd, slot_bytes, slots)
+        finally:
+            os.close(fd)
+
+    def slot(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Slot `index` seen as a tensor of `dtype` and `shape` (which must fit in it)."""
+        if not 0 <= index < self.slots:
+            raise ValueError(f"staging slot {index} is not one of {self.slots}")
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if n > self.slot_bytes:
+            raise ValueError(f"{shape} of {dtype} does not fit a staging slot of {self.slot_bytes} bytes")
+        start = index * self.slot_bytes
+        return self.flat[start : start + n].view(dtype).view(shape)
+
+    def pin(self) -> None:
+        """Page-lock the region for CUDA's asynchronous copies (the worker's side, on a GPU)."""
+        err = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of pdd's KV staging region failed ({err})")
+
+    def close(self) -> None:
+        del self.flat
+        try:
+            self._map.close()
+        except BufferError:  # a tensor over it is still alive: the mapping goes with the process
+            pass
+
+
+class Slots:
+    """Which of a region's slots are free: taken by one slice, given back when its worker
+    answered. Waiters are futures of whichever event loop asks (the instance's, or a
+    benchmark's), woken first come, first served."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._free = list(range(region.slots))
+        self._waiting: collections.deque[asyncio.Future[int]] = collections.deque()
+
+    def tokens_per_slot(self, bytes_per_token: int) -> int:
+        if bytes_per_token > self.region.slot_bytes:
+            raise ValueError(f"one token's KV ({bytes_per_token} bytes) exceeds a staging slot")
+        return self.region.slot_bytes // bytes_per_token
+
+    async def take(self) -> int:
+        if self._free and not self._waiting:
+            return self._free.pop()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot as it was cancelled: pass it on
+                self.give(fut.result())
+            raise
+
+    def give(self, index: int) -> None:
+        while self._waiting:
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.get_loop().call_soon_threadsafe(_hand, fut, index, self)
+                return
+        self._free.append(index)
+
+
+def _hand(fut: asyncio.Future[int], index: int, slots: Slots) -> None:
+    if fut.done():  # cancelled meanwhile: the slot goes to the next waiter
+        slots.give(index)
+    else:
+        fut.set_result(index)

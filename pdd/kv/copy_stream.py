@@ -1,0 +1,53 @@
+"""The device side of a KV copy made beside the forward passes (both engines' copy threads).
+
+On CUDA a copy thread must not queue its copies on the stream the model computes on (the
+next step would wait behind them), and must not touch a block before the steps that
+wrote or read it are done. So each copy runs on a stream of its own (`CopyStream.copying`),
+which first waits for the event the model's thread records after each step (`mark_step`),
+and the copy thread, never the model's, waits for the copy's own event before it reports
+the copy done. Host memory on the other side is page-locked (`pinned`), so the transfers
+are asynchronous DMA. On a CPU all of this is nothing: the copy thread copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class CopyStream:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.step_event = torch.cuda.Event() if self.cuda else None
+        self._pinned = torch.empty(0, dtype=torch.uint8)
+
+    def mark_step(self) -> None:
+        """The model's thread, after (or before) each step: how far its stream has come."""
+        if self.step_event is not None:
+            self.step_event.record(torch.cuda.current_stream(self.device))
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Copies issued inside run on the copy stream after the last marked step, and are
+        complete (this thread waited for them) when the block exits."""
+        if self.stream is None:
+            yield
+            return
+        assert self.step_event is not None
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.step_event)
+            yield
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of at least `nbytes`, reused by the next call (one copy
+        thread uses it, one slice at a time); plain memory on a CPU, where nothing is pinned."""
+        if self._pinned.numel() < nbytes:
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return self._pinned[:nbytes]
