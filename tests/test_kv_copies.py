@@ -6,6 +6,7 @@ while its KV is being copied stops the copy before its pages go."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -51,26 +52,23 @@ def _slowed(monkeypatch, runtime: EngineRuntime, hold: threading.Event | None = 
     """Every import slice takes 20 ms (as a large model's would), the last one waits for
     `hold`; returns (engine step count, slice end) as each slice runs."""
     seen: list[tuple[int, int]] = []
-    writer = copies.import_slices
+    claim = copies.import_copy
 
-    def slow_slices(*args, **kwargs):
-        write = writer(*args, **kwargs)
+    def slow_copy(*args, **kwargs) -> copies.Copy:
+        copy = claim(*args, **kwargs)
+        last = copy.slices[-1][1]
 
-        def slice_of(a: int, b: int):
-            run = write(a, b)
+        def slow(end: int, run) -> None:
+            seen.append((runtime.engine.stats.steps, end))
+            time.sleep(0.02)
+            if hold is not None and end == last:
+                assert hold.wait(20)
+            run()
 
-            def slow() -> None:
-                seen.append((runtime.engine.stats.steps, b))
-                time.sleep(0.02)
-                if hold is not None and b == args[2].numel() + args[5]:
-                    assert hold.wait(20)
-                run()
+        copy.slices = [(a, b, functools.partial(slow, b, run)) for a, b, run in copy.slices]
+        return copy
 
-            return slow
-
-        return slice_of
-
-    monkeypatch.setattr("pdd.engine.engine.import_slices", slow_slices)
+    monkeypatch.setattr("pdd.engine.kv_moves.import_copy", slow_copy)
     return seen
 
 
@@ -138,9 +136,10 @@ def test_a_request_dropped_mid_import_stops_its_copy_and_caches_only_what_landed
             await importing
 
     asyncio.run(go())
-    landed = max(end for _, end in seen[:-1])  # the slices before the held one
+    landed = seen[-1][1]  # the slice under way when the drop came finished; none ran after it
+    assert landed < len(prompt) and time.sleep(0.2) is None and seen[-1][1] == landed
     cached = asyncio.run(runtime.cached_prefix(prompt))
-    assert cached <= landed and cached < len(prompt) - 1
+    assert 0 < cached <= landed  # the pages it filled are cached, the rest is not
     e = runtime.engine
     e.flush_cache()
     assert e.pool.free_pages == e.pool.num_pages  # no page kept, none freed twice

@@ -29,8 +29,11 @@ from typing import Any
 
 import torch
 
+from pdd.engine.kv_pool import KVPool
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
+from pdd.kv import codec
+from pdd.kv.copy_stream import CopyStream
 
 log = logging.getLogger(__name__)
 SLICE_BYTES = 4 << 20  # KV one slice copies: what a dropped sequence's cancel waits for at most
@@ -113,19 +116,60 @@ def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) 
         fut.set_result(result)
 
 
-def import_slices(
-    pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-) -> Callable[[int, int], Callable[[], None]]:
-    """A slice writer: tokens [a, b) of a blob whose first token is `start` into `slots`
-    (the blob's, in order), every layer of the pool's `pool_k` / `pool_v` ([layers, slots, heads, dim])."""
+def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStream) -> Copy:
+    """The slices that write `blob` (tokens [token_start, token_end) of `seq`, its layers)
+    into the sequence's pages; on CUDA each goes through page-locked memory and the copy stream."""
+    h = blob.header
+    start = h.token_start
+    slots = pool.slots(seq.pages, start, h.token_end).to(pool.k.device)
+    layers = slice(h.layer_start, h.layer_end)
+    pool_k, pool_v = pool.k[layers], pool.v[layers]
+    per_token = 2 * pool_k.shape[0] * pool_k[0, 0].numel() * pool.dtype.itemsize
 
     def writer(a: int, b: int) -> Callable[[], None]:
         def run() -> None:
-            at = slots[a - start : b - start]
-            for i in range(pool_k.shape[0]):
-                pool_k[i][at] = k[i, a - start : b - start].to(pool_k.device, pool_k.dtype)
-                pool_v[i][at] = v[i, a - start : b - start].to(pool_v.device, pool_v.dtype)
+            at, k, v = slots[a - start : b - start], blob.k[:, a - start : b - start], blob.v[:, a - start : b - start]
+            with stream.copying():
+                if stream.cuda:  # the slice into page-locked memory (in the pool's dtype), then across
+                    staged = stream.pinned(2 * k.numel() * pool.dtype.itemsize).view(pool.dtype).view(2, *k.shape)
+                    staged[0].copy_(k)
+                    staged[1].copy_(v)
+                    k, v = staged.to(pool.k.device, non_blocking=True)
+                for i in range(pool_k.shape[0]):
+                    pool_k[i][at] = k[i].to(pool.dtype)
+                    pool_v[i][at] = v[i].to(pool.dtype)
 
         return run
 
-    return writer
+    return Copy(seq, True, [(a, b, writer(a, b)) for a, b in token_slices(start, h.token_end, per_token)])
+
+
+def export_copy(pool: KVPool, seq: Sequence, header: codec.KVHeader, stream: CopyStream) -> Copy:
+    """The slices that gather tokens [token_start, token_end) of `seq` (the header's layers)
+    into a blob on the CPU, its result; on CUDA through the copy stream into page-locked memory."""
+    start, end = header.token_start, header.token_end
+    slots = pool.slots(seq.pages, start, end).to(pool.k.device)
+    layers = range(header.layer_start, header.layer_end)
+    shape = (len(layers), end - start, header.kv_heads, header.head_dim)
+    k, v = (torch.empty(shape, dtype=pool.dtype) for _ in range(2))
+    per_token = 2 * len(layers) * header.kv_heads * header.head_dim * pool.dtype.itemsize
+
+    def reader(a: int, b: int) -> Callable[[], None]:
+        def run() -> None:
+            at, n = slots[a - start : b - start], b - a
+            out_k, out_v = k[:, a - start : b - start], v[:, a - start : b - start]
+            if stream.cuda:
+                staged = stream.pinned(2 * out_k.numel() * pool.dtype.itemsize).view(pool.dtype)
+                out_k, out_v = staged.view(2, len(layers), n, *shape[2:])
+            with stream.copying():
+                for i, layer in enumerate(layers):
+                    out_k[i].copy_(pool.k[layer][at], non_blocking=True)
+                    out_v[i].copy_(pool.v[layer][at], non_blocking=True)
+            if stream.cuda:  # (the stream is done: the page-locked slice is the blob's now)
+                k[:, a - start : b - start] = out_k
+                v[:, a - start : b - start] = out_v
+
+        return run
+
+    slices = [(a, b, reader(a, b)) for a, b in token_slices(start, end, per_token)]
+    return Copy(seq, False, slices, result=codec.KVBlob(header, k, v))

@@ -1,7 +1,9 @@
 """One instance's engine: model + KV pool + prefix cache + scheduler, stepped by a caller.
 
 The engine is synchronous and single-threaded on purpose: a server runs `step()` in
-one worker thread, so every structure here is touched by one thread only. Besides the
+one worker thread, so every structure here is touched by one thread only; the one
+exception is a copy of KV into or out of a sequence's pages (`kv_moves`), which a
+runtime runs beside the steps on its copy thread (`copies` says what keeps them apart). Besides the
 plain request path it exposes the pieces disaggregation needs: hold a finished
 prefill's pages for export, reserve a prefix and import KV for the rest, and extend a
 sequence with given tokens in one forward pass.
@@ -10,7 +12,6 @@ sequence with given tokens in one forward pass.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,14 +19,15 @@ import torch
 
 from pdd.batching import Scheduler, Status
 from pdd.engine.attention import PagedAttention
-from pdd.engine.copies import Copies, Copy, import_slices, token_slices
+from pdd.engine.copies import Copies
+from pdd.engine.kv_moves import KVMoves
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.paged_kv import PagedKV
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
-from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.copy_stream import CopyStream
 from pdd.kv.radix_cache import RadixCache
 from pdd.model.loader import load_model
 from pdd.sampler import logprobs as sampler_logprobs
@@ -45,7 +47,7 @@ class EngineStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-class Engine:
+class Engine(KVMoves):
     def __init__(
         self, model_dir: str | Path, config: EngineConfig = EngineConfig(), eos_ids: frozenset[int] = frozenset()
     ) -> None:
@@ -59,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
         self.seqs: dict[str, Sequence] = {}
         self.copies: Copies | None = None  # the copy thread, where a runtime runs one (`pdd.engine.copies`)
+        self.copy_stream = CopyStream(config.device)  # (a copy made here and now goes through it too)
         self.stats = EngineStats()
         self.eos_ids = eos_ids
         self.guides = Guides(Path(model_dir) / "tokenizer.json", self.model_cfg.vocab_size, sorted(eos_ids))
@@ -161,50 +164,6 @@ class Engine:
         seq.status = Status.RESERVED
         return seq.num_computed
 
-    def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
-        """Write imported KV for tokens [token_start, token_end), all layers, of a reserved
-        sequence, here and now (the runtime copies beside its steps instead: `claim_import`)."""
-        copy = self.claim_import(rid, blob)
-        for _, end, run in copy.slices:
-            run()
-            copy.seq.copied_end = end
-        self.copied(copy)
-
-    def claim_import(self, rid: str, blob: codec.KVBlob) -> Copy:
-        """Check an import and claim its tokens; the `Copy` writes them. Ranges must follow
-        each other: token_start is what is computed (or claimed) so far, so imported KV
-        never overwrites cached (shared) pages nor leaves a hole."""
-        seq = self.seqs.get(rid)
-        if seq is None or seq.status != Status.RESERVED:
-            raise RequestError(f"request {rid!r} is not reserved for import")
-        h = blob.header
-        self._check_blob(seq, h)
-        slots = self.pool.slots(seq.pages, h.token_start, h.token_end).to(self.pool.k.device)
-        layers = slice(h.layer_start, h.layer_end)
-        writer = import_slices(self.pool.k[layers], self.pool.v[layers], slots, blob.k, blob.v, h.token_start)
-        per_token = self.pool.bytes_per_token() * (h.layer_end - h.layer_start) // self.model_cfg.num_layers
-        if not seq.copies:
-            seq.copied_end = seq.num_computed
-        seq.copies += 1
-        seq.num_computed = h.token_end
-        return Copy(seq, True, [(a, b, writer(a, b)) for a, b in token_slices(h.token_start, h.token_end, per_token)])
-
-    def copied(self, copy: Copy) -> None:
-        """A claimed copy ended (done, failed or cancelled): a start that waited for it runs now."""
-        seq = copy.seq
-        seq.copies -= 1
-        if not seq.copies and seq.start_deferred and not seq.copy_cancelled:
-            seq.start_deferred = False
-            self.scheduler.add(seq)
-
-    def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
-        cfg = self.model_cfg
-        why = codec.check_continuation(
-            h, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), seq.tokens, seq.num_computed, seq.prompt_len
-        )
-        if why:
-            raise RequestError(why)
-
     def start(
         self, rid: str, tokens: list[int] | tuple[int, ...] = (), shadow: bool = False, step_cap: int = 0
     ) -> Sequence:
@@ -259,54 +218,6 @@ class Engine:
         self._check_tokens(tokens)
         seq.tokens.extend(tokens)
         seq.want_logits = want_logits
-
-    def export_kv(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> codec.KVBlob:
-        """KV of tokens [token_start, token_end) of a sequence, here and now (the runtime
-        copies beside its steps instead: `claim_export`)."""
-        copy = self.claim_export(rid, token_start, token_end, layers)
-        for _, _, run in copy.slices:
-            run()
-        self.copied(copy)
-        return copy.result
-
-    def claim_export(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> Copy:
-        """Check an export; the `Copy` gathers the KV into its result, a blob (on the CPU)."""
-        seq = self.seqs.get(rid)
-        if seq is None:
-            raise RequestError(f"request {rid!r} is not active")
-        if not 0 <= token_start < token_end <= seq.num_computed:
-            raise RequestError(f"cannot export [{token_start}, {token_end}): {seq.num_computed} tokens computed")
-        layers = layers or range(self.model_cfg.num_layers)
-        slots = self.pool.slots(seq.pages, token_start, token_end).to(self.pool.k.device)
-        shape = (len(layers), token_end - token_start, self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
-        k, v = (torch.empty(shape, dtype=self.pool.dtype) for _ in range(2))
-        header = codec.KVHeader(
-            num_layers=self.model_cfg.num_layers,
-            layer_start=layers.start,
-            layer_end=layers.stop,
-            kv_heads=self.model_cfg.num_kv_heads,
-            head_dim=self.model_cfg.head_dim,
-            dtype=codec.dtype_name(self.pool.dtype),
-            page_size=self.pool.page_size,
-            token_start=token_start,
-            token_end=token_end,
-            block_size=HASH_BLOCK,
-            block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
-        )
-
-        def reader(a: int, b: int) -> Callable[[], None]:
-            def run() -> None:
-                at = slots[a - token_start : b - token_start]
-                for i, layer in enumerate(layers):
-                    k[i, a - token_start : b - token_start] = self.pool.k[layer][at]
-                    v[i, a - token_start : b - token_start] = self.pool.v[layer][at]
-
-            return run
-
-        per_token = self.pool.bytes_per_token() * len(layers) // self.model_cfg.num_layers
-        seq.copies += 1
-        slices = [(a, b, reader(a, b)) for a, b in token_slices(token_start, token_end, per_token)]
-        return Copy(seq, False, slices, result=codec.KVBlob(header, k, v))
 
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -232,6 +232,7 @@ class EngineRuntime:
             try:
                 started = time.perf_counter()
                 outputs = self.engine.step()
+                self.engine.copy_stream.mark_step()
                 self._pace(time.perf_counter() - started)
             except Exception as e:
                 log.exception("engine step failed; failing its requests")

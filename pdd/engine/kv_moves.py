@@ -1,0 +1,103 @@
+"""The embedded engine's KV in and out (a part of `Engine`): an import or export is
+checked and claimed on the engine thread, and copied by `pdd.engine.copies`, beside the
+steps where a runtime runs a copy thread, here and now otherwise."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdd.batching import Scheduler, Status
+from pdd.engine.copies import Copies, Copy, export_copy, import_copy
+from pdd.engine.kv_pool import KVPool
+from pdd.engine.sequence import Sequence
+from pdd.engine_port import RequestError
+from pdd.kv import codec
+from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.copy_stream import CopyStream
+
+if TYPE_CHECKING:
+    from pdd.model.config import ModelConfig
+
+
+class KVMoves:
+    """What `Engine` holds that these use."""
+
+    pool: KVPool
+    model_cfg: ModelConfig
+    seqs: dict[str, Sequence]
+    scheduler: Scheduler
+    copies: Copies | None
+    copy_stream: CopyStream
+
+    def import_kv(self, rid: str, blob: codec.KVBlob) -> None:
+        """Write imported KV for tokens [token_start, token_end), all layers, of a reserved
+        sequence, here and now (the runtime copies beside its steps instead: `claim_import`)."""
+        copy = self.claim_import(rid, blob)
+        for _, end, run in copy.slices:
+            run()
+            copy.seq.copied_end = end
+        self.copied(copy)
+
+    def claim_import(self, rid: str, blob: codec.KVBlob) -> Copy:
+        """Check an import and claim its tokens; the `Copy` writes them. Ranges must follow
+        each other: token_start is what is computed (or claimed) so far, so imported KV
+        never overwrites cached (shared) pages nor leaves a hole."""
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status != Status.RESERVED:
+            raise RequestError(f"request {rid!r} is not reserved for import")
+        self._check_blob(seq, blob.header)
+        copy = import_copy(self.pool, seq, blob, self.copy_stream)
+        if not seq.copies:
+            seq.copied_end = seq.num_computed
+        seq.copies += 1
+        seq.num_computed = blob.header.token_end
+        return copy
+
+    def copied(self, copy: Copy) -> None:
+        """A claimed copy ended (done, failed or cancelled): a start that waited for it runs now."""
+        seq = copy.seq
+        seq.copies -= 1
+        if not seq.copies and seq.start_deferred and not seq.copy_cancelled:
+            seq.start_deferred = False
+            self.scheduler.add(seq)
+
+    def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
+        cfg = self.model_cfg
+        why = codec.check_continuation(
+            h, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), seq.tokens, seq.num_computed, seq.prompt_len
+        )
+        if why:
+            raise RequestError(why)
+
+    def export_kv(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> codec.KVBlob:
+        """KV of tokens [token_start, token_end) of a sequence, here and now (the runtime
+        copies beside its steps instead: `claim_export`)."""
+        copy = self.claim_export(rid, token_start, token_end, layers)
+        for _, _, run in copy.slices:
+            run()
+        self.copied(copy)
+        return copy.result
+
+    def claim_export(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> Copy:
+        """Check an export; the `Copy` gathers the KV into its result, a blob (on the CPU)."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            raise RequestError(f"request {rid!r} is not active")
+        if not 0 <= token_start < token_end <= seq.num_computed:
+            raise RequestError(f"cannot export [{token_start}, {token_end}): {seq.num_computed} tokens computed")
+        layers = layers or range(self.model_cfg.num_layers)
+        header = codec.KVHeader(
+            num_layers=self.model_cfg.num_layers,
+            layer_start=layers.start,
+            layer_end=layers.stop,
+            kv_heads=self.model_cfg.num_kv_heads,
+            head_dim=self.model_cfg.head_dim,
+            dtype=codec.dtype_name(self.pool.dtype),
+            page_size=self.pool.page_size,
+            token_start=token_start,
+            token_end=token_end,
+            block_size=HASH_BLOCK,
+            block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
+        )
+        seq.copies += 1
+        return export_copy(self.pool, seq, header, self.copy_stream)
