@@ -77,6 +77,9 @@ class ModelSpec:
         return self.name or served_name(self.path)
 
 
+INTRA_KV_PATHS = ("tcp", "mooncake", "auto")
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """The line between two datacenters. Its bandwidth and delay are what P assumes of
@@ -107,8 +110,15 @@ class LinkSpec:
     # 1 Gbit/s line (+29 % for bf16 KV, +9 % for fp32), costs a core per 0.75 GB/s each way
     # (BENCHMARKS.md), so not on a 10 Gbit/s one. A peer before protocol 6 is sent it as it is.
     compress_kv: str = ""
+    # KV between instances of one datacenter (P -> RLD, P -> MD in the same site): "tcp"
+    # (pdd's frames, the default), "mooncake" (the Mooncake Transfer Engine writes each
+    # frame into the receiver's registered memory, RDMA where there is a device: refused at
+    # start if it cannot run), "auto" (mooncake where it runs, else tcp, saying why once)
+    intra_kv: str = "tcp"
 
     def __post_init__(self) -> None:
+        if self.intra_kv not in INTRA_KV_PATHS:
+            raise ValueError(f"intra_kv must be one of {', '.join(INTRA_KV_PATHS)}, not {self.intra_kv!r}")
         if not 1 <= self.kv_streams <= 64:
             raise ValueError(f"kv_streams must be 1-64, not {self.kv_streams}")
         if self.lossy_kv not in ("", *LOSSY_KV_FORMS):

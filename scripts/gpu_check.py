@@ -9,17 +9,22 @@ c vllm-layouts: pdd's layouts on caches in each physical order vLLM allocates, w
   kernels write them (synthetic: vLLM's CUDA wheel is too large to carry), and, where vLLM is
   installed with CUDA, tests/test_vllm_layouts.py's CUDA cases on vLLM's own kernels.
 d bench-engine: `pdd bench engine --device cuda` figures, engine and HTTP, printed and never judged.
+e copies-beside-decode: KV a CPU engine exported, imported by the embedded engine's runtime on CUDA in
+  many small slices on its copy thread (page-locked memory, a copy stream), beside its decode steps, and
+  exported back: the bytes equal the CPU's both ways and the decode continues as a colocated CPU run;
+  then `pdd bench stall --device cuda`'s inter-token latency without and during an import (never judged).
 
 Each line reads PASS, FAIL or SKIP, the check, its numbers; the exit code is 1 if one failed.
 PASS means every part of the check ran and held; a part that did not run makes it SKIP, naming it.
-Without CUDA, a, b and c run as a dry run, the CPU in the GPU's place, and say SKIP (CPU against
+Without CUDA, a, b, c and e run as a dry run, the CPU in the GPU's place, and say SKIP (CPU against
 CPU is tests/test_engine.py's) when they hold and FAIL when not: a check broken here fails before
 it costs device time. `--only ab` runs those checks alone.
 
 A check that cannot fail proves nothing, so PDD_GPU_CHECK_INJECT plants a fault in one check's own
 path, for its comparison to catch (on the CPU too: its line must then say FAIL, and the exit be 1):
   logit-offset  a: the device engine's logits gain +1.0 on one prompt position;
-  corrupt-page  b: one page of a prompt's KV is scaled on its way, between the bytes and the import.
+  corrupt-page  b: one page of a prompt's KV is scaled on its way, between the bytes and the import;
+  lost-slice    e: the device runtime's first import loses one of its middle slices.
 """
 
 from __future__ import annotations
@@ -59,7 +64,11 @@ MAX_ABS_TOL, REL_TOL = 0.05, 1e-4
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0, seed=7)
 SUBPROCESS_S = 180  # a hung pytest or bench fails its check and leaves the device call time to report
-INJECTIONS = {"logit-offset": "a", "corrupt-page": "b"}  # PDD_GPU_CHECK_INJECT's faults -> the check they target
+INJECTIONS = {
+    "logit-offset": "a",
+    "corrupt-page": "b",
+    "lost-slice": "e",
+}  # PDD_GPU_CHECK_INJECT's faults -> the check they target
 LOGIT_OFFSET = 1.0  # 20x check a's MAX_ABS_TOL
 PAGE_SCALE = -4.0  # corrupt-page: a page's K and V, sign flipped and 4x: attention over it is another
 
@@ -299,15 +308,29 @@ def check_bench(model: Path) -> tuple[str, str]:
     return "PASS", ", ".join(f"{k} {v:,.1f}" for k, v in figures.items())
 
 
+def check_copies_beside_decode(cpu: Engine, model: Path) -> tuple[str, str]:
+    """e: KV copied on the device runtime's copy thread, beside its steps, byte for byte both ways and decoded
+    on as a colocated CPU run (scripts/gpu_checks_kv.py), then `pdd bench stall`'s figures there."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is no package
+    import gpu_checks_kv as kv
+
+    batch = prompts(5, 3)
+    want = run(cpu, batch, GREEDY)[0]
+    with kv.lost_slice() if inject() == "lost-slice" else contextlib.nullcontext():
+        ok, said = kv.copies_on_device(cpu, model, DEVICE, batch, want, GREEDY)
+    return verdict(ok, f"{said}; {kv.stall_figures(DEVICE)}")
+
+
 def arguments(argv: list[str] | None) -> argparse.Namespace:
     """The command line (--only), checked with PDD_GPU_CHECK_INJECT: a fault named wrong, or planted in a check
     left out, is a usage error (exit 2), not a run whose checks could not have failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="abcd", help="the checks to run, by letter: a, ab, b,c (default: all)")
+    parser.add_argument("--only", default="abcde", help="the checks to run, by letter: a, ab, b,c (default: all)")
     args = parser.parse_args(argv)
     args.only = set(args.only.replace(",", ""))
-    if not args.only or not args.only <= set("abcd"):
-        parser.error(f"--only takes letters of a, b, c, d, not {''.join(sorted(args.only))!r}")
+    if not args.only or not args.only <= set("abcde"):
+        parser.error(f"--only takes letters of a, b, c, d, e, not {''.join(sorted(args.only))!r}")
     fault = inject()
     if fault and fault not in INJECTIONS:
         parser.error(f"PDD_GPU_CHECK_INJECT={fault!r}: known faults are {', '.join(INJECTIONS)}")
@@ -341,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "b kv-across-devices": lambda: check_kv_across_devices(*engines()),
         "c vllm-layouts": check_vllm_layouts,
         "d bench-engine": lambda: check_bench(model),
+        "e copies-beside-decode": lambda: check_copies_beside_decode(engines()[0], model),
     }
     failed = 0
     for name, check in checks.items():

@@ -6,12 +6,15 @@ cd "$(dirname "$0")/.."
 export PDD_VLLM=${PDD_VLLM:-1}
 scripts/setup.sh
 # Debian's packages that tests run: a real Prometheus and its promtool (the monitoring files),
-# systemd-analyze (the units), ping (the namespace lab's delayed line). Installed as root where
+# systemd-analyze (the units), ping (the namespace lab's delayed line), libibverbs1 (the
+# transfer engine's). Installed as root where
 # missing; elsewhere those tests skip (and a skip fails CI).
 missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 command -v ping >/dev/null || missing+=(iputils-ping)
+# the Mooncake Transfer Engine (the mooncake extra) loads libibverbs even over TCP
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }

@@ -1,7 +1,7 @@
 """scripts/gpu-check.sh, the checks for a lent GPU machine, runs where CI runs: without CUDA its
 engine checks run as dry runs on the CPU, so one broken here fails before it costs device time,
-and what a CPU cannot check says SKIP with its reason (10 s on two cores). Each engine check, with
-a fault planted in its path (PDD_GPU_CHECK_INJECT), must say FAIL (5 s each): a check that cannot
+and what a CPU cannot check says SKIP with its reason (20 s on two cores). Each engine check, with
+a fault planted in its path (PDD_GPU_CHECK_INJECT), must say FAIL (5-10 s each): a check that cannot
 fail proves nothing. Check c's verdict on CUDA, which CI has not, is tested on its parts."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "d bench-engine")
+CHECKS = ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "d bench-engine", "e copies-beside-decode")
+LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-e] [a-z-]+): (.+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def _script(*args: str, inject: str = "") -> subprocess.CompletedProcess[str]:
 
 def _lines(run: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]]:
     """check -> (status, what it said), from the `STATUS check: numbers` lines, each check once."""
-    found = re.findall(r"^(PASS|FAIL|SKIP) ([a-d] [a-z-]+): (.+)$", run.stdout, re.MULTILINE)
+    found = LINE.findall(run.stdout)
     assert [check for _, check, _ in found] == list(CHECKS), run.stdout + run.stderr[-3000:]
     return {check: (status, said) for status, check, said in found}
 
@@ -49,10 +50,10 @@ def test_every_check_reports_and_none_fails(run):
 
 
 def test_each_check_says_what_it_did(run):
-    """Without CUDA a, b and c run dry and say SKIP, with their reason and their numbers; d says SKIP."""
+    """Without CUDA a, b, c and e run dry and say SKIP, with their reason and their numbers; d says SKIP."""
     lines = _lines(run)
     cuda = torch.cuda.is_available()
-    for check in ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts"):
+    for check in ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "e copies-beside-decode"):
         status, said = lines[check]
         if cuda and check == "c vllm-layouts" and importlib.util.find_spec("vllm") is None:
             assert status == "SKIP" and "did not run" in said, said  # vLLM's own kernels did not run: no PASS
@@ -64,6 +65,13 @@ def test_each_check_says_what_it_did(run):
     status, said = lines["d bench-engine"]
     assert (status == "PASS" and "decode_batch8_tok_s" in said) if cuda else status == "SKIP" and said, said
     assert "12/12 caches (NHD, HND, MLA latent; fp16, bf16, fp32, fp8 bytes)" in lines["c vllm-layouts"][1]
+    said = lines["e copies-beside-decode"][1]
+    assert (
+        f"imported into {device} and exported back in " in said
+        and "3/3 landed byte-equal, 3/3 exported back byte-equal" in said
+    )
+    assert "3/3 continuations (64 tokens)" in said, said
+    assert re.search(r"ITL p50/p99 [\d.]+/[\d.]+ ms without, [\d.]+/[\d.]+ ms during; import [\d,]+ MB/s", said), said
 
 
 @pytest.mark.parametrize(
@@ -71,13 +79,14 @@ def test_each_check_says_what_it_did(run):
     [
         ("logit-offset", "a cuda-vs-cpu", "first-step logits max |diff| 1 (tol 0.05)"),
         ("corrupt-page", "b kv-across-devices", "->cpu 2/3, cpu->"),
+        ("lost-slice", "e copies-beside-decode", "2/3 landed byte-equal, 2/3 exported back byte-equal"),
     ],
 )
 def test_an_injected_fault_fails_its_check(tiny_model_dir, fault, check, caught):
     """The fault planted in the check's path is caught by the check's own comparison, CPU or CUDA:
     FAIL, the number that caught it, exit 1. The dry run's SKIP says only that the comparison held."""
     proc = _script("--only", check[0], inject=fault)
-    found = re.findall(r"^(PASS|FAIL|SKIP) ([a-d] [a-z-]+): (.+)$", proc.stdout, re.MULTILINE)
+    found = LINE.findall(proc.stdout)
     assert [(status, name) for status, name, _ in found] == [("FAIL", check)], proc.stdout + proc.stderr[-3000:]
     assert caught in found[0][2], found[0][2]
     assert proc.returncode == 1
@@ -96,8 +105,9 @@ def gpu_check() -> ModuleType:
 @pytest.mark.parametrize(
     ("args", "fault", "error"),
     [
-        (["--only", "ae"], "", "--only takes letters"),
-        ([], "nan-logits", "known faults are logit-offset, corrupt-page"),
+        (["--only", "af"], "", "--only takes letters"),
+        ([], "nan-logits", "known faults are logit-offset, corrupt-page, lost-slice"),
+        (["--only", "abcd"], "lost-slice", "targets check e, which --only leaves out"),
         (["--only", "a"], "corrupt-page", "targets check b, which --only leaves out"),
     ],
 )

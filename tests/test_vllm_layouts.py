@@ -625,8 +625,12 @@ def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_whe
 
     async def go() -> None:
         task = asyncio.ensure_future(kv.write(blocks, blob(kv, tokens, 55, k, v)))
-        await asyncio.sleep(0.5)
-        assert not task.done() and len(threads) == 6  # every slice asked, the last one held
+        for _ in range(200):  # every slice asked, the last one held
+            if len(threads) == 6:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert not task.done() and len(threads) == 6
         gate.set()
         await asyncio.wait_for(task, 10)
 

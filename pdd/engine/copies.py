@@ -23,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from pdd.engine.kv_pool import KVPool
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
 from pdd.kv import codec
-from pdd.kv.copy_stream import CopyStream
+from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
 
 log = logging.getLogger(__name__)
 SLICE_BYTES = 4 << 20  # KV one slice copies: what a dropped sequence's cancel waits for at most
@@ -60,7 +61,8 @@ def token_slices(start: int, end: int, bytes_per_token: int) -> list[tuple[int, 
 class Copies:
     """The copy thread: claimed copies, one slice at a time, in the order they were claimed."""
 
-    def __init__(self) -> None:
+    def __init__(self, busy: Callable[[], bool] = lambda: False) -> None:
+        self.busy = busy  # whether the engine has streams running (a slice then leaves it room)
         self.lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[Copy, Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
         self.slices_done = 0  # (how many ran: what a test sees interleave with the steps)
@@ -86,14 +88,18 @@ class Copies:
             seq.copy_cancelled = True
 
     def close(self) -> None:
+        """Stop the copy thread once the copies already claimed are done."""
         self._jobs.put(None)
+        self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        yield_cpu()
         while (item := self._jobs.get()) is not None:
             copy, settle = item
             error: BaseException | None = None
             try:
                 for _, end, run in copy.slices:
+                    began = time.perf_counter()
                     with self.lock:
                         if copy.seq.copy_cancelled:
                             raise RequestError(f"request {copy.seq.rid!r} ended while its KV was being copied")
@@ -101,6 +107,8 @@ class Copies:
                         if copy.importing:
                             copy.seq.copied_end = end
                         self.slices_done += 1
+                    if self.busy():
+                        rest(time.perf_counter() - began)
             except Exception as e:  # reported to the caller, never kills the copy thread
                 error = e
             copy.done.set()
@@ -135,9 +143,8 @@ def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStr
                     staged[0].copy_(k)
                     staged[1].copy_(v)
                     k, v = staged.to(pool.k.device, non_blocking=True)
-                for i in range(pool_k.shape[0]):
-                    pool_k[i][at] = k[i].to(pool.dtype)
-                    pool_v[i][at] = v[i].to(pool.dtype)
+                pool_k[:, at] = k.to(pool.dtype)  # (every layer in one operation: one hand-off of the GIL)
+                pool_v[:, at] = v.to(pool.dtype)
 
         return run
 
@@ -150,6 +157,7 @@ def export_copy(pool: KVPool, seq: Sequence, header: codec.KVHeader, stream: Cop
     start, end = header.token_start, header.token_end
     slots = pool.slots(seq.pages, start, end).to(pool.k.device)
     layers = range(header.layer_start, header.layer_end)
+    pool_k, pool_v = pool.k[header.layer_start : header.layer_end], pool.v[header.layer_start : header.layer_end]
     shape = (len(layers), end - start, header.kv_heads, header.head_dim)
     k, v = (torch.empty(shape, dtype=pool.dtype) for _ in range(2))
     per_token = 2 * len(layers) * header.kv_heads * header.head_dim * pool.dtype.itemsize
@@ -162,9 +170,8 @@ def export_copy(pool: KVPool, seq: Sequence, header: codec.KVHeader, stream: Cop
                 staged = stream.pinned(2 * out_k.numel() * pool.dtype.itemsize).view(pool.dtype)
                 out_k, out_v = staged.view(2, len(layers), n, *shape[2:])
             with stream.copying():
-                for i, layer in enumerate(layers):
-                    out_k[i].copy_(pool.k[layer][at], non_blocking=True)
-                    out_v[i].copy_(pool.v[layer][at], non_blocking=True)
+                out_k.copy_(pool_k[:, at], non_blocking=True)
+                out_v.copy_(pool_v[:, at], non_blocking=True)
             if stream.cuda:  # (the stream is done: the page-locked slice is the blob's now)
                 k[:, a - start : b - start] = out_k
                 v[:, a - start : b - start] = out_v

@@ -76,7 +76,7 @@ class EngineRuntime:
         engine.cache.on_event = self._on_cache_event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self.copies = engine.copies = Copies()
+        self.copies = engine.copies = Copies(busy=lambda: bool(engine.scheduler.running))
 
     def start_thread(self) -> None:
         self._thread.start()

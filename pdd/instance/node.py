@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
+from pdd.instance.placement import Regions, check_start
 from pdd.names import RoleName
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
@@ -47,8 +48,10 @@ class Node:
         self.draining = False
         self.peak_held = 0  # the most requests held at once (a relay must stay within its batch)
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
+        self.regions = Regions(spec)  # where peers of this datacenter place KV with a transfer engine
 
     async def start(self) -> None:
+        check_start(self.spec, self.dep.link.intra_kv)
         self.engine.set_cache_listener(self._publish)
         self.server = await wire.serve(
             self._handle, self.spec.host, self.spec.kv_port, self.key, tls=server_context(self.dep.tls)
@@ -118,6 +121,7 @@ class Node:
             "role": self.spec.role,
             "held": self.role.held(),
             "peak_held": self.peak_held,
+            "kv_placed": dict(self.regions.placed),
             "reservations_waiting": len(waiting) if waiting is not None else 0,
             "prefix_waits_expired": getattr(self.role, "prefix_waits_expired", 0),  # (decode-side roles)
             "background_held": getattr(self.role, "background_held", 0),  # (a prefill role)
@@ -230,8 +234,14 @@ class Node:
         beat = self._keepalive(conn) if channel == "control" else None
         try:
             while True:
-                await self.role.on_peer(conn, name, await conn.next_frame())
+                frame = await self.regions.on_frame(conn, await conn.next_frame())
+                if frame is not None:
+                    await self.role.on_peer(conn, name, frame)
+        except m.BadMessage as e:  # KV placed wrong: what else the connection carries cannot be trusted
+            log.warning("dropping %s's connection: %s", name, e)
+            conn.abort()
         finally:
+            self.regions.forget(conn)
             conns.discard(conn)
             if beat is not None:
                 beat.cancel()

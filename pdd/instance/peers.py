@@ -24,6 +24,7 @@ from typing import Any
 
 import pdd
 from pdd.config import Deployment, InstanceSpec
+from pdd.instance.placement import Placements
 from pdd.policy.transfer import Priority
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
@@ -88,6 +89,8 @@ class PeerPool:
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats
         self._drains = Tasks()  # stripes draining what was written to them
+        # KV to a peer of this datacenter through a transfer engine, where `[link] intra_kv` says
+        self._placements = Placements(spec, lambda name: not self.remote(name), lambda: deployment().link.intra_kv)
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
@@ -160,7 +163,12 @@ class PeerPool:
         try:
             conn = await self.get(name, priority, stripe)
             payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
-            conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
+            placement = await self._placements.of(name, conn) if kv is not None else None
+            if placement is not None and len(payload) <= placement.remote.slot_bytes:
+                placed = await placement.place(payload)  # (written into the peer's memory: only where, here)
+                conn.post(MsgType.KV_PLACED, m.encode_body(placed, conn.version))
+            else:
+                conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
         except BaseException:
             self._release(name, priority, stripe)
             raise
@@ -210,7 +218,8 @@ class PeerPool:
                 except m.BadMessage as e:  # a peer's bug, not a reason to drop the connection
                     log.warning("bad reply from %s: %s", name, e)
                     continue
-                await self._on_body(name, body)
+                if not self._placements.answer(conn, body):  # (the transfer engine's own replies stop here)
+                    await self._on_body(name, body)
         except (ConnectionError, wire.FrameError) as e:
             log.warning("connection to %s lost: %s", name, e)
         except Exception:
@@ -218,6 +227,7 @@ class PeerPool:
         finally:
             if self._conns.get((name, channel, stripe)) is conn:
                 del self._conns[(name, channel, stripe)]
+            self._placements.forget(conn)
             conn.close()
             if channel == Priority.CONTROL and conn.silent_for:  # the peer is gone: so are its KV connections
                 for key in [k for k in self._conns if k[0] == name and k[1] != Priority.CONTROL]:

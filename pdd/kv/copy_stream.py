@@ -12,9 +12,34 @@ are asynchronous DMA. On a CPU all of this is nothing: the copy thread copies.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import threading
+import time
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
+COPY_NICE = 10  # a copy thread's nice value: under the model thread's where cores are short
+# While streams step, a copy thread rests after each slice so that it copies this share of
+# the time at most: on a CPU a copy and a step share cores and the memory bus (a GPU's
+# copy engines do not, and there the rest costs the copy little)
+COPY_SHARE = 0.5
+
+
+def yield_cpu() -> None:
+    """The calling (copy) thread gives way to the model's where both want a core (Linux: a
+    thread's own nice value; elsewhere nothing): a copy may take longer, a step may not."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
+    except (AttributeError, OSError) as e:
+        log.debug("the copy thread keeps its priority: %s", e)
+
+
+def rest(copied_s: float) -> None:
+    """After a slice that took `copied_s`, while streams step: keep to COPY_SHARE."""
+    time.sleep(copied_s * (1 / COPY_SHARE - 1))
 
 
 class CopyStream:

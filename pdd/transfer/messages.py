@@ -302,6 +302,44 @@ class CacheUpdate(Message, frozen=True):
             raise ValueError("hashes must be below 2**64")
 
 
+class KVRegionAsk(Message, frozen=True):
+    """P -> a decode-side instance of its own datacenter, on a KV connection: a region of
+    the transfer engine `engine` for this connection's KV (`pdd.transfer.mooncake`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_REGION_ASK
+    engine: Literal["mooncake"]
+
+
+class KVRegion(Message, frozen=True):
+    """The answer to KV_REGION_ASK: where the sender may write (`session`, a registered
+    `address` of `slots` slots of `slot_bytes`), or `error` (KV then stays on the connection)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_REGION
+    session: Name = ""
+    address: Count = 0
+    slot_bytes: Count = 0
+    slots: Annotated[int, Meta(ge=0, le=1024)] = 0
+    error: Text = ""
+
+
+class KVPlaced(Message, frozen=True):
+    """P -> decode side: a KV_LAYER frame's payload (its KVLayer header and blob) is in
+    slot `slot` of this connection's region, `nbytes` long; `sha256` (hex) is what the
+    receiver checks its copy of the bytes against before it reads them."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_PLACED
+    slot: Annotated[int, Meta(ge=0, lt=1024)]
+    nbytes: Count
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class KVSlotFree(Message, frozen=True):
+    """Decode side -> P: the bytes of slot `slot` are read; it may be written again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_SLOT_FREE
+    slot: Annotated[int, Meta(ge=0, lt=1024)]
+
+
 Body = (
     Hello
     | Submit
@@ -322,6 +360,10 @@ Body = (
     | CacheUpdate
     | Member
     | Drain
+    | KVRegionAsk
+    | KVRegion
+    | KVPlaced
+    | KVSlotFree
 )
 # One decoder per type, built once. Measured (issue 13) decoding a TOKENS body of one token,
 # one of 4,096 tokens, and a KV_LAYER header in front of a 2 MiB blob, in us per decode

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from pdd.engines.vllm.layout import Layout
 from pdd.engines.vllm.staging import Region
-from pdd.kv.copy_stream import CopyStream
+from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Copier:
         self.stream = CopyStream(device)
         self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self.done = threading.Event()  # set whenever a slice is answered (an idle step waits on it)
+        self.busy = False  # whether the last step computed something (a slice then leaves it room)
         self._thread = threading.Thread(target=self._run, name="pdd-kv-copy", daemon=True)
 
     def start(self) -> None:
@@ -64,7 +66,9 @@ class Copier:
         self.jobs.put(None)
 
     def _run(self) -> None:
+        yield_cpu()
         while (header := self.jobs.get()) is not None:
+            began = time.perf_counter()
             try:
                 if header["op"] == "write":
                     self.write(header)
@@ -78,6 +82,8 @@ class Copier:
             except OSError as e:  # the instance is gone; vLLM is being shut down with it
                 log.warning("pdd KV copy's answer not delivered: %s", e)
             self.done.set()
+            if self.busy:
+                rest(time.perf_counter() - began)
 
     def slots(self, header: dict[str, Any]) -> torch.Tensor:
         """The cache slots of tokens [token_start, token_end) in the scheduler's `blocks`,

@@ -226,6 +226,7 @@ class VllmEngine(Requests):
         if self.events is not None:
             self.events.close()
         self.bridge.close()
+        self.kv.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pdd.engine_port import RequestError
-from pdd.engines.vllm.staging import Region, Slots
+from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.copy_stream import yield_cpu
+from pdd.kv.slots import Slots
 
 
 @dataclass
@@ -41,7 +44,8 @@ class WorkerInfo:
     dtype: str  # a `pdd.kv.codec` dtype name: the values', fp8 included
     latent: bool  # MLA: K is the latent, there is no V
     scales: tuple[float, ...]  # an fp8 cache's K and V scale of every layer
-    slots: Slots = field(repr=False)  # its staging region's slots
+    region: Region = field(repr=False)  # its staging region
+    slots: Slots = field(repr=False)  # which of the region's slots are free
 
     @property
     def sides(self) -> int:
@@ -51,7 +55,9 @@ class WorkerInfo:
     def slice_tokens(self) -> int:
         """Tokens of this rank's KV one staging slot holds."""
         per_token = self.sides * self.layers * self.heads * self.head_dim * codec.ALL_DTYPES[self.dtype].itemsize
-        return self.slots.tokens_per_slot(per_token)
+        if per_token > self.region.slot_bytes:
+            raise ValueError(f"one token's KV ({per_token} bytes) exceeds a staging slot")
+        return self.region.slot_bytes // per_token
 
     @classmethod
     def from_layout(cls, channel: Any, msg: dict[str, Any]) -> WorkerInfo:
@@ -67,7 +73,8 @@ class WorkerInfo:
             msg["dtype"],
             msg["latent"],
             tuple(msg["scales"]),
-            Slots(Region.attach(msg["fds"][0], msg["slot_bytes"], msg["slots"])),
+            Region.attach(msg["fds"][0], msg["slot_bytes"], msg["slots"]),
+            Slots(msg["slots"]),
         )
 
 
@@ -75,6 +82,8 @@ class WorkerKV:
     """Requests to the workers, each answered by sequence number on a bridge thread."""
 
     def __init__(self) -> None:
+        # the copies between blobs and staging slots, off the event loop and under the model's priority
+        self._copies = ThreadPoolExecutor(2, thread_name_prefix="pdd-kv-stage", initializer=yield_cpu)
         self.workers: dict[int, WorkerInfo] = {}
         self._seq = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -112,6 +121,9 @@ class WorkerKV:
         error = RuntimeError(f"vLLM worker: {header.get('error')}") if header["op"] == "failed" else None
         loop.call_soon_threadsafe(_settle, fut, error)
 
+    def close(self) -> None:
+        self._copies.shutdown(wait=False, cancel_futures=True)
+
     def fail_all(self, error: Exception) -> None:
         for seq in list(self._waiting):
             loop, fut = self._waiting.pop(seq)
@@ -122,6 +134,7 @@ class WorkerKV:
         import), the worker is asked (`header`), `empty(slot)` copies it out (an export).
         The slot is given back only once the worker has answered, even if this is
         cancelled meanwhile: it may still be copying from or into it."""
+        loop = asyncio.get_running_loop()
         slot = await worker.slots.take()
         shape = (
             worker.sides,
@@ -130,19 +143,18 @@ class WorkerKV:
             worker.heads,
             worker.head_dim,
         )
-        staged = worker.slots.region.slot(slot, codec.ALL_DTYPES[worker.dtype], shape)
+        staged = worker.region.slot(slot, codec.ALL_DTYPES[worker.dtype], shape)
         answered: asyncio.Future[None] | None = None
         try:
             if fill is not None:
-                await asyncio.to_thread(fill, staged)
+                await loop.run_in_executor(self._copies, fill, staged)
             seq = next(self._seq)
-            loop = asyncio.get_running_loop()
             answered = loop.create_future()
             self._waiting[seq] = (loop, answered)
             worker.channel.send({**header, "seq": seq, "slot": slot, "heads": worker.heads})
             await asyncio.shield(answered)
             if empty is not None:
-                await asyncio.to_thread(empty, staged)
+                await loop.run_in_executor(self._copies, empty, staged)
         finally:
             if answered is None or answered.done():
                 worker.slots.give(slot)

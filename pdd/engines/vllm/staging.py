@@ -8,7 +8,7 @@ it asynchronously), and hands its descriptor to the instance over the bridge (SC
 on the authenticated Unix socket), which maps the same pages (`Region.attach`).
 
 The region is cut into `slots` equal slots of `slot_bytes`; a slice of one request's KV
-fills one slot. The instance owns the slots (`Slots`): it takes a free one, fills it (an
+fills one slot. The instance owns the slots (`pdd.kv.slots.Slots`): it takes a free one, fills it (an
 import) or names it in a read (an export), and gives it back when the worker has
 answered, so a slot is never written by both sides at once. Bridge messages carry only
 the slot's number and the slice's shape.
@@ -16,8 +16,6 @@ the slot's number and the slice's shape.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import mmap
 import os
 
@@ -77,46 +75,3 @@ class Region:
             self._map.close()
         except BufferError:  # a tensor over it is still alive: the mapping goes with the process
             pass
-
-
-class Slots:
-    """Which of a region's slots are free: taken by one slice, given back when its worker
-    answered. Waiters are futures of whichever event loop asks (the instance's, or a
-    benchmark's), woken first come, first served."""
-
-    def __init__(self, region: Region) -> None:
-        self.region = region
-        self._free = list(range(region.slots))
-        self._waiting: collections.deque[asyncio.Future[int]] = collections.deque()
-
-    def tokens_per_slot(self, bytes_per_token: int) -> int:
-        if bytes_per_token > self.region.slot_bytes:
-            raise ValueError(f"one token's KV ({bytes_per_token} bytes) exceeds a staging slot")
-        return self.region.slot_bytes // bytes_per_token
-
-    async def take(self) -> int:
-        if self._free and not self._waiting:
-            return self._free.pop()
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiting.append(fut)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed a slot as it was cancelled: pass it on
-                self.give(fut.result())
-            raise
-
-    def give(self, index: int) -> None:
-        while self._waiting:
-            fut = self._waiting.popleft()
-            if not fut.done():
-                fut.get_loop().call_soon_threadsafe(_hand, fut, index, self)
-                return
-        self._free.append(index)
-
-
-def _hand(fut: asyncio.Future[int], index: int, slots: Slots) -> None:
-    if fut.done():  # cancelled meanwhile: the slot goes to the next waiter
-        slots.give(index)
-    else:
-        fut.set_result(index)

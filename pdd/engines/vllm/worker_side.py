@@ -140,6 +140,7 @@ class WorkerSide:
         if self.copier is None:
             return
         self.copier.stream.mark_step()
+        self.copier.busy = not idle
         if idle:
             self.copier.done.wait(IDLE_WAIT_S)
         self.copier.done.clear()

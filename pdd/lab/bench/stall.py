@@ -5,10 +5,11 @@ instance drives it); then, `--trials` times, a cold request of `--import-tokens`
 tokens is reserved and its KV imported through the engine's real import path (synthetic
 values in the model's shape: what is measured is where the bytes go, not what they say).
 The streams' inter-token latencies are split into those whose gap overlaps an import
-and those that do not. The default model is the tiny model's code with a realistic KV
-per token (24 layers of two 64-wide KV heads, as Qwen2.5-0.5B: 24 KiB a token in fp32)
-and little compute, the case where a copy is longest beside a step. Numbers are
-printed, never asserted; the last line is the verdict's figures.
+and those that overlap a window as long, half a second later, with none (a gap that
+overlaps a window is likely a long one, so both sides are taken alike). The default
+model is the tiny model's code with a realistic KV per token (24 layers of two 64-wide
+KV heads, as Qwen2.5-0.5B: 24 KiB a token in fp32) and little compute, the case where
+a copy is longest beside a step. Numbers are printed, never asserted; the last line is the verdict's figures.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-tokens", type=int, default=8192, help="the imported request's prompt (default 8192)")
     p.add_argument("--trials", type=int, default=5, help="imports measured (default 5)")
     p.add_argument("--layers", type=int, default=24, help="the default model's layers (default 24)")
+    p.add_argument("--device", default="cpu", help="MD's device: cpu, cuda, cuda:N (default cpu)")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -93,16 +95,14 @@ async def _measure(engine: Any, model_dir: str, args: argparse.Namespace) -> dic
                 arrivals[i].append(time.perf_counter())
 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(args.streams)]
-    windows: list[tuple[float, float]] = []
+    windows: list[tuple[float, float]] = []  # each import's
+    controls: list[tuple[float, float]] = []  # as long, with no import: the same measure without one
     try:
         while min(len(a) for a in arrivals) < 5:  # every stream prefilled and decoding
             await asyncio.sleep(0.05)
             for task in tasks:
                 if task.done():
                     task.result()
-        quiet_from = time.perf_counter()
-        await asyncio.sleep(3.0)  # the streams alone
-        quiet = (quiet_from, time.perf_counter())
         prompt = [rng.randrange(16, 4000) for _ in range(args.import_tokens)]
         blob = _synthetic_blob(model_dir, prompt, "float32")
         nbytes = blob.k.numel() * blob.k.element_size() * 2
@@ -113,17 +113,23 @@ async def _measure(engine: Any, model_dir: str, args: argparse.Namespace) -> dic
             await engine.import_kv(rid, blob)
             windows.append((began, time.perf_counter()))
             await engine.release(rid)
-            await asyncio.sleep(1.0)  # the streams settle before the next
+            await asyncio.sleep(0.5)  # the streams settle
+            began = time.perf_counter()
+            await asyncio.sleep(windows[-1][1] - windows[-1][0])
+            controls.append((began, time.perf_counter()))
+            await asyncio.sleep(0.5)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    # a gap counts for a window it overlaps: longer gaps overlap more often, so the gaps
+    # without an import are taken the same way, over windows as long with none
     without, during = [], []
     for times in arrivals:
         for a, b in zip(times, times[1:], strict=False):
             if any(a < end and b > start for start, end in windows):
                 during.append(b - a)
-            elif quiet[0] <= a and b <= quiet[1]:
+            elif any(a < end and b > start for start, end in controls):
                 without.append(b - a)
     import_s = [end - start for start, end in windows]
     return {
@@ -143,7 +149,13 @@ def measure(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
 
     page = 32 if args.engine == "vllm" else 16  # (vLLM's CPU attention takes multiples of 32)
     pages = (args.import_tokens + 4096) // page + args.streams * 8
-    config = EngineConfig(page_size=page, num_pages=pages, max_batch_tokens=2048, backend=args.engine)
+    config = EngineConfig(
+        page_size=page,
+        num_pages=pages,
+        max_batch_tokens=2048,
+        backend=args.engine,
+        device=getattr(args, "device", "cpu"),
+    )
     engine = open_engine(model_dir, config, args.threads)
     try:
         return asyncio.run(_measure(engine, model_dir, args))

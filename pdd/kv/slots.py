@@ -1,0 +1,43 @@
+"""Which of a region's slots are free: taken by one piece of KV, given back when whoever
+reads the other side of it is done (a vLLM worker's staging region, a transfer engine's
+region on the receiving instance). Waiters are futures of whichever event loop asks,
+woken first come, first served; a slot may be given back from any thread."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+
+class Slots:
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = list(range(count))
+        self._waiting: collections.deque[asyncio.Future[int]] = collections.deque()
+
+    async def take(self) -> int:
+        if self._free and not self._waiting:
+            return self._free.pop()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot as it was cancelled: pass it on
+                self.give(fut.result())
+            raise
+
+    def give(self, index: int) -> None:
+        while self._waiting:
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.get_loop().call_soon_threadsafe(_hand, fut, index, self)
+                return
+        self._free.append(index)
+
+
+def _hand(fut: asyncio.Future[int], index: int, slots: Slots) -> None:
+    if fut.done():  # cancelled meanwhile: the slot goes to the next waiter
+        slots.give(index)
+    else:
+        fut.set_result(index)

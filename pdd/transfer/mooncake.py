@@ -1,0 +1,111 @@
+"""KV inside a site through the Mooncake Transfer Engine (`[link] intra_kv`).
+
+Between two instances of one datacenter, P writes each KV frame's bytes straight into a
+region the receiving instance registered with its transfer engine (RDMA where the
+machine has a device, TCP otherwise), and sends on its authenticated KV connection only
+where they are (`KVPlaced`: the slot, the length and their SHA-256). The engine's own
+data path authenticates nothing, so the receiver copies the bytes out of its slot and
+checks them against that digest before it reads them; addresses and sessions are only
+ever learnt over pdd's authenticated connections (`KVRegionAsk`, `KVRegion`).
+
+Each KV connection gets a region of its own on the receiver (`SLOTS` slots of
+`SLOT_BYTES`), and the sender a region the same size, registered too (RDMA reads from
+registered memory only): a frame goes through the slot of the same number on both
+sides, which the sender takes until the receiver says it is free again (`KVSlotFree`).
+Nothing here runs unless configured; the package (`pdd[mooncake]`) is imported on first
+use, and where it is missing or the engine cannot start, `Unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+SLOT_BYTES = 4 << 20  # a frame larger than this goes over the connection itself
+SLOTS = 8
+
+
+class Unavailable(RuntimeError):
+    """The transfer engine cannot run here (the package, its libraries, or its start)."""
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A receiver's region, as its `KVRegion` said."""
+
+    session: str
+    address: int
+    slot_bytes: int
+    slots: int
+
+
+class Endpoint:
+    """This process's transfer engine: started once, registering regions on demand."""
+
+    def __init__(self, host: str) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # (read when the module loads: glog's INFO lines otherwise)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise Unavailable(f"the Mooncake Transfer Engine is not installed (pdd[mooncake]): {e}") from None
+        self.protocol = "rdma" if _rdma_devices() else "tcp"
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, "")
+        if rc != 0:
+            raise Unavailable(f"the Mooncake Transfer Engine did not start on {host} over {self.protocol} ({rc})")
+        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self._regions: list[torch.Tensor] = []  # kept alive while registered
+
+    def region(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> torch.Tensor:
+        """A new registered region of `slots` x `slot_bytes`, as a flat uint8 tensor."""
+        buf = torch.zeros(slot_bytes * slots, dtype=torch.uint8)
+        rc = self._engine.register_memory(buf.data_ptr(), buf.numel())
+        if rc != 0:
+            raise Unavailable(f"the transfer engine refused to register {buf.numel()} bytes ({rc})")
+        self._regions.append(buf)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._engine.unregister_memory(buf.data_ptr())
+        self._regions = [r for r in self._regions if r is not buf]
+
+    def write_sync(self, local: torch.Tensor, remote: RemoteRegion, slot: int, nbytes: int) -> None:
+        """Bytes [0, nbytes) of `local` (in a registered region) into slot `slot` of
+        `remote`, waiting for the engine (off the event loop: it releases the GIL);
+        ConnectionError if the engine failed."""
+        dst = remote.address + slot * remote.slot_bytes
+        rc = self._engine.transfer_sync_write(remote.session, local.data_ptr(), dst, nbytes)
+        if rc != 0:
+            raise ConnectionError(f"the transfer engine's write to {remote.session} failed ({rc})")
+
+
+_endpoint: Endpoint | None = None
+
+
+def endpoint(host: str) -> Endpoint:
+    """The process's one endpoint (Unavailable if it cannot start; asked again next time)."""
+    global _endpoint
+    if _endpoint is None:
+        _endpoint = Endpoint(host)
+        log.info(
+            "KV inside the site: Mooncake Transfer Engine over %s, session %s", _endpoint.protocol, _endpoint.session
+        )
+    return _endpoint
+
+
+def local_host(host: str) -> str:
+    """The address the engine listens on: the instance's own, or loopback where it binds all."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else socket.gethostbyname(host)
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
