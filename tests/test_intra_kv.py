@@ -7,7 +7,6 @@ with one line saying why ("auto"), or the instance does not start ("mooncake")."
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import httpx
 import pytest
@@ -65,15 +64,21 @@ def test_without_the_engine_auto_says_why_and_sends_over_tcp_and_mooncake_does_n
 
 
 class _Conn:
-    """What `Regions` sends on: the bodies, decoded."""
+    """Either end of a KV connection, without the socket: what it sends, as frames."""
 
     version = PROTOCOL_VERSION
 
     def __init__(self) -> None:
-        self.sent: list = []
+        self.sent: list[Frame] = []
 
     async def send(self, msg_type: MsgType, payload: bytes) -> None:
-        self.sent.append(m.decode(Frame(msg_type, 0, payload)))
+        self.post(msg_type, payload)
+
+    def post(self, msg_type: MsgType, payload: bytes) -> None:
+        self.sent.append(Frame(msg_type, len(self.sent), payload))
+
+    def subkey(self, label: bytes, sending: bool) -> bytes:  # (one session key, as both ends derive it)
+        return b"s" * 32
 
 
 def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_refused():
@@ -81,7 +86,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
     engine into the region the receiver's `Regions` offered; the receiver hands on the
     KV_LAYER frame, frees the slot, and refuses a slot written behind the digest's back."""
     from pdd.config import InstanceSpec
-    from pdd.instance.placement import Placement, Regions
+    from pdd.instance.placement import PLACED_LABEL, Placement, Regions
     from pdd.transfer import mooncake
 
     spec = InstanceSpec("rld0", "relay", "A", "127.0.0.1")
@@ -90,22 +95,41 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
     async def go() -> None:
         ask = Frame(MsgType.KV_REGION_ASK, 0, m.encode_body(m.KVRegionAsk("mooncake"), PROTOCOL_VERSION))
         assert await receiver.on_frame(conn, ask) is None
-        offer = conn.sent.pop()
+        offer = m.decode(conn.sent.pop())
         assert isinstance(offer, m.KVRegion) and not offer.error and offer.slots == mooncake.SLOTS
-        sender = mooncake.Endpoint("127.0.0.1")  # (another engine: P's)
+        sender, out = mooncake.Endpoint("127.0.0.1"), _Conn()  # (another engine: P's)
         remote = mooncake.RemoteRegion(offer.session, offer.address, offer.slot_bytes, offer.slots)
-        placement = Placement(sender, remote, sender.region(offer.slot_bytes, offer.slots))
-        payload = m.kv_payload("a.0", bytes(range(256)) * 4000)
-        placed = await placement.place(payload)
-        assert placed.sha256 == hashlib.sha256(payload).hexdigest()
-        frame = await receiver.on_frame(conn, Frame(MsgType.KV_PLACED, 5, m.encode_body(placed, PROTOCOL_VERSION)))
-        assert frame is not None and frame.type == MsgType.KV_LAYER and bytes(frame.payload) == payload
-        assert conn.sent == [m.KVSlotFree(placed.slot)] and receiver.placed == {"frames": 1, "bytes": len(payload)}
-        again = await placement.place(payload)
+        key = out.subkey(PLACED_LABEL, sending=True)
+        placement = Placement(sender, remote, sender.region(offer.slot_bytes, offer.slots), key=key)
+        payloads = [m.kv_payload(f"a.{i}", bytes([i]) * (1 << 20) + bytes(range(256)) * i) for i in range(12)]
+        received: list[bytes] = []
+
+        async def receive() -> None:  # the relay's node, and P's reader of its KV_SLOT_FREE
+            while len(received) < len(payloads):
+                if len(out.sent) <= len(received):
+                    await asyncio.sleep(0.001)
+                    continue
+                frame = out.sent[len(received)]
+                assert frame.type == MsgType.KV_PLACED
+                got = await receiver.on_frame(conn, frame)
+                assert got is not None and got.type == MsgType.KV_LAYER
+                received.append(bytes(got.payload))
+                placement.slots.give(m.decode(conn.sent.pop()).slot)
+
+        reader = asyncio.ensure_future(receive())
+        for payload in payloads:  # (12 frames through 8 slots: each freed once the receiver has read it)
+            await asyncio.wait_for(placement.send(out, payload), 30)
+        await asyncio.wait_for(placement.flush(), 30)
+        await asyncio.wait_for(reader, 30)
+        assert received == payloads  # every frame, whole and in order
+        assert receiver.placed == {"frames": 12, "bytes": sum(map(len, payloads))}
+        await placement.send(out, payloads[0])
+        await placement.flush()
+        placed = m.decode(out.sent[-1])
         region = receiver._by_conn[conn][1]
-        region[again.slot * offer.slot_bytes + 100] ^= 0xFF  # (someone else wrote into the region)
-        with pytest.raises(m.BadMessage, match="does not match its SHA-256"):
-            await receiver.on_frame(conn, Frame(MsgType.KV_PLACED, 6, m.encode_body(again, PROTOCOL_VERSION)))
+        region[placed.slot * offer.slot_bytes + 100] ^= 0xFF  # (someone else wrote into the region)
+        with pytest.raises(m.BadMessage, match="does not match its tag"):
+            await receiver.on_frame(conn, out.sent[-1])
 
     asyncio.run(go())
 

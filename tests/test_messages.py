@@ -28,7 +28,7 @@ SAMPLES = [
     m.CacheUpdate("snapshot", 3, [2**64 - 1, 0], 16),
     m.Member("md1", "main", "B", "127.0.0.1", 9001, {"A": "127.0.0.1:9002"}), m.Drain(),
     m.KVRegionAsk("mooncake"), m.KVRegion("127.0.0.1:15001", 2**40, 4 << 20, 8), m.KVRegion(error="not installed"),
-    m.KVPlaced(3, 1 << 20, "ab" * 32), m.KVSlotFree(3),
+    m.KVPlaced(3, 1 << 20, 7, "ab" * 16), m.KVSlotFree(3),
 ]
 
 

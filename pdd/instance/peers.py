@@ -163,11 +163,12 @@ class PeerPool:
         try:
             conn = await self.get(name, priority, stripe)
             payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
-            placement = await self._placements.of(name, conn) if kv is not None else None
-            if placement is not None and len(payload) <= placement.remote.slot_bytes:
-                placed = await placement.place(payload)  # (written into the peer's memory: only where, here)
-                conn.post(MsgType.KV_PLACED, m.encode_body(placed, conn.version))
+            placement = await self._placements.of(name, conn) if priority != Priority.CONTROL else None
+            if placement is not None and kv is not None and len(payload) <= placement.remote.slot_bytes:
+                await placement.send(conn, payload)  # (written into the peer's memory: only where, on the connection)
             else:
+                if placement is not None:  # whatever follows placed frames follows them on the connection too
+                    await placement.flush()
                 conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
         except BaseException:
             self._release(name, priority, stripe)

@@ -3,9 +3,11 @@
 The sender (`Placements`, in P's `PeerPool`) asks each KV connection's receiver, once,
 for a region (KV_REGION_ASK); from then on a KV frame's payload is written into a slot
 of that region by the transfer engine (`pdd.transfer.mooncake`), and only a KV_PLACED
-saying where, how long and its SHA-256 goes on the connection, in the frame's place, so
+saying where, how long and its tag goes on the connection, in the frame's place, so
 everything the connection carries stays in order. The receiver (`Regions`, in the node)
-copies the slot out, checks the digest, frees the slot (KV_SLOT_FREE) and hands the
+copies the slot out, checks the tag (a GMAC under a key derived from the connection's
+session key: nothing written into the region by anyone else passes), frees the slot
+(KV_SLOT_FREE) and hands the
 bytes on as the KV_LAYER frame they are: the roles never know how KV came. Where the
 engine cannot run, or the receiver says it cannot, KV stays on the connection ("auto",
 said once a peer), or the instance does not start ("mooncake", `check_start`).
@@ -14,21 +16,26 @@ said once a peer), or the instance does not start ("mooncake", `check_start`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
+import numpy as np
 import torch
 
 from pdd.config import InstanceSpec
 from pdd.kv.slots import Slots
+from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import mooncake
 from pdd.transfer.wire import Frame, FramedConnection, MsgType
+from pdd.transfer.wire.frame import gmac
 
 log = logging.getLogger(__name__)
+PLACED_LABEL = b"kv placed"  # the tags' key, from the connection's session key of P's direction
 REGION_TIMEOUT_S = 5.0  # a receiver that does not answer KV_REGION_ASK (an older release) is sent frames
 
 
@@ -43,33 +50,80 @@ def check_start(spec: InstanceSpec, intra_kv: str) -> None:
 
 @dataclass(eq=False)
 class Placement:
-    """One KV connection's way through the transfer engine: the receiver's region and ours."""
+    """One KV connection's way through the transfer engine: the receiver's region and ours.
+
+    Frames are placed several at a time (as many as there are slots), each written and
+    digested on a thread while the next is taken; their KV_PLACED go out in the order the
+    frames came, and anything else the connection carries waits behind them (`flush`)."""
 
     endpoint: mooncake.Endpoint
     remote: mooncake.RemoteRegion
     local: torch.Tensor
     slots: Slots = field(init=False)
+    key: bytes | None = None  # the tags' (the connection's, from its sending session key)
+    tail: asyncio.Future[None] | None = None  # done once every frame placed so far is posted
+    placed: int = 0  # frames placed so far: each one's number is its tag's nonce
+    _tasks: Tasks = field(default_factory=Tasks)
 
     def __post_init__(self) -> None:
         self.slots = Slots(self.remote.slots)
 
-    async def place(self, payload: bytes) -> m.KVPlaced:
-        """Write `payload` into a free slot of the receiver's (through ours, which the engine
-        reads from); the slot stays taken until the receiver frees it."""
+    async def send(self, conn: FramedConnection, payload: bytes) -> None:
+        """Place `payload` (a KV_LAYER frame's) and post its KV_PLACED in turn; returns once
+        it has a slot (so a sender keeps at most `slots` frames in flight). Should the
+        engine fail, the frame itself is posted in its place: nothing is lost."""
         slot = await self.slots.take()
-        try:
-            digest = await asyncio.to_thread(self._write, slot, payload)
-        except BaseException:
-            self.slots.give(slot)
-            raise
-        return m.KVPlaced(slot, len(payload), digest)
+        before, self.tail = self.tail, asyncio.get_running_loop().create_future()
+        self.placed += 1
+        self._tasks.spawn(self._finish(conn, slot, self.placed, payload, before, self.tail))
 
-    def _write(self, slot: int, payload: bytes) -> str:
+    async def _finish(
+        self,
+        conn: FramedConnection,
+        slot: int,
+        n: int,
+        payload: bytes,
+        before: asyncio.Future[None] | None,
+        done: asyncio.Future[None],
+    ) -> None:
+        try:
+            try:
+                written = asyncio.get_running_loop().run_in_executor(
+                    self.endpoint.writer, self._write, slot, n, payload
+                )
+                body: Any = m.KVPlaced(slot, len(payload), n, await written)
+            except ConnectionError as e:
+                log.warning("the transfer engine failed (%s): this KV frame goes over the connection", e)
+                self.slots.give(slot)
+                body = None
+            if before is not None:
+                await before
+            if body is None:
+                conn.post(MsgType.KV_LAYER, payload)
+            else:
+                conn.post(MsgType.KV_PLACED, m.encode_body(body, conn.version))
+        finally:
+            done.set_result(None)
+
+    async def flush(self) -> None:
+        """Wait until every frame placed so far is posted (before anything else is sent)."""
+        if self.tail is not None:
+            await asyncio.shield(self.tail)
+
+    def _write(self, slot: int, n: int, payload: bytes) -> str:
         size = self.remote.slot_bytes
         local = self.local[slot * size : slot * size + len(payload)]
-        local.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        local.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
         self.endpoint.write_sync(local, self.remote, slot, len(payload))
-        return hashlib.sha256(payload).hexdigest()
+        return tag(self.key, n, payload)
+
+
+def tag(key: bytes | None, n: int, data: bytes | memoryview) -> str:
+    """What vouches for placed bytes: their GMAC under the connection's key (nonce `n`,
+    never reused under it), or their CRC32C where the connection has no key."""
+    if key is None:
+        return f"{crc32c.crc32c(data):08x}"
+    return gmac(key, n, data).hex()
 
 
 class Placements:
@@ -97,7 +151,8 @@ class Placements:
             if region.error:
                 raise mooncake.Unavailable(f"{name} says: {region.error}")
             remote = mooncake.RemoteRegion(region.session, region.address, region.slot_bytes, region.slots)
-            placement = Placement(endpoint, remote, endpoint.region(remote.slot_bytes, remote.slots))
+            local = endpoint.region(remote.slot_bytes, remote.slots)
+            placement = Placement(endpoint, remote, local, key=conn.subkey(PLACED_LABEL, sending=True))
         except (mooncake.Unavailable, TimeoutError) as e:
             why = "no answer to KV_REGION_ASK" if isinstance(e, TimeoutError) else str(e)
             if name not in self._said:
@@ -128,6 +183,7 @@ class Placements:
     def forget(self, conn: FramedConnection) -> None:
         placement = self._by_conn.pop(conn, None)
         if placement is not None:
+            placement.slots.close(ConnectionError("the KV connection closed"))
             placement.endpoint.release(placement.local)
 
 
@@ -137,6 +193,7 @@ class Regions:
     def __init__(self, spec: InstanceSpec) -> None:
         self._spec = spec
         self._by_conn: dict[FramedConnection, tuple[mooncake.Endpoint, torch.Tensor]] = {}
+        self._last: dict[FramedConnection, int] = {}  # the number of the last frame placed on each
         self.placed = {"frames": 0, "bytes": 0}  # KV frames that came through the transfer engine
 
     async def on_frame(self, conn: FramedConnection, frame: Frame) -> Frame | None:
@@ -158,8 +215,10 @@ class Regions:
             raise m.BadMessage(f"KV_PLACED slot {placed.slot} of {placed.nbytes} bytes is outside the region")
         data = bytes(region[placed.slot * size : placed.slot * size + placed.nbytes].numpy())  # (copied out first)
         await m.send(conn, m.KVSlotFree(placed.slot))
-        if hashlib.sha256(data).hexdigest() != placed.sha256:
-            raise m.BadMessage(f"KV placed in slot {placed.slot} does not match its SHA-256")
+        key = conn.subkey(PLACED_LABEL, sending=False)
+        if placed.n <= self._last.get(conn, 0) or not hmac.compare_digest(tag(key, placed.n, data), placed.tag):
+            raise m.BadMessage(f"KV placed in slot {placed.slot} does not match its tag")
+        self._last[conn] = placed.n
         self.placed["frames"] += 1
         self.placed["bytes"] += len(data)
         return Frame(MsgType.KV_LAYER, frame.seq, data, frame.version)
@@ -175,6 +234,7 @@ class Regions:
         return m.KVRegion(endpoint.session, region.data_ptr(), region.numel() // mooncake.SLOTS, mooncake.SLOTS)
 
     def forget(self, conn: FramedConnection) -> None:
+        self._last.pop(conn, None)
         got = self._by_conn.pop(conn, None)
         if got is not None:
             got[0].release(got[1])

@@ -14,8 +14,11 @@ class Slots:
         self.count = count
         self._free = list(range(count))
         self._waiting: collections.deque[asyncio.Future[int]] = collections.deque()
+        self._closed: Exception | None = None
 
     async def take(self) -> int:
+        if self._closed is not None:
+            raise self._closed
         if self._free and not self._waiting:
             return self._free.pop()
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -27,6 +30,13 @@ class Slots:
                 self.give(fut.result())
             raise
 
+    def close(self, error: Exception) -> None:
+        """No slot will be given back (the other side is gone): every taker, now and later, gets `error`."""
+        self._closed = error
+        while self._waiting:
+            fut = self._waiting.popleft()
+            fut.get_loop().call_soon_threadsafe(_fail, fut, error)
+
     def give(self, index: int) -> None:
         while self._waiting:
             fut = self._waiting.popleft()
@@ -34,6 +44,11 @@ class Slots:
                 fut.get_loop().call_soon_threadsafe(_hand, fut, index, self)
                 return
         self._free.append(index)
+
+
+def _fail(fut: asyncio.Future[int], error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
 
 
 def _hand(fut: asyncio.Future[int], index: int, slots: Slots) -> None:

@@ -324,13 +324,16 @@ class KVRegion(Message, frozen=True):
 
 class KVPlaced(Message, frozen=True):
     """P -> decode side: a KV_LAYER frame's payload (its KVLayer header and blob) is in
-    slot `slot` of this connection's region, `nbytes` long; `sha256` (hex) is what the
-    receiver checks its copy of the bytes against before it reads them."""
+    slot `slot` of this connection's region, `nbytes` long, the `n`th placed on it; `tag`
+    (hex) is what the receiver checks its copy of the bytes against before it reads them:
+    their GMAC under a key of the connection's session (a CRC32C on a connection without
+    a key, whose frames are not authenticated either)."""
 
     TYPE: ClassVar[MsgType] = MsgType.KV_PLACED
     slot: Annotated[int, Meta(ge=0, lt=1024)]
     nbytes: Count
-    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+    n: Count
+    tag: Annotated[str, Meta(pattern="^[0-9a-f]{8,32}$")]
 
 
 class KVSlotFree(Message, frozen=True):

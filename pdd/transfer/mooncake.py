@@ -3,9 +3,10 @@
 Between two instances of one datacenter, P writes each KV frame's bytes straight into a
 region the receiving instance registered with its transfer engine (RDMA where the
 machine has a device, TCP otherwise), and sends on its authenticated KV connection only
-where they are (`KVPlaced`: the slot, the length and their SHA-256). The engine's own
-data path authenticates nothing, so the receiver copies the bytes out of its slot and
-checks them against that digest before it reads them; addresses and sessions are only
+where they are (`KVPlaced`: the slot, the length and a GMAC of the bytes under a key of
+the connection's session). The engine's own data path authenticates nothing, so the
+receiver copies the bytes out of its slot and checks them against that tag before it
+reads them; addresses and sessions are only
 ever learnt over pdd's authenticated connections (`KVRegionAsk`, `KVRegion`).
 
 Each KV connection gets a region of its own on the receiver (`SLOTS` slots of
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,9 @@ class Endpoint:
         if rc != 0:
             raise Unavailable(f"the Mooncake Transfer Engine did not start on {host} over {self.protocol} ({rc})")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        # the one thread that writes through the engine (its synchronous writes, issued from
+        # several threads at once, were seen to stall here)
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="pdd-mooncake")
         self._regions: list[torch.Tensor] = []  # kept alive while registered
 
     def region(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> torch.Tensor:

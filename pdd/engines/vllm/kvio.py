@@ -28,7 +28,6 @@ from pdd.engine_port import RequestError
 from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
-from pdd.kv.copy_stream import yield_cpu
 from pdd.kv.slots import Slots
 
 
@@ -82,8 +81,8 @@ class WorkerKV:
     """Requests to the workers, each answered by sequence number on a bridge thread."""
 
     def __init__(self) -> None:
-        # the copies between blobs and staging slots, off the event loop and under the model's priority
-        self._copies = ThreadPoolExecutor(2, thread_name_prefix="pdd-kv-stage", initializer=yield_cpu)
+        # the copies between blobs and staging slots, off the event loop
+        self._copies = ThreadPoolExecutor(2, thread_name_prefix="pdd-kv-stage")
         self.workers: dict[int, WorkerInfo] = {}
         self._seq = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}

@@ -83,6 +83,10 @@ class FramedConnection:
     frames never interleave); receives must come from a single task.
     """
 
+    def subkey(self, label: bytes, sending: bool) -> bytes | None:
+        """A key of this connection's for `label` (`FrameCodec.subkey`)."""
+        return self._codec.subkey(label, sending)
+
     def __init__(self, reader: ByteSource, writer: asyncio.StreamWriter, codec: FrameCodec) -> None:
         self._reader = reader
         self._writer = writer

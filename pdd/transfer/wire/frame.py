@@ -35,6 +35,8 @@ from typing import Any, Protocol
 from crc32c import crc32c
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = b"PD"
 # 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys;
@@ -214,6 +216,15 @@ class FrameCodec:
     def key(self) -> bytes | None:
         return self._key
 
+    def subkey(self, label: bytes, sending: bool) -> bytes | None:
+        """A key for `label` from this connection's session key of one direction (what it
+        sends, or what it receives: the peer derives the same from its other one); None
+        before the handshake or without a key."""
+        base = self._send_key if sending else self._recv_key
+        if not self.authenticated or base is None:
+            return None
+        return HKDF(SHA256(), 32, salt=None, info=b"pdd/" + label).derive(base)
+
     def rekey(self, send_key: bytes, recv_key: bytes) -> None:
         """Switch to this connection's session keys (see `client_handshake`): the peer
         has proven it holds the link key, so full-size frames are accepted from now on."""
@@ -316,6 +327,11 @@ def _mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
 def _nonce(seq: int) -> bytes:
     """GCM's 96-bit nonce: the frame's sequence number, never repeated under a session key."""
     return bytes(4) + seq.to_bytes(8, "big")
+
+
+def gmac(key: bytes, nonce: int, data: Buffer) -> bytes:
+    """AES-256-GCM's tag over `data` (no plaintext) under a 96-bit `nonce` never reused with `key`."""
+    return _gmac(key, nonce, b"", data)
 
 
 def _gmac(key: bytes, seq: int, header: Buffer, payload: Buffer) -> bytes:
