@@ -16,6 +16,7 @@ import asyncio
 import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,20 +33,16 @@ def engine_tool_mb_per_s(frame_bytes: int, seconds: float = 4.0) -> float:
 
     tool = Path(mooncake.__file__).parent / "transfer_engine_bench"
     common = ["--metadata_server=P2PHANDSHAKE", "--protocol=tcp", "--local_server_name=127.0.0.1"]
+    log = tempfile.NamedTemporaryFile("w+", prefix="pdd-te-target-", suffix=".log")  # (polled: a pipe may hold it)
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}  # (its INFO line says where it listens)
     target = subprocess.Popen(
-        [str(tool), "--mode=target", *common, "--buffer_size=268435456"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        [str(tool), "--mode=target", *common, "--buffer_size=268435456"], stdout=log, stderr=subprocess.STDOUT, env=env
     )
     try:
-        assert target.stdout is not None
         deadline, segment = time.monotonic() + 30, None
-        while segment is None and time.monotonic() < deadline:
-            line = target.stdout.readline()
-            if not line:
-                break
-            found = LISTENING.search(line)
+        while segment is None and time.monotonic() < deadline and target.poll() is None:
+            time.sleep(0.1)
+            found = LISTENING.search(Path(log.name).read_text(errors="replace"))
             segment = found.group(1) if found else None
         if segment is None:
             raise RuntimeError("transfer_engine_bench's target never said where it listens")
@@ -66,6 +63,7 @@ def engine_tool_mb_per_s(frame_bytes: int, seconds: float = 4.0) -> float:
             capture_output=True,
             text=True,
             timeout=seconds + 60,
+            env=env,
         )
         found = THROUGHPUT.search(initiator.stdout + initiator.stderr)
         if found is None:
@@ -74,6 +72,7 @@ def engine_tool_mb_per_s(frame_bytes: int, seconds: float = 4.0) -> float:
     finally:
         target.kill()
         target.wait()
+        log.close()
 
 
 def placed_mb_per_s(mbytes: int, frame_bytes: int) -> float:
