@@ -102,7 +102,8 @@ def test_message_numbers_are_stable() -> None:
         "HELLO": 1, "RESERVE": 2, "RESERVE_ACK": 3, "KV_LAYER": 4, "KV_DONE": 5, "TOKENS": 6,
         "CACHE_EVENT": 7, "ABORT": 8, "ERROR": 9, "PING": 10, "PONG": 11, "RELEASE": 12, "RESULT": 13, "SUBMIT": 14,
         "PIPELINE": 15, "KV_ACK": 16, "READY": 17, "HANDOFF": 18, "HANDOFF_ACK": 19, "HANDED_OFF": 20,
-        "MEMBER": 21, "DRAIN": 22, "PROGRESS": 23,
+        "MEMBER": 21, "DRAIN": 22, "PROGRESS": 23, "KV_REGION_ASK": 24, "KV_REGION": 25, "KV_PLACED": 26,
+        "KV_SLOT_FREE": 27,
     }  # fmt: skip
 
 

@@ -115,7 +115,8 @@ def encode(blob: KVBlob, lossy: str = "", compress: str = "") -> bytes:
         quantized = [_to_int8(t) for t in tensors]
         tensors = [q for q, _ in quantized] + [scale for _, scale in quantized]
         header_fields["dtype"] = lossy
-    body = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+    # (the tensors' own bytes, not copies of them: the join below is the one copy the payload takes)
+    body: list[bytes | memoryview] = [_bytes_of(t) for t in tensors]
     if compress:
         if compress not in COMPRESSIONS:
             raise KVFormatError(f"unknown KV compression {compress!r} (known: {', '.join(COMPRESSIONS)})")
@@ -126,6 +127,12 @@ def encode(blob: KVBlob, lossy: str = "", compress: str = "") -> bytes:
     fields = {k: v for k, v in header_fields.items() if _EXTRAS.get(k, ...) != v}
     header = json.dumps(fields, separators=(",", ":")).encode()
     return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *body])
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in row-major order, as a view of its memory where it is contiguous
+    (copied once where it is not)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _to_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +187,9 @@ def _check_header(raw: dict) -> KVHeader:
 
 
 def decode(data: bytes | bytearray | memoryview) -> KVBlob:
+    """The blob `data` holds, checked. Its K and V are views of `data` where that is a
+    writable buffer (a received frame's payload) whose payload is aligned for its dtype:
+    the caller hands the buffer over and writes no more into it."""
     data = memoryview(data)
     if len(data) < _PREFIX.size:
         raise KVFormatError("KV blob shorter than its prefix")
@@ -206,11 +216,23 @@ def decode(data: bytes | bytearray | memoryview) -> KVBlob:
     shape = (h.layer_end - h.layer_start, h.num_tokens, h.kv_heads, h.head_dim)
     if h.dtype in LOSSY_FORMS:
         return _dequantized(h, body, shape)
-    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(ALL_DTYPES[h.dtype])
+    flat = _tensor_of(body, ALL_DTYPES[h.dtype])
     if h.latent:
         return KVBlob(h, flat.view(shape), flat[:0].view(*shape[:3], 0))
     half = flat.numel() // 2
     return KVBlob(h, flat[:half].view(shape), flat[half:].view(shape))
+
+
+def _tensor_of(body: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """The payload as a flat tensor of `dtype`: a view of the caller's buffer where that is
+    writable (a frame's payload, read into a buffer of its own: the blob takes it over) and
+    aligned for `dtype` (torch reads a misaligned tensor wrongly or not at all), a copy
+    otherwise (an immutable `bytes`, or a payload at an odd offset in its frame)."""
+    if not body.readonly:
+        view = torch.frombuffer(body, dtype=torch.uint8)
+        if view.data_ptr() % dtype.itemsize == 0:
+            return view.view(dtype)
+    return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype)
 
 
 def _decompressed(body: memoryview, size: int) -> bytes:
@@ -229,10 +251,9 @@ def _decompressed(body: memoryview, size: int) -> bytes:
 
 def _dequantized(h: KVHeader, body: memoryview, shape: tuple[int, int, int, int]) -> KVBlob:
     """An int8 blob as float32 (what the importer converts from): values times scales."""
-    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     n = h.sides * math.prod(shape)
-    q = raw[:n].view(torch.int8).view(h.sides, *shape).to(torch.float32)
-    scale = raw[n:].view(_SCALE).view(h.sides, *shape[:3], 1)
+    q = _tensor_of(body[:n], torch.int8).view(h.sides, *shape).to(torch.float32)
+    scale = _tensor_of(body[n:], _SCALE).view(h.sides, *shape[:3], 1)  # (read only: the result is new)
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise KVFormatError("int8 KV scales must be finite and not negative")
     x = q * scale

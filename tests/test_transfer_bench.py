@@ -1,0 +1,96 @@
+"""`pdd bench transfer --loopback`'s whole KV path, and the codec's copies on it.
+
+The codec writes the bytes it always wrote, in one copy (the tensors' own memory joined
+behind the header), and reads a writable, aligned payload in place: a received frame's
+buffer becomes the blob's K and V. An immutable or misaligned payload is copied, and
+reads back the same. The bench carries KV of the tiny model and of realistic pages (bf16),
+each row naming its shape, dtype and bytes a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+
+import pytest
+import torch
+
+from pdd.kv import codec
+from pdd.kv.blocks import block_hashes
+
+
+def _blob(dtype: str, tokens: int = 48, latent: bool = False) -> codec.KVBlob:
+    heads = 1 if latent else 2
+    h = codec.KVHeader(num_layers=3, layer_start=0, layer_end=3, kv_heads=heads, head_dim=64, dtype=dtype,
+                       page_size=16, token_start=0, token_end=tokens, block_size=16,
+                       block_hashes=block_hashes(list(range(tokens)), 16), latent=latent)
+    gen = torch.Generator().manual_seed(tokens)
+    k = torch.randn(3, tokens, heads, 64, generator=gen).to(codec.DTYPES[dtype])
+    v = k[..., :0] if latent else torch.randn(3, tokens, heads, 64, generator=gen).to(codec.DTYPES[dtype])
+    return codec.KVBlob(h, k, v)
+
+
+def _inside(t: torch.Tensor, buf: bytearray) -> bool:
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    return base <= t.data_ptr() < base + len(buf)
+
+
+@pytest.mark.parametrize("dtype", sorted(codec.DTYPES))
+@pytest.mark.parametrize("latent", [False, True])
+def test_the_codec_writes_the_same_bytes_and_reads_a_frame_buffer_in_place(dtype, latent):
+    blob = _blob(dtype, latent=latent)
+    # non-contiguous K (as a layer or token slice may be) encodes as its row-major bytes
+    strided = codec.KVBlob(blob.header, blob.k.transpose(1, 2).contiguous().transpose(1, 2), blob.v)
+    for b in (blob, strided):
+        data = codec.encode(b)
+        (hlen,) = struct.unpack_from("!I", data, 6)
+        payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (b.k, b.v)[: b.header.sides])
+        assert isinstance(data, bytes) and data[10 + hlen :] == payload and len(data) == 10 + hlen + len(payload)
+        assert json.loads(data[10 : 10 + hlen])["dtype"] == dtype
+        itemsize = codec.DTYPES[dtype].itemsize
+        for shift in range(4):  # the payload at every offset in a received frame's buffer
+            buf = bytearray(shift) + bytearray(data)
+            got = codec.decode(memoryview(buf)[shift:])
+            assert torch.equal(got.k, blob.k) and torch.equal(got.v, blob.v)
+            aligned = (torch.frombuffer(buf, dtype=torch.uint8).data_ptr() + shift + 10 + hlen) % itemsize == 0
+            assert _inside(got.k, buf) == aligned  # read in place where aligned, copied where not
+        got = codec.decode(data)  # immutable bytes: copied, and writable
+        assert torch.equal(got.k, blob.k) and torch.equal(got.v, blob.v)
+        got.k.add_(1)
+        assert codec.decode(data).k.equal(blob.k)
+
+
+def test_int8_and_zstd_payloads_read_the_same_from_any_buffer():
+    blob = _blob("float32")
+    for lossy, compress in (("int8", ""), ("", "zstd"), ("int8", "zstd")):
+        data = codec.encode(blob, lossy, compress)
+        want = codec.decode(data)
+        for shift in range(4):
+            got = codec.decode(memoryview(bytearray(shift) + bytearray(data))[shift:])
+            assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v) and got.header == want.header
+
+
+def test_the_loopback_bench_carries_kv_of_the_tiny_model_and_of_realistic_pages(tmp_path, monkeypatch):
+    """Every row once, small: the realistic model's KV geometry shrunk (the bench's own is
+    Qwen2.5-0.5B's, 24 layers) so the test builds it in seconds; bf16 pools on both ends."""
+    from pdd.lab.netns import transfer, transfer_loopback
+
+    monkeypatch.setitem(transfer_loopback.REALISTIC, "layers", 2)
+    monkeypatch.setitem(transfer_loopback.REALISTIC, "hidden", 256)
+    monkeypatch.setitem(transfer_loopback.REALISTIC, "heads", 4)
+    monkeypatch.setitem(transfer_loopback.REALISTIC, "intermediate", 64)
+    p = argparse.ArgumentParser()
+    transfer.add_arguments(p)
+    out = tmp_path / "loopback.json"
+    args = p.parse_args(["--loopback", "--mbytes", "2", "--frame-kib", "256", "--prompt-tokens", "64",
+                         "--repeats", "1", "--out", str(out)])
+    assert args.model_shape == "both"
+    assert transfer.run(args) == 0
+    report = json.loads(out.read_text())
+    assert set(report["loopback_mb_s"]) == {"raw", "auth", "plain", "kv", "kv_realistic"}
+    assert all(rate > 0 for rate in report["loopback_mb_s"].values())
+    assert report["kv_bytes_per_token"] == {"kv": 4096, "kv_realistic": 2 * 2 * 2 * 64 * 2}
+    assert "float32" in report["labels"]["kv"] and "4,096 B a token" in report["labels"]["kv"]
+    assert "bfloat16" in report["labels"]["kv_realistic"] and "1,024 B a token" in report["labels"]["kv_realistic"]
+    assert "2 layers x 2 KV heads x 64" in report["labels"]["kv_realistic"]
