@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--loopback", action="store_true", help="the frame layer alone, two processes on loopback")
     p.add_argument(
+        "--intra",
+        choices=("mooncake",),
+        help="with --loopback: instead, KV frames placed through that transfer engine, beside its own benchmark tool",
+    )
+    p.add_argument(
         "--compress",
         action="store_true",
         help="lossless codecs (zlib; zstd and lz4 where installed) on KV the tiny model computes, fp32 and bf16",
@@ -193,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
     from pdd.lab.netns.delay import LineDelay
     from pdd.lab.netns.lab import lab
 
+    if args.loopback and args.intra:
+        from pdd.lab.netns.transfer_intra import intra
+
+        return intra(args)
     if args.loopback:
         from pdd.lab.netns.transfer_loopback import loopback
 
