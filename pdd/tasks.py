@@ -30,3 +30,14 @@ class Tasks:
         """Until every task live now has ended (their errors are theirs to handle)."""
         if self._live:
             await asyncio.wait(list(self._live))
+
+
+def settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Give `fut` its result or `error`, unless it is done already (cancelled meanwhile): what
+    a thread hands an event loop's waiter through `call_soon_threadsafe`."""
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -616,7 +616,7 @@ def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_whe
     def held_write(header: dict[str, Any]) -> None:
         threads.append(threading.current_thread().name)
         if header["token_end"] == 55:
-            assert gate.wait(10)
+            assert gate.wait(60)
         write(header)
 
     copier.write = held_write
@@ -625,14 +625,14 @@ def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_whe
 
     async def go() -> None:
         task = asyncio.ensure_future(kv.write(blocks, blob(kv, tokens, 55, k, v)))
-        for _ in range(200):  # every slice asked, the last one held
+        for _ in range(600):  # every slice asked, the last one held
             if len(threads) == 6:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
         assert not task.done() and len(threads) == 6
         gate.set()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 60)
 
     asyncio.run(go())
     assert bridges[0].ops == ["write"] * 6 and set(threads) == {"pdd-kv-copy"}

@@ -35,6 +35,7 @@ from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
+from pdd.tasks import settle
 
 log = logging.getLogger(__name__)
 SLICE_BYTES = 4 << 20  # KV one slice copies: what a dropped sequence's cancel waits for at most
@@ -75,11 +76,11 @@ class Copies:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
-        def settle(error: BaseException | None) -> None:
+        def finished(error: BaseException | None) -> None:
             ended()
-            loop.call_soon_threadsafe(_settle, fut, copy.result, error)
+            loop.call_soon_threadsafe(settle, fut, copy.result, error)
 
-        self._jobs.put((copy, settle))
+        self._jobs.put((copy, finished))
         return await asyncio.shield(fut)  # (a cancelled caller leaves the copy to the engine's cancel)
 
     def cancel(self, seq: Sequence) -> None:
@@ -95,7 +96,7 @@ class Copies:
     def _run(self) -> None:
         yield_cpu()
         while (item := self._jobs.get()) is not None:
-            copy, settle = item
+            copy, finished = item
             error: BaseException | None = None
             try:
                 for _, end, run in copy.slices:
@@ -112,16 +113,7 @@ class Copies:
             except Exception as e:  # reported to the caller, never kills the copy thread
                 error = e
             copy.done.set()
-            settle(error)
-
-
-def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+            finished(error)
 
 
 def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStream) -> Copy:

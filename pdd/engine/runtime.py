@@ -29,6 +29,7 @@ from pdd.kv.codec import KVBlob
 from pdd.names import NATIVE
 from pdd.perf.emulated import token_scale
 from pdd.sampling import SamplingParams
+from pdd.tasks import settle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,7 +213,7 @@ class EngineRuntime:
                 log.warning("engine command failed: %s", error)
             return
         fut, loop = reply
-        loop.call_soon_threadsafe(_settle, fut, result, error)
+        loop.call_soon_threadsafe(settle, fut, result, error)
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)
@@ -267,15 +268,6 @@ class EngineRuntime:
             w = self._watches.get(rid)
             if w:
                 w.loop.call_soon_threadsafe(w.queue.put_nowait, RuntimeError(f"engine failure: {error}"))
-
-
-def _settle(fut: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
-    if fut.cancelled():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

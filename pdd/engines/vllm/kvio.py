@@ -29,6 +29,7 @@ from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
 from pdd.kv.slots import Slots
+from pdd.tasks import settle
 
 
 @dataclass
@@ -118,7 +119,7 @@ class WorkerKV:
             return
         loop, fut = pending
         error = RuntimeError(f"vLLM worker: {header.get('error')}") if header["op"] == "failed" else None
-        loop.call_soon_threadsafe(_settle, fut, error)
+        loop.call_soon_threadsafe(settle, fut, None, error)
 
     def close(self) -> None:
         self._copies.shutdown(wait=False, cancel_futures=True)
@@ -126,7 +127,7 @@ class WorkerKV:
     def fail_all(self, error: Exception) -> None:
         for seq in list(self._waiting):
             loop, fut = self._waiting.pop(seq)
-            loop.call_soon_threadsafe(_settle, fut, error)
+            loop.call_soon_threadsafe(settle, fut, None, error)
 
     async def _slice(self, worker: WorkerInfo, header: dict[str, Any], fill: Any = None, empty: Any = None) -> None:
         """One slice through a staging slot of `worker`'s: `fill(slot)` copies it in (an
@@ -235,12 +236,3 @@ class WorkerKV:
 
 def _slices(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, end)) for a in range(start, end, step)]
-
-
-def _settle(fut: asyncio.Future, error: Exception | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(None)
