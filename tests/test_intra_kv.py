@@ -86,7 +86,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
     engine into the region the receiver's `Regions` offered; the receiver hands on the
     KV_LAYER frame, frees the slot, and refuses a slot written behind the digest's back."""
     from pdd.config import InstanceSpec
-    from pdd.instance.placement import PLACED_LABEL, Placement, Regions
+    from pdd.instance.placement import Placement, Regions
     from pdd.transfer import mooncake
 
     spec = InstanceSpec("rld0", "relay", "A", "127.0.0.1")
@@ -98,9 +98,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         offer = m.decode(conn.sent.pop())
         assert isinstance(offer, m.KVRegion) and not offer.error and offer.slots == mooncake.SLOTS
         sender, out = mooncake.Endpoint("127.0.0.1"), _Conn()  # (another engine: P's)
-        remote = mooncake.RemoteRegion(offer.session, offer.address, offer.slot_bytes, offer.slots)
-        key = out.subkey(PLACED_LABEL, sending=True)
-        placement = Placement(sender, remote, sender.region(offer.slot_bytes, offer.slots), key=key)
+        placement = Placement.from_offer(sender, offer, out)
         payloads = [m.kv_payload(f"a.{i}", bytes([i]) * (1 << 20) + bytes(range(256)) * i) for i in range(12)]
         received: list[bytes] = []
 
@@ -126,7 +124,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         await placement.send(out, payloads[0])
         await placement.flush()
         placed = m.decode(out.sent[-1])
-        region = receiver._by_conn[conn][1]
+        region = receiver._by_conn[conn].buf
         region[placed.slot * offer.slot_bytes + 100] ^= 0xFF  # (someone else wrote into the region)
         with pytest.raises(m.BadMessage, match="does not match its tag"):
             await receiver.on_frame(conn, out.sent[-1])

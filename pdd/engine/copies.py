@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
+from pdd.policy.transfer import kv_chunks
 from pdd.tasks import settle
 
 log = logging.getLogger(__name__)
@@ -44,19 +45,29 @@ SLICE_BYTES = 4 << 20  # KV one slice copies: what a dropped sequence's cancel w
 @dataclass(eq=False)
 class Copy:
     """One claimed import or export: `slices`, run in order, each moving tokens [a, b) of
-    the claimed range; `end` is the token each slice has reached (for an import's
-    `copied_end`)."""
+    the claimed range."""
 
     seq: Sequence
     importing: bool
     slices: list[tuple[int, int, Callable[[], None]]]
     result: Any = None  # an export's blob, filled by its slices
-    done: threading.Event = field(default_factory=threading.Event)
+
+    def advance(self, end: int, run: Callable[[], None]) -> None:
+        """Run the slice that ends at token `end`: an import's tokens are in place up to it."""
+        run()
+        if self.importing:
+            self.seq.copied_end = end
+
+    def run_here(self) -> Any:
+        """Every slice, on the calling thread (an engine without a copy thread); the result."""
+        for _, end, run in self.slices:
+            self.advance(end, run)
+        return self.result
 
 
 def token_slices(start: int, end: int, bytes_per_token: int) -> list[tuple[int, int]]:
-    step = max(1, SLICE_BYTES // max(1, bytes_per_token))
-    return [(a, min(a + step, end)) for a in range(start, end, step)]
+    """[start, end) in slices of at most SLICE_BYTES (one token at least)."""
+    return kv_chunks(start, end, max(1, SLICE_BYTES // max(1, bytes_per_token)))
 
 
 class Copies:
@@ -104,15 +115,12 @@ class Copies:
                     with self.lock:
                         if copy.seq.copy_cancelled:
                             raise RequestError(f"request {copy.seq.rid!r} ended while its KV was being copied")
-                        run()
-                        if copy.importing:
-                            copy.seq.copied_end = end
+                        copy.advance(end, run)
                         self.slices_done += 1
                     if self.busy():
                         rest(time.perf_counter() - began)
             except Exception as e:  # reported to the caller, never kills the copy thread
                 error = e
-            copy.done.set()
             finished(error)
 
 

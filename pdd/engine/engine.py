@@ -123,7 +123,8 @@ class Engine(KVMoves):
         if seq.copies:  # its copies stop before its pages go (waiting out one slice at most)
             if self.copies is not None:
                 self.copies.cancel(seq)
-            seq.copy_cancelled = True
+            else:
+                seq.copy_cancelled = True
             if seq.status == Status.RESERVED:  # only what its finished slices wrote is there
                 seq.num_computed = min(seq.num_computed, seq.copied_end)
         self.stats.aborted += aborting and seq.status != Status.FINISHED

@@ -33,9 +33,7 @@ class KVMoves:
         """Write imported KV for tokens [token_start, token_end), all layers, of a reserved
         sequence, here and now (the runtime copies beside its steps instead: `claim_import`)."""
         copy = self.claim_import(rid, blob)
-        for _, end, run in copy.slices:
-            run()
-            copy.seq.copied_end = end
+        copy.run_here()
         self.copied(copy)
 
     def claim_import(self, rid: str, blob: codec.KVBlob) -> Copy:
@@ -73,10 +71,9 @@ class KVMoves:
         """KV of tokens [token_start, token_end) of a sequence, here and now (the runtime
         copies beside its steps instead: `claim_export`)."""
         copy = self.claim_export(rid, token_start, token_end, layers)
-        for _, _, run in copy.slices:
-            run()
+        blob = copy.run_here()
         self.copied(copy)
-        return copy.result
+        return blob
 
     def claim_export(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> Copy:
         """Check an export; the `Copy` gathers the KV into its result, a blob (on the CPU)."""

@@ -163,7 +163,7 @@ class PeerPool:
         try:
             conn = await self.get(name, priority, stripe)
             payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
-            placement = await self._placements.of(name, conn) if priority != Priority.CONTROL else None
+            placement = await self._placements.of(name, conn)
             if placement is not None and kv is not None and len(payload) <= placement.remote.slot_bytes:
                 await placement.send(conn, payload)  # (written into the peer's memory: only where, on the connection)
             else:

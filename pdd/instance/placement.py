@@ -53,7 +53,7 @@ class Placement:
     """One KV connection's way through the transfer engine: the receiver's region and ours.
 
     Frames are placed several at a time (as many as there are slots), each written and
-    digested on a thread while the next is taken; their KV_PLACED go out in the order the
+    tagged on the engine's thread while the next is taken; their KV_PLACED go out in the order the
     frames came, and anything else the connection carries waits behind them (`flush`)."""
 
     endpoint: mooncake.Endpoint
@@ -67,6 +67,14 @@ class Placement:
 
     def __post_init__(self) -> None:
         self.slots = Slots(self.remote.slots)
+
+    @classmethod
+    def from_offer(cls, endpoint: mooncake.Endpoint, offer: m.KVRegion, conn: FramedConnection) -> Placement:
+        """The way through the region a receiver offered on `conn` (a region of ours the
+        same size registered for it; the tags' key from the connection's session)."""
+        remote = mooncake.RemoteRegion(offer.session, offer.address, offer.slot_bytes, offer.slots)
+        local = endpoint.region(remote.slot_bytes, remote.slots)
+        return cls(endpoint, remote, local, key=conn.subkey(PLACED_LABEL, sending=True))
 
     async def send(self, conn: FramedConnection, payload: bytes) -> None:
         """Place `payload` (a KV_LAYER frame's) and post its KV_PLACED in turn; returns once
@@ -150,9 +158,7 @@ class Placements:
             region = await asyncio.wait_for(fut, REGION_TIMEOUT_S)
             if region.error:
                 raise mooncake.Unavailable(f"{name} says: {region.error}")
-            remote = mooncake.RemoteRegion(region.session, region.address, region.slot_bytes, region.slots)
-            local = endpoint.region(remote.slot_bytes, remote.slots)
-            placement = Placement(endpoint, remote, local, key=conn.subkey(PLACED_LABEL, sending=True))
+            placement = Placement.from_offer(endpoint, region, conn)
         except (mooncake.Unavailable, TimeoutError) as e:
             why = "no answer to KV_REGION_ASK" if isinstance(e, TimeoutError) else str(e)
             if name not in self._said:
@@ -187,13 +193,22 @@ class Placements:
             placement.endpoint.release(placement.local)
 
 
+@dataclass(eq=False)
+class _Region:
+    """What one KV connection's receiver keeps: its registered region and the tags' key."""
+
+    endpoint: mooncake.Endpoint
+    buf: torch.Tensor
+    key: bytes | None
+    last: int = 0  # the number of the last frame placed in it
+
+
 class Regions:
     """The receiver's side: a registered region per KV connection that asked for one."""
 
     def __init__(self, spec: InstanceSpec) -> None:
         self._spec = spec
-        self._by_conn: dict[FramedConnection, tuple[mooncake.Endpoint, torch.Tensor]] = {}
-        self._last: dict[FramedConnection, int] = {}  # the number of the last frame placed on each
+        self._by_conn: dict[FramedConnection, _Region] = {}
         self.placed = {"frames": 0, "bytes": 0}  # KV frames that came through the transfer engine
 
     async def on_frame(self, conn: FramedConnection, frame: Frame) -> Frame | None:
@@ -206,19 +221,17 @@ class Regions:
         if frame.type != MsgType.KV_PLACED:
             return frame
         placed = m.decode(frame)
-        got = self._by_conn.get(conn)
-        if got is None:
+        region = self._by_conn.get(conn)
+        if region is None:
             raise m.BadMessage("KV_PLACED on a connection that has no region")
-        _, region = got
-        size = region.numel() // mooncake.SLOTS
+        size = mooncake.SLOT_BYTES
         if placed.slot >= mooncake.SLOTS or placed.nbytes > size:
             raise m.BadMessage(f"KV_PLACED slot {placed.slot} of {placed.nbytes} bytes is outside the region")
-        data = bytes(region[placed.slot * size : placed.slot * size + placed.nbytes].numpy())  # (copied out first)
+        data = bytes(region.buf[placed.slot * size : placed.slot * size + placed.nbytes].numpy())  # (copied out first)
         await m.send(conn, m.KVSlotFree(placed.slot))
-        key = conn.subkey(PLACED_LABEL, sending=False)
-        if placed.n <= self._last.get(conn, 0) or not hmac.compare_digest(tag(key, placed.n, data), placed.tag):
+        if placed.n <= region.last or not hmac.compare_digest(tag(region.key, placed.n, data), placed.tag):
             raise m.BadMessage(f"KV placed in slot {placed.slot} does not match its tag")
-        self._last[conn] = placed.n
+        region.last = placed.n
         self.placed["frames"] += 1
         self.placed["bytes"] += len(data)
         return Frame(MsgType.KV_LAYER, frame.seq, data, frame.version)
@@ -227,14 +240,14 @@ class Regions:
         try:
             endpoint = mooncake.endpoint(mooncake.local_host(self._spec.host))
             if conn not in self._by_conn:
-                self._by_conn[conn] = (endpoint, endpoint.region())
+                key = conn.subkey(PLACED_LABEL, sending=False)
+                self._by_conn[conn] = _Region(endpoint, endpoint.region(mooncake.SLOT_BYTES, mooncake.SLOTS), key)
         except mooncake.Unavailable as e:
             return m.KVRegion(error=str(e))
-        endpoint, region = self._by_conn[conn]
-        return m.KVRegion(endpoint.session, region.data_ptr(), region.numel() // mooncake.SLOTS, mooncake.SLOTS)
+        region = self._by_conn[conn]
+        return m.KVRegion(region.endpoint.session, region.buf.data_ptr(), mooncake.SLOT_BYTES, mooncake.SLOTS)
 
     def forget(self, conn: FramedConnection) -> None:
-        self._last.pop(conn, None)
-        got = self._by_conn.pop(conn, None)
-        if got is not None:
-            got[0].release(got[1])
+        region = self._by_conn.pop(conn, None)
+        if region is not None:
+            region.endpoint.release(region.buf)

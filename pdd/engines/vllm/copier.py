@@ -54,7 +54,7 @@ class Copier:
         self.layers, self.sides, self.storage, self.block_size = layers, sides, storage, block_size
         self.region, self.answer, self.device = region, answer, device
         self.stream = CopyStream(device)
-        self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self.done = threading.Event()  # set whenever a slice is answered (an idle step waits on it)
         self.busy = False  # whether the last step computed something (a slice then leaves it room)
         self._thread = threading.Thread(target=self._run, name="pdd-kv-copy", daemon=True)
@@ -62,12 +62,10 @@ class Copier:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        self.jobs.put(None)
-
     def _run(self) -> None:
         yield_cpu()
-        while (header := self.jobs.get()) is not None:
+        while True:
+            header = self.jobs.get()
             began = time.perf_counter()
             try:
                 if header["op"] == "write":

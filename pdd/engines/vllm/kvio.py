@@ -29,6 +29,7 @@ from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, block_hashes
 from pdd.kv.slots import Slots
+from pdd.policy.transfer import kv_chunks
 from pdd.tasks import settle
 
 
@@ -180,7 +181,7 @@ class WorkerKV:
         sides = [blob.k, blob.v][: h.sides]
         sends = []
         for w in self.ranks:
-            for a, b in _slices(h.token_start, h.token_end, w.slice_tokens):
+            for a, b in kv_chunks(h.token_start, h.token_end, w.slice_tokens):
 
                 def fill(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
                     for side, x in enumerate(sides):
@@ -199,7 +200,7 @@ class WorkerKV:
         out = torch.empty(first.sides, first.layers, end - start, self.total_heads, first.head_dim, dtype=dtype)
         reads = []
         for w in self.readers:
-            for a, b in _slices(start, end, w.slice_tokens):
+            for a, b in kv_chunks(start, end, w.slice_tokens):
 
                 def empty(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
                     out[:, :, a - start : b - start, w.head_start : w.head_start + w.heads].copy_(staged)
@@ -232,7 +233,3 @@ class WorkerKV:
         )
         if why:
             raise RequestError(why)
-
-
-def _slices(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, end)) for a in range(start, end, step)]

@@ -16,6 +16,7 @@ the slot's number and the slice's shape.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -55,9 +56,7 @@ class Region:
         """Slot `index` seen as a tensor of `dtype` and `shape` (which must fit in it)."""
         if not 0 <= index < self.slots:
             raise ValueError(f"staging slot {index} is not one of {self.slots}")
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
+        n = dtype.itemsize * math.prod(shape)
         if n > self.slot_bytes:
             raise ValueError(f"{shape} of {dtype} does not fit a staging slot of {self.slot_bytes} bytes")
         start = index * self.slot_bytes
@@ -68,10 +67,3 @@ class Region:
         err = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.numel(), 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of pdd's KV staging region failed ({err})")
-
-    def close(self) -> None:
-        del self.flat
-        try:
-            self._map.close()
-        except BufferError:  # a tensor over it is still alive: the mapping goes with the process
-            pass

@@ -20,7 +20,7 @@ import torch
 from pdd.engines.vllm import bridge
 from pdd.engines.vllm.copier import Copier
 from pdd.engines.vllm.layout import check_against_vllm, describe
-from pdd.engines.vllm.staging import SLOT_BYTES, SLOTS, Region
+from pdd.engines.vllm.staging import Region
 from pdd.kv.codec import dtype_name
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class WorkerSide:
 
         self.config = vllm_config
         self.rank, self.world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.region = Region.create(int(extra.get("slot_bytes", SLOT_BYTES)), int(extra.get("slots", SLOTS)))
+        self.region = Region.create()
         self.copier: Copier | None = None  # once the caches are registered
         self.channel = bridge.connect(
             extra["bridge"], extra["token"], {"side": "worker", "rank": self.rank, "world": self.world}

@@ -97,7 +97,7 @@ def placed_mb_per_s(mbytes: int, frame_bytes: int) -> float:
 
 
 async def _place(port: int, frames: int, frame_bytes: int) -> None:
-    from pdd.instance.placement import PLACED_LABEL, Placement
+    from pdd.instance.placement import Placement
     from pdd.transfer import messages as m
     from pdd.transfer import mooncake, wire
 
@@ -106,9 +106,7 @@ async def _place(port: int, frames: int, frame_bytes: int) -> None:
     await m.send(conn, m.KVRegionAsk("mooncake"))
     offer = m.decode(await conn.recv())
     endpoint = mooncake.endpoint("127.0.0.1")
-    remote = mooncake.RemoteRegion(offer.session, offer.address, offer.slot_bytes, offer.slots)
-    key = conn.subkey(PLACED_LABEL, sending=True)
-    placement = Placement(endpoint, remote, endpoint.region(remote.slot_bytes, remote.slots), key=key)
+    placement = Placement.from_offer(endpoint, offer, conn)
 
     async def freed() -> None:
         try:

@@ -112,7 +112,7 @@ class MsgType(IntEnum):
     PROGRESS = 23  # instance -> router: a request moved forward without producing a token
     KV_REGION_ASK = 24  # P -> decode side in its site, on a KV connection: a region for the transfer engine
     KV_REGION = 25  # decode side -> P: the registered region (session, address, slots), or why not
-    KV_PLACED = 26  # P -> decode side: a KV frame's bytes are in this slot (length, SHA-256)
+    KV_PLACED = 26  # P -> decode side: a KV frame's bytes are in this slot (length, tag)
     KV_SLOT_FREE = 27  # decode side -> P: that slot may be written again
 
 
