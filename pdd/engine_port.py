@@ -28,6 +28,7 @@ from pdd.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     from pdd.kv.codec import KVBlob
+    from pdd.kv.layer_stream import LayerStream
 
 CacheListener = Callable[[int, str, list[int]], None]  # (event number, "stored" / "removed", block hashes)
 
@@ -169,11 +170,14 @@ class EnginePort(Protocol):
     kv_bytes_per_token: int  # of this engine's KV, as exported
 
     def generate(
-        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False, stream: LayerStream | None = None
     ) -> AsyncIterator[StepOutput]:
         """Run a request from its prompt (reusing the prefix cache) and stream its outputs;
         leaving the stream early aborts it. With `hold`, its KV stays put after it
-        finishes, for `export_kv`, until `release`. RequestError if it can never run."""
+        finishes, for `export_kv`, until `release`. With `stream`, each layer's KV of the
+        prompt tokens this run computes is put on it as soon as that layer is computed,
+        before the outputs that follow that step (what the prefix cache served is not:
+        `LayerStream.first`); the caller closes it. RequestError if it can never run."""
 
     def watch(self, rid: str) -> OutputStream:
         """Subscribe to a reserved request's outputs; call before `start`, so none is missed."""

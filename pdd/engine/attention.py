@@ -11,6 +11,8 @@ each with a causal mask offset by their cached length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,8 @@ class PagedAttention:
     def __init__(self, pool: KVPool, spans: list[tuple[list[int], int, int]], device: str) -> None:
         """spans: (page table, cached tokens, new tokens) per sequence, in batch order."""
         self.pool = pool
+        # called with (layer, K, V of the step's new tokens) once a layer's KV is written
+        self.on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         ps = pool.page_size
         write: list[torch.Tensor] = []
         decodes: list[tuple[int, list[int], int]] = []  # (flat row, pages, context)
@@ -56,6 +60,8 @@ class PagedAttention:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         kc[self.write_slots] = k.to(kc.dtype)
         vc[self.write_slots] = v.to(vc.dtype)
+        if self.on_layer is not None:
+            self.on_layer(layer, k, v)
         out = torch.empty_like(q)
         if self.decode_rows is not None:
             qd = q[self.decode_rows].unsqueeze(2)  # [B, H, 1, D]

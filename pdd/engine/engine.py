@@ -28,6 +28,7 @@ from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
 from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream
+from pdd.kv.layer_stream import LayerStream
 from pdd.kv.radix_cache import RadixCache
 from pdd.model.loader import load_model
 from pdd.sampler import logprobs as sampler_logprobs
@@ -102,9 +103,13 @@ class Engine(KVMoves):
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise RequestError(f"token ids must be integers in [0, {vocab})")
 
-    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> Sequence:
-        """Queue a request. With `hold`, its pages survive finishing until `release`."""
+    def add_request(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False, stream: LayerStream | None = None
+    ) -> Sequence:
+        """Queue a request. With `hold`, its pages survive finishing until `release`; with
+        `stream`, its prompt's KV is put there layer by layer as it is computed (`layer_taps`)."""
         seq = self._new_sequence(rid, prompt, params, hold)
+        seq.stream = stream
         self.scheduler.add(seq)
         return seq
 
@@ -235,6 +240,7 @@ class Engine(KVMoves):
             pos.extend(range(seq.num_computed, seq.num_computed + n))
             spans.append((seq.pages, seq.num_computed, n))
         attn = PagedAttention(self.pool, spans, device)
+        attn.on_layer = self.layer_taps(batch)
         hidden = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), attn)
         ready, offset = [], 0  # sequences with nothing pending, and their last row
         for seq, n in batch:

@@ -4,7 +4,11 @@ steps where a runtime runs a copy thread, here and now otherwise."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import torch
 
 from pdd.batching import Scheduler, Status
 from pdd.engine.copies import Copies, Copy, export_copy, import_copy
@@ -67,6 +71,47 @@ class KVMoves:
         if why:
             raise RequestError(why)
 
+    def layer_taps(self, batch: list[tuple[Sequence, int]]) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+        """What a step's forward calls after each layer (`PagedAttention.on_layer`): the
+        layer's KV of the prompt tokens it computes for each streaming sequence, put on
+        that sequence's `LayerStream` (copied to the host: off the device without waiting
+        on CUDA, `CopyStream.to_host`); None when no sequence of the batch streams."""
+        taps = []
+        offset = 0
+        for seq, n in batch:
+            if seq.stream is not None and seq.num_computed < seq.prompt_len:
+                seq.stream.begin(seq.num_computed)
+                end = min(seq.num_computed + n, seq.prompt_len)
+                taps.append((offset, seq.stream, self._kv_header(seq, range(0, 1), seq.num_computed, end)))
+            offset += n
+        if not taps:
+            return None
+
+        def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for start, stream, header in taps:
+                rows = slice(start, start + header.num_tokens)
+                (kk, vv), ready = self.copy_stream.to_host([k[rows].to(self.pool.dtype), v[rows].to(self.pool.dtype)])
+                blob = codec.KVBlob(replace(header, layer_start=layer, layer_end=layer + 1), kk[None], vv[None])
+                stream.put(blob, ready)
+
+        return on_layer
+
+    def _kv_header(self, seq: Sequence, layers: range, token_start: int, token_end: int) -> codec.KVHeader:
+        """The header of this engine's KV of `seq`'s tokens [token_start, token_end)."""
+        return codec.KVHeader(
+            num_layers=self.model_cfg.num_layers,
+            layer_start=layers.start,
+            layer_end=layers.stop,
+            kv_heads=self.model_cfg.num_kv_heads,
+            head_dim=self.model_cfg.head_dim,
+            dtype=codec.dtype_name(self.pool.dtype),
+            page_size=self.pool.page_size,
+            token_start=token_start,
+            token_end=token_end,
+            block_size=HASH_BLOCK,
+            block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
+        )
+
     def export_kv(self, rid: str, token_start: int, token_end: int, layers: range | None = None) -> codec.KVBlob:
         """KV of tokens [token_start, token_end) of a sequence, here and now (the runtime
         copies beside its steps instead: `claim_export`)."""
@@ -82,19 +127,6 @@ class KVMoves:
             raise RequestError(f"request {rid!r} is not active")
         if not 0 <= token_start < token_end <= seq.num_computed:
             raise RequestError(f"cannot export [{token_start}, {token_end}): {seq.num_computed} tokens computed")
-        layers = layers or range(self.model_cfg.num_layers)
-        header = codec.KVHeader(
-            num_layers=self.model_cfg.num_layers,
-            layer_start=layers.start,
-            layer_end=layers.stop,
-            kv_heads=self.model_cfg.num_kv_heads,
-            head_dim=self.model_cfg.head_dim,
-            dtype=codec.dtype_name(self.pool.dtype),
-            page_size=self.pool.page_size,
-            token_start=token_start,
-            token_end=token_end,
-            block_size=HASH_BLOCK,
-            block_hashes=block_hashes(seq.tokens[:token_end], HASH_BLOCK),
-        )
+        header = self._kv_header(seq, layers or range(self.model_cfg.num_layers), token_start, token_end)
         seq.copies += 1
         return export_copy(self.pool, seq, header, self.copy_stream)

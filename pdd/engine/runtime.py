@@ -26,6 +26,7 @@ from pdd.engine.engine import Engine
 from pdd.engine.pacing import StepPacer
 from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
+from pdd.kv.layer_stream import LayerStream
 from pdd.names import NATIVE
 from pdd.perf.emulated import token_scale
 from pdd.sampling import SamplingParams
@@ -102,13 +103,13 @@ class EngineRuntime:
         return w
 
     async def generate(
-        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False, stream: LayerStream | None = None
     ) -> AsyncIterator[StepOutput]:
         """Stream a request's sampled tokens; leaving early (or being cancelled) aborts it."""
         w = self.watch(rid)
         done = False
         try:
-            await self.call(lambda e: e.add_request(rid, prompt, params, hold))
+            await self.call(lambda e: e.add_request(rid, prompt, params, hold, stream))
             async for out in w:
                 yield out
                 done = out.finish_reason is not None

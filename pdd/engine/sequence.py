@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdd.guide import Guide
+    from pdd.kv.layer_stream import LayerStream
 
 
 @dataclass(eq=False)
@@ -44,6 +45,7 @@ class Sequence:
     copied_end: int = 0  # an import's tokens in place so far (what counts if it is cancelled)
     copy_cancelled: bool = False
     start_deferred: bool = False  # started while its import was being copied: scheduled when it lands
+    stream: LayerStream | None = None  # where its prompt's KV goes, layer by layer, as computed (P)
 
     @property
     def num_output(self) -> int:

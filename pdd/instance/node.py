@@ -125,6 +125,7 @@ class Node:
             "reservations_waiting": len(waiting) if waiting is not None else 0,
             "prefix_waits_expired": getattr(self.role, "prefix_waits_expired", 0),  # (decode-side roles)
             "background_held": getattr(self.role, "background_held", 0),  # (a prefill role)
+            "kv_frames_in_prefill": getattr(self.role, "kv_frames_in_prefill", 0),  # (a prefill role)
             "aborted": self.aborted.count,
         }
 

@@ -1,9 +1,10 @@
 """The prefill role (P): prefill, then move the KV to the decode side.
 
 While P prefills, the main decode instance reserves (one WAN round trip, overlapped)
-and answers the hit it holds; P sends exactly the KV after that hit, chunk by chunk,
-one layer per frame. The pipeline is chosen here, from that reserved hit and what P
-knows of the line (`pdd.policy.transfer.LineMeter`), by `pdd.policy.pipeline`. P tells the router the
+and answers the hit it holds; P sends exactly the KV after that hit, layer by layer as
+the forward computes it (`pdd.instance.prefill_kv`). The pipeline is chosen here, once
+prefill is done, from that reserved hit and what P knows of the line
+(`pdd.policy.transfer.LineMeter`), by `pdd.policy.pipeline`. P tells the router the
 pipeline and hits as soon as they are known, and the bytes moved when done.
 
 One `PrefillJob` holds a request's state; replies from decode-side instances are
@@ -16,54 +17,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.instance.host import Host, report_failure
 from pdd.instance.peers import PeerPool
-from pdd.kv import codec
+from pdd.instance.prefill_kv import KVSenders, PrefillJob, answer, loaded, reservation
+from pdd.kv.layer_stream import LayerStream
 from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
-from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_chunks, kv_namespace, kv_range
-from pdd.sampling import Logprob
+from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_namespace
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
 log = logging.getLogger(__name__)
-ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
 RELAY_ANSWER_S = 1.0  # the relay is next door: an answer later than this is a loaded relay
 PROGRESS_EVERY_S = 1.0
-
-
-@dataclass(eq=False)
-class PrefillJob:
-    """One request on P, from SUBMIT until its KV is handed over (or it fails)."""
-
-    submit: m.Submit
-    router_id: str
-    acks: dict[str, asyncio.Future[m.ReserveAck]] = field(default_factory=dict)  # peer -> its ReserveAck
-    loaded: dict[str, asyncio.Future[m.KVAck]] = field(default_factory=dict)  # peer -> its KVAck(done)
-    reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
-    holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
-    exports: int = 0  # transfers still to export P's KV: the pages go back once none is left
-    background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
-    task: asyncio.Task[None] | None = None
-    submitted: float = field(default_factory=time.monotonic)
-    last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
-    progress_sent: float = 0.0  # when the router was last told the KV moves
-    # peer -> the forms its KV crosses in: lossy ("": exact) and compressed ("": as it is)
-    forms: dict[str, tuple[str, str]] = field(default_factory=dict)
-    first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
-    prompt_logprobs: list[Logprob | None] | None = None  # the prompt's, where asked: P's alone
-
-    @property
-    def rid(self) -> str:
-        return self.submit.rid
-
-    def futures(self, peer: str) -> list[asyncio.Future[Any]]:
-        return [f for f in (self.acks.get(peer), self.loaded.get(peer)) if f is not None and not f.done()]
 
 
 class PrefillRole:
@@ -74,6 +44,7 @@ class PrefillRole:
         self.jobs: dict[str, PrefillJob] = {}
         self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_peer_lost)
         self.lines: dict[str, LineMeter] = {}  # by datacenter
+        self.senders = KVSenders(self.engine, self.peers, self.policy.kv_chunk_tokens, self._line, host.spawn)
 
     def close(self) -> None:
         self.peers.close()
@@ -121,6 +92,11 @@ class PrefillRole:
         return sum(1 for j in self.jobs.values() if not j.background)
 
     @property
+    def kv_frames_in_prefill(self) -> int:
+        """KV frames sent while their prefill still computed (P streams it layer by layer)."""
+        return self.senders.in_prefill
+
+    @property
     def background_held(self) -> int:
         """MD's background copies held here (behind a lagging line, they wait at P)."""
         return sum(1 for j in self.jobs.values() if j.background)
@@ -140,6 +116,7 @@ class PrefillRole:
         if job is None:
             return
         if isinstance(body, m.KVAck):
+            job.acked[peer] = max(job.acked.get(peer, 0), body.token_end)
             self._progress(job)
         ack, loaded = job.acks.get(peer), job.loaded.get(peer)
         if isinstance(body, m.ReserveAck) and ack is not None and not ack.done():
@@ -177,6 +154,7 @@ class PrefillRole:
                 log.exception("request %s failed", job.rid)
             await report_failure(self.host, job.router_id, job.rid, e)
         finally:
+            self.senders.stop(job)
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
                 self.host.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
@@ -215,26 +193,6 @@ class PrefillRole:
             return "", ""
         return self.host.dep.link.lossy_kv, self.host.dep.link.compress_kv
 
-    @staticmethod
-    async def _ack(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
-        """The peer's reservation; None if it has not answered within `timeout` (None:
-        as long as it takes; a decode instance holds a reservation back while its pool
-        is full, and a lost one is dropped by liveness)."""
-        try:
-            ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
-        except TimeoutError:
-            return None
-        if ack.error:
-            raise RuntimeError(f"{peer} refused: {ack.error}")
-        return ack
-
-    @classmethod
-    async def _reservation(cls, job: PrefillJob, peer: str) -> m.ReserveAck:
-        """The peer's reservation, however long it takes (see `_ack`)."""
-        ack = await cls._ack(job, peer, None)
-        assert ack is not None  # without a timeout, `_ack` waits for the answer
-        return ack
-
     async def _serve(self, job: PrefillJob) -> None:
         s = job.submit
         if s.main is None and s.relay is None:
@@ -243,18 +201,15 @@ class PrefillRole:
             await self._reserve(job, s.main)
         if s.relay:  # and so does the relay, in case the request goes its way (dropped if not)
             await self._reserve(job, s.relay, s.main)
-        first, cached, reason = None, 0, None
-        async for out in self.engine.generate(s.rid, s.prompt, replace(s.params, max_tokens=1), hold=True):
-            first, cached, reason = out.token, out.cached_tokens, out.finish_reason
-            job.first_logprob = out.logprob if out.token is not None else job.first_logprob
-            job.prompt_logprobs = out.prompt_logprobs or job.prompt_logprobs
-        if first is None:
-            raise RuntimeError("prefill was aborted")
+        first, cached, reason = await self._prefill(job)
         t_prefilled = time.monotonic()
         pipeline, ack, predicted, fallback = await self._decide(job)
         if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
+            self.senders.drop(job, s.relay)
             self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
+        if s.main and pipeline == Pipeline.P_RLD:
+            self.senders.drop(job, s.main)
         log.debug(
             "%s: prefill done %.0f ms after submit; decided after %.0f ms more",
             s.rid,
@@ -281,7 +236,6 @@ class PrefillRole:
             paths[s.main] = self._to_main(
                 job, s.main, first, ready_to=s.relay if pipeline == Pipeline.P_RLD_MD else None
             )
-        job.exports = len(paths)
         outcomes = dict(zip(paths, await asyncio.gather(*paths.values(), return_exceptions=True), strict=True))
         failed = {peer: o for peer, o in outcomes.items() if isinstance(o, BaseException)}
         if len(failed) == len(outcomes):
@@ -297,6 +251,28 @@ class PrefillRole:
             late_hit = job.acks[s.main].result().hit
         self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan, late_hit))
 
+    async def _prefill(self, job: PrefillJob) -> tuple[int, int, str | None]:
+        """Prefill, the decode side's senders following its KV layer by layer as it is
+        computed: (P's token, cached prompt tokens, finish reason)."""
+        s = job.submit
+        job.stream = LayerStream()
+        job.exports = 1  # (the prefill's own hold on its pages)
+        for peer in job.acks:  # MD behind a relay yields until the choice: it may be the background copy
+            self.senders.start(job, peer, Priority.BACKGROUND if s.relay and peer != s.relay else Priority.URGENT)
+        first, cached, reason = None, 0, None
+        try:
+            params = replace(s.params, max_tokens=1)
+            async for out in self.engine.generate(s.rid, s.prompt, params, hold=True, stream=job.stream):
+                first, cached, reason = out.token, out.cached_tokens, out.finish_reason
+                job.first_logprob = out.logprob if out.token is not None else job.first_logprob
+                job.prompt_logprobs = out.prompt_logprobs or job.prompt_logprobs
+        finally:
+            job.stream.close()
+        self.senders.exported(job)
+        if first is None:
+            raise RuntimeError("prefill was aborted")
+        return first, cached, reason
+
     async def _decide(self, job: PrefillJob) -> tuple[Pipeline, m.ReserveAck | None, float | None, Fallback | None]:
         """(pipeline, MD's reservation, predicted arrival in ms, fallback) once prefill is done."""
         s = job.submit
@@ -306,7 +282,7 @@ class PrefillRole:
         line = self._line(s.main)
         waited = time.monotonic()
         try:
-            ack = await self._ack(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
+            ack = await answer(job, s.main, answer_wait_s(budget, line.estimate) if s.relay else None)
         except (RuntimeError, ConnectionError) as e:
             refused = main_refused(s.relay is not None and await self._relay_takes(job, s.relay))
             if refused is None:
@@ -338,16 +314,13 @@ class PrefillRole:
         """Whether the relay holds the request: it answers at once, and turns it away
         when it is loaded (`pdd.policy.capacity.relay_accepts`)."""
         try:
-            return await self._ack(job, relay, RELAY_ANSWER_S) is not None
+            return await answer(job, relay, RELAY_ANSWER_S) is not None
         except (RuntimeError, ConnectionError) as e:
             log.debug("%s: the relay does not take it: %s", job.rid, e)
             return False
 
     async def _to_relay(self, job: PrefillJob, relay: str, first: int) -> int:
-        ack = await self._reservation(job, relay)
-        sent = await self._send_kv(
-            job, relay, *kv_range(len(job.submit.prompt), ack.hit), first, emit=True, priority=Priority.URGENT
-        )
+        sent = await self.senders.finish(job, relay, first, emit=True, priority=Priority.URGENT)
         job.background = True  # the producer has its KV; what is left is MD's copy, if any
         return sent
 
@@ -356,58 +329,12 @@ class PrefillRole:
         the relay. (Done once the KV is there, not once it is written: P's KV frames wait
         in several connections' buffers, megabytes on a slow line, and a P that dies
         with them unsent has not done its part: the router retries the request.)"""
-        ack = await self._reservation(job, main)
+        await reservation(job, main)
         job.loaded[main] = asyncio.get_running_loop().create_future()
         # behind a relay, MD's copy is off the critical path: it yields to urgent transfers
-        sent = await self._send_kv(
-            job,
-            main,
-            *kv_range(len(job.submit.prompt), ack.hit),
-            first,
-            emit=ready_to is None,
-            priority=Priority.BACKGROUND if ready_to else Priority.URGENT,
-        )
-        await self._loaded(job, main)
+        priority = Priority.BACKGROUND if ready_to else Priority.URGENT
+        sent = await self.senders.finish(job, main, first, emit=ready_to is None, priority=priority)
+        await loaded(job, main)
         if ready_to:
             await self._tell(ready_to, m.Ready(job.rid))
-        return sent
-
-    @staticmethod
-    async def _loaded(job: PrefillJob, peer: str) -> None:
-        """Wait for the peer to confirm it holds all the KV, however slow the line, as
-        long as some of the request's KV is acknowledged every `ACK_TIMEOUT_S` from
-        the moment the last of it was sent."""
-        job.last_ack = time.monotonic()
-        while True:
-            left = job.last_ack + ACK_TIMEOUT_S - time.monotonic()
-            try:
-                await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
-                return
-            except TimeoutError:
-                if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
-                    raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} for {ACK_TIMEOUT_S:g} s") from None
-
-    async def _send_kv(
-        self, job: PrefillJob, peer: str, start: int, end: int, first: int, emit: bool, priority: Priority
-    ) -> int:
-        """Stream tokens [start, end) of the request's KV to `peer`, then KV_DONE; the
-        payload bytes sent. One export (an engine command waits for the step under way:
-        once, not once a chunk), then chunk by chunk, one layer per frame."""
-        self._line(peer).begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
-        began = time.monotonic()
-        try:
-            blob = await self.engine.export_kv(job.rid, start, end)
-        finally:
-            job.exports -= 1
-            if not job.exports:  # the KV is copied out: a slow line need not hold P's pages
-                self.host.spawn(self.engine.release(job.rid))
-        sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
-        for a, b in kv_chunks(start, end, self.policy.kv_chunk_tokens):
-            for layer in codec.split_layers(codec.token_slice(blob, a, b)):
-                data = codec.encode(layer, lossy, compress)
-                sent += await self.peers.send_bulk(peer, priority, kv=(job.rid, data))
-        done = m.KVDone(job.rid, first, emit, job.first_logprob, job.prompt_logprobs if emit else None)
-        await self.peers.send_bulk(peer, priority, done)
-        job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
-        log.debug("%s: KV [%d, %d) to %s sent in %.1f ms", job.rid, start, end, peer, 1000 * (time.monotonic() - began))
         return sent

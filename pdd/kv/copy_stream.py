@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -69,6 +69,25 @@ class CopyStream:
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()
+
+    def to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
+        """Copies of `tensors` in host memory, made from the model's thread right after it
+        computed them, without waiting: on CUDA they are queued on the copy stream behind
+        what the model's stream has queued so far, into page-locked memory, and the
+        returned wait (for another thread) returns once they are there; on a CPU they are
+        plain copies, there at once (no wait)."""
+        if self.stream is None:
+            return [t.clone() for t in tensors], None
+        computed = torch.cuda.Event()
+        computed.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(computed)
+            out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for t in tensors:  # (the model's allocator must not reuse them before the copy ran)
+            t.record_stream(self.stream)
+        return out, done.synchronize
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         """A page-locked host buffer of at least `nbytes`, reused by the next call (one copy

@@ -17,6 +17,7 @@ from pdd.engine_port import OutOfPages, RequestError, StepOutput
 from pdd.engines.vllm import streams
 from pdd.engines.vllm.events import SALT_PREFIX
 from pdd.engines.vllm.streams import FINAL, LOAD, SHADOW, Request, Watch
+from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,11 @@ class Requests:
             req.watchers.append(w)
         return w
 
-    async def generate(self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False):
+    async def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False, stream: LayerStream | None = None
+    ):
+        """(`stream` gets nothing yet: P exports a held request's KV from its blocks once
+        the prefill is done.)"""
         req = self._new(rid, prompt, params, session=False, hold=hold)
         w = Watch(lambda: None)
         req.watchers.append(w)

@@ -1,0 +1,199 @@
+"""A prefill's KV to each decode-side peer (the prefill role's senders).
+
+A peer's sender starts as soon as P asks it to reserve, before prefill: once the
+reservation answers, it sends the KV after the peer's hit as the engine computes it,
+one layer of one chunk a frame (`pdd.kv.layer_stream`), so the line and the relay's
+path are busy while later layers run; what the stream does not carry (the prefix P's
+own cache served, or all of it on an engine that streams nothing) it exports from P's
+held pages. The pipeline is chosen only after prefill (`pdd.instance.prefill`): the
+sender of a peer left out is cancelled, and each chosen one is finished with KV_DONE,
+which follows its last layer. Until the choice, MD's copy behind a relay yields to
+urgent transfers (it is background work if the relay takes the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd.engine_port import EnginePort
+from pdd.instance.peers import PeerPool
+from pdd.kv import codec
+from pdd.kv.layer_stream import LayerStream
+from pdd.policy.transfer import LineMeter, Priority, kv_chunks, kv_range
+from pdd.sampling import Logprob
+from pdd.transfer import messages as m
+
+log = logging.getLogger(__name__)
+ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One request on P, from SUBMIT until its KV is handed over (or it fails)."""
+
+    submit: m.Submit
+    router_id: str
+    acks: dict[str, asyncio.Future[m.ReserveAck]] = field(default_factory=dict)  # peer -> its ReserveAck
+    loaded: dict[str, asyncio.Future[m.KVAck]] = field(default_factory=dict)  # peer -> its KVAck(done)
+    reserve_sent: dict[str, float] = field(default_factory=dict)  # peer -> when RESERVE went
+    holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
+    stream: LayerStream | None = None  # the prompt's KV as the forward computes it
+    senders: dict[str, asyncio.Task[int]] = field(default_factory=dict)  # peer -> its KV frames, bytes sent
+    priority: dict[str, Priority] = field(default_factory=dict)  # peer -> what its frames go as now
+    acked: dict[str, int] = field(default_factory=dict)  # peer -> the token its acknowledged KV reaches
+    exports: int = 0  # holders of P's pages (the prefill, senders still to export): released at none
+    background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
+    task: asyncio.Task[None] | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    last_ack: float = field(default_factory=time.monotonic)  # the last KV acknowledged by any peer
+    progress_sent: float = 0.0  # when the router was last told the KV moves
+    # peer -> the forms its KV crosses in: lossy ("": exact) and compressed ("": as it is)
+    forms: dict[str, tuple[str, str]] = field(default_factory=dict)
+    first_logprob: Logprob | None = None  # P's token's, where the request asks for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # the prompt's, where asked: P's alone
+
+    @property
+    def rid(self) -> str:
+        return self.submit.rid
+
+    def futures(self, peer: str) -> list[asyncio.Future[Any]]:
+        return [f for f in (self.acks.get(peer), self.loaded.get(peer)) if f is not None and not f.done()]
+
+
+async def answer(job: PrefillJob, peer: str, timeout: float | None) -> m.ReserveAck | None:
+    """The peer's reservation; None if it has not answered within `timeout` (None: as
+    long as it takes; a decode instance holds a reservation back while its pool is full,
+    and a lost one is dropped by liveness)."""
+    try:
+        ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
+    except TimeoutError:
+        return None
+    if ack.error:
+        raise RuntimeError(f"{peer} refused: {ack.error}")
+    return ack
+
+
+async def reservation(job: PrefillJob, peer: str) -> m.ReserveAck:
+    """The peer's reservation, however long it takes (see `answer`)."""
+    ack = await answer(job, peer, None)
+    assert ack is not None  # without a timeout, `answer` waits for the reply
+    return ack
+
+
+class KVSenders:
+    def __init__(
+        self,
+        engine: EnginePort,
+        peers: PeerPool,
+        chunk_tokens: int,
+        line: Callable[[str], LineMeter],
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
+    ) -> None:
+        self.engine, self.peers, self.chunk_tokens, self.line, self.spawn = engine, peers, chunk_tokens, line, spawn
+        self.in_prefill = 0  # KV frames sent while their prefill was still computing
+
+    def start(self, job: PrefillJob, peer: str, priority: Priority) -> None:
+        """Begin `peer`'s sender (its reservation is asked for): frames go as `priority`
+        until `finish` says otherwise."""
+        job.priority[peer] = priority
+        job.exports += 1
+        job.senders[peer] = self.spawn(self._frames(job, peer))
+
+    def drop(self, job: PrefillJob, peer: str) -> None:
+        """The pipeline leaves `peer` out: stop its frames (it is told to drop its reservation)."""
+        sender = job.senders.pop(peer, None)
+        if sender is not None:
+            sender.cancel()
+            if sender.done() and not sender.cancelled():
+                sender.exception()
+
+    @staticmethod
+    def stop(job: PrefillJob) -> None:
+        """The request is over: every sender still running stops; what one failed of, when
+        nobody waited for it, is no error to log (the request's own error says it)."""
+        for sender in job.senders.values():
+            if not sender.done():
+                sender.cancel()
+            elif not sender.cancelled():
+                sender.exception()
+
+    async def finish(self, job: PrefillJob, peer: str, first: int, emit: bool, priority: Priority) -> int:
+        """The rest of `peer`'s KV as `priority`, then KV_DONE; the payload bytes sent."""
+        job.priority[peer] = priority
+        start, end = kv_range(len(job.submit.prompt), (await reservation(job, peer)).hit)
+        line = self.line(peer)
+        line.begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
+        line.acked((job.rid, peer), job.acked.get(peer, start), False, time.monotonic())
+        began = time.monotonic()
+        sent = await job.senders[peer]
+        done = m.KVDone(job.rid, first, emit, job.first_logprob, job.prompt_logprobs if emit else None)
+        await self.peers.send_bulk(peer, priority, done)
+        job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
+        took_ms = 1000 * (time.monotonic() - began)
+        log.debug("%s: KV [%d, %d) to %s done %.1f ms after prefill", job.rid, start, end, peer, took_ms)
+        return sent
+
+    async def _frames(self, job: PrefillJob, peer: str) -> int:
+        """Tokens [hit, prompt) of the KV to `peer`: the part P's cache served, exported,
+        then the stream's pieces as they come. RuntimeError if the prefill ended short."""
+        assert job.stream is not None  # (set before any sender starts)
+        sent = 0
+        try:
+            start, end = kv_range(len(job.submit.prompt), (await reservation(job, peer)).hit)
+            first = await job.stream.started()
+            streamed = end if first is None else max(start, first)
+            if start < streamed:
+                sent += await self._send(job, peer, await self.engine.export_kv(job.rid, start, streamed))
+        finally:
+            self.exported(job)
+        reach = streamed
+        async for piece in job.stream.follow():
+            h = piece.blob.header
+            a, b = max(h.token_start, start), min(h.token_end, end)
+            if a >= b:
+                continue
+            if piece.ready is not None:
+                await asyncio.to_thread(piece.ready)
+            sent += await self._send(job, peer, codec.token_slice(piece.blob, a, b))
+            if h.layer_start == 0:
+                reach = max(reach, b)
+        if reach < end:
+            raise RuntimeError(f"prefill of {job.rid} ended with its KV computed to {reach} of {end} tokens")
+        return sent
+
+    def exported(self, job: PrefillJob) -> None:
+        """One holder of P's pages is done with them: at none, they go (a slow line need not hold them)."""
+        job.exports -= 1
+        if not job.exports:
+            self.spawn(self.engine.release(job.rid))
+
+    async def _send(self, job: PrefillJob, peer: str, blob: codec.KVBlob) -> int:
+        """A blob's KV chunk by chunk, one layer a frame; the payload bytes sent."""
+        sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
+        h = blob.header
+        for a, b in kv_chunks(h.token_start, h.token_end, self.chunk_tokens):
+            for layer in codec.split_layers(codec.token_slice(blob, a, b)):
+                data = codec.encode(layer, lossy, compress)
+                sent += await self.peers.send_bulk(peer, job.priority[peer], kv=(job.rid, data))
+                self.in_prefill += job.stream is not None and not job.stream.closed
+        return sent
+
+
+async def loaded(job: PrefillJob, peer: str) -> None:
+    """Wait for the peer to confirm it holds all the KV, however slow the line, as long as
+    some of the request's KV is acknowledged every `ACK_TIMEOUT_S` from the moment the
+    last of it was sent."""
+    job.last_ack = time.monotonic()
+    while True:
+        left = job.last_ack + ACK_TIMEOUT_S - time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(job.loaded[peer]), max(left, 0.0))
+            return
+        except TimeoutError:
+            if time.monotonic() - job.last_ack >= ACK_TIMEOUT_S:
+                raise TimeoutError(f"{peer} acknowledged no KV of {job.rid} for {ACK_TIMEOUT_S:g} s") from None
