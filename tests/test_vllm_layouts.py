@@ -610,7 +610,7 @@ def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_whe
     kv, bridges = workers(vllm_config("LBHNC", block_size=32), dict.fromkeys(names, cpu_attn_layer(spec)), caches,
                           slot_bytes=10 * per_token)  # fmt: skip
     copier = bridges[0].worker.copier
-    assert kv.ranks[0].slice_tokens == 10
+    assert kv.ranks[0].slice_tokens(kv.ranks[0].layers) == 10
     threads, gate, write = [], threading.Event(), copier.write
 
     def held_write(header: dict[str, Any]) -> None:

@@ -103,6 +103,7 @@ def test_pipelines_and_handoffs_all_equal_plain_vllm(dep, moe_reference, moe_dir
     assert_pdd_shapes(done)
     assert_second_turns_move_only_what_md_lacks(dep, prompts, done, kv_bytes_per_token(moe_dir), hits_before)
     vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
+    assert _node(dep.http["p0"])["kv_frames_in_prefill"] > 0  # (P's vLLM streamed layers as it computed them)
 
 
 def test_client_disconnects_give_vllms_blocks_back(dep):

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -56,15 +57,18 @@ class CopyStream:
             self.step_event.record(torch.cuda.current_stream(self.device))
 
     @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
-        """Copies issued inside run on the copy stream after the last marked step, and are
-        complete (this thread waited for them) when the block exits."""
+    def copying(self, after: Any = None) -> Iterator[None]:
+        """Copies issued inside run on the copy stream after the last marked step (and after
+        the event `after`, where given: a layer of the step under way), and are complete
+        (this thread waited for them) when the block exits."""
         if self.stream is None:
             yield
             return
         assert self.step_event is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.step_event)
+            if after is not None:
+                self.stream.wait_event(after)
             yield
             done = torch.cuda.Event()
             done.record(self.stream)

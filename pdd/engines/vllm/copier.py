@@ -16,8 +16,10 @@ order the instance asked for them:
 Nothing a forward pass reads is touched: an import writes the blocks of a reservation
 (vLLM keeps its request in WAITING_FOR_REMOTE_KVS until the instance reports the load,
 which it does only once every slice's answer is in), an export reads the blocks of a
-finished request that vLLM holds for it. A slice is answered only when its last value
-is in place.
+finished request that vLLM holds for it, or one layer of a prefill's blocks that the
+step under way has computed already (a streamed prefill: the read waits until this
+worker's model thread has marked that layer of that step, `computed`). A slice is
+answered only when its last value is in place.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pdd.engines.vllm.staging import Region
 from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
 
 log = logging.getLogger(__name__)
+LAYER_WAIT_S = 30.0  # a read of a layer the step under way computes waits this long for it at most
 
 
 class Copier:
@@ -58,6 +61,25 @@ class Copier:
         self.done = threading.Event()  # set whenever a slice is answered (an idle step waits on it)
         self.busy = False  # whether the last step computed something (a slice then leaves it room)
         self._thread = threading.Thread(target=self._run, name="pdd-kv-copy", daemon=True)
+        self._layers_done = threading.Condition()
+        self._layer_step: dict[int, tuple[int, Any]] = {}  # layer -> (the last step it was computed in, its event)
+
+    def computed(self, layer: int, step: int) -> None:
+        """The model thread: `layer` of step `step` is computed (queued, on CUDA)."""
+        event = None
+        if self.stream.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        with self._layers_done:
+            self._layer_step[layer] = (step, event)
+            self._layers_done.notify_all()
+
+    def _after(self, layer: int, step: int) -> Any:
+        """Wait until `layer` of step `step` (or a later one) is computed; its event."""
+        with self._layers_done:
+            if not self._layers_done.wait_for(lambda: self._layer_step.get(layer, (-1, None))[0] >= step, LAYER_WAIT_S):
+                raise RuntimeError(f"layer {layer} of step {step} was never computed here")
+            return self._layer_step[layer][1]
 
     def start(self) -> None:
         self._thread.start()
@@ -96,7 +118,8 @@ class Copier:
     def staged(self, header: dict[str, Any]) -> torch.Tensor:
         """The slice's staging slot as [sides, layers, tokens, heads, head_dim] of the cache's storage dtype."""
         tokens = header["token_end"] - header["token_start"]
-        shape = (self.sides, len(self.layers), tokens, header["heads"], header["head_dim"])
+        first, last = header.get("layers", (0, len(self.layers)))
+        shape = (self.sides, last - first, tokens, header["heads"], header["head_dim"])
         return self.region.slot(header["slot"], self.storage, shape)
 
     def write(self, header: dict[str, Any]) -> None:
@@ -107,8 +130,11 @@ class Copier:
                 layer.write(slots, kv[0, i], kv[-1, i])  # (a latent's layout takes K alone)
 
     def read(self, header: dict[str, Any]) -> None:
+        """All layers, or `layers` [first, last) (after the step that computes them, `after`)."""
         slots, staged = self.slots(header), self.staged(header)
-        with self.stream.copying():
-            for i, layer in enumerate(self.layers):
+        first, last = header.get("layers", (0, len(self.layers)))
+        after = self._after(*header["after"]) if "after" in header else None
+        with self.stream.copying(after):
+            for i, layer in enumerate(self.layers[first:last]):
                 for side, part in enumerate(layer.read(slots)[: self.sides]):
                     staged[side, i].copy_(part, non_blocking=True)

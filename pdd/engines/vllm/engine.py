@@ -32,6 +32,7 @@ from pdd.engines.vllm import args as vargs
 from pdd.engines.vllm.bridge import BridgeServer
 from pdd.engines.vllm.events import EventSubscriber, VllmHashes
 from pdd.engines.vllm.kvio import WorkerInfo, WorkerKV
+from pdd.engines.vllm.layer_reads import LayerReads
 from pdd.engines.vllm.requests import Requests
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
@@ -50,6 +51,7 @@ class VllmEngine(Requests):
         self.page_size = config.page_size
         self._dir = tempfile.mkdtemp(prefix="pdd-vllm-")
         self.kv = WorkerKV()
+        self.layer_reads = LayerReads(self.kv, lambda rid: self.reqs.get(rid))
         self._layouts_done = threading.Event()
         self._world = 0
         self.hashes = VllmHashes(config.page_size)
@@ -118,6 +120,8 @@ class VllmEngine(Requests):
             self.refused = f"rank {header['rank']}: {header['error']}"
         elif op in ("written", "data", "failed"):
             self.kv.answer(header)
+        elif op in ("streaming", "computed") and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.layer_reads.on_report, header)
         elif op in ("reserved", "refused", "finished"):
             self.on_scheduler(header)
         elif op == "load":

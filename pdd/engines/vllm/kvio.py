@@ -52,10 +52,9 @@ class WorkerInfo:
     def sides(self) -> int:
         return 1 if self.latent else 2
 
-    @property
-    def slice_tokens(self) -> int:
-        """Tokens of this rank's KV one staging slot holds."""
-        per_token = self.sides * self.layers * self.heads * self.head_dim * codec.ALL_DTYPES[self.dtype].itemsize
+    def slice_tokens(self, layers: int) -> int:
+        """Tokens of this rank's KV of `layers` layers one staging slot holds."""
+        per_token = self.sides * layers * self.heads * self.head_dim * codec.ALL_DTYPES[self.dtype].itemsize
         if per_token > self.region.slot_bytes:
             raise ValueError(f"one token's KV ({per_token} bytes) exceeds a staging slot")
         return self.region.slot_bytes // per_token
@@ -137,9 +136,10 @@ class WorkerKV:
         cancelled meanwhile: it may still be copying from or into it."""
         loop = asyncio.get_running_loop()
         slot = await worker.slots.take()
+        first, last = header.get("layers", (0, worker.layers))
         shape = (
             worker.sides,
-            worker.layers,
+            last - first,
             header["token_end"] - header["token_start"],
             worker.heads,
             worker.head_dim,
@@ -181,7 +181,7 @@ class WorkerKV:
         sides = [blob.k, blob.v][: h.sides]
         sends = []
         for w in self.ranks:
-            for a, b in kv_chunks(h.token_start, h.token_end, w.slice_tokens):
+            for a, b in kv_chunks(h.token_start, h.token_end, w.slice_tokens(w.layers)):
 
                 def fill(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
                     for side, x in enumerate(sides):
@@ -193,24 +193,39 @@ class WorkerKV:
                 sends.append(self._slice(w, header, fill=fill))
         await asyncio.gather(*sends)
 
-    async def read(self, blocks: list[int], tokens: list[int], start: int, end: int) -> codec.KVBlob:
-        """Tokens [start, end) of the request in `blocks` (whose tokens are `tokens`), all layers."""
+    async def read(
+        self,
+        blocks: list[int],
+        tokens: list[int],
+        start: int,
+        end: int,
+        layers: range | None = None,
+        after: tuple[int, int] | None = None,
+    ) -> codec.KVBlob:
+        """Tokens [start, end) of the request in `blocks` (whose tokens are `tokens`), all
+        layers or `layers`; `after` (layer, step): once each worker has computed that layer
+        of that step (a streamed prefill's, read while the step goes on)."""
         first = self.ranks[0]
+        layers = layers or range(first.layers)
         dtype = codec.ALL_DTYPES[first.dtype]
-        out = torch.empty(first.sides, first.layers, end - start, self.total_heads, first.head_dim, dtype=dtype)
+        out = torch.empty(first.sides, len(layers), end - start, self.total_heads, first.head_dim, dtype=dtype)
+        extra: dict[str, Any] = {"layers": [layers.start, layers.stop]}
+        if after is not None:
+            extra["after"] = list(after)
         reads = []
         for w in self.readers:
-            for a, b in kv_chunks(start, end, w.slice_tokens):
+            for a, b in kv_chunks(start, end, w.slice_tokens(len(layers))):
 
                 def empty(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
                     out[:, :, a - start : b - start, w.head_start : w.head_start + w.heads].copy_(staged)
 
-                reads.append(self._slice(w, self._header("read", blocks, w.block_size, a, b, w.head_dim), empty=empty))
+                header = {**self._header("read", blocks, w.block_size, a, b, w.head_dim), **extra}
+                reads.append(self._slice(w, header, empty=empty))
         await asyncio.gather(*reads)
         header_out = codec.KVHeader(
             num_layers=first.layers,
-            layer_start=0,
-            layer_end=first.layers,
+            layer_start=layers.start,
+            layer_end=layers.stop,
             kv_heads=self.total_heads,
             head_dim=first.head_dim,
             dtype=first.dtype,
@@ -220,7 +235,7 @@ class WorkerKV:
             block_size=HASH_BLOCK,
             block_hashes=block_hashes(tokens[:end], HASH_BLOCK),
             latent=first.latent,
-            scales=list(first.scales),
+            scales=list(first.scales[2 * layers.start : 2 * layers.stop]),
         )
         return codec.KVBlob(header_out, out[0], out[0][..., :0] if first.latent else out[1])
 

@@ -16,6 +16,7 @@ from typing import Any
 from pdd.engine_port import OutOfPages, RequestError, StepOutput
 from pdd.engines.vllm import streams
 from pdd.engines.vllm.events import SALT_PREFIX
+from pdd.engines.vllm.layer_reads import LayerReads
 from pdd.engines.vllm.streams import FINAL, LOAD, SHADOW, Request, Watch
 from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import SamplingParams
@@ -81,9 +82,9 @@ class Requests:
     async def generate(
         self, rid: str, prompt: list[int], params: SamplingParams, hold: bool = False, stream: LayerStream | None = None
     ):
-        """(`stream` gets nothing yet: P exports a held request's KV from its blocks once
-        the prefill is done.)"""
+        """With `stream`, the prompt's layers are read as vLLM computes them (`layer_reads`)."""
         req = self._new(rid, prompt, params, session=False, hold=hold)
+        req.stream = stream
         w = Watch(lambda: None)
         req.watchers.append(w)
         if hold:
@@ -95,13 +96,15 @@ class Requests:
             [],
             params.max_tokens,
             self.eos_ids,
-            {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold}}},
+            {"kv_transfer_params": {"pdd": {"rid": rid, "hold": hold, "stream": stream is not None}}},
         )
         inputs: dict[str, Any] = {"prompt_token_ids": prompt, **salted(params)}
         req.task = asyncio.ensure_future(self._consume(req, self.llm.generate(inputs, sp, rid)))  # type: ignore[arg-type]
         done = False
         try:
             async for out in w:
+                if out.finish_reason is not None:
+                    await LayerReads.whole(req)
                 yield out
                 done = out.finish_reason is not None
         finally:

@@ -13,6 +13,9 @@ It sees what only the scheduler sees, and tells the pdd instance:
   instead of queueing.
 * a hold: a finished request pdd will export from (P) keeps its blocks (the connector
   frees them asynchronously) until the instance releases it.
+* a stream: a prefill P sends layer by layer (`"stream"`) has, in each step's
+  metadata, the prompt tokens the step computes and the blocks that hold them, for the
+  workers to report each layer as it is computed (`worker_side.WorkerSide.save_layer`).
 * the tokens vLLM's scheduler computed for each request (its `num_scheduled_tokens`),
   reported when the request ends: the instance's proof of what was recomputed.
 
@@ -55,6 +58,9 @@ class SchedulerMeta(KVConnectorMetadata):
     loaded: list[str] = field(default_factory=list)  # vLLM request ids
     freed: list[str] = field(default_factory=list)
     idle: bool = False  # nothing is computed this step: a worker may wait a little for work
+    # prompt tokens streamed requests compute this step: [pdd id, start, end, base, blocks of
+    # tokens [start, end), the first of which begins at token base]
+    streams: list[list[Any]] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -71,6 +77,7 @@ class SchedulerSide:
         self.held: dict[str, str] = {}  # pdd id -> vLLM id: finished, blocks kept for export
         self.released: OrderedDict[str, None] = OrderedDict()  # pdd ids released before they were held
         self.computed: dict[str, int] = {}  # vLLM id -> tokens scheduled so far
+        self.streamed: dict[str, tuple[str, int, list[int]]] = {}  # vLLM id -> pdd id, prompt length, blocks
         self.abandoned: list[str] = []  # loads of requests aborted while their KV was on the way
         self.used_blocks = -1  # last reported to the instance
 
@@ -88,6 +95,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         p = pdd_params(request)
         rid = request.request_id
+        if p is not None and p.get("stream") and rid not in self.streamed:
+            self.streamed[rid] = (p["rid"], request.num_prompt_tokens, [])
         if p is None or p.get("op") != "import" or rid in self.planned:
             return 0, False  # (planned: a preempted import is recomputed, its imported KV is gone)
         if rid in self.refused:
@@ -130,7 +139,37 @@ class SchedulerSide:
             self.loading.pop(vid, None)
         for vid, n in scheduler_output.num_scheduled_tokens.items():
             self.computed[vid] = self.computed.get(vid, 0) + n
+        if self.streamed:
+            meta.streams = self._streams(scheduler_output)
         return meta
+
+    def _streams(self, out: SchedulerOutput) -> list[list[Any]]:
+        """The prompt tokens each streamed request computes this step, and their blocks
+        (a request's blocks are kept here as the steps hand them out; a preempted one
+        starts its list again)."""
+        at: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self.streamed:
+                rid, n, _ = self.streamed[new.req_id]
+                self.streamed[new.req_id] = (rid, n, list(new.block_ids[0]))
+                at[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, vid in enumerate(cached.req_ids):
+            if vid in self.streamed:
+                rid, n, blocks = self.streamed[vid]
+                more = cached.new_block_ids[i]
+                if vid in cached.resumed_req_ids:
+                    blocks = []
+                self.streamed[vid] = (rid, n, blocks + list(more[0] if more else []))
+                at[vid] = cached.num_computed_tokens[i]
+        streams = []
+        for vid, start in at.items():
+            rid, prompt_len, blocks = self.streamed[vid]
+            end = min(start + out.num_scheduled_tokens.get(vid, 0), prompt_len)
+            if start < end:
+                first, last = start // self.block_size, -(-end // self.block_size)
+                streams.append([rid, start, end, first * self.block_size, blocks[first:last]])
+        return streams
 
     def report_usage(self) -> None:
         """Blocks held by requests (what vLLM's KV usage gauge measures), sent when it
@@ -152,6 +191,7 @@ class SchedulerSide:
         self.planned.discard(vid)
         self.refused.discard(vid)
         computed = self.computed.pop(vid, 0)
+        self.streamed.pop(vid, None)
         p = pdd_params(request)
         if p is None:
             return False

@@ -37,6 +37,7 @@ from typing import Any
 
 from pdd.engine_port import StepOutput
 from pdd.engines.vllm.draw import draw_args
+from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import Logprob, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class Request:
     held: asyncio.Future | None = None  # (blocks, computed tokens) once a hold's request finished
     task: asyncio.Task | None = None
     ended: bool = False
+    stream: LayerStream | None = None  # a prefill P streams: its layers go there as computed (`layer_reads`)
+    stream_reads: list[asyncio.Future] = field(default_factory=list)  # its layers' reads, in order
+    streamed: dict[int, int] = field(default_factory=dict)  # layer -> the prompt token its reads reach
+    stream_whole: asyncio.Event = field(default_factory=asyncio.Event)  # every layer of the prompt is there
 
     def emit(self, out: StepOutput | BaseException) -> None:
         for w in self.watchers:

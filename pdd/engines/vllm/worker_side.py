@@ -40,6 +40,9 @@ class WorkerSide:
         )
         bridge.serve_forever(self.channel, self._on_message, f"pdd-worker{self.rank}-bridge")
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's blocks (a layout's may be smaller)
+        self.layer_index: dict[str, int] = {}  # a carried layer's name -> its place among them
+        self.step = 0  # steps begun (every rank counts the same)
+        self.streams = False  # whether this step computes a streamed prefill
 
     def _on_message(self, header: dict[str, Any]) -> None:
         if header["op"] not in ("write", "read"):
@@ -79,6 +82,7 @@ class WorkerSide:
         first = kv_caches[names[0]]
         check_against_vllm(shape, layers[0], first, self.config.model_config.dtype)
         layers_out = [shape.layout_of(kv_caches[n]) for n in names]
+        self.layer_index = {n: i for i, n in enumerate(names)}
         if first.device.type == "cuda":
             self.region.pin()
         self.copier = Copier(
@@ -133,10 +137,18 @@ class WorkerSide:
         )
 
     # ---- every step --------------------------------------------------------------------
+    def begin_step(self, streams: list[list[Any]]) -> None:
+        """The model thread, before each step's forward pass: count it; rank 0 tells the
+        instance what streamed prefills it computes (`save_layer` tells it each layer's end)."""
+        self.step += 1
+        self.streams = bool(streams)
+        if streams and self.rank == 0:
+            self.channel.send({"op": "streaming", "step": self.step, "streams": streams})
+
     def on_step(self, idle: bool) -> None:
-        """The model thread, before each step: mark where its stream is (the copies wait for
-        it on CUDA); with nothing to compute, wait briefly for a copy to land (vLLM's loop
-        would otherwise spin while KV crawls in)."""
+        """The model thread, at each step (vLLM calls it after launching the forward pass):
+        mark where its stream is (the copies wait for it on CUDA); with nothing to compute,
+        wait briefly for a copy to land (vLLM's loop would otherwise spin while KV crawls in)."""
         if self.copier is None:
             return
         self.copier.stream.mark_step()
@@ -144,3 +156,15 @@ class WorkerSide:
         if idle:
             self.copier.done.wait(IDLE_WAIT_S)
         self.copier.done.clear()
+
+    def save_layer(self, layer_name: str) -> None:
+        """The model thread, once a layer of the step is computed: where the step computes a
+        streamed prefill, mark the layer for this worker's reads of it (`Copier.computed`)
+        and, on rank 0, tell the instance, which reads it at once (a read on any rank
+        waits for that rank's own mark)."""
+        index = self.layer_index.get(layer_name)
+        if not self.streams or self.copier is None or index is None:
+            return
+        self.copier.computed(index, self.step)
+        if self.rank == 0:
+            self.channel.send({"op": "computed", "step": self.step, "layer": index})
