@@ -124,22 +124,6 @@ class Copies:
             finished(error)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A layer's tokens as rows of one wide word each where they divide into them: an
-    indexed copy moves a row at a time then (a 16-bit dtype's it moves value by value,
-    at half the speed)."""
-    flat = t.reshape(t.shape[0], -1)
-    width = flat.shape[1] * flat.element_size()
-    return flat.view(torch.int64) if width % 8 == 0 and flat.is_contiguous() else flat
-
-
-def _scatter(pool_side: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
-    """`values` ([layers, tokens, ...]) into slots `at` of each layer of `pool_side`, a
-    layer at a time (all layers in one indexed write copies value by value)."""
-    for layer in range(values.shape[0]):
-        _rows(pool_side[layer]).index_copy_(0, at, _rows(values[layer].contiguous()))
-
-
 def _gather(out: torch.Tensor, pool_side: torch.Tensor, at: torch.Tensor) -> None:
     """Slots `at` of each layer of `pool_side` into `out`, a layer at a time into its
     place (all layers at once gathers into a temporary first: twice the copying)."""
@@ -166,8 +150,8 @@ def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStr
                     staged[0].copy_(k)
                     staged[1].copy_(v)
                     k, v = staged.to(pool.k.device, non_blocking=True)
-                _scatter(pool_k, at, k.to(pool.dtype))
-                _scatter(pool_v, at, v.to(pool.dtype))
+                pool_k[:, at] = k.to(pool.dtype)  # (every layer in one operation: one hand-off of the GIL)
+                pool_v[:, at] = v.to(pool.dtype)
 
         return run
 
