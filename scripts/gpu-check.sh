@@ -2,7 +2,7 @@
 # pdd's checks for a lent GPU machine (scripts/gpu_check.py says what each one does): one
 # PASS / FAIL / SKIP line per check, exit 1 on any FAIL. Without CUDA it runs what it can
 # and says what it skipped. `--only ab` runs those checks alone; PDD_GPU_CHECK_INJECT=logit-offset
-# (check a), corrupt-page (b) or lost-slice (e) plants a fault its check must FAIL on, CPU too. pdd runs from
+# (check a), corrupt-page (b), lost-slice (e) or stale-piece (f) plants a fault its check must FAIL on, CPU too. pdd runs from
 # source; the wheels scripts/gpu-wheels.sh put in .gpu-wheels/ are installed into a temporary
 # folder when this python lacks their modules.
 set -euo pipefail

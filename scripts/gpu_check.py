@@ -68,6 +68,7 @@ INJECTIONS = {
     "logit-offset": "a",
     "corrupt-page": "b",
     "lost-slice": "e",
+    "stale-piece": "f",
 }  # PDD_GPU_CHECK_INJECT's faults -> the check they target
 LOGIT_OFFSET = 1.0  # 20x check a's MAX_ABS_TOL
 PAGE_SCALE = -4.0  # corrupt-page: a page's K and V, sign flipped and 4x: attention over it is another
@@ -322,15 +323,26 @@ def check_copies_beside_decode(cpu: Engine, model: Path) -> tuple[str, str]:
     return verdict(ok, f"{said}; {kv.stall_figures(DEVICE)}")
 
 
+def check_streamed_layers(model: Path) -> tuple[str, str]:
+    """f: a prefill's layers streamed off the device as they are computed (P's layer-by-layer path), each
+    equal to the device's export of the same tokens (scripts/gpu_checks_kv.py)."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is no package
+    import gpu_checks_kv as kv
+
+    with kv.stale_piece() if inject() == "stale-piece" else contextlib.nullcontext():
+        return verdict(*kv.streamed_on_device(model, DEVICE, prompts(6, 3)))
+
+
 def arguments(argv: list[str] | None) -> argparse.Namespace:
     """The command line (--only), checked with PDD_GPU_CHECK_INJECT: a fault named wrong, or planted in a check
     left out, is a usage error (exit 2), not a run whose checks could not have failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="abcde", help="the checks to run, by letter: a, ab, b,c (default: all)")
+    parser.add_argument("--only", default="abcdef", help="the checks to run, by letter: a, ab, b,c (default: all)")
     args = parser.parse_args(argv)
     args.only = set(args.only.replace(",", ""))
-    if not args.only or not args.only <= set("abcde"):
-        parser.error(f"--only takes letters of a, b, c, d, e, not {''.join(sorted(args.only))!r}")
+    if not args.only or not args.only <= set("abcdef"):
+        parser.error(f"--only takes letters of a, b, c, d, e, f, not {''.join(sorted(args.only))!r}")
     fault = inject()
     if fault and fault not in INJECTIONS:
         parser.error(f"PDD_GPU_CHECK_INJECT={fault!r}: known faults are {', '.join(INJECTIONS)}")
@@ -365,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "c vllm-layouts": check_vllm_layouts,
         "d bench-engine": lambda: check_bench(model),
         "e copies-beside-decode": lambda: check_copies_beside_decode(engines()[0], model),
+        "f streamed-layers": lambda: check_streamed_layers(model),
     }
     failed = 0
     for name, check in checks.items():

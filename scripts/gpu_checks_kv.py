@@ -1,6 +1,7 @@
-"""Check e's parts (scripts/gpu_check.py runs it): the embedded engine's KV imports and exports, copied on
+"""Checks e and f (scripts/gpu_check.py runs them): the embedded engine's KV imports and exports, copied on
 its copy thread beside its steps (pdd/engine/copies.py: on CUDA through page-locked memory and a copy
-stream ordered by events), on the device, and `pdd bench stall`'s figures there. scripts/ is no package:
+stream ordered by events), on the device, and `pdd bench stall`'s figures there; a prefill's layers
+streamed off the device as they are computed (pdd/kv/layer_stream.py). scripts/ is no package:
 gpu_check.py imports this file by its folder."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pdd.engine.engine import Engine
 from pdd.engine.runtime import EngineRuntime
 from pdd.engine_port import EngineConfig
 from pdd.kv import codec
+from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import SamplingParams
 
 # the tiny model's KV is 4 KiB a token in fp32: 4 tokens a slice, a prompt of a few hundred ~50-100 slices
@@ -158,3 +160,73 @@ def stall_figures(device: str) -> str:
         f"MiB, {args.layers} layers): ITL p50/p99 {w['p50_ms']:.1f}/{w['p99_ms']:.1f} ms without, "
         f"{d['p50_ms']:.1f}/{d['p99_ms']:.1f} ms during; import {r['import_mb_s']:,.0f} MB/s"
     )
+
+
+@contextlib.contextmanager
+def stale_piece() -> Iterator[None]:
+    """The stale-piece fault: while it lasts, the first layer a prefill streams is put with its values
+    zeroed, as a copy read before the layer's event (the model's stream had not written it yet) would."""
+    put = LayerStream.put
+    done: list[bool] = []
+
+    def stale(self: LayerStream, blob: codec.KVBlob, ready: Any = None) -> None:
+        if not done:
+            done.append(True)
+            blob = codec.KVBlob(blob.header, torch.zeros_like(blob.k), blob.v)
+        put(self, blob, ready)
+
+    LayerStream.put = stale  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LayerStream.put = put  # type: ignore[method-assign]
+
+
+async def _streamed(rt: EngineRuntime, rid: str, prompt: list[int]) -> tuple[int, bool]:
+    """P's prefill of `prompt` with a stream: the pieces, once each one's copy is done, against the
+    device's own export of the same tokens afterwards (how many pieces, and whether every byte matched)."""
+    stream, pieces = LayerStream(), []
+
+    async def follow() -> None:
+        async for piece in stream.follow():
+            if piece.ready is not None:
+                await asyncio.to_thread(piece.ready)
+            pieces.append(piece.blob)
+
+    follower = asyncio.ensure_future(follow())
+    async for _ in rt.generate(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold=True, stream=stream):
+        pass
+    stream.close()
+    await follower
+    whole = await rt.export_kv(rid, 0, len(prompt))
+    await rt.release(rid)
+    equal = all(
+        torch.equal(b.k[0].cpu(), whole.k[b.header.layer_start, b.header.token_start : b.header.token_end].cpu())
+        and torch.equal(b.v[0].cpu(), whole.v[b.header.layer_start, b.header.token_start : b.header.token_end].cpu())
+        for b in pieces
+    )
+    covered = sum(b.header.num_tokens for b in pieces) == len(prompt) * whole.header.num_layers
+    return len(pieces), equal and covered
+
+
+def streamed_on_device(model: Path, device: str, batch: list[list[int]]) -> tuple[bool, str]:
+    """Check f: each prompt prefilled on `device` in 64-token steps with a `LayerStream` (P's layer-by-layer
+    path: each layer's new KV queued off the device as it is computed, `CopyStream.to_host`); every piece,
+    read once its copy is done, equals the device's own export of those tokens afterwards, byte for byte."""
+    rt = EngineRuntime(Engine(model, EngineConfig(page_size=16, num_pages=512, device=device, max_batch_tokens=64)))
+    rt.start_thread()
+
+    async def go() -> list[tuple[int, bool]]:
+        return [await _streamed(rt, f"f{i}", p) for i, p in enumerate(batch)]
+
+    try:
+        got = asyncio.run(go())
+    finally:
+        rt.close()
+    equal = sum(ok for _, ok in got)
+    pieces = sum(n for n, _ in got)
+    said = (
+        f"{len(batch)} prompts prefilled on {device} in 64-token steps, {pieces} layer pieces streamed: "
+        f"{equal}/{len(batch)} prompts' pieces equal {device}'s export byte for byte"
+    )
+    return equal == len(batch), said

@@ -18,8 +18,15 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "d bench-engine", "e copies-beside-decode")
-LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-e] [a-z-]+): (.+)$", re.MULTILINE)
+CHECKS = (
+    "a cuda-vs-cpu",
+    "b kv-across-devices",
+    "c vllm-layouts",
+    "d bench-engine",
+    "e copies-beside-decode",
+    "f streamed-layers",
+)
+LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-f] [a-z-]+): (.+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,7 @@ def test_each_check_says_what_it_did(run):
     """Without CUDA a, b, c and e run dry and say SKIP, with their reason and their numbers; d says SKIP."""
     lines = _lines(run)
     cuda = torch.cuda.is_available()
-    for check in ("a cuda-vs-cpu", "b kv-across-devices", "c vllm-layouts", "e copies-beside-decode"):
+    for check in (c for c in CHECKS if c != "d bench-engine"):
         status, said = lines[check]
         if cuda and check == "c vllm-layouts" and importlib.util.find_spec("vllm") is None:
             assert status == "SKIP" and "did not run" in said, said  # vLLM's own kernels did not run: no PASS
@@ -72,6 +79,8 @@ def test_each_check_says_what_it_did(run):
     )
     assert "3/3 continuations (64 tokens)" in said, said
     assert re.search(r"ITL p50/p99 [\d.]+/[\d.]+ ms without, [\d.]+/[\d.]+ ms during; import [\d,]+ MB/s", said), said
+    said = lines["f streamed-layers"][1]
+    assert f"3 prompts prefilled on {device} in 64-token steps" in said and "3/3 prompts' pieces equal" in said, said
 
 
 @pytest.mark.parametrize(
@@ -80,6 +89,7 @@ def test_each_check_says_what_it_did(run):
         ("logit-offset", "a cuda-vs-cpu", "first-step logits max |diff| 1 (tol 0.05)"),
         ("corrupt-page", "b kv-across-devices", "->cpu 2/3, cpu->"),
         ("lost-slice", "e copies-beside-decode", "2/3 landed byte-equal, 2/3 exported back byte-equal"),
+        ("stale-piece", "f streamed-layers", "2/3 prompts' pieces equal"),
     ],
 )
 def test_an_injected_fault_fails_its_check(tiny_model_dir, fault, check, caught):
@@ -105,8 +115,8 @@ def gpu_check() -> ModuleType:
 @pytest.mark.parametrize(
     ("args", "fault", "error"),
     [
-        (["--only", "af"], "", "--only takes letters"),
-        ([], "nan-logits", "known faults are logit-offset, corrupt-page, lost-slice"),
+        (["--only", "ag"], "", "--only takes letters"),
+        ([], "nan-logits", "known faults are logit-offset, corrupt-page, lost-slice, stale-piece"),
         (["--only", "abcd"], "lost-slice", "targets check e, which --only leaves out"),
         (["--only", "a"], "corrupt-page", "targets check b, which --only leaves out"),
     ],
