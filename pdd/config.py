@@ -16,6 +16,7 @@ hop per route: `pdd up` puts it on every cross-datacenter route of its one machi
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 import tomllib
 from collections.abc import Collection
@@ -59,16 +60,25 @@ class ModelSpec:
     __pydantic_config__ = STRICT_TABLE
     path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
     name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
-    # a chat completion's thinking moved into reasoning_content, as vLLM's --reasoning-parser ("": none)
+    # a chat completion's thinking moved into `reasoning`, as vLLM's --reasoning-parser ("": none)
     reasoning_parser: str = ""
     # a chat completion's tool calls read out of its text, as vLLM's --tool-call-parser ("": the
     # one its chat template teaches, where pdd knows it: `pdd.api.tools.default_tool_parser`)
     tool_parser: str = ""
+    # an out-of-tree tool parser's file or module, as vLLM's --tool-parser-plugin ("": none)
+    tool_parser_plugin: str = ""
 
     def __post_init__(self) -> None:
+        # where vLLM is installed, any name in its registries (checked as a server starts:
+        # `pdd.api.parsers`); without it, pdd's own
+        if importlib.util.find_spec("vllm") is not None:
+            return
         for key, names in (("reasoning_parser", REASONING_PARSERS), ("tool_parser", TOOL_PARSERS)):
             if getattr(self, key) not in ("", *names):
-                raise ValueError(f'{key} must be "" or one of {", ".join(names)}, not {getattr(self, key)!r}')
+                raise ValueError(
+                    f"{key} must be \"\" or one of {', '.join(names)} (or vLLM's: pip install 'pdd[vllm]'), "
+                    f"not {getattr(self, key)!r}"
+                )
 
     @property
     def served_name(self) -> str:

@@ -23,36 +23,11 @@ from pydantic import (
     StrictStr,
 )
 
+from pdd.api.errors import ApiError
+from pdd.api.messages import ChatMessage
 from pdd.api.tools import Function, ToolPlan
 
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers  # e.g. Retry-After on a 429
-
-    def body(self) -> dict:
-        # a message may quote the client (a model name with a lone surrogate): keep it encodable as UTF-8
-        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
-
-    async def respond(self, send: Any) -> None:
-        """Answer with this error on a raw ASGI `send`: for middleware that refuses a
-        request before any framework sees it."""
-        body = json.dumps(self.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (self.headers or {}).items()]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+__all__ = ["ApiError", "ChatMessage"]  # (where the API's modules have always found them)
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -93,9 +68,6 @@ INERT = frozenset(
         "return_token_ids",
     }
 )
-# fields of a chat message pdd does not render, refused where given (OpenAI's deprecated
-# function call; a participant's name, which some templates would show)
-MESSAGE_NOT_RENDERED = ("function_call", "name")
 
 
 def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None:
@@ -240,11 +212,6 @@ class CompletionRequest(_Common):
         return self.prompt_logprobs
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -270,61 +237,6 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class CalledFunction(_Strict):
-    name: StrictStr
-    arguments: StrictStr  # JSON text, as OpenAI sends it back
-
-
-class ToolCallIn(_Strict):
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # to name what is refused
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
-    tool_call_id: StrictStr | None = None  # a tool message's: the call it answers
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-    def template_form(self, where: str) -> dict[str, Any]:
-        """As chat templates read a message (`transformers`' shape: a call's arguments as
-        an object)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            if self.role != "assistant":
-                raise ApiError(400, f"{where}tool_calls are an assistant's", param=f"{where}tool_calls")
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c, i, where)},
-                }
-                for i, c in enumerate(self.tool_calls)
-            ]
-        if self.role == "tool":
-            if self.tool_call_id is None:
-                raise ApiError(400, f"{where}tool_call_id is required in a tool message", param=f"{where}tool_call_id")
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _arguments(call: ToolCallIn, i: int, where: str) -> Any:
-    try:
-        return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        name = f"{where}tool_calls[{i}].function.arguments"
-        raise ApiError(400, f"{name} is not JSON", param=name) from None
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
@@ -333,6 +245,7 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a reasoning parser's thinking out of the answer
 
     def tool_plan(self) -> ToolPlan | None:
         """The request's tools and what it asks of them (None: no tools); a 400 for a
@@ -366,11 +279,7 @@ class ChatCompletionRequest(_Common):
         super().refuse_unhonoured()
         self.tool_plan()
         for i, message in enumerate(self.messages):
-            where = f"messages[{i}]."
-            given = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
-            if bad := [k for k in MESSAGE_NOT_RENDERED if given.get(k)]:
-                raise ApiError(400, f"{where}{bad[0]} is not supported by pdd", param=f"{where}{bad[0]}")
-            if error := unhonoured({k: v for k, v in given.items() if k not in MESSAGE_NOT_RENDERED}, where):
+            if error := message.refused(f"messages[{i}]."):
                 raise error
 
 
