@@ -12,9 +12,12 @@ read it, and give what vLLM's give on the same text (tests/test_parsers.py). No 
 no reasoning parser, and pdd's own tool parser for the call syntax the chat template
 teaches, if it knows it.
 
-`required` and named tool choices are held to JSON by pdd's grammar whatever the parser,
-and read as JSON (`pdd.api.tools.RequiredCalls`, `NamedCall`) from the content a reasoning
-parser leaves. A name that is in no registry is one line naming the known ones.
+`required` and named tool choices are held to JSON by pdd's grammar from the first token
+whatever the parser, so such an output is all call, no thinking: it is read as JSON
+(`pdd.api.tools.RequiredCalls`, `NamedCall`), with no reasoning parser. (vLLM starts the
+grammar after the thinking; pdd's producers hold every position to the one grammar.)
+
+A name that is in no registry is one line naming the known ones.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pdd.api.reasoning import splitter
-from pdd.api.tools import Assistant, CallDelta, ToolCall, ToolOutput, ToolPlan, call_id, default_tool_parser
+from pdd.api.tools import Assistant, CallDelta, ToolCall, ToolPlan, call_id, default_tool_parser
 from pdd.errors import Mistake
 from pdd.names import REASONING_PARSERS, TOOL_PARSERS
 
@@ -52,11 +55,13 @@ class Parsers:
         request's chat_template_kwargs (Qwen3's `enable_thinking: false` says the output
         starts after the thinking)."""
         forced = plan.output(self.tool) if plan is not None and plan.forced else None
+        if forced is not None:  # (held by the grammar from its first token: no thinking to split)
+            return Assistant(None, forced, include_reasoning)
         if self.vllm_class is None:
             think = splitter(self.reasoning, kwargs) if self.reasoning else None
             tools = plan.output(self.tool) if plan is not None else None
             return Assistant(think, tools, include_reasoning)
-        return VllmAssistant(self, plan, forced, list(prompt), kwargs, include_reasoning)
+        return VllmAssistant(self, plan, list(prompt), kwargs, include_reasoning)
 
 
 def choose_parsers(
@@ -108,7 +113,7 @@ def _known(flag: str, name: str, known: Sequence[str], more: str = "") -> None:
 
 class VllmAssistant(Assistant):
     """One choice read by vLLM's parser: thinking by its reasoning parser, calls by its tool
-    parser under `auto` (under a forced choice, the content by pdd's JSON reader); with
+    parser under `auto` (`none`: all content); with
     `parallel_tool_calls: false` only the first call, as vLLM's server keeps it. Fed once
     whole (`parse`) or piece by piece (`parse_delta`); nothing after the last piece."""
 
@@ -116,15 +121,14 @@ class VllmAssistant(Assistant):
         self,
         parsers: Parsers,
         plan: ToolPlan | None,
-        forced: ToolOutput | None,
         prompt: list[int],
         kwargs: dict[str, Any],
         include_reasoning: bool,
     ) -> None:
-        super().__init__(None, forced, include_reasoning)
+        super().__init__(None, None, include_reasoning)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        choice = plan.choice if plan is not None and not plan.forced else "none"
+        choice = plan.choice if plan is not None else "none"
         functions = [f.template_form() for f in plan.functions] if plan is not None else None
         self._request = ChatCompletionRequest.model_validate(
             {"messages": [], "tools": functions, "tool_choice": choice, "include_reasoning": include_reasoning}
@@ -142,7 +146,7 @@ class VllmAssistant(Assistant):
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self.tools.calls if self.tools is not None else self._auto
+        return self._auto
 
     def feed(self, text: str, final: bool, ids: Sequence[int] = ()) -> tuple[str, str, list[CallDelta]]:
         if self._state == "done":
@@ -158,8 +162,6 @@ class VllmAssistant(Assistant):
             said = self._parser.parse_delta(text, list(ids), self._request, self._prompt, finished=final)
             reasoning, content = (said.reasoning, said.content) if said is not None else ("", "")
             deltas = [d for t in (said.tool_calls if said is not None else []) if (d := self._streamed_call(t))]
-        if self.tools is not None:
-            content, deltas = self.tools.feed(content or "", final)
         if not self._parallel:
             deltas = [d for d in deltas if d.index == 0]
             del self._auto[1:]
