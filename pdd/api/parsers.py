@@ -84,10 +84,14 @@ def choose_parsers(
     from vllm.tool_parsers import ToolParserManager
 
     if plugin:
-        try:
-            ToolParserManager.import_tool_parser(plugin)
-        except Exception as e:  # (vLLM's own loader: a file path or a module name)
+        from vllm.utils.import_utils import import_plugin  # (what ToolParserManager.import_tool_parser runs)
+
+        try:  # a module name, or a file's path
+            loaded = import_plugin(plugin)
+        except Exception as e:  # (the module's own error)
             raise Mistake(f"--tool-parser-plugin {plugin}: cannot load it ({e})") from None
+        if loaded is None:  # (vLLM's loader logs why)
+            raise Mistake(f"--tool-parser-plugin {plugin}: cannot load it (no such module or file)")
     _known("--reasoning-parser", reasoning, ReasoningParserManager.list_registered())
     _known("--tool-call-parser", tool, ToolParserManager.list_registered())
     tool = tool or default_tool_parser(chat_template)

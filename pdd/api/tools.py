@@ -199,9 +199,10 @@ class ToolParser(ToolOutput):
 class HermesParser(ToolParser):
     """Hermes-style calls (Qwen2.5, Qwen3, Hermes 2/3 and the tiny model's template):
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as many as the model
-    writes. Text outside them is content; a block that is not a call (no JSON object with
-    a name) stays content, as vLLM's `hermes` leaves it; without `parallel`, text after the
-    first call is dropped, as one call is all the client asked for."""
+    writes. Text before the first call is content, text after it is not (as vLLM's `hermes`
+    reads it); a block that is not a call (no JSON object with a name) stays content, as
+    vLLM's leaves it; without `parallel`, what follows the first call is dropped, as one
+    call is all the client asked for."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -219,12 +220,13 @@ class HermesParser(ToolParser):
                 break
             if not self._inside:
                 start = text.find(self.OPEN)
+                said = not self.calls  # (after a call, the text between and after calls is not content)
                 if start < 0:
                     keep = 0 if final else partial_suffix(text, self.OPEN)
-                    content.append(text[: len(text) - keep])
+                    content.append(text[: len(text) - keep] if said else "")
                     self._held = text[len(text) - keep :]
                     break
-                content.append(text[:start])
+                content.append(text[:start] if said else "")
                 self._inside, text = True, text[start + len(self.OPEN) :]
                 continue
             end = text.find(self.CLOSE)
