@@ -7,6 +7,7 @@ answers carry (a client appends the assistant message it got back to the convers
   latter to the former), goes to the template under both names, as vLLM gives it;
 - content as a list of text parts, on every role, is its texts joined by newlines, as
   vLLM joins them for a template that reads text;
+- a call's arguments that are not a JSON object are an empty one, as vLLM reads them;
 - an assistant's `refusal`, `audio`, `annotations` and a null `function_call` are
   accepted and not rendered, as vLLM does not render them; `tool_calls: []` is no call;
 - a developer message's `tools` go to the template, as vLLM gives them.
@@ -78,9 +79,9 @@ class ChatMessage(BaseModel):
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c, i, where)},
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
                 }
-                for i, c in enumerate(self.tool_calls)
+                for c in self.tool_calls
             ]
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if self.role == "assistant" and reasoning is not None:
@@ -107,9 +108,12 @@ class ChatMessage(BaseModel):
         return None
 
 
-def _arguments(call: ToolCallIn, i: int, where: str) -> Any:
+def _arguments(call: ToolCallIn) -> dict[str, Any]:
+    """A call's arguments as the template reads them, an object: as vLLM reads them, an
+    object that is not JSON (or JSON that is not an object) is an empty one, since a
+    malformed call in the history would otherwise fail every later turn of the conversation."""
     try:
-        return json.loads(call.function.arguments)
+        parsed = json.loads(call.function.arguments) if call.function.arguments else {}
     except json.JSONDecodeError:
-        name = f"{where}tool_calls[{i}].function.arguments"
-        raise ApiError(400, f"{name} is not JSON", param=name) from None
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
