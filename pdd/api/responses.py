@@ -54,6 +54,28 @@ AS_CHAT = {
     "prompt_cache_key": "prompt_cache_key",
     "safety_identifier": "safety_identifier",
 }
+# vLLM's extensions of a Responses request, each a chat completion's field of the same name
+AS_CHAT |= {
+    key: key
+    for key in (
+        "structured_outputs",
+        "chat_template_kwargs",
+        "include_reasoning",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "ignore_eos",
+        "cache_salt",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
+}
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # a Responses function tool's, beside its type
 # the keys of an input item pdd reads, and the bookkeeping an item given back carries (`id`,
