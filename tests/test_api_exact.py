@@ -8,6 +8,7 @@ its regex whole (`re.fullmatch`). The tools' prompt is, character for character,
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -108,3 +109,45 @@ def test_the_tools_prompt_is_transformers_text(server, tiny_model_dir):
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     prompt = [tokenizer.bos_token_id] + [int(next(iter(e))) for e in r.json()["prompt_logprobs"][1:]]
     assert tokenizer.decode(prompt, skip_special_tokens=False) == expected
+
+
+def _vllm_fields(endpoint: str) -> dict[str, object]:
+    """The pinned vLLM's request fields of `endpoint`, each with its default value."""
+    pytest.importorskip("vllm")
+    from pydantic_core import PydanticUndefined
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    model = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest,
+             "responses": ResponsesRequest}[endpoint]
+    fields = {}
+    for name, field in model.model_fields.items():
+        if field.default_factory is not None:
+            fields[name] = field.default_factory()
+        elif field.default is not PydanticUndefined:
+            fields[name] = field.default
+    return fields
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions", "responses"])
+def test_every_field_vllm_takes_is_taken_or_refused_by_name(server, endpoint):
+    """Each field of the pinned vLLM's request, at vLLM's default: pdd serves it (with
+    vLLM's meaning), or refuses it with a 400 naming it; never a 500, never another name."""
+    base = {"chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "completions": {"prompt": "hi", "max_tokens": 2},
+            "responses": {"input": "hi", "max_output_tokens": 2}}[endpoint]
+    said = {}
+    for name, default in _vllm_fields(endpoint).items():
+        if name in ("model", *base):
+            continue
+        try:
+            body = json.loads(json.dumps({"model": "tiny", **base, name: default}, default=str))
+        except TypeError:
+            continue
+        r = httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=60)
+        said[name] = r.status_code if r.status_code == 200 else (r.status_code, r.json()["error"]["param"])
+    wrong = {k: v for k, v in said.items() if v != 200 and not (v[0] == 400 and (v[1] or "").split(".")[0] == k)}
+    assert not wrong, wrong
+    print(endpoint, "served:", sorted(k for k, v in said.items() if v == 200))
+    print(endpoint, "refused by name:", sorted(k for k, v in said.items() if v != 200))

@@ -54,6 +54,39 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _neutral(None),
     "include_stop_str_in_output": _neutral(None, False),
     "skip_special_tokens": _neutral(None, True),
+    # vLLM's own, each at the value at which it changes nothing (what its clients send by default)
+    "echo": _neutral(None, False),  # (on chat; completions' echo is honoured)
+    "add_generation_prompt": _neutral(None, True),
+    "continue_final_message": _neutral(None, False),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "use_beam_search": _neutral(None, False),
+    "length_penalty": _neutral(None, 1, 1.0),
+    "priority": _neutral(None, 0),
+    "bad_words": _empty,
+    "allowed_token_ids": _neutral(None),
+    "logprob_token_ids": _neutral(None),
+    "return_tokens_as_token_ids": _neutral(None, False),
+    "return_token_offsets": _neutral(None, False),
+    "return_prompt_text": _neutral(None, False),
+    "return_mm_kwargs": _neutral(None, False),
+    "truncate_prompt_tokens": _neutral(None),
+    "truncation_side": _neutral(None),
+    "thinking_token_budget": _neutral(None),
+    "repetition_detection": _neutral(None),
+    "documents": _neutral(None),
+    "chat_template": _neutral(None),
+    "media_io_kwargs": _neutral(None),
+    "mm_processor_kwargs": _neutral(None),
+    "mm_payload": _neutral(None),
+    "prompt_embeds": _neutral(None),
+    "vllm_xargs": _neutral(None),
+    "kv_transfer_params": _neutral(None),
+    "ec_transfer_params": _neutral(None),
+    "routed_experts_prompt_start": _neutral(None),
+    "watermarking": _neutral(None, False),
+    "enable_response_messages": _neutral(None, False),
+    "previous_input_messages": _neutral(None),
+    "stream_interval": _neutral(None, 1),
 }
 # what changes nothing here whatever its value: bookkeeping a client sends by default, and
 # vLLM's `return_token_ids` (pdd puts `token_ids` on every choice and chunk regardless)
@@ -66,6 +99,7 @@ INERT = frozenset(
         "prompt_cache_key",
         "safety_identifier",
         "return_token_ids",
+        "session_id",  # (vLLM's: a conversation's identity, for its routing and logs)
     }
 )
 
@@ -136,9 +170,9 @@ class _Common(BaseModel):
 
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | StrictInt = 1.0
-    top_p: StrictFloat | StrictInt = 1.0
-    top_k: StrictInt = 0
+    temperature: StrictFloat | StrictInt | None = None  # (None: the model's default, else 1)
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
@@ -150,6 +184,9 @@ class _Common(BaseModel):
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's, and this many top ones beside it
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
+    # vLLM's: the tokenizer's own special tokens (a BOS) added to the prompt's text (None: a
+    # completion's are, a chat's are not, as the chat template writes its own)
+    add_special_tokens: StrictBool | None = None
     # logit shaping (`pdd.sampling.SamplingParams`): OpenAI's, and vLLM's extensions
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -271,7 +308,7 @@ class ChatCompletionRequest(_Common):
         """Chat's `logprobs` (true/false) and `top_logprobs` (how many beside each token)."""
         if not isinstance(self.logprobs, bool | None):
             raise ApiError(400, "logprobs is true or false on chat completions", param="logprobs")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0, vLLM's default, asks nothing)
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 

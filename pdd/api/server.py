@@ -81,7 +81,8 @@ class OpenAIServer:
                 raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+            special = req.add_special_tokens is not False  # (vLLM's default for a completion: true)
+            return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=special)
         # the request model validated its shape: a batch of one is unwrapped above, so what is
         # left is a list of token ids (the checker cannot follow the unwrapping)
         ids = cast(list[int], prompt)
@@ -282,12 +283,14 @@ class OpenAIServer:
         self._check_model(req.model)
         messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(req.messages)]
         tools = req.tool_plan()
-        prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {})
+        prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {}, bool(req.add_special_tokens))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context
         return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools, form)
 
-    async def chat_prompt(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict) -> list[int]:
+    async def chat_prompt(
+        self, messages: list[dict], tools: ToolPlan | None, kwargs: dict, special: bool = False
+    ) -> list[int]:
         """A conversation's prompt ids: the chat template rendered with its tools. A 400 for
         `auto` tool choice where no parser reads this model's calls."""
         if tools is not None and tools.choice == "auto" and not self.tool_parser:
@@ -305,7 +308,7 @@ class OpenAIServer:
         except Exception as e:  # a template's raise_exception, or a template bug
             param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
-        return await self._encode(text, add_special_tokens=False)
+        return await self._encode(text, add_special_tokens=special)  # (vLLM's default: the template writes them)
 
     async def responses(
         self, req: ResponsesRequest, chat: ChatCompletionRequest, client: Request, slot: Slot, history: list[dict]
