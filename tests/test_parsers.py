@@ -87,7 +87,7 @@ def test_an_unknown_parser_is_one_line_naming_the_known_ones(model):
         with pytest.raises(Mistake) as e:
             choose_parsers(*args, model, None)
         said = str(e.value)
-        assert "\n" not in said and said.startswith(f"{flag} ") and "is not a parser pdd knows" in said
+        assert "\n" not in said and said.startswith(f"{flag} (") and "is not a parser pdd knows" in said
         assert all(name in said for name in known), said
 
 

@@ -33,6 +33,9 @@ from pdd.api.tools import Assistant, CallDelta, ToolCall, ToolPlan, call_id, def
 from pdd.errors import Mistake
 from pdd.names import REASONING_PARSERS, TOOL_PARSERS
 
+REASONING_FLAG = "--reasoning-parser ([model] reasoning_parser)"
+TOOL_FLAG = "--tool-call-parser ([model] tool_parser)"
+
 
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
@@ -75,8 +78,8 @@ def choose_parsers(
     if not vllm_installed():
         if plugin:
             raise Mistake("--tool-parser-plugin needs vLLM (pip install 'pdd[vllm]')")
-        _known("--reasoning-parser", reasoning, REASONING_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
-        _known("--tool-call-parser", tool, TOOL_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
+        _known(REASONING_FLAG, reasoning, REASONING_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
+        _known(TOOL_FLAG, tool, TOOL_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
         return Parsers(reasoning, tool or default_tool_parser(chat_template))
     from vllm.parser.parser_manager import ParserManager
     from vllm.reasoning import ReasoningParserManager
@@ -92,8 +95,8 @@ def choose_parsers(
             raise Mistake(f"--tool-parser-plugin {plugin}: cannot load it ({e})") from None
         if loaded is None:  # (vLLM's loader logs why)
             raise Mistake(f"--tool-parser-plugin {plugin}: cannot load it (no such module or file)")
-    _known("--reasoning-parser", reasoning, ReasoningParserManager.list_registered())
-    _known("--tool-call-parser", tool, ToolParserManager.list_registered())
+    _known(REASONING_FLAG, reasoning, ReasoningParserManager.list_registered())
+    _known(TOOL_FLAG, tool, ToolParserManager.list_registered())
     tool = tool or default_tool_parser(chat_template)
     if model_dir is None:
         raise Mistake("vLLM's parsers need the model's tokenizer files")
@@ -112,7 +115,7 @@ def choose_parsers(
 
 def _known(flag: str, name: str, known: Sequence[str], more: str = "") -> None:
     if name and name not in known:
-        raise Mistake(f"{flag} {name!r} is not a parser pdd knows: {', '.join(sorted(known))}{more}")
+        raise Mistake(f"{flag} {name!r} is not a parser pdd knows; it knows {', '.join(sorted(known))}{more}")
 
 
 class VllmAssistant(Assistant):
