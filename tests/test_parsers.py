@@ -118,3 +118,20 @@ class ShoutParser(ToolParser):
     assert [(c.name, c.arguments) for c in reader.calls] == [("get_time", "{}")]
     with pytest.raises(Mistake, match="--tool-parser-plugin .*cannot load it"):
         choose_parsers("", "", str(tmp_path / "missing.py"), model, None)
+
+
+def test_without_vllm_pdds_own_parsers_serve_and_name_theirs(model, monkeypatch):
+    """An install without vLLM: pdd's own parsers by the same names, and a name only vLLM
+    has is one line naming pdd's own and how to get vLLM's."""
+    import pdd.api.parsers as parsers_module
+
+    monkeypatch.setattr(parsers_module, "vllm_installed", lambda: False)
+    own = choose_parsers("deepseek_r1", "hermes", "", model, None)
+    assert own == Parsers("deepseek_r1", "hermes")
+    reader = own.assistant(tool_plan(FUNCTIONS, "auto", True), [1], {}, True)
+    reader.feed(f"a b</think>c {CALL}", final=True)
+    assert reader.message()["reasoning"] == "a b" and [c.name for c in reader.calls] == ["get_time"]
+    with pytest.raises(Mistake, match=r"'llama3_json' is not a parser pdd knows; it knows hermes \(vLLM's others"):
+        choose_parsers("", "llama3_json", "", model, None)
+    with pytest.raises(Mistake, match="--tool-parser-plugin needs vLLM"):
+        choose_parsers("", "", "x.py", model, None)
