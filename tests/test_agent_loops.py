@@ -3,7 +3,7 @@ request handed over from the relay to MD: the OpenAI Agents SDK (a chat-completi
 and a Responses model, the latter continuing its conversation by `previous_response_id`),
 LangChain (`ChatOpenAI(...).bind_tools(...)`, its messages carrying `name`) and LiteLLM
 (`completion` with tools, streamed). Two tools, three turns each, vLLM's `qwen3`
-reasoning parser and `hermes` tool parser on: what each framework sends back of an answer
+reasoning parser and `qwen3_xml` tool parser on: what each framework sends back of an answer
 (its thinking, its calls, their results) is taken.
 
 The random model writes whatever its weights say, so the output is held by the grammar:
@@ -21,8 +21,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from parser_model import marker_model
 from procs import pdd_up
-from test_tool_parsers import write_config
+from test_tool_parsers import NO_THINKING, two_calls, write_config
 
 pytest.importorskip("vllm")  # (the deployment runs vLLM's parsers by name)
 
@@ -41,11 +42,23 @@ ASKED = ["Weather in Paris?", "And the time there?", "Thanks, and in Oslo?"]
 
 
 @pytest.fixture(scope="module")
-def dep(tiny_model_dir, tmp_path_factory):
-    conf = write_config(tmp_path_factory.mktemp("loops") / "pdd.toml", tiny_model_dir, reasoning_parser="qwen3",
-                        tool_parser="hermes")
+def model(tiny_model_dir, tmp_path_factory):
+    return marker_model(tiny_model_dir, tmp_path_factory.getbasetemp() / "marker-model")
+
+
+@pytest.fixture(scope="module")
+def dep(model, tmp_path_factory):
+    """A Qwen3-like deployment: vLLM's qwen3 reasoning parser and its qwen3_xml tool parser."""
+    conf = write_config(tmp_path_factory.mktemp("loops") / "pdd.toml", model, reasoning_parser="qwen3",
+                        tool_parser="qwen3_xml")
     with pdd_up("--config", conf) as d:
         yield d
+
+
+def test_qwen3_xml_calls_beside_the_qwen3_reasoning_parser_through_a_handoff(dep, model):
+    """vLLM's third format here (tests/test_tool_parsers.py has the others): two XML calls,
+    whole and streamed, as vLLM's own parsers read them, with the thinking switched off."""
+    two_calls(dep.url, "qwen3_xml", model, reasoning="qwen3")
 
 
 def _served(dep) -> tuple[int, int]:
@@ -161,8 +174,11 @@ def test_a_litellm_loop_streams_calls_and_answers(dep):
     LiteLLM's docs write them) go back, and the streamed answer follows, three times."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (no fetch of its price list)
     litellm = pytest.importorskip("litellm")
+    # thinking off (Qwen3's switch), words only: streamed, vLLM's engine-based qwen3 parsers find the
+    # end of the thinking by its token's ID, and the random model may spell `</think>` in pieces
+    words = {"structured_outputs": {"regex": r"([a-z]{3,8} ){15}[a-z]{3,8}"}, "chat_template_kwargs": NO_THINKING}
     ask = {"model": "openai/tiny", "api_base": f"{dep.url}/v1", "api_key": "none", "temperature": 0,
-           "max_tokens": 120, "tools": TOOLS, "extra_body": GUIDE, "stream": True}
+           "max_tokens": 120, "tools": TOOLS, "extra_body": words, "stream": True}
     messages: list[dict] = [{"role": "system", "content": "Be brief."}]
     before = _served(dep)
     for asked in ASKED:
