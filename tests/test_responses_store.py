@@ -6,6 +6,8 @@ bound is in /pdd/stats."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from procs import standalone
 
@@ -61,6 +63,11 @@ def test_a_response_is_stored_read_continued_and_deleted_per_key(tiny_model_dir,
         assert [o.get("content") for o in then["output"]] == [o.get("content") for o in without["output"]]
         lost = _post(url, "bob", input="hi", previous_response_id=first["id"])
         assert lost.status_code == 404 and lost.json()["error"]["param"] == "previous_response_id"
+        with httpx.stream("POST", f"{url}/v1/responses", headers=alice, timeout=60, json={
+                "model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        streamed = json.loads(events[-1][6:])["response"]  # (a streamed response is stored when it ends)
+        assert httpx.get(f"{url}/v1/responses/{streamed['id']}", headers=alice).json() == streamed
         unstored = _post(url, "alice", input="hi", store=False).json()
         assert httpx.get(f"{url}/v1/responses/{unstored['id']}", headers=alice).status_code == 404
         gone = httpx.delete(f"{url}/v1/responses/{first['id']}", headers=alice).json()
@@ -68,4 +75,4 @@ def test_a_response_is_stored_read_continued_and_deleted_per_key(tiny_model_dir,
         assert httpx.get(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
         assert httpx.delete(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
         stats = httpx.get(f"{url}/pdd/stats").json()["responses"]
-        assert stats == {"kept": 1024, "stored": 3, "evicted": 0}, stats  # (then, without, whole)
+        assert stats == {"kept": 1024, "stored": 4, "evicted": 0}, stats  # (then, without, whole, streamed)
