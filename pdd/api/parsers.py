@@ -77,9 +77,9 @@ def choose_parsers(
         return Parsers("", default_tool_parser(chat_template))
     if not vllm_installed():
         if plugin:
-            raise Mistake("--tool-parser-plugin needs vLLM (pip install 'pdd[vllm]')")
-        _known(REASONING_FLAG, reasoning, REASONING_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
-        _known(TOOL_FLAG, tool, TOOL_PARSERS, " (vLLM's others: pip install 'pdd[vllm]')")
+            raise Mistake("--tool-parser-plugin needs vLLM (the extra pdd-serving[vllm])")
+        _known(REASONING_FLAG, reasoning, REASONING_PARSERS, " (vLLM's others: the extra pdd-serving[vllm])")
+        _known(TOOL_FLAG, tool, TOOL_PARSERS, " (vLLM's others: the extra pdd-serving[vllm])")
         return Parsers(reasoning, tool or default_tool_parser(chat_template))
     from vllm.parser.parser_manager import ParserManager
     from vllm.reasoning import ReasoningParserManager
