@@ -55,7 +55,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def _needs_lab(error: ModuleNotFoundError) -> str:
-    return f"needs the lab's packages (pip install 'pdd[lab]'): {error}"
+    return f"needs the lab's packages (the extra pdd-serving[lab]: pip install -e '.[lab]' in a checkout): {error}"
 
 
 def _needs_the_lab(sub: argparse._SubParsersAction, name: str, error: ModuleNotFoundError) -> None:

@@ -16,6 +16,7 @@ hop per route: `pdd up` puts it on every cross-datacenter route of its one machi
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 import tomllib
 from collections.abc import Collection
@@ -59,16 +60,25 @@ class ModelSpec:
     __pydantic_config__ = STRICT_TABLE
     path: str = ""  # a model directory or a hub name (ORG/NAME) in the local HF cache; empty: the tiny model
     name: str = ""  # the model id in the API; empty: the hub name or directory name of path, "tiny" for the tiny one
-    # a chat completion's thinking moved into reasoning_content, as vLLM's --reasoning-parser ("": none)
+    # a chat completion's thinking moved into `reasoning`, as vLLM's --reasoning-parser ("": none)
     reasoning_parser: str = ""
     # a chat completion's tool calls read out of its text, as vLLM's --tool-call-parser ("": the
     # one its chat template teaches, where pdd knows it: `pdd.api.tools.default_tool_parser`)
     tool_parser: str = ""
+    # an out-of-tree tool parser's file or module, as vLLM's --tool-parser-plugin ("": none)
+    tool_parser_plugin: str = ""
 
     def __post_init__(self) -> None:
+        # where vLLM is installed, any name in its registries (checked as a server starts:
+        # `pdd.api.parsers`); without it, pdd's own
+        if importlib.util.find_spec("vllm") is not None:
+            return
         for key, names in (("reasoning_parser", REASONING_PARSERS), ("tool_parser", TOOL_PARSERS)):
             if getattr(self, key) not in ("", *names):
-                raise ValueError(f'{key} must be "" or one of {", ".join(names)}, not {getattr(self, key)!r}')
+                raise ValueError(
+                    f"{key} must be \"\" or one of {', '.join(names)} (or vLLM's: the extra pdd-serving[vllm]), "
+                    f"not {getattr(self, key)!r}"
+                )
 
     @property
     def served_name(self) -> str:
@@ -309,6 +319,9 @@ class Deployment:
     __pydantic_config__ = STRICT_TABLE
     mode: str = Mode.PDD  # what pdd is for; the file says another to compare (`pdd demo` runs them all)
     secret: str = ""
+    # the secret's file instead (a Kubernetes Secret mounted, a file only its owner reads): the
+    # deployment file itself then holds nothing that must be kept secret (`load` reads it)
+    secret_file: str = ""
     model: ModelSpec = ModelSpec()
     engine: EngineConfig = EngineConfig()
     link: LinkSpec = LinkSpec()
@@ -444,16 +457,33 @@ def load(path: str | Path | None, backend: str | None = None) -> Deployment:
         return parse({}, backend)
     try:
         with open(path, "rb") as f:
-            return parse(tomllib.load(f), backend)
+            return _read_secret(parse(tomllib.load(f), backend))
     except (tomllib.TOMLDecodeError, ConfigError) as e:
         raise ConfigError(f"{path}: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
 
 
+def _read_secret(dep: Deployment) -> Deployment:
+    """`secret_file`'s content (stripped) as the secret; one of the two, never both."""
+    if not dep.secret_file:
+        return dep
+    if dep.secret:
+        raise ConfigError("secret and secret_file are both given: keep the secret in its file alone")
+    try:
+        secret = Path(dep.secret_file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"secret_file: cannot read {dep.secret_file}: {e.strerror}") from None
+    if not secret:
+        raise ConfigError(f"secret_file: {dep.secret_file} is empty")
+    return replace(dep, secret=secret)
+
+
 def dump(dep: Deployment) -> str:
-    """TOML text of a deployment, readable back by `parse`."""
-    return tomli_w.dumps({**asdict(dep), "instances": [asdict(inst) for inst in dep.instances]})
+    """TOML text of a deployment, readable back by `load` (a secret read from its file stays
+    there: the text names the file)."""
+    secret = "" if dep.secret_file else dep.secret
+    return tomli_w.dumps({**asdict(dep), "secret": secret, "instances": [asdict(inst) for inst in dep.instances]})
 
 
 def with_secret(dep: Deployment) -> Deployment:

@@ -169,7 +169,7 @@ def test_responses_text_and_function_tools_whole_and_streamed(server):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": "hi", "name": "bob"}]}, "input[0].name"),

@@ -152,3 +152,25 @@ def test_a_launchs_ports_are_all_distinct_when_the_draw_repeats(tiny_model_dir, 
         ports += [int(a.rsplit(":", 1)[1]) for i in dep.instances for a in i.advertise.values()]
         ports += [dep.router.port] + ([dep.link.admin_port] if dep.link.admin_port else [])
         assert len(ports) == len(set(ports)) >= 7, ports
+
+
+def test_the_secret_from_its_file(tmp_path):
+    """`secret_file` (a Kubernetes Secret mounted): its content, stripped, is the secret; the
+    file that names it dumps back naming it, not holding it; both at once, an empty or a
+    missing file are refused by name."""
+    (tmp_path / "secret").write_text("0123456789abcdef0123456789abcdef\n")
+    (tmp_path / "d.toml").write_text(f'secret_file = "{tmp_path / "secret"}"\n')
+    dep = cfg.load(tmp_path / "d.toml")
+    assert dep.secret == "0123456789abcdef0123456789abcdef"
+    dumped = cfg.dump(dep)
+    assert dep.secret not in dumped and str(tmp_path / "secret") in dumped
+    (tmp_path / "again.toml").write_text(dumped)
+    assert cfg.load(tmp_path / "again.toml").secret == dep.secret
+    (tmp_path / "empty").write_text("\n")
+    refused = {f'secret = "x"\nsecret_file = "{tmp_path / "secret"}"\n': "both given",
+               f'secret_file = "{tmp_path / "empty"}"\n': "is empty",
+               f'secret_file = "{tmp_path / "nowhere"}"\n': "cannot read"}
+    for text, said in refused.items():
+        (tmp_path / "bad.toml").write_text(text)
+        with pytest.raises(cfg.ConfigError, match=said):
+            cfg.load(tmp_path / "bad.toml")

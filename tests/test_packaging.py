@@ -1,11 +1,9 @@
 """The packaging files, each checked by the validator its ecosystem uses: the systemd
-units by `systemd-analyze verify`, the Kubernetes manifests by `kubernetes-validate`
-(strict: an unknown field fails), the Dockerfile by `hadolint`, the Prometheus files by
-`promtool`. Each validator is first shown to refuse a file broken on purpose, so a pass
-means something. The deployment file inside the manifests' Secret loads as pdd loads
-it, and the manifests run every instance it names, on its ports, reachable where it
-advertises itself. What could not run here (building and running the image, a cluster)
-is said in docs/deployment.md."""
+units by `systemd-analyze verify`, the Dockerfile by `hadolint`, the Prometheus files by
+`promtool` (the Kubernetes overlays: tests/test_kubernetes.py; the alerts firing:
+tests/test_alerts.py). Each validator is first shown to refuse a file broken on purpose,
+so a pass means something. What could not run here (building and running the image, a
+cluster) is said in docs/deployment.md."""
 
 from __future__ import annotations
 
@@ -16,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pdd import config as cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -63,51 +59,6 @@ def test_the_systemd_units_verify(tmp_path):
         out = _verify_units({**units, unit: units[unit].replace(was, broken)}, tmp_path / unit)
         assert not _clean(out), f"systemd-analyze took {unit} with {broken}"
     assert "--config /etc/pdd/deployment.toml --instance %i" in units["pdd-serve@.service"]
-
-
-# ---- Kubernetes --------------------------------------------------------------------------------
-
-def _documents(name: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()) if d]
-
-
-def test_the_kubernetes_manifests_validate(tmp_path):
-    files = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
-    assert [f.name for f in files] == ["secrets.yaml", "site-a.yaml", "site-b.yaml"]
-    out = _run(BIN / "kubernetes-validate", "--strict", "--quiet", *files)
-    assert out.returncode == 0, out.stdout + out.stderr
-    broken = tmp_path / "site-b.yaml"
-    broken.write_text(files[2].read_text().replace("replicas: 1", "replicas: one"))
-    assert _run(BIN / "kubernetes-validate", "--strict", "--quiet", broken).returncode != 0
-    broken.write_text(files[2].read_text().replace("containerPort: 9100", "containerPort: 9100, hostPorts: 1"))
-    assert _run(BIN / "kubernetes-validate", "--strict", "--quiet", broken).returncode != 0
-
-
-def test_the_manifests_run_what_their_deployment_file_says(tmp_path):
-    """Each instance of the Secret's deployment file: a Deployment in its site's file running
-    `pdd serve --instance NAME` on its two ports, a Service of its name in its site (where it
-    advertises itself there) and a LoadBalancer for the other site; the router likewise."""
-    secrets = {d["metadata"]["name"]: d for d in _documents("secrets.yaml") if d["kind"] == "Secret"}
-    (tmp_path / "d.toml").write_text(secrets["pdd-deployment"]["stringData"]["deployment.toml"])
-    dep = cfg.load(str(tmp_path / "d.toml"))
-    assert "[keys]" in secrets["pdd-keys"]["stringData"]["keys.toml"]
-    assert set(secrets["pdd-tls"]["stringData"]) == {Path(p).name for p in (dep.tls.cert, dep.tls.key, dep.tls.ca)}
-    sites = {"A": _documents("site-a.yaml"), "B": _documents("site-b.yaml")}
-    for inst in dep.instances:
-        docs = {(d["kind"], d["metadata"]["name"]): d for d in sites[inst.dc]}
-        pod = docs["Deployment", f"pdd-{inst.name}"]["spec"]["template"]["spec"]["containers"][0]
-        assert pod["args"] == ["serve", "--config", "/etc/pdd/deployment.toml", "--instance", inst.name]
-        assert {p["containerPort"] for p in pod["ports"]} == {inst.port, inst.kv_port}
-        assert inst.advertise[inst.dc] == f"pdd-{inst.name}.pdd.svc:{inst.kv_port}"
-        assert {p["port"] for p in docs["Service", f"pdd-{inst.name}"]["spec"]["ports"]} == {inst.port, inst.kv_port}
-        line = docs["Service", f"pdd-{inst.name}-line"]["spec"]
-        assert line["type"] == "LoadBalancer" and [p["port"] for p in line["ports"]] == [inst.kv_port]
-        assert all(addr.endswith(f":{inst.kv_port}") for addr in inst.advertise.values())
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in sites[dep.router.dc]}
-    router = docs["Deployment", "pdd-router"]["spec"]["template"]["spec"]["containers"][0]
-    assert router["args"] == ["router", "--config", "/etc/pdd/deployment.toml"]
-    assert [p["containerPort"] for p in router["ports"]] == [dep.router.port]
-    assert dep.router.advertise == f"pdd-router.pdd.svc:{dep.router.port}"
 
 
 # ---- the image ---------------------------------------------------------------------------------

@@ -59,6 +59,13 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120, 
     return out
 
 
+def _complete(out: dict, max_tokens: int) -> dict:
+    """A stream that ran its course: every token asked for, ended by the length, no error
+    (checked before it is compared: two streams cut alike would compare equal)."""
+    assert out["error"] is None and out["finish_reason"] == "length" and len(out["ids"]) == max_tokens, out
+    return out
+
+
 def _settled(urls: list[str], timeout: float = 15.0) -> None:
     """Every page free or in the prefix cache (none held by a request) on these instances."""
     deadline = time.monotonic() + timeout
@@ -100,6 +107,8 @@ def colocated(tiny_model_dir):
 
         def oracle(prompt: list[int], max_tokens: int, whole: bool = False, **extra) -> Any:
             out = _stream(url, prompt, max_tokens, **extra)
+            if extra.get("ignore_eos", True):  # (a guided one ends itself: checked where it is asked)
+                _complete(out, max_tokens)
             return out if whole else out["ids"]
 
         oracle.url = url  # type: ignore[attr-defined]
@@ -131,12 +140,17 @@ def _choices(url: str, prompt: list[int], max_tokens: int, n: int, **extra) -> d
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "n": n,
             **extra}
     out: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                for choice in json.loads(line[6:]).get("choices") or []:
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk.get("choices") or []:
                     out.setdefault(choice["index"], []).extend(choice["token_ids"])
+                    finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
+    assert all(len(out[i]) == max_tokens and finish[i] == "length" for i in range(n)), (out, finish)
     return out
 
 
@@ -172,6 +186,9 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         guided = _stream(dep.url, _prompts()[2], 80, **GUIDED)
         agent = [agent_session(dep.url, temperature=0), agent_session(dep.url, **SEEDED)]
         prompt_lps = _chosen(_prompts()[0], _stream(dep.url, _prompts()[0], 2, prompt_logprobs=0))
+    for out, max_tokens in [*((g, 120) for g in greedy), *((x, 60) for x in (*seeded, unseeded, *shaped, logprobs))]:
+        _complete(out, max_tokens)
+    assert guided["error"] is None
     # the prompt's logprobs, computed on P alone and carried to the router with the first token
     assert prompt_lps[0] is None and len(prompt_lps) == len(reference["prompt_logprobs"])
     want = reference["prompt_logprobs"]

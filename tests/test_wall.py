@@ -40,4 +40,4 @@ def test_a_server_runs_without_the_lab_extra(tmp_path, tiny_model_dir):
                              timeout=120)
         assert "Traceback" not in out.stderr, out.stderr
         if command != ["--help"]:
-            assert out.returncode == 2 and "pip install 'pdd[lab]'" in out.stderr, out.stderr
+            assert out.returncode == 2 and "pdd-serving[lab]" in out.stderr, out.stderr

@@ -18,11 +18,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdd.api.access import AccessLog, KeyMetrics
+from pdd.api.access import AccessLog, KeyMetrics, access_of
 from pdd.api.auth import RequireApiKey
 from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from pdd.api.parsers import Parsers
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pdd.api.response_store import Stored
 from pdd.api.responses import ResponsesRequest, named_as_responses
 from pdd.api.server import OpenAIServer
 from pdd.api.shaping import validation_error
@@ -42,8 +44,7 @@ def build_app(
     api_keys: Mapping[str, str] = {},
     openai_api: bool = True,
     admission: Limits = Limits(256, 256),
-    reasoning_parser: str = "",
-    tool_parser: str = "",
+    parsers: Parsers = Parsers(),
 ) -> FastAPI:
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
@@ -54,8 +55,7 @@ def build_app(
         registry,
         admission,
         tenants=len(api_keys) > 1,
-        reasoning_parser=reasoning_parser,
-        tool_parser=tool_parser,
+        parsers=parsers,
     )
     app = FastAPI(title="pdd", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -92,7 +92,8 @@ def build_app(
 
     @app.get("/pdd/stats")
     async def stats() -> dict:
-        return await backend.stats()
+        # (with the stored responses' bound: `pdd.api.response_store`)
+        return {**await backend.stats(), "responses": server.stored.stats()}
 
     if openai_api:
         _openai_routes(app, server)
@@ -116,7 +117,26 @@ def _openai_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, client: Request) -> Response:
+        history = server.history(req, client)
         with named_as_responses():
-            chat = req.as_chat()
+            chat = req.as_chat(history)
             chat.refuse_unhonoured()
-        return await server.admitted(client, lambda slot: server.responses(req, chat, client, slot))
+        return await server.admitted(client, lambda slot: server.responses(req, chat, client, slot, history))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, client: Request) -> dict:
+        return _stored(server, response_id, client).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, client: Request) -> dict:
+        _stored(server, response_id, client)
+        server.stored.delete(access_of(client.scope).api_key, response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _stored(server: OpenAIServer, response_id: str, client: Request) -> Stored:
+    """This API key's stored response `response_id`; a 404 where there is none."""
+    stored = server.stored.get(access_of(client.scope).api_key, response_id)
+    if stored is None:
+        raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return stored

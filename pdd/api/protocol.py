@@ -23,36 +23,11 @@ from pydantic import (
     StrictStr,
 )
 
+from pdd.api.errors import ApiError
+from pdd.api.messages import ChatMessage
 from pdd.api.tools import Function, ToolPlan
 
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers  # e.g. Retry-After on a 429
-
-    def body(self) -> dict:
-        # a message may quote the client (a model name with a lone surrogate): keep it encodable as UTF-8
-        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
-
-    async def respond(self, send: Any) -> None:
-        """Answer with this error on a raw ASGI `send`: for middleware that refuses a
-        request before any framework sees it."""
-        body = json.dumps(self.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (self.headers or {}).items()]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+__all__ = ["ApiError", "ChatMessage"]  # (where the API's modules have always found them)
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -79,6 +54,39 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _neutral(None),
     "include_stop_str_in_output": _neutral(None, False),
     "skip_special_tokens": _neutral(None, True),
+    # vLLM's own, each at the value at which it changes nothing (what its clients send by default)
+    "echo": _neutral(None, False),  # (on chat; completions' echo is honoured)
+    "add_generation_prompt": _neutral(None, True),
+    "continue_final_message": _neutral(None, False),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "use_beam_search": _neutral(None, False),
+    "length_penalty": _neutral(None, 1, 1.0),
+    "priority": _neutral(None, 0),
+    "bad_words": _empty,
+    "allowed_token_ids": _neutral(None),
+    "logprob_token_ids": _neutral(None),
+    "return_tokens_as_token_ids": _neutral(None, False),
+    "return_token_offsets": _neutral(None, False),
+    "return_prompt_text": _neutral(None, False),
+    "return_mm_kwargs": _neutral(None, False),
+    "truncate_prompt_tokens": _neutral(None),
+    "truncation_side": _neutral(None),
+    "thinking_token_budget": _neutral(None),
+    "repetition_detection": _neutral(None),
+    "documents": _neutral(None),
+    "chat_template": _neutral(None),
+    "media_io_kwargs": _neutral(None),
+    "mm_processor_kwargs": _neutral(None),
+    "mm_payload": _neutral(None),
+    "prompt_embeds": _neutral(None),
+    "vllm_xargs": _neutral(None),
+    "kv_transfer_params": _neutral(None),
+    "ec_transfer_params": _neutral(None),
+    "routed_experts_prompt_start": _neutral(None),
+    "watermarking": _neutral(None, False),
+    "enable_response_messages": _neutral(None, False),
+    "previous_input_messages": _neutral(None),
+    "stream_interval": _neutral(None, 1),
 }
 # what changes nothing here whatever its value: bookkeeping a client sends by default, and
 # vLLM's `return_token_ids` (pdd puts `token_ids` on every choice and chunk regardless)
@@ -91,11 +99,9 @@ INERT = frozenset(
         "prompt_cache_key",
         "safety_identifier",
         "return_token_ids",
+        "session_id",  # (vLLM's: a conversation's identity, for its routing and logs)
     }
 )
-# fields of a chat message pdd does not render, refused where given (OpenAI's deprecated
-# function call; a participant's name, which some templates would show)
-MESSAGE_NOT_RENDERED = ("function_call", "name")
 
 
 def unhonoured(extra: dict[str, Any] | None, where: str = "") -> ApiError | None:
@@ -164,9 +170,9 @@ class _Common(BaseModel):
 
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | StrictInt = 1.0
-    top_p: StrictFloat | StrictInt = 1.0
-    top_k: StrictInt = 0
+    temperature: StrictFloat | StrictInt | None = None  # (None: the model's default, else 1)
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
@@ -178,6 +184,9 @@ class _Common(BaseModel):
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's, and this many top ones beside it
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # vLLM's: a prefix-cache namespace shared only by requests that give it
+    # vLLM's: the tokenizer's own special tokens (a BOS) added to the prompt's text (None: a
+    # completion's are, a chat's are not, as the chat template writes its own)
+    add_special_tokens: StrictBool | None = None
     # logit shaping (`pdd.sampling.SamplingParams`): OpenAI's, and vLLM's extensions
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -240,11 +249,6 @@ class CompletionRequest(_Common):
         return self.prompt_logprobs
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -270,61 +274,6 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class CalledFunction(_Strict):
-    name: StrictStr
-    arguments: StrictStr  # JSON text, as OpenAI sends it back
-
-
-class ToolCallIn(_Strict):
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # to name what is refused
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
-    tool_call_id: StrictStr | None = None  # a tool message's: the call it answers
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-    def template_form(self, where: str) -> dict[str, Any]:
-        """As chat templates read a message (`transformers`' shape: a call's arguments as
-        an object)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            if self.role != "assistant":
-                raise ApiError(400, f"{where}tool_calls are an assistant's", param=f"{where}tool_calls")
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c, i, where)},
-                }
-                for i, c in enumerate(self.tool_calls)
-            ]
-        if self.role == "tool":
-            if self.tool_call_id is None:
-                raise ApiError(400, f"{where}tool_call_id is required in a tool message", param=f"{where}tool_call_id")
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _arguments(call: ToolCallIn, i: int, where: str) -> Any:
-    try:
-        return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        name = f"{where}tool_calls[{i}].function.arguments"
-        raise ApiError(400, f"{name} is not JSON", param=name) from None
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
@@ -333,6 +282,7 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a reasoning parser's thinking out of the answer
 
     def tool_plan(self) -> ToolPlan | None:
         """The request's tools and what it asks of them (None: no tools); a 400 for a
@@ -358,7 +308,7 @@ class ChatCompletionRequest(_Common):
         """Chat's `logprobs` (true/false) and `top_logprobs` (how many beside each token)."""
         if not isinstance(self.logprobs, bool | None):
             raise ApiError(400, "logprobs is true or false on chat completions", param="logprobs")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0, vLLM's default, asks nothing)
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -366,11 +316,7 @@ class ChatCompletionRequest(_Common):
         super().refuse_unhonoured()
         self.tool_plan()
         for i, message in enumerate(self.messages):
-            where = f"messages[{i}]."
-            given = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
-            if bad := [k for k in MESSAGE_NOT_RENDERED if given.get(k)]:
-                raise ApiError(400, f"{where}{bad[0]} is not supported by pdd", param=f"{where}{bad[0]}")
-            if error := unhonoured({k: v for k, v in given.items() if k not in MESSAGE_NOT_RENDERED}, where):
+            if error := message.refused(f"messages[{i}]."):
                 raise error
 
 

@@ -3,8 +3,10 @@ function tools, whole and streamed in its event shapes.
 
 A request is read into a chat completion (its `input` items as messages, its function
 tools as chat tools) and runs exactly as one: the same template, tool parsers, grammar
-and sampling. Only the shapes differ. Nothing is stored: a request that points at an
-earlier response (`previous_response_id`, `conversation`) is refused by name, as is any
+and sampling. Only the shapes differ. A response is stored unless `store` is false
+(`pdd.api.response_store`: bounded, each API key's its own), and a request that gives
+`previous_response_id` continues that response's conversation, as vLLM's store does;
+`conversation` (OpenAI's server-side conversations) is refused by name, as is any
 parameter or item pdd does not honour. Reasoning items given back in `input` are not
 rendered, as chat templates drop earlier turns' thinking.
 """
@@ -12,26 +14,24 @@ rendered, as chat templates drop earlier turns' thinking.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from pdd.api.protocol import ApiError, ChatCompletionRequest, unhonoured
+from pdd.api.response_events import EventStream, call_item, message_item, new_id, reasoning_item
 from pdd.api.shaping import Outcome
 from pdd.api.sse import Piece
-from pdd.api.tools import Assistant, CallDelta
+from pdd.api.tools import Assistant
 
 # the Responses API's parameters that change nothing here at these values (what clients send
 # by default); any other value is refused by name
 NEUTRAL: dict[str, Any] = {
     "include": ([], None),
     "truncation": ("disabled", None),
-    "previous_response_id": (None,),
     "conversation": (None,),
     "background": (False, None),
     "prompt": (None,),
@@ -50,10 +50,31 @@ AS_CHAT = {
     "parallel_tool_calls": "parallel_tool_calls",
     "user": "user",
     "metadata": "metadata",
-    "store": "store",
     "service_tier": "service_tier",
     "prompt_cache_key": "prompt_cache_key",
     "safety_identifier": "safety_identifier",
+}
+# vLLM's extensions of a Responses request, each a chat completion's field of the same name
+AS_CHAT |= {
+    key: key
+    for key in (
+        "structured_outputs",
+        "chat_template_kwargs",
+        "include_reasoning",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "ignore_eos",
+        "cache_salt",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
 }
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # a Responses function tool's, beside its type
@@ -93,9 +114,12 @@ class ResponsesRequest(BaseModel):
     top_p: StrictFloat | StrictInt | None = None
     stream: StrictBool = False
     parallel_tool_calls: StrictBool | None = None
+    store: StrictBool = True  # kept for GET and for a later previous_response_id (`pdd.api.response_store`)
+    previous_response_id: StrictStr | None = None  # the stored response this one continues
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat completion this request runs as; a 400 naming what it cannot carry."""
+    def as_chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat completion this request runs as, after the conversation a previous
+        response ended (`history`); a 400 naming what it cannot carry."""
         extra = {}
         for key, value in (self.model_extra or {}).items():
             if key in NEUTRAL:
@@ -106,7 +130,11 @@ class ResponsesRequest(BaseModel):
                     raise error
             else:
                 extra[key] = value
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages = [*system, *(history or []), *self.input_messages()]
+        if not messages:
+            raise ApiError(400, "input holds no message", param="input")
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
         for key in self.model_fields_set & set(AS_CHAT):
             if (value := getattr(self, key)) is not None:
                 body[AS_CHAT[key]] = value
@@ -124,40 +152,49 @@ class ResponsesRequest(BaseModel):
             where = ".".join(str(x) for x in first["loc"])
             raise ApiError(400, f"{where}: {first['msg']}", param=PARAM_NAMES.get(where, where)) from None
 
-    def _messages(self) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The request's `input` as chat messages."""
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
-            kind = item.get("type", "message")
-            if unknown := sorted(set(item) - ITEM_KEYS.get(kind, set(item))):
-                where = f"input[{i}].{unknown[0]}"
-                raise ApiError(400, f"{where} is not supported by pdd", param=where)
-            if kind == "message":
-                role = item.get("role")
-                if role not in ("user", "system", "developer", "assistant"):
-                    raise ApiError(400, f"input[{i}].role {role!r} is not a message's", param=f"input[{i}].role")
-                messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
-            elif kind == "function_call":
-                call = {
-                    "id": _string(item, "call_id", i),
-                    "type": "function",
-                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)},
-                }
-                if messages and messages[-1]["role"] == "assistant":  # (calls of one turn come in a row)
-                    messages[-1].setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif kind == "function_call_output":
-                output = _text(item.get("output"), f"input[{i}].output")
-                messages.append({"role": "tool", "content": output, "tool_call_id": _string(item, "call_id", i)})
-            elif kind != "reasoning":  # (earlier thinking: not rendered, as chat templates drop it)
-                raise ApiError(400, f"input[{i}].type {kind!r} is not supported by pdd", param=f"input[{i}].type")
-        if not messages:
-            raise ApiError(400, "input holds no message", param="input")
-        return messages
+            return [{"role": "user", "content": self.input}]
+        return items_as_messages(self.input)
+
+    def conversation(self, history: list[dict[str, Any]] | None, output: list[dict[str, Any]]) -> list[dict]:
+        """The conversation this request's response ends, as chat messages: what came
+        before, its input, its output (thinking left out, as chat templates drop earlier
+        turns'; instructions too, as they do not carry over to the next response)."""
+        return [*(history or []), *self.input_messages(), *items_as_messages(output)]
+
+
+def items_as_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses items (input or output) as chat messages; a 400 naming an item pdd cannot
+    read."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if unknown := sorted(set(item) - ITEM_KEYS.get(kind, set(item))):
+            where = f"input[{i}].{unknown[0]}"
+            raise ApiError(400, f"{where} is not supported by pdd", param=where)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ApiError(400, f"input[{i}].role {role!r} is not a message's", param=f"input[{i}].role")
+            messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", i),
+                "type": "function",
+                "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)},
+            }
+            if messages and messages[-1]["role"] == "assistant":  # (calls of one turn come in a row)
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = _text(item.get("output"), f"input[{i}].output")
+            messages.append({"role": "tool", "content": output, "tool_call_id": _string(item, "call_id", i)})
+        elif kind != "reasoning":  # (earlier thinking: not rendered, as chat templates drop it)
+            raise ApiError(400, f"input[{i}].type {kind!r} is not supported by pdd", param=f"input[{i}].type")
+    return messages
 
 
 def _string(item: dict[str, Any], key: str, i: int) -> str:
@@ -209,16 +246,20 @@ def _chat_format(text: dict[str, Any]) -> dict[str, Any]:
     return {"type": fmt.get("type")}
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 class ResponseForm:
     """One response's shapes: the whole object, and its stream of events."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
-        self.id, self.created = _id("resp"), int(time.time())
-        self._req, self._model = req, model
+    def __init__(
+        self, req: ResponsesRequest, model: str, on_done: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
+        """`on_done`: given the finished response's body (whole or streamed), to store it."""
+        self.id, self.created = new_id("resp"), int(time.time())
+        self._req, self._model, self._on_done = req, model, on_done
+
+    def _done(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._on_done is not None:
+            self._on_done(body)
+        return body
 
     def body(self, status: str, output: list[dict], out: Outcome | None, prompt_len: int) -> dict[str, Any]:
         req = self._req
@@ -235,9 +276,9 @@ class ResponseForm:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": req.store,
             "temperature": req.temperature,
             "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}},
@@ -264,151 +305,35 @@ class ResponseForm:
 
     def whole(self, out: Outcome, assistant: Assistant, prompt_len: int) -> dict[str, Any]:
         """The response of a finished generation: thinking, text, calls, in that order."""
-        assistant.feed("".join(out.text), final=True)
+        assistant.feed("".join(out.text), final=True, ids=out.token_ids)
         output = []
         reasoning, content = "".join(assistant.reasoning), "".join(assistant.content)
         if reasoning:
-            output.append(_reasoning_item(_id("rs"), reasoning))
+            output.append(reasoning_item(new_id("rs"), reasoning))
         if content.strip() or not assistant.calls:
-            output.append(_message_item(_id("msg"), content, "completed"))
-        output += [_call_item(_id("fc"), c.id, c.name, c.arguments, "completed") for c in assistant.calls]
-        return self.body(self._status(out), output, out, prompt_len)
+            output.append(message_item(new_id("msg"), content, "completed"))
+        output += [call_item(new_id("fc"), c.id, c.name, c.arguments, "completed") for c in assistant.calls]
+        return self._done(self.body(self._status(out), output, out, prompt_len))
 
     async def events(
         self, pieces: AsyncGenerator[tuple[int, Piece], None], out: Outcome, assistant: Assistant, prompt_len: int
     ) -> AsyncIterator[str]:
         """The generation as the Responses API's server-sent events."""
-        stream = _EventStream()
+        stream = EventStream()
         try:
             yield stream.event("response.created", response=self.body("in_progress", [], None, prompt_len))
             yield stream.event("response.in_progress", response=self.body("in_progress", [], None, prompt_len))
-            async for _, (delta, _ids, _lp) in pieces:
-                for event in stream.feed(*assistant.feed(delta, final=out.finish_reason is not None)):
+            async for _, (delta, ids, _lp) in pieces:
+                for event in stream.feed(*assistant.feed(delta, final=out.finish_reason is not None, ids=ids)):
                     yield event
             for event in stream.feed(*assistant.feed("", final=True)):  # (what a parser still held)
                 yield event
             for event in stream.close(bool(assistant.calls)):
                 yield event
             status = self._status(out)
-            yield stream.event(f"response.{status}", response=self.body(status, stream.output, out, prompt_len))
+            final = self._done(self.body(status, stream.output, out, prompt_len))
+            yield stream.event(f"response.{status}", response=final)
         except ApiError as e:
             yield stream.event("error", code=e.code, message=e.message, param=e.param)
         finally:
             await pieces.aclose()
-
-
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-class _EventStream:
-    """The output items as they open, grow and close: one open at a time (thinking, a
-    message, a call), each closed when another kind of text comes. Whitespace between calls
-    opens no message."""
-
-    def __init__(self) -> None:
-        self.output: list[dict[str, Any]] = []  # the closed items
-        self._seq = 0
-        self._open: dict[str, Any] | None = None  # the item being written, its text so far in "text"
-        self._blank = ""  # whitespace not yet in a message
-
-    def event(self, kind: str, **fields: Any) -> str:
-        self._seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self._seq - 1, **fields})}\n\n"
-
-    def feed(self, reasoning: str, content: str, calls: list[CallDelta]) -> list[str]:
-        events: list[str] = []
-        if reasoning:
-            events += self._write("reasoning", reasoning)
-        if content:
-            if self._open is None or self._open["type"] != "message":
-                if not (self._blank + content).strip():
-                    self._blank += content
-                    content = ""
-                else:
-                    content, self._blank = self._blank + content, ""
-            if content:
-                events += self._write("message", content)
-        for call in calls:
-            if call.id is not None:
-                events += self._close()
-                events += self._opened(_call_item(_id("fc"), call.id, call.name or "", "", "in_progress"))
-            events += self._write("function_call", call.arguments)
-        return events
-
-    def close(self, called: bool) -> list[str]:
-        """The last item closed; a message (empty if need be) where nothing else was said."""
-        events = []
-        if not called and not any(item["type"] == "message" for item in self.output) and self._open is None:
-            events += self._write("message", self._blank)
-        return events + self._close()
-
-    def _where(self) -> dict[str, Any]:
-        assert self._open is not None
-        return {"item_id": self._open["item"]["id"], "output_index": len(self.output)}
-
-    def _opened(self, item: dict[str, Any]) -> list[str]:
-        self._open = {"type": item["type"], "item": item, "text": ""}
-        events = [self.event("response.output_item.added", output_index=len(self.output), item=item)]
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
-            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
-        return events
-
-    def _write(self, kind: str, text: str) -> list[str]:
-        events = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._close()
-            item = (
-                _reasoning_item(_id("rs"), "") if kind == "reasoning" else _message_item(_id("msg"), "", "in_progress")
-            )
-            events += self._opened(item)
-        assert self._open is not None
-        self._open["text"] += text
-        if kind == "function_call":
-            events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=text))
-        elif kind == "message":
-            events.append(
-                self.event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
-            )
-        else:
-            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
-        return events
-
-    def _close(self) -> list[str]:
-        if self._open is None:
-            return []
-        where, kind, text, item = self._where(), self._open["type"], self._open["text"], self._open["item"]
-        events = []
-        if kind == "function_call":
-            item = {**item, "arguments": text, "status": "completed"}
-            events.append(
-                self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)
-            )
-        elif kind == "message":
-            item = _message_item(item["id"], text, "completed")
-            events.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
-            events.append(self.event("response.content_part.done", **where, content_index=0, part=item["content"][0]))
-        else:
-            item = _reasoning_item(item["id"], text)
-            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
-        events.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
-        self.output.append(item)
-        self._open = None
-        return events

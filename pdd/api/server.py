@@ -7,27 +7,28 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from msgspec.structs import replace  # sampling params are a msgspec struct
 from prometheus_client import CollectorRegistry
 from starlette.background import BackgroundTask
 
 from pdd.api.access import Access, access_of
 from pdd.api.admission import AdmissionGate, Slot
 from pdd.api.backend import Backend, BackendError, GenRequest
+from pdd.api.choices import choice_params, collect, countdown, merged, whole_body
 from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
+from pdd.api.parsers import Parsers
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Common
-from pdd.api.reasoning import splitter
+from pdd.api.response_store import DEFAULT_KEPT, ResponseStore, Stored
 from pdd.api.responses import ResponseForm, ResponsesRequest, named_as_responses
-from pdd.api.shaping import Outcome, sampling_params, unicode_text, usage
+from pdd.api.shaping import Outcome, sampling_params, unicode_text
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
-from pdd.api.tools import Assistant, ToolPlan, default_tool_parser
+from pdd.api.tools import Assistant, ToolPlan
 from pdd.guide import GuideError, Guides
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
@@ -35,7 +36,6 @@ from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 class OpenAIServer:
@@ -47,15 +47,16 @@ class OpenAIServer:
         registry: CollectorRegistry | None,
         admission: Limits,
         tenants: bool = False,
-        reasoning_parser: str = "",
-        tool_parser: str = "",
+        parsers: Parsers = Parsers(),
+        responses_kept: int = DEFAULT_KEPT,
     ) -> None:
         """`tenants`: keep each API key's requests in a prefix-cache namespace of their own
-        when they give no cache_salt (a server of several named keys); `reasoning_parser`,
-        `tool_parser`: vLLM's name of one (`pdd.api.reasoning`, `pdd.api.tools`), or none
-        (a tool parser then comes from the chat template, if it is one pdd knows)."""
-        self.reasoning_parser = reasoning_parser
-        self.tool_parser = tool_parser or default_tool_parser(tokenizer.chat_template)
+        when they give no cache_salt (a server of several named keys); `parsers`: the
+        reasoning and tool-call parsers (`pdd.api.parsers`); `responses_kept`: how many
+        stored responses `/v1/responses` keeps (`pdd.api.response_store`)."""
+        self.parsers = parsers
+        self.tool_parser = parsers.tool
+        self.stored = ResponseStore(responses_kept)
         self.backend = backend
         self.tenants = tenants
         self.tokenizer = tokenizer
@@ -80,7 +81,8 @@ class OpenAIServer:
                 raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=True)
+            special = req.add_special_tokens is not False  # (vLLM's default for a completion: true)
+            return await self._encode(unicode_text(prompt, "prompt"), add_special_tokens=special)
         # the request model validated its shape: a batch of one is unwrapped above, so what is
         # left is a list of token ids (the checker cannot follow the unwrapping)
         ids = cast(list[int], prompt)
@@ -184,25 +186,6 @@ class OpenAIServer:
             self.metrics.tpot.observe((last - first) / (n - 1))
         self.metrics.e2e.observe(time.monotonic() - access.arrived)
 
-    @staticmethod
-    async def _collect(pieces: AsyncIterator[object], client: Request) -> bool:
-        """Run a non-streamed generation to its end; False (and aborted) if the client left."""
-
-        async def drain() -> None:
-            async for _ in pieces:
-                pass
-
-        task = asyncio.ensure_future(drain())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                task.result()  # re-raises an ApiError from the generation
-                return True
-            if await client.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return False
-
     async def respond(
         self,
         chat: bool,
@@ -226,7 +209,7 @@ class OpenAIServer:
             self._check_guide(req, params.guide)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outs = [Outcome() for _ in range(req.n)]
-        release = _countdown(req.n, slot.release)  # the slot is the request's, whatever its n
+        release = countdown(req.n, slot.release)  # the slot is the request's, whatever its n
         stop = req.stop_strings()
         echo = None
         if isinstance(req, CompletionRequest) and req.echo:
@@ -251,55 +234,29 @@ class OpenAIServer:
         ]
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if form is not None:
-            assistant = self.assistant(tools)
+            assistant = self.assistant(req, tools, prompt)
             if req.stream:
                 return StreamingResponse(
                     form.events(merged(pieces), outs[0], assistant, len(prompt)),
                     media_type="text/event-stream",
                     background=BackgroundTask(slot.release),
                 )
-            if not await self._collect(merged(pieces), client):
+            if not await collect(merged(pieces), client):
                 return Response(status_code=499)
             return JSONResponse(form.whole(outs[0], assistant, len(prompt)))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background release covers a client gone before the stream started
-            assistants = [self.assistant(tools) for _ in outs] if chat else None
+            assistants = [self.assistant(req, tools, prompt) for _ in outs] if chat else None
             return StreamingResponse(
                 sse_events(chat, base, merged(pieces), outs, len(prompt), include_usage, assistants),
                 media_type="text/event-stream",
                 background=BackgroundTask(slot.release),
             )
-        if not await self._collect(merged(pieces), client):
+        if not await collect(merged(pieces), client):
             return Response(status_code=499)  # the client left; its request was aborted
-        choices = []
-        for i, out in enumerate(outs):
-            text = "".join(out.text)
-            logprobs = LogprobFormatter.merge(out.logprobs, chat) if params.logprobs is not None else None
-            choice: dict[str, object] = {"index": i, "finish_reason": out.finish_reason, "logprobs": logprobs}
-            if chat:
-                assistant = self.assistant(tools)
-                assistant.feed(text, final=True)
-                choice["message"] = assistant.message()
-                choice["finish_reason"] = assistant.finish_reason(out.finish_reason)
-            else:
-                choice["text"] = text
-            choice["token_ids"] = out.token_ids
-            if out.prompt_logprobs is not None and not chat:
-                choice["prompt_logprobs"] = out.prompt_logprobs
-            if req.n > 1:
-                choice["pdd"] = out.served()
-            choices.append(choice)
-        body = {
-            **base,
-            "object": "chat.completion" if chat else "text_completion",
-            "choices": choices,
-            "usage": usage(len(prompt), *outs),
-            "pdd": outs[0].served(),
-        }
-        if chat and outs[0].prompt_logprobs is not None:  # (vLLM's place for a chat's)
-            body["prompt_logprobs"] = outs[0].prompt_logprobs
-        return JSONResponse(body)
+        readers = [self.assistant(req, tools, prompt) for _ in outs] if chat else None
+        return JSONResponse(whole_body(base, outs, len(prompt), params.logprobs is not None, readers))
 
     # ---- routes ----------------------------------------------------------------------------
     async def admitted(self, client: Request, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
@@ -326,12 +283,14 @@ class OpenAIServer:
         self._check_model(req.model)
         messages = [m.template_form(f"messages[{i}].") for i, m in enumerate(req.messages)]
         tools = req.tool_plan()
-        prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {})
+        prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {}, bool(req.add_special_tokens))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context
         return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools, form)
 
-    async def chat_prompt(self, messages: list[dict], tools: ToolPlan | None, kwargs: dict) -> list[int]:
+    async def chat_prompt(
+        self, messages: list[dict], tools: ToolPlan | None, kwargs: dict, special: bool = False
+    ) -> list[int]:
         """A conversation's prompt ids: the chat template rendered with its tools. A 400 for
         `auto` tool choice where no parser reads this model's calls."""
         if tools is not None and tools.choice == "auto" and not self.tool_parser:
@@ -349,20 +308,42 @@ class OpenAIServer:
         except Exception as e:  # a template's raise_exception, or a template bug
             param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
-        return await self._encode(text, add_special_tokens=False)
+        return await self._encode(text, add_special_tokens=special)  # (vLLM's default: the template writes them)
 
     async def responses(
-        self, req: ResponsesRequest, chat: ChatCompletionRequest, client: Request, slot: Slot
+        self, req: ResponsesRequest, chat: ChatCompletionRequest, client: Request, slot: Slot, history: list[dict]
     ) -> Response:
-        """/v1/responses: `req` run as `chat`, the chat completion it reads as
-        (`pdd.api.responses`)."""
-        with named_as_responses():
-            return await self.chat(chat, client, slot, ResponseForm(req, self.model_name))
+        """/v1/responses: `req` run as `chat`, the chat completion it reads as after the
+        conversation `history` it continues (`pdd.api.responses`); stored when it ends,
+        unless `store` is false."""
+        namespace = access_of(client.scope).api_key
 
-    def assistant(self, tools: ToolPlan | None) -> Assistant:
+        def keep(body: dict) -> None:
+            if req.store and body["status"] in ("completed", "incomplete"):
+                self.stored.put(namespace, body["id"], Stored(body, req.conversation(history, body["output"])))
+
+        with named_as_responses():
+            return await self.chat(chat, client, slot, ResponseForm(req, self.model_name, keep))
+
+    def history(self, req: ResponsesRequest, client: Request) -> list[dict]:
+        """The conversation the response `req` continues ends (none: []); a 404 naming
+        `previous_response_id` where this API key has no such response stored."""
+        if req.previous_response_id is None:
+            return []
+        stored = self.stored.get(access_of(client.scope).api_key, req.previous_response_id)
+        if stored is None:
+            raise ApiError(
+                404,
+                f"Response with id '{req.previous_response_id}' not found (evicted, deleted, never stored, or "
+                "another key's): send the conversation in input instead",
+                param="previous_response_id",
+            )
+        return stored.messages
+
+    def assistant(self, req: _Common, tools: ToolPlan | None, prompt: list[int]) -> Assistant:
         """A reader of one choice's text into thinking, content and tool calls."""
-        splitter_ = splitter(self.reasoning_parser) if self.reasoning_parser else None
-        return Assistant(splitter_, tools.output(self.tool_parser) if tools is not None else None)
+        kwargs = getattr(req, "chat_template_kwargs", None) or {}
+        return self.parsers.assistant(tools, prompt, kwargs, getattr(req, "include_reasoning", True))
 
     def _check_guide(self, req: _Common, guide: tuple[str, str]) -> None:
         """A 400 naming the field for a grammar that does not compile (checked here, once,
@@ -406,44 +387,3 @@ class OpenAIServer:
                 }
             ],
         }
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s parameters (of `n`): seed + index, as vLLM seeds its parallel
-    samples, so each choice equals a single request with its seed."""
-    return params if params.seed is None or not index else replace(params, seed=params.seed + index)
-
-
-def _countdown(n: int, then: Callable[[], None]) -> Callable[[], None]:
-    """A callable that runs `then` at its n-th call."""
-    left = [n]
-
-    def tick() -> None:
-        left[0] -= 1
-        if not left[0]:
-            then()
-
-    return tick
-
-
-async def merged(gens: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[tuple[int, Piece], None]:
-    """The choices' pieces as they come, each with its choice's index; every generator
-    closed on the way out (an error in one ends them all)."""
-    nexts = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
-    try:
-        while nexts:
-            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=nexts.__getitem__):
-                i = nexts.pop(fut)
-                try:
-                    piece = fut.result()
-                except StopAsyncIteration:
-                    continue
-                nexts[asyncio.ensure_future(anext(gens[i]))] = i
-                yield i, piece
-    finally:
-        for fut in nexts:
-            fut.cancel()
-        await asyncio.gather(*nexts, return_exceptions=True)
-        for g in gens:
-            await g.aclose()

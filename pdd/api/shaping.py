@@ -35,6 +35,9 @@ class Outcome:
         return self.record.served() if self.record else {}
 
 
+UNSET = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's and vLLM's, where the model's config has none
+
+
 def sampling_params(
     req: _Common,
     prompt_len: int,
@@ -49,7 +52,6 @@ def sampling_params(
     temperature, top_p, top_k, max_new_tokens), as vLLM's server does. Its prefix-cache
     namespace is `cache_namespace`'s, `tenant` the name of its API key where each key's
     requests are kept apart (a server of several keys)."""
-    given = req.model_fields_set
     default_max = int(defaults.get("max_new_tokens", default_max))
     if prompt_len == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
@@ -73,8 +75,10 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    # (null, as vLLM takes it: the default, as if left out)
     temperature, top_p, top_k = (
-        getattr(req, k) if k in given or k not in defaults else defaults[k] for k in ("temperature", "top_p", "top_k")
+        getattr(req, k) if getattr(req, k) is not None else defaults.get(k, UNSET[k])
+        for k in ("temperature", "top_p", "top_k")
     )
     try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
         temperature, top_p = float(temperature), float(top_p)

@@ -25,17 +25,17 @@ async def sse_events(
     filling `outs`) as OpenAI's server-sent events: one chunk per piece, a choice's record
     on its last, usage if asked, an error as an event (the status is sent already), [DONE].
     `assistants`: a chat's (None: a completion's), one a choice (thinking as
-    `reasoning_content`, tool calls as `tool_calls`, each in its own key of the delta)."""
+    `reasoning`, as the pinned vLLM names it, tool calls as `tool_calls`, each in its own key of the delta)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     opened: set[int] = set()
 
     def chunk(i: int, piece: Piece, finish: str | None, extra: dict | None = None) -> str:
         delta, ids, logprobs = piece
         if assistants is not None:  # (a chat's)
-            reasoning, content, calls = assistants[i].feed(delta, final=finish is not None)
+            reasoning, content, calls = assistants[i].feed(delta, final=finish is not None, ids=ids)
             said: dict[str, object] = {"content": content}
             if reasoning:
-                said["reasoning_content"] = reasoning
+                said["reasoning"] = reasoning
             if calls:
                 said["tool_calls"] = [c.openai() for c in calls]
             finish = assistants[i].finish_reason(finish)

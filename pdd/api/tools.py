@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,9 +199,10 @@ class ToolParser(ToolOutput):
 class HermesParser(ToolParser):
     """Hermes-style calls (Qwen2.5, Qwen3, Hermes 2/3 and the tiny model's template):
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as many as the model
-    writes. Text outside them is content; a block that is not a call (no JSON object with
-    a name) stays content, as vLLM's `hermes` leaves it; without `parallel`, text after the
-    first call is dropped, as one call is all the client asked for."""
+    writes. Text before the first call is content, text after it is not (as vLLM's `hermes`
+    reads it); a block that is not a call (no JSON object with a name) stays content, as
+    vLLM's leaves it; without `parallel`, what follows the first call is dropped, as one
+    call is all the client asked for."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -218,12 +220,13 @@ class HermesParser(ToolParser):
                 break
             if not self._inside:
                 start = text.find(self.OPEN)
+                said = not self.calls  # (after a call, the text between and after calls is not content)
                 if start < 0:
                     keep = 0 if final else partial_suffix(text, self.OPEN)
-                    content.append(text[: len(text) - keep])
+                    content.append(text[: len(text) - keep] if said else "")
                     self._held = text[len(text) - keep :]
                     break
-                content.append(text[:start])
+                content.append(text[:start] if said else "")
                 self._inside, text = True, text[start + len(self.OPEN) :]
                 continue
             end = text.find(self.CLOSE)
@@ -277,19 +280,30 @@ def default_tool_parser(chat_template: str | None) -> str:
 @dataclass
 class Assistant:
     """One choice's text as an assistant's parts: thinking (a reasoning parser), content,
-    tool calls (`tools`); fed piece by piece, or once whole."""
+    tool calls (`tools`); fed piece by piece, or once whole. `include_reasoning` (vLLM's
+    request field): false leaves the thinking out of what is said."""
 
     splitter: ThinkSplitter | None = None
     tools: ToolOutput | None = None
+    include_reasoning: bool = True
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
-        """The (reasoning, content, call pieces) that `text` adds."""
+    @property
+    def reasons(self) -> bool:
+        """Whether a reasoning parser reads this choice (its answer then says `reasoning`)."""
+        return self.splitter is not None
+
+    def feed(self, text: str, final: bool, ids: Sequence[int] = ()) -> tuple[str, str, list[CallDelta]]:
+        """The (reasoning, content, call pieces) that `text` (of token `ids`) adds."""
         reasoning, content = self.splitter.feed(text, final) if self.splitter else ("", text)
         deltas: list[CallDelta] = []
         if self.tools is not None:
             content, deltas = self.tools.feed(content, final)
+        return self._said(reasoning, content, deltas)
+
+    def _said(self, reasoning: str, content: str, deltas: list[CallDelta]) -> tuple[str, str, list[CallDelta]]:
+        reasoning = reasoning if self.include_reasoning else ""
         self.reasoning.append(reasoning)
         self.content.append(content)
         return reasoning, content, deltas
@@ -303,12 +317,15 @@ class Assistant:
         return "tool_calls" if reason == "stop" and self.calls else reason
 
     def message(self) -> dict[str, Any]:
-        """The whole choice's `message`: content None where only calls came."""
+        """The whole choice's `message`: content None where only calls came; `reasoning`
+        (as the pinned vLLM names it) where a reasoning parser reads it."""
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.calls:
             message["content"] = content if content.strip() else None
             message["tool_calls"] = [c.openai() for c in self.calls]
-        if self.splitter is not None:
-            message["reasoning_content"] = "".join(self.reasoning)
+        elif self.reasons and not content:  # (all of it was thinking: no content, as vLLM says it)
+            message["content"] = None
+        if self.reasons:
+            message["reasoning"] = "".join(self.reasoning) if self.include_reasoning else None
         return message

@@ -126,14 +126,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        help="move a chat completion's thinking into reasoning_content, as vLLM's (default: none)",
+        help="move a chat completion's thinking into `reasoning`: any of vLLM's names where vLLM is installed "
+        f"(its own parser runs), else {', '.join(REASONING_PARSERS)} (default: none)",
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=TOOL_PARSERS,
-        help="read a chat completion's tool calls out of its text, as vLLM's (default: the one the chat "
-        "template teaches, where pdd knows it)",
+        help="read a chat completion's tool calls out of its text: any of vLLM's names where vLLM is installed "
+        f"(its own parser runs), else {', '.join(TOOL_PARSERS)} (default: the one the chat template teaches, "
+        "where pdd knows it)",
+    )
+    p.add_argument(
+        "--tool-parser-plugin",
+        help="a file or module registering an out-of-tree tool parser with vLLM's ToolParserManager, as vLLM's flag",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -219,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
     openai_api = spec.role == RoleName.STANDALONE or args.openai_api
     sock = listen(spec.host, spec.port)  # before the model loads: a port in use fails in a second, not minutes
     parsers = (
-        (dep.model.reasoning_parser, dep.model.tool_parser)
+        (dep.model.reasoning_parser, dep.model.tool_parser, dep.model.tool_parser_plugin)
         if dep is not None
-        else (args.reasoning_parser or "", args.tool_call_parser or "")
+        else (args.reasoning_parser or "", args.tool_call_parser or "", args.tool_parser_plugin or "")
     )
     asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join, parsers))
     return 0
@@ -237,16 +241,17 @@ async def _serve(
     keys: dict[str, str],
     openai_api: bool = True,
     join: bool = False,
-    parsers: tuple[str, str] = ("", ""),
+    parsers: tuple[str, str, str] = ("", "", ""),
 ) -> None:
     """`parsers`: the names of the reasoning and the tool-call parser ("": none, the
-    template's)."""
+    template's) and a tool-parser plugin's path (`pdd.api.parsers`)."""
     import torch
     import uvicorn
     from prometheus_client import CollectorRegistry
 
     from pdd.api.app import build_app
     from pdd.api.metrics import LineMetrics
+    from pdd.api.parsers import Parsers, choose_parsers
     from pdd.engine_port import EngineStartError, open_engine
     from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
@@ -259,6 +264,8 @@ async def _serve(
 
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
+    # (a parser name nobody knows fails here, before the model loads)
+    chosen = choose_parsers(*parsers, model_dir, tokenizer.chat_template) if openai_api else Parsers()
     try:
         runtime = open_engine(model_dir, spec.engine, threads, tokenizer.eos_token_ids)
     except EngineStartError as e:  # not a mistake in what was given (exit 1): the engine could not start
@@ -281,8 +288,7 @@ async def _serve(
         api_keys=keys,
         openai_api=openai_api,
         admission=Limits(spec.engine.max_requests, 0),
-        reasoning_parser=parsers[0],
-        tool_parser=parsers[1],
+        parsers=chosen,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)

@@ -55,6 +55,7 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
     from prometheus_client import CollectorRegistry
 
     from pdd.api.app import build_app
+    from pdd.api.parsers import choose_parsers
     from pdd.heap import freeze_startup_heap
     from pdd.model.config import Declared
     from pdd.model.store import resolve_model
@@ -64,20 +65,24 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
     from pdd.router.backend import RouterBackend
 
     model_dir = resolve_model(dep.model.path)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model = dep.model  # (a parser name nobody knows fails here, before the router starts)
+    parsers = choose_parsers(
+        model.reasoning_parser, model.tool_parser, model.tool_parser_plugin, model_dir, tokenizer.chat_template
+    )
     registry = CollectorRegistry()
     backend = RouterBackend(dep, registry)
     backend.max_context = Declared.from_dir(model_dir).max_position  # (each instance's own limit as it reports it)
     await backend.start()
     app = build_app(
         backend,
-        Tokenizer.from_dir(model_dir),
+        tokenizer,
         dep.model.served_name,
         registry,
         dep.router.max_body_bytes,
         keys,
         admission=Limits(dep.router.max_running, dep.router.max_waiting),
-        reasoning_parser=dep.model.reasoning_parser,
-        tool_parser=dep.model.tool_parser,
+        parsers=parsers,
     )
     add_admin_routes(app, backend.members, dep)
     server = uvicorn.Server(
