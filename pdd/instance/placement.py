@@ -96,10 +96,12 @@ class Placement:
     ) -> None:
         try:
             try:
-                written = asyncio.get_running_loop().run_in_executor(
-                    self.endpoint.writer, self._write, slot, n, payload
-                )
-                body: Any = m.KVPlaced(slot, len(payload), n, await written)
+                loop = asyncio.get_running_loop()
+                vouched = await loop.run_in_executor(self.endpoint.stager, self._stage, slot, n, payload)
+                size = self.remote.slot_bytes
+                local = self.local[slot * size : slot * size + len(payload)]
+                await asyncio.wrap_future(self.endpoint.write(local, self.remote, slot, len(payload)))
+                body: Any = m.KVPlaced(slot, len(payload), n, vouched)
             except ConnectionError as e:
                 log.warning("the transfer engine failed (%s): this KV frame goes over the connection", e)
                 self.slots.give(slot)
@@ -118,11 +120,10 @@ class Placement:
         if self.tail is not None:
             await asyncio.shield(self.tail)
 
-    def _write(self, slot: int, n: int, payload: bytes) -> str:
+    def _stage(self, slot: int, n: int, payload: bytes) -> str:
+        """The payload into our slot (the engine writes from registered memory), and its tag."""
         size = self.remote.slot_bytes
-        local = self.local[slot * size : slot * size + len(payload)]
-        local.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-        self.endpoint.write_sync(local, self.remote, slot, len(payload))
+        self.local[slot * size : slot * size + len(payload)].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
         return tag(self.key, n, payload)
 
 

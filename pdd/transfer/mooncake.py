@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +64,13 @@ class Endpoint:
         if rc != 0:
             raise Unavailable(f"the Mooncake Transfer Engine did not start on {host} over {self.protocol} ({rc})")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
-        # the one thread that writes through the engine (its synchronous writes, issued from
-        # several threads at once, were seen to stall here)
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="pdd-mooncake")
+        # the threads that copy frames into our slots and tag them, while the engine writes others
+        self.stager = ThreadPoolExecutor(2, thread_name_prefix="pdd-mooncake-stage")
+        # the one thread that writes through the engine, every write queued so far in one batch
+        # (synchronous writes issued from several threads at once were seen to stall here; one
+        # at a time, each 4 MiB write waited out the last: 0.68 GB/s, eight a batch 0.95)
+        self._writes: queue.SimpleQueue[_Write] = queue.SimpleQueue()
+        threading.Thread(target=self._write_batches, name="pdd-mooncake", daemon=True).start()
         self._regions: list[torch.Tensor] = []  # kept alive while registered
 
     def region(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> torch.Tensor:
@@ -80,14 +86,43 @@ class Endpoint:
         self._engine.unregister_memory(buf.data_ptr())
         self._regions = [r for r in self._regions if r is not buf]
 
-    def write_sync(self, local: torch.Tensor, remote: RemoteRegion, slot: int, nbytes: int) -> None:
+    def write(self, local: torch.Tensor, remote: RemoteRegion, slot: int, nbytes: int) -> Future[None]:
         """Bytes [0, nbytes) of `local` (in a registered region) into slot `slot` of
-        `remote`, waiting for the engine (off the event loop: it releases the GIL);
-        ConnectionError if the engine failed."""
+        `remote`, queued for the writer thread; the future fails with ConnectionError if
+        the engine did."""
+        done: Future[None] = Future()
         dst = remote.address + slot * remote.slot_bytes
-        rc = self._engine.transfer_sync_write(remote.session, local.data_ptr(), dst, nbytes)
-        if rc != 0:
-            raise ConnectionError(f"the transfer engine's write to {remote.session} failed ({rc})")
+        self._writes.put(_Write(local.data_ptr(), remote.session, dst, nbytes, done))
+        return done
+
+    def _write_batches(self) -> None:
+        """The writer thread: every write queued so far, one batch a receiver, waited for."""
+        while True:
+            batch = [self._writes.get()]
+            while True:
+                try:
+                    batch.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
+            for session in {w.session for w in batch}:
+                ours = [w for w in batch if w.session == session]
+                rc = self._engine.batch_transfer_sync_write(
+                    session, [w.src for w in ours], [w.dst for w in ours], [w.nbytes for w in ours]
+                )
+                for w in ours:
+                    if rc == 0:
+                        w.done.set_result(None)
+                    else:
+                        w.done.set_exception(ConnectionError(f"the transfer engine's write to {session} failed ({rc})"))
+
+
+@dataclass(frozen=True)
+class _Write:
+    src: int
+    session: str
+    dst: int
+    nbytes: int
+    done: Future[None]
 
 
 _endpoint: Endpoint | None = None
