@@ -366,7 +366,7 @@ POLICIES = {
     "answer_wait_s": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "main_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "relay_refused": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
-    "kv_range": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
+    "kv_range": ("pdd.lab.sim.prefill", "pdd.instance.prefill_kv"),
     "choose_handoff": ("pdd.lab.sim.relayed", "pdd.instance.relay"),
     "cut_over": ("pdd.lab.sim.relayed", "pdd.instance.relay"),
     "occupancy": ("pdd.lab.sim.relayed", "pdd.instance.relay"),

@@ -117,6 +117,8 @@ class PrefillRole:
             return
         if isinstance(body, m.KVAck):
             job.acked[peer] = max(job.acked.get(peer, 0), body.token_end)
+            if peer in job.wakes:
+                job.wakes[peer].set()
             self._progress(job)
         ack, loaded = job.acks.get(peer), job.loaded.get(peer)
         if isinstance(body, m.ReserveAck) and ack is not None and not ack.done():
@@ -257,8 +259,8 @@ class PrefillRole:
         s = job.submit
         job.stream = LayerStream()
         job.exports = 1  # (the prefill's own hold on its pages)
-        for peer in job.acks:  # MD behind a relay yields until the choice: it may be the background copy
-            self.senders.start(job, peer, Priority.BACKGROUND if s.relay and peer != s.relay else Priority.URGENT)
+        for peer in job.acks:  # MD behind a relay waits for the choice (`pdd.instance.prefill_kv`)
+            self.senders.start(job, peer, None if s.relay and peer != s.relay else Priority.URGENT)
         first, cached, reason = None, 0, None
         try:
             params = replace(s.params, max_tokens=1)

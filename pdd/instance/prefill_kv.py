@@ -7,13 +7,17 @@ path are busy while later layers run; what the stream does not carry (the prefix
 own cache served, or all of it on an engine that streams nothing) it exports from P's
 held pages. The pipeline is chosen only after prefill (`pdd.instance.prefill`): the
 sender of a peer left out is cancelled, and each chosen one is finished with KV_DONE,
-which follows its last layer. Until the choice, MD's copy behind a relay yields to
-urgent transfers (it is background work if the relay takes the request).
+which follows its last layer. MD's copy behind a relay sends nothing until the choice:
+it is background work if the relay takes the request and urgent if not, and a frame
+sent as background before the choice would wait behind every other request's urgent
+KV, holding back the urgent frames behind it (the receiver imports in token order).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -44,8 +48,10 @@ class PrefillJob:
     holders: set[str] = field(default_factory=set)  # peers holding state P must drop if it stops
     stream: LayerStream | None = None  # the prompt's KV as the forward computes it
     senders: dict[str, asyncio.Task[int]] = field(default_factory=dict)  # peer -> its KV frames, bytes sent
-    priority: dict[str, Priority] = field(default_factory=dict)  # peer -> what its frames go as now
+    priority: dict[str, Priority] = field(default_factory=dict)  # peer -> what its frames go as, once known
+    chosen: dict[str, asyncio.Event] = field(default_factory=dict)  # peer -> set once its priority is
     acked: dict[str, int] = field(default_factory=dict)  # peer -> the token its acknowledged KV reaches
+    wakes: dict[str, asyncio.Event] = field(default_factory=dict)  # peer -> its streaming sender's (`acked` moved)
     exports: int = 0  # holders of P's pages (the prefill, senders still to export): released at none
     background: bool = False  # only MD's copy behind a relay is left: not foreground work any more
     task: asyncio.Task[None] | None = None
@@ -97,10 +103,13 @@ class KVSenders:
         self.engine, self.peers, self.chunk_tokens, self.line, self.spawn = engine, peers, chunk_tokens, line, spawn
         self.in_prefill = 0  # KV frames sent while their prefill was still computing
 
-    def start(self, job: PrefillJob, peer: str, priority: Priority) -> None:
-        """Begin `peer`'s sender (its reservation is asked for): frames go as `priority`
-        until `finish` says otherwise."""
-        job.priority[peer] = priority
+    def start(self, job: PrefillJob, peer: str, priority: Priority | None) -> None:
+        """Begin `peer`'s sender (its reservation is asked for): frames go as `priority`,
+        or (None) wait for the one `finish` gives."""
+        job.chosen[peer] = asyncio.Event()
+        if priority is not None:
+            job.priority[peer] = priority
+            job.chosen[peer].set()
         job.exports += 1
         job.senders[peer] = self.spawn(self._frames(job, peer))
 
@@ -125,6 +134,7 @@ class KVSenders:
     async def finish(self, job: PrefillJob, peer: str, first: int, emit: bool, priority: Priority) -> int:
         """The rest of `peer`'s KV as `priority`, then KV_DONE; the payload bytes sent."""
         job.priority[peer] = priority
+        job.chosen[peer].set()
         start, end = kv_range(len(job.submit.prompt), (await reservation(job, peer)).hit)
         line = self.line(peer)
         line.begin((job.rid, peer), start, end, self.engine.kv_bytes_per_token, priority)
@@ -151,19 +161,58 @@ class KVSenders:
                 sent += await self._send(job, peer, await self.engine.export_kv(job.rid, start, streamed))
         finally:
             self.exported(job)
-        reach = streamed
-        async for piece in job.stream.follow():
-            h = piece.blob.header
-            a, b = max(h.token_start, start), min(h.token_end, end)
-            if a >= b:
-                continue
-            if piece.ready is not None:
-                await asyncio.to_thread(piece.ready)
-            sent += await self._send(job, peer, codec.token_slice(piece.blob, a, b))
-            if h.layer_start == 0:
-                reach = max(reach, b)
-        if reach < end:
-            raise RuntimeError(f"prefill of {job.rid} ended with its KV computed to {reach} of {end} tokens")
+        return sent + await self._streamed(job, peer, start, end, streamed)
+
+    async def _streamed(self, job: PrefillJob, peer: str, start: int, end: int, reach: int) -> int:
+        """The stream's pieces within [start, end), each sent once it is there, the lowest
+        (first token, layer) first, and no further ahead of what the peer acknowledged than
+        twice the line's bandwidth-delay product (four chunks at least): a step's layers
+        come one after the other over all its tokens, and on a line slower than the forward
+        pass whole chunks must still go first (the receiver imports, and acknowledges, in
+        token order; written in the order they came, a whole prompt's layer 0 went before
+        any chunk was whole, and a slow line's first acknowledgement came seconds late)."""
+        stream = job.stream
+        assert stream is not None  # (set before any sender starts)
+        pending: list[tuple[int, int, int, codec.KVBlob]] = []  # (first token, layer, arrival, one frame's KV)
+        arrived, ended = job.wakes.setdefault(peer, asyncio.Event()), asyncio.Event()
+        order = itertools.count()
+        est = self.line(peer).estimate
+        bdp_tokens = 2 * est.bytes_per_s * 2 * est.one_way_s / max(1, self.engine.kv_bytes_per_token)
+        ahead = max(4 * self.chunk_tokens, int(bdp_tokens))
+
+        async def take() -> int:
+            top = reach
+            try:
+                async for piece in stream.follow():
+                    h = piece.blob.header
+                    a, b = max(h.token_start, start), min(h.token_end, end)
+                    if a >= b:
+                        continue
+                    if piece.ready is not None:
+                        await asyncio.to_thread(piece.ready)
+                    for x, y in kv_chunks(a, b, self.chunk_tokens):
+                        heapq.heappush(pending, (x, h.layer_start, next(order), codec.token_slice(piece.blob, x, y)))
+                    arrived.set()
+                    top = max(top, b) if h.layer_start == 0 else top
+            finally:
+                ended.set()
+                arrived.set()
+            return top
+
+        taker = asyncio.ensure_future(take())
+        sent = 0
+        try:
+            while pending or not ended.is_set():
+                if pending and pending[0][0] - job.acked.get(peer, start) <= ahead:
+                    sent += await self._send(job, peer, heapq.heappop(pending)[3])
+                else:
+                    arrived.clear()
+                    await arrived.wait()
+            top = await taker
+        finally:
+            taker.cancel()
+        if top < end:
+            raise RuntimeError(f"prefill of {job.rid} ended with its KV computed to {top} of {end} tokens")
         return sent
 
     def exported(self, job: PrefillJob) -> None:
@@ -176,6 +225,7 @@ class KVSenders:
         """A blob's KV chunk by chunk, one layer a frame; the payload bytes sent."""
         sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
         h = blob.header
+        await job.chosen[peer].wait()
         for a, b in kv_chunks(h.token_start, h.token_end, self.chunk_tokens):
             for layer in codec.split_layers(codec.token_slice(blob, a, b)):
                 data = codec.encode(layer, lossy, compress)
