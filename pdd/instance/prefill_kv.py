@@ -34,6 +34,10 @@ from pdd.transfer import messages as m
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
+# A streamed sender keeps at most what the line carries in this long (and a round trip) ahead of
+# what its peer acknowledged: enough that the acknowledgements (after each chunk's import) never
+# idle the line, little enough that whole chunks go first on a slow one
+AHEAD_S = 0.5
 
 
 @dataclass(eq=False)
@@ -166,7 +170,7 @@ class KVSenders:
     async def _streamed(self, job: PrefillJob, peer: str, start: int, end: int, reach: int) -> int:
         """The stream's pieces within [start, end), each sent once it is there, the lowest
         (first token, layer) first, and no further ahead of what the peer acknowledged than
-        twice the line's bandwidth-delay product (four chunks at least): a step's layers
+        the line carries in a round trip and `AHEAD_S` (four chunks at least): a step's layers
         come one after the other over all its tokens, and on a line slower than the forward
         pass whole chunks must still go first (the receiver imports, and acknowledges, in
         token order; written in the order they came, a whole prompt's layer 0 went before
@@ -177,8 +181,8 @@ class KVSenders:
         arrived, ended = job.wakes.setdefault(peer, asyncio.Event()), asyncio.Event()
         order = itertools.count()
         est = self.line(peer).estimate
-        bdp_tokens = 2 * est.bytes_per_s * 2 * est.one_way_s / max(1, self.engine.kv_bytes_per_token)
-        ahead = max(4 * self.chunk_tokens, int(bdp_tokens))
+        ahead_bytes = est.bytes_per_s * (AHEAD_S + 2 * est.one_way_s)
+        ahead = max(4 * self.chunk_tokens, int(ahead_bytes / max(1, self.engine.kv_bytes_per_token)))
 
         async def take() -> int:
             top = reach
