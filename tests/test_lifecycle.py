@@ -8,6 +8,7 @@ its md0 is the last thing the module stops."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -99,8 +100,9 @@ def test_a_router_that_starts_later_learns_who_joined_and_hears_of_a_drain(dep, 
 
 def test_an_instance_finishes_its_stream_after_sigterm_and_exits_0(dep):
     """md0 (the only MD) streams 1200 tokens; on SIGTERM its /ready is 503 at once while
-    /health stays 200, the router hears it and plans around it (a new request finds no
-    decode instance: 503), the stream completes with every token, and md0 exits 0."""
+    /health stays 200, the router hears it and plans around it (a new request runs on the
+    relay alone, pdd mode's way without an MD), the stream completes with every token, and
+    md0 exits 0."""
     md0 = dep.http["md0"]
     assert _status(md0) == (200, 200)
     with ThreadPoolExecutor(1) as pool:
@@ -111,9 +113,9 @@ def test_an_instance_finishes_its_stream_after_sigterm_and_exits_0(dep):
         assert _status(md0) == (503, 200)
         assert httpx.get(f"{md0}/ready", timeout=5).json()["reason"] == "shutting down"
         wait_until(lambda: _stats(dep.url)["instances"]["md0"]["refusing"], 5, "the router hears md0 refuses work")
-        assert httpx.get(f"{dep.url}/ready", timeout=5).json()["missing"] == ["main"]
-        refused = _complete(dep.url)
-        assert refused.status_code == 503, refused.text
+        around = _complete(dep.url)  # (pdd mode: the relay alone serves while no MD takes work)
+        assert around.status_code == 200 and around.json()["pdd"]["pipeline"] == "P-RLD", around.text
+        assert "md0" not in around.json()["pdd"]["instances"].values()
         assert _stats(md0)["node"]["held"] > 0  # (md0 still had the stream: the test tested something)
         got = running.result(timeout=120)
     assert got["error"] is None and got["finish_reason"] == "length" and len(got["ids"]) == LONG, got["error"]
@@ -142,3 +144,46 @@ def test_what_outlives_the_grace_ends_with_an_error_saying_so(tiny_model_dir):
     assert got["finish_reason"] is None and 0 < len(got["ids"]) < 3900, (got["finish_reason"], len(got["ids"]))
     assert "its grace of 1 s ran out" in got["error"]["message"], got["error"]
     assert ended < 10, ended
+
+
+def test_an_instance_whose_engine_dies_tells_every_router_at_once():
+    """The node's watch (`Node._watch_engine`, every `WATCH_S`): an engine that reports itself
+    dead (vLLM's AsyncLLM `errored`, as tests/test_vllm_lifecycle.py makes it for real) makes
+    the instance refuse work and send every router a DRAIN, which each plans around (the md0
+    test above shows a router doing so)."""
+    from types import SimpleNamespace
+
+    from pdd import config as cfg
+    from pdd.instance.liveness import WATCH_S
+    from pdd.instance.node import Node
+    from pdd.transfer import messages as m
+
+    engine = SimpleNamespace(llm=SimpleNamespace(errored=False))
+    node = Node(cfg.InstanceSpec("md0", "main", "B"), cfg.Deployment(), engine, b"k" * 32,
+                lambda host: SimpleNamespace(held=lambda: 0))
+    sent: list[tuple[str, object]] = []
+
+    async def send(conn, body) -> bool:
+        sent.append((conn, body))
+        return True
+
+    node.send = send  # (what the routers' connections would carry)
+    node.routers = {"r1": "conn-of-r1", "r2": "conn-of-r2"}
+
+    async def scenario() -> float:
+        watch = asyncio.ensure_future(node._watch_engine())
+        await asyncio.sleep(WATCH_S * 1.5)
+        assert not node.refusing and not sent  # alive: nothing said
+        engine.llm.errored = True
+        died = time.monotonic()
+        while not sent or len(sent) < 2:
+            await asyncio.sleep(0.05)
+            assert time.monotonic() - died < 3 * WATCH_S
+        await watch
+        return time.monotonic() - died
+
+    took = asyncio.run(scenario())
+    assert "vLLM engine died" in node.refusing
+    assert sorted(conn for conn, _ in sent) == ["conn-of-r1", "conn-of-r2"]
+    assert all(isinstance(body, m.Drain) for _, body in sent)
+    assert took <= 2 * WATCH_S, took
