@@ -224,8 +224,9 @@ def _running(http: str) -> float:
 def test_the_release_before_todays_joins_and_what_it_cannot_honour_goes_elsewhere(tmp_path):
     """md1 pinned to the protocol before today's (the release before's wire): /pdd/stats
     shows its version, its tokens are md0's, a request setting a field of today's protocol
-    (prompt_logprobs: 7) is planned onto md0 every time; once md0 is drained, that request
-    gets a 503 naming the field and md1, and a plain one is served by md1."""
+    (prompt_logprobs: 7) is planned onto md0 every time; once md0 is drained, onto the relay
+    alone (pdd mode's way without an MD); once the relay is drained too, that request gets a
+    503 naming the field and md1, and a plain one is served by md1."""
     before = wire.PROTOCOL_VERSION - 1
     newer = {"prompt_logprobs": 1}
     assert SamplingParams(**newer).needs_protocol() == (wire.PROTOCOL_VERSION, "prompt_logprobs")
@@ -244,14 +245,21 @@ def test_the_release_before_todays_joins_and_what_it_cannot_honour_goes_elsewher
                                       range(6)))
             assert all(r.status_code == 200 for r in asked), [r.text for r in asked]
             assert {r.json()["pdd"]["instances"]["main"] for r in asked} == {"md0"}
-            drained = subprocess.run([sys.executable, "-m", "pdd.cli", "drain", "md0", "--config", conf],
-                                     capture_output=True, text=True, timeout=120)
-            assert drained.returncode == 0, drained.stdout + drained.stderr
+            _drain(conf, "md0")  # no MD of today's protocol: the relay of today's serves it alone
+            alone = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+            assert alone.status_code == 200 and alone.json()["pdd"]["pipeline"] == "P-RLD", alone.text
+            _drain(conf, "rld0")  # none left that speaks it
             refused = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
             said = refused.json()["error"]["message"]
             assert refused.status_code == 503 and "prompt_logprobs needs protocol" in said and "md1" in said, said
             assert _complete(dep.url, 40)["ids"] == reference and _main_of(dep.url, 4, PROMPT) == "md1"
             assert md1.poll() is None
+
+
+def _drain(conf: str, name: str) -> None:
+    drained = subprocess.run([sys.executable, "-m", "pdd.cli", "drain", name, "--config", conf],
+                             capture_output=True, text=True, timeout=120)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
 
 
 def test_int8_and_zstd_kv_go_only_to_peers_that_speak_them():
