@@ -76,7 +76,7 @@ class ModelSpec:
         for key, names in (("reasoning_parser", REASONING_PARSERS), ("tool_parser", TOOL_PARSERS)):
             if getattr(self, key) not in ("", *names):
                 raise ValueError(
-                    f"{key} must be \"\" or one of {', '.join(names)} (or vLLM's: the extra pdd-serving[vllm]), "
+                    f'{key} must be "" or one of {", ".join(names)} (or vLLM\'s: the extra pdd-serving[vllm]), '
                     f"not {getattr(self, key)!r}"
                 )
 

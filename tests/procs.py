@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import httpx
 import jsonschema
 import openai
 
+from pdd import config as cfg
 from pdd.engine_port import EngineConfig
 from pdd.lab import deploy
 from pdd.lab.deploy import wait_http
@@ -119,6 +121,11 @@ class Deployment:
         admin = [line.split("admin ")[1].strip() for line in lines if line.startswith("wan: ") and "admin " in line]
         self.wan_admin = admin[0] if admin else None
 
+    def exit_code(self, name: str) -> int | None:
+        """The code a child of `pdd up` exited with, as `pdd up` said; None while it runs."""
+        said = [line.rsplit(" ", 1)[1] for line in self.lines if line.startswith(f"pdd up: {name} exited with code ")]
+        return int(said[0]) if said else None
+
     def fault(self, **fault: Any) -> dict:
         """Inject (or clear) a fault on the WAN line; the emulator's stats after it."""
         r = httpx.post(f"{self.wan_admin}/fault", json=fault, timeout=5)
@@ -143,7 +150,8 @@ def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None
             lines.append(line)
             if time.monotonic() > deadline:
                 raise TimeoutError("pdd up did not print its router line:\n" + "".join(lines))
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+        # keep the pipe drained, its lines kept (`pdd up: NAME exited with code N`: `Deployment.exit_code`)
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         dep = Deployment(proc, lines)
         try:
             yield dep
@@ -154,6 +162,23 @@ def pdd_up(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None
     finally:
         stop_group(proc)
 
+
+
+def join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None):
+    """Start a new MD in datacenter B on the running deployment: a route across the
+    emulated line, a config that lists it, and `pdd serve --join` (with its own OpenAI
+    API, `--openai-api`, which a P/D instance serves only when asked)."""
+    conf = cfg.load(dep.run_dir / "deployment.toml")
+    hop = f"127.0.0.1:{free_port()}"  # callers in A reach it through the emulator
+    spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(),
+                            advertise={conf.link.a: hop}, engine=conf.engine)
+    route = f"{hop}=127.0.0.1:{spec.kv_port}"
+    httpx.post(f"{dep.wan_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
+    path = tmp_path / "joined.toml"
+    path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
+    http = f"http://127.0.0.1:{spec.port}"
+    return pdd_process(["serve", "--config", str(path), "--instance", name, "--join", "--openai-api"],
+                       f"{http}/health", env=env), str(dep.run_dir / "deployment.toml"), http
 
 # a failed test's report shows its deployment's processes' pdd warnings and errors (`pdd up`
 # removes its run directory on exit: read now, or never; CI prints only the report)

@@ -156,8 +156,9 @@ GPU_EXAMPLE = Path(__file__).parent.parent / "deploy" / "two-site-vllm.toml"
 
 
 def test_the_gpu_example_is_the_one_the_docs_show_and_it_loads(tmp_path):
-    """README's and docs/deployment.md's two-site GPU deployment is deploy/two-site-vllm.toml,
-    word for word, and it loads: vLLM everywhere, bf16, one GPU per tensor-parallel rank,
+    """docs/reference.md's and docs/deployment.md's two-site GPU deployment is
+    deploy/two-site-vllm.toml, word for word (the README's quick start starts from it), and
+    it loads, its secret read from its file: vLLM everywhere, bf16, one GPU per tensor-parallel rank,
     the KV cache sized by vLLM, each instance's vLLM arguments what the file says."""
     from pdd import config as cfg
     from pdd.engines.vllm import args as vargs
@@ -165,9 +166,13 @@ def test_the_gpu_example_is_the_one_the_docs_show_and_it_loads(tmp_path):
     text = GPU_EXAMPLE.read_text()
     body = text[text.index("mode = "):]
     root = GPU_EXAMPLE.parent.parent
-    for doc in ("README.md", "docs/deployment.md"):
+    for doc in ("docs/reference.md", "docs/deployment.md"):
         assert body in (root / doc).read_text(), f"{doc} does not show deploy/two-site-vllm.toml as it is"
-    dep = cfg.load(GPU_EXAMPLE)
+    assert "deploy/two-site-vllm.toml" in (root / "README.md").read_text()  # its GPU quick start starts from it
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    (tmp_path / "two-site.toml").write_text(text.replace('"/etc/pdd/secret"', f'"{secret}"'))
+    dep = cfg.load(tmp_path / "two-site.toml")
     model = _model(tmp_path, {"model_type": "qwen3_moe", "vocab_size": 151936, "num_hidden_layers": 48,
                               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                               "hidden_size": 2048, "max_position_embeddings": 40960})

@@ -129,9 +129,10 @@ def _settled(url: str) -> bool:
 
 
 def _health(url: str) -> tuple[int, dict]:
-    """/health's status and what it says of the deployment (less what it says of its process)."""
+    """The router's /ready: its status and what it says of the deployment (less what it says
+    of its process)."""
     try:
-        r = httpx.get(f"{url}/health", timeout=2)
+        r = httpx.get(f"{url}/ready", timeout=2)
     except httpx.HTTPError as e:
         return 0, {"error": str(e)}
     return r.status_code, {k: v for k, v in r.json().items() if k not in ("pid", "launch")}

@@ -145,7 +145,7 @@ def test_every_resolved_deployment_round_trips_through_its_file(tiny_model_dir, 
 def test_a_launchs_ports_are_all_distinct_when_the_draw_repeats(tiny_model_dir, mode, monkeypatch):
     # A range of 24 ports: without the launch's own record of what it drew, some of its
     # 6-13 draws repeat (CI: p0's KV port drawn again as md0's HTTP port, which md0 held).
-    monkeypatch.setattr("pdd.lab.deploy._ephemeral_range", lambda: (1024 + 24, 60999))
+    monkeypatch.setattr("pdd.lab.launch._ephemeral_range", lambda: (1024 + 24, 60999))
     for _ in range(5):
         dep = resolve(cfg.Deployment(), mode, None)
         ports = [p for i in dep.instances for p in (i.port, i.kv_port)]

@@ -5,7 +5,6 @@ nothing meanwhile, though by load it would; the membership routes need the admin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -15,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from procs import free_port, pdd_process, pdd_up, wait_until
+from procs import free_port, join_main, pdd_process, pdd_up, wait_until
 
 import pdd
 from pdd import config as cfg
 from pdd.api.auth import admin_token
+from pdd.sampling import SamplingParams
 from pdd.transfer import wire
 
 PROMPT = list(range(100, 260))
@@ -39,23 +39,6 @@ def _instances(url: str) -> dict:
     return httpx.get(f"{url}/pdd/stats", timeout=10).json()["instances"]
 
 
-
-
-def _join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None):
-    """Start a new MD in datacenter B on the running deployment: a route across the
-    emulated line, a config that lists it, and `pdd serve --join` (with its own OpenAI
-    API, `--openai-api`, which a P/D instance serves only when asked)."""
-    conf = cfg.load(dep.run_dir / "deployment.toml")
-    hop = f"127.0.0.1:{free_port()}"  # callers in A reach it through the emulator
-    spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(),
-                            advertise={conf.link.a: hop}, engine=conf.engine)
-    route = f"{hop}=127.0.0.1:{spec.kv_port}"
-    httpx.post(f"{dep.wan_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
-    path = tmp_path / "joined.toml"
-    path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
-    http = f"http://127.0.0.1:{spec.port}"
-    return pdd_process(["serve", "--config", str(path), "--instance", name, "--join", "--openai-api"],
-                       f"{http}/health", env=env), str(dep.run_dir / "deployment.toml"), http
 
 
 def _md1_serves(dep, reference: list[int]) -> None:
@@ -103,7 +86,7 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
         reference = _complete(dep.url, 40)["ids"]
         assert _complete(dep.url, 4, ONLY_MD0)["main"] == "md0"
         _admin_refused(dep)
-        joining, conf, md1_http = _join_main(dep, tmp_path, "md1")
+        joining, conf, md1_http = join_main(dep, tmp_path, "md1")
         with joining as md1:
             _md1_serves(dep, reference)
             # --openai-api: the joined decode instance serves the API itself, with the same tokens
@@ -153,7 +136,7 @@ def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_
     old = str(wire.OLDEST_PROTOCOL)
     with pdd_up("--mode", "pdd", *LINE) as dep:
         reference = _complete(dep.url, 40)["ids"]
-        joining, _, _ = _join_main(dep, tmp_path, "md1", env={wire.PROTOCOL_ENV: old})
+        joining, _, _ = join_main(dep, tmp_path, "md1", env={wire.PROTOCOL_ENV: old})
         with joining as md1:
             _md1_serves(dep, reference)
             seen = {n: (i["protocol"], i["software"]) for n, i in _instances(dep.url).items()}
@@ -236,3 +219,62 @@ def _running(http: str) -> float:
     lines = httpx.get(f"{http}/metrics", timeout=5).text.splitlines()
     return sum(float(line.split()[1]) for line in lines if line.startswith(("pdd_requests_running ",
                                                                             "pdd_kv_used_pages ")))
+
+
+def test_the_release_before_todays_joins_and_what_it_cannot_honour_goes_elsewhere(tmp_path):
+    """md1 pinned to the protocol before today's (the release before's wire): /pdd/stats
+    shows its version, its tokens are md0's, a request setting a field of today's protocol
+    (prompt_logprobs: 7) is planned onto md0 every time; once md0 is drained, onto the relay
+    alone (pdd mode's way without an MD); once the relay is drained too, that request gets a
+    503 naming the field and md1, and a plain one is served by md1."""
+    before = wire.PROTOCOL_VERSION - 1
+    newer = {"prompt_logprobs": 1}
+    assert SamplingParams(**newer).needs_protocol() == (wire.PROTOCOL_VERSION, "prompt_logprobs")
+    assert SamplingParams(presence_penalty=0.5).needs_protocol() == (6, "presence_penalty")
+    assert SamplingParams().needs_protocol() == (0, "")
+    with pdd_up("--mode", "pdd", *LINE) as dep:
+        reference = _complete(dep.url, 40)["ids"]
+        joining, conf, _ = join_main(dep, tmp_path, "md1", env={wire.PROTOCOL_ENV: str(before)})
+        with joining as md1:
+            _md1_serves(dep, reference)
+            seen = {n: (i["protocol"], i["software"]) for n, i in _instances(dep.url).items()}
+            assert seen["md1"] == (before, pdd.__version__) and seen["md0"][0] == wire.PROTOCOL_VERSION
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **newer}
+            with ThreadPoolExecutor(4) as pool:
+                asked = list(pool.map(lambda _: httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60),
+                                      range(6)))
+            assert all(r.status_code == 200 for r in asked), [r.text for r in asked]
+            assert {r.json()["pdd"]["instances"]["main"] for r in asked} == {"md0"}
+            _drain(conf, "md0")  # no MD of today's protocol: the relay of today's serves it alone
+            alone = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+            assert alone.status_code == 200 and alone.json()["pdd"]["pipeline"] == "P-RLD", alone.text
+            _drain(conf, "rld0")  # none left that speaks it
+            refused = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+            said = refused.json()["error"]["message"]
+            assert refused.status_code == 503 and "prompt_logprobs needs protocol" in said and "md1" in said, said
+            assert _complete(dep.url, 40)["ids"] == reference and _main_of(dep.url, 4, PROMPT) == "md1"
+            assert md1.poll() is None
+
+
+def _drain(conf: str, name: str) -> None:
+    drained = subprocess.run([sys.executable, "-m", "pdd.cli", "drain", name, "--config", conf],
+                             capture_output=True, text=True, timeout=120)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+
+
+def test_int8_and_zstd_kv_go_only_to_peers_that_speak_them():
+    """P's choice of the forms KV crosses the line in (`PrefillRole._forms`), per peer and the
+    version its connection speaks: int8 and zstd to a remote peer of protocol 6 or later; exact,
+    uncompressed KV to one of 5 or 4 (which would refuse the pages) and to a peer of P's site."""
+    from types import SimpleNamespace
+
+    from pdd.instance.prefill import PrefillRole
+
+    link = cfg.LinkSpec(lossy_kv="int8", compress_kv="zstd")
+    p = SimpleNamespace(peers=SimpleNamespace(remote=lambda peer: peer != "rld0"),
+                        host=SimpleNamespace(dep=cfg.Deployment(link=link)))
+    for version in range(wire.OLDEST_PROTOCOL, wire.PROTOCOL_VERSION + 1):
+        spoken = ("int8", "zstd") if version >= wire.LOSSY_KV_SINCE else ("", "")
+        assert PrefillRole._forms(p, "md0", version) == spoken, version
+        assert PrefillRole._forms(p, "rld0", version) == ("", ""), version
+    assert wire.LOSSY_KV_SINCE == 6

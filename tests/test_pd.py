@@ -169,8 +169,10 @@ def test_kill_decode_mid_stream_fails_cleanly():
         assert events[-1] == "[DONE]"
         assert "error" in json.loads(events[-2]), events[-3:]
         assert time.monotonic() - t0 < 30
-        # No decode instance left: /health says so (a load balancer stops sending here), and requests get 503.
-        health = httpx.get(f"{dep.url}/health")
+        # No decode instance left: /ready says so (a load balancer stops sending here), and requests get 503;
+        # /health says the router itself is alive (restarting it would mend nothing).
+        assert httpx.get(f"{dep.url}/health").status_code == 200
+        health = httpx.get(f"{dep.url}/ready")
         said = health.json()
         assert health.status_code == 503 and (said["status"], said["missing"]) == ("unavailable", ["main"])
         r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},

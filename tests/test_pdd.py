@@ -462,7 +462,7 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         # the liveness limit said so ("silent"), well before the 30 s stall timeout could
         assert got["error"] is not None and "silent" in got["error"]["message"], got["error"]
         assert got["ended"] - cut < 15.0
-        assert httpx.get(f"{dep.url}/health").status_code == 503
+        assert httpx.get(f"{dep.url}/ready").status_code == 503
         prefilled = _stats(http["p0"])["engine"]["prefill_tokens"]
         refused = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                              timeout=30)
@@ -471,7 +471,7 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         assert _stats(http["p0"])["engine"]["prefill_tokens"] == prefilled
         dep.fault(blackhole=False)
         healed = time.monotonic()
-        wait_until(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "MD rejoins")
+        wait_until(lambda: httpx.get(f"{dep.url}/ready").status_code == 200, 30, "MD rejoins")
         rejoined = time.monotonic() - healed
         again = _stream(dep.url, _prompts()[0], 40)
         _settled([http["p0"], http["md0"]], timeout=30)

@@ -219,3 +219,53 @@ def test_an_urgent_send_cancelled_while_it_waits_for_a_connection_does_not_hold_
             server.close()
 
     asyncio.run(go())
+
+
+def test_urgent_kv_across_the_line_is_striped_as_the_sender_counts_it():
+    """64 urgent KV frames to a peer across a 32 Mbit/s line (`pdd wan`'s), `[link]
+    kv_streams` 4: the sender wrote them over every one of its four urgent connections
+    (`PeerPool.frames_sent`, by stripe), and the far end got every frame over four urgent
+    connections. One connection doing all the work (a fall back to no striping) fails it."""
+    stripes = 4
+
+    async def scenario() -> tuple[dict[int, int], dict[int, int]]:
+        arrived: dict[int, int] = {}  # far end: frames per urgent connection
+
+        async def far_end(conn: FramedConnection) -> None:
+            channel = (await server_handshake(conn))["channel"]
+            while True:
+                frame = await conn.next_frame()
+                if channel == "urgent" and frame.type == MsgType.KV_LAYER:
+                    arrived[id(conn)] = arrived.get(id(conn), 0) + 1
+
+        server = await serve(far_end, "127.0.0.1", 0, KEY)
+        host, port = server.sockets[0].getsockname()[:2]
+        relay = WanRelay(WanLine(32, 2.0), [Route("127.0.0.1", 0, host, port)])
+        await relay.start()
+        p0 = cfg.InstanceSpec("p0", "prefill", "A")
+        md0 = cfg.InstanceSpec("md0", "main", "B", host=host, kv_port=port,
+                               advertise={"A": f"127.0.0.1:{relay.listen_ports[0]}"})
+        dep = cfg.Deployment(instances=(p0, md0))
+
+        async def ignore(_peer: str, _body: object) -> None:
+            pass
+
+        pool = PeerPool(p0, lambda: dep, KEY, ignore, lambda _peer: None, stripes=stripes)
+        try:
+            for _ in range(URGENT_FRAMES):
+                await pool.send_bulk("md0", Priority.URGENT, kv=("r", b"\x00" * FRAME_BYTES))
+            await _until(lambda: sum(arrived.values()) == URGENT_FRAMES)
+            sent = {s: n for (peer, prio, s), n in pool.frames_sent.items()
+                    if peer == "md0" and prio == Priority.URGENT}
+            return sent, arrived
+        finally:
+            pool.close()
+            await relay.stop()
+            server.close()
+
+    sent, arrived = asyncio.run(scenario())
+    print(f"\nurgent KV frames by stripe, as sent: {dict(sorted(sent.items()))}; "
+          f"as received: {sorted(arrived.values())}")
+    assert sum(sent.values()) == URGENT_FRAMES and set(sent) == set(range(stripes)), sent
+    assert len(arrived) == stripes and sum(arrived.values()) == URGENT_FRAMES, arrived
+    assert max(sent.values()) < URGENT_FRAMES * 3 // 4, sent  # shared, not one doing nearly all

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import time
 
 import dashboard
@@ -69,15 +71,9 @@ def test_prometheus_stores_what_every_panel_and_alert_reads(deployment, router, 
     dashboard query returns series with finite values and the labels its legend shows
     (an instance's own name, not the router's address), and every alert's quantity
     returns series with the labels its summary names, every rule evaluating cleanly."""
-    dep = cfg.load(str(deployment.run_dir / "deployment.toml"))
-    address = {name: url.split("//")[1] for name, url in {"router": router, **deployment.http}.items()}
-    targets = {"pdd-router": {address["router"]: {"name": "router", "role": "router", "site": dep.link.a}},
-               "pdd-instances": {address[i.name]: {"name": i.name, "role": str(i.role), "site": i.dc}
-                                 for i in dep.instances}}
+    dep, targets = _scrape_targets(deployment)
     with dashboard.prometheus(targets, tmp_path) as prom:
-        wait_until(lambda: dashboard.query(prom, "count(up == 1)") and
-                   dashboard.query(prom, "count(up == 1)")[0]["value"][1] == str(1 + len(dep.instances)), 30,
-                   "every target scraped")
+        _all_up(prom, dep)
         for i in range(4):  # over a few scrapes, so every rate() has an increase in its window
             _complete(router, 24, prompt=[900 + i, *PROMPT])
         done = metrics(router)["pdd_router_finished_prompt_tokens_total"]
@@ -107,6 +103,22 @@ def test_prometheus_stores_what_every_panel_and_alert_reads(deployment, router, 
                             "every rule evaluated")
         assert set(health) == {r["alert"] for r in dashboard.alert_rules()}
         assert set(health.values()) == {"ok"}, health
+
+
+def _scrape_targets(deployment) -> tuple[cfg.Deployment, dict]:
+    """The deployment's file and Prometheus' targets for it, labelled as prometheus.yml labels them."""
+    dep = cfg.load(str(deployment.run_dir / "deployment.toml"))
+    address = {name: url.split("//")[1] for name, url in {"router": deployment.url, **deployment.http}.items()}
+    targets = {"pdd-router": {address["router"]: {"name": "router", "role": "router", "site": dep.link.a}},
+               "pdd-instances": {address[i.name]: {"name": i.name, "role": str(i.role), "site": i.dc}
+                                 for i in dep.instances}}
+    return dep, targets
+
+
+def _all_up(prom: str, dep: cfg.Deployment) -> None:
+    wait_until(lambda: dashboard.query(prom, "count(up == 1)") and
+               dashboard.query(prom, "count(up == 1)")[0]["value"][1] == str(1 + len(dep.instances)), 30,
+               "every target scraped")
 
 
 def _idle(url: str) -> None:
@@ -251,3 +263,28 @@ def test_a_cache_salt_is_a_namespace_of_its_own(router):
     r = httpx.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
                                                      "cache_salt": ""}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus (scripts/test.sh installs it)")
+def test_a_stopped_instance_sets_its_alerts_pending(deployment, tmp_path):
+    """Last in the module: it kills the relay. A real Prometheus loading alerts.yml as
+    shipped (thresholds and all, not rewritten) sees rld0's scrape fail and the router lose
+    it: PddProcessDown and PddInstanceUnreachable go pending for rld0 alone, with the labels
+    their summaries name; nothing was pending while every process answered."""
+    dep, targets = _scrape_targets(deployment)
+    with dashboard.prometheus(targets, tmp_path) as prom:
+        _all_up(prom, dep)
+        time.sleep(3 * dashboard.SCRAPE_S)
+        assert dashboard.query(prom, 'ALERTS{alertname=~"PddProcessDown|PddInstanceUnreachable"}') == []
+        os.kill(deployment.pids["rld0"], signal.SIGKILL)
+
+        def pending() -> dict[str, dict]:
+            found = dashboard.query(prom, 'ALERTS{alertstate="pending"}')
+            return {s["metric"]["alertname"]: s["metric"] for s in found}
+
+        alerts = wait_until(lambda: (p := pending()) and {"PddProcessDown", "PddInstanceUnreachable"} <= set(p) and p,
+                            30, "both alerts pending")
+        down, lost = alerts["PddProcessDown"], alerts["PddInstanceUnreachable"]
+        assert (down["name"], down["role"], down["site"], down["severity"]) == ("rld0", "relay", "A", "page"), down
+        assert (lost["member"], lost["member_role"], lost["dc"]) == ("rld0", "relay", "A"), lost
+        assert len(dashboard.query(prom, 'ALERTS{alertname="PddProcessDown"}')) == 1

@@ -54,7 +54,7 @@ def test_a_cache_salt_is_a_namespace_of_its_own_on_vllm(dep):
 
     def ask(**salt: str) -> tuple[int, int]:
         vllm_settled([dep.http["p0"], dep.http["md0"]])  # the last request's blocks are in the mirror
-        wait_until(lambda: httpx.get(f"{dep.url}/health").status_code == 200, 30, "the router to reach every instance")
+        wait_until(lambda: httpx.get(f"{dep.url}/ready").status_code == 200, 30, "the router to reach every instance")
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
         r = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text

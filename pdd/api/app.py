@@ -86,6 +86,11 @@ def build_app(
         state = backend.health()
         return JSONResponse({**state, **identity()}, status_code=200 if state["status"] == "ok" else 503)
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        state = backend.ready()
+        return JSONResponse({**state, **identity()}, status_code=200 if state["status"] == "ok" else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -63,5 +63,11 @@ class Backend(Protocol):
     async def stats(self) -> dict: ...
 
     def health(self) -> dict:
-        """{"status": "ok"} when a request can be served now; otherwise "unavailable"
-        and why: what /health answers (503 for the latter)."""
+        """{"status": "ok"} while the process is alive and of use (an orchestrator's liveness
+        probe); otherwise "unavailable" and why (an instance whose engine died): what /health
+        answers (503 for the latter)."""
+
+    def ready(self) -> dict:
+        """{"status": "ok"} when new work may come here now; otherwise "unavailable" and why
+        (shutting down, an engine that died, a role with no instance behind a router): what
+        /ready answers (503 for the latter), an orchestrator's readiness probe."""

@@ -162,14 +162,7 @@ class OpenAIServer:
                 if out.finish_reason:
                     break
         except BackendError as e:
-            self.metrics.requests.labels("error").inc()
-            retry = {"Retry-After": str(self.gate.retry_after())}
-            if e.status == 429:  # an instance was full: the client may come back
-                raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded", headers=retry) from None
-            # 503: no instance can serve it now (one is down or leaving): come back later
-            raise ApiError(
-                e.status, f"generation failed: {e}", "server_error", headers=retry if e.status == 503 else None
-            ) from None
+            raise self._failed(e) from None
         finally:
             if order is not None:
                 order[0].set()
@@ -178,6 +171,19 @@ class OpenAIServer:
             access.completion_tokens += len(out.token_ids)
             access.finish = out.finish_reason or "abort"
             access.pipeline = out.record.pipeline or "" if out.record else ""
+        self._observe_end(out, first, last, access)
+
+    def _failed(self, e: BackendError) -> ApiError:
+        """A generation's failure as the client's error (counted)."""
+        self.metrics.requests.labels("error").inc()
+        retry = {"Retry-After": str(self.gate.retry_after())}
+        if e.status == 429:  # an instance was full: the client may come back
+            return ApiError(429, str(e), "rate_limit_exceeded", code="overloaded", headers=retry)
+        # 503: no instance can serve it now (one is down or leaving): come back later
+        return ApiError(e.status, f"generation failed: {e}", "server_error", headers=retry if e.status == 503 else None)
+
+    def _observe_end(self, out: Outcome, first: float | None, last: float | None, access: Access) -> None:
+        """A finished generation's metrics: tokens, cache hits, its end, TPOT, end to end."""
         n = len(out.token_ids)
         self.metrics.generation_tokens.inc(n)
         self.metrics.cache_hit_tokens.inc(out.cached_tokens)

@@ -75,17 +75,7 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    # (null, as vLLM takes it: the default, as if left out)
-    temperature, top_p, top_k = (
-        getattr(req, k) if getattr(req, k) is not None else defaults.get(k, UNSET[k])
-        for k in ("temperature", "top_p", "top_k")
-    )
-    try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
-        temperature, top_p = float(temperature), float(top_p)
-    except OverflowError:
-        raise ApiError(400, "temperature and top_p must be finite numbers") from None
-    if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
-        raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
+    temperature, top_p, top_k = _draw(req, defaults)
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_API_SALT:
         raise ApiError(400, f"cache_salt must be 1 to {MAX_API_SALT} characters", param="cache_salt")
     shaping = _shaping(req)
@@ -105,7 +95,7 @@ def sampling_params(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
-            top_k=int(top_k),
+            top_k=top_k,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
@@ -120,6 +110,22 @@ def sampling_params(
         # (prefill, relay, main decode) then draws from the same seed.
         params = replace(params, seed=secrets.randbits(63))
     return params
+
+
+def _draw(req: _Common, defaults: Mapping[str, float | int]) -> tuple[float, float, int]:
+    """The request's temperature, top_p and top_k; what it leaves out or gives as null (as
+    vLLM takes null: the default) from the model's generation config, else `UNSET`."""
+    temperature, top_p, top_k = (
+        getattr(req, k) if getattr(req, k) is not None else defaults.get(k, UNSET[k])
+        for k in ("temperature", "top_p", "top_k")
+    )
+    try:  # a JSON integer can be too large for any float (10**400): a client error, not a 500
+        temperature, top_p = float(temperature), float(top_p)
+    except OverflowError:
+        raise ApiError(400, "temperature and top_p must be finite numbers") from None
+    if not (0 <= temperature and math.isfinite(temperature)):  # as vLLM: no upper bound
+        raise ApiError(400, "temperature must be a finite number >= 0", param="temperature")
+    return temperature, top_p, int(top_k)
 
 
 def _shaping(req: _Common) -> dict[str, Any]:

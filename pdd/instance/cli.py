@@ -14,6 +14,7 @@ from pdd.config import ROLES
 from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
 from pdd.errors import Mistake
 from pdd.names import HARDWARE, HARDWARE_HELP, REASONING_PARSERS, TOOL_PARSERS, RoleName, role_chip
+from pdd.shutdown import DEFAULT_GRACE_S, add_grace_flag
 
 PASS_THROUGH: list[str] = []  # (`pdd.cli` hands a command that takes them its unknown flags here)
 
@@ -165,6 +166,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="register with the running router of --config (an instance added to a live deployment)",
     )
     add_engine_arguments(p)
+    add_grace_flag(p)
     p.set_defaults(func=run, engine_flags=PASS_THROUGH)
 
 
@@ -227,8 +229,28 @@ def run(args: argparse.Namespace) -> int:
         if dep is not None
         else (args.reasoning_parser or "", args.tool_call_parser or "", args.tool_parser_plugin or "")
     )
-    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join, parsers))
+    grace_s = args.shutdown_grace_s
+    asyncio.run(_serve(spec, dep, model_dir, name, args.threads, sock, keys, openai_api, args.join, parsers, grace_s))
     return 0
+
+
+def _exit_gracefully(server, backend, node, grace_s: float) -> None:
+    """The HTTP server, SIGTERM as `pdd.shutdown` takes it: its own API and the routers get no
+    new work (each router hears it and plans around), what it holds finishes, then it exits.
+    Held means the node's requests (for a P/D instance) and its own API's streams; quiet for
+    `DRAIN_QUIET_S`, as a drain waits, since work planned just before may still be on its way."""
+    from pdd.instance.node import DRAIN_QUIET_S
+    from pdd.shutdown import GracefulExit
+
+    def begin() -> None:
+        backend.close_admission()
+        if node is not None:
+            node.refuse_work("shutting down")
+
+    def idle() -> bool:
+        return backend.in_flight == 0 and (node is None or node.quiet_for() >= DRAIN_QUIET_S)
+
+    GracefulExit(server, grace_s, begin, idle, backend.expire)
 
 
 async def _serve(
@@ -242,6 +264,7 @@ async def _serve(
     openai_api: bool = True,
     join: bool = False,
     parsers: tuple[str, str, str] = ("", "", ""),
+    grace_s: float = DEFAULT_GRACE_S,
 ) -> None:
     """`parsers`: the names of the reasoning and the tool-call parser ("": none, the
     template's) and a tool-parser plugin's path (`pdd.api.parsers`)."""
@@ -279,9 +302,10 @@ async def _serve(
         await node.start()
         role = node.role  # a prefill role measures its lines (by datacenter); the others have none
         registry.register(LineMetrics(lambda: {dc: line.estimate for dc, line in getattr(role, "lines", {}).items()}))
+    backend = LocalBackend(runtime, node.stats if node else None, (lambda: node.refusing) if node else lambda: "")
     # its own API holds at most what the instance may hold; the engine queues past max_running
     app = build_app(
-        LocalBackend(runtime, node.stats if node else None),
+        backend,
         tokenizer,
         name,
         registry,
@@ -293,6 +317,7 @@ async def _serve(
     server = uvicorn.Server(
         uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
     )
+    _exit_gracefully(server, backend, node, grace_s)
     if node is not None:
         node.on_drained = lambda: setattr(server, "should_exit", True)
         if join:

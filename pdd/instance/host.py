@@ -97,8 +97,15 @@ def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
     )
 
 
+class PeerBusy(RuntimeError):
+    """A peer refused the request for now: it holds all it may (its reservation's `busy`).
+    The client may come back later: the router answers 429, not 500."""
+
+
 async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:
     """Tell the router a request failed here; the instance keeps serving. A peer that
-    was lost or timed out is the deployment's failure, not the request's (503)."""
+    was lost or timed out is the deployment's failure, not the request's (503); a peer
+    that was full, a reason to come back later (429)."""
     lost = isinstance(error, (ConnectionError, asyncio.TimeoutError))
-    host.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost))
+    busy = isinstance(error, PeerBusy)
+    host.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost, busy=busy))

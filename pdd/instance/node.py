@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
+from pdd.instance.liveness import WATCH_S, engine_failure
 from pdd.instance.placement import Regions, check_start
 from pdd.names import RoleName
 from pdd.tasks import Tasks
@@ -46,8 +47,10 @@ class Node:
         self._tasks = Tasks()
         self.role: Role = make_role(self)
         self.draining = False
+        self.refusing = ""  # why it takes no new work ("" while it does): every router has heard it
         self.peak_held = 0  # the most requests held at once (a relay must stay within its batch)
         self.on_drained: Callable[[], None] = lambda: None  # the process exits (set by `pdd serve`)
+        self._quiet_since: float | None = None
         self.regions = Regions(spec)  # where peers of this datacenter place KV with a transfer engine
 
     async def start(self) -> None:
@@ -56,6 +59,7 @@ class Node:
         self.server = await wire.serve(
             self._handle, self.spec.host, self.spec.kv_port, self.key, tls=server_context(self.dep.tls)
         )
+        self.spawn(self._watch_engine())
 
     async def stop(self) -> None:
         if self.server:
@@ -66,11 +70,19 @@ class Node:
         self.role.close()
 
     # ---- membership --------------------------------------------------------------------
-    def _learn(self, member: m.Member) -> None:
-        """Where a member of the deployment is (one that joined after our config was written)."""
+    def _learn(self, member: m.Member, router_id: str) -> None:
+        """Where a member of the deployment is (one that joined after our config was
+        written); one it did not know, it tells its other routers too: a router learns
+        every member that joined through another, also one that starts later (`_members`)."""
         if member.role not in ROLES:
             log.warning("ignoring member %s with role %r", member.name, member.role)
             return
+        known = next((i for i in self.dep.instances if i.name == member.name), None)
+        if known is not None and self._member(known) == member:
+            return
+        for other, conn in list(self.routers.items()):
+            if other != router_id:
+                self.spawn(self.send(conn, member))
         spec = InstanceSpec(
             member.name,
             member.role,
@@ -83,6 +95,43 @@ class Node:
         others = tuple(i for i in self.dep.instances if i.name != member.name)
         self.dep = replace(self.dep, instances=(*others, spec))
 
+    @staticmethod
+    def _member(spec: InstanceSpec) -> m.Member:
+        return m.Member(spec.name, RoleName(spec.role), spec.dc, spec.host, spec.kv_port, dict(spec.advertise))
+
+    def _members(self) -> list[m.Member]:
+        """Every other member this instance knows, for a router that connects: those in its
+        file and those it heard of since."""
+        return [self._member(i) for i in self.dep.instances if i.name != self.spec.name and i.role in ROLES]
+
+    def refuse_work(self, why: str) -> None:
+        """Take no new work from now on, and tell every router (a DRAIN frame back, which a
+        router before 0.5 ignores): each stops planning onto this instance until it
+        connects again. A router that connects meanwhile hears it on connecting."""
+        if not self.refusing:
+            self.refusing = why
+            log.info("taking no new work: %s", why)
+            for conn in list(self.routers.values()):
+                self.spawn(self.send(conn, m.Drain()))
+
+    def quiet_for(self) -> float:
+        """Seconds this instance has held nothing (0 while it holds a request)."""
+        now = asyncio.get_running_loop().time()
+        if self.role.held():
+            self._quiet_since = None
+            return 0.0
+        if self._quiet_since is None:
+            self._quiet_since = now
+        return now - self._quiet_since
+
+    async def _watch_engine(self) -> None:
+        """An engine that died takes no more work: its routers plan around it at once."""
+        while not self.refusing:
+            why = engine_failure(self.engine)
+            if why:
+                self.refuse_work(why)
+            await asyncio.sleep(WATCH_S)
+
     def drain(self) -> None:
         """Finish what this instance holds, then exit (`on_drained`). The router planned
         nothing here since it sent DRAIN, but work it planned just before may still be
@@ -91,18 +140,11 @@ class Node:
         if not self.draining:
             self.draining = True
             log.info("draining: %d requests to finish", self.role.held())
+            self.refuse_work("draining")  # every router, not only the one that asked
             self.spawn(self._drained())
 
     async def _drained(self) -> None:
-        quiet_since = None
-        while True:
-            now = asyncio.get_running_loop().time()
-            if self.role.held():
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            elif now - quiet_since >= DRAIN_QUIET_S:
-                break
+        while self.quiet_for() < DRAIN_QUIET_S:
             await asyncio.sleep(0.05)
         log.info("drained: every request finished; leaving")
         self.on_drained()
@@ -200,6 +242,10 @@ class Node:
         beat = self._keepalive(conn)
         try:
             await self._send_snapshot(conn)
+            for member in self._members():
+                await self.send(conn, member)
+            if self.refusing:
+                await self.send(conn, m.Drain())
             while True:
                 frame = await conn.next_frame()
                 try:
@@ -210,14 +256,12 @@ class Node:
                 if isinstance(body, m.CacheUpdate):  # the router lost track: resend all
                     self.spawn(self._send_snapshot(conn))
                 elif isinstance(body, m.Member):
-                    self._learn(body)
+                    self._learn(body, router_id)
                 elif isinstance(body, m.Drain):
                     self.drain()
-                elif isinstance(body, m.Submit) and self.full():
-                    await self.send(
-                        conn,
-                        m.Error(f"{self.spec.name} holds {self.role.held()} requests, its limit", body.rid, busy=True),
-                    )
+                elif isinstance(body, m.Submit) and (self.full() or self.refusing):
+                    why = f"takes no new work: {self.refusing}" if self.refusing else "holds its limit of requests"
+                    await self.send(conn, m.Error(f"{self.spec.name} {why}", body.rid, busy=True))
                 else:
                     await self.role.on_router(router_id, body)
         finally:

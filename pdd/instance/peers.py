@@ -19,6 +19,7 @@ import asyncio
 import functools
 import logging
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -89,6 +90,8 @@ class PeerPool:
         self._lock = asyncio.Lock()
         self._tasks = Tasks()  # readers and heartbeats
         self._drains = Tasks()  # stripes draining what was written to them
+        # KV frames written, by (peer, priority, stripe): the striping as the sender did it
+        self.frames_sent: Counter[tuple[str, Priority, int]] = Counter()
         # KV to a peer of this datacenter through a transfer engine, where `[link] intra_kv` says
         self._placements = Placements(spec, lambda name: not self.remote(name), lambda: deployment().link.intra_kv)
 
@@ -170,6 +173,7 @@ class PeerPool:
                 if placement is not None:  # whatever follows placed frames follows them on the connection too
                     await placement.flush()
                 conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
+            self.frames_sent[(name, priority, stripe)] += kv is not None
         except BaseException:
             self._release(name, priority, stripe)
             raise

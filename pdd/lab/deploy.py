@@ -12,34 +12,47 @@ child that dies is reported, not fatal: the router must ride out a dead instance
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlsplit
-
-import httpx
 
 from pdd import config as cfg
 from pdd.addresses import parse_addr
-from pdd.engine_port import engine_names
+from pdd.engine_port import devices, engine_names
 from pdd.errors import Mistake
+from pdd.lab.launch import (  # (the lab's other tools import these from here too)
+    PDD_COMMAND as PDD_COMMAND,
+)
+from pdd.lab.launch import (
+    STOP_GRACE_S as STOP_GRACE_S,
+)
+from pdd.lab.launch import (
+    PortTaken as PortTaken,
+)
+from pdd.lab.launch import (
+    check_ports,
+    free_port,
+    log_progress,
+    start,
+    wait_http,
+)
+from pdd.lab.launch import (
+    stop_group as stop_group,
+)
 from pdd.names import HARDWARE, HARDWARE_HELP, RoleName
-from pdd.process import LAUNCH_ENV, listen
+from pdd.process import LAUNCH_ENV
 
-READY_TIMEOUT_S = 300.0  # vLLM instances, started together on a few shared cores, take a minute or more
+# a child's start-up may take as long as its log shows progress (weights loading, vLLM profiling):
+# it fails after this long with none (`launch.wait_http`), not after a fixed total
+STALL_TIMEOUT_S = 300.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +90,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, help="prefill instances (default: the config's [topology])")
     p.add_argument("--main", type=int, help="main decode instances (default: the config's [topology])")
     p.add_argument("--relay", type=int, help="relay decode instances, pdd mode (default: the config's [topology])")
+    p.add_argument(
+        "--devices",
+        action="append",
+        default=[],
+        metavar="NAME=DEVICES",
+        help="an instance's devices (repeatable): p0=cuda:0,1 runs p0 on GPUs 0 and 1 (on vLLM, one "
+        "tensor-parallel rank each); default: the config's [engine] device, per instance where it says",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, logs) after stopping")
     p.add_argument(
         "--api-key",
@@ -84,138 +105,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the router requires `Authorization: Bearer KEY` on /v1/* (default: [router] api_key, else $PDD_API_KEY)",
     )
     p.set_defaults(func=run)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port(taken: set[int] | None = None) -> int:
-    """A port free to listen on now, for a child to bind a moment later, and not in
-    `taken` (to which it is added: one launch's ports, drawn before any is bound, are
-    then all distinct; 8 draws from 16,384 collide once in about 600 launches, and a
-    CI run launches hundreds). Drawn below the ephemeral range: a port the kernel hands
-    out there is also what every outgoing connection takes its local port from, so
-    another process's connect() could take it in between; below it only another
-    listener could, and the draw is random."""
-    taken = set() if taken is None else taken
-    low, _ = _ephemeral_range()
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 16384), low)
-        if port in taken:
-            continue
-        taken.add(port)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded machine: what the kernel picks
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    taken.add(port)
-    return port
-
-
-def check_ports(dep: cfg.Deployment) -> None:
-    """Mistake, naming the process and the port, if a port the deployment's processes will
-    listen on is held now: found before anything starts (a port given in the file or by
-    --port, such as vLLM's 8000; drawn ones were free when drawn)."""
-    wanted = [("router", dep.router.host, dep.router.port)]
-    for inst in dep.instances:
-        wanted += [(inst.name, inst.host, inst.port), (inst.name, inst.host, inst.kv_port)]
-    if dep.link.admin_port:
-        wanted.append(("wan", dep.link.host, dep.link.admin_port))
-    for inst in dep.instances:  # the emulator's hops (on this machine: the ones on the link's host)
-        hops = (parse_addr(a) for a in inst.advertise.values())
-        wanted += [("wan", host, port) for host, port in hops if host == dep.link.host]
-    for name, host, port in wanted:
-        try:
-            listen(host, port).close()
-        except Mistake as e:
-            raise Mistake(f"{name}: {e}") from None
-
-
-PDD_COMMAND = (sys.executable, "-m", "pdd.cli")  # `pdd`, as this interpreter runs it
-STOP_GRACE_S = 15.0  # a server's time to stop after SIGTERM, before SIGKILL
-
-
-def start(
-    argv: Sequence[str],
-    output: IO | int | None = subprocess.DEVNULL,
-    env: dict[str, str] | None = None,
-    nice: int = 0,
-    own_group: bool = True,
-    text: bool = False,
-) -> subprocess.Popen:
-    """Every process the lab starts, started one way: `argv` with its stdout and stderr to
-    `output` (a file, PIPE, DEVNULL), no stdin, `env` over this process's environment and
-    Python unbuffered (a log shows what happened up to a kill), at `nice`. `own_group`: in a
-    process group of its own, which `stop_group` stops whole, its children with it; a
-    deployment's children stay in the deployment's, so stopping `pdd up` stops them too."""
-    return subprocess.Popen(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=output,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        preexec_fn=(lambda: os.nice(nice)) if nice else None,
-        start_new_session=own_group,
-        text=text,
-        errors="replace" if text else None,
-    )
-
-
-class PortTaken(RuntimeError):
-    """A server of another launch answers where a child of this one should."""
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float, launch: str = "") -> None:
-    """Return once `url` answers 200; RuntimeError if `proc` exits first or time runs out,
-    or, given the `launch` id `proc` was started with, at once when a server of another
-    launch answers (`pdd.process`: the port is someone else's)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with code {proc.returncode} before {url} answered")
-        try:
-            r = httpx.get(url, timeout=1.0)
-        except httpx.HTTPError:
-            r = None
-        if r is not None and launch and _launch_of(r) != launch:
-            port = urlsplit(url).port
-            raise PortTaken(f"port {port} is held by another server (its {url} is not this launch's)")
-        if r is not None and r.status_code == 200:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
-
-
-def _launch_of(response: httpx.Response) -> object:
-    try:
-        said = response.json()
-    except ValueError:
-        return None
-    return said.get("launch") if isinstance(said, dict) else None
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM `proc`'s process group (it was started in a session of its own: its
-    children with it), SIGKILL what is left of it after `grace_s`, and reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def pacing_line(dep: cfg.Deployment) -> str:
@@ -263,6 +152,35 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
 
 
+def with_devices(dep: cfg.Deployment, given: list[str]) -> cfg.Deployment:
+    """`dep` with each `NAME=DEVICES` of `--devices` on its instance: on vLLM, as many
+    tensor-parallel ranks as devices unless the file chose a number (checked as the file's
+    own `device` is: `cfg.check_devices`). A name no instance has is a `Mistake`."""
+    chosen: dict[str, str] = {}
+    for pair in given:
+        name, sep, device = pair.partition("=")
+        if not sep or not device:
+            raise Mistake(f"--devices {pair!r}: give NAME=DEVICES (p0=cuda:0,1)")
+        chosen[name] = device
+    names = {i.name for i in dep.instances}
+    if unknown := sorted(set(chosen) - names):
+        raise Mistake(f"--devices names {unknown}, which are not instances of this deployment ({sorted(names)})")
+    placed = []
+    for inst in dep.instances:
+        engine = inst.engine
+        if inst.name in chosen:
+            try:
+                engine = replace(engine, device=chosen[inst.name])
+                ranks = len(devices(engine.device))
+                if engine.backend == "vllm" and ranks > 1 and "tensor_parallel_size" not in engine.vllm:
+                    engine = replace(engine, vllm={**engine.vllm, "tensor_parallel_size": ranks})
+                cfg.check_devices(engine, f"--devices {inst.name}")
+            except ValueError as e:  # (ConfigError is one)
+                raise Mistake(f"--devices {inst.name}: {e}" if "--devices" not in str(e) else str(e)) from None
+        placed.append(replace(inst, engine=engine))
+    return replace(dep, instances=tuple(placed))
+
+
 class Launcher:
     def __init__(self, dep: cfg.Deployment, run_dir: Path) -> None:
         self.dep = dep
@@ -305,7 +223,7 @@ class Launcher:
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
         try:
-            wait_http(url, proc, READY_TIMEOUT_S, self.launch)
+            wait_http(url, proc, STALL_TIMEOUT_S, self.launch, log_progress(self.run_dir / f"{name}.log"))
         except PortTaken as e:
             raise PortTaken(f"{name}: {e}") from None
         except RuntimeError as e:
@@ -344,7 +262,7 @@ class Launcher:
                 self._wait_http(name, proc, f"http://{inst.host}:{inst.port}/health")
         proc = self._spawn("router", ["router", "--config", conf])
         url = f"http://{dep.router.host}:{dep.router.port}"
-        self._wait_http("router", proc, f"{url}/health")
+        self._wait_http("router", proc, f"{url}/ready")  # (/health: alive; /ready: every role reached)
         print(f"router: {url}", flush=True)
 
     def watch(self, stop: list[bool]) -> None:
@@ -389,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         dep = resolve(replace(dep, router=router, model=model), mode, args.port)
     except (FileNotFoundError, ValueError) as e:  # no such model, or one pdd cannot run
         raise Mistake(str(e)) from None
+    dep = with_devices(dep, args.devices)
     check_ports(dep)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-up-"))
     launcher = Launcher(dep, run_dir)

@@ -55,6 +55,8 @@ class RouterBackend:
         self.planner = Planner(dep, self.clients)
         self.pacer = Pacer(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
+        self.closing = False  # shutting down: no new requests (`close_admission`)
+        self.expired = ""  # the shutdown's grace ran out: why the requests still running end (`expire`)
         self._aborts = Tasks()  # aborts sent from a request's end (not awaited there)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -107,6 +109,8 @@ class RouterBackend:
 
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
+        if self.closing:
+            raise BackendError("this router is shutting down: send the request to another", 503)
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         sent = 0  # output positions yielded so far
@@ -114,6 +118,8 @@ class RouterBackend:
         try:
             await self._submit(request, q)
             while True:
+                if self.expired:
+                    raise BackendError(self.expired, 503)
                 item = await self._next(request, q)
                 if item is not None:
                     source, body = item
@@ -310,9 +316,26 @@ class RouterBackend:
         return Load(running=self.in_flight, waiting=self.planner.line.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
+        """Alive while it serves HTTP: a router with no instance behind it is not ready, but
+        restarting it would mend nothing."""
+        return {"status": "ok"}
+
+    def ready(self) -> dict:
+        if self.closing:
+            return {"status": "unavailable", "reason": "shutting down"}
         healthy = Counter(c.spec.role for c in self.clients.values() if c.available)
         missing = missing_roles(healthy, self.planner.entry_role, self.planner.entry_role == RoleName.PREFILL)
         return {"status": "unavailable", "missing": missing} if missing else {"status": "ok"}
+
+    def close_admission(self) -> None:
+        """SIGTERM (`pdd.shutdown`): /ready fails and new requests get a 503 naming why;
+        those in flight go on."""
+        self.closing = True
+
+    def expire(self, why: str) -> None:
+        """The shutdown's grace ran out: each request still running ends with `why`, an error
+        its client reads, at its next token or timeout check (its instances told to abort)."""
+        self.expired = why
 
     async def stats(self) -> dict:
         return {
@@ -330,6 +353,7 @@ class RouterBackend:
                     "protocol": c.protocol,  # while upgrading: who still speaks the version before
                     "software": c.software,
                     "draining": c.draining,
+                    "refusing": c.refusing,  # it said it takes no new work (shutting down, engine dead)
                     "queued_tokens": c.queued_tokens,
                     "pages": c.pages,  # as the instance sized them (its snapshot), what admission plans with
                     "max_context": c.max_context,

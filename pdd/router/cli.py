@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import os
 
+from pdd.shutdown import add_grace_flag
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="start the router of a deployment")
@@ -22,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help='named API keys: a TOML file with a [keys] table of NAME = "KEY" (default: [router] '
         "api_keys_file; also $PDD_API_KEYS, NAME=KEY,...)",
     )
+    add_grace_flag(p)
     p.set_defaults(func=run)
 
 
@@ -46,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
     if not dep.secret:
         raise Mistake("the config has no secret; instances authenticate every frame with it")
     sock = listen(dep.router.host, dep.router.port)  # before the model's tokenizer loads
-    asyncio.run(_serve(dep, sock, keys))
+    asyncio.run(_serve(dep, sock, keys, args.shutdown_grace_s))
     return 0
 
 
-async def _serve(dep, sock, keys: dict[str, str]) -> None:
+async def _serve(dep, sock, keys: dict[str, str], grace_s: float) -> None:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -63,6 +66,7 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
     from pdd.policy.admission import Limits
     from pdd.router.admin import add_admin_routes
     from pdd.router.backend import RouterBackend
+    from pdd.shutdown import GracefulExit
 
     model_dir = resolve_model(dep.model.path)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -90,6 +94,7 @@ async def _serve(dep, sock, keys: dict[str, str]) -> None:
             app, host=dep.router.host, port=dep.router.port, log_level="warning", timeout_graceful_shutdown=2
         )
     )
+    GracefulExit(server, grace_s, backend.close_admission, lambda: backend.in_flight == 0, backend.expire)
     freeze_startup_heap()
     try:
         await server.serve(sockets=[sock])

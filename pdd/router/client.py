@@ -46,6 +46,7 @@ class InstanceClient:
         on_left: Callable[[InstanceClient], None] | None = None,
         tls: ssl.SSLContext | None = None,
         on_result: Callable[[m.Result], None] | None = None,
+        on_member: Callable[[m.Member], None] | None = None,
     ) -> None:
         self.spec = spec
         self.liveness = liveness
@@ -54,8 +55,10 @@ class InstanceClient:
         # every RESULT, also one arriving after its request ended (the relay finished it while
         # P's copy to MD still crossed): the bytes crossed all the same
         self._on_result = on_result
+        self._on_member = on_member  # a member the instance knows of (one that joined through another router)
         self.kv_open: set[str] = set()  # submitted to this P, its RESULT not in yet
         self.draining = False  # no new work goes here
+        self.refusing = False  # the instance said it takes no new work (a DRAIN back): until it reconnects
         self._tls = tls
         self.router_id = router_id
         self.name = spec.name
@@ -83,7 +86,7 @@ class InstanceClient:
     @property
     def available(self) -> bool:
         """Whether new work may be planned onto this instance."""
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.refusing
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -129,6 +132,7 @@ class InstanceClient:
                 for body in self._roster() if self._roster else []:
                     await m.send(conn, body)
                 self.conn, backoff = conn, 0.2  # from here on, a loss fails the requests waiting on it
+                self.refusing = False  # (a new process, or one that says so again at once)
                 log.info(
                     "connected to %s at %s:%s (protocol %s, pdd %s)",
                     self.name,
@@ -172,6 +176,15 @@ class InstanceClient:
                 if not self.on_cache_update(body) and not resync_asked:  # one request per gap
                     resync_asked = True
                     await m.send(conn, m.CacheUpdate("snapshot_request"))
+                continue
+            if isinstance(body, m.Member):
+                if self._on_member is not None:
+                    self._on_member(body)
+                continue
+            if isinstance(body, m.Drain):  # the instance drains, shuts down or lost its engine
+                if not self.refusing:
+                    log.info("instance %s takes no new work: planning around it", self.name)
+                self.refusing = True
                 continue
             if isinstance(body, (m.Result, m.Error)):
                 self.kv_open.discard(getattr(body, "rid", None) or "")

@@ -1,6 +1,7 @@
 """`pdd drain --config FILE INSTANCE`: take an instance out of a running deployment
-without failing a request. The router stops planning work onto it at once; the
-instance finishes what it holds and exits; the command returns when it has left."""
+without failing a request. The router stops planning work onto it at once, and so does
+every other router of the deployment, which the instance tells; the instance finishes
+what it holds and exits; the command returns when it has left."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 print(f"pdd drain: cannot read the router's state: {e}", file=sys.stderr)
                 return 1
-            if args.instance not in instances:
+            # left, as the router that drained it says; or gone, as another router of the
+            # deployment says (the Service may send this poll to either): it exited
+            if args.instance not in instances or not instances[args.instance]["healthy"]:
                 print(f"{args.instance} drained and left after {time.monotonic() - start:.1f} s")
                 return 0
             queued = instances[args.instance]["queued_tokens"]

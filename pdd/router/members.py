@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pdd.config import Deployment, InstanceSpec
+from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
@@ -59,6 +59,7 @@ class Membership:
             on_left=self._on_left,
             tls=self._tls,
             on_result=self._on_result,
+            on_member=self._heard_of,
         )
         self.clients[spec.name] = client
         return client
@@ -84,6 +85,26 @@ class Membership:
         self._broadcast(member(spec))
         log.info("instance %s (%s, datacenter %s) joined", spec.name, spec.role, spec.dc)
         return True
+
+    def _heard_of(self, body: m.Member) -> None:
+        """An instance told of a member: one that joined through another router of the
+        deployment (or before this one started) joins here too; one known here already, at
+        the same address, changes nothing."""
+        if body.name in self.clients or body.role not in ROLES:
+            return
+        spec = InstanceSpec(
+            body.name,
+            body.role,
+            body.dc,
+            body.host,
+            kv_port=body.kv_port,
+            advertise=dict(body.advertise),
+            engine=self.dep.engine,
+        )
+        try:
+            self.join(spec)
+        except (MembershipError, ValueError) as e:  # (ConfigError: unreachable from this router's site)
+            log.warning("not adding %s, which an instance told of: %s", body.name, e)
 
     async def drain(self, name: str) -> None:
         """No new work for `name` from now on; then tell it to finish and leave."""

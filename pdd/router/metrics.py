@@ -43,7 +43,7 @@ class _Instances:
         for c in list(self._clients()):
             key = [c.name, c.spec.role, c.spec.dc]
             up.add_metric(key, float(c.healthy))
-            draining.add_metric(key, float(c.draining))
+            draining.add_metric(key, float(c.draining or c.refusing))
             queued.add_metric(key, float(c.queued_tokens))
         yield from (up, draining, queued)
 

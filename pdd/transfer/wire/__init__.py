@@ -49,6 +49,7 @@ from pdd.transfer.wire.frame import (
 )
 from pdd.transfer.wire.handshake import (
     NONCE_BYTES,
+    Downgrade,
     client_handshake,
     connect,
     link_key,
@@ -99,6 +100,7 @@ __all__ = [
     "offered_protocol",
     "unpack_with_header",
     "NONCE_BYTES",
+    "Downgrade",
     "client_handshake",
     "connect",
     "link_key",

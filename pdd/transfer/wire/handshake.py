@@ -7,6 +7,15 @@ which speaks only its own, closes the connection on a newer version's frame; `co
 then says HELLO again in the version before, down to `OLDEST_PROTOCOL`. So a site
 upgraded first goes on talking to the other (docs/deployment.md, "Rolling upgrades").
 
+A relay on the path cannot step a pair down this way: the fallback is started by a
+closed connection, which anyone on the path can cause, so a server that speaks newer
+than the HELLO it answers says so in its nonce (`DOWNGRADE_MARK` and its newest version
+in the last bytes, as TLS 1.3's server random does), inside the HELLO frame the link key
+authenticates. A client that fell back and reads there that the server speaks newer
+refuses the connection (`Downgrade`): the versions both ends speak are bound into the
+authenticated handshake. A release before this one sends random bytes there, and a
+client of one never falls back past what it offered.
+
 Each link has its own key, derived from the deployment's shared secret; the HELLO
 exchange then switches each connection to its own per-direction session keys (from
 nonces of both ends), so frames recorded on one connection fail on any other. Both
@@ -37,11 +46,15 @@ from pdd.transfer.wire.frame import (
     MsgType,
     offered_protocol,
 )
+from pdd.transfer.wire.frame import offered_protocol as spoken_protocol  # (the server's side: see `_server_nonce`)
 
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 NONCE_BYTES = 16
+# the last bytes of a server's nonce when it answers an older HELLO than it speaks: the
+# mark, then its newest version (a random nonce matches the mark with chance 2**-56)
+DOWNGRADE_MARK = b"pdd\x00dng"
 SOFTWARE_SINCE = 5  # a HELLO says the sender's release from this version on (`messages.Hello.SINCE`)
 
 
@@ -69,11 +82,36 @@ def _nonce_of(frame: Frame) -> tuple[dict[str, Any], bytes]:
     return msg, nonce
 
 
-async def client_handshake(conn: FramedConnection, hello: dict[str, Any]) -> dict[str, Any]:
-    """Send HELLO with a fresh nonce, read the server's, switch to session keys."""
+class Downgrade(BadPayload):
+    """A server that speaks a newer protocol than the one a client fell back to: something
+    on the path closed the newer HELLO. The connection is refused, not stepped down."""
+
+
+def _server_nonce(answered: int) -> bytes:
+    """A fresh nonce; marked with this process's newest version when that is newer than
+    the HELLO it answers (`DOWNGRADE_MARK`)."""
+    newest = spoken_protocol()
+    if answered >= newest:
+        return secrets.token_bytes(NONCE_BYTES)
+    return secrets.token_bytes(NONCE_BYTES - len(DOWNGRADE_MARK) - 1) + DOWNGRADE_MARK + bytes([newest])
+
+
+def _check_not_downgraded(server_nonce: bytes, version: int, offered: int) -> None:
+    mark = server_nonce[-len(DOWNGRADE_MARK) - 1 : -1]
+    if version < offered and mark == DOWNGRADE_MARK and server_nonce[-1] > version:
+        raise Downgrade(
+            f"the server speaks protocol {server_nonce[-1]} but its answer to {offered}'s HELLO never came: "
+            f"refusing {version} (something on the path closed the newer HELLO)"
+        )
+
+
+async def client_handshake(conn: FramedConnection, hello: dict[str, Any], offered: int = 0) -> dict[str, Any]:
+    """Send HELLO with a fresh nonce, read the server's, switch to session keys. `offered`:
+    the newest version this client tried first (above the connection's when it fell back)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     await conn.send_json(MsgType.HELLO, {**hello, "nonce": nonce.hex()})
     reply, server_nonce = _nonce_of(await conn.recv())
+    _check_not_downgraded(server_nonce, conn.version, offered)
     if conn.codec.key:
         c2s, s2c = session_keys(conn.codec.key, nonce, server_nonce)
         conn.codec.rekey(send_key=c2s, recv_key=s2c)
@@ -89,7 +127,7 @@ async def server_handshake(conn: FramedConnection) -> dict[str, Any]:
     except BadPayload as err:
         conn.reject(err)
         raise
-    nonce = secrets.token_bytes(NONCE_BYTES)
+    nonce = _server_nonce(frame.version)
     release = {"software": pdd.__version__} if frame.version >= SOFTWARE_SINCE else {}
     await conn.send_json(MsgType.HELLO, {"nonce": nonce.hex(), **release})
     if conn.codec.key:
@@ -113,13 +151,13 @@ async def connect(
     `hello(version)` is the HELLO body for a peer speaking `version`. A server that
     closes the connection on the HELLO is asked again one version lower (a server not
     yet upgraded speaks only its own), down to `OLDEST_PROTOCOL`."""
-    version = offered_protocol()
+    version = offered = offered_protocol()
     while True:
         conn = await open_connection(
             host, port, key, max_payload=max_payload, connect_timeout=connect_timeout, tls=tls, version=version
         )
         try:
-            return conn, await asyncio.wait_for(client_handshake(conn, hello(version)), hello_timeout)
+            return conn, await asyncio.wait_for(client_handshake(conn, hello(version), offered), hello_timeout)
         except ConnectionClosed:
             conn.close()
             if version <= OLDEST_PROTOCOL:
