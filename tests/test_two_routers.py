@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 from procs import free_port, pdd_process, pdd_up, stream_completion, wait_until
 
 CONFIG = """mode = "pd-cross-dc"
@@ -34,13 +33,6 @@ max_requests = 1
 PROMPT = list(range(500, 620))
 
 
-# Found by this test: P turns MD's busy refusal into a RuntimeError, so the router answers
-# 500 ("p0: RuntimeError: md0 refused: md0 holds 1 requests, its limit"). The fix is P's
-# `_ack` raising pdd.instance.host.PeerBusy when the ReserveAck says busy (report_failure
-# then marks the error busy: 429); pdd/instance/prefill.py is the data-plane branch's until
-# it merges. With that line in place the test passes (tried, 20 s); strict: it fails once
-# the fix lands, to drop this mark.
-@pytest.mark.xfail(strict=True, reason="P's _ack reports a busy refusal as RuntimeError (pdd/instance/prefill.py)")
 def test_the_router_that_loses_the_race_answers_429_then_serves(tmp_path):
     conf = tmp_path / "d.toml"
     conf.write_text(CONFIG)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.engine_port import EnginePort
+from pdd.instance.host import PeerBusy
 from pdd.instance.peers import PeerPool
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
@@ -83,8 +84,8 @@ async def answer(job: PrefillJob, peer: str, timeout: float | None) -> m.Reserve
         ack = await asyncio.wait_for(asyncio.shield(job.acks[peer]), timeout)
     except TimeoutError:
         return None
-    if ack.error:
-        raise RuntimeError(f"{peer} refused: {ack.error}")
+    if ack.error:  # (a busy peer's refusal is for now: the client may come back, a 429)
+        raise (PeerBusy if ack.busy else RuntimeError)(f"{peer} refused: {ack.error}")
     return ack
 
 
