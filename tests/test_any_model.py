@@ -124,7 +124,7 @@ def test_engine_vllm_without_vllm_names_the_extra(tmp_path, tiny_model_dir):
     out = _serve(str(tiny_model_dir), "--engine", "vllm", "--port", "0", env={"PYTHONPATH": str(hidden.parent)})
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
-        "pdd serve: [engine] backend = \"vllm\" needs vLLM: pip install 'pdd[vllm]' (No module named 'vllm')")
+        "pdd serve: [engine] backend = \"vllm\" needs vLLM: pip install 'pdd-serving[vllm]' (No module named 'vllm')")
 
 
 def test_auto_sizes_read_from_a_file_and_the_command_line():

@@ -13,7 +13,7 @@ Each KV connection gets a region of its own on the receiver (`SLOTS` slots of
 `SLOT_BYTES`), and the sender a region the same size, registered too (RDMA reads from
 registered memory only): a frame goes through the slot of the same number on both
 sides, which the sender takes until the receiver says it is free again (`KVSlotFree`).
-Nothing here runs unless configured; the package (`pdd[mooncake]`) is imported on first
+Nothing here runs unless configured; the package (`pdd-serving[mooncake]`) is imported on first
 use, and where it is missing or the engine cannot start, `Unavailable` says why.
 """
 
@@ -57,7 +57,7 @@ class Endpoint:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
-            raise Unavailable(f"the Mooncake Transfer Engine is not installed (pdd[mooncake]): {e}") from None
+            raise Unavailable(f"the Mooncake Transfer Engine is not installed (pdd-serving[mooncake]): {e}") from None
         self.protocol = "rdma" if _rdma_devices() else "tcp"
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, "")

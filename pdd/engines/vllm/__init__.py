@@ -1,6 +1,6 @@
 """The "vllm" engine backend: vLLM behind pdd's engine port (`engine.VllmEngine`).
 
-This module imports nothing of vLLM, so a machine without the `pdd[vllm]` extra is told
+This module imports nothing of vLLM, so a machine without the `pdd-serving[vllm]` extra is told
 which extra to install rather than shown an import traceback.
 """
 
@@ -21,7 +21,8 @@ def open_vllm(model_dir: Path, config: EngineConfig, threads: int, eos_ids: froz
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise EngineStartError(f"[engine] backend = \"vllm\" needs vLLM: pip install 'pdd[vllm]' ({e})") from None
+        why = f"[engine] backend = \"vllm\" needs vLLM: pip install 'pdd-serving[vllm]' ({e})"
+        raise EngineStartError(why) from None
     from pdd.engines.vllm.engine import VllmEngine
 
     try:
