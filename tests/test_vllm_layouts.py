@@ -625,7 +625,7 @@ def test_a_long_import_crosses_in_slices_on_the_copy_thread_and_is_done_only_whe
 
     async def go() -> None:
         task = asyncio.ensure_future(kv.write(blocks, blob(kv, tokens, 55, k, v)))
-        for _ in range(600):  # every slice asked, the last one held
+        for _ in range(2400):  # every slice asked, the last one held (a loaded machine: up to 2 minutes)
             if len(threads) == 6:
                 break
             await asyncio.sleep(0.05)
