@@ -34,10 +34,11 @@ def server(tiny_model_dir):
         yield url
 
 
-def _streamed(client: openai.OpenAI, **ask) -> dict:
-    """A streamed chat completion, put together: content, each call's name and arguments, finish."""
-    said: dict = {"content": "", "calls": {}, "finish": None}
+def stream_chat(client: openai.OpenAI, **ask) -> dict:
+    """A streamed chat completion put together: content, calls by index, finish, record."""
+    said: dict = {"content": "", "calls": {}, "finish": None, "record": None}
     for chunk in client.chat.completions.create(**ask, stream=True):
+        said["record"] = (chunk.model_extra or {}).get("pdd") or said["record"]
         for c in chunk.choices:
             said["content"] += c.delta.content or ""
             for t in c.delta.tool_calls or []:
@@ -69,7 +70,7 @@ def test_a_forced_call_follows_its_schema_whole_and_streamed(server):
         name, arguments = calls[0]
         assert choice == "required" or name == "get_weather"
         jsonschema.validate(arguments, SCHEMAS[name])
-        streamed = _streamed(client, **ask)
+        streamed = stream_chat(client, **ask)
         assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == calls
         assert all(c["id"].startswith("call_") for c in streamed["calls"].values())
@@ -87,7 +88,7 @@ def test_auto_calls_are_parsed_out_of_the_text_and_none_leaves_them(server):
     assert whole.finish_reason == "tool_calls" and _calls(whole.message) == [("get_time", {"tz": "UTC"})], whole
     content = whole.message.content
     assert re.fullmatch("[a-z]{2,5} ", content), content
-    streamed = _streamed(client, **ask)
+    streamed = stream_chat(client, **ask)
     assert streamed["content"] == content and streamed["finish"] == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == _calls(whole.message)
     left = client.chat.completions.create(**ask, tool_choice="none").choices[0]

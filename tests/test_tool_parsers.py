@@ -16,6 +16,7 @@ import openai
 import pytest
 from parser_model import marker_model
 from procs import pdd_up
+from test_agent_api import stream_chat
 
 vllm = pytest.importorskip("vllm")
 
@@ -87,22 +88,6 @@ def vllm_reading(fmt: str, model: Path, ids: list[int], reasoning: str = "") -> 
     return whole, stream
 
 
-def streamed(client: openai.OpenAI, **ask) -> dict:
-    """A streamed chat completion put together: content, calls by index, finish, record."""
-    said: dict = {"content": "", "calls": {}, "finish": None, "record": None}
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        said["record"] = (chunk.model_extra or {}).get("pdd") or said["record"]
-        for c in chunk.choices:
-            said["content"] += c.delta.content or ""
-            for t in c.delta.tool_calls or []:
-                call = said["calls"].setdefault(t.index, {"id": None, "name": "", "arguments": ""})
-                call["id"] = call["id"] or t.id
-                call["name"] += t.function.name or ""
-                call["arguments"] += t.function.arguments or ""
-            said["finish"] = c.finish_reason or said["finish"]
-    return said
-
-
 def two_calls(url: str, fmt: str, model: Path, reasoning: str = "") -> None:
     """The deployment at `url` (tool parser `fmt`, reasoning parser `reasoning`) reads the two
     calls a guide forces as vLLM's own parser reads the same token IDs, whole and streamed;
@@ -114,9 +99,9 @@ def two_calls(url: str, fmt: str, model: Path, reasoning: str = "") -> None:
            "extra_body": extra}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     whole = client.chat.completions.create(**ask)
-    stream = streamed(client, **ask)
+    stream = stream_chat(client, **ask)
     single = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0]
-    single_stream = streamed(client, **ask, parallel_tool_calls=False)
+    single_stream = stream_chat(client, **ask, parallel_tool_calls=False)
     choice = whole.choices[0]
     want, want_stream = vllm_reading(fmt, model, choice.model_extra["token_ids"], reasoning)
     calls = want["calls"]
