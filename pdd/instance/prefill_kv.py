@@ -122,19 +122,14 @@ class KVSenders:
         """The pipeline leaves `peer` out: stop its frames (it is told to drop its reservation)."""
         sender = job.senders.pop(peer, None)
         if sender is not None:
-            sender.cancel()
-            if sender.done() and not sender.cancelled():
-                sender.exception()
+            _stop(sender)
 
     @staticmethod
     def stop(job: PrefillJob) -> None:
         """The request is over: every sender still running stops; what one failed of, when
         nobody waited for it, is no error to log (the request's own error says it)."""
         for sender in job.senders.values():
-            if not sender.done():
-                sender.cancel()
-            elif not sender.cancelled():
-                sender.exception()
+            _stop(sender)
 
     async def finish(self, job: PrefillJob, peer: str, first: int, emit: bool, priority: Priority) -> int:
         """The rest of `peer`'s KV as `priority`, then KV_DONE; the payload bytes sent."""
@@ -237,6 +232,15 @@ class KVSenders:
                 sent += await self.peers.send_bulk(peer, job.priority[peer], kv=(job.rid, data))
                 self.in_prefill += job.stream is not None and not job.stream.closed
         return sent
+
+
+def _stop(sender: asyncio.Task[int]) -> None:
+    """Stop a sender nobody will wait for: cancelled if it runs; what it failed of, if it
+    ended so, taken (no error to log: the request's own outcome says it)."""
+    if not sender.done():
+        sender.cancel()
+    elif not sender.cancelled():
+        sender.exception()
 
 
 async def loaded(job: PrefillJob, peer: str) -> None:
