@@ -101,3 +101,17 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_PARSERS = ("hermes",)
 # Lossless compressions KV may cross the line in (`[link] compress_kv`; `pdd.kv.codec`)
 KV_COMPRESSIONS = ("zstd",)
+
+
+class AttentionLayout(StrEnum):
+    """How a role's attention and its KV cache spread over an instance's GPUs: the names
+    serving's config (`attention =`) and the planner (`pdd plan`) share.
+
+    For MLA the difference is memory: under `tp` every tensor-parallel rank keeps the whole
+    latent cache (TP 8 holds 8 copies); `tp-dcp` splits it across the ranks by token
+    (vLLM's decode context parallelism); `dp-ep` gives each data-parallel rank whole latents
+    of its own requests, the experts spread across the group (expert parallelism)."""
+
+    TP = "tp"  # tensor-parallel attention; MLA's latent replicated on every rank
+    TP_DCP = "tp-dcp"  # tensor-parallel with decode context parallelism: the latent split by token
+    DP_EP = "dp-ep"  # data-parallel attention, expert-parallel MoE: one member per rank
