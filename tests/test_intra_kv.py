@@ -99,7 +99,8 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         assert isinstance(offer, m.KVRegion) and not offer.error and offer.slots == mooncake.SLOTS
         sender, out = mooncake.Endpoint("127.0.0.1"), _Conn()  # (another engine: P's)
         placement = Placement.from_offer(sender, offer, out)
-        payloads = [m.kv_payload(f"a.{i}", bytes([i]) * (1 << 20) + bytes(range(256)) * i) for i in range(12)]
+        blobs = [[bytes([i]) * (1 << 20), bytes(range(256)) * i] for i in range(12)]  # (in parts, as P sends them)
+        payloads = [b"".join(m.kv_payload(f"a.{i}", blob)) for i, blob in enumerate(blobs)]
         received: list[bytes] = []
 
         async def receive() -> None:  # the relay's node, and P's reader of its KV_SLOT_FREE
@@ -115,8 +116,8 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
                 placement.slots.give(m.decode(conn.sent.pop()).slot)
 
         reader = asyncio.ensure_future(receive())
-        for payload in payloads:  # (12 frames through 8 slots: each freed once the receiver has read it)
-            await asyncio.wait_for(placement.send(out, payload), 30)
+        for i, blob in enumerate(blobs):  # (12 frames through 8 slots: each freed once the receiver has read it)
+            await asyncio.wait_for(placement.send(out, m.kv_payload(f"a.{i}", blob)), 30)
         await asyncio.wait_for(placement.flush(), 30)
         await asyncio.wait_for(reader, 30)
         assert received == payloads  # every frame, whole and in order

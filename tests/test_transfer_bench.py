@@ -1,7 +1,7 @@
 """`pdd bench transfer --loopback`'s whole KV path, and the codec's copies on it.
 
-The codec writes the bytes it always wrote, in one copy (the tensors' own memory joined
-behind the header), and reads a writable, aligned payload in place: a received frame's
+The codec writes the bytes it always wrote, as parts (the tensors' own memory behind the
+header: a frame takes them without joining them), and reads a writable, aligned payload in place: a received frame's
 buffer becomes the blob's K and V. An immutable or misaligned payload is copied, and
 reads back the same. The bench carries KV of the tiny model and of realistic pages (bf16),
 each row naming its shape, dtype and bytes a token.
@@ -69,6 +69,49 @@ def test_int8_and_zstd_payloads_read_the_same_from_any_buffer():
         for shift in range(4):
             got = codec.decode(memoryview(bytearray(shift) + bytearray(data))[shift:])
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v) and got.header == want.header
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_consecutive_layers_travel_as_one_frame_of_their_own_memory(latent):
+    """P groups a chunk's layer slices into frames of up to a size (`frame_groups`), each
+    encoded from the slices' own memory (`encode_layers`): the bytes of the joined blob, and
+    read back as it. A group never spans two chunks nor skips a layer."""
+    from pdd.instance.prefill_kv import layer_pieces
+
+    blob = _blob("bfloat16", tokens=48, latent=latent)
+    pieces = layer_pieces(blob, 16)  # three chunks of three layers
+    layer_bytes = pieces[0].header.payload_bytes
+    groups = codec.frame_groups(pieces, 2 * layer_bytes)
+    assert [[(p.header.token_start, p.header.layer_start) for p in g] for g in groups] == [
+        [(0, 0), (0, 1)], [(0, 2)], [(16, 0), (16, 1)], [(16, 2)], [(32, 0), (32, 1)], [(32, 2)]
+    ]
+    assert len(codec.frame_groups(pieces, 100 * layer_bytes)) == 3  # a chunk a frame
+    assert len(codec.frame_groups(pieces, 1)) == 9  # a layer a frame, at the least
+    for group in groups:
+        parts = codec.encode_layers(group)
+        assert b"".join(parts) == codec.encode(codec.join_layers(group))
+        got = codec.decode(bytearray(b"".join(parts)))
+        assert torch.equal(got.k, torch.cat([p.k for p in group])) and got.header == codec.joined_header(group)
+    with pytest.raises(codec.KVFormatError, match="different tokens"):
+        codec.joined_header([pieces[0], pieces[4]])  # (layer 0 of chunk 0, layer 1 of chunk 1)
+
+
+def test_a_prompts_hashes_are_computed_once_across_its_chunks(monkeypatch):
+    """An import's check compares the chunk's block hashes with the prompt's, kept across
+    the request's chunks (`PrefixHashes`): each block hashed once, not once a chunk."""
+    from pdd.kv import blocks
+
+    tokens = list(range(1000, 1256))
+    hashes = blocks.PrefixHashes(tokens)
+    calls = []
+    chain = blocks.chain_hash
+    monkeypatch.setattr(blocks, "chain_hash", lambda parent, t: calls.append(1) or chain(parent, t))
+    for end in range(16, 257, 16):
+        assert hashes.upto(end) == block_hashes(tokens[:end], 16)
+    assert len(calls) == 256 // 16 + sum(range(1, 17))  # its own: once each; block_hashes': every time
+    h = codec.token_slice(_blob("bfloat16", tokens=48), 0, 32).header
+    assert codec.check_continuation(h, (3, 2, 64), blocks.PrefixHashes(list(range(48))), 0, 48) is None
+    assert "another prompt" in codec.check_continuation(h, (3, 2, 64), blocks.PrefixHashes([7] * 48), 0, 48)
 
 
 def test_the_loopback_bench_carries_kv_of_the_tiny_model_and_of_realistic_pages(tmp_path, monkeypatch):

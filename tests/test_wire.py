@@ -122,6 +122,19 @@ def _session(version: int) -> tuple[FrameCodec, FrameCodec]:
     return sender, receiver
 
 
+@pytest.mark.parametrize("version", [4, 5, 6, 7])
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "session"])
+def test_a_payload_in_parts_is_the_frame_of_its_parts_joined(version: int, keyed: bool) -> None:
+    """A KV payload goes out as its parts (header, K, V: not joined first); its frame is byte
+    for byte the joined payload's, whatever checks it (CRC32, CRC32C, HMAC, GMAC)."""
+    parts = [b"head", memoryview(bytes(range(256)) * 3), b"", bytearray(b"tail" * 5)]
+    if keyed:
+        (one, _), (other, _) = _session(version), _session(version)
+    else:
+        one, other = FrameCodec(None, version=version), FrameCodec(None, version=version)
+    assert one.encode(MsgType.KV_LAYER, parts) == other.encode(MsgType.KV_LAYER, b"".join(parts))
+
+
 def test_session_frames_carry_a_gmac_tag_from_protocol_5_and_hmac_before() -> None:
     """Under session keys, a protocol-5 frame ends in a 16-byte GMAC tag and carries no
     CRC32 (the tag covers it); protocol 4's carry HMAC-SHA256 and the CRC. Each decodes

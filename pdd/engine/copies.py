@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pdd.engine import page_rows
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
@@ -136,22 +137,25 @@ def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStr
     into the sequence's pages; on CUDA each goes through page-locked memory and the copy stream."""
     h = blob.header
     start = h.token_start
-    slots = pool.slots(seq.pages, start, h.token_end).to(pool.k.device)
     layers = slice(h.layer_start, h.layer_end)
     pool_k, pool_v = pool.k[layers], pool.v[layers]
     per_token = 2 * pool_k.shape[0] * pool_k[0, 0].numel() * pool.dtype.itemsize
 
     def writer(a: int, b: int) -> Callable[[], None]:
         def run() -> None:
-            at, k, v = slots[a - start : b - start], blob.k[:, a - start : b - start], blob.v[:, a - start : b - start]
+            k, v = blob.k[:, a - start : b - start], blob.v[:, a - start : b - start]
             with stream.copying():
                 if stream.cuda:  # the slice into page-locked memory (in the pool's dtype), then across
                     staged = stream.pinned(2 * k.numel() * pool.dtype.itemsize).view(pool.dtype).view(2, *k.shape)
                     staged[0].copy_(k)
                     staged[1].copy_(v)
                     k, v = staged.to(pool.k.device, non_blocking=True)
-                pool_k[:, at] = k.to(pool.dtype)  # (every layer in one operation: one hand-off of the GIL)
-                pool_v[:, at] = v.to(pool.dtype)
+                    at = pool.slots(seq.pages, a, b).to(pool.k.device)
+                    pool_k[:, at] = k  # (every layer in one operation: one hand-off of the GIL)
+                    pool_v[:, at] = v
+                else:  # host memory: whole pages a row at a time
+                    page_rows.put(pool_k, seq.pages, pool.page_size, a, k.to(pool.dtype))
+                    page_rows.put(pool_v, seq.pages, pool.page_size, a, v.to(pool.dtype))
 
         return run
 

@@ -16,7 +16,7 @@ from pdd.engine.kv_pool import KVPool
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
 from pdd.kv import codec
-from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
 from pdd.kv.copy_stream import CopyStream
 
 if TYPE_CHECKING:
@@ -65,9 +65,10 @@ class KVMoves:
 
     def _check_blob(self, seq: Sequence, h: codec.KVHeader) -> None:
         cfg = self.model_cfg
-        why = codec.check_continuation(
-            h, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), seq.tokens, seq.num_computed, seq.prompt_len
-        )
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = PrefixHashes(seq.tokens[: seq.prompt_len])
+        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        why = codec.check_continuation(h, shape, seq.prompt_hashes, seq.num_computed, seq.prompt_len)
         if why:
             raise RequestError(why)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pdd.engine import page_rows
 from pdd.kv.pages import PagePool
 from pdd.model.config import ModelConfig
 
@@ -27,9 +28,7 @@ class KVPool(PagePool):
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of tokens [start, end) of a sequence with this page table."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(pages, dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+        return page_rows.slots(pages, self.page_size, start, end)
 
     def gather(self, which: int, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Whole pages of one layer's K (`which` 0) or V (1): `pages`' shape then

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdd.batching import Status
+from pdd.kv.blocks import PrefixHashes
 from pdd.kv.radix_cache import TreeNode
 from pdd.sampling import Logprob, SamplingParams
 
@@ -42,6 +43,7 @@ class Sequence:
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     # KV copies claimed and not yet done (`pdd.engine.copies`): a start waits for them
     copies: int = 0
+    prompt_hashes: PrefixHashes | None = None  # its prompt's, kept as its imports are checked
     copied_end: int = 0  # an import's tokens in place so far (what counts if it is cancelled)
     copy_cancelled: bool = False
     start_deferred: bool = False  # started while its import was being copied: scheduled when it lands

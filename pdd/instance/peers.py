@@ -134,7 +134,7 @@ class PeerPool:
         await m.send(await self.get(name), body)
 
     async def send_bulk(
-        self, name: str, priority: Priority, body: Any = None, kv: tuple[str, bytes] | None = None
+        self, name: str, priority: Priority, body: Any = None, kv: tuple[str, wire.Payload] | None = None
     ) -> int:
         """One frame on a Priority.URGENT or Priority.BACKGROUND connection: a KV layer
         `(rid, blob)` or a body; the payload bytes sent. Across the line each frame goes
@@ -167,7 +167,8 @@ class PeerPool:
             conn = await self.get(name, priority, stripe)
             payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
             placement = await self._placements.of(name, conn)
-            if placement is not None and kv is not None and len(payload) <= placement.remote.slot_bytes:
+            size = wire.payload_len(payload)
+            if placement is not None and kv is not None and size <= placement.remote.slot_bytes:
                 await placement.send(conn, payload)  # (written into the peer's memory: only where, on the connection)
             else:
                 if placement is not None:  # whatever follows placed frames follows them on the connection too
@@ -182,7 +183,7 @@ class PeerPool:
             self._drains.spawn(drained)
         else:
             await drained
-        return len(payload) if kv is not None else 0
+        return size if kv is not None else 0
 
     async def _drain(self, name: str, priority: Priority, stripe: int, conn: FramedConnection) -> None:
         try:

@@ -31,7 +31,7 @@ from pdd.kv.slots import Slots
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import mooncake
-from pdd.transfer.wire import Frame, FramedConnection, MsgType
+from pdd.transfer.wire import Frame, FramedConnection, MsgType, Payload, parts_of, payload_len
 from pdd.transfer.wire.frame import gmac
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Placement:
         local = endpoint.region(remote.slot_bytes, remote.slots)
         return cls(endpoint, remote, local, key=conn.subkey(PLACED_LABEL, sending=True))
 
-    async def send(self, conn: FramedConnection, payload: bytes) -> None:
+    async def send(self, conn: FramedConnection, payload: Payload) -> None:
         """Place `payload` (a KV_LAYER frame's) and post its KV_PLACED in turn; returns once
         it has a slot (so a sender keeps at most `slots` frames in flight). Should the
         engine fail, the frame itself is posted in its place: nothing is lost."""
@@ -90,7 +90,7 @@ class Placement:
         conn: FramedConnection,
         slot: int,
         n: int,
-        payload: bytes,
+        payload: Payload,
         before: asyncio.Future[None] | None,
         done: asyncio.Future[None],
     ) -> None:
@@ -98,10 +98,10 @@ class Placement:
             try:
                 loop = asyncio.get_running_loop()
                 vouched = await loop.run_in_executor(self.endpoint.stager, self._stage, slot, n, payload)
-                size = self.remote.slot_bytes
-                local = self.local[slot * size : slot * size + len(payload)]
-                await asyncio.wrap_future(self.endpoint.write(local, self.remote, slot, len(payload)))
-                body: Any = m.KVPlaced(slot, len(payload), n, vouched)
+                size, length = self.remote.slot_bytes, payload_len(payload)
+                local = self.local[slot * size : slot * size + length]
+                await asyncio.wrap_future(self.endpoint.write(local, self.remote, slot, length))
+                body: Any = m.KVPlaced(slot, length, n, vouched)
             except ConnectionError as e:
                 log.warning("the transfer engine failed (%s): this KV frame goes over the connection", e)
                 self.slots.give(slot)
@@ -120,11 +120,15 @@ class Placement:
         if self.tail is not None:
             await asyncio.shield(self.tail)
 
-    def _stage(self, slot: int, n: int, payload: bytes) -> str:
-        """The payload into our slot (the engine writes from registered memory), and its tag."""
-        size = self.remote.slot_bytes
-        self.local[slot * size : slot * size + len(payload)].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-        return tag(self.key, n, payload)
+    def _stage(self, slot: int, n: int, payload: Payload) -> str:
+        """The payload's parts into our slot (the engine writes from registered memory), and
+        the tag of what the slot holds."""
+        at = slot * self.remote.slot_bytes
+        start = at
+        for part in parts_of(payload):
+            self.local[at : at + len(part)].numpy()[:] = np.frombuffer(part, dtype=np.uint8)
+            at += len(part)
+        return tag(self.key, n, self.local[start:at].numpy().data)
 
 
 def tag(key: bytes | None, n: int, data: bytes | memoryview) -> str:

@@ -34,6 +34,9 @@ from pdd.sampling import Logprob
 from pdd.transfer import messages as m
 
 log = logging.getLogger(__name__)
+# KV a frame carries at most: consecutive layers of a chunk travel together up to it (a frame
+# costs each end a fixed time besides its bytes; `pdd bench transfer --loopback`)
+KV_FRAME_BYTES = 1 << 20
 ACK_TIMEOUT_S = 60.0  # a peer that acknowledges none of a request's KV for this long has failed it
 # A streamed sender keeps at most what the line carries in this long (and a round trip) ahead of
 # what its peer acknowledged: enough that the acknowledgements (after each chunk's import) never
@@ -158,7 +161,8 @@ class KVSenders:
             first = await job.stream.started()
             streamed = end if first is None else max(start, first)
             if start < streamed:
-                sent += await self._send(job, peer, await self.engine.export_kv(job.rid, start, streamed))
+                blob = await self.engine.export_kv(job.rid, start, streamed)
+                sent += await self._send(job, peer, layer_pieces(blob, self.chunk_tokens))
         finally:
             self.exported(job)
         return sent + await self._streamed(job, peer, start, end, streamed)
@@ -204,7 +208,7 @@ class KVSenders:
         try:
             while pending or not ended.is_set():
                 if pending and pending[0][0] - job.acked.get(peer, start) <= ahead:
-                    sent += await self._send(job, peer, heapq.heappop(pending)[3])
+                    sent += await self._send(job, peer, _next_frame(pending))
                 else:
                     arrived.clear()
                     await arrived.wait()
@@ -221,17 +225,43 @@ class KVSenders:
         if not job.exports:
             self.spawn(self.engine.release(job.rid))
 
-    async def _send(self, job: PrefillJob, peer: str, blob: codec.KVBlob) -> int:
-        """A blob's KV chunk by chunk, one layer a frame; the payload bytes sent."""
+    async def _send(self, job: PrefillJob, peer: str, pieces: list[codec.KVBlob]) -> int:
+        """Layer slices, in order, a frame each group of them (`codec.frame_groups`); the
+        payload bytes sent."""
         sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
-        h = blob.header
         await job.chosen[peer].wait()
-        for a, b in kv_chunks(h.token_start, h.token_end, self.chunk_tokens):
-            for layer in codec.split_layers(codec.token_slice(blob, a, b)):
-                data = codec.encode(layer, lossy, compress)
-                sent += await self.peers.send_bulk(peer, job.priority[peer], kv=(job.rid, data))
-                self.in_prefill += job.stream is not None and not job.stream.closed
+        for group in codec.frame_groups(pieces, KV_FRAME_BYTES):
+            data = codec.encode_layers(group, lossy, compress)
+            sent += await self.peers.send_bulk(peer, job.priority[peer], kv=(job.rid, data))
+            self.in_prefill += job.stream is not None and not job.stream.closed
         return sent
+
+
+def _next_frame(pending: list[tuple[int, int, int, codec.KVBlob]]) -> list[codec.KVBlob]:
+    """The lowest pending piece and the next layers of its tokens already there, up to a
+    frame's worth (`KV_FRAME_BYTES`): nothing waits to fill a frame."""
+    group = [heapq.heappop(pending)[3]]
+    size = group[0].header.payload_bytes
+    while pending:
+        h, last = pending[0][3].header, group[-1].header
+        if (h.token_start, h.token_end, h.layer_start) != (last.token_start, last.token_end, last.layer_end):
+            break
+        if size + h.payload_bytes > KV_FRAME_BYTES:
+            break
+        size += h.payload_bytes
+        group.append(heapq.heappop(pending)[3])
+    return group
+
+
+def layer_pieces(blob: codec.KVBlob, chunk_tokens: int) -> list[codec.KVBlob]:
+    """A blob as P sends it: chunk by chunk of `chunk_tokens`, a slice a layer of each chunk
+    (grouped into frames by `codec.frame_groups`)."""
+    h = blob.header
+    return [
+        layer
+        for a, b in kv_chunks(h.token_start, h.token_end, chunk_tokens)
+        for layer in codec.split_layers(codec.token_slice(blob, a, b))
+    ]
 
 
 def _stop(sender: asyncio.Task[int]) -> None:

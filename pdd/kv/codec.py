@@ -17,14 +17,16 @@ Two kinds of cache need more than that, and say so in fields plain blobs leave o
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from pdd.kv.blocks import block_hashes
+from pdd.kv.blocks import PrefixHashes
 from pdd.names import KV_COMPRESSIONS, LOSSY_KV_FORMS
 
 MAGIC = b"PDKV"
@@ -104,19 +106,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode(blob: KVBlob, lossy: str = "", compress: str = "") -> bytes:
-    """The blob's bytes; with `lossy` ("int8"), quantized for the line (a blob of an fp8
-    cache travels as it is: it is quantized already); with `compress` ("zstd"), its payload
-    compressed, losslessly."""
+    """The blob's bytes (`encode_parts`, joined)."""
+    return b"".join(encode_parts(blob, lossy, compress))
+
+
+def encode_parts(blob: KVBlob, lossy: str = "", compress: str = "") -> list[bytes | bytearray | memoryview]:
+    """The blob's bytes as parts: its prefix and header, then its tensors' own memory (a
+    frame takes them as they are: the KV is not copied to be sent). With `lossy` ("int8"),
+    quantized for the line (a blob of an fp8 cache travels as it is: it is quantized
+    already); with `compress` ("zstd"), its payload compressed, losslessly."""
     tensors = list((blob.k, blob.v)[: blob.header.sides])
-    header_fields = asdict(blob.header)
+    header_fields = dict(vars(blob.header))  # (shallow: `asdict` deep-copies the hashes, per frame)
     if lossy and blob.header.dtype in DTYPES:
         if lossy not in LOSSY_FORMS:
             raise KVFormatError(f"unknown lossy KV form {lossy!r} (known: {', '.join(LOSSY_FORMS)})")
         quantized = [_to_int8(t) for t in tensors]
         tensors = [q for q, _ in quantized] + [scale for _, scale in quantized]
         header_fields["dtype"] = lossy
-    # (the tensors' own bytes, not copies of them: the join below is the one copy the payload takes)
-    body: list[bytes | memoryview] = [_bytes_of(t) for t in tensors]
+    body: list[bytes | bytearray | memoryview] = [_bytes_of(t) for t in tensors]
     if compress:
         if compress not in COMPRESSIONS:
             raise KVFormatError(f"unknown KV compression {compress!r} (known: {', '.join(COMPRESSIONS)})")
@@ -124,9 +131,14 @@ def encode(blob: KVBlob, lossy: str = "", compress: str = "") -> bytes:
 
         body = [zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(b"".join(body))]
         header_fields["compressed"] = compress
+    return [_header_bytes(header_fields), *body]
+
+
+def _header_bytes(header_fields: dict[str, Any]) -> bytes:
+    """A blob's prefix and JSON header (the fields at their default left out)."""
     fields = {k: v for k, v in header_fields.items() if _EXTRAS.get(k, ...) != v}
     header = json.dumps(fields, separators=(",", ":")).encode()
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *body])
+    return _PREFIX.pack(MAGIC, VERSION, len(header)) + header
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -276,29 +288,79 @@ def split_layers(blob: KVBlob) -> list[KVBlob]:
     """One blob per layer, as they travel (so the receiver works while the rest is on the line)."""
     h = blob.header
     return [
-        KVBlob(
-            replace(
-                h, layer_start=h.layer_start + i, layer_end=h.layer_start + i + 1, scales=h.scales[2 * i : 2 * i + 2]
-            ),
-            blob.k[i : i + 1],
-            blob.v[i : i + 1],
-        )
-        for i in range(blob.k.shape[0])
+        KVBlob(_of_layers(h, h.layer_start + i, h.layer_start + i + 1, h.scales[2 * i : 2 * i + 2]), k, v)
+        for i, (k, v) in enumerate(zip(blob.k.split(1), blob.v.split(1), strict=True))
     ]
 
 
-def join_layers(parts: list[KVBlob]) -> KVBlob:
-    """One blob from consecutive layer slices of the same tokens (as they travel per layer)."""
+def _of_layers(h: KVHeader, start: int, end: int, scales: list[float]) -> KVHeader:
+    """`h` for layers [start, end) with their `scales` (`replace`'s result, without its
+    cost: a header a frame, every frame)."""
+    out = copy.copy(h)
+    for name, value in (("layer_start", start), ("layer_end", end), ("scales", scales)):
+        object.__setattr__(out, name, value)
+    return out
+
+
+def _same_tokens(a: KVHeader, b: KVHeader) -> bool:
+    """Whether two layer slices' headers describe the same tokens of the same cache."""
+    return all(
+        getattr(a, f) == getattr(b, f)
+        for f in ("num_layers", "kv_heads", "head_dim", "dtype", "page_size", "token_start", "token_end",
+                  "block_size", "latent", "compressed", "block_hashes")
+    )  # fmt: skip
+
+
+def joined_header(parts: list[KVBlob]) -> KVHeader:
+    """The header of consecutive layer slices of the same tokens, as one blob."""
     first, last = parts[0].header, parts[-1].header
     for a, b in zip(parts, parts[1:], strict=False):  # (each with the next)
         if b.header.layer_start != a.header.layer_end:
             raise KVFormatError(f"KV layers arrive out of order: {a.header.layer_end} then {b.header.layer_start}")
-        if replace(b.header, layer_start=0, layer_end=1, scales=[]) != replace(
-            a.header, layer_start=0, layer_end=1, scales=[]
-        ):
+        if not _same_tokens(a.header, b.header):
             raise KVFormatError("KV layer slices describe different tokens")
-    header = replace(first, layer_end=last.layer_end, scales=[x for p in parts for x in p.header.scales])
+    return _of_layers(first, first.layer_start, last.layer_end, [x for p in parts for x in p.header.scales])
+
+
+def join_layers(parts: list[KVBlob]) -> KVBlob:
+    """One blob from consecutive layer slices of the same tokens (as they travel per layer):
+    the one slice itself where it holds every layer."""
+    header = joined_header(parts)
+    if len(parts) == 1:
+        return parts[0]
     return KVBlob(header, torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
+
+
+def encode_layers(parts: list[KVBlob], lossy: str = "", compress: str = "") -> list[bytes | bytearray | memoryview]:
+    """Consecutive layer slices of the same tokens encoded as one blob, in parts (each
+    layer's K, then each one's V: the slices' own memory, not joined first)."""
+    if len(parts) == 1 or lossy or compress:
+        return encode_parts(join_layers(parts), lossy, compress)
+    sides = parts[0].header.sides
+    body = [_bytes_of(p.k) for p in parts] + ([_bytes_of(p.v) for p in parts] if sides == 2 else [])
+    return [_header_bytes(vars(joined_header(parts))), *body]
+
+
+def frame_groups(pieces: list[KVBlob], max_bytes: int) -> list[list[KVBlob]]:
+    """Layer slices (in order) in groups that each travel as one frame: consecutive layers of
+    the same tokens, up to `max_bytes` of KV (one slice at least). A frame a layer of a few
+    dozen tokens is tens of KiB, and each frame costs both ends a fixed time besides its bytes."""
+    groups: list[list[KVBlob]] = []
+    size = 0
+    for piece in pieces:
+        h, n = piece.header, piece.header.payload_bytes
+        last = groups[-1][-1].header if groups else None
+        if (
+            last is None
+            or size + n > max_bytes
+            or (last.token_start, last.token_end, last.layer_end) != (h.token_start, h.token_end, h.layer_start)
+        ):
+            groups.append([piece])
+            size = n
+        else:
+            groups[-1].append(piece)
+            size += n
+    return groups
 
 
 @dataclass(frozen=True)
@@ -330,13 +392,14 @@ PLAIN = CacheForm()
 def check_continuation(
     h: KVHeader,
     shape: tuple[int, int, int],
-    tokens: list[int],
+    prompt: PrefixHashes | list[int],
     computed: int,
     prompt_len: int,
     cache: CacheForm = PLAIN,
 ) -> str | None:
-    """Why imported KV cannot land in a request that has computed `computed` tokens of
-    `tokens` (None: it can): the cache's form (`CacheForm.refuses`), the model's
+    """Why imported KV cannot land in a request that has computed `computed` tokens of the
+    prompt whose block hashes are `prompt`'s (its tokens, or their hashes kept across a
+    request's chunks) (None: it can): the cache's form (`CacheForm.refuses`), the model's
     (layers, kv heads, head dim) `shape`, every layer, the range continuing where the
     request's KV ends, within its prompt, and the same prompt (block hashes). Every
     engine refuses the same things."""
@@ -349,6 +412,8 @@ def check_continuation(
         return f"imported KV covers layers [{h.layer_start}, {h.layer_end}), not all {shape[0]}"
     if h.token_start != computed or h.token_end > prompt_len:
         return f"imported KV range [{h.token_start}, {h.token_end}) does not continue at {computed}"
-    if block_hashes(tokens[: h.token_end], h.block_size) != h.block_hashes:
+    if not isinstance(prompt, PrefixHashes) or prompt.block_size != h.block_size:
+        prompt = PrefixHashes(prompt if isinstance(prompt, list) else prompt.tokens, h.block_size)
+    if prompt.upto(h.token_end) != h.block_hashes:
         return "imported KV belongs to another prompt (block hashes differ)"
     return None

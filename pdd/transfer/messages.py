@@ -37,9 +37,10 @@ from pdd.transfer.wire import (
     Frame,
     FramedConnection,
     MsgType,
+    Payload,
     encode_json,
-    pack_with_header,
     split_with_header,
+    with_header,
 )
 
 MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
@@ -464,6 +465,6 @@ async def send(conn: FramedConnection, body: Message) -> None:
     await conn.send(body.TYPE, encode_body(body, conn.version))
 
 
-def kv_payload(rid: str, blob: bytes | memoryview) -> bytes:
-    """A KV_LAYER frame's payload: its header, then the encoded KV blob."""
-    return pack_with_header(to_dict(KVLayer(rid)), blob)
+def kv_payload(rid: str, blob: Payload) -> list[Buffer]:
+    """A KV_LAYER frame's payload: its header, then the encoded KV blob (its parts as they are)."""
+    return with_header(to_dict(KVLayer(rid)), blob)

@@ -35,7 +35,7 @@ from pdd.engines.vllm.kvio import WorkerInfo, WorkerKV
 from pdd.engines.vllm.layer_reads import LayerReads
 from pdd.engines.vllm.requests import Requests
 from pdd.kv import codec
-from pdd.kv.blocks import block_hashes
+from pdd.kv.blocks import PrefixHashes, block_hashes
 
 log = logging.getLogger(__name__)
 LAYOUT_TIMEOUT_S = 60.0  # after vLLM is up, every worker has described its cache
@@ -163,7 +163,9 @@ class VllmEngine(Requests):
         req = self.reservation(rid)
         if req.reserved is None or not req.reserved.done():
             raise RequestError(f"request {rid!r} is not reserved yet")
-        self.kv.check_import(blob, req.prompt, req.imported, len(req.prompt))
+        if req.prompt_hashes is None:
+            req.prompt_hashes = PrefixHashes(req.prompt)
+        self.kv.check_import(blob, req.prompt_hashes, req.imported, len(req.prompt))
         req.imported = blob.header.token_end
         write = asyncio.ensure_future(self.kv.write(req.blocks, blob))
         req.writes.append(write)

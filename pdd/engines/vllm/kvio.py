@@ -27,7 +27,7 @@ import torch
 from pdd.engine_port import RequestError
 from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
-from pdd.kv.blocks import HASH_BLOCK, block_hashes
+from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
 from pdd.kv.slots import Slots
 from pdd.policy.transfer import kv_chunks
 from pdd.tasks import settle
@@ -239,12 +239,14 @@ class WorkerKV:
         )
         return codec.KVBlob(header_out, out[0], out[0][..., :0] if first.latent else out[1])
 
-    def check_import(self, blob: codec.KVBlob, tokens: list[int], computed: int, prompt_len: int) -> None:
+    def check_import(
+        self, blob: codec.KVBlob, prompt: PrefixHashes | list[int], computed: int, prompt_len: int
+    ) -> None:
         first = self.ranks[0]
         raw = first.dtype if first.dtype in codec.RAW_DTYPES else None
         cache = codec.CacheForm(first.latent, raw, first.scales)
         why = codec.check_continuation(
-            blob.header, (first.layers, self.total_heads, first.head_dim), tokens, computed, prompt_len, cache
+            blob.header, (first.layers, self.total_heads, first.head_dim), prompt, computed, prompt_len, cache
         )
         if why:
             raise RequestError(why)

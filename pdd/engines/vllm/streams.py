@@ -37,6 +37,7 @@ from typing import Any
 
 from pdd.engine_port import StepOutput
 from pdd.engines.vllm.draw import draw_args
+from pdd.kv.blocks import PrefixHashes
 from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import Logprob, SamplingParams
 
@@ -82,6 +83,7 @@ class Request:
     hit: int = 0  # prompt tokens vLLM held at admission (the reservation's local hit)
     blocks: list[int] = field(default_factory=list)  # the reservation's (or a hold's) block ids
     imported: int = 0  # prompt tokens whose KV is in or on its way in (from the hit on)
+    prompt_hashes: PrefixHashes | None = None  # its prompt's, kept as its imports are checked
     writes: list[asyncio.Future] = field(default_factory=list)  # imports being written
     loaded: bool = False  # the scheduler was told the KV is complete
     producing: bool = False  # a final chunk was sent: outputs are streamed

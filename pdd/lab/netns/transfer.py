@@ -32,6 +32,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdd.config import PolicySpec
 from pdd.lab.bench import options
 from pdd.lab.netns.transfer_loopback import KEY, SHAPES, Receiver
 
@@ -83,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="--loopback's KV path: the tiny model (fp32, 4 KiB of KV a token), realistic pages "
         "(Qwen2.5-0.5B's KV geometry, random weights, bf16, 12 KiB a token), or both (default)",
+    )
+    p.add_argument(
+        "--kv-chunk-tokens",
+        type=int,
+        default=PolicySpec.kv_chunk_tokens,
+        help=f"--loopback's KV path: tokens of a layer a frame, as P's [policy] kv_chunk_tokens "
+        f"(default {PolicySpec.kv_chunk_tokens}, P's)",
     )
     p.add_argument("--repeats", type=int, default=3, help="--loopback: runs of each, their median (default 3)")
     p.add_argument("--prompts", type=int, default=32, help="--lossy: prompts (random token IDs, default 32)")

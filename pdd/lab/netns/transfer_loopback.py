@@ -2,8 +2,9 @@
 
 Rows: raw TCP (a `recv_into` loop into one buffer), pdd's frames with and without
 authentication (`--frame-kib` frames after the handshake, as a KV connection sends them),
-and the whole KV path (a prompt's KV exported and encoded as P does, one frame a prompt,
-framed, decoded and imported as MD does) on each `--model-shape`: the default tiny model
+and the whole KV path (a prompt's KV exported and sent as P sends it, one layer of one
+`--kv-chunk-tokens` chunk a frame, its parts framed and authenticated without a copy;
+decoded, put back together and imported chunk by chunk as MD does) on each `--model-shape`: the default tiny model
 (fp32, 4 layers: 4 KiB of KV a token), and realistic pages, a checkpoint of random weights
 with Qwen2.5-0.5B's KV geometry (24 layers x 2 KV heads x 64, bf16: 12 KiB a token) in
 16-token pages. MB/s at the receiver, the median of `--repeats` runs each.
@@ -130,7 +131,7 @@ async def _receive_frames(
 ) -> None:
     from pdd.transfer.wire import serve, server_handshake
 
-    done, count, began, open_conns = asyncio.Event(), [0], [0.0], [0]
+    done, count, got, began, open_conns = asyncio.Event(), [0], [0], [0.0], [0]
     land = _importer(*kv) if kind == "kv" else None
     order: list[str] = []  # `order`: each frame's channel, "u" or "b", in order of arrival
 
@@ -141,12 +142,14 @@ async def _receive_frames(
             while True:  # until the sender closes its end
                 frame = await conn.next_frame()
                 if land is not None:
-                    land(frame.payload)
+                    land(frame)
                 order.append(channel)
                 count[0] += 1
                 if count[0] == 1:
                     began[0] = time.monotonic()
-                elif count[0] == frames:
+                else:
+                    got[0] += len(frame.payload)
+                if count[0] == frames:
                     done.set()
         finally:
             open_conns[0] -= 1
@@ -154,7 +157,7 @@ async def _receive_frames(
     server = await serve(framed, host, 0, None if kind == "plain" else KEY)
     ready.put(server.sockets[0].getsockname()[1])
     await done.wait()
-    result.put("".join(order) if kind == "order" else (frames - 1) * frame_bytes / (time.monotonic() - began[0]) / 1e6)
+    result.put("".join(order) if kind == "order" else got[0] / (time.monotonic() - began[0]) / 1e6)
     server.close()
     for _ in range(1000):  # the sender closes its connections: their handlers end
         if not open_conns[0]:
@@ -163,23 +166,31 @@ async def _receive_frames(
 
 
 def _importer(model: KVModel, prompt_tokens: int) -> Callable[[Any], None]:
-    """What MD does with a KV frame of a `prompt_tokens` prompt, as a function of its
-    payload: decode it and import it into a reservation (then abort it, freeing its pages)."""
+    """What MD does with the KV frames of `prompt_tokens` prompts, as a function of each
+    frame: decode it, put its request's chunks back together (`Reassembly`), import each
+    whole chunk into the request's reservation, and once all are in, abort it (freeing its pages)."""
     import torch
 
     from pdd.kv import codec
+    from pdd.kv.reassembly import Reassembly
     from pdd.sampling import SamplingParams
+    from pdd.transfer import messages as m
 
     torch.set_num_threads(1)  # (one core a process, as the frame layer: two of torch's threads each ran at 0.17x)
-    engine = engine_for(prompt_tokens // PAGE + 8, model)
-    prompt, count = bench_prompt(prompt_tokens), [0]
+    engine = engine_for(2 * (prompt_tokens // PAGE + 8), model)
+    prompt, arriving = bench_prompt(prompt_tokens), {}
 
-    def land(payload: Any) -> None:
-        rid = f"r{count[0]}"
-        count[0] += 1
-        engine.reserve(rid, prompt, SamplingParams(max_tokens=1), use_cache=False)
-        engine.import_kv(rid, codec.decode(payload))
-        engine.abort(rid)
+    def land(frame: Any) -> None:
+        layer, data = m.decode_kv(frame)
+        if layer.rid not in arriving:
+            engine.reserve(layer.rid, prompt, SamplingParams(max_tokens=1), use_cache=False)
+            arriving[layer.rid] = Reassembly(0, prompt_tokens)
+        kv = arriving[layer.rid]
+        for whole in kv.add(codec.decode(data)):
+            engine.import_kv(layer.rid, whole)
+        if kv.complete:
+            engine.abort(layer.rid)
+            del arriving[layer.rid]
 
     return land
 
@@ -238,43 +249,53 @@ class Receiver:
 
 class KVSender:
     """P's side of the whole KV path on `model`: a prompt prefilled once, its KV exported
-    and encoded afresh for every frame, as P does it."""
+    afresh for every prompt sent and sent as P sends it (`layer_pieces`: one layer of one
+    `chunk_tokens` chunk a frame, each encoded into parts)."""
 
-    def __init__(self, model: KVModel, prompt_tokens: int):
+    def __init__(self, model: KVModel, prompt_tokens: int, chunk_tokens: int):
         import torch
 
-        from pdd.kv import codec
-
         torch.set_num_threads(1)  # (see `_importer`)
-        self.model, self.prompt_tokens = model, prompt_tokens
+        self.model, self.prompt_tokens, self.chunk_tokens = model, prompt_tokens, chunk_tokens
         self.engine, self.prompt = prefilled(prompt_tokens, model=model)
         self.bytes_per_token = self.engine.pool.bytes_per_token()
         cfg = self.engine.model_cfg
         self.geometry = f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
-        self._encode = codec.encode
+        self._sent = 0
 
-    def frame(self) -> bytes:
-        return self._encode(self.engine.export_kv("kv", 0, len(self.prompt)))
+    def frames(self) -> list[list[Any]]:
+        """A prompt's KV frames' payloads (each a list of parts), as P sends them to a fresh request."""
+        from pdd.instance.prefill_kv import KV_FRAME_BYTES, layer_pieces
+        from pdd.kv import codec
+        from pdd.transfer import messages as m
+
+        self._sent += 1
+        pieces = layer_pieces(self.engine.export_kv("kv", 0, len(self.prompt)), self.chunk_tokens)
+        return [
+            m.kv_payload(f"r{self._sent}", codec.encode_layers(group))
+            for group in codec.frame_groups(pieces, KV_FRAME_BYTES)
+        ]
 
     def label(self) -> str:
         what = "tiny model" if self.model.shape == "tiny" else "realistic pages (Qwen2.5-0.5B's KV, random weights)"
         return (
             f"whole KV path, {what}: {self.model.dtype}, {self.geometry}, {PAGE}-token pages, "
-            f"{self.bytes_per_token:,} B a token"
+            f"{self.bytes_per_token:,} B a token, {self.chunk_tokens}-token chunks"
         )
 
 
 def _loopback_mb_per_s(kind: str, mbytes: int, frame_bytes: int, kv: KVSender | None = None) -> float:
-    """MB/s at the receiver of `kind`'s frames (see `_receive`) on loopback. `kv`: each
-    frame is the KV of its prompt, exported from an engine and encoded as P does it (so
-    the frame's size is the KV's)."""
+    """MB/s at the receiver of `kind`'s frames (see `_receive`) on loopback. `kv`: prompts'
+    KV, exported from an engine and sent as P sends it (`KVSender`), `mbytes` of it."""
     from pdd.transfer.messages import Hello, to_dict
-    from pdd.transfer.wire import MsgType, connect
+    from pdd.transfer.wire import MsgType, connect, payload_len
 
-    if kv is not None:
-        frame_bytes = len(kv.frame())
     frames = max(2, mbytes * 1_000_000 // frame_bytes)
-    blob = b"\x01" * frame_bytes if kv is None else b""
+    if kv is not None:
+        one = kv.frames()
+        prompts = max(2, mbytes * 1_000_000 // sum(map(payload_len, one)))
+        frames = prompts * len(one)
+    blob = b"\x01" * frame_bytes
 
     def send_raw(port: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -284,8 +305,13 @@ def _loopback_mb_per_s(kind: str, mbytes: int, frame_bytes: int, kv: KVSender | 
     async def send(port: int) -> None:
         hello = Hello("prefill", "bench", channel="urgent")
         conn, _ = await connect("127.0.0.1", port, None if kind == "plain" else KEY, lambda v: to_dict(hello, v))
-        for _ in range(frames):
-            await conn.send(MsgType.KV_LAYER, blob if kv is None else kv.frame())
+        if kv is None:
+            for _ in range(frames):
+                await conn.send(MsgType.KV_LAYER, blob)
+        else:
+            for _ in range(prompts):
+                for payload in kv.frames():
+                    await conn.send(MsgType.KV_LAYER, payload)
         conn.close()
         await conn.wait_closed()
 
@@ -310,7 +336,7 @@ def loopback(args: argparse.Namespace) -> int:
     senders: dict[str, KVSender] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in SHAPES if args.model_shape == "both" else (args.model_shape,):
-            sender = KVSender(kv_model(shape, Path(tmp), args.prompt_tokens), args.prompt_tokens)
+            sender = KVSender(kv_model(shape, Path(tmp), args.prompt_tokens), args.prompt_tokens, args.kv_chunk_tokens)
             key = "kv" if shape == "tiny" else f"kv_{shape}"  # ("kv": the tiny model's, as before)
             labels[key], bytes_per_token[key], senders[key] = sender.label(), sender.bytes_per_token, sender
         runs: dict[str, list[float]] = {key: [] for key in labels}
@@ -321,8 +347,9 @@ def loopback(args: argparse.Namespace) -> int:
     rates = {key: statistics.median(r) for key, r in runs.items()}
     title = (
         f"The frame layer on loopback, two processes ({args.mbytes} MB of {args.frame_kib} KiB frames; "
-        f"the whole KV path: a {args.prompt_tokens}-token prompt's KV a frame, exported, encoded, framed "
-        f"(authenticated), decoded and imported; the median of {args.repeats} runs)"
+        f"the whole KV path: {args.prompt_tokens}-token prompts' KV, exported and sent as P sends it, "
+        f"{args.kv_chunk_tokens} tokens of a layer a frame (authenticated), decoded, put together and "
+        f"imported as MD does; the median of {args.repeats} runs)"
     )
     table = Table(title=title)
     for col in ("", "MB/s", "x raw TCP", "each run: MB/s (x its raw TCP)"):
@@ -340,6 +367,7 @@ def loopback(args: argparse.Namespace) -> int:
             "kv_bytes_per_token": bytes_per_token,
             "frame_kib": args.frame_kib,
             "prompt_tokens": args.prompt_tokens,
+            "kv_chunk_tokens": args.kv_chunk_tokens,
         }
         args.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0

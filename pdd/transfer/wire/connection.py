@@ -29,6 +29,7 @@ from pdd.transfer.wire.frame import (
     FrameCodec,
     FrameError,
     MsgType,
+    Payload,
     encode_json,
     offered_protocol,
 )
@@ -103,7 +104,7 @@ class FramedConnection:
         # plain TCP: frames may go to the kernel by `writev` (`_write`); under TLS only the transport writes
         self._fd = sock.fileno() if sock is not None and writer.get_extra_info("sslcontext") is None else -1
 
-    async def send(self, msg_type: MsgType, payload: bytes | memoryview = b"") -> None:
+    async def send(self, msg_type: MsgType, payload: Payload = b"") -> None:
         """Write one frame whole (concurrent senders never interleave), then wait for
         the socket buffer to drain, so a slow line pushes back on the producer."""
         self.post(msg_type, payload)
@@ -174,7 +175,7 @@ class FramedConnection:
             elif frame.type != MsgType.PONG:
                 return frame
 
-    def post(self, msg_type: MsgType, payload: Buffer = b"") -> None:
+    def post(self, msg_type: MsgType, payload: Payload = b"") -> None:
         """Queue one frame whole without waiting for the buffer to drain (a liveness
         probe must not wait behind a slow line's backlog; a striped sender drains each
         stream while it fills the next)."""

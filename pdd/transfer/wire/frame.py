@@ -117,6 +117,17 @@ class MsgType(IntEnum):
 
 
 Buffer = bytes | bytearray | memoryview
+# A payload: one buffer, or its parts in order (a KV frame's header and its tensors' own
+# memory: framed, authenticated and written without being joined into one copy first)
+Payload = Buffer | list[Buffer]
+
+
+def parts_of(payload: Payload) -> list[Buffer]:
+    return payload if isinstance(payload, list) else [payload]
+
+
+def payload_len(payload: Payload) -> int:
+    return sum(len(p) for p in parts_of(payload))
 
 
 class ByteSource(Protocol):
@@ -243,25 +254,27 @@ class FrameCodec:
         """Bytes a frame adds to its payload on this connection."""
         return HEADER.size + (self._tag_size if self._key else 0)
 
-    def encode_parts(self, msg_type: MsgType, payload: Buffer) -> list[Buffer]:
-        """The frame as separate buffers, so a large KV payload is never copied."""
+    def encode_parts(self, msg_type: MsgType, payload: Payload) -> list[Buffer]:
+        """The frame as separate buffers (the payload's parts as they are), so a large KV
+        payload is never copied."""
         msg_type = MsgType(msg_type)
-        if len(payload) > self.max_payload:
-            raise TooLarge(f"payload of {len(payload)} bytes exceeds the limit of {self.max_payload}")
+        parts, length = parts_of(payload), payload_len(payload)
+        if length > self.max_payload:
+            raise TooLarge(f"payload of {length} bytes exceeds the limit of {self.max_payload}")
         if self.version is None:
             raise RuntimeError("no protocol version yet: a server's end sends after the client's HELLO")
         flags = FLAG_AUTH if self._key else 0
-        crc = 0 if self._gmac else _checksum(self.version, payload)  # (a GMAC tag covers the frame)
+        crc = 0 if self._gmac else _checksum(self.version, parts)  # (a GMAC tag covers the frame)
         seq = self.send_seq
-        header = HEADER.pack(MAGIC, self.version, msg_type, flags, seq, len(payload), crc)
+        header = HEADER.pack(MAGIC, self.version, msg_type, flags, seq, length, crc)
         self.send_seq += 1
         if not self._send_key:  # set exactly when the connection has a key (the link's, then the session's)
-            return [header, payload]
+            return [header, *parts]
         if self._gmac:
-            return [header, payload, _gmac(self._send_key, seq, header, payload)]
-        return [header, payload, _mac(self._send_key, header, payload)]
+            return [header, *parts, _gmac(self._send_key, seq, [header, *parts])]
+        return [header, *parts, _mac(self._send_key, [header, *parts])]
 
-    def encode(self, msg_type: MsgType, payload: Buffer) -> bytes:
+    def encode(self, msg_type: MsgType, payload: Payload) -> bytes:
         return b"".join(self.encode_parts(msg_type, payload))
 
     async def read(self, reader: ByteSource) -> Frame:
@@ -297,7 +310,7 @@ class FrameCodec:
             tag = bytes(await _read_exactly(reader, self._tag_size, at_boundary=False))
             if self._gmac:
                 _check_gmac(self._recv_key, seq, header, payload, tag)  # (seq checked below, after the tag)
-            elif not hmac.compare_digest(tag, _mac(self._recv_key, header, payload)):
+            elif not hmac.compare_digest(tag, _mac(self._recv_key, [header, payload])):
                 raise BadMac("message authentication code does not match")
         if flags & ~_KNOWN_FLAGS:
             raise BadFlags(f"unknown flag bits {flags:#04x}")
@@ -307,20 +320,25 @@ class FrameCodec:
             raise UnknownType(f"unknown message type {raw_type}") from None
         if seq != self.recv_seq:
             raise BadSequence(f"sequence number {seq}, expected {self.recv_seq}")
-        if not self._gmac and _checksum(version, payload) != crc:
+        if not self._gmac and _checksum(version, [payload]) != crc:
             raise BadChecksum("payload checksum does not match")
         self.recv_seq += 1
         return Frame(msg_type, seq, payload, version)
 
 
-def _checksum(version: int, payload: Buffer) -> int:
-    """The CRC a frame without a GMAC tag carries: CRC32C from protocol 6, CRC32 before."""
-    return crc32c(payload) if version >= CRC32C_SINCE else zlib.crc32(payload)
+def _checksum(version: int, parts: list[Buffer]) -> int:
+    """The CRC a frame without a GMAC tag carries over its payload's `parts`: CRC32C from
+    protocol 6, CRC32 before."""
+    crc, step = 0, crc32c if version >= CRC32C_SINCE else zlib.crc32
+    for part in parts:
+        crc = step(part, crc)
+    return crc
 
 
-def _mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
-    mac = hmac.new(key, header, hashlib.sha256)
-    mac.update(payload)
+def _mac(key: bytes, parts: list[Buffer]) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
     return mac.digest()
 
 
@@ -329,16 +347,16 @@ def _nonce(seq: int) -> bytes:
     return bytes(4) + seq.to_bytes(8, "big")
 
 
-def gmac(key: bytes, nonce: int, data: Buffer) -> bytes:
+def gmac(key: bytes, nonce: int, data: Payload) -> bytes:
     """AES-256-GCM's tag over `data` (no plaintext) under a 96-bit `nonce` never reused with `key`."""
-    return _gmac(key, nonce, b"", data)
+    return _gmac(key, nonce, parts_of(data))
 
 
-def _gmac(key: bytes, seq: int, header: Buffer, payload: Buffer) -> bytes:
-    """AES-256-GCM over no plaintext, header and payload as associated data: their tag."""
+def _gmac(key: bytes, seq: int, parts: list[Buffer]) -> bytes:
+    """AES-256-GCM over no plaintext, `parts` (in order) as associated data: their tag."""
     enc = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq))).encryptor()
-    enc.authenticate_additional_data(header)
-    enc.authenticate_additional_data(payload)
+    for part in parts:
+        enc.authenticate_additional_data(part)
     enc.finalize()
     return enc.tag
 
@@ -386,10 +404,16 @@ def decode_json(payload: Buffer, max_bytes: int = MAX_JSON_BYTES) -> dict[str, A
     return obj
 
 
-def pack_with_header(header: dict[str, Any], blob: bytes | memoryview) -> bytes:
-    """u32 header length + JSON header + raw bytes: how binary frames (KV) describe themselves."""
+def with_header(header: dict[str, Any], blob: Payload) -> list[Buffer]:
+    """u32 header length + JSON header + raw bytes: how binary frames (KV) describe
+    themselves, as parts (the blob's own, not copied)."""
     encoded = encode_json(header)
-    return b"".join([_HEADER_LEN.pack(len(encoded)), encoded, blob])
+    return [_HEADER_LEN.pack(len(encoded)) + encoded, *parts_of(blob)]
+
+
+def pack_with_header(header: dict[str, Any], blob: Payload) -> bytes:
+    """`with_header`'s parts joined."""
+    return b"".join(with_header(header, blob))
 
 
 def split_with_header(payload: Buffer) -> tuple[memoryview, memoryview]:

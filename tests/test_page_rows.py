@@ -1,0 +1,37 @@
+"""Imports into a host-memory pool by whole pages (`pdd.engine.page_rows`): the same slots
+as the token-by-token write, for every way a range can meet its pages."""
+
+import pytest
+import torch
+
+from pdd.engine import page_rows
+
+PAGE = 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize(
+    ("start", "n"),
+    [(0, 128), (0, 1), (5, 3), (5, 11), (5, 100), (16, 7), (32, 48), (3, 13), (0, 15)],
+    ids=lambda x: str(x),
+)
+def test_a_put_writes_exactly_the_slots_of_its_tokens(dtype: torch.dtype, start: int, n: int) -> None:
+    layers, heads, dim, num_pages = 3, 2, 8, 24
+    gen = torch.Generator().manual_seed(start * 1000 + n)
+    pages = torch.randperm(num_pages, generator=gen)[:12].tolist()
+    src = torch.randint(-100, 100, (layers, n, heads, dim), generator=gen).to(dtype)
+    pool = torch.zeros(layers, num_pages * PAGE, heads, dim, dtype=dtype)
+    want = pool.clone()
+    want[:, page_rows.slots(pages, PAGE, start, start + n)] = src
+    page_rows.put(pool, pages, PAGE, start, src)
+    assert torch.equal(pool, want)  # (every other slot, of other pages and of these, untouched)
+
+
+def test_a_put_into_a_layer_range_and_from_a_token_slice_of_a_blob() -> None:
+    """The engine writes `pool.k[layers]` from `blob.k[:, a:b]`: views, not copies."""
+    pool = torch.zeros(4, 64, 2, 8)
+    blob = torch.arange(4 * 40 * 2 * 8, dtype=torch.float32).view(4, 40, 2, 8)
+    pages = [3, 1, 0, 2]
+    page_rows.put(pool[1:3], pages, PAGE, 16, blob[1:3, 16:40])
+    assert torch.equal(pool[1:3][:, page_rows.slots(pages, PAGE, 16, 40)], blob[1:3, 16:40])
+    assert not pool[0].any() and not pool[3].any()
