@@ -25,7 +25,7 @@ it and the dtype are chosen, else gives each instance `CPU_KV_BYTES` (vLLM's
 context's KV exceeds that budget needs a larger one or a shorter `max_model_len`. Unless the environment says otherwise,
 vLLM's OpenMP threads are not pinned (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and number the
 instance's `--threads`, so several instances sharing a machine's cores share them
-instead of all pinning the same ones; and a single worker runs inside vLLM's engine
+instead of all pinning the same ones; and a single worker (one rank, one stage) runs inside vLLM's engine
 core process (`distributed_executor_backend = "uni"`, which vLLM allows on CPU only with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`). With the worker in a process of its own, the engine
 core waits for each step's answer on a shared-memory queue whose reader spins
@@ -135,11 +135,17 @@ def engine_kwargs(
         # input in only while compiling (AssertionError at the first request, eager), so there
         # it compiles (dynamo alone: no inductor, no triton-cpu needed)
         kwargs["enforce_eager"] = size["pipeline_parallel_size"] == 1
-        if config.vllm.get("tensor_parallel_size", 1) == 1:
+        if _one_worker(config):
             kwargs["distributed_executor_backend"] = "uni"
         if "kv_cache_memory_bytes" not in config.vllm and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_bytes(config, declared)
     return {**kwargs, **{k: v for k, v in config.vllm.items() if k != "logits_processors"}}
+
+
+def _one_worker(config: EngineConfig) -> bool:
+    """Whether vLLM runs one worker: one tensor-parallel rank, one pipeline stage."""
+    size = sizes(config)
+    return size["tensor_parallel_size"] * size["pipeline_parallel_size"] == 1
 
 
 def _cpu_kv_bytes(config: EngineConfig, declared: Declared) -> int:
@@ -156,10 +162,7 @@ def engine_env(config: EngineConfig, threads: int) -> dict[str, str]:
     """Environment defaults for vLLM's processes (the instance's own environment wins)."""
     if config.device == "cpu":
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, threads))}
-        if (
-            config.vllm.get("distributed_executor_backend", "uni") == "uni"
-            and config.vllm.get("tensor_parallel_size", 1) == 1
-        ):
+        if config.vllm.get("distributed_executor_backend", "uni") == "uni" and _one_worker(config):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
     if config.device.startswith("cuda:"):  # the instance's GPUs, one per rank, in rank order
