@@ -76,8 +76,8 @@ def test_each_stage_carries_its_own_layers_and_an_export_gathers_every_stage():
         w = bridge.worker
         for i, cache in enumerate(w.copier.layers):  # its stage's layers, its head
             got_k, got_v = cache.read(slots)
-            layer = 2 * w.stage + i
-            assert torch.equal(got_k, k[layer, :, w.rank : w.rank + 1]) and torch.equal(got_v, v[layer, :, w.rank : w.rank + 1])
+            layer, head = 2 * w.stage + i, slice(w.rank, w.rank + 1)
+            assert torch.equal(got_k, k[layer, :, head]) and torch.equal(got_v, v[layer, :, head])
     out = asyncio.run(kv.read(blocks, tokens, 0, 40))
     assert torch.equal(out.k, k) and torch.equal(out.v, v) and out.header.num_layers == 4
     middle = asyncio.run(kv.read(blocks, tokens, 5, 33, range(1, 3)))  # a layer of each stage

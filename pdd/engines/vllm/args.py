@@ -10,10 +10,10 @@ units: pdd owns it), `num_pages` the number of blocks (`num_gpu_blocks_override`
 `max_running` vLLM's `max_num_seqs`, `max_batch_tokens` its `max_num_batched_tokens`,
 `dtype` its dtype. Under decode context parallelism (`decode_context_parallel_size` D in
 `[engine.vllm]`) vLLM's scheduler block spans D of its ranks' blocks: a page is that
-block, and vLLM's `block_size` (a rank's) is `page_size / D`. Each is AUTO ("auto") on vLLM unless chosen: vLLM profiles its
-memory and picks its own defaults, and pdd reads back what it chose. A vLLM spelling
-of the same value in `[engine.vllm]` is taken when pdd's is AUTO and refused when both
-are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
+block, and vLLM's `block_size` (a rank's) is `page_size / D`. Each is AUTO ("auto") on
+vLLM unless chosen: vLLM profiles its memory and picks its own defaults, and pdd reads
+back what it chose. A vLLM spelling of the same value in `[engine.vllm]` is taken when
+pdd's is AUTO and refused when both are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
 (tensor_parallel_size, gpu_memory_utilization, quantization, kv_cache_dtype, ...),
 except what pdd itself must set for its connector, events and sampler to work, which
 is refused by name.
