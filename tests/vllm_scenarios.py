@@ -39,19 +39,17 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(16, 4096) for _ in range(n)]
 
 
-def write_config(path: Path, mode: str, instances: str = "", vllm: str = "") -> str:
-    """`vllm`: more lines of `[engine.vllm]`."""
+def write_config(path: Path, mode: str, instances: str = "") -> str:
     path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
                     + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items())
-                    + ENGINE + vllm + LIVENESS + instances)
+                    + ENGINE + LIVENESS + instances)
     return str(path)
 
 
 @contextlib.contextmanager
-def deployment(tmp_path_factory, mode: str, *args: str, instances: str = "", name: str = "",
-               vllm: str = "") -> Iterator[Deployment]:
+def deployment(tmp_path_factory, mode: str, *args: str, instances: str = "", name: str = "") -> Iterator[Deployment]:
     """`pdd up` of `mode` under this module's line and policy, given vLLM's time to start."""
-    conf = write_config(tmp_path_factory.mktemp(name or mode) / "pdd.toml", mode, instances, vllm)
+    conf = write_config(tmp_path_factory.mktemp(name or mode) / "pdd.toml", mode, instances)
     with pdd_up("--config", conf, *args, timeout=VLLM_START_S) as d:
         yield d
 
