@@ -4,11 +4,12 @@ The pdd instance asks it, over the bridge, to write KV into a reservation's bloc
 to read KV out of a held request's blocks: its tensor-parallel shard of the heads only
 (an MLA latent is whole on every rank), of the layers its pipeline stage holds only, of
 the tokens decode context parallelism gives its rank only (`split`), in the cache's own
-storage dtype (an fp8 cache's bytes), through `layout`. The KV itself crosses through a staging region both processes
-map (`staging`), one slice a slot; the copies between that region and the cache run on
-a thread of their own, beside the forward passes (`copier`), so the model thread never
-waits for them. What the scheduler decided (loads complete, holds released) arrives in
-the step's metadata and is reported back in `get_finished`, as vLLM expects.
+storage dtype (an fp8 cache's bytes), through `layout`. The KV itself crosses through a
+staging region both processes map (`staging`), one slice a slot; the copies between
+that region and the cache run on a thread of their own, beside the forward passes
+(`copier`), so the model thread never waits for them. What the scheduler decided (loads
+complete, holds released) arrives in the step's metadata and is reported back in
+`get_finished`, as vLLM expects.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class WorkerSide:
         self.copier: Copier | None = None  # once the caches are registered
         self.channel = bridge.connect(extra["bridge"], extra["token"], {"side": "worker", "rank": self.index})
         bridge.serve_forever(self.channel, self._on_message, f"pdd-worker{self.index}-bridge")
-        self.block_size = vllm_config.cache_config.block_size  # the scheduler's blocks (a layout's may be smaller)
+        # its blocks: the scheduler's (a layout's may be smaller), or under DCP 1/D of one (`split`)
+        self.block_size = vllm_config.cache_config.block_size
         self.layer_index: dict[str, int] = {}  # a carried layer's name -> its place among them
         self.layer_start = 0  # the model's index of the first of them (its stage's first layer)
         self.step = 0  # steps begun (every rank counts the same)
@@ -97,13 +99,12 @@ class WorkerSide:
         if missing:
             raise RuntimeError(f"pdd's KV connector cannot carry caches vLLM describes no layer for: {missing[:3]}")
         layers = [context[n] for n in names]
-        layer_start = _layer_start(names, self.stages)
+        self.layer_start = _layer_start(names, self.stages)
         shape = describe(self.config, layers, self.rank, self.world)
         first = kv_caches[names[0]]
         check_against_vllm(shape, layers[0], first, self.config.model_config.dtype)
         layers_out = [shape.layout_of(kv_caches[n]) for n in names]
         self.layer_index = {n: i for i, n in enumerate(names)}
-        self.layer_start = layer_start
         if first.device.type == "cuda":
             self.region.pin()
         self.copier = Copier(
@@ -117,6 +118,10 @@ class WorkerSide:
             self.split,
         )
         self.copier.start()
+        self._announce(len(names), shape, first)
+
+    def _announce(self, layers: int, shape: Any, first: torch.Tensor) -> None:
+        """Log what this worker carries, and tell the instance (with its staging region)."""
         held = (
             f"a latent of {shape.head_dim}"
             if shape.latent
@@ -125,8 +130,8 @@ class WorkerSide:
         log.info(
             "pdd KV connector: layers [%d, +%d) of %s (%s%s), %d blocks of %d tokens, %s (%s), rank %d of %d, "
             "stage %d of %d, DCP rank %d of %d",
-            layer_start,
-            len(names),
+            self.layer_start,
+            layers,
             shape.backend,
             shape.layout,
             f", {shape.isa}" if shape.isa else "",
@@ -144,8 +149,8 @@ class WorkerSide:
         self.channel.send(
             {
                 "op": "layout",
-                "layers": len(names),
-                "layer_start": layer_start,
+                "layers": layers,
+                "layer_start": self.layer_start,
                 "blocks": first.shape[0] * first.shape[2] // self.block_size,
                 "block_size": self.block_size * self.split.world,  # the scheduler's, which DCP's ranks share
                 "dcp": [self.split.rank, self.split.world, self.split.interleave],
