@@ -411,9 +411,9 @@ def check_devices(e: EngineConfig, where: str) -> None:
         ranks *= size
     if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
         raise ConfigError(
-            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for {ranks} ranks (tensor_parallel_size x "
-            f'pipeline_parallel_size): list one per rank (device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), '
-            'or "cuda" for all visible'
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for tensor_parallel_size x "
+            f"pipeline_parallel_size = {ranks}: list one per rank "
+            f'(device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all visible'
         )
 
 

@@ -153,7 +153,7 @@ def test_auto_sizes_read_from_a_file_and_the_command_line():
     stages = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     pp = cfg.parse({"engine": {"backend": "vllm", "device": "cuda:0,1,2,3", "vllm": stages}})
     assert pp.engine.vllm == stages
-    with pytest.raises(cfg.ConfigError, match=r"names 2 GPU\(s\) for 4 ranks \(tensor_parallel_size x pipeline"):
+    with pytest.raises(cfg.ConfigError, match=r"2 GPU\(s\) for tensor_parallel_size x pipeline_parallel_size = 4"):
         cfg.parse({"engine": {"backend": "vllm", "device": "cuda:0,1", "vllm": stages}})
     with pytest.raises(cfg.ConfigError, match="pipeline_parallel_size must be a whole number of at least 1, not 0"):
         cfg.parse({"engine": {"backend": "vllm", "vllm": {"pipeline_parallel_size": 0}}})
