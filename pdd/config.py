@@ -397,20 +397,23 @@ def check_devices(e: EngineConfig, where: str) -> None:
         if len(given) > 1:
             raise ConfigError(f"{where}.device = {e.device!r}: the {e.backend} engine runs on one device")
         return
-    for key in ("pipeline_parallel_size", "data_parallel_size"):  # (one engine, one bridge, one set of ranks)
+    for key in ("data_parallel_size",):  # (one engine, one bridge, one set of ranks)
         if e.vllm.get(key, 1) != 1:
             raise ConfigError(
                 f"{where}.vllm.{key} = {e.vllm[key]!r}: pdd runs one vLLM engine of tensor-parallel "
                 "ranks per instance (more instances for more data parallelism)"
             )
-    ranks = e.vllm.get("tensor_parallel_size", 1)
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ConfigError(f"{where}.vllm.tensor_parallel_size must be a whole number of at least 1, not {ranks!r}")
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):  # a GPU a rank of each stage
+        size = e.vllm.get(key, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"{where}.vllm.{key} must be a whole number of at least 1, not {size!r}")
+        ranks *= size
     if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
         raise ConfigError(
-            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for tensor_parallel_size = {ranks}: "
-            f'list one per rank (device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all '
-            "visible"
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for tensor_parallel_size x "
+            f"pipeline_parallel_size = {ranks}: list one per rank "
+            f'(device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all visible'
         )
 
 

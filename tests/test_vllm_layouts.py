@@ -471,8 +471,7 @@ def test_vllms_cuda_kernels_write_what_pdd_reads(layout, cache_dtype):
             {},
             "CPU_ATTN packs an fp8",
         ),
-        (attention_layer(FlashAttentionBackend, dense_spec()), {"pipeline_parallel_size": 2}, "pipeline-parallel"),
-        (attention_layer(FlashAttentionBackend, dense_spec()), {"decode_context_parallel_size": 2}, "context parallel"),
+        (attention_layer(FlashAttentionBackend, dense_spec()), {"prefill_context_parallel_size": 2}, "prefill context"),
     ],
 )
 def test_what_pdd_cannot_carry_exactly_is_refused_by_name(layer, parallel, why):
@@ -523,31 +522,37 @@ class Bridge:
 
 
 def workers(
-    config: Any, layers: dict[str, Any], caches: list[dict[str, torch.Tensor]], slot_bytes: int = SLOT_BYTES
+    config: Any,
+    layers: dict[str, Any],
+    caches: list[dict[str, torch.Tensor]],
+    slot_bytes: int = SLOT_BYTES,
+    places: list[dict[str, Any]] | None = None,
 ) -> tuple[WorkerKV, list[Bridge]]:
     """One `WorkerSide` a rank over `caches[rank]`, registered as vLLM registers them, and
     the instance's `WorkerKV` built from their "layout" messages (`slot_bytes`: each
-    staging slot's size, small to cut a request into many slices)."""
+    staging slot's size, small to cut a request into many slices; `places`: each worker's
+    tensor-parallel rank and world, pipeline stage and stages, DCP share, where not TP alone)."""
     kv, bridges = WorkerKV(), []
     config.compilation_config.static_forward_context = layers
     for rank, rank_caches in enumerate(caches):
         worker = WorkerSide.__new__(WorkerSide)  # (its __init__ dials the bridge; what it sets up besides:)
         worker.config, worker.rank, worker.world = config, rank, len(caches)
+        worker.__dict__.update(places[rank] if places else {})
         worker.region, worker.copier = Region.create(slot_bytes, SLOTS), None
         worker.block_size = config.cache_config.block_size
         bridge = Bridge(kv, worker)
         worker.register_kv_caches(rank_caches)
-        kv.workers[rank] = WorkerInfo.from_layout(bridge, bridge.layout)
+        kv.workers[worker.index] = WorkerInfo.from_layout(bridge, bridge.layout)
         bridges.append(bridge)
     return kv, bridges
 
 
 def blob(kv: WorkerKV, tokens: list[int], end: int, k: torch.Tensor, v: torch.Tensor) -> codec.KVBlob:
-    w = kv.ranks[0]
+    w, n = kv.ranks[0], kv.num_layers
     header = codec.KVHeader(
-        num_layers=w.layers, layer_start=0, layer_end=w.layers, kv_heads=kv.total_heads, head_dim=w.head_dim,
+        num_layers=n, layer_start=0, layer_end=n, kv_heads=kv.total_heads, head_dim=w.head_dim,
         dtype=w.dtype, page_size=w.block_size, token_start=0, token_end=end, block_size=16,
-        block_hashes=block_hashes(tokens[:end], 16), latent=w.latent, scales=list(w.scales),
+        block_hashes=block_hashes(tokens[:end], 16), latent=w.latent, scales=list(kv.scales),
     )  # fmt: skip
     return codec.KVBlob(header, k, v)
 

@@ -43,6 +43,7 @@ _ROPE_PARAMETERS = {
     "yarn": ("factor",),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral's, Qwen-MoE's, DeepSeek's
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class Declared:
     max_position: int
     num_layers: int
     kv_values_per_token: int  # K and V of every layer (MLA: one latent vector a layer)
+    experts: int = 0  # routed experts a MoE layer chooses among (0: a dense model)
+    latent: bool = False  # multi-head latent attention (MLA): one latent vector a token, no heads
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Declared:
@@ -79,6 +82,8 @@ class Declared:
             max_position=next((p for p in positions if isinstance(p, int) and p > 0), 0),
             num_layers=layers,
             kv_values_per_token=layers * per_layer,
+            experts=next((n for k in _EXPERTS if isinstance(n := cfg.get(k), int) and n > 0), 0),
+            latent=bool(cfg.get("kv_lora_rank")),
         )
 
 

@@ -8,10 +8,12 @@ pdd's sizes map onto vLLM's: `page_size` is vLLM's block size (one pdd page = on
 vLLM block, so the router's cache mirror and vLLM's prefix cache count the same
 units: pdd owns it), `num_pages` the number of blocks (`num_gpu_blocks_override`),
 `max_running` vLLM's `max_num_seqs`, `max_batch_tokens` its `max_num_batched_tokens`,
-`dtype` its dtype. Each is AUTO ("auto") on vLLM unless chosen: vLLM profiles its
-memory and picks its own defaults, and pdd reads back what it chose. A vLLM spelling
-of the same value in `[engine.vllm]` is taken when pdd's is AUTO and refused when both
-are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
+`dtype` its dtype. Under decode context parallelism (`decode_context_parallel_size` D in
+`[engine.vllm]`) vLLM's scheduler block spans D of its ranks' blocks: a page is that
+block, and vLLM's `block_size` (a rank's) is `page_size / D`. Each is AUTO ("auto") on
+vLLM unless chosen: vLLM profiles its memory and picks its own defaults, and pdd reads
+back what it chose. A vLLM spelling of the same value in `[engine.vllm]` is taken when
+pdd's is AUTO and refused when both are set. Everything else in `[engine.vllm]` goes to vLLM unchanged
 (tensor_parallel_size, gpu_memory_utilization, quantization, kv_cache_dtype, ...),
 except what pdd itself must set for its connector, events and sampler to work, which
 is refused by name.
@@ -23,7 +25,7 @@ it and the dtype are chosen, else gives each instance `CPU_KV_BYTES` (vLLM's
 context's KV exceeds that budget needs a larger one or a shorter `max_model_len`. Unless the environment says otherwise,
 vLLM's OpenMP threads are not pinned (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and number the
 instance's `--threads`, so several instances sharing a machine's cores share them
-instead of all pinning the same ones; and a single worker runs inside vLLM's engine
+instead of all pinning the same ones; and a single worker (one rank, one stage) runs inside vLLM's engine
 core process (`distributed_executor_backend = "uni"`, which vLLM allows on CPU only with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`). With the worker in a process of its own, the engine
 core waits for each step's answer on a shared-memory queue whose reader spins
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pdd.engine_port import AUTO, EngineConfig, devices, left_to_engine
+from pdd.engines.vllm.parallel import sizes
 from pdd.model.config import Declared
 
 # set by pdd for its connector, KV events and draw to work, and the block size its
@@ -93,9 +96,16 @@ def engine_kwargs(
             f"{config.hardware!r}) paces the embedded engine only"
         )
     declared = Declared.from_dir(model_dir)
+    size = sizes(config)
+    dcp = size["decode_context_parallel_size"]
+    if config.page_size % dcp:
+        raise ValueError(
+            f"[engine] page_size {config.page_size} is vLLM's scheduler block, which decode context parallelism "
+            f"splits across decode_context_parallel_size = {dcp} ranks: give a multiple of {dcp}"
+        )
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
-        "block_size": config.page_size,
+        "block_size": config.page_size // dcp,
         "enable_prefix_caching": True,
         "disable_log_stats": False,
         "kv_transfer_config": {
@@ -120,12 +130,22 @@ def engine_kwargs(
         if "max_model_len" not in config.vllm and declared.max_position:  # a context the pool can hold
             kwargs["max_model_len"] = min(declared.max_position, config.num_pages * config.page_size)
     if cpu:
-        kwargs["enforce_eager"] = True  # torch.compile needs triton-cpu, which vllm-cpu does not bring
-        if config.vllm.get("tensor_parallel_size", 1) == 1:
+        # eager: vLLM's torch.compile on CPU takes tens of seconds a worker at start. Under
+        # pipeline parallelism its CPU runner allocates the buffers a later stage receives its
+        # input in only while compiling (AssertionError at the first request, eager), so there
+        # it compiles (dynamo alone: no inductor, no triton-cpu needed)
+        kwargs["enforce_eager"] = size["pipeline_parallel_size"] == 1
+        if _one_worker(config):
             kwargs["distributed_executor_backend"] = "uni"
         if "kv_cache_memory_bytes" not in config.vllm and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_bytes(config, declared)
     return {**kwargs, **{k: v for k, v in config.vllm.items() if k != "logits_processors"}}
+
+
+def _one_worker(config: EngineConfig) -> bool:
+    """Whether vLLM runs one worker: one tensor-parallel rank, one pipeline stage."""
+    size = sizes(config)
+    return size["tensor_parallel_size"] * size["pipeline_parallel_size"] == 1
 
 
 def _cpu_kv_bytes(config: EngineConfig, declared: Declared) -> int:
@@ -142,10 +162,7 @@ def engine_env(config: EngineConfig, threads: int) -> dict[str, str]:
     """Environment defaults for vLLM's processes (the instance's own environment wins)."""
     if config.device == "cpu":
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, threads))}
-        if (
-            config.vllm.get("distributed_executor_backend", "uni") == "uni"
-            and config.vllm.get("tensor_parallel_size", 1) == 1
-        ):
+        if config.vllm.get("distributed_executor_backend", "uni") == "uni" and _one_worker(config):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
     if config.device.startswith("cuda:"):  # the instance's GPUs, one per rank, in rank order

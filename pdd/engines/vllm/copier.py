@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pdd.engines.vllm.layout import Layout
+from pdd.engines.vllm.split import TokenSplit
 from pdd.engines.vllm.staging import Region
 from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
 
@@ -53,8 +54,10 @@ class Copier:
         region: Region,
         answer: Callable[[dict[str, Any]], None],
         device: torch.device,
+        split: TokenSplit = TokenSplit(),
     ) -> None:
         self.layers, self.sides, self.storage, self.block_size = layers, sides, storage, block_size
+        self.split = split  # the tokens this rank holds (all, but under decode context parallelism)
         self.region, self.answer, self.device = region, answer, device
         self.stream = CopyStream(device)
         self.jobs: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -106,24 +109,23 @@ class Copier:
                 rest(time.perf_counter() - began)
 
     def slots(self, header: dict[str, Any]) -> torch.Tensor:
-        """The cache slots of tokens [token_start, token_end) in the scheduler's `blocks`,
-        the first of which begins at token `base` (a layout indexes them in its own,
-        possibly smaller, kernel blocks: vLLM splits each scheduler block into equal
-        consecutive ones)."""
-        bs = self.block_size
+        """The cache slots of this rank's tokens of [token_start, token_end) (all of them
+        but under decode context parallelism, `split`) in the scheduler's `blocks`, the
+        first of which begins at token `base` (a layout indexes them in its own, possibly
+        smaller, kernel blocks: vLLM splits each scheduler block into equal consecutive ones)."""
         blocks = torch.tensor(header["blocks"], dtype=torch.long)
-        positions = torch.arange(header["token_start"], header["token_end"], dtype=torch.long) - header["base"]
-        return (blocks[positions // bs] * bs + positions % bs).to(self.device)
+        positions = self.split.positions(header["token_start"], header["token_end"]) - header["base"]
+        return self.split.slots(blocks, positions, self.block_size).to(self.device)
 
-    def staged(self, header: dict[str, Any]) -> torch.Tensor:
+    def staged(self, header: dict[str, Any], tokens: int) -> torch.Tensor:
         """The slice's staging slot as [sides, layers, tokens, heads, head_dim] of the cache's storage dtype."""
-        tokens = header["token_end"] - header["token_start"]
         first, last = header.get("layers", (0, len(self.layers)))
         shape = (self.sides, last - first, tokens, header["heads"], header["head_dim"])
         return self.region.slot(header["slot"], self.storage, shape)
 
     def write(self, header: dict[str, Any]) -> None:
-        slots, staged = self.slots(header), self.staged(header)
+        slots = self.slots(header)
+        staged = self.staged(header, len(slots))
         with self.stream.copying():
             kv = staged.to(self.device, non_blocking=True)  # (the slot itself, on a CPU)
             for i, layer in enumerate(self.layers):
@@ -131,7 +133,8 @@ class Copier:
 
     def read(self, header: dict[str, Any]) -> None:
         """All layers, or `layers` [first, last) (after the step that computes them, `after`)."""
-        slots, staged = self.slots(header), self.staged(header)
+        slots = self.slots(header)
+        staged = self.staged(header, len(slots))
         first, last = header.get("layers", (0, len(self.layers)))
         after = self._after(*header["after"]) if "after" in header else None
         with self.stream.copying(after):

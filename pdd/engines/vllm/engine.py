@@ -33,9 +33,11 @@ from pdd.engines.vllm.bridge import BridgeServer
 from pdd.engines.vllm.events import EventSubscriber, VllmHashes
 from pdd.engines.vllm.kvio import WorkerInfo, WorkerKV
 from pdd.engines.vllm.layer_reads import LayerReads
+from pdd.engines.vllm.parallel import check_parallel
 from pdd.engines.vllm.requests import Requests
 from pdd.kv import codec
 from pdd.kv.blocks import PrefixHashes, block_hashes
+from pdd.model.config import Declared
 
 log = logging.getLogger(__name__)
 LAYOUT_TIMEOUT_S = 60.0  # after vLLM is up, every worker has described its cache
@@ -71,6 +73,8 @@ class VllmEngine(Requests):
         self.used_blocks = 0  # held by requests now (the scheduler side's live count)
         self.bridge = BridgeServer(self._dir, self._on_bridge, self._on_bridge_lost)
         events, replay = f"ipc://{self._dir}/events", f"ipc://{self._dir}/replay"
+        for note in check_parallel(config, Declared.from_dir(model_dir)):  # (refused here, before any weight loads)
+            log.warning("%s", note)
         kwargs = vargs.engine_kwargs(model_dir, config, self.bridge.path, self.bridge.token, events, replay)
         for key, value in vargs.engine_env(config, threads).items():
             os.environ.setdefault(key, value)
@@ -85,6 +89,7 @@ class VllmEngine(Requests):
             self.events = EventSubscriber(events, replay, self.hashes)
             if not self._layouts_done.wait(LAYOUT_TIMEOUT_S):
                 raise RuntimeError("vLLM's workers never described their KV caches to pdd's connector")
+            self.kv.check_stages()
             _check_vllm_kept_pdds_terms(self.llm.vllm_config, config.page_size)  # (a worker may change blocks)
         except BaseException as e:
             self.close()
@@ -95,7 +100,7 @@ class VllmEngine(Requests):
         vc = self.llm.vllm_config
         self.sizes = {
             "num_blocks": vc.cache_config.num_gpu_blocks - 1,  # (less vLLM's null block)
-            "block_size": vc.cache_config.block_size,
+            "block_size": vc.cache_config.block_size * vc.parallel_config.decode_context_parallel_size,
             "max_model_len": vc.model_config.max_model_len,
             "max_num_seqs": vc.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
@@ -245,8 +250,9 @@ def _check_vllm_kept_pdds_terms(vc: Any, page_size: int) -> None:
             "vLLM turned its prefix cache off for this model (it does for MLA models on CPU without AMX), and "
             "pdd's decode-side cache, reservations and cache events are vLLM's prefix cache: serve it on a GPU"
         )
-    if vc.cache_config.block_size != page_size:
+    block = vc.cache_config.block_size * vc.parallel_config.decode_context_parallel_size  # (the scheduler's)
+    if block != page_size:
         raise RuntimeError(
-            f"vLLM runs this model in blocks of {vc.cache_config.block_size} tokens, not pdd's page_size "
-            f"{page_size}: set [engine] page_size = {vc.cache_config.block_size}"
+            f"vLLM runs this model in blocks of {block} tokens, not pdd's page_size {page_size}: "
+            f"set [engine] page_size = {block}"
         )

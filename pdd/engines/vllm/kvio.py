@@ -1,9 +1,14 @@
-"""KV between pdd's blobs and vLLM's workers: split by tensor-parallel rank on the way in,
-gathered on the way out, in slices through each worker's staging region.
+"""KV between pdd's blobs and vLLM's workers: split by rank on the way in, gathered on the
+way out, in slices through each worker's staging region.
 
 Each worker holds a contiguous slice of the KV heads, from `head_start` on (rank r of
 w: heads [r * H / w, (r + 1) * H / w)); past H ranks, consecutive ranks hold the same
 head (vLLM replicates it), and an MLA cache's one latent "head" is whole on every rank.
+Under pipeline parallelism each stage's workers hold its consecutive layers, from
+`layer_start` on: a write gives each stage its layers, a read asks each stage for its
+part of the layers asked, and the KV is in (or out) only once every stage's part is.
+Under decode context parallelism each rank holds the tokens vLLM's rule gives it
+(`split`): a write sends each rank its tokens, a read gathers them back in token order.
 A blob (`pdd.kv.codec.KVBlob`, all heads) is cut into token slices that fit one staging
 slot (`pdd.engines.vllm.staging`); each slice of a rank's heads is copied into a free
 slot of that rank's region, converted to the cache's dtype on the way (an fp8 one only
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from pdd.engine_port import RequestError
+from pdd.engines.vllm.split import TokenSplit
 from pdd.engines.vllm.staging import Region
 from pdd.kv import codec
 from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
@@ -47,6 +53,13 @@ class WorkerInfo:
     scales: tuple[float, ...]  # an fp8 cache's K and V scale of every layer
     region: Region = field(repr=False)  # its staging region
     slots: Slots = field(repr=False)  # which of the region's slots are free
+    layer_start: int = 0  # the model's index of its first layer (its pipeline stage's)
+    split: TokenSplit = TokenSplit()  # the tokens it holds (decode context parallelism)
+
+    @property
+    def holds(self) -> range:
+        """The model's layers this worker holds."""
+        return range(self.layer_start, self.layer_start + self.layers)
 
     @property
     def sides(self) -> int:
@@ -75,6 +88,8 @@ class WorkerInfo:
             tuple(msg["scales"]),
             Region.attach(msg["fds"][0], msg["slot_bytes"], msg["slots"]),
             Slots(msg["slots"]),
+            msg["layer_start"],
+            TokenSplit(*msg["dcp"]),
         )
 
 
@@ -94,22 +109,40 @@ class WorkerKV:
 
     @property
     def readers(self) -> list[WorkerInfo]:
-        """The first rank holding each slice of heads, in head order: what an export reads."""
-        first: dict[int, WorkerInfo] = {}
+        """The first rank holding each slice of heads of each stage's layers and each
+        share of the tokens: what an export reads (a replica once)."""
+        first: dict[tuple[int, int, int], WorkerInfo] = {}
         for w in self.ranks:
-            first.setdefault(w.head_start, w)
-        return [first[h] for h in sorted(first)]
+            first.setdefault((w.layer_start, w.head_start, w.split.rank), w)
+        return [first[k] for k in sorted(first)]
 
     @property
     def total_heads(self) -> int:
-        return sum(w.heads for w in self.readers)
+        return sum(w.heads for w in self.readers if w.layer_start == 0 and w.split.rank == 0)
+
+    @property
+    def num_layers(self) -> int:
+        """The model's layers, over every stage."""
+        return max(w.holds.stop for w in self.ranks)
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """An fp8 cache's K and V scale of every layer of the model, stage after stage."""
+        stages = {w.layer_start: w.scales for w in self.ranks}
+        return tuple(s for start in sorted(stages) for s in stages[start])
+
+    def check_stages(self) -> None:
+        """Refuse stages whose layers do not tile the model's, one after another."""
+        held = sorted({(w.layer_start, w.layers) for w in self.ranks})
+        if any(a + n != b for (a, n), (b, _) in zip(held, held[1:], strict=False)) or held[0][0] != 0:
+            raise RuntimeError(f"pdd's KV connector cannot carry pipeline stages holding layers {held}")
 
     @property
     def bytes_per_token(self) -> int:
         """One token's KV over all layers and all heads, as an export carries it (replicas once)."""
         w = self.ranks[0]
         sides = 1 if w.latent else 2
-        return sides * w.layers * self.total_heads * w.head_dim * codec.ALL_DTYPES[w.dtype].itemsize
+        return sides * self.num_layers * self.total_heads * w.head_dim * codec.ALL_DTYPES[w.dtype].itemsize
 
     def answer(self, header: dict[str, Any]) -> None:
         """A worker's reply (bridge thread)."""
@@ -140,7 +173,7 @@ class WorkerKV:
         shape = (
             worker.sides,
             last - first,
-            header["token_end"] - header["token_start"],
+            len(worker.split.positions(header["token_start"], header["token_end"])),
             worker.heads,
             worker.head_dim,
         )
@@ -176,7 +209,8 @@ class WorkerKV:
         }
 
     async def write(self, blocks: list[int], blob: codec.KVBlob) -> None:
-        """Lay `blob` (all layers) into `blocks` on every worker, slice by slice."""
+        """Lay `blob` (all layers) into `blocks` on every worker, slice by slice: each
+        its stage's layers, its heads and its tokens."""
         h = blob.header
         sides = [blob.k, blob.v][: h.sides]
         sends = []
@@ -184,10 +218,10 @@ class WorkerKV:
             for a, b in kv_chunks(h.token_start, h.token_end, w.slice_tokens(w.layers)):
 
                 def fill(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
+                    tokens = w.split.index(a, b, h.token_start)
                     for side, x in enumerate(sides):
-                        staged[side].copy_(
-                            x[:, a - h.token_start : b - h.token_start, w.head_start : w.head_start + w.heads]
-                        )
+                        part = x[w.layer_start : w.holds.stop, :, w.head_start : w.head_start + w.heads]
+                        staged[side].copy_(part[:, tokens])
 
                 header = self._header("write", blocks, w.block_size, a, b, h.head_dim)
                 sends.append(self._slice(w, header, fill=fill))
@@ -203,27 +237,33 @@ class WorkerKV:
         after: tuple[int, int] | None = None,
     ) -> codec.KVBlob:
         """Tokens [start, end) of the request in `blocks` (whose tokens are `tokens`), all
-        layers or `layers`; `after` (layer, step): once each worker has computed that layer
-        of that step (a streamed prefill's, read while the step goes on)."""
+        layers or `layers` (the model's indices); `after` (layer, step): once each worker
+        has computed that layer of that step (a streamed prefill's, read while the step
+        goes on). Done once every stage's, rank's and token share's part is in."""
         first = self.ranks[0]
-        layers = layers or range(first.layers)
+        layers = layers or range(self.num_layers)
         dtype = codec.ALL_DTYPES[first.dtype]
         out = torch.empty(first.sides, len(layers), end - start, self.total_heads, first.head_dim, dtype=dtype)
-        extra: dict[str, Any] = {"layers": [layers.start, layers.stop]}
-        if after is not None:
-            extra["after"] = list(after)
         reads = []
         for w in self.readers:
-            for a, b in kv_chunks(start, end, w.slice_tokens(len(layers))):
+            mine = range(max(layers.start, w.layer_start), min(layers.stop, w.holds.stop))
+            if not mine:
+                continue
+            extra: dict[str, Any] = {"layers": [mine.start - w.layer_start, mine.stop - w.layer_start]}
+            if after is not None:
+                extra["after"] = [after[0] - w.layer_start, after[1]]
+            for a, b in kv_chunks(start, end, w.slice_tokens(len(mine))):
 
-                def empty(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b) -> None:
-                    out[:, :, a - start : b - start, w.head_start : w.head_start + w.heads].copy_(staged)
+                def empty(staged: torch.Tensor, w: WorkerInfo = w, a: int = a, b: int = b, mine: range = mine) -> None:
+                    at = w.split.index(a, b, start)
+                    heads = slice(w.head_start, w.head_start + w.heads)
+                    out[:, mine.start - layers.start : mine.stop - layers.start, at, heads] = staged
 
                 header = {**self._header("read", blocks, w.block_size, a, b, w.head_dim), **extra}
                 reads.append(self._slice(w, header, empty=empty))
         await asyncio.gather(*reads)
         header_out = codec.KVHeader(
-            num_layers=first.layers,
+            num_layers=self.num_layers,
             layer_start=layers.start,
             layer_end=layers.stop,
             kv_heads=self.total_heads,
@@ -235,7 +275,7 @@ class WorkerKV:
             block_size=HASH_BLOCK,
             block_hashes=block_hashes(tokens[:end], HASH_BLOCK),
             latent=first.latent,
-            scales=list(first.scales[2 * layers.start : 2 * layers.stop]),
+            scales=list(self.scales[2 * layers.start : 2 * layers.stop]),
         )
         return codec.KVBlob(header_out, out[0], out[0][..., :0] if first.latent else out[1])
 
@@ -244,9 +284,9 @@ class WorkerKV:
     ) -> None:
         first = self.ranks[0]
         raw = first.dtype if first.dtype in codec.RAW_DTYPES else None
-        cache = codec.CacheForm(first.latent, raw, first.scales)
+        cache = codec.CacheForm(first.latent, raw, self.scales)
         why = codec.check_continuation(
-            blob.header, (first.layers, self.total_heads, first.head_dim), prompt, computed, prompt_len, cache
+            blob.header, (self.num_layers, self.total_heads, first.head_dim), prompt, computed, prompt_len, cache
         )
         if why:
             raise RequestError(why)

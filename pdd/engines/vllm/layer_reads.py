@@ -2,8 +2,9 @@
 
 For a request `generate` was given a `LayerStream` for, the scheduler side puts in each
 step's metadata the prompt tokens the step computes and the blocks that hold them;
-rank 0's worker tells the instance (`"streaming"`), then, during the forward pass, the
-end of each layer (`"computed"`, from `save_kv_layer`). Each such layer is read at once
+the first worker tells the instance (`"streaming"`), then, during the forward pass,
+each pipeline stage's rank 0 the end of each of its layers (`"computed"`, from
+`save_kv_layer`). Each such layer is read at once
 through the staging slots (`kvio.WorkerKV.read`; every rank's read waits for its own
 model thread to have computed that layer) and put on the request's stream, in the
 order the layers were computed. The request's last output is held back until every
@@ -68,7 +69,7 @@ class LayerReads:
         assert req.stream is not None  # (only a streamed request's layers are read)
         req.stream.put(blob)
         req.streamed[layer] = end
-        layers = self.kv.ranks[0].layers
+        layers = self.kv.num_layers
         if len(req.streamed) == layers and min(req.streamed.values()) >= len(req.prompt):
             req.stream_whole.set()
 

@@ -177,15 +177,13 @@ class CacheShape:
 def describe(vllm_config: Any, layers: list[Any], rank: int, world: int) -> CacheShape:
     """The shape of these attention layers' caches on tensor-parallel rank `rank` of
     `world`, from vLLM's own description of each; whatever pdd cannot carry exactly is
-    refused by name."""
+    refused by name. (A pipeline stage's layers and a decode-context-parallel rank's
+    tokens are the worker's to say: `worker_side`, `split`.)"""
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise RuntimeError("pdd's KV connector does not carry KV across pipeline-parallel stages")
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        raise RuntimeError("pdd's KV connector does not carry KV whose tokens context parallelism shards across ranks")
+    if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        raise RuntimeError("pdd's KV connector does not carry KV whose tokens prefill context parallelism shards")
     first = layers[0]
     specs = [layer.get_kv_cache_spec(vllm_config) for layer in layers]
     spec = specs[0]

