@@ -100,7 +100,7 @@ class Physics:
     model: ModelShape
     gpus: int
     eff: Efficiency = Efficiency()
-    attention: AttentionLayout = AttentionLayout.TP
+    attention: AttentionLayout = AttentionLayout.TP_DCP  # the paper setting's (`pdd.lab.sim.paper.Setting`)
     # decode_s's per-batch-size costs (not a field: a cache)
     _decode_batch: dict[int, tuple[float, float, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False

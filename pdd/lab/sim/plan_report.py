@@ -183,12 +183,18 @@ def verdict_lines(v: dict[str, Any] | None, ratio: paper.Rho | None, probe: Prob
 
 
 def _price_line(even: dict[str, Any], who: str) -> str:
-    if even["always"]:
-        return f"{who} wins at every price of B searched"
-    if even["never"]:
-        return f"{who} loses at every price of B, even free B GPUs"
-    side = "below" if even["side_wins_below"] else "above"
-    return f"{who} wins {side} {even['price']:.3g} an hour"
+    if not even["wins"]:
+        return f"{who} loses at every price of B up to {even['span']:.3g} an hour, even free B GPUs"
+    if even["wins"] == [[0.0, even["span"]]]:
+        return f"{who} wins at every price of B up to {even['span']:.3g} an hour"
+    ranges = " and ".join(_range(low, high, even["span"]) for low, high in even["wins"])
+    return f"{who} wins {ranges} an hour"
+
+
+def _range(low: float, high: float, span: float) -> str:
+    if low == 0.0:
+        return f"below {high:.3g}"
+    return f"above {low:.3g}" if high == span else f"between {low:.3g} and {high:.3g}"
 
 
 def seeds_line(spread: list[dict[str, Any]], probe: Probe) -> str:

@@ -48,22 +48,24 @@ def _found(rows: Sequence[Row]) -> list[Row]:
 
 
 def break_even(side: Sequence[Row], rivals: Sequence[Row], b_price_now: float) -> dict[str, Any]:
-    """B's price at which the best of `side` and the best of `rivals`, both re-priced, have
-    equal BCR: `price` (None when none in [0, PRICE_SPAN x the price] does), and
-    `side_wins_below` (True: `side` wins at lower prices, as a side with more B GPUs does).
-    `always` / `never`: `side` wins, or loses, at every price searched."""
+    """B's prices at which the best of `side` and the best of `rivals`, both re-priced, have
+    equal BCR (`prices`, each found to 1e-9), and the ranges of B's price in [0, `PRICE_SPAN`
+    x its price] where `side` wins (`wins`, [low, high] each): a side with more B GPUs than
+    its rival wins below a price, but the rival that wins at the lowest prices may be all-B."""
 
     def gap(price: float) -> float:
         best = max(repriced_bcr(r, price, b_price_now) for r in side)
         return best / max(repriced_bcr(r, price, b_price_now) for r in rivals) - 1
 
-    prices = [PRICE_SPAN * b_price_now * i / PRICE_STEPS for i in range(PRICE_STEPS + 1)]
+    top = PRICE_SPAN * b_price_now
+    prices = [top * i / PRICE_STEPS for i in range(PRICE_STEPS + 1)]
     gaps = [gap(p) for p in prices]
-    for i in range(PRICE_STEPS):
-        if (gaps[i] > 0) != (gaps[i + 1] > 0):
-            price = _bisect(gap, prices[i], prices[i + 1])
-            return {"price": price, "side_wins_below": gaps[i] > 0, "always": False, "never": False}
-    return {"price": None, "side_wins_below": None, "always": gaps[0] > 0, "never": gaps[0] <= 0}
+    crossings = [
+        _bisect(gap, prices[i], prices[i + 1]) for i in range(PRICE_STEPS) if (gaps[i] > 0) != (gaps[i + 1] > 0)
+    ]
+    edges = [0.0, *crossings, top]
+    wins = [[low, high] for low, high in zip(edges, edges[1:], strict=False) if gap((low + high) / 2) > 0]
+    return {"prices": crossings, "wins": wins, "span": top}
 
 
 def _bisect(f: Callable[[float], float], low: float, high: float) -> float:
