@@ -122,6 +122,7 @@ def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path
         (('B = "X1"', 'B = "X2"'), "[sites] B: unknown chip 'X2'"),
         (("rtt_ms = 40", 'rtt_ms = "forty"'), "[line] rtt_ms: expected a number > 0, got 'forty'"),
         (("[fleet]", "[fleets]"), "[fleets]: unknown table"),
+        (("rtt_ms = 40", "rtt = 40"), "[line] rtt: unknown key (expected one of gbps, rtt_ms, price_per_gbps_hour)"),
         (("owned = { H800 = 48 }", "owned = { H100 = 48 }"), "[fleet] owned.H100: not a chip of [sites]"),
         (("task_tokens = [512, 1024]", "task_tokens = 512"), "[workload] task_tokens: expected [LOW, HIGH]"),
         (('config = "', 'config = "/nowhere'), "[model] config: /nowhere"),
