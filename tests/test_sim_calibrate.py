@@ -4,7 +4,6 @@ No timing is asserted: the machine running the tests is shared and noisy."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
-from pdd.lab.sim.fit import _nnls, fit
+from pdd.lab.sim.fit import fit
 from pdd.lab.sim.measure import Group, measure
 from pdd.lab.sim.profile import LocalProfile, load_profile, profile_to_json
 from pdd.perf.steps import EMPTY, Fitted, StepLoad, add, chunk_load
@@ -55,26 +54,6 @@ def test_fit_is_never_negative_where_least_squares_would_be() -> None:
     assert fitted.per_seq_s == 0.0
 
 
-def _brute_force_nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The best feasible least-squares solution over every subset of free coefficients."""
-    best, best_residual = np.zeros(a.shape[1]), float(np.linalg.norm(b))
-    for k in range(1, a.shape[1] + 1):
-        for subset in itertools.combinations(range(a.shape[1]), k):
-            x = np.zeros(a.shape[1])
-            x[list(subset)] = np.linalg.lstsq(a[:, subset], b, rcond=None)[0]
-            residual = float(np.linalg.norm(a @ x - b))
-            if x.min() >= 0 and residual < best_residual:
-                best, best_residual = x, residual
-    return best
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_nnls_finds_the_constrained_optimum(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    a, b = rng.normal(size=(12, 5)), rng.normal(size=12)
-    np.testing.assert_allclose(_nnls(a, b), _brute_force_nnls(a, b), atol=1e-9)
-
-
 _OPENED: list[EngineConfig] = []
 
 
@@ -112,10 +91,20 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     monkeypatch.setitem(engine_port._ENGINES, "recorded", f"{__name__}:_recorded_engine")
     # every kind of shape, small: prefills alone, a cached tail, decode batches, extends and
     # a prefill beside decoders that started in different steps
-    plan = (Group(0, 0, False, (32, 100)), Group(64, 0, True, (8,)), Group(64, 5, True, (0, 1, 8)),
-            Group(32, 3, False, (0, 40)))
-    measured = measure(str(tiny_model_dir), EngineConfig(backend="recorded"), threads=1, budget_s=60.0,
-                       progress=lambda done, total: calls.append((done, total)), plan=plan)
+    plan = (
+        Group(0, 0, False, (32, 100)),
+        Group(64, 0, True, (8,)),
+        Group(64, 5, True, (0, 1, 8)),
+        Group(32, 3, False, (0, 40)),
+    )
+    measured = measure(
+        str(tiny_model_dir),
+        EngineConfig(backend="recorded"),
+        threads=1,
+        budget_s=60.0,
+        progress=lambda done, total: calls.append((done, total)),
+        plan=plan,
+    )
     assert [c.backend for c in _OPENED] == ["recorded"]
     samples = measured.samples
     assert torch.get_num_threads() == threads
@@ -165,31 +154,43 @@ def test_profile_round_trip(tmp_path: Path) -> None:
 
 
 def _good_profile() -> dict:
-    return {"version": 1, "fitted": {**TRUTH.to_dict()}, "samples": 10, "median_rel_error": 0.1,
-            "p90_rel_error": 0.2, "threads": 1, "kv_bytes_per_token": 4096, "max_context": 4096,
-            "request_overhead_s": 0.004, "cores": 2}
+    return {
+        "version": 1,
+        "fitted": {**TRUTH.to_dict()},
+        "samples": 10,
+        "median_rel_error": 0.1,
+        "p90_rel_error": 0.2,
+        "threads": 1,
+        "kv_bytes_per_token": 4096,
+        "max_context": 4096,
+        "request_overhead_s": 0.004,
+        "cores": 2,
+    }
 
 
 def _without(d: dict, key: str) -> dict:
     return {k: v for k, v in d.items() if k != key}
 
 
-@pytest.mark.parametrize("text", [
-    "{not json",
-    "[1, 2]",
-    json.dumps({**_good_profile(), "version": 2}),
-    json.dumps(_without(_good_profile(), "fitted")),
-    json.dumps({**_good_profile(), "fitted": _without(TRUTH.to_dict(), "per_seq_s")}),
-    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_gpu_s": 1.0}}),
-    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "base_s": -1e-3}}),
-    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_token_s": "fast"}}),
-    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "source": 3}}),
-    json.dumps({**_good_profile(), "samples": 0}),
-    json.dumps({**_good_profile(), "threads": True}),
-    json.dumps(_without(_good_profile(), "p90_rel_error")),
-    json.dumps(_without(_good_profile(), "request_overhead_s")),
-    json.dumps({**_good_profile(), "cores": 0}),
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[1, 2]",
+        json.dumps({**_good_profile(), "version": 2}),
+        json.dumps(_without(_good_profile(), "fitted")),
+        json.dumps({**_good_profile(), "fitted": _without(TRUTH.to_dict(), "per_seq_s")}),
+        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_gpu_s": 1.0}}),
+        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "base_s": -1e-3}}),
+        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_token_s": "fast"}}),
+        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "source": 3}}),
+        json.dumps({**_good_profile(), "samples": 0}),
+        json.dumps({**_good_profile(), "threads": True}),
+        json.dumps(_without(_good_profile(), "p90_rel_error")),
+        json.dumps(_without(_good_profile(), "request_overhead_s")),
+        json.dumps({**_good_profile(), "cores": 0}),
+    ],
+)
 def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -214,8 +215,13 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
     offenders = []
     for path in sorted(Path(pdd.lab.sim.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             offenders += [f"{path.name}: {n}" for n in names if n == "pdd.engine" or n.startswith("pdd.engine.")]
     assert not offenders
 
