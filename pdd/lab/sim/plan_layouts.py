@@ -7,7 +7,9 @@ contexts is priced by the step model: decode by the tokens a second one instance
 decodes at the TPOT target per unit of price (`pdd.perf.decode`), prefill by the tokens
 a second it prefills of a half-context prompt, in chunks, per unit of price. The best
 per side and chip (the smallest instance within `SIZE_TOLERANCE` of it, for a finer
-choice of counts within a budget) is what the planner's layouts are built of; the expert-parallel size
+choice of counts within a budget; of those, the one with the most room for KV: a
+prefill instance's room is its prefix cache, which its computing rate does not see) is
+what the planner's layouts are built of; the expert-parallel size
 is the instance's (the experts spread over all its GPUs). Only layouts serving can run
 are offered unless named (`SERVED`).
 """
@@ -76,6 +78,7 @@ def options(
                             "chip": chip.name,
                             "attention": str(attention),
                             "gpus": gpus,
+                            "kv_tokens": trial.kv_capacity_tokens(hw, gpus, side),
                             "tokens_per_s": rate or 0.0,
                             "per_price": (rate or 0.0) / (gpus * chip.price_per_hour),
                             "served": SERVED[attention] is None,
@@ -107,7 +110,8 @@ def choose(
                 best = max((r for r in mine if r["gpus"] == smallest), key=lambda r: r["per_price"])
             else:
                 top = max(r["per_price"] for r in mine)
-                best = min((r for r in mine if r["per_price"] >= (1 - SIZE_TOLERANCE) * top), key=lambda r: r["gpus"])
+                near = [r for r in mine if r["per_price"] >= (1 - SIZE_TOLERANCE) * top]
+                best = min(near, key=lambda r: (r["gpus"], -r["kv_tokens"], -r["per_price"]))
             best["chosen"].append(side)
             chosen.append(paper.RoleLayout(side, hw, AttentionLayout(best["attention"]), best["gpus"]))
     return replace(setting, roles=tuple(chosen)), rows
