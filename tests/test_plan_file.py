@@ -214,6 +214,10 @@ def test_the_verdict_of_a_plan_file_run_agrees_with_re_pricing_its_rows(tmp_path
     if not even["wins"]:
         assert gap(0.0) < 0 and gap(even["span"]) < 0 and "loses at every price of B" in printed
     assert found["answer"] in ("yes", "no", "tie") and "What decides it: rho =" in printed
+    screen = report["screen_error"]  # the analytic capacity against the simulated goodput, printed
+    errors = [r["capacity_rps"] / r["goodput_rps"] - 1 for r in rows]
+    assert screen["layouts"] == len(rows) and screen["low"] == min(errors) and screen["high"] == max(errors)
+    assert "The analytic screen against the simulation" in printed
     seeds = report["seeds"]  # the verdict's two layouts, probed again with another seed
     assert [s["seed"] for s in seeds] == [0, 1] and "Over 2 seeds: PDD's best" in printed
     assert seeds[0]["pdd_rps"] == next(r["goodput_rps"] for r in rows if r["layout"] == found["pdd"])

@@ -19,14 +19,16 @@ from pdd.lab.sim.plan_layouts import SERVED, choose, smallest
 from pdd.lab.sim.plan_published import breakdown, cheapest_at, head_to_head, published
 from pdd.lab.sim.plan_report import (
     assumption_line,
+    assumptions,
     breakdown_table,
     rows_table,
     seeds_line,
     sides_table,
+    slim,
     verdict_lines,
     versus_line,
 )
-from pdd.lab.sim.plan_verdict import best_per_family, seed_spread, verdict
+from pdd.lab.sim.plan_verdict import best_per_family, screen_error, seed_spread, verdict
 from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
 from pdd.lab.sim.planner import Layout, Probe, candidates, search
 from pdd.lab.workload.mooncake import load_trace
@@ -107,6 +109,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         f"{paper.WORKLOAD.task_tokens[0]},{paper.WORKLOAD.task_tokens[1]}); near the context "
         f"({paper.WORKLOAD.max_context:,}) every request is about that long",
     )
+    _add_probe_arguments(p)
+    _add_output_arguments(p)
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """How each layout's goodput is probed, and the SLO it is judged by."""
     p.add_argument(
         "--requests",
         type=int,
@@ -139,6 +147,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="share of requests within the SLO that goodput requires (default 0.9)",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """What the search covers beyond its layouts, and what it prints and writes."""
     p.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
     p.add_argument(
         "--exact",
@@ -301,7 +313,12 @@ def plan_main(args: argparse.Namespace) -> int:
         steps = breakdown(given)
         out.print(breakdown_table(steps, probe))
     at_target = _at_target(console, out, args, plan, probe) if args.target_rps is not None else []
-    probes = sum(r["probes"] for r in rows)
+    probes, screen = sum(r["probes"] for r in rows), screen_error(rows)
+    if screen is not None:
+        out.print(
+            f"The analytic screen against the simulation: capacity / goodput - 1 is {screen['median']:+.0%} "
+            f"(median; {screen['low']:+.0%} to {screen['high']:+.0%}) over {screen['layouts']} simulated layouts."
+        )
     out.print(
         f"{len(plan.layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s "
         f"({args.workers} worker(s))"
@@ -313,15 +330,16 @@ def plan_main(args: argparse.Namespace) -> int:
             "verdict": found,
             "seeds": spread,
             "sides": plan.sides,
-            "layouts": _slim(rows),
-            "assumptions": _assumptions(setting, probe, plan),
+            "layouts": slim(rows),
+            "assumptions": assumptions(setting, probe, plan.workload, plan.fleet),
             "rho": ratio.to_dict() if ratio else None,
             "published": versus,
-            "published_layouts": _slim(given),
+            "published_layouts": slim(given),
             "breakdown": steps,
-            "at_target": {"target_rps": args.target_rps, "layouts": _slim(at_target)}
+            "at_target": {"target_rps": args.target_rps, "layouts": slim(at_target)}
             if args.target_rps is not None
             else None,
+            "screen_error": screen,
             "wall_s": wall,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -344,24 +362,6 @@ def _run(console, args, what: str, layouts, workload, probe, setting, exact: boo
             progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
             exact=exact,
         )
-
-
-def _slim(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "run"} for r in rows]
-
-
-def _assumptions(setting: paper.Setting, probe: Probe, plan: Plan) -> dict[str, Any]:
-    return setting.to_dict() | {
-        "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
-        "workload": plan.workload.name,
-        "fleet": {"owned": plan.fleet.owned, "budget_per_hour": plan.fleet.budget_per_hour},
-        "probe": {
-            "judged_requests": probe.requests,
-            "warmup_s": probe.warmup_s,
-            "min_window_s": probe.min_window_s,
-            "steps": probe.steps,
-        },
-    }
 
 
 def _at_target(console, out, args: argparse.Namespace, plan: Plan, probe: Probe) -> list[dict[str, Any]]:

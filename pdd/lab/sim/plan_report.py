@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdd.lab.sim import paper
+from pdd.lab.sim.plan_file import Fleet
 from pdd.lab.sim.plan_workload import Workload
 from pdd.lab.sim.planner import Probe, search_resolution, tie
 
@@ -231,3 +232,23 @@ def sides_table(options: list[dict[str, Any]]):
         cells = (o["side"], f"{o['hw']} {o['chip']}", o["attention"], str(o["gpus"]))
         table.add_row(*cells, f"{o['tokens_per_s']:,.0f}", f"{o['per_price']:,.1f}", mark)
     return table
+
+
+def slim(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows without their runs' detail."""
+    return [{k: v for k, v in r.items() if k != "run"} for r in rows]
+
+
+def assumptions(setting: paper.Setting, probe: Probe, workload: Workload, fleet: Fleet) -> dict[str, Any]:
+    """Everything a plan assumed, for its JSON."""
+    return setting.to_dict() | {
+        "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
+        "workload": workload.name,
+        "fleet": {"owned": fleet.owned, "budget_per_hour": fleet.budget_per_hour},
+        "probe": {
+            "judged_requests": probe.requests,
+            "warmup_s": probe.warmup_s,
+            "min_window_s": probe.min_window_s,
+            "steps": probe.steps,
+        },
+    }

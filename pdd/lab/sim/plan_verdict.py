@@ -37,6 +37,16 @@ def iso_goodput(family_rows: Sequence[Row], target_rps: float) -> Row | None:
     return min(able, key=lambda r: r["cost_per_hour"]) if able else None
 
 
+def screen_error(rows: Sequence[Row]) -> dict[str, Any] | None:
+    """The analytic screen (each layout's capacity, `pdd.lab.sim.bounds`, which orders and
+    prunes the search) against the simulation: capacity over goodput - 1 over the layouts
+    whose goodput was found (None: none was)."""
+    errors = sorted(r["capacity_rps"] / r["goodput_rps"] - 1 for r in _found(rows))
+    if not errors:
+        return None
+    return {"layouts": len(errors), "median": errors[len(errors) // 2], "low": errors[0], "high": errors[-1]}
+
+
 def repriced_bcr(row: Row, b_price: float, b_price_now: float) -> float:
     """The row's BCR were B's GPUs priced `b_price` an hour rather than `b_price_now`."""
     cost = row["cost_per_hour"] + row["gpus"].get("B", 0) * (b_price - b_price_now)
