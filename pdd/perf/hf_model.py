@@ -14,6 +14,7 @@ computed from the config, none fixed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -121,14 +122,19 @@ def shape_from_config(
     )
 
 
+def read_parsed(path: Path, parse: Callable[[str], Any], kind: str, error: type[ValueError]) -> Any:
+    """`path`'s text as `parse` reads it, or `error` in one line naming the file."""
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise error(f"{path}: {exc.strerror}") from None
+    except ValueError as exc:  # (JSON's and TOML's decode errors are ValueErrors)
+        raise error(f"{path}: not {kind} ({exc})") from None
+
+
 def load_model(path: Path, name: str | None = None, **widths: Any) -> ModelShape:
     """The shape of the config.json at `path` (its directory's name, unless `name`)."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    config = read_parsed(path, json.loads, "JSON", ModelConfigError)
     if not isinstance(config, dict):
         raise ModelConfigError(f"{path}: expected a JSON object")
     shape = shape_from_config(config, name or path.parent.name or path.stem, **widths)

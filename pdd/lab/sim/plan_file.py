@@ -39,7 +39,7 @@ from typing import Any
 
 from pdd.lab.sim import paper
 from pdd.perf.hardware import CHIPS, Chip
-from pdd.perf.hf_model import ModelConfigError, dtype_bytes, load_model
+from pdd.perf.hf_model import ModelConfigError, dtype_bytes, load_model, read_parsed
 from pdd.perf.model import ModelShape
 
 # [chips.NAME] key -> (Chip field, factor to the field's unit)
@@ -152,12 +152,7 @@ def _model(data: dict[str, Any], base: Path) -> ModelShape | None:
 def read_plan_file(path: Path, args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
     """The setting and fleet `path` describes; its other keys fill `args`' options that
     the command line left unset (None)."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PlanFileError(f"{path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PlanFileError(f"{path}: not TOML ({exc})") from None
+    data = read_parsed(path, tomllib.loads, "TOML", PlanFileError)
     for name in data:
         if name not in TABLES:
             raise PlanFileError(f"[{name}]: unknown table (expected one of {', '.join(TABLES)})")
