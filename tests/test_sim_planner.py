@@ -43,6 +43,10 @@ SMALL = AgenticConfig(
     max_context=8192,
     anomalous_fraction=0.0,
 )
+# `pdd plan`'s options for a search small enough for a test: 24 GPUs of B, the paper
+# setting's layout (its rho is the one the tests know), one-step bisections of 20 requests.
+TINY_PLAN = ["--max-gpus", "24", "--chips", "B", "--attention", "tp-dcp", "--line-gbps", "100", "--requests", "20"]
+TINY_PLAN += ["--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--workers", "1"]
 # A tight TPOT target: the decode side's capacity, a few requests a second, decides.
 TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2, min_window_s=0.0)
 
@@ -318,34 +322,7 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(
-        [
-            "--max-gpus",
-            "24",
-            "--line-gbps",
-            "100",
-            "--chips",
-            "B",
-            "--attention",
-            "tp-dcp",
-            "--requests",
-            "20",
-            "--warmup-s",
-            "5",
-            "--min-window-s",
-            "0",
-            "--steps",
-            "1",
-            "--top",
-            "2",
-            "--workers",
-            "1",
-            "--no-published",
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
+    args = parser.parse_args([*TINY_PLAN, "--top", "2", "--no-published", "--out", str(out), "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed
@@ -499,31 +476,7 @@ def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Pat
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(
-        [
-            "--max-gpus",
-            "24",
-            "--chips",
-            "B",
-            "--attention",
-            "tp-dcp",
-            "--line-gbps",
-            "100",
-            "--requests",
-            "20",
-            "--warmup-s",
-            "5",
-            "--min-window-s",
-            "0",
-            "--steps",
-            "1",
-            "--workers",
-            "1",
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
+    args = parser.parse_args([*TINY_PLAN, "--out", str(out), "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "the publication's layouts, as given" in printed and "Head to head" in printed
