@@ -431,6 +431,14 @@ def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides() -> Non
     prefill = [o for o in plan.sides if (o["side"], o["hw"]) == ("prefill", "A")]
     picked = next(o for o in prefill if o["chosen"])  # (its rate ties: the most room for its prefix cache)
     assert picked["kv_tokens"] == max(o["kv_tokens"] for o in prefill if o["gpus"] == picked["gpus"])
+    from rich.console import Console
+
+    from pdd.lab.sim.plan_report import sides_table
+
+    console = Console(width=160, record=True)
+    console.print(sides_table(plan.sides))
+    text = console.export_text()  # the prefill layouts' rates tie: the table says so
+    assert text.count("chosen: prefill") == 2 and "tie" in text and "chosen: relay" in text
     named = _prepare(parser.parse_args(["--attention", "tp-dcp"]))
     assert {str(r.attention) for r in named.setting.roles} == {"tp-dcp"}
     assert all(not o["served"] and "DCP" in o["why_not_served"] for o in named.sides)

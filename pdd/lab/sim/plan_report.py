@@ -8,6 +8,7 @@ from typing import Any
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.plan_file import Fleet
+from pdd.lab.sim.plan_layouts import SIZE_TOLERANCE
 from pdd.lab.sim.plan_workload import Workload
 from pdd.lab.sim.planner import Probe, search_resolution, tie
 
@@ -214,19 +215,24 @@ def seeds_line(spread: list[dict[str, Any]], probe: Probe) -> str:
 
 def sides_table(options: list[dict[str, Any]]):
     """Each side's layouts on each chip, priced, the best size of each layout (and any
-    chosen); the chosen marked with the sides that took them, and those serving cannot run."""
+    chosen); the chosen marked with the sides that took them, those within
+    `SIZE_TOLERANCE` of the best a tie, and those serving cannot run."""
     from rich.table import Table
 
     table = Table(title="each side's attention layout and instance size (EP over the instance), by tokens/s per price")
     for col in ("side", "chip", "attention", "GPUs", "tokens/s", "per price", ""):
         table.add_column(col, justify="left" if col in ("side", "chip", "attention", "") else "right")
-    shown = {}
-    for o in sorted(options, key=lambda o: (o["side"], o["hw"], -bool(o["chosen"]), -o["per_price"])):
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for o in options:
         key = (o["side"], o["hw"], o["attention"])
-        if key in shown and not o["chosen"]:
+        if key not in best or o["per_price"] > best[key]["per_price"]:
+            best[key] = o
+    for o in sorted(options, key=lambda o: (o["side"], o["hw"], -o["per_price"])):
+        if not o["chosen"] and best[(o["side"], o["hw"], o["attention"])] is not o:
             continue
-        shown[key] = o
-        mark = ("chosen: " + ", ".join(o["chosen"])) if o["chosen"] else ""
+        top = max(x["per_price"] for x in options if (x["side"], x["hw"]) == (o["side"], o["hw"]))
+        tied = o["per_price"] >= (1 - SIZE_TOLERANCE) * top  # (a ranking it cannot tell apart)
+        mark = ("chosen: " + ", ".join(o["chosen"])) if o["chosen"] else ("tie" if tied else "")
         if not o["served"]:
             mark = f"{mark} not served: {o['why_not_served']}".strip()
         cells = (o["side"], f"{o['hw']} {o['chip']}", o["attention"], str(o["gpus"]))
