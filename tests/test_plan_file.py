@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,10 @@ def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path
         bill = paper.bill(lay.spec(s), s)
         assert bill.gpus.get("A", 0) <= 48 and bill.per_hour <= 400 and sum(bill.gpus.values()) <= 64
         assert lay.line_gbps in (0.0, 100.0)
-    assert {lay.family for lay in plan.layouts} >= {"pdd", "pd-same-dc-b"}
+    assert {lay.family for lay in plan.layouts} >= {"pdd", "pd-same-dc-b", "pd-same-dc"}  # all-A: on the 48 owned
+    for lay in plan.layouts:  # each spends what the fleet allows: no further instance would fit it
+        for more in (replace(lay, prefill=lay.prefill + 1), replace(lay, main=lay.main + 1)):
+            assert not plan.fleet.allows(more, s, 64), (lay, more)
     spec = next(lay for lay in plan.layouts if lay.family == "pdd").spec(s)
     assert spec.wan.one_way_ms == 20.0 and spec.wan.price_per_hour == pytest.approx(5.0)
     flags = _prepare(_parser().parse_args(["--plan-file", str(path), "--max-gpus", "48", "--line-gbps", "25"]))

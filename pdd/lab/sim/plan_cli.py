@@ -250,11 +250,8 @@ def _prepare(args: argparse.Namespace) -> Plan:
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
     setting, sides = choose(setting, args.slo_tpot_ms / 1000, args.attention)
-    layouts = [
-        lay
-        for lay in candidates(args.max_gpus, args.line_gbps, args.chips, setting)
-        if fleet.allows(paper.bill(lay.spec(setting), setting).gpus, paper.bill(lay.spec(setting), setting).per_hour)
-    ]
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
+    layouts = fleet.spending(everything, setting, args.max_gpus)
     if not layouts:
         raise ValueError("no layout fits: the budget (and fleet) must hold two instances the model fits on")
     kind, path = args.workload

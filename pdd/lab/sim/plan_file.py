@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pdd.lab.sim import paper
+from pdd.lab.sim.planner import Layout
 from pdd.perf.hardware import CHIPS, Chip
 from pdd.perf.hf_model import ModelConfigError, dtype_bytes, load_model, read_parsed
 from pdd.perf.model import ModelShape
@@ -76,9 +78,25 @@ class Fleet:
     owned: dict[str, int] = field(default_factory=dict)  # by site, "A" / "B"
     budget_per_hour: float | None = None
 
-    def allows(self, gpus: dict[str, int], cost_per_hour: float) -> bool:
-        within = all(gpus.get(site, 0) <= n for site, n in self.owned.items())
-        return within and (self.budget_per_hour is None or cost_per_hour <= self.budget_per_hour)
+    def allows(self, layout: Layout, setting: paper.Setting, max_gpus: int) -> bool:
+        """Whether `layout` fits the GPU budget, the GPUs owned and the money budget."""
+        bill = paper.bill(layout.spec(setting), setting)
+        within = all(bill.gpus.get(site, 0) <= n for site, n in self.owned.items())
+        money = self.budget_per_hour is None or bill.per_hour <= self.budget_per_hour
+        return layout.gpus(setting) <= max_gpus and within and money
+
+    def spending(self, layouts: Sequence[Layout], setting: paper.Setting, max_gpus: int) -> list[Layout]:
+        """The layouts the fleet allows that spend it: no further P or MD instance would
+        still be allowed (so with 64 A owned, all-A is searched at 64 A, not dropped)."""
+        return [
+            lay
+            for lay in layouts
+            if self.allows(lay, setting, max_gpus)
+            and not any(
+                self.allows(more, setting, max_gpus)
+                for more in (replace(lay, prefill=lay.prefill + 1), replace(lay, main=lay.main + 1))
+            )
+        ]
 
 
 def _number(value: Any, key: str, positive: bool = True) -> float:
