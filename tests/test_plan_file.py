@@ -96,8 +96,10 @@ def test_a_deepseek_v3_config_is_priced_from_its_fields() -> None:
 
 
 def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path) -> None:
+    (tmp_path / "deepseek-v3").mkdir()
+    (tmp_path / "deepseek-v3" / "config.json").write_text(DEEPSEEK.read_text())
     path = tmp_path / "plan.toml"
-    path.write_text(PLAN)
+    path.write_text(PLAN.replace(str(DEEPSEEK), "deepseek-v3/config.json"))  # (relative to the file)
     plan = _prepare(_parser().parse_args(["--plan-file", str(path)]))
     s = plan.setting
     assert (s.a.name, s.a.price_per_hour, s.a.mem_gb) == ("H800", 1.9, 80.0)  # the catalog's, re-priced
