@@ -227,3 +227,34 @@ def test_the_verdict_of_a_plan_file_run_agrees_with_re_pricing_its_rows(tmp_path
     seeds = report["seeds"]  # the verdict's two layouts, probed again with another seed
     assert [s["seed"] for s in seeds] == [0, 1] and "Over 2 seeds: PDD's best" in printed
     assert seeds[0]["pdd_rps"] == next(r["goodput_rps"] for r in rows if r["layout"] == found["pdd"])
+
+
+def test_step_times_come_from_aiconfigurator_where_it_covers_the_chip_model_and_layout(tmp_path: Path) -> None:
+    """`--aiconfigurator MODEL_ID` (the plan extra): a side on a chip, model and layout
+    AIConfigurator's databases cover takes the roofline fitted to its estimates, within
+    `MAX_FIT_ERROR` of each; the rest keep the roofline, each with why."""
+    pytest.importorskip("aiconfigurator_core")
+    from pdd.lab.sim.measured import MAX_FIT_ERROR, measure, samples
+    from pdd.lab.sim.plan_layouts import choose
+    from pdd.names import AttentionLayout
+    from pdd.perf.hardware import CHIPS
+
+    model = "deepseek-ai/DeepSeek-V3"
+    setting = replace(paper.SETTING, a=CHIPS["H800"], b=CHIPS["H200"], model=load_model(DEEPSEEK))
+    setting, _ = choose(setting, 0.05, [AttentionLayout.TP])
+    fitted, report = measure(setting, model)
+    by = {(r["side"], r["hw"]): r for r in report}
+    assert by["decode", "A"]["source"] == "roofline" and by["decode", "A"]["why"] == "AIConfigurator has no H800"
+    b = by["decode", "B"]
+    assert b["source"] == "AIConfigurator" and b["fit_error"] <= MAX_FIT_ERROR and b["gpus"] == 8
+    physics = fitted.physics("B", 8, "decode")
+    assert physics.eff.scale != (1.0, 1.0, 1.0) and physics != setting.physics("B", 8, "decode")
+    for load, seconds in samples(model, "H200", AttentionLayout.TP, 8, True):
+        assert abs(physics.step_s(load) / seconds - 1) <= b["fit_error"] + 1e-9
+    assert fitted.physics("A", 16, "decode") == setting.physics("A", 16, "decode")
+    _, unknown = measure(setting, "no/such-model")
+    assert {r["why"] for r in unknown} == {"AIConfigurator has no no/such-model"}
+    path = tmp_path / "plan.toml"
+    path.write_text(PLAN.replace("[model]\n", f'[model]\naiconfigurator = "{model}"\n'))
+    plan = _prepare(_parser().parse_args(["--plan-file", str(path)]))
+    assert {r["why"] for r in plan.steps} == {"AIConfigurator has no H800", "AIConfigurator has no X1"}

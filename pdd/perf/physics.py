@@ -65,8 +65,11 @@ class Efficiency:
     a2a_latency_out_s: float = 60e-6  # one all-to-all across nodes (RDMA)
     ep_overlap: float = 1.0  # share of the compute time under which all-to-all bytes hide
     routing_skew: float = 1.1  # hottest GPU's expert tokens over the mean, after load balancing
+    # the dense, expert and attention parts' times x these: 1, the roofline as is; else fitted to a
+    # measurement of the chip and model (`pdd.lab.sim.measured`)
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -116,7 +119,7 @@ class Physics:
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
         copies = dense_copies(self.attention, g)  # each GPU reads the dense weights it holds
-        dense = np.maximum(
+        dense = e.scale[0] * np.maximum(
             2.0 * m.dense_params * tokens / (g * bf16), copies * m.dense_params * m.dense_bytes_per_param / (g * bw)
         )
         experts = np.zeros_like(tokens)
@@ -131,7 +134,7 @@ class Physics:
             per_gpu = tokens * m.top_k / g
             hottest = e.routing_skew * (per_gpu + np.sqrt(2.0 * per_gpu * math.log(g))) if g > 1 else per_gpu
             compute = 2.0 * m.expert_params * hottest / (self._peak(m.expert_fp8) * e.mfu)
-            experts = m.moe_layers * np.maximum(compute, weights)
+            experts = m.moe_layers * np.maximum(compute, weights) * e.scale[1]
             if g > 1:
                 link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
                 comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
@@ -145,7 +148,7 @@ class Physics:
         g, e = self.gpus, self.eff
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu
         kv = self.model.kv_bytes_per_token * kv_tokens * kv_copies(self.attention, self.model, g)
-        return np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
+        return e.scale[2] * np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
 
     def parts(self, load: StepLoad) -> dict[str, np.ndarray | float]:
         """Seconds of each part of a step (fields of `load` may be arrays)."""

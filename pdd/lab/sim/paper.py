@@ -75,6 +75,7 @@ class RoleLayout:
     hw: str  # "A" or "B"
     attention: AttentionLayout
     gpus: int
+    eff: Efficiency | None = None  # fitted to a measurement (`pdd.lab.sim.measured`); None: the setting's
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,9 @@ class Setting:
         return chosen.gpus if chosen else None
 
     def physics(self, hw: str, gpus: int, side: str = "decode") -> Physics:
-        return Physics(self.chip(hw), self.model, gpus, self.eff, self._attention(hw, side))
+        chosen = self.role_layout(hw, side)
+        eff = chosen.eff if chosen and chosen.eff and chosen.gpus == gpus else self.eff
+        return Physics(self.chip(hw), self.model, gpus, eff, self._attention(hw, side))
 
     def role(self, name: str, dc: str, count: int, hw: str) -> RoleSpec:
         side = SIDES[name]

@@ -25,6 +25,7 @@ from pdd.lab.sim.plan_report import (
     seeds_line,
     sides_table,
     slim,
+    step_lines,
     verdict_lines,
     versus_line,
 )
@@ -178,6 +179,12 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         "each (default: those serving runs: " + ",".join(a for a in AttentionLayout if SERVED[a] is None) + ")",
     )
     p.add_argument(
+        "--aiconfigurator",
+        metavar="MODEL_ID",
+        help="the model's Hugging Face id in NVIDIA AIConfigurator's databases (the plan extra): each side whose "
+        "chip and layout they cover takes its step times from them (the roofline fitted), the rest the roofline",
+    )
+    p.add_argument(
         "--seeds",
         type=int,
         default=1,
@@ -198,15 +205,9 @@ def probe_of(args: argparse.Namespace) -> Probe:
     )
 
 
-DEFAULTS: dict[str, Any] = {
-    "max_gpus": 88,
-    "line_gbps": [25.0, 100.0],
-    "chips": ["A", "B"],
-    "workload": ("agentic", None),
-    "slo_ttft_ms": paper.SLO_TTFT_MS,
-    "slo_tpot_ms": paper.SLO_TPOT_MS,
-    "attainment": Probe.attainment,
-}
+DEFAULTS: dict[str, Any] = {"max_gpus": 88, "line_gbps": [25.0, 100.0], "chips": ["A", "B"]}
+DEFAULTS |= {"workload": ("agentic", None), "slo_ttft_ms": paper.SLO_TTFT_MS, "slo_tpot_ms": paper.SLO_TPOT_MS}
+DEFAULTS |= {"attainment": Probe.attainment, "aiconfigurator": None}
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ class Plan:
     setting: paper.Setting
     fleet: Fleet
     sides: list[dict[str, Any]]
+    steps: list[dict[str, Any]]  # each side's step times' source (`pdd.lab.sim.measured`); empty: the roofline's
 
 
 def setting_of(args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
@@ -250,6 +252,13 @@ def _prepare(args: argparse.Namespace) -> Plan:
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
     setting, sides = choose(setting, args.slo_tpot_ms / 1000, args.attention)
+    steps: list[dict[str, Any]] = []
+    if args.aiconfigurator:
+        try:
+            from pdd.lab.sim.measured import measure
+        except ImportError:
+            raise ValueError("--aiconfigurator needs the plan extra: pip install 'pdd-serving[plan]'") from None
+        setting, steps = measure(setting, args.aiconfigurator)
     everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
     layouts = fleet.spending(everything, setting, args.max_gpus)
     if not layouts:
@@ -258,13 +267,13 @@ def _prepare(args: argparse.Namespace) -> Plan:
     if kind != "agentic":
         if args.tool_time_s or args.task_tokens:
             raise ValueError("--tool-time-s and --task-tokens shape the agentic workload, not a trace")
-        return Plan(layouts, mooncake(load_trace(path)), setting, fleet, sides)
+        return Plan(layouts, mooncake(load_trace(path)), setting, fleet, sides, steps)
     config = paper.WORKLOAD
     if args.tool_time_s:
         config = replace(config, tool_time_s=args.tool_time_s)
     if args.task_tokens:
         config = replace(config, task_tokens=args.task_tokens)
-    return Plan(layouts, agentic(config), setting, fleet, sides)
+    return Plan(layouts, agentic(config), setting, fleet, sides, steps)
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -297,6 +306,8 @@ def plan_main(args: argparse.Namespace) -> int:
     families = sorted(best_per_family(rows).values(), key=lambda r: -r["bcr"])
     out.print(rows_table(families, "each family's best", probe))
     out.print(sides_table(plan.sides))
+    for line in step_lines(plan.steps):
+        out.print(line)
     out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     versus, steps, given = None, None, []
@@ -327,6 +338,7 @@ def plan_main(args: argparse.Namespace) -> int:
             "verdict": found,
             "seeds": spread,
             "sides": plan.sides,
+            "step_times": plan.steps,
             "layouts": slim(rows),
             "assumptions": assumptions(setting, probe, plan.workload, plan.fleet),
             "rho": ratio.to_dict() if ratio else None,

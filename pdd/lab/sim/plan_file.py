@@ -60,7 +60,7 @@ TABLES = {
     "sites": ("A", "B"),
     "fleet": ("gpus", "owned", "budget_per_hour"),
     "line": ("gbps", "rtt_ms", "price_per_gbps_hour"),
-    "model": ("config", "name", "expert_dtype", "dense_dtype", "kv_dtype"),
+    "model": ("config", "name", "expert_dtype", "dense_dtype", "kv_dtype", "aiconfigurator"),
     "slo": ("ttft_ms", "tpot_ms", "attainment"),
     "workload": ("kind", "trace", "task_tokens", "tool_time_s"),
 }
@@ -191,6 +191,8 @@ def read_plan_file(path: Path, args: argparse.Namespace) -> tuple[paper.Setting,
         args.line_gbps = [_number(g, "[line] gbps") for g in gbps]
     if (model := _model(data, path.parent)) is not None:
         setting = replace(setting, model=model)
+    if "aiconfigurator" in data.get("model", {}) and args.aiconfigurator is None:
+        args.aiconfigurator = str(data["model"]["aiconfigurator"])
     fleet = _fleet(_table(data, "fleet"), setting, args)
     _slo_and_workload(data, path.parent, args)
     return setting, fleet

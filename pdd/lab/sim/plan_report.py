@@ -258,3 +258,15 @@ def assumptions(setting: paper.Setting, probe: Probe, workload: Workload, fleet:
             "steps": probe.steps,
         },
     }
+
+
+def step_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """Where each side's step times come from: AIConfigurator (the roofline fitted to it,
+    and how closely), or the roofline, and why."""
+    lines = []
+    for step in steps:
+        source = step["source"] + (f" (fit within {step['fit_error']:.0%})" if "scale" in step else f": {step['why']}")
+        lines.append(
+            f"Step times, {step['side']} on {step['chip']} ({step['attention']}, {step['gpus']} GPUs): {source}"
+        )
+    return lines
