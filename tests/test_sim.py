@@ -51,7 +51,6 @@ def _capacity(role: str, tokens: int, count: int = 1, dc: str = "A", hw: str = "
 
 # ---- 1. every request completes or is counted as failed; no pool room leaks ----------------
 
-
 def _agentic(rate: float = 2.0) -> list[Session]:
     return plan_session_shapes(paper.WORKLOAD, REQUESTS, rate)
 
@@ -62,29 +61,20 @@ def _scenarios() -> dict[str, tuple[DeploymentSpec, list[Session]]]:
     scenarios = {name: (spec, wl) for name, spec in paper.paper_deployments().items()}
     # A decode pool that holds two or three requests at a time: reservations wait for room.
     scenarios["pd-cross-dc, tight MD pool"] = (
-        dep("tight", (R("prefill", "A", 2, "A"), _capacity("main", 150_000, dc="B", hw="B"))),
-        wl,
-    )
+        dep("tight", (R("prefill", "A", 2, "A"), _capacity("main", 150_000, dc="B", hw="B"))), wl)
     scenarios["pdd, tight MD pool"] = (
-        dep("tight", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"), _capacity("main", 150_000, dc="B", hw="B"))),
-        wl,
-    )
+        dep("tight", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
+                      _capacity("main", 150_000, dc="B", hw="B"))), wl)
     # A decode pool smaller than many requests: some reservations are refused.
     scenarios["pd-cross-dc, MD pool too small"] = (
-        dep("small-md", (R("prefill", "A", 2, "A"), _capacity("main", 40_000, dc="B", hw="B"))),
-        wl,
-    )
+        dep("small-md", (R("prefill", "A", 2, "A"), _capacity("main", 40_000, dc="B", hw="B"))), wl)
     scenarios["pdd, MD pool too small"] = (
-        dep(
-            "small-md", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"), _capacity("main", 40_000, dc="B", hw="B"))
-        ),
-        wl,
-    )
+        dep("small-md", (R("prefill", "A", 2, "A"), R("relay", "A", 1, "A"),
+                         _capacity("main", 40_000, dc="B", hw="B"))), wl)
     # A relay too small for the anomalous requests and for low-hit long prompts.
     scenarios["pdd, tiny relay"] = (
-        dep("tiny-relay", (R("prefill", "A", 2, "A"), _capacity("relay", 30_000), R("main", "B", 2, "B"))),
-        wl,
-    )
+        dep("tiny-relay", (R("prefill", "A", 2, "A"), _capacity("relay", 30_000),
+                           R("main", "B", 2, "B"))), wl)
     # One colocated instance whose pool cannot hold the longest requests.
     scenarios["colocated, pool too small"] = (dep("small-colo", (_capacity("standalone", 30_000),)), wl)
     # Low-hit, not anomalous (prompt under half the context) prompts with a one-token
@@ -119,10 +109,8 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
     # `pdd bench` records every turn: a failed one with its error, and the later turns of
     # its session as failed "not sent" (pdd/lab/bench/client.py `_run_session`).
     if len(outcomes) != _requests(sessions):
-        problems.append(
-            f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
-            f"{len(missing)} never recorded, e.g. {missing[:5]}"
-        )
+        problems.append(f"{len(outcomes)} outcomes for {_requests(sessions)} requests; "
+                        f"{len(missing)} never recorded, e.g. {missing[:5]}")
     allowed = ALLOWED_FAILURES.get(name, ())
     failed = [o for o in outcomes if o.error]
     wrong = [o for o in failed if not any(reason in o.error for reason in allowed)]
@@ -134,13 +122,8 @@ def test_every_request_completes_or_fails_and_no_pool_room_leaks(name: str) -> N
     for o in outcomes:
         if o.error:
             continue
-        if not (
-            o.ttft_ms is not None
-            and o.ttft_ms > 0
-            and o.e2e_ms is not None
-            and o.e2e_ms >= o.ttft_ms - 1e-6
-            and o.output_tokens == o.max_tokens
-        ):
+        if not (o.ttft_ms is not None and o.ttft_ms > 0 and o.e2e_ms is not None
+                and o.e2e_ms >= o.ttft_ms - 1e-6 and o.output_tokens == o.max_tokens):
             problems.append(f"neither served in full nor failed: {o}")
     leaked = {n: i.used for n, i in cluster.instances.items() if i.used != 0}
     if leaked:
@@ -162,9 +145,8 @@ def test_a_relay_that_cannot_hold_the_request_leaves_it_to_the_main_instance() -
     away at once (pdd/instance/relay.py), and P sends it P -> MD, counted as the live P
     counts it (`policy.pipeline.relay_refused`): served, not failed, and not late."""
     R = paper.role
-    spec = paper.deployment(
-        "small-relay", (R("prefill", "A", 1, "A"), _capacity("relay", 10_000), R("main", "B", 1, "B"))
-    )
+    spec = paper.deployment("small-relay", (R("prefill", "A", 1, "A"), _capacity("relay", 10_000),
+                                            R("main", "B", 1, "B")))
     cluster = _run(spec, [Session(0, (Turn(20_000, 200),))])
     (o,) = cluster.records
     assert o.error is None, o
@@ -230,14 +212,12 @@ def _link() -> tuple[simpy.Environment, SharedLink]:
     return env, SharedLink(env, line(GBPS, DELAY_MS), "wan")
 
 
-def _send_at(
-    env: simpy.Environment, link: SharedLink, at: float, nbytes: float, priority: int, done: dict[int, float], key: int
-):
+def _send_at(env: simpy.Environment, link: SharedLink, at: float, nbytes: float, priority: int,
+             done: dict[int, float], key: int):
     def go():
         yield env.timeout(at)
         yield link.send(nbytes, priority)
         done[key] = env.now
-
     return env.process(go())
 
 
@@ -247,9 +227,8 @@ def test_link_never_beats_its_bandwidth() -> None:
     rng = random.Random(7)
     transfers = []  # (start, bytes, priority)
     for _ in range(300):
-        transfers.append(
-            (rng.uniform(0.0, 2.0), rng.choice([1e4, 1e6, 1e7]) * rng.uniform(0.1, 30.0), rng.choice([0, 1]))
-        )
+        transfers.append((rng.uniform(0.0, 2.0), rng.choice([1e4, 1e6, 1e7]) * rng.uniform(0.1, 30.0),
+                          rng.choice([0, 1])))
     done: dict[int, float] = {}
     for k, (at, nbytes, prio) in enumerate(transfers):
         _send_at(env, link, at, nbytes, prio, done, k)
@@ -304,7 +283,6 @@ def test_link_processor_sharing_and_priority() -> None:
 
 # ---- 3. more bandwidth never slows a lone request ------------------------------------------
 
-
 def _lone_sessions(requests: int = 80) -> list[Session]:
     """Agentic sessions 5,000 simulated seconds apart: one request in the system at a
     time (a session's turns follow each other)."""
@@ -321,9 +299,8 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
     # bandwidth). PDD: a fluid line, the one P's prediction (`policy.transfer.finish_s`)
     # assumes; on a TCP line a P-MD choice can be later than predicted by the slow start
     # the prediction does not know (BENCHMARKS.md counts how often).
-    steady = (
-        None if deployment == "pdd" else dataclasses.replace(paper.SETTING.tcp, jitter_ms=0.0, loss_per_segment=0.0)
-    )
+    steady = None if deployment == "pdd" else \
+        dataclasses.replace(paper.SETTING.tcp, jitter_ms=0.0, loss_per_segment=0.0)
     for gbps in (10.0, 25.0, 100.0):
         spec = dataclasses.replace(paper.paper_deployments(gbps)[deployment], tcp=steady)
         outcomes = _run(spec, sessions).records
@@ -339,16 +316,12 @@ def test_more_bandwidth_never_worsens_an_uncontended_ttft(deployment: str) -> No
                 # PDD only: a faster line lets P choose P-MD for a delta that went through the
                 # relay on a slower line. By design that first token may come later than the
                 # relay's, by no more than the TTFT budget (pdd.policy.pipeline).
-                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), (
-                    key,
-                    slow,
-                    fast,
-                )
+                assert deployment == "pdd" and (slow.pipeline, fast.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD), \
+                    (key, slow, fast)
                 assert fast.ttft_ms <= slow.ttft_ms + 1000 * budget + 1e-6, (key, slow, fast)
 
 
 # ---- 4. a fully cached prompt sends (almost) nothing --------------------------------------
-
 
 @pytest.mark.parametrize("deployment", ["pd-cross-dc", "pdd"])
 @pytest.mark.parametrize("prompt", [32 * BLOCK, 32 * BLOCK + 77])
@@ -424,7 +397,6 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
         def spy(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return f(*args, **kwargs)
-
         return spy
 
     for name, (sim_module, live_module) in POLICIES.items():
@@ -544,71 +516,37 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
     engine = SimpleNamespace(page_size=page, num_pages=pages, max_requests=max_requests)
     for case in range(400):
         clients = {}
-        for role, count in (
-            (RoleName.PREFILL, 2),
-            (RoleName.MAIN, rng.randint(0, 3)),
-            (RoleName.RELAY, rng.randint(0, 1)),
-        ):
+        for role, count in ((RoleName.PREFILL, 2), (RoleName.MAIN, rng.randint(0, 3)),
+                            (RoleName.RELAY, rng.randint(0, 1))):
             for i in range(count):
                 hit = rng.choice([0, 64, 512, 900])
                 clients[f"{role}{i}"] = SimpleNamespace(
-                    name=f"{role}{i}",
-                    spec=SimpleNamespace(role=role, engine=engine),
-                    queued_tokens=rng.randint(0, 3000),
-                    available=role == RoleName.PREFILL or rng.random() > 0.15,
-                    committed_pages=rng.randint(0, pages),
-                    committed_requests=rng.randint(0, max_requests),
-                    pages=pages,
-                    max_context=0,
-                    mirror=SimpleNamespace(predicted_hit=lambda p, salt, h=hit: h),
-                )
+                    name=f"{role}{i}", spec=SimpleNamespace(role=role, engine=engine),
+                    queued_tokens=rng.randint(0, 3000), available=role == RoleName.PREFILL or rng.random() > 0.15,
+                    committed_pages=rng.randint(0, pages), committed_requests=rng.randint(0, max_requests),
+                    pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, salt, h=hit: h))
         if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
             continue  # (the router answers 503 there; not a dispatch decision)
         planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy, link=LinkSpec()), clients)
         planner.max_context = max_context
         prompt, max_tokens = rng.choice([100, 600, 1000]), rng.choice([4, 100, 400])
         req = SimpleNamespace(prompt=[1] * prompt, params=SamplingParams(max_tokens=max_tokens))
-        cands = {
-            role: [
-                Candidate(c.name, c.mirror.predicted_hit(req.prompt, ""), c.queued_tokens, c.available)
-                for c in clients.values()
-                if c.spec.role == role
-            ]
-            for role in RoleName
-        }
+        cands = {role: [Candidate(c.name, c.mirror.predicted_hit(req.prompt, ""), c.queued_tokens, c.available)
+                        for c in clients.values() if c.spec.role == role] for role in RoleName}
 
         def has_room(c: Candidate, clients=clients, prompt=prompt, max_tokens=max_tokens) -> bool:
             k = clients[c.name]
-            return fits(
-                pages_needed(prompt, max_tokens, c.predicted_hit_tokens, page),
-                k.committed_pages,
-                k.committed_requests,
-                Room(pages, max_requests),
-            )
+            return fits(pages_needed(prompt, max_tokens, c.predicted_hit_tokens, page), k.committed_pages,
+                        k.committed_requests, Room(pages, max_requests))
 
-        rule = anomaly_rule(
-            policy.anomaly_filter,
-            max_context,
-            policy.anomaly_max_output_tokens,
-            policy.anomaly_min_prompt_share,
-            policy.anomaly_max_hit_share,
-        )
-        ours = plan_with_room(
-            prompt,
-            max_tokens,
-            cands[RoleName.PREFILL],
-            cands[RoleName.MAIN],
-            cands[RoleName.RELAY],
-            rule,
-            has_room,
-            policy.affinity_weight,
-            policy.load_weight,
-        )
+        rule = anomaly_rule(policy.anomaly_filter, max_context, policy.anomaly_max_output_tokens,
+                            policy.anomaly_min_prompt_share, policy.anomaly_max_hit_share)
+        ours = plan_with_room(prompt, max_tokens, cands[RoleName.PREFILL], cands[RoleName.MAIN],
+                              cands[RoleName.RELAY], rule, has_room, policy.affinity_weight, policy.load_weight)
         assert ours == planner.plan(req, room=True), case
 
 
 # ---- 6. the anomaly filter -----------------------------------------------------------------
-
 
 def test_anomalous_request_is_prefilled_on_p_and_decoded_wholly_on_the_relay() -> None:
     spec = paper.paper_deployments()["pdd"]
@@ -651,7 +589,6 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
 
 # ---- 7. determinism ------------------------------------------------------------------------
 
-
 def test_same_sessions_same_outcomes() -> None:
     def once() -> list[RequestRecord]:
         return _run(paper.paper_deployments()["pdd"], plan_session_shapes(paper.WORKLOAD, REQUESTS, 2.0)).records
@@ -662,7 +599,6 @@ def test_same_sessions_same_outcomes() -> None:
 
 
 # ---- 7b. MD waits for an earlier arrival that holds its prompt, reserved or not ------------
-
 
 def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
     """As the live side (`pdd.instance.receiver._may_hold`): a request still waiting for
@@ -708,7 +644,6 @@ def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
 
 # ---- 8. a running request's cached prefix is never evicted under it ----------------------
 
-
 def test_a_running_requests_prefix_is_locked_against_eviction():
     """The instance's cache is the engine's radix cache over a pool of blocks: a hold
     locks its prefix, newer blocks evict the others, and released, it may go too."""
@@ -745,7 +680,6 @@ def test_pool_room_counts_the_pinned_prefix():
 
 # ---- 9. goodput is judged in steady state ------------------------------------------------
 
-
 def test_a_steady_window_judges_only_what_arrives_in_it():
     from pdd.lab.sim.runner import Window, run_window, steady_sessions, tail_s
 
@@ -767,9 +701,8 @@ def test_a_pools_held_share_counts_the_prefixes_its_requests_pin() -> None:
     from pdd.perf.physics import Physics
 
     env = simpy.Environment()
-    inst = Instance(
-        env, "main0@B", "main", "B", Physics(CATALOG["B"], next(iter(MODELS.values())), 8), 400_000, BLOCK, 16384, 64
-    )
+    inst = Instance(env, "main0@B", "main", "B", Physics(CATALOG["B"], next(iter(MODELS.values())), 8), 400_000,
+                    BLOCK, 16384, 64)
     prefix = [("shared", i) for i in range(40)]
     inst.keep(prefix)
     hold = inst.hold(3 * BLOCK, prefix)

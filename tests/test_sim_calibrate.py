@@ -91,20 +91,10 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     monkeypatch.setitem(engine_port._ENGINES, "recorded", f"{__name__}:_recorded_engine")
     # every kind of shape, small: prefills alone, a cached tail, decode batches, extends and
     # a prefill beside decoders that started in different steps
-    plan = (
-        Group(0, 0, False, (32, 100)),
-        Group(64, 0, True, (8,)),
-        Group(64, 5, True, (0, 1, 8)),
-        Group(32, 3, False, (0, 40)),
-    )
-    measured = measure(
-        str(tiny_model_dir),
-        EngineConfig(backend="recorded"),
-        threads=1,
-        budget_s=60.0,
-        progress=lambda done, total: calls.append((done, total)),
-        plan=plan,
-    )
+    plan = (Group(0, 0, False, (32, 100)), Group(64, 0, True, (8,)), Group(64, 5, True, (0, 1, 8)),
+            Group(32, 3, False, (0, 40)))
+    measured = measure(str(tiny_model_dir), EngineConfig(backend="recorded"), threads=1, budget_s=60.0,
+                       progress=lambda done, total: calls.append((done, total)), plan=plan)
     assert [c.backend for c in _OPENED] == ["recorded"]
     samples = measured.samples
     assert torch.get_num_threads() == threads
@@ -154,43 +144,31 @@ def test_profile_round_trip(tmp_path: Path) -> None:
 
 
 def _good_profile() -> dict:
-    return {
-        "version": 1,
-        "fitted": {**TRUTH.to_dict()},
-        "samples": 10,
-        "median_rel_error": 0.1,
-        "p90_rel_error": 0.2,
-        "threads": 1,
-        "kv_bytes_per_token": 4096,
-        "max_context": 4096,
-        "request_overhead_s": 0.004,
-        "cores": 2,
-    }
+    return {"version": 1, "fitted": {**TRUTH.to_dict()}, "samples": 10, "median_rel_error": 0.1,
+            "p90_rel_error": 0.2, "threads": 1, "kv_bytes_per_token": 4096, "max_context": 4096,
+            "request_overhead_s": 0.004, "cores": 2}
 
 
 def _without(d: dict, key: str) -> dict:
     return {k: v for k, v in d.items() if k != key}
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "{not json",
-        "[1, 2]",
-        json.dumps({**_good_profile(), "version": 2}),
-        json.dumps(_without(_good_profile(), "fitted")),
-        json.dumps({**_good_profile(), "fitted": _without(TRUTH.to_dict(), "per_seq_s")}),
-        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_gpu_s": 1.0}}),
-        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "base_s": -1e-3}}),
-        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_token_s": "fast"}}),
-        json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "source": 3}}),
-        json.dumps({**_good_profile(), "samples": 0}),
-        json.dumps({**_good_profile(), "threads": True}),
-        json.dumps(_without(_good_profile(), "p90_rel_error")),
-        json.dumps(_without(_good_profile(), "request_overhead_s")),
-        json.dumps({**_good_profile(), "cores": 0}),
-    ],
-)
+@pytest.mark.parametrize("text", [
+    "{not json",
+    "[1, 2]",
+    json.dumps({**_good_profile(), "version": 2}),
+    json.dumps(_without(_good_profile(), "fitted")),
+    json.dumps({**_good_profile(), "fitted": _without(TRUTH.to_dict(), "per_seq_s")}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_gpu_s": 1.0}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "base_s": -1e-3}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "per_token_s": "fast"}}),
+    json.dumps({**_good_profile(), "fitted": {**TRUTH.to_dict(), "source": 3}}),
+    json.dumps({**_good_profile(), "samples": 0}),
+    json.dumps({**_good_profile(), "threads": True}),
+    json.dumps(_without(_good_profile(), "p90_rel_error")),
+    json.dumps(_without(_good_profile(), "request_overhead_s")),
+    json.dumps({**_good_profile(), "cores": 0}),
+])
 def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -215,13 +193,8 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
     offenders = []
     for path in sorted(Path(pdd.lab.sim.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{path.name}: {n}" for n in names if n == "pdd.engine" or n.startswith("pdd.engine.")]
     assert not offenders
 
