@@ -415,18 +415,6 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
     assert set(calls) == expected, f"never called: {sorted(expected - set(calls))}"
 
 
-# The serving code's structures the simulator does not run, each with why. The router's
-# dispatch line, a decode instance's reservation line (both on its clock) and the engine's
-# radix cache it does run.
-NOT_LIVE = {
-    "PagedKV": "the engine's PagedKV takes pages as a sequence grows and preempts the newest "
-    "when none are left; a simulated sequence reserves its prompt and all its output when "
-    "admitted (_ReservedKV), so no step can run short and a decode-only run of up to 4096 "
-    "steps is priced as one event (16x fewer events: BENCHMARKS.md), which the planner's time "
-    "rests on (pdd.lab.sim.instance)",
-}
-
-
 def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatch) -> None:
     """The router's `DispatchLine` and a decode instance's `ReservationLine` are the very
     classes the simulator waits in, on its clock, its prefix cache is the engine's
@@ -439,7 +427,9 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     from pdd.instance.reservations import ReservationLine
     from pdd.kv.radix_cache import RadixCache
     from pdd.lab.sim.clock import SimClock
+    from pdd.lab.sim.not_live import NOT_LIVE
     from pdd.router.dispatch import DispatchLine
+    from pdd.router.mirror import CacheMirror
 
     cluster = Cluster(simpy.Environment(), SCENARIOS["pdd"][0])
     assert type(cluster.line) is DispatchLine
@@ -448,7 +438,9 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
         assert type(inst.cache) is RadixCache
         assert type(inst.scheduler) is Scheduler
         assert isinstance(inst.scheduler.kv, BaseKV) and not isinstance(inst.scheduler.kv, PagedKV)
-    assert set(NOT_LIVE) == {PagedKV.__name__}
+    assert PagedKV.__name__ in NOT_LIVE and CacheMirror.__name__ in NOT_LIVE
+    assert all(len(why) > 100 for why in NOT_LIVE.values())  # each with its reason
+    assert not any(isinstance(v, CacheMirror) for v in vars(cluster).values())  # (it reads the caches)
     tries: dict[str, list[int]] = {"dispatch": [], "reservation": []}
     turn, take = DispatchLine.turn, ReservationLine.take
 

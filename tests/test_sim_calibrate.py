@@ -4,7 +4,6 @@ No timing is asserted: the machine running the tests is shared and noisy."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdd.engine_port import EngineConfig
-from pdd.lab.sim.fit import _nnls, fit
+from pdd.lab.sim.fit import fit
 from pdd.lab.sim.measure import Group, measure
 from pdd.lab.sim.profile import LocalProfile, load_profile, profile_to_json
 from pdd.perf.steps import EMPTY, Fitted, StepLoad, add, chunk_load
@@ -53,26 +52,6 @@ def test_fit_is_never_negative_where_least_squares_would_be() -> None:
     coef = [fitted.base_s, fitted.per_token_s, fitted.per_pair_s, fitted.per_seq_s, fitted.per_kv_token_s]
     assert min(coef) >= 0
     assert fitted.per_seq_s == 0.0
-
-
-def _brute_force_nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The best feasible least-squares solution over every subset of free coefficients."""
-    best, best_residual = np.zeros(a.shape[1]), float(np.linalg.norm(b))
-    for k in range(1, a.shape[1] + 1):
-        for subset in itertools.combinations(range(a.shape[1]), k):
-            x = np.zeros(a.shape[1])
-            x[list(subset)] = np.linalg.lstsq(a[:, subset], b, rcond=None)[0]
-            residual = float(np.linalg.norm(a @ x - b))
-            if x.min() >= 0 and residual < best_residual:
-                best, best_residual = x, residual
-    return best
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_nnls_finds_the_constrained_optimum(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    a, b = rng.normal(size=(12, 5)), rng.normal(size=12)
-    np.testing.assert_allclose(_nnls(a, b), _brute_force_nnls(a, b), atol=1e-9)
 
 
 _OPENED: list[EngineConfig] = []

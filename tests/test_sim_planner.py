@@ -14,15 +14,16 @@ import pytest
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.metrics import goodput
-from pdd.lab.sim.plan_cli import add_plan_arguments, assumption_line, plan_main, setting_of
+from pdd.lab.sim.plan_cli import _prepare, add_plan_arguments, plan_main
+from pdd.lab.sim.plan_published import published
+from pdd.lab.sim.plan_report import assumption_line
+from pdd.lab.sim.plan_verdict import best_per_family
 from pdd.lab.sim.plan_workload import agentic, mooncake
 from pdd.lab.sim.planner import (
     FAMILIES,
     Layout,
     Probe,
-    best_per_family,
     candidates,
-    published,
     search,
     search_resolution,
     tie,
@@ -42,6 +43,10 @@ SMALL = AgenticConfig(
     max_context=8192,
     anomalous_fraction=0.0,
 )
+# `pdd plan`'s options for a search small enough for a test: 24 GPUs of B, the paper
+# setting's layout (its rho is the one the tests know), one-step bisections of 20 requests.
+TINY_PLAN = ["--max-gpus", "24", "--chips", "B", "--attention", "tp-dcp", "--line-gbps", "100", "--requests", "20"]
+TINY_PLAN += ["--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--workers", "1"]
 # A tight TPOT target: the decode side's capacity, a few requests a second, decides.
 TINY_PROBE = Probe(requests=40, warmup_s=5.0, slo=(paper.SLO_TTFT_MS, 15.0), steps=2, min_window_s=0.0)
 
@@ -317,37 +322,16 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(
-        [
-            "--max-gpus",
-            "16",
-            "--line-gbps",
-            "100",
-            "--chips",
-            "B",
-            "--requests",
-            "20",
-            "--warmup-s",
-            "5",
-            "--min-window-s",
-            "0",
-            "--steps",
-            "1",
-            "--top",
-            "2",
-            "--workers",
-            "1",
-            "--no-published",
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
+    args = parser.parse_args([*TINY_PLAN, "--top", "2", "--no-published", "--out", str(out), "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "pdd plan" in printed and "each family's best" in printed and "Assumptions" in printed
     assert "Head to head" not in printed and "the publication's" not in printed  # (--no-published)
-    assert "What the verdict rests on: rho = 0.98" in printed and "below 1.23 a GPU hour" in printed
+    rho = paper.rho(_prepare(parser.parse_args(["--attention", "tp-dcp"])).setting)
+    assert (
+        f"What the verdict rests on: rho = {rho.rho:.2f}" in printed
+        and f"below {rho.break_even_b_price:.2f} a" in printed
+    )
     report = json.loads(out.read_text())
     assert report["rho"]["break_even_b_price"] == pytest.approx(1.25 * report["rho"]["rho"])
     assert {r["family"] for r in report["layouts"]} <= set(FAMILIES)
@@ -356,11 +340,10 @@ def test_plan_main_prints_the_best_and_writes_every_layout(tmp_path: Path, capsy
 
 
 def test_plan_shapes_the_agentic_workload_by_its_options_and_refuses_them_for_a_trace(capsys) -> None:
-    from pdd.lab.sim.plan_cli import _prepare
 
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    _, workload = _prepare(parser.parse_args(["--tool-time-s", "5,30", "--task-tokens", "56000,60000"]))
+    workload = _prepare(parser.parse_args(["--tool-time-s", "5,30", "--task-tokens", "56000,60000"])).workload
     assert workload.config is not None and workload.config.tool_time_s == (5.0, 30.0)
     assert workload.config.task_tokens == (56000, 60000)
     assert workload.name == "agentic, tasks of 56,000-60,000 tokens, 5-30 s of tool time between turns"
@@ -387,39 +370,85 @@ def test_rho_is_bs_decode_for_its_price_against_as_and_moves_with_bs_price_and_m
     assert tight is None or tight.b.bound == "tpot"
 
 
-def test_data_parallel_attention_holds_the_dense_weights_on_every_gpu_and_lifts_rho() -> None:
-    """`--dp-attention`: every GPU holds the dense weights (23 GB of the spec's model), so
-    an instance keeps (GPUs - 1) copies' less room for KV and each GPU reads its whole
-    copy in a step. A (16 GPUs of 80 GB) loses more of its room than B (8 of 141 GB):
-    ρ 1.66, the premise the publication's figures imply, where it is 0.98."""
+def test_each_attention_layout_holds_what_serving_holds_and_moves_rho() -> None:
+    """The three layouts serving names (`AttentionLayout`): under `dp-ep` every GPU holds
+    the dense weights (23 GB of the spec's model), so an instance keeps (GPUs - 1) copies'
+    less room for KV and each GPU reads its whole copy in a step; under `tp` every rank
+    keeps the whole MLA latent (16 copies on A's 16 GPUs) and reads it; `tp-dcp` (the
+    paper setting's) splits it, one copy. ρ: 0.98 split, 1.66 under dp-ep, 2.43 under tp."""
+    from pdd.names import AttentionLayout as L
     from pdd.perf.physics import kv_capacity_tokens
     from pdd.perf.steps import StepLoad
 
-    m, dp = paper.SETTING.model, replace(paper.SETTING, dp_attention=True)
+    m, split = paper.SETTING.model, paper.SETTING
+    dp, tp = replace(split, attention=L.DP_EP), replace(split, attention=L.TP)
+    assert split.attention == L.TP_DCP
     dense = (m.dense_params + m.embedding_params) * m.dense_bytes_per_param
     assert 23e9 < dense < 23.2e9
     for hw in ("A", "B"):
-        gpus = paper.SETTING.instance_gpus(hw)
+        gpus = split.instance_gpus(hw)
         assert dp.instance_gpus(hw) == gpus
-        lost = paper.SETTING.kv_capacity_tokens(hw, gpus) - dp.kv_capacity_tokens(hw, gpus)
+        lost = split.kv_capacity_tokens(hw, gpus) - dp.kv_capacity_tokens(hw, gpus)
         assert lost == pytest.approx((gpus - 1) * dense / m.kv_bytes_per_token, abs=1)
-        assert dp.kv_capacity_tokens(hw, gpus) == kv_capacity_tokens(dp.chip(hw), m, gpus, 0.9, True)
+        assert dp.kv_capacity_tokens(hw, gpus) == kv_capacity_tokens(dp.chip(hw), m, gpus, 0.9, L.DP_EP)
+        assert tp.kv_capacity_tokens(hw, gpus) == pytest.approx(split.kv_capacity_tokens(hw, gpus) / gpus, abs=1)
         one = StepLoad(seqs=1, new_tokens=1, attn_pairs=1, kv_read_tokens=1)
-        tp_s, dp_s = paper.SETTING.physics(hw, gpus).parts(one)["dense"], dp.physics(hw, gpus).parts(one)["dense"]
+        tp_s, dp_s = split.physics(hw, gpus).parts(one)["dense"], dp.physics(hw, gpus).parts(one)["dense"]
         assert dp_s == pytest.approx(gpus * tp_s)  # a small batch is bound by reading them
-    ratio = paper.rho(dp)
-    assert ratio is not None and 1.6 < ratio.rho < 1.7 and ratio.a.bound == ratio.b.bound == "kv"
+        long = StepLoad(seqs=1, new_tokens=1, attn_pairs=1, kv_read_tokens=60000)
+        read = tp.physics(hw, gpus).parts(long)["attention"] / split.physics(hw, gpus).parts(long)["attention"]
+        assert read == pytest.approx(gpus)  # each rank reads its own copy of the latent
+    rhos = [paper.rho(setting) for setting in (split, dp, tp)]
+    assert [round(r.rho, 2) for r in rhos if r] == [0.98, 1.66, 2.43]
+    assert all(r is not None and r.a.bound == r.b.bound == "kv" for r in rhos)
+
+
+def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides() -> None:
+    """`pdd plan` searches each side's layout and instance size among those serving runs
+    (a layout serving cannot run only when named, and marked), and says which it took."""
+    from pdd.lab.sim.plan_layouts import SERVED
+    from pdd.names import AttentionLayout as L
+
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    setting = setting_of(parser.parse_args(["--dp-attention"]))
-    assert setting == dp and not setting_of(parser.parse_args([])).dp_attention
-    assert "data-parallel attention" in assumption_line(Probe(), agentic(), setting)
+    plan = _prepare(parser.parse_args([]))
+    served = {str(a) for a in L if SERVED[a] is None}
+    assert {o["attention"] for o in plan.sides} == served and L.TP_DCP not in served
+    assert {(r.side, r.hw) for r in plan.setting.roles} == {
+        (s, hw) for s in ("prefill", "decode", "relay") for hw in "AB"
+    }
+    for r in plan.setting.roles:
+        assert str(r.attention) in served
+        options = [o for o in plan.sides if (o["side"], o["hw"]) == (r.side.replace("relay", "decode"), r.hw)]
+        assert max(o["gpus"] for o in options) > min(o["gpus"] for o in options)  # sizes searched
+        if r.side == "decode":
+            picked = next(o for o in options if r.side in o["chosen"])
+            assert picked["per_price"] >= 0.95 * max(o["per_price"] for o in options)
+    line = assumption_line(Probe(), agentic(), plan.setting)
+    for r in plan.setting.roles:
+        if r.side != "relay":
+            assert f"{r.side} {r.gpus} GPUs {r.attention}" in line, line
+    prefill = [o for o in plan.sides if (o["side"], o["hw"]) == ("prefill", "A")]
+    picked = next(o for o in prefill if o["chosen"])  # (its rate ties: the most room for its prefix cache)
+    assert picked["kv_tokens"] == max(o["kv_tokens"] for o in prefill if o["gpus"] == picked["gpus"])
+    from rich.console import Console
+
+    from pdd.lab.sim.plan_report import sides_table
+
+    console = Console(width=160, record=True)
+    console.print(sides_table(plan.sides))
+    text = console.export_text()  # the prefill layouts' rates tie: the table says so
+    assert text.count("chosen: prefill") == 2 and "tie" in text and "chosen: relay" in text
+    named = _prepare(parser.parse_args(["--attention", "tp-dcp"]))
+    assert {str(r.attention) for r in named.setting.roles} == {"tp-dcp"}
+    assert all(not o["served"] and "DCP" in o["why_not_served"] for o in named.sides)
 
 
 def test_a_change_inside_the_searchs_resolution_is_a_tie() -> None:
     """Each goodput is known to one bisection step (9.7 % at the default four steps), so a
     verdict calls a smaller change of goodput or BCR, either way, a tie, and says so."""
-    from pdd.lab.sim.plan_cli import _versus_line, judged
+    from pdd.lab.sim.plan_report import judged
+    from pdd.lab.sim.plan_report import versus_line as _versus_line
 
     probe = Probe()
     step = search_resolution(probe)
@@ -429,9 +458,17 @@ def test_a_change_inside_the_searchs_resolution_is_a_tie() -> None:
     assert judged(-0.035, probe) == "-3.5% (a tie: inside the search's 10%)"
     assert judged(-0.132, probe) == "-13.2%" and judged(0.05, probe, short=True) == "+5.0% (tie)"
     assert tie(0.05, Probe(steps=1)) and not tie(0.05, Probe(steps=8))  # (finer searches tell more apart)
-    versus = {"goodput_change": -0.035, "cost_change": 0.113, "their_cost_change": -0.057, "bcr_change": -0.132,
-              "bcr_change_their_costs": 0.023, "flip_goodput_rps": 24.9, "flip_b_price": 0.88, "b_price": 1.25,
-              "published": {"goodput_change": 0.278, "cost_change": [-0.071, -0.035], "bcr_change": 0.375}}
+    versus = {
+        "goodput_change": -0.035,
+        "cost_change": 0.113,
+        "their_cost_change": -0.057,
+        "bcr_change": -0.132,
+        "bcr_change_their_costs": 0.023,
+        "flip_goodput_rps": 24.9,
+        "flip_b_price": 0.88,
+        "b_price": 1.25,
+        "published": {"goodput_change": 0.278, "cost_change": [-0.071, -0.035], "bcr_change": 0.375},
+    }
     line = _versus_line(versus, probe)
     assert "goodput -3.5% (tie)" in line and "BCR -13.2% (+2.3% (tie) at" in line, line
     assert line.endswith("(A tie: inside the search's 10%.)")
@@ -447,9 +484,7 @@ def test_the_published_layouts_are_evaluated_as_given_head_to_head(tmp_path: Pat
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(["--max-gpus", "16", "--chips", "B", "--line-gbps", "100", "--requests", "20",
-                              "--warmup-s", "5", "--min-window-s", "0", "--steps", "1", "--workers", "1",
-                              "--out", str(out), "--quiet"])
+    args = parser.parse_args([*TINY_PLAN, "--out", str(out), "--quiet"])
     assert plan_main(args) == 0
     printed = capsys.readouterr().out
     assert "the publication's layouts, as given" in printed and "Head to head" in printed
@@ -481,20 +516,26 @@ def test_each_familys_cheapest_layout_at_a_target_load(monkeypatch: pytest.Monke
     that spend it), each family's in order of cost, the first that meets the SLO at the
     target is its answer; its goodput is the target. Here a probe meets it on 32 GPUs or
     more: the answer is the cheapest such layout of each family."""
-    from pdd.lab.sim import planner
+    from pdd.lab.sim import plan_published, planner
 
     probed: list[int] = []
 
     def run_window(spec, sessions, rate, *args, **kwargs):
         gpus = sum(r.count * r.gpus for r in spec.roles)
         probed.append(gpus)
-        return {"slo_attainment": 1.0 if gpus >= 32 else 0.0, "offered_rps": 0.5, "ttft_ms": {}, "utilisation": {},
-                "binding": "-", "session_rate": rate}
+        return {
+            "slo_attainment": 1.0 if gpus >= 32 else 0.0,
+            "offered_rps": 0.5,
+            "ttft_ms": {},
+            "utilisation": {},
+            "binding": "-",
+            "session_rate": rate,
+        }
 
     monkeypatch.setattr(planner, "run_window", run_window)
     everything = candidates(48, [100.0], ["A", "B"], spend=False)
     assert set(candidates(48, [100.0], ["A", "B"])) < set(everything)  # the budget-spending ones, and smaller
-    found = planner.cheapest_at(everything, 0.2, agentic(SMALL), TINY_PROBE)
+    found = plan_published.cheapest_at(everything, 0.2, agentic(SMALL), TINY_PROBE)
     for family in {lay.family for lay in everything}:
         able = [lay for lay in everything if lay.family == family and lay.gpus() >= 32]
         cost = {lay: paper.bill(lay.spec()).per_hour for lay in able}

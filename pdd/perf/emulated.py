@@ -18,10 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from pdd.names import AttentionLayout
 from pdd.perf.hardware import CATALOG
 from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL
 from pdd.perf.physics import MEMORY_UTILIZATION, MIN_KV_CONTEXTS, Efficiency, Physics, instance_gpus
 from pdd.perf.steps import StepLoad, decode_stretch
+
+# The layout an emulated chip's steps are priced in: the latent split across the ranks
+# (`tp-dcp`), one copy of each token's KV, as `pdd sim check` simulates the same steps.
+EMULATED_ATTENTION = AttentionLayout.TP_DCP
 
 
 def token_scale(max_context: int) -> float:
@@ -86,5 +91,5 @@ def emulated_steps(hardware: str, scale: float, dilation: float = 1.0) -> Emulat
     if hardware not in CATALOG:
         raise ValueError(f"unknown hardware {hardware!r}: native, or one of {sorted(CATALOG)}")
     chip, model = CATALOG[hardware], MODELS[SPEC_MODEL]
-    gpus = instance_gpus(chip, model, MEMORY_UTILIZATION, MIN_KV_CONTEXTS, SPEC_CONTEXT) or 8
-    return EmulatedSteps(Physics(chip, model, gpus, Efficiency()), scale, dilation, hardware)
+    gpus = instance_gpus(chip, model, MEMORY_UTILIZATION, MIN_KV_CONTEXTS, SPEC_CONTEXT, EMULATED_ATTENTION) or 8
+    return EmulatedSteps(Physics(chip, model, gpus, Efficiency(), EMULATED_ATTENTION), scale, dilation, hardware)

@@ -60,6 +60,18 @@ H200 = Chip(
     source="NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
     "141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; priced 25 % above A (the spec's 20-30 %)",
 )
+H100 = Chip(
+    "H100",
+    bf16_tflops=989.0,
+    fp8_tflops=1979.0,
+    mem_bw_gbs=3350.0,
+    mem_gb=80.0,
+    scale_up_gbs=450.0,
+    scale_out_gbs=_SCALE_OUT_GBS,
+    price_per_hour=1.0,
+    source="NVIDIA H100 SXM5 datasheet: 1,979 TFLOPS BF16 / 3,958 FP8 with sparsity (half dense), "
+    "80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s (the H800's figures but NVLink)",
+)
 H20 = Chip(
     "H20",
     bf16_tflops=148.0,
@@ -74,7 +86,7 @@ H20 = Chip(
 
 # The spec's two clusters: "A" runs P and RLD, "B" runs MD across the line.
 CATALOG: dict[str, Chip] = {"A": H800, "B": H200}
-CHIPS: dict[str, Chip] = {c.name: c for c in (H800, H200, H20)}
+CHIPS: dict[str, Chip] = {c.name: c for c in (H800, H100, H200, H20)}
 
 
 @dataclass(frozen=True)

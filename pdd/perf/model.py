@@ -38,6 +38,7 @@ class ModelShape:
     decode_flops_per_pair: float  # the same in decode's form (MLA absorbed into the latent)
     kv_bytes_per_token: float
     max_context: int
+    kv_heads: int = 1  # KV heads tensor parallelism splits (MLA's latent: 1, so TP ranks each keep all of it)
     note: str = ""
 
     @property

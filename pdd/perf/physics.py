@@ -4,11 +4,15 @@ A step runs the model's layers one after another, and each part is bound by its 
 roofline: the time of its arithmetic at a fraction of peak, or of its memory traffic
 at a fraction of bandwidth, whichever is longer; the parts add up.
 
-- Dense weights (attention projections, shared experts, dense FFN layers, the output
-  head) are read whole every step: 2 FLOPs per parameter per new token. Sharded
-  (tensor-parallel) by default; under data-parallel attention (`dp_attention`, as
-  SGLang serves DeepSeek-class models) every GPU holds and reads its own copy and
-  computes its own share of the tokens.
+- Attention layout (`pdd.names.AttentionLayout`): under `tp` and `tp-dcp` the dense
+  weights (attention projections, shared experts, dense FFN layers, the output head) are
+  sharded; under `dp-ep` (data-parallel attention, as SGLang and vLLM serve
+  DeepSeek-class models) every GPU holds and reads its own copy and computes its own
+  share of the tokens. The KV cache: `tp` splits it by KV head, so a cache with fewer
+  heads than ranks is copied (MLA's latent is one head: every rank keeps all of it, TP 8
+  holds 8 copies, and each rank reads its copy); `tp-dcp` splits it by token, `dp-ep`
+  by request (each rank whole latents of its own requests): one copy. Dense weights are
+  read whole every step: 2 FLOPs per parameter per new token.
 - Routed experts: a step reads the experts its batch touches. A token picks `top_k`
   of `experts`, so an expert is touched by a batch of T tokens with probability
   1 - (1 - k/E)^T: a batch of 15 touches 27 % of 384 experts at top 8, a batch of 128
@@ -38,6 +42,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from pdd.names import AttentionLayout
 from pdd.perf.hardware import Chip
 from pdd.perf.model import ModelShape
 from pdd.perf.steps import StepLoad
@@ -60,8 +65,11 @@ class Efficiency:
     a2a_latency_out_s: float = 60e-6  # one all-to-all across nodes (RDMA)
     ep_overlap: float = 1.0  # share of the compute time under which all-to-all bytes hide
     routing_skew: float = 1.1  # hottest GPU's expert tokens over the mean, after load balancing
+    # the dense, expert and attention parts' times x these: 1, the roofline as is; else fitted to a
+    # measurement of the chip and model (`pdd.lab.sim.measured`)
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -88,14 +96,14 @@ def touched_max(experts: int, top_k: int, gpus: int, tokens: int) -> float:
 
 @dataclass(frozen=True)
 class Physics:
-    """`gpus` devices of `chip` serving `model`, tensor-parallel attention (or, with
-    `dp_attention`, data-parallel) and expert-parallel MoE."""
+    """`gpus` devices of `chip` serving `model`, attention laid out as `attention`, the
+    MoE expert-parallel across all `gpus` (the EP size is the instance's)."""
 
     chip: Chip
     model: ModelShape
     gpus: int
     eff: Efficiency = Efficiency()
-    dp_attention: bool = False
+    attention: AttentionLayout = AttentionLayout.TP_DCP  # the paper setting's (`pdd.lab.sim.paper.Setting`)
     # decode_s's per-batch-size costs (not a field: a cache)
     _decode_batch: dict[int, tuple[float, float, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -110,8 +118,8 @@ class Physics:
         m, e, g = self.model, self.eff, self.gpus
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu  # one GPU's
         bf16 = self._peak(False) * e.mfu
-        copies = g if self.dp_attention else 1  # each GPU reads the dense weights it holds
-        dense = np.maximum(
+        copies = dense_copies(self.attention, g)  # each GPU reads the dense weights it holds
+        dense = e.scale[0] * np.maximum(
             2.0 * m.dense_params * tokens / (g * bf16), copies * m.dense_params * m.dense_bytes_per_param / (g * bw)
         )
         experts = np.zeros_like(tokens)
@@ -126,7 +134,7 @@ class Physics:
             per_gpu = tokens * m.top_k / g
             hottest = e.routing_skew * (per_gpu + np.sqrt(2.0 * per_gpu * math.log(g))) if g > 1 else per_gpu
             compute = 2.0 * m.expert_params * hottest / (self._peak(m.expert_fp8) * e.mfu)
-            experts = m.moe_layers * np.maximum(compute, weights)
+            experts = m.moe_layers * np.maximum(compute, weights) * e.scale[1]
             if g > 1:
                 link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
                 comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
@@ -139,8 +147,8 @@ class Physics:
         """Attention's FLOPs against reading its KV (`kv_tokens`: read and written)."""
         g, e = self.gpus, self.eff
         bw = self.chip.mem_bw_gbs * 1e9 * e.mbu
-        kv = self.model.kv_bytes_per_token * kv_tokens
-        return np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
+        kv = self.model.kv_bytes_per_token * kv_tokens * kv_copies(self.attention, self.model, g)
+        return e.scale[2] * np.maximum(flops / (g * self._peak(False) * e.attn_mfu), kv / (g * bw))
 
     def parts(self, load: StepLoad) -> dict[str, np.ndarray | float]:
         """Seconds of each part of a step (fields of `load` may be arrays)."""
@@ -192,27 +200,50 @@ class Physics:
             "gpus": self.gpus,
             "efficiency": self.eff.to_dict(),
             "model": self.model.name,
+            "attention": str(self.attention),
         }
 
 
+def dense_copies(attention: AttentionLayout, gpus: int) -> int:
+    """Copies of the dense weights an instance of `gpus` holds: one a GPU under `dp-ep`."""
+    return gpus if attention == AttentionLayout.DP_EP else 1
+
+
+def kv_copies(attention: AttentionLayout, model: ModelShape, gpus: int) -> float:
+    """Copies of each token's KV an instance keeps (and its GPUs read): under `tp`, one per
+    rank beyond the model's KV heads (MLA: every rank); under `tp-dcp` and `dp-ep`, one."""
+    if attention == AttentionLayout.TP:
+        return max(1.0, gpus / model.kv_heads)
+    return 1.0
+
+
 def kv_capacity_tokens(
-    chip: Chip, model: ModelShape, gpus: int, memory_utilization: float, dp_attention: bool = False
+    chip: Chip, model: ModelShape, gpus: int, memory_utilization: float, attention: AttentionLayout
 ) -> int:
-    """KV tokens one instance of `gpus` chips holds: its memory, less the weights
-    (negative: they do not fit). Under data-parallel attention the dense weights are on
-    every GPU: 23 GB each for the spec's model, where sharded they are 1.4 GB on 16."""
-    copies = gpus if dp_attention else 1
+    """KV tokens one instance of `gpus` chips holds: its memory, less the weights (negative:
+    they do not fit), over the copies its layout keeps of each token. Under `dp-ep` the
+    dense weights are on every GPU: 23 GB each for the spec's model, where sharded they
+    are 1.4 GB on 16; under `tp` MLA's latent is on every rank."""
+    copies = dense_copies(attention, gpus)
     room = gpus * chip.mem_gb * 1e9 * memory_utilization - model.weight_bytes - (copies - 1) * model.dense_bytes
-    return int(room / model.kv_bytes_per_token)
+    return int(room / (model.kv_bytes_per_token * kv_copies(attention, model, gpus)))
+
+
+NODES = (1, 2, 4)  # the instance sizes searched, in nodes of GPUS_PER_NODE
+
+
+def instance_sizes(
+    chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int, attention: AttentionLayout
+) -> list[int]:
+    """Instance sizes in GPUs (whole nodes, up to 4) whose memory holds the weights and
+    `contexts` full contexts of `context` tokens, smallest first."""
+    sizes = [nodes * GPUS_PER_NODE for nodes in NODES]
+    return [g for g in sizes if kv_capacity_tokens(chip, model, g, memory_utilization, attention) >= contexts * context]
 
 
 def instance_gpus(
-    chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int, dp_attention: bool = False
+    chip: Chip, model: ModelShape, memory_utilization: float, contexts: int, context: int, attention: AttentionLayout
 ) -> int | None:
-    """Whole nodes, the fewest whose memory holds the weights and `contexts` full contexts
-    of `context` tokens (None: not even 4 nodes do)."""
-    for nodes in (1, 2, 4):
-        room = kv_capacity_tokens(chip, model, nodes * GPUS_PER_NODE, memory_utilization, dp_attention)
-        if room >= contexts * context:
-            return nodes * GPUS_PER_NODE
-    return None
+    """The smallest of `instance_sizes` (None: not even 4 nodes hold the model)."""
+    sizes = instance_sizes(chip, model, memory_utilization, contexts, context, attention)
+    return sizes[0] if sizes else None

@@ -10,6 +10,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+from scipy.optimize import nnls
 
 from pdd.perf.steps import Fitted, StepLoad
 
@@ -18,34 +19,6 @@ Sample = tuple[StepLoad, float]  # what a step computed, and its seconds
 
 def _design(loads: Sequence[StepLoad]) -> np.ndarray:
     return np.array([[1.0, x.new_tokens, x.attn_pairs, x.seqs, x.kv_read_tokens] for x in loads], dtype=float)
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b| over x >= 0, by Lawson and Hanson's active set: a coefficient is
-    freed while the residual still pulls it up, and a free one that the unconstrained
-    solution would push negative is walked back to zero and pinned there again. (Written
-    here: numpy has no NNLS, and scipy, which has, is no dependency of pdd's, nor of any
-    it installs; tests/test_sim_calibrate.py checks it against a brute force.)"""
-    n = a.shape[1]
-    x, free = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 1e-12 * max(1.0, float(np.abs(a.T @ b).max()))
-    for _ in range(10 * n):
-        pull = a.T @ (b - a @ x)
-        if free.all() or pull[~free].max() <= tol:
-            break
-        free[np.argmax(np.where(free, -np.inf, pull))] = True
-        while True:
-            z = np.zeros(n)
-            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-            if (z[free] > 0).all():
-                break
-            back = free & (z <= 0)
-            gap = x[back] - z[back]
-            x += np.min(np.where(gap > 0, x[back] / np.where(gap > 0, gap, 1.0), 0.0)) * (z - x)
-            free &= x > 0
-            x[~free] = 0.0
-        x = z
-    return x
 
 
 def _machine() -> str:
@@ -72,7 +45,7 @@ def fit(samples: Sequence[Sample], threads: int = 1) -> Fitted:
     a = _design([load for load, _ in samples]) / times[:, None]
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0  # a term no step exercises stays 0
-    coef = _nnls(a / scale, np.ones(len(samples))) / scale  # columns span ~10 decades: solve them at one scale
+    coef = nnls(a / scale, np.ones(len(samples)))[0] / scale  # columns span ~10 decades: solve them at one scale
     source = f"{_machine()}, {threads} torch thread(s), {date.today().isoformat()}, {len(samples)} steps"
     base_s, per_token_s, per_pair_s, per_seq_s, per_kv_token_s = (float(c) for c in coef)  # _design's columns
     return Fitted(base_s, per_token_s, per_pair_s, per_seq_s, per_kv_token_s, source=source)

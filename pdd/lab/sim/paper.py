@@ -16,8 +16,9 @@ from pdd.config import PolicySpec
 from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.sim.tcp import Tcp
 from pdd.lab.workload.agentic import AgenticConfig
+from pdd.names import AttentionLayout
 from pdd.perf.decode import DecodeRate, decode_rate
-from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, line, rdma
+from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, LINE_PRICE_PER_GBPS_HOUR, Chip, Line, rdma
 from pdd.perf.model import MODELS, SPEC_CONTEXT, SPEC_MODEL, ModelShape
 from pdd.perf.physics import (
     GPUS_PER_NODE,
@@ -59,6 +60,24 @@ WORKLOAD = AgenticConfig(
 POLICY = PolicySpec(ttft_budget_ms=100.0, handoff_threshold=64, catch_up_chunk=64, affinity_weight=4.0)
 
 
+# The side of a deployment a role is on: P prefills, MD decodes, and the relay decodes
+# the few requests whose KV is crossing the line (sized to hold the model, not to a load).
+SIDES = {"prefill": "prefill", "relay": "relay", "main": "decode", "standalone": "decode"}
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """How the instances of one side (prefill, or decode: relays and MD) on one chip are
+    laid out: the attention layout and the GPUs an instance spans (its EP size too: the
+    experts spread over all of them)."""
+
+    side: str  # "prefill", "relay" or "decode"
+    hw: str  # "A" or "B"
+    attention: AttentionLayout
+    gpus: int
+    eff: Efficiency | None = None  # fitted to a measurement (`pdd.lab.sim.measured`); None: the setting's
+
+
 @dataclass(frozen=True)
 class Setting:
     """The hardware, model, line and engine limits a simulated deployment is built from."""
@@ -70,39 +89,58 @@ class Setting:
     eff: Efficiency = field(default_factory=Efficiency)
     tcp: Tcp = field(default_factory=Tcp)
     one_way_ms: float = LINE_ONE_WAY_MS
+    line_price_per_gbps_hour: float = LINE_PRICE_PER_GBPS_HOUR
     policy: PolicySpec = POLICY
     block_tokens: int = 256  # cache granularity
     max_batch_tokens: int = 16384  # chunked prefill: tokens per step
     max_running: int = 1024  # the engine's slot limit, and its most requests held; KV memory binds long before
-    dp_attention: bool = False  # data-parallel attention: the dense weights on every GPU (`pdd.perf.physics`)
+    # every side's layout unless `roles` names it: the latent split by token, one copy of the KV
+    attention: AttentionLayout = AttentionLayout.TP_DCP
+    roles: tuple[RoleLayout, ...] = ()  # chosen layouts per side and chip (`pdd.lab.sim.plan_layouts`)
 
     def chip(self, name: str) -> Chip:
         return {"A": self.a, "B": self.b}[name]
 
-    def kv_capacity_tokens(self, hw: str, gpus: int) -> int:
-        """KV tokens one instance holds: its memory, less the weights (negative: does not fit)."""
-        return kv_capacity_tokens(self.chip(hw), self.model, gpus, self.memory_utilization, self.dp_attention)
-
-    def instance_gpus(self, hw: str) -> int | None:
-        """Whole nodes, the fewest that hold the weights and `MIN_KV_CONTEXTS` contexts
-        (None: not even 4 nodes do)."""
-        return instance_gpus(
-            self.chip(hw), self.model, self.memory_utilization, MIN_KV_CONTEXTS, WORKLOAD.max_context, self.dp_attention
+    def role_layout(self, hw: str, side: str = "decode") -> RoleLayout | None:
+        """The side's layout on `hw`: the one chosen, else `attention` on the fewest whole
+        nodes that hold the weights and `MIN_KV_CONTEXTS` contexts (None: not even 4 do)."""
+        for r in self.roles:
+            if (r.side, r.hw) == (side, hw):
+                return r
+        gpus = instance_gpus(
+            self.chip(hw), self.model, self.memory_utilization, MIN_KV_CONTEXTS, WORKLOAD.max_context, self.attention
         )
+        return None if gpus is None else RoleLayout(side, hw, self.attention, gpus)
 
-    def physics(self, hw: str, gpus: int) -> Physics:
-        return Physics(self.chip(hw), self.model, gpus, self.eff, self.dp_attention)
+    def _attention(self, hw: str, side: str) -> AttentionLayout:
+        chosen = self.role_layout(hw, side)
+        return chosen.attention if chosen else self.attention
+
+    def kv_capacity_tokens(self, hw: str, gpus: int, side: str = "decode") -> int:
+        """KV tokens one instance holds: its memory, less the weights (negative: does not fit)."""
+        attention = self._attention(hw, side)
+        return kv_capacity_tokens(self.chip(hw), self.model, gpus, self.memory_utilization, attention)
+
+    def instance_gpus(self, hw: str, side: str = "decode") -> int | None:
+        chosen = self.role_layout(hw, side)
+        return chosen.gpus if chosen else None
+
+    def physics(self, hw: str, gpus: int, side: str = "decode") -> Physics:
+        chosen = self.role_layout(hw, side)
+        eff = chosen.eff if chosen and chosen.eff and chosen.gpus == gpus else self.eff
+        return Physics(self.chip(hw), self.model, gpus, eff, self._attention(hw, side))
 
     def role(self, name: str, dc: str, count: int, hw: str) -> RoleSpec:
-        gpus = self.instance_gpus(hw)
+        side = SIDES[name]
+        gpus = self.instance_gpus(hw, side)
         if gpus is None:
             raise ValueError(f"{self.model.name} does not fit on 4 nodes of {self.chip(hw).name}")
         return RoleSpec(
             name,
             dc,
             count,
-            self.physics(hw, gpus),
-            self.kv_capacity_tokens(hw, gpus),
+            self.physics(hw, gpus, side),
+            self.kv_capacity_tokens(hw, gpus, side),
             self.max_batch_tokens,
             self.max_running,
             hw,
@@ -114,7 +152,7 @@ class Setting:
         return DeploymentSpec(
             name,
             roles,
-            line(gbps, self.one_way_ms),
+            Line(gbps, self.one_way_ms, gbps * self.line_price_per_gbps_hour),
             rdma(),
             self.model.kv_bytes_per_token,
             self.block_tokens,
@@ -132,12 +170,13 @@ class Setting:
             "efficiency": self.eff.to_dict(),
             "tcp": self.tcp.to_dict(),
             "line_one_way_ms": self.one_way_ms,
-            "line_price_per_gbps_hour": LINE_PRICE_PER_GBPS_HOUR,
+            "line_price_per_gbps_hour": self.line_price_per_gbps_hour,
             "policy": asdict(self.policy),
             "block_tokens": self.block_tokens,
             "max_batch_tokens": self.max_batch_tokens,
             "max_running": self.max_running,
-            "dp_attention": self.dp_attention,
+            "attention": str(self.attention),
+            "roles": [asdict(r) for r in self.roles],
             "instance_gpus": {hw: self.instance_gpus(hw) for hw in ("A", "B")},
             "kv_capacity_tokens": {
                 hw: self.kv_capacity_tokens(hw, self.instance_gpus(hw) or GPUS_PER_NODE) for hw in ("A", "B")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.compare import change
-from pdd.lab.sim.plan_cli import assumption_line, judged
+from pdd.lab.sim.plan_report import assumption_line, judged
 from pdd.lab.sim.plan_workload import agentic
 from pdd.lab.sim.planner import Probe
 

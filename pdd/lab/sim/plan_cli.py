@@ -9,26 +9,31 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pdd.lab.sim import paper
-from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
-from pdd.lab.sim.planner import (
-    Probe,
-    best_per_family,
-    breakdown,
-    candidates,
-    cheapest_at,
-    head_to_head,
-    published,
-    search,
-    search_resolution,
-    tie,
+from pdd.lab.sim.plan_file import Fleet, read_plan_file
+from pdd.lab.sim.plan_layouts import SERVED, choose, smallest
+from pdd.lab.sim.plan_published import breakdown, cheapest_at, head_to_head, published
+from pdd.lab.sim.plan_report import (
+    assumption_line,
+    assumptions,
+    breakdown_table,
+    rows_table,
+    seeds_line,
+    sides_table,
+    slim,
+    step_lines,
+    verdict_lines,
+    versus_line,
 )
+from pdd.lab.sim.plan_verdict import best_per_family, screen_error, seed_spread, verdict
+from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
+from pdd.lab.sim.planner import Layout, Probe, candidates, search
 from pdd.lab.workload.mooncake import load_trace
-from pdd.perf.hardware import LINE_PRICE_PER_GBPS_HOUR
+from pdd.names import AttentionLayout
 
 
 def _floats(value: str) -> list[float]:
@@ -63,25 +68,29 @@ def _workload_arg(value: str) -> tuple[str, Path | None]:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of `pdd plan`; defaults are the spec's setting (pdd/lab/sim/paper.py)."""
-    p.add_argument("--max-gpus", type=int, default=88, help="GPU budget; layouts spend all of it (default 88)")
+    """Options of `pdd plan`; defaults are the plan file's, else the spec's setting
+    (pdd/lab/sim/paper.py, `DEFAULTS`)."""
+    p.add_argument(
+        "--plan-file",
+        type=Path,
+        help="a TOML file of the buyer's chips, sites, fleet, line, model (a Hugging Face config.json), SLO "
+        "and workload (docs/cli.md); a flag given here overrides its key",
+    )
+    p.add_argument("--max-gpus", type=int, help=f"GPU budget; layouts spend all of it (default {DEFAULTS['max_gpus']})")
     p.add_argument(
         "--line-gbps",
         type=_floats,
-        default=[25.0, 100.0],
         help="line bandwidths to try for the cross-datacenter layouts (default 25,100)",
     )
     p.add_argument(
         "--chips",
         type=_names,
-        default=["A", "B"],
         help="A and/or B: the first is datacenter A's (P, relays), the last B's (MD across the line); "
         "same-dc PD is tried on each (default A,B)",
     )
     p.add_argument(
         "--workload",
         type=_workload_arg,
-        default=("agentic", None),
         metavar="agentic|mooncake:PATH",
         help="agentic: the spec's 64K agentic sessions (default); mooncake: the trace, its arrivals "
         "rescaled to each probed rate",
@@ -101,6 +110,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         f"{paper.WORKLOAD.task_tokens[0]},{paper.WORKLOAD.task_tokens[1]}); near the context "
         f"({paper.WORKLOAD.max_context:,}) every request is about that long",
     )
+    _add_probe_arguments(p)
+    _add_output_arguments(p)
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """How each layout's goodput is probed, and the SLO it is judged by."""
     p.add_argument(
         "--requests",
         type=int,
@@ -126,14 +141,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default=min(2, os.cpu_count() or 1),
         help="layouts simulated at once, one process each (default: 2, or the cores if fewer)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=paper.SLO_TTFT_MS)
-    p.add_argument("--slo-tpot-ms", type=float, default=paper.SLO_TPOT_MS)
+    p.add_argument("--slo-ttft-ms", type=float, help=f"default {paper.SLO_TTFT_MS:g}")
+    p.add_argument("--slo-tpot-ms", type=float, help=f"default {paper.SLO_TPOT_MS:g}")
     p.add_argument(
         "--attainment",
         type=float,
-        default=Probe.attainment,
         help="share of requests within the SLO that goodput requires (default 0.9)",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """What the search covers beyond its layouts, and what it prints and writes."""
     p.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
     p.add_argument(
         "--exact",
@@ -155,11 +173,22 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "requests a second (one probe at that rate a layout, cheapest first)",
     )
     p.add_argument(
-        "--dp-attention",
-        action="store_true",
-        help="data-parallel attention: every GPU holds and reads the dense weights (23 GB), as SGLang serves "
-        "DeepSeek-class models. A keeps less room for KV than B: rho 1.66 where it is 0.98, the premise the "
-        "publication's figures imply (BENCHMARKS.md)",
+        "--attention",
+        type=_layouts,
+        help="attention layouts each side may take (tp, tp-dcp, dp-ep), with the instance size searched for "
+        "each (default: those serving runs: " + ",".join(a for a in AttentionLayout if SERVED[a] is None) + ")",
+    )
+    p.add_argument(
+        "--aiconfigurator",
+        metavar="MODEL_ID",
+        help="the model's Hugging Face id in NVIDIA AIConfigurator's databases (the plan extra): each side whose "
+        "chip and layout they cover takes its step times from them (the roofline fitted), the rest the roofline",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="probe the verdict's two layouts again with this many seeds in all and print the spread (default 1)",
     )
     p.add_argument("--out", type=Path, help="write every layout's numbers and the assumptions here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -176,272 +205,193 @@ def probe_of(args: argparse.Namespace) -> Probe:
     )
 
 
-def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = paper.SETTING) -> str:
-    chips = "; ".join(
-        f"GPU {hw} = {c.name} ({c.bf16_tflops:g} TFLOPS BF16, {c.mem_bw_gbs / 1000:g} TB/s, "
-        f"{c.mem_gb:g} GB) at {c.price_per_hour:g}, {setting.instance_gpus(hw)} per instance"
-        for hw, c in (("A", setting.a), ("B", setting.b))
-    )
-    attention = "data-parallel attention (the dense weights on every GPU)" if setting.dp_attention else "TP attention"
-    return (
-        f"{setting.model.name} ({setting.model.note}), {attention}. {chips}. Memory "
-        f"{setting.memory_utilization:.0%} for weights + KV. A line costs {LINE_PRICE_PER_GBPS_HOUR:g} per "
-        f"Gbit/s, {setting.one_way_ms:g} ms one way, "
-        f"TCP (initial window {setting.tcp.initial_window_segments}, {setting.tcp.window_bytes / 2**20:g} MiB "
-        f"buffers). SLO: TTFT <= {probe.slo[0]:g} ms and TPOT <= {probe.slo[1]:g} ms for "
-        f"{probe.attainment:.0%} of requests. Workload: {workload.name}; each probe judges {probe.requests} "
-        f"requests, and at least {probe.min_window_s:g} s, after a warm start and {probe.warmup_s:g} s; "
-        f"goodput found to "
-        f"{search_resolution(probe):.0%}. Costs in GPU A hours per hour; BCR = goodput / cost."
-    )
+DEFAULTS: dict[str, Any] = {"max_gpus": 88, "line_gbps": [25.0, 100.0], "chips": ["A", "B"]}
+DEFAULTS |= {"workload": ("agentic", None), "slo_ttft_ms": paper.SLO_TTFT_MS, "slo_tpot_ms": paper.SLO_TPOT_MS}
+DEFAULTS |= {"attainment": Probe.attainment, "aiconfigurator": None}
 
 
-def _table(rows: list[dict[str, Any]], total: int, title: str):
-    from rich.table import Table
+@dataclass(frozen=True)
+class Plan:
+    """What a `pdd plan` run searches: its layouts, workload, setting (each side's layout
+    chosen) and fleet, and every side layout priced."""
 
-    table = Table(title=title)
-    for col in ("#", "layout", "GPUs", "goodput req/s", "capacity", "cost/h", "BCR", "binding", "TTFT p50/p99 ms"):
-        table.add_column(col, justify="left" if col in ("layout", "GPUs", "binding") else "right")
-    for i, r in enumerate(rows, 1):
-        ttft = (
-            "-"
-            if r["ttft_p50_ms"] is None or r["goodput_rps"] is None
-            else f"{r['ttft_p50_ms']:,.0f}/{r['ttft_p99_ms']:,.0f}"
-        )
-        if r["goodput_rps"] is None:  # missed the SLO at the rate that would beat its family's best
-            goodput, bcr = f"missed {r['missed_rps']:.1f}", "-"
-        else:
-            goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['bcr']:.3f}"
-        table.add_row(
-            str(i),
-            r["layout"],
-            "+".join(f"{n}{k}" for k, n in r["gpus"].items()),
-            goodput,
-            f"{r['capacity_rps']:.1f}",
-            f"{r['cost_per_hour']:.1f}",
-            bcr,
-            r["binding"],
-            ttft,
-        )
-    return table
+    layouts: list[Layout]
+    workload: Workload
+    setting: paper.Setting
+    fleet: Fleet
+    sides: list[dict[str, Any]]
+    steps: list[dict[str, Any]]  # each side's step times' source (`pdd.lab.sim.measured`); empty: the roofline's
 
 
-def setting_of(args: argparse.Namespace) -> paper.Setting:
-    return replace(paper.SETTING, dp_attention=args.dp_attention)
+def setting_of(args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
+    """The setting of the plan file (if any) with each side's layout chosen; fills the
+    options the command line left unset from the file, then from `DEFAULTS`."""
+    setting, fleet = paper.SETTING, Fleet()
+    if args.plan_file is not None:
+        setting, fleet = read_plan_file(args.plan_file, args)
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return setting, fleet
 
 
-def _prepare(args: argparse.Namespace) -> tuple[list, Workload]:
-    """The layouts and the workload, or a ValueError saying what is wrong with the options."""
-    if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1:
-        raise ValueError("--requests, --workers and --top must be >= 1, --steps and --warmup-s >= 0")
+def _layouts(value: str) -> list[AttentionLayout]:
+    try:
+        return [AttentionLayout(v) for v in _names(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layouts of {', '.join(AttentionLayout)}, got {value!r}") from None
+
+
+def _prepare(args: argparse.Namespace) -> Plan:
+    """The plan's layouts and workload, or a ValueError saying what is wrong with the options."""
+    setting, fleet = setting_of(args)
+    if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1 or args.seeds < 1:
+        raise ValueError("--requests, --workers, --seeds and --top must be >= 1, --steps and --warmup-s >= 0")
     if args.target_rps is not None and not args.target_rps > 0:
         raise ValueError("--target-rps must be > 0")
     if not 0 < args.attainment < 1:
         raise ValueError("--attainment must lie in (0, 1)")
-    layouts = candidates(args.max_gpus, args.line_gbps, args.chips, setting_of(args))
+    setting, sides = choose(setting, args.slo_tpot_ms / 1000, args.attention)
+    steps: list[dict[str, Any]] = []
+    if args.aiconfigurator:
+        try:
+            from pdd.lab.sim.measured import measure
+        except ImportError:
+            raise ValueError("--aiconfigurator needs the plan extra: pip install 'pdd-serving[plan]'") from None
+        setting, steps = measure(setting, args.aiconfigurator)
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
+    layouts = fleet.spending(everything, setting, args.max_gpus)
     if not layouts:
-        raise ValueError("no layout fits: the budget must hold two instances the model fits on")
+        raise ValueError("no layout fits: the budget (and fleet) must hold two instances the model fits on")
     kind, path = args.workload
     if kind != "agentic":
         if args.tool_time_s or args.task_tokens:
             raise ValueError("--tool-time-s and --task-tokens shape the agentic workload, not a trace")
-        return layouts, mooncake(load_trace(path))
+        return Plan(layouts, mooncake(load_trace(path)), setting, fleet, sides, steps)
     config = paper.WORKLOAD
     if args.tool_time_s:
         config = replace(config, tool_time_s=args.tool_time_s)
     if args.task_tokens:
         config = replace(config, task_tokens=args.task_tokens)
-    return layouts, agentic(config)
+    return Plan(layouts, agentic(config), setting, fleet, sides, steps)
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    """Search, print the best `--top` layouts, each family's best and the assumptions, write `--out`."""
+    """Search; print the verdict first, then the best `--top` layouts, each family's best,
+    each side's layout and the assumptions; write `--out`."""
     from rich.console import Console
 
-    from pdd.progress import progress_bar
-
     try:
-        layouts, workload = _prepare(args)
+        plan = _prepare(args)
     except (ValueError, OSError) as exc:
         print(f"pdd plan: {exc}", file=sys.stderr)
         return 2
-    probe, setting = probe_of(args), setting_of(args)
-    console = Console(stderr=True)
+    probe, setting = probe_of(args), plan.setting
+    console, out = Console(stderr=True), Console()
     started = time.perf_counter()
+    rows = _run(console, args, "layouts", plan.layouts, plan.workload, probe, setting, args.exact)
+    wall = time.perf_counter() - started
+    ratio = paper.rho(setting, tpot_ms=probe.slo[1])
+    found = verdict(rows, setting.b.price_per_hour, probe)
+    spread = (
+        seed_spread(args.seeds, found, rows, plan.workload, plan.setting, probe) if found and args.seeds > 1 else []
+    )
+    for line in verdict_lines(found, ratio, probe):
+        out.print(line)
+    if spread:
+        out.print(seeds_line(spread, probe))
+    simulated = sum(r["simulated"] for r in rows)
+    title = f"the best {min(args.top, len(rows))} of {len(rows)} layouts by BCR ({simulated} simulated; G: line Gbit/s)"
+    out.print(rows_table(rows[: args.top], f"pdd plan: {title}", probe))
+    families = sorted(best_per_family(rows).values(), key=lambda r: -r["bcr"])
+    out.print(rows_table(families, "each family's best", probe))
+    out.print(sides_table(plan.sides))
+    for line in step_lines(plan.steps):
+        out.print(line)
+    out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
+    out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
+    versus, steps, given = None, None, []
+    if args.published:
+        as_given = smallest(setting)  # (its counts are of the fewest nodes that hold the model)
+        layouts = published(args.line_gbps[0], as_given)
+        given = _run(console, args, "the publication's layouts", layouts, plan.workload, probe, as_given, True)
+        out.print(rows_table(given, "the publication's layouts, as given (nearest buildable)", probe))
+        versus = head_to_head(given, as_given)
+        out.print(versus_line(versus, probe))
+        steps = breakdown(given)
+        out.print(breakdown_table(steps, probe))
+    at_target = _at_target(console, out, args, plan, probe) if args.target_rps is not None else []
+    probes, screen = sum(r["probes"] for r in rows), screen_error(rows)
+    if screen is not None:
+        out.print(
+            f"The analytic screen against the simulation: capacity / goodput - 1 is {screen['median']:+.0%} "
+            f"(median; {screen['low']:+.0%} to {screen['high']:+.0%}) over {screen['layouts']} simulated layouts."
+        )
+    out.print(
+        f"{len(plan.layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s "
+        f"({args.workers} worker(s))"
+        + (f"; the publication's, {sum(r['probes'] for r in given)} probes more" if given else "")
+        + f"; {time.perf_counter() - started:.0f} s in all."
+    )
+    if args.out is not None:
+        report = {
+            "verdict": found,
+            "seeds": spread,
+            "sides": plan.sides,
+            "step_times": plan.steps,
+            "layouts": slim(rows),
+            "assumptions": assumptions(setting, probe, plan.workload, plan.fleet),
+            "rho": ratio.to_dict() if ratio else None,
+            "published": versus,
+            "published_layouts": slim(given),
+            "breakdown": steps,
+            "at_target": {"target_rps": args.target_rps, "layouts": slim(at_target)}
+            if args.target_rps is not None
+            else None,
+            "screen_error": screen,
+            "wall_s": wall,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+def _run(console, args, what: str, layouts, workload, probe, setting, exact: bool) -> list[dict[str, Any]]:
+    """`search` under a progress bar."""
+    from pdd.progress import progress_bar
+
     with progress_bar(console, args.quiet) as bar:
-        task = bar.add_task("layouts", total=len(layouts))
-        rows = search(
+        task = bar.add_task(what, total=len(layouts))
+        return search(
             layouts,
             workload,
             probe,
             setting,
             workers=args.workers,
             progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
-            exact=args.exact,
+            exact=exact,
         )
-    wall = time.perf_counter() - started
-    out = Console()
-    simulated = sum(r["simulated"] for r in rows)
-    out.print(
-        _table(
-            rows[: args.top],
-            len(rows),
-            f"pdd plan: the best {min(args.top, len(rows))} of {len(rows)} "
-            f"layouts by BCR ({simulated} simulated; G: line Gbit/s)",
+
+
+def _at_target(console, out, args: argparse.Namespace, plan: Plan, probe: Probe) -> list[dict[str, Any]]:
+    """Each family's cheapest layout within the budget that meets the SLO at `--target-rps`."""
+    from pdd.progress import progress_bar
+
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, plan.setting, spend=False)
+    with progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("at the target", total=None)
+        found = cheapest_at(
+            everything,
+            args.target_rps,
+            plan.workload,
+            probe,
+            plan.setting,
+            progress=lambda done, _total, msg: bar.update(task, completed=done, description=msg),
         )
-    )
-    families = best_per_family(rows)
-    out.print(_table(list(families.values()), len(families), "each family's best"))
-    out.print(f"Assumptions: {assumption_line(probe, workload, setting)}")
-    ratio = paper.rho(setting, tpot_ms=probe.slo[1])
-    out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
-    versus, steps, given = None, None, []
-    if args.published:
-        with progress_bar(console, args.quiet) as bar:
-            task = bar.add_task("the publication's layouts", total=4)
-            given = search(
-                published(args.line_gbps[0], setting),
-                workload,
-                probe,
-                setting,
-                args.workers,
-                progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
-                exact=True,
-            )
-        out.print(_table(given, len(given), "the publication's layouts, as given (nearest buildable)"))
-        versus = head_to_head(given, setting)
-        out.print(_versus_line(versus, probe))
-        steps = breakdown(given)
-        out.print(_breakdown_table(steps, probe))
-    at_target: list[dict[str, Any]] = []
-    if args.target_rps is not None:
-        everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
-        with progress_bar(console, args.quiet) as bar:
-            task = bar.add_task("at the target", total=None)
-            found = cheapest_at(
-                everything,
-                args.target_rps,
-                workload,
-                probe,
-                setting,
-                progress=lambda done, _total, msg: bar.update(task, completed=done, description=msg),
-            )
-        at_target = [found[f] for f in sorted(found, key=lambda f: found[f]["cost_per_hour"])]
-        title = (
-            f"each family's cheapest layout within {args.max_gpus} GPUs that meets the SLO at {args.target_rps:g} req/s"
-        )
-        out.print(_table(at_target, len(at_target), title))
-        missing = sorted({lay.family for lay in everything} - set(found))
-        if missing:
-            out.print(f"No layout of {', '.join(missing)} within the budget meets it.")
-    probes = sum(r["probes"] for r in rows)
-    out.print(
-        f"{len(layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s ({args.workers} worker(s))"
-        + (f"; the publication's, {sum(r['probes'] for r in given)} probes more" if given else "")
-        + f"; {time.perf_counter() - started:.0f} s in all."
-    )
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-
-        def slim(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [{k: v for k, v in r.items() if k != "run"} for r in rows]
-
-        args.out.write_text(
-            json.dumps(
-                {
-                    "layouts": slim(rows),
-                    "assumptions": setting.to_dict()
-                    | {
-                        "slo": {"ttft_ms": probe.slo[0], "tpot_ms": probe.slo[1], "attainment": probe.attainment},
-                        "workload": workload.name,
-                        "probe": {
-                            "judged_requests": probe.requests,
-                            "warmup_s": probe.warmup_s,
-                            "min_window_s": probe.min_window_s,
-                            "steps": probe.steps,
-                        },
-                    },
-                    "rho": ratio.to_dict() if ratio else None,
-                    "published": versus,
-                    "published_layouts": slim(given),
-                    "breakdown": steps,
-                    "at_target": {"target_rps": args.target_rps, "layouts": slim(at_target)}
-                    if args.target_rps is not None
-                    else None,
-                    "wall_s": wall,
-                },
-                indent=2,
-                default=str,
-            )
-            + "\n",
-            encoding="utf-8",
-        )
-    return 0
-
-
-def _breakdown_table(steps: list[dict[str, Any]], probe: Probe):
-    from rich.table import Table
-
-    def pct(value: float | None) -> str:
-        return "-" if value is None else f"{value:+.1%}"
-
-    table = Table(
-        title="from same-dc PD on A to PDD, one change at a time (each against the row before; "
-        f"tie: inside the search's {search_resolution(probe):.0%})"
-    )
-    for col in ("step", "layout", "goodput", "cost", "BCR", "TTFT p99"):
-        table.add_column(col, justify="left" if col in ("step", "layout") else "right")
-    for s in steps:
-        table.add_row(
-            s["step"],
-            s["layout"] or "-",
-            judged(s["goodput_change"], probe, short=True),
-            pct(s["cost_change"]),  # (exact: goodput, and so BCR, are known to the search's resolution)
-            judged(s["bcr_change"], probe, short=True),
-            pct(s["ttft_p99_change"]),
-        )
-    return table
-
-
-def judged(change: float | None, probe: Probe, short: bool = False) -> str:
-    """A change of goodput or BCR, a tie where it is inside the search's resolution (`tie`)."""
-    if change is None:
-        return "-"
-    if not tie(change, probe):
-        return f"{change:+.1%}"
-    return (
-        f"{change:+.1%} (tie)"
-        if short
-        else f"{change:+.1%} (a tie: inside the search's {search_resolution(probe):.0%})"
-    )
-
-
-def _versus_line(versus: dict[str, Any] | None, probe: Probe) -> str:
-    if versus is None:
-        return "Head to head: a published layout met the SLO at no rate searched."
-    pub = versus["published"]
-    changes = [versus[k] for k in ("goodput_change", "bcr_change", "bcr_change_their_costs")]
-    ties = (
-        f" (A tie: inside the search's {search_resolution(probe):.0%}.)" if any(tie(c, probe) for c in changes) else ""
-    )
-    goodput, bcr, theirs = (judged(c, probe, short=True) for c in changes)
-    return (
-        f"Head to head, PDD against same-dc PD as published: goodput {goodput} "
-        f"(published {pub['goodput_change']:+.1%}), cost {versus['cost_change']:+.1%} as built, line priced "
-        f"({versus['their_cost_change']:+.1%} by the publication's GPU counts; published "
-        f"{pub['cost_change'][0]:+.1%} to {pub['cost_change'][1]:+.1%}), BCR {bcr} "
-        f"({theirs} at the publication's costs; published up to "
-        f"{pub['bcr_change']:+.1%}). {_flip_line(versus)}{ties}"
-    )
-
-
-def _flip_line(versus: dict[str, Any]) -> str:
-    """What would make PDD's BCR equal same-dc PD's, one figure at a time."""
-    price = versus["flip_b_price"]
-    if price is None:
-        at_price = ""
-    elif price <= 0:
-        at_price = f"; no price of B would, not even free B GPUs (B is at {versus['b_price']:g} a GPU hour)"
-    else:
-        at_price = f", or B at {price:.2f} a GPU hour (now {versus['b_price']:g})"
-    return f"The BCRs would be equal at a PDD goodput of {versus['flip_goodput_rps']:.1f} req/s{at_price}."
+    at_target = [found[f] for f in sorted(found, key=lambda f: found[f]["cost_per_hour"])]
+    title = f"each family's cheapest layout within {args.max_gpus} GPUs that meets the SLO at {args.target_rps:g} req/s"
+    out.print(rows_table(at_target, title, probe))
+    missing = sorted({lay.family for lay in everything} - set(found))
+    if missing:
+        out.print(f"No layout of {', '.join(missing)} within the budget meets it.")
+    return at_target

@@ -3,7 +3,7 @@ of hardware cost (BCR), under one GPU budget and one SLO.
 
 A comparison between two hand-picked layouts says more about the picking than about the
 architectures, so every family is given its own best layout before any two are compared
-(`best_per_family`): same-datacenter PD on A, on B, cross-datacenter PD, and PDD, with
+(`pdd.lab.sim.plan_verdict.best_per_family`): same-datacenter PD on A, on B, cross-datacenter PD, and PDD, with
 their P:D (and relay) counts, at each line bandwidth. Every layout that spends the
 budget is a candidate. Each one's analytic capacity (`pdd.lab.sim.bounds`) orders the
 search and seeds its goodput bisection; a layout whose capacity per cost cannot reach
@@ -82,8 +82,17 @@ class Layout:
         return setting.deployment(self.family, tuple(roles), self.line_gbps)
 
     def gpus(self, setting: paper.Setting = paper.SETTING) -> int:
-        near, far = setting.instance_gpus(self.prefill_hw) or 0, setting.instance_gpus(self.main_hw) or 0
-        return (self.prefill + self.relays) * near + self.main * far
+        p, r, d = _sizes(setting, self.prefill_hw, self.main_hw)
+        return self.prefill * p + self.relays * r + self.main * d
+
+
+def _sizes(setting: paper.Setting, near: str, far: str) -> tuple[int, int, int]:
+    """GPUs of a P, a relay (beside P) and an MD instance (0: the model fits none)."""
+    return (
+        setting.instance_gpus(near, "prefill") or 0,
+        setting.instance_gpus(near, "relay") or 0,
+        setting.instance_gpus(far, "decode") or 0,
+    )
 
 
 def candidates(
@@ -99,45 +108,34 @@ def candidates(
     unknown = [h for h in hardware if h not in CHIPS]
     if unknown or not hardware:
         raise ValueError(f"chips must be {' or '.join(CHIPS)}, got {list(hardware)}")
-    size = {h: setting.instance_gpus(h) or 0 for h in hardware}  # 0: no instance of it holds the model
-
-    def fits(layout: Layout, smallest: int) -> bool:
-        used = layout.gpus(setting)
-        share = (layout.prefill * size[layout.prefill_hw]) / (
-            layout.prefill * size[layout.prefill_hw] + layout.main * size[layout.main_hw]
-        )
-        spent = max_gpus < used + smallest or not spend
-        return used <= max_gpus and spent and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE
-
     layouts: list[Layout] = []
     for hw in hardware:
-        if size[hw]:
-            n = max_gpus // size[hw]
-            sizes = [n] if spend else range(2, n + 1)
-            layouts += [
-                lay
-                for total in sizes
-                for p in range(1, total)
-                if fits(lay := Layout(p, total - p, 0, hw, hw), size[hw])
-            ]
-    near, far = hardware[0], hardware[-1]
-    if not (size[near] and size[far]):
-        return layouts
-    smallest = min(size[near], size[far])
+        layouts += _family(max_gpus, hw, hw, 0, 0.0, setting, spend)
     for gbps in line_gbps:
         for relays in (0, *RELAYS):
-            for p in range(1, max_gpus // size[near] + 1):
-                most = (max_gpus - (p + relays) * size[near]) // size[far]  # MD instances the rest holds
-                for main in range(most if spend else 1, most + 1):
-                    if main >= 1 and fits(lay := Layout(p, main, relays, near, far, gbps), smallest):
-                        layouts.append(lay)
+            layouts += _family(max_gpus, hardware[0], hardware[-1], relays, gbps, setting, spend)
     return layouts
 
 
-# ---- the workload a probe replays ----------------------------------------------------------
-
-
-# ---- the search ---------------------------------------------------------------------------
+def _family(
+    max_gpus: int, near: str, far: str, relays: int, gbps: float, setting: paper.Setting, spend: bool
+) -> list[Layout]:
+    """The layouts of P on `near` (and `relays` beside it) with MD on `far`."""
+    p_size, r_size, d_size = _sizes(setting, near, far)
+    if not (p_size and d_size and (r_size or not relays)):
+        return []
+    smallest = min(p_size, d_size, r_size if relays else d_size)
+    out = []
+    for p in range(1, max_gpus // p_size + 1):
+        most = (max_gpus - p * p_size - relays * r_size) // d_size  # MD instances the rest holds
+        for main in range(most if spend else 1, most + 1):
+            if main < 1:
+                continue
+            used = p * p_size + relays * r_size + main * d_size
+            share = p * p_size / (p * p_size + main * d_size)
+            if (max_gpus < used + smallest or not spend) and MIN_PREFILL_SHARE <= share <= MAX_PREFILL_SHARE:
+                out.append(Layout(p, main, relays, near, far, gbps))
+    return out
 
 
 @dataclass(frozen=True)
@@ -161,17 +159,17 @@ class Probe:
         return Window(self.warmup_s, self.warmup_s + judged, tail_s(workload.longest_output, self.slo))
 
 
-def _spec(layout: Layout, setting: paper.Setting, workload: Workload) -> DeploymentSpec:
+def spec_of(layout: Layout, setting: paper.Setting, workload: Workload) -> DeploymentSpec:
     """The layout's deployment, its cache in the workload's blocks."""
     return replace(layout.spec(setting), block_tokens=workload.block_tokens)
 
 
-def _capacity(spec: DeploymentSpec, shape: Shape, probe: Probe) -> float:
+def capacity_of(spec: DeploymentSpec, shape: Shape, probe: Probe) -> float:
     """The deployment's analytic capacity in requests a second (`bounds.capacity_rps`)."""
     return capacity_rps(spec, shape, probe.slo[1] / 1000)["rps"]
 
 
-def _probe_at(spec: DeploymentSpec, workload: Workload, probe: Probe, rps: float) -> dict[str, Any]:
+def probe_at(spec: DeploymentSpec, workload: Workload, probe: Probe, rps: float) -> dict[str, Any]:
     """One probe at `rps` requests a second, stopped as soon as it cannot meet the SLO."""
     return run_window(
         spec,
@@ -204,7 +202,7 @@ def goodput_of(
     meets it is searched upwards from there. `probed_rps`: the rate its goodput was
     probed at (session rate x turns), which is its goodput (`_row`) and what `beat_rps`
     is made of."""
-    spec = _spec(layout, setting, workload)
+    spec = spec_of(layout, setting, workload)
     sessions, turns = workload.sessions(), workload.turns
     runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
 
@@ -222,9 +220,9 @@ def goodput_of(
         )
 
     if beat_rps is not None:
-        run = runs[beat_rps / turns] = _probe_at(spec, workload, probe, beat_rps)
+        run = runs[beat_rps / turns] = probe_at(spec, workload, probe, beat_rps)
         if (run["slo_attainment"] or 0.0) < probe.attainment:
-            return _row(layout, setting, run, capacity, beat_rps) | {
+            return row_of(layout, setting, run, capacity, beat_rps) | {
                 "goodput_rps": None,
                 "bcr": None,
                 "probes": 1,
@@ -238,7 +236,7 @@ def goodput_of(
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
     probed = best["session_rate"] * turns if best else None
-    return _row(layout, setting, best, capacity, probed) | {"probes": len(runs), "probed_rps": probed}
+    return row_of(layout, setting, best, capacity, probed) | {"probes": len(runs), "probed_rps": probed}
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
@@ -246,7 +244,7 @@ def steps_for(ratio: float, probe: Probe) -> int:
     return max(1, math.ceil(math.log2(math.log(ratio) / math.log(1 + search_resolution(probe)))))
 
 
-def _row(
+def row_of(
     layout: Layout, setting: paper.Setting, run: dict[str, Any] | None, capacity: float, probed_rps: float | None
 ) -> dict[str, Any]:
     """A layout's row. Its goodput is the steady rate the probe that met the SLO offered
@@ -309,7 +307,7 @@ def search(
     layouts, never on which of two processes finished first, so the rows are the same
     whatever the workers and the machine's load."""
     shape = workload.shape()
-    caps = {lay: _capacity(_spec(lay, setting, workload), shape, probe) for lay in layouts}
+    caps = {lay: capacity_of(spec_of(lay, setting, workload), shape, probe) for lay in layouts}
     cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
     queues = {
         f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -caps[x] / cost[x])
@@ -326,7 +324,7 @@ def search(
             queue = queues[f]
             while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
                 lay = queue.pop(0)
-                rows.append(_row(lay, setting, None, caps[lay], None) | {"simulated": False})
+                rows.append(row_of(lay, setting, None, caps[lay], None) | {"simulated": False})
             if not queue:
                 continue
             lay = queue.pop(0)
@@ -387,145 +385,6 @@ class _Inline:
         future: Future = Future()
         future.set_result(fn(*args))
         return future
-
-
-def published(line_gbps: float, setting: paper.Setting = paper.SETTING) -> list[Layout]:
-    """The publication's layouts as near as whole instances come (`paper.paper_deployments`):
-    its 88 GPU A in one site as 2 P + 3 D of 16, its 43 A + 32 B as 2 P + 1 relay of 16 on A
-    and 4 MD of 8 on B, and cross-site PD on the same GPUs without the relay; between the
-    first and those, the same P and D in one site (the `BREAKDOWN`'s middle step)."""
-    return [
-        Layout(2, 3, 0, "A", "A"),
-        Layout(3, 4, 0, "A", "B"),
-        Layout(3, 4, 0, "A", "B", line_gbps),
-        Layout(2, 4, 1, "A", "B", line_gbps),
-    ]
-
-
-# From same-dc PD on A to PDD, one change at a time: (the family after the step, what the step changes)
-BREAKDOWN = (
-    ("pd-same-dc-ab", "D on B, same site"),
-    ("pd-cross-dc", "D across the line"),
-    ("pdd", "a relay beside P"),
-)
-
-
-def breakdown(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What each step from same-dc PD on A to PDD changes, on the published layouts
-    (`published`): B decoding in the same site, then the line between P and D, then a relay
-    (in place of one P's GPUs). Each step's goodput, cost, BCR and TTFT p99 against the step
-    before; a step whose either end met the SLO at no rate searched has None there."""
-    by = {r["family"]: r for r in rows}
-
-    def change(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> float | None:
-        if before is None or after is None or not before[key] or after[key] is None:
-            return None
-        if key != "cost_per_hour" and not (before["goodput_rps"] and after["goodput_rps"]):
-            return None  # (what a layout that met the SLO at no rate searched did is no figure)
-        return after[key] / before[key] - 1
-
-    out, before = [], by.get("pd-same-dc")
-    for family, step in BREAKDOWN:
-        after = by.get(family)
-        out.append(
-            {
-                "step": step,
-                "layout": after["layout"] if after else None,
-                "goodput_change": change(before, after, "goodput_rps"),
-                "cost_change": change(before, after, "cost_per_hour"),
-                "bcr_change": change(before, after, "bcr"),
-                "ttft_p99_change": change(before, after, "ttft_p99_ms"),
-            }
-        )
-        before = after
-    return out
-
-
-def head_to_head(rows: Sequence[dict[str, Any]], setting: paper.Setting = paper.SETTING) -> dict[str, Any] | None:
-    """PDD's published layout against same-dc PD's, each evaluated as given: goodput, cost
-    and BCR, by our accounting (the instances as built, the line priced) and by the
-    publication's (its GPU counts at their prices, no line); and what would make their BCRs
-    equal, one figure at a time: PDD's goodput, or B's price (negative: not even free B
-    GPUs would). None where either missed."""
-    by = {r["family"]: r for r in rows if r["simulated"] and r["goodput_rps"]}
-    pd, pdd = by.get("pd-same-dc"), by.get("pdd")
-    if pd is None or pdd is None:
-        return None
-    counts = paper.PAPER["gpus"]
-    theirs = {
-        family: sum(n * setting.chip(hw).price_per_hour for hw, n in counts[family].items())
-        for family in ("pd-same-dc", "pdd")
-    }
-    goodput = pdd["goodput_rps"] / pd["goodput_rps"] - 1
-    # What would flip the verdict, one figure at a time, the others as they are: BCR is goodput
-    # over cost, and PDD's cost is linear in B's price (its B GPUs at it, the rest fixed)
-    b_gpus = pdd["gpus"].get("B", 0)
-    b_price = setting.chip("B").price_per_hour
-    pd_pace = pd["goodput_rps"] / pd["cost_per_hour"]
-    flip_b_price = (
-        (pdd["goodput_rps"] / pd_pace - (pdd["cost_per_hour"] - b_gpus * b_price)) / b_gpus if b_gpus else None
-    )
-    return {
-        "flip_goodput_rps": pd_pace * pdd["cost_per_hour"],
-        "flip_b_price": flip_b_price,
-        "b_price": b_price,
-        "goodput_change": goodput,
-        "cost_change": pdd["cost_per_hour"] / pd["cost_per_hour"] - 1,
-        "bcr_change": pdd["bcr"] / pd["bcr"] - 1,
-        "their_cost_change": theirs["pdd"] / theirs["pd-same-dc"] - 1,
-        "bcr_change_their_costs": (1 + goodput) * theirs["pd-same-dc"] / theirs["pdd"] - 1,
-        "published": {k: paper.PAPER[k] for k in ("goodput_change", "cost_change", "bcr_change")},
-    }
-
-
-def cheapest_at(
-    layouts: Sequence[Layout],
-    target_rps: float,
-    workload: Workload,
-    probe: Probe = Probe(),
-    setting: paper.Setting = paper.SETTING,
-    progress: OnProgress | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Each family's cheapest layout that meets the SLO at `target_rps`: its layouts in
-    order of cost, one probe each at that rate, past those whose analytic capacity could
-    not carry it even with `HEADROOM`; the first that meets it is the answer (a family
-    none of whose layouts does is left out). Its row: the probe's figures at the target."""
-    shape = workload.shape()
-    found: dict[str, dict[str, Any]] = {}
-    families = sorted({lay.family for lay in layouts})
-    probed = 0
-    for family in families:
-        for lay in sorted(
-            (x for x in layouts if x.family == family),
-            key=lambda x: (paper.bill(x.spec(setting), setting).per_hour, x.name),
-        ):
-            spec = _spec(lay, setting, workload)
-            capacity = _capacity(spec, shape, probe)
-            if HEADROOM * capacity < target_rps:
-                continue
-            run = _probe_at(spec, workload, probe, target_rps)
-            probed += 1
-            if progress is not None:
-                progress(probed, probed, f"{lay.name} at {target_rps:g} req/s")
-            if (run["slo_attainment"] or 0.0) >= probe.attainment:
-                found[family] = _row(lay, setting, run, capacity, target_rps) | {"probes": 1, "probed_rps": target_rps}
-                break
-    return found
-
-
-def best_per_family(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each family's layout of the highest BCR among those whose goodput was found."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        if r["simulated"] and r["bcr"] is not None and (r["family"] not in best or r["bcr"] > best[r["family"]]["bcr"]):
-            best[r["family"]] = r
-    return best
-
-
-def iso_goodput(family_rows: Sequence[dict[str, Any]], target_rps: float) -> dict[str, Any] | None:
-    """The cheapest simulated layout of a family that reaches `target_rps` (None: none does)."""
-    able = [r for r in family_rows if r["simulated"] and (r["goodput_rps"] or 0.0) >= target_rps]
-    return min(able, key=lambda r: r["cost_per_hour"]) if able else None
 
 
 def search_resolution(probe: Probe) -> float:
