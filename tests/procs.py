@@ -225,7 +225,8 @@ class PlainVllm:
 
 
 @contextlib.contextmanager
-def plain_vllm(model_dir: Path) -> Iterator[PlainVllm]:
+def plain_vllm(model_dir: Path, *extra: str) -> Iterator[PlainVllm]:
+    """`vllm serve` on `model_dir` (fp32, pdd's block size), with vLLM's own `extra` arguments."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
@@ -233,7 +234,7 @@ def plain_vllm(model_dir: Path) -> Iterator[PlainVllm]:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
-            "--block-size", "32", "--max-model-len", "4096"]
+            "--block-size", "32", "--max-model-len", "4096", *extra]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

@@ -147,7 +147,7 @@ def test_auto_sizes_read_from_a_file_and_the_command_line():
     assert (md0.num_pages, md0.dtype) == (AUTO, "float32")
     with pytest.raises(cfg.ConfigError, match="runs on one device"):
         cfg.parse({"engine": {"device": "cuda:0,1"}})
-    for key in ("pipeline_parallel_size", "data_parallel_size"):
+    for key in ("pipeline_parallel_size",):  # (a data-parallel group: `test_dp_groups`)
         with pytest.raises(cfg.ConfigError, match=f"engine.vllm.{key} = 2: pdd runs one vLLM engine"):
             cfg.parse({"engine": {"backend": "vllm", "vllm": {key: 2}}})
 

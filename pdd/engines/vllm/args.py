@@ -77,6 +77,11 @@ def engine_kwargs(
             "set each value once: "
             + ", ".join(f"[engine] {f} = {getattr(config, f)!r} and [engine.vllm] {v}" for f, v in both)
         )
+    if config.vllm.get("data_parallel_size", 1) != 1 and "data_parallel_rank" not in config.vllm:
+        raise ValueError(
+            "[engine.vllm] data_parallel_size without data_parallel_rank: pdd serves each rank of a "
+            "data-parallel group as an instance of its own (an [[instances]] entry with data_parallel_size)"
+        )
     cpu = config.device == "cpu"
     if cpu and config.page_size % CPU_BLOCK_MULTIPLE:
         raise ValueError(
@@ -126,6 +131,18 @@ def engine_kwargs(
         if "kv_cache_memory_bytes" not in config.vllm and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_bytes(config, declared)
     return {**kwargs, **{k: v for k, v in config.vllm.items() if k != "logits_processors"}}
+
+
+DATA_PARALLEL_KEYS = ("data_parallel_size", "data_parallel_rank", "data_parallel_address", "data_parallel_rpc_port")
+
+
+def independent_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A dense model's data-parallel rank as vLLM runs one: an engine of its own, with
+    nothing to step in lockstep with the group's others (vLLM's engine core treats a dense
+    model's ranks "like DP=1", and its engine arguments refuse a dense model a rank of an
+    external load-balancing group, saying to launch independent engines instead). A
+    mixture-of-experts rank keeps them all: `pdd.groups`."""
+    return {k: v for k, v in kwargs.items() if k not in DATA_PARALLEL_KEYS}
 
 
 def _cpu_kv_bytes(config: EngineConfig, declared: Declared) -> int:

@@ -1,0 +1,82 @@
+"""A data-parallel group as pdd members: `pdd up --mode pdd --engine vllm` with MD as a DP 2
+group of the dense tiny model (`[engine.vllm] data_parallel_size = 2` on one
+`[[instances]]` entry), each rank an instance process of its own around one vLLM engine
+(`pdd.groups`). Greedy output equals a plain `vllm serve --data-parallel-size 2` on the
+same weights through P -> RLD -> MD and P -> MD; the router shows the ranks under their
+group and plans requests onto both; a session's second turn goes to the rank that holds
+its first turn's KV and moves only what that rank lacks. One deployment for all."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from procs import plain_vllm, stream_completion, vllm_settled
+from vllm_scenarios import deployment, engine_stats, prompt
+
+pytest.importorskip("vllm")
+
+GROUP = '''
+[[instances]]
+name = "p0"
+role = "prefill"
+dc = "A"
+[[instances]]
+name = "rld0"
+role = "relay"
+dc = "A"
+[[instances]]
+name = "md0"
+role = "main"
+dc = "B"
+[instances.engine.vllm]
+data_parallel_size = 2
+'''
+RANKS = ["md0-dp0", "md0-dp1"]
+OUTPUT = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    with plain_vllm(tiny_model_dir, "--data-parallel-size", "2") as ref:
+        yield ref
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp") as d:
+        yield d
+
+
+def test_the_ranks_are_members_under_their_group(dep):
+    router = httpx.get(f"{dep.url}/pdd/stats").json()
+    assert router["groups"] == {"md0": RANKS}
+    assert {n: i["group"] for n, i in router["instances"].items()} == {"p0": "", "rld0": "", **dict.fromkeys(RANKS, "md0")}
+    assert all(router["instances"][r]["healthy"] and router["instances"][r]["pages"] > 0 for r in RANKS)
+
+
+def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
+    """Four fresh prompts through the relay, then each one's second turn straight from P:
+    every output equals plain vLLM's DP 2; the router spreads the fresh prompts over both
+    ranks (by load: nothing is cached yet); each second turn goes to the rank that served its
+    first (prefix affinity), whose vLLM hits the first turn's KV, so only the delta crosses."""
+    hits_before = {r: engine_stats(dep, r)["prefix_cache_hits"] for r in RANKS}
+    fresh = [prompt(100 + i, 400) for i in range(4)]
+    first = [stream_completion(dep.url, p, OUTPUT) for p in fresh]
+    turns = [p + g["ids"] + prompt(200 + i, 16) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
+    second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
+    for g, p in zip(first + second, fresh + turns, strict=True):
+        assert g["error"] is None and g["ids"] == reference.greedy(p, OUTPUT), g["record"]
+    served = [g["record"]["instances"]["main"] for g in first]
+    print("\nfirst turns served by", served, "; pipelines",
+          [(g["record"]["pipeline"], g["record"]["instances"]["main"], g["record"]["d_hit_tokens"])
+           for g in first + second])
+    assert set(served) == set(RANKS)  # both ranks took work
+    assert [g["record"]["pipeline"] for g in first] == ["P-RLD-MD"] * 4
+    assert [g["record"]["pipeline"] for g in second] == ["P-MD"] * 4
+    assert [g["record"]["instances"]["main"] for g in second] == served  # each to the rank holding its first turn
+    for t, g in zip(turns, second, strict=True):
+        assert g["record"]["d_hit_tokens"] >= len(t) - 16 - OUTPUT - 32, g["record"]  # the first turn's KV, hit
+    for r in RANKS:
+        hit = sum(g["record"]["d_hit_tokens"] for g in second if g["record"]["instances"]["main"] == r)
+        assert engine_stats(dep, r)["prefix_cache_hits"] - hits_before[r] >= hit > 0
+    vllm_settled([dep.http[n] for n in ("p0", "rld0", *RANKS)])
