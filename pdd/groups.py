@@ -105,7 +105,7 @@ def _rank_device(inst: InstanceSpec, rank: int, size: int, where: str) -> str:
     if not isinstance(per_rank, int) or len(given) != size * per_rank:
         raise ConfigError(
             f"{where}.engine.device = {inst.engine.device!r} names {len(given)} GPU(s) for {SIZE} = {size} "
-            f"ranks of tensor_parallel_size = {per_rank}: list one per rank and tensor-parallel rank, or \"cuda\""
+            f'ranks of tensor_parallel_size = {per_rank}: list one per rank and tensor-parallel rank, or "cuda"'
         )
     mine = given[rank * per_rank : (rank + 1) * per_rank]
     return "cuda:" + ",".join(d.split(":")[1] for d in mine)

@@ -148,7 +148,8 @@ def test_a_ranks_vllm_arguments_are_what_vllms_external_load_balancing_expects(t
     dense = vargs.engine_kwargs(tiny_model_dir, rank1.engine, "/tmp/b", "t", "ipc:///tmp/e", "ipc:///tmp/r")
     with pytest.raises(ValueError, match="Non-MoE models do not support external data parallel mode"):
         AsyncEngineArgs(**dense).create_engine_config()  # (vLLM's own refusal: why a dense rank runs alone)
-    assert AsyncEngineArgs(**vargs.independent_rank(dense)).create_engine_config().parallel_config.data_parallel_size == 1
+    alone = AsyncEngineArgs(**vargs.independent_rank(dense)).create_engine_config().parallel_config
+    assert alone.data_parallel_size == 1
     whole = replace(rank1.engine, vllm={"data_parallel_size": 2})
     with pytest.raises(ValueError, match=re.escape("data_parallel_size without data_parallel_rank")):
         vargs.engine_kwargs(tiny_model_dir, whole, "/tmp/b", "t", "ipc:///tmp/e", "ipc:///tmp/r")

@@ -8,6 +8,8 @@ its first turn's KV and moves only what that rank lacks. One deployment for all.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 from procs import plain_vllm, stream_completion, vllm_settled
@@ -50,18 +52,21 @@ def dep(tmp_path_factory):
 def test_the_ranks_are_members_under_their_group(dep):
     router = httpx.get(f"{dep.url}/pdd/stats").json()
     assert router["groups"] == {"md0": RANKS}
-    assert {n: i["group"] for n, i in router["instances"].items()} == {"p0": "", "rld0": "", **dict.fromkeys(RANKS, "md0")}
+    groups = {n: i["group"] for n, i in router["instances"].items()}
+    assert groups == {"p0": "", "rld0": "", **dict.fromkeys(RANKS, "md0")}
     assert all(router["instances"][r]["healthy"] and router["instances"][r]["pages"] > 0 for r in RANKS)
 
 
 def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
-    """Four fresh prompts through the relay, then each one's second turn straight from P:
-    every output equals plain vLLM's DP 2; the router spreads the fresh prompts over both
-    ranks (by load: nothing is cached yet); each second turn goes to the rank that served its
+    """Four fresh prompts at once (through the relay, or straight from P where the policy
+    finds the line quick enough), then each one's second turn straight from P: every output
+    equals plain vLLM's DP 2; the router spreads the fresh prompts over
+    both ranks (by load: nothing is cached yet); each second turn goes to the rank that served its
     first (prefix affinity), whose vLLM hits the first turn's KV, so only the delta crosses."""
-    hits_before = {r: engine_stats(dep, r)["prefix_cache_hits"] for r in RANKS}
+    before = {r: engine_stats(dep, r) for r in RANKS}
     fresh = [prompt(100 + i, 400) for i in range(4)]
-    first = [stream_completion(dep.url, p, OUTPUT) for p in fresh]
+    with ThreadPoolExecutor(len(fresh)) as pool:  # at once: the ranks' loads differ
+        first = list(pool.map(lambda p: stream_completion(dep.url, p, OUTPUT), fresh))
     turns = [p + g["ids"] + prompt(200 + i, 16) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
     second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
     for g, p in zip(first + second, fresh + turns, strict=True):
@@ -70,13 +75,14 @@ def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
     print("\nfirst turns served by", served, "; pipelines",
           [(g["record"]["pipeline"], g["record"]["instances"]["main"], g["record"]["d_hit_tokens"])
            for g in first + second])
-    assert set(served) == set(RANKS)  # both ranks took work
-    assert [g["record"]["pipeline"] for g in first] == ["P-RLD-MD"] * 4
+    assert set(served) == set(RANKS)  # both ranks took work, as each rank's vLLM counts it
+    assert all(engine_stats(dep, r)["generation_tokens"] > before[r]["generation_tokens"] for r in RANKS)
+    assert "P-RLD-MD" in [g["record"]["pipeline"] for g in first]  # (a fresh prompt's KV is long to cross)
     assert [g["record"]["pipeline"] for g in second] == ["P-MD"] * 4
     assert [g["record"]["instances"]["main"] for g in second] == served  # each to the rank holding its first turn
     for t, g in zip(turns, second, strict=True):
         assert g["record"]["d_hit_tokens"] >= len(t) - 16 - OUTPUT - 32, g["record"]  # the first turn's KV, hit
     for r in RANKS:
         hit = sum(g["record"]["d_hit_tokens"] for g in second if g["record"]["instances"]["main"] == r)
-        assert engine_stats(dep, r)["prefix_cache_hits"] - hits_before[r] >= hit > 0
+        assert engine_stats(dep, r)["prefix_cache_hits"] - before[r]["prefix_cache_hits"] >= hit > 0
     vllm_settled([dep.http[n] for n in ("p0", "rld0", *RANKS)])
