@@ -13,26 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from procs import plain_vllm, stream_completion, vllm_settled
-from vllm_scenarios import deployment, engine_stats, prompt
+from vllm_scenarios import deployment, engine_stats, pdd_instances, prompt
 
 pytest.importorskip("vllm")
 
-GROUP = '''
-[[instances]]
-name = "p0"
-role = "prefill"
-dc = "A"
-[[instances]]
-name = "rld0"
-role = "relay"
-dc = "A"
-[[instances]]
-name = "md0"
-role = "main"
-dc = "B"
-[instances.engine.vllm]
-data_parallel_size = 2
-'''
+GROUP = pdd_instances({"md0": "[instances.engine.vllm]\ndata_parallel_size = 2\n"})
 RANKS = ["md0-dp0", "md0-dp1"]
 OUTPUT = 24
 
