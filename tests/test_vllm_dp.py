@@ -43,18 +43,22 @@ def test_the_ranks_are_members_under_their_group(dep):
 
 
 def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
-    """Four fresh prompts at once (through the relay, or straight from P where the policy
-    finds the line quick enough), then each one's second turn straight from P: every output
-    equals plain vLLM's DP 2; the router spreads the fresh prompts over
-    both ranks (by load: nothing is cached yet); each second turn goes to the rank that served its
-    first (prefix affinity), whose vLLM hits the first turn's KV, so only the delta crosses."""
+    """A long fresh prompt through the relay (P -> RLD -> MD); four fresh prompts at once
+    (through the relay, or straight from P where the policy finds the line quick enough);
+    then each one's second turn straight from P (P -> MD). Every output equals plain
+    vLLM's DP 2; the router spreads the fresh prompts over both ranks (by load: nothing is
+    cached yet); each second turn goes to the rank that served its first (prefix
+    affinity), whose vLLM hits the first turn's KV, so only the delta crosses."""
     before = {r: engine_stats(dep, r) for r in RANKS}
+    alone = prompt(99, 600)
+    relayed = stream_completion(dep.url, alone, OUTPUT)
+    assert relayed["record"]["pipeline"] == "P-RLD-MD"  # (its KV is long to cross: the relay starts)
     fresh = [prompt(100 + i, 400) for i in range(4)]
     with ThreadPoolExecutor(len(fresh)) as pool:  # at once: the ranks' loads differ
         first = list(pool.map(lambda p: stream_completion(dep.url, p, OUTPUT), fresh))
     turns = [p + g["ids"] + prompt(200 + i, 16) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
     second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
-    for g, p in zip(first + second, fresh + turns, strict=True):
+    for g, p in zip([relayed, *first, *second], [alone, *fresh, *turns], strict=True):
         assert g["error"] is None and g["ids"] == reference.greedy(p, OUTPUT), g["record"]
     served = [g["record"]["instances"]["main"] for g in first]
     print("\nfirst turns served by", served, "; pipelines",
@@ -62,7 +66,6 @@ def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
            for g in first + second])
     assert set(served) == set(RANKS)  # both ranks took work, as each rank's vLLM counts it
     assert all(engine_stats(dep, r)["generation_tokens"] > before[r]["generation_tokens"] for r in RANKS)
-    assert "P-RLD-MD" in [g["record"]["pipeline"] for g in first]  # (a fresh prompt's KV is long to cross)
     assert [g["record"]["pipeline"] for g in second] == ["P-MD"] * 4
     assert [g["record"]["instances"]["main"] for g in second] == served  # each to the rank holding its first turn
     for t, g in zip(turns, second, strict=True):
