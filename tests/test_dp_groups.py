@@ -130,9 +130,11 @@ def test_the_router_counts_a_group_whole_in_its_stats_drain_and_join():
 def test_a_ranks_vllm_arguments_are_what_vllms_external_load_balancing_expects(tiny_model_dir, tmp_path):
     """A mixture-of-experts rank keeps the group's size, its rank, address and RPC port, and
     vLLM's own engine configuration reads them as a rank of an external load-balancing
-    group; a dense rank is an engine of its own (`independent_rank`), as vLLM runs one; a
-    size without a rank is refused (a group is one instance per rank)."""
+    group (its KV events on the ports vLLM's publisher moves them to in that rank); a dense
+    rank is an engine of its own (`independent_rank`), as vLLM runs one; a size without a
+    rank is refused (a group is one instance per rank)."""
     from checkpoints import save_moe_of
+    from vllm.distributed.kv_events import ZmqEventPublisher
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from pdd.engines.vllm import args as vargs
@@ -141,6 +143,11 @@ def test_a_ranks_vllm_arguments_are_what_vllms_external_load_balancing_expects(t
                                      engine={"dtype": "float32"}), "pdd", 0).instances, "md0")[1]
     moe = save_moe_of(tiny_model_dir, tmp_path / "moe")
     kwargs = vargs.engine_kwargs(moe, rank1.engine, "/tmp/b", "t", "ipc:///tmp/e", "ipc:///tmp/r")
+    kwargs, events, replay = vargs.lockstep_rank_events(kwargs, 1)
+    # where vLLM's publisher in rank 1 puts its endpoints is where pdd's subscriber reads them
+    published = kwargs["kv_events_config"]
+    assert [ZmqEventPublisher.offset_endpoint_port(published[k], 1) for k in ("endpoint", "replay_endpoint")] == [
+        events, replay]
     pc = AsyncEngineArgs(**kwargs).create_engine_config().parallel_config
     assert (pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_external_lb) == (2, 1, True)
     assert (pc.data_parallel_master_ip, pc.data_parallel_rpc_port) == (
