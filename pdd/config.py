@@ -417,11 +417,14 @@ def check_devices(e: EngineConfig, where: str) -> None:
     ranks = e.vllm.get("tensor_parallel_size", 1)
     if not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"{where}.vllm.tensor_parallel_size must be a whole number of at least 1, not {ranks!r}")
-    if groups.RANK not in e.vllm:  # a group written whole: a GPU per tensor-parallel rank of each rank
-        ranks *= e.vllm.get(groups.SIZE, 1) if isinstance(e.vllm.get(groups.SIZE, 1), int) else 1
+    sizes = f"tensor_parallel_size = {ranks}"
+    group = e.vllm.get(groups.SIZE, 1)
+    if groups.RANK not in e.vllm and isinstance(group, int) and group > 1:  # a group written whole
+        ranks *= group
+        sizes = f"tensor_parallel_size x data_parallel_size = {ranks}"
     if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
         raise ConfigError(
-            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for {ranks} parallel rank(s): "
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for {sizes}: "
             f'list one per rank (device = "cuda:{",".join(str(i) for i in range(ranks))}"), or "cuda" for all '
             "visible"
         )

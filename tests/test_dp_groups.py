@@ -85,7 +85,8 @@ def test_pdd_up_gives_a_group_one_rpc_port_and_each_rank_its_own_ports(tiny_mode
     ([{**MD0, "engine": {"vllm": {"data_parallel_size": 2, "data_parallel_rank": 1}}}],
      r"instances\.md0\.engine\.vllm\.data_parallel_rank = 1: give the rank's group = NAME too"),
     ([{**MD0, "engine": {"device": "cuda:0,1,2", "vllm": {"data_parallel_size": 2}}}],
-     r"instances\.md0\.engine\.device = 'cuda:0,1,2' names 3 GPU\(s\) for 2 parallel rank\(s\): list one per "
+     r"instances\.md0\.engine\.device = 'cuda:0,1,2' names 3 GPU\(s\) for tensor_parallel_size x "
+     r"data_parallel_size = 2: list one per "
      r"rank \(device = .cuda:0,1.\)"),
     ([MD0, {"name": "md0-dp0", "role": "main"}], r"instance names must be unique"),
     ([{**MD0, "name": "x"}, {"name": "x-dp9", "role": "main", "group": "x",
