@@ -8,6 +8,7 @@ its first turn's KV and moves only what that rank lacks. One deployment for all.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,15 +24,29 @@ OUTPUT = 24
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    with plain_vllm(tiny_model_dir, "--data-parallel-size", "2") as ref:
-        yield ref
+def started(tmp_path_factory, tiny_model_dir):
+    """(the deployment, plain vLLM DP 2), started side by side: each start mostly waits on its own processes."""
+    reference = plain_vllm(tiny_model_dir, "--data-parallel-size", "2")
+    with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:
+        starting = pool.submit(reference.__enter__)
+        stack.callback(_stop_once_started, reference, starting)
+        dep = stack.enter_context(deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp"))
+        yield dep, starting.result()
+
+
+def _stop_once_started(reference, starting) -> None:
+    if starting.exception() is None:  # (it stops its own process where its start failed)
+        reference.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp") as d:
-        yield d
+def dep(started):
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def reference(started):
+    return started[1]
 
 
 def test_the_ranks_are_members_under_their_group(dep):
