@@ -26,6 +26,7 @@ from typing import Any
 
 import tomli_w
 
+from pdd import groups
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.config_check import STRICT_TABLE, ConfigError, validate
 from pdd.engine_port import (
@@ -151,6 +152,8 @@ class InstanceSpec:
     # (a NAT or public address, or a `pdd wan` emulator on the route)
     advertise: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = EngineConfig()
+    # the data-parallel group this instance is a rank of ("": none; `pdd.groups`)
+    group: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -344,6 +347,9 @@ class Deployment:
         for inst in self.instances:
             if inst.name == name:
                 return inst
+        if ranks := groups.of(self.instances, name):  # (one process per rank)
+            names = ", ".join(r.name for r in ranks)
+            raise ConfigError(f"{name!r} is a data-parallel group: serve each of its ranks ({names}) by its name")
         have = ", ".join(i.name for i in self.instances) or "none"
         raise ConfigError(f"[[instances]] has no name = {name!r} (it has {have})")
 
@@ -367,8 +373,7 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: C
     """An instance from a JSON or TOML table (an `[[instances]]` entry, or a join), checked
     as strictly as the config file is. Its `engine` table overrides the deployment's
     (whose file chose the fields in `chosen`)."""
-    name = raw.get("name") if isinstance(raw, dict) else None
-    where = f"instances.{name}" if isinstance(name, str) else f"instances #{index + 1}"
+    where = _where(raw, index)
     overrides = raw.get("engine", {}) if isinstance(raw, dict) else None
     if isinstance(overrides, dict):
         overrides = read_auto(overrides)
@@ -389,6 +394,12 @@ def instance_from_dict(raw: Any, engine: EngineConfig, index: int = 0, chosen: C
     return inst
 
 
+def _where(raw: Any, index: int) -> str:
+    """How errors name an `[[instances]]` entry."""
+    name = raw.get("name") if isinstance(raw, dict) else None
+    return f"instances.{name}" if isinstance(name, str) else f"instances #{index + 1}"
+
+
 def check_devices(e: EngineConfig, where: str) -> None:
     """An instance's parallel ranks each need a device of their own on CUDA: refused at
     load (ConfigError naming the table and the key), not when vLLM fails to start."""
@@ -397,23 +408,22 @@ def check_devices(e: EngineConfig, where: str) -> None:
         if len(given) > 1:
             raise ConfigError(f"{where}.device = {e.device!r}: the {e.backend} engine runs on one device")
         return
-    for key in ("data_parallel_size",):  # (one engine, one bridge, one set of ranks)
-        if e.vllm.get(key, 1) != 1:
-            raise ConfigError(
-                f"{where}.vllm.{key} = {e.vllm[key]!r}: pdd runs one vLLM engine of tensor-parallel "
-                "ranks per instance (more instances for more data parallelism)"
-            )
-    ranks = 1
+    ranks, sizes = 1, []
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):  # a GPU a rank of each stage
         size = e.vllm.get(key, 1)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ConfigError(f"{where}.vllm.{key} must be a whole number of at least 1, not {size!r}")
         ranks *= size
+        sizes += [key] if size > 1 or key == "tensor_parallel_size" else []
+    group = e.vllm.get(groups.SIZE, 1)
+    if groups.RANK not in e.vllm and isinstance(group, int) and group > 1:  # a group written whole
+        ranks *= group
+        sizes.append(groups.SIZE)
     if ranks > 1 and e.device.startswith("cuda:") and len(given) != ranks:
         raise ConfigError(
-            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for tensor_parallel_size x "
-            f"pipeline_parallel_size = {ranks}: list one per rank "
-            f'(device = "{",".join(f"cuda:{i}" for i in range(ranks))}"), or "cuda" for all visible'
+            f"{where}.device = {e.device!r} names {len(given)} GPU(s) for {' x '.join(sizes)} = {ranks}: "
+            f'list one per rank (device = "cuda:{",".join(str(i) for i in range(ranks))}"), or "cuda" for all '
+            "visible"
         )
 
 
@@ -446,7 +456,12 @@ def parse(raw: dict, backend: str | None = None) -> Deployment:
     if not isinstance(items, list):
         raise ConfigError("instances must be an array of tables ([[instances]])")
     chosen = raw["engine"].keys() if isinstance(raw.get("engine"), dict) else ()
-    instances = tuple(instance_from_dict(item, dep.engine, i, chosen) for i, item in enumerate(items))
+    instances = tuple(
+        rank
+        for i, item in enumerate(items)
+        for rank in groups.ranks(instance_from_dict(item, dep.engine, i, chosen), _where(item, i))
+    )
+    groups.check_groups(instances)
     try:
         return replace(dep, instances=instances)
     except ValueError as e:  # two instances of one name
@@ -529,9 +544,9 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
         return InstanceSpec(name, role, dc, engine=engine)
 
     if mode == Mode.COLOCATED:
-        return (spec("standalone0", RoleName.STANDALONE, a),)
+        return groups.ranks(spec("standalone0", RoleName.STANDALONE, a), "engine")
     d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
     ps = [spec(f"p{i}", RoleName.PREFILL, a) for i in range(top.prefill)]
     rs = [spec(f"rld{i}", RoleName.RELAY, a) for i in range(top.relay if mode == Mode.PDD else 0)]
     ds = [spec(f"md{i}", RoleName.MAIN, d_dc) for i in range(top.main)]
-    return tuple(ps + rs + ds)
+    return tuple(rank for inst in ps + rs + ds for rank in groups.ranks(inst, "engine"))

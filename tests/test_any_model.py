@@ -147,8 +147,7 @@ def test_auto_sizes_read_from_a_file_and_the_command_line():
     assert (md0.num_pages, md0.dtype) == (AUTO, "float32")
     with pytest.raises(cfg.ConfigError, match="runs on one device"):
         cfg.parse({"engine": {"device": "cuda:0,1"}})
-    with pytest.raises(cfg.ConfigError, match="engine.vllm.data_parallel_size = 2: pdd runs one vLLM engine"):
-        cfg.parse({"engine": {"backend": "vllm", "vllm": {"data_parallel_size": 2}}})
+    # (a data-parallel group: `test_dp_groups`)
     # pipeline stages pass through to vLLM: on CUDA a GPU for each rank of each stage
     stages = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     pp = cfg.parse({"engine": {"backend": "vllm", "device": "cuda:0,1,2,3", "vllm": stages}})

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from msgspec.structs import replace  # sampling params are a msgspec struct
 from procs import agent_session, kv_bytes_per_token, standalone, stream_completion, vllm_settled
-from vllm_scenarios import assert_pdd_shapes, deployment, pipelines, prompt
+from vllm_scenarios import assert_pdd_shapes, deployment, pdd_instances, pipelines, prompt
 
 pytest.importorskip("vllm")
 
@@ -26,12 +26,7 @@ SHAPED = {**SEEDED, "min_p": 0.2, "repetition_penalty": 2.0, "frequency_penalty"
 
 
 def _instances(on_vllm: set[str]) -> str:
-    out = []
-    for name, role, dc in (("p0", "prefill", "A"), ("rld0", "relay", "A"), ("md0", "main", "B")):
-        out.append(f'[[instances]]\nname = "{name}"\nrole = "{role}"\ndc = "{dc}"\n')
-        if name in on_vllm:
-            out.append('[instances.engine]\nbackend = "vllm"\n')
-    return "".join(out)
+    return pdd_instances(dict.fromkeys(on_vllm, '[instances.engine]\nbackend = "vllm"\n'))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

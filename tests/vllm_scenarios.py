@@ -39,6 +39,12 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(16, 4096) for _ in range(n)]
 
 
+def pdd_instances(tables: dict[str, str]) -> str:
+    """`[[instances]]` for P and RLD in A, MD in B, each followed by its TOML in `tables`."""
+    return "".join(f'[[instances]]\nname = "{name}"\nrole = "{role}"\ndc = "{dc}"\n' + tables.get(name, "")
+                   for name, role, dc in (("p0", "prefill", "A"), ("rld0", "relay", "A"), ("md0", "main", "B")))
+
+
 def write_config(path: Path, mode: str, instances: str = "") -> str:
     path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
                     + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items())

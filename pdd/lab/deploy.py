@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from pdd import config as cfg
+from pdd import groups
 from pdd.addresses import parse_addr
 from pdd.engine_port import devices, engine_names
 from pdd.errors import Mistake
@@ -141,6 +142,7 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
         callers = {dep.router.dc} | (sender_dcs if inst.role == RoleName.MAIN else set())
         hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{draw()}" for dc in sorted(callers - {inst.dc})}
         placed.append(replace(inst, port=inst.port or draw(), kv_port=inst.kv_port or draw(), advertise=hops))
+    placed = list(groups.with_rpc_ports(tuple(placed), draw))  # (a group's ranks meet at rank 0's port)
     remote = any(i.advertise for i in placed)
     link = replace(dep.link, admin_port=(dep.link.admin_port or draw()) if remote else 0)
     port = dep.router.port if router_port is None else router_port

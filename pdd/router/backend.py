@@ -346,9 +346,11 @@ class RouterBackend:
             "dispatch_waiting": self.planner.line.waiting,
             "max_context": self.max_context,
             "playout": self.pacer.stats(),
+            "groups": self.members.groups(),
             "instances": {
                 c.name: {
                     "role": c.spec.role,
+                    "group": c.spec.group,
                     "healthy": c.healthy,
                     "protocol": c.protocol,  # while upgrading: who still speaks the version before
                     "software": c.software,

@@ -59,6 +59,7 @@ class InstanceClient:
         self.kv_open: set[str] = set()  # submitted to this P, its RESULT not in yet
         self.draining = False  # no new work goes here
         self.refusing = False  # the instance said it takes no new work (a DRAIN back): until it reconnects
+        self.group_short = False  # a rank of a data-parallel group not all of whose ranks have joined yet
         self._tls = tls
         self.router_id = router_id
         self.name = spec.name
@@ -86,7 +87,7 @@ class InstanceClient:
     @property
     def available(self) -> bool:
         """Whether new work may be planned onto this instance."""
-        return self.healthy and not self.draining and not self.refusing
+        return self.healthy and not self.draining and not self.refusing and not self.group_short
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())

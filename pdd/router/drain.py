@@ -16,7 +16,7 @@ POLL_S = 0.2
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drain", help="finish an instance's requests, then take it out of the deployment")
-    p.add_argument("instance", help="instance name")
+    p.add_argument("instance", help="instance name, or a data-parallel group's (all its ranks)")
     p.add_argument("--config", required=True, help="the deployment's TOML (its router and secret)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the instance to leave")
     p.set_defaults(func=run)
@@ -48,16 +48,19 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"draining {args.instance}: finishing its requests") as status:
         while time.monotonic() - start < args.timeout:
             try:
-                instances = httpx.get(f"{base}/pdd/stats", timeout=10).json()["instances"]
+                stats = httpx.get(f"{base}/pdd/stats", timeout=10).json()
+                instances, ranks = stats["instances"], stats["groups"].get(args.instance, [args.instance])
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 print(f"pdd drain: cannot read the router's state: {e}", file=sys.stderr)
                 return 1
             # left, as the router that drained it says; or gone, as another router of the
-            # deployment says (the Service may send this poll to either): it exited
-            if args.instance not in instances or not instances[args.instance]["healthy"]:
+            # deployment says (the Service may send this poll to either): it exited (a
+            # group: each of its ranks)
+            left = [r for r in ranks if r in instances and instances[r]["healthy"]]
+            if not left:
                 print(f"{args.instance} drained and left after {time.monotonic() - start:.1f} s")
                 return 0
-            queued = instances[args.instance]["queued_tokens"]
+            queued = sum(instances[r]["queued_tokens"] for r in left)
             status.update(f"draining {args.instance}: {queued} tokens of work left")
             time.sleep(POLL_S)
     print(f"pdd drain: {args.instance} has not left after {args.timeout:g} s", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from pdd import groups
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
@@ -62,7 +63,18 @@ class Membership:
             on_member=self._heard_of,
         )
         self.clients[spec.name] = client
+        self._count_group(spec.group)
         return client
+
+    def _count_group(self, group: str) -> None:
+        """A group's ranks take work once all of them are members, and together: a group
+        joins whole (a mixture-of-experts group's ranks step in lockstep)."""
+        if not group:
+            return
+        ranks = [c for c in self.clients.values() if c.spec.group == group]
+        short = bool(ranks) and len(ranks) < ranks[0].spec.engine.vllm.get(groups.SIZE, 1)
+        for c in ranks:
+            c.group_short = short
 
     def roster(self) -> list[m.Member]:
         return [member(c.spec) for c in self.clients.values()]
@@ -106,23 +118,43 @@ class Membership:
         except (MembershipError, ValueError) as e:  # (ConfigError: unreachable from this router's site)
             log.warning("not adding %s, which an instance told of: %s", body.name, e)
 
+    def group_of(self, name: str) -> list[InstanceClient]:
+        """The members `name` names: that instance, or every rank of that data-parallel
+        group (`pdd.groups`), which join and leave whole."""
+        if name in self.clients:
+            return [self.clients[name]]
+        ranks = [c for c in self.clients.values() if c.spec.group == name]
+        if not ranks:
+            raise MembershipError(f"no instance or group named {name!r}; have {sorted(self.clients)}")
+        return ranks
+
+    def groups(self) -> dict[str, list[str]]:
+        """Each data-parallel group's ranks (member names), in rank order."""
+        out: dict[str, list[str]] = {}
+        for c in self.clients.values():
+            if c.spec.group:
+                out.setdefault(c.spec.group, []).append(c.name)
+        return {g: sorted(names) for g, names in out.items()}
+
     async def drain(self, name: str) -> None:
-        """No new work for `name` from now on; then tell it to finish and leave."""
-        client = self.clients.get(name)
-        if client is None:
-            raise MembershipError(f"no instance named {name!r}; have {sorted(self.clients)}")
-        client.draining = True
-        try:
-            await client.send(m.Drain())
-        except InstanceDown:  # gone already: nothing left to finish there
-            self._on_left(client)
-        log.info("draining instance %s", name)
+        """No new work for `name` (an instance, or a group's every rank) from now on; then
+        tell each to finish and leave."""
+        clients = self.group_of(name)
+        for client in clients:  # (no rank takes new work while another still may)
+            client.draining = True
+        for client in clients:
+            try:
+                await client.send(m.Drain())
+            except InstanceDown:  # gone already: nothing left to finish there
+                self._on_left(client)
+            log.info("draining instance %s", client.name)
 
     def _on_left(self, client: InstanceClient) -> None:
         if self.clients.get(client.name) is not client:
             return
         del self.clients[client.name]
         self.left += 1
+        self._count_group(client.spec.group)
         self._tasks.spawn(client.stop())
         log.info("instance %s left the deployment", client.name)
 

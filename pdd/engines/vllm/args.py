@@ -37,6 +37,7 @@ against 0.13 in one process).
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,11 @@ def engine_kwargs(
         raise ValueError(
             "set each value once: "
             + ", ".join(f"[engine] {f} = {getattr(config, f)!r} and [engine.vllm] {v}" for f, v in both)
+        )
+    if config.vllm.get("data_parallel_size", 1) != 1 and "data_parallel_rank" not in config.vllm:
+        raise ValueError(
+            "[engine.vllm] data_parallel_size without data_parallel_rank: pdd serves each rank of a "
+            "data-parallel group as an instance of its own (an [[instances]] entry with data_parallel_size)"
         )
     cpu = config.device == "cpu"
     if cpu and config.page_size % CPU_BLOCK_MULTIPLE:
@@ -146,6 +152,41 @@ def _one_worker(config: EngineConfig) -> bool:
     """Whether vLLM runs one worker: one tensor-parallel rank, one pipeline stage."""
     size = sizes(config)
     return size["tensor_parallel_size"] * size["pipeline_parallel_size"] == 1
+
+
+DATA_PARALLEL_KEYS = ("data_parallel_size", "data_parallel_rank", "data_parallel_address", "data_parallel_rpc_port")
+
+
+def independent_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A dense model's data-parallel rank as vLLM runs one: an engine of its own, with
+    nothing to step in lockstep with the group's others (vLLM's engine core treats a dense
+    model's ranks "like DP=1", and its engine arguments refuse a dense model a rank of an
+    external load-balancing group, saying to launch independent engines instead). A
+    mixture-of-experts rank keeps them all: `pdd.groups`."""
+    return {k: v for k, v in kwargs.items() if k not in DATA_PARALLEL_KEYS}
+
+
+def lockstep_rank_events(kwargs: dict[str, Any], rank: int) -> tuple[dict[str, Any], str, str]:
+    """A mixture-of-experts rank's arguments with its KV event endpoints on loopback TCP, and
+    where pdd's subscriber reads them (events, replay). vLLM's publisher in data-parallel
+    rank R moves its endpoints' ports up by R and takes only TCP or in-process endpoints
+    (`ZmqEventPublisher.offset_endpoint_port`), so pdd's private ipc sockets are refused in
+    every rank but 0. The ports given are R below two free ones, so they land there; the
+    publisher connects to the events port, where pdd's subscriber listens (vLLM binds a PUB
+    only on a wildcard address, which would open the events to the network), and binds the
+    replay port. On loopback another local user could reach them, as the ipc sockets'
+    private directory does not let it: what it could send is typed events (never
+    unpickled) that would skew the router's cache predictions, not the KV."""
+    events, replay = (_free_loopback_port() for _ in range(2))
+    given = {"endpoint": f"tcp://127.0.0.1:{events - rank}", "replay_endpoint": f"tcp://127.0.0.1:{replay - rank}"}
+    config = {**kwargs["kv_events_config"], **given}
+    return {**kwargs, "kv_events_config": config}, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cpu_kv_bytes(config: EngineConfig, declared: Declared) -> int:

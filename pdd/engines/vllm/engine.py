@@ -83,7 +83,14 @@ class VllmEngine(Requests):
         try:
             # vLLM's config first (its reading of the checkpoint, its platform's changes), checked
             # before any weight loads; then the engine on exactly that config
-            vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
+            args = AsyncEngineArgs(**kwargs)
+            if args.data_parallel_size > 1:  # a rank of a data-parallel group (`pdd.groups`)
+                if args.create_model_config().is_moe:
+                    kwargs, events, replay = vargs.lockstep_rank_events(kwargs, args.data_parallel_rank or 0)
+                else:
+                    kwargs = vargs.independent_rank(kwargs)
+                args = AsyncEngineArgs(**kwargs)
+            vllm_config = args.create_engine_config()
             _check_vllm_kept_pdds_terms(vllm_config, config.page_size)
             self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stat_logger])
             self.events = EventSubscriber(events, replay, self.hashes)

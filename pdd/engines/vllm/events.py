@@ -130,7 +130,10 @@ class EventSubscriber:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(endpoint)
+        if endpoint.startswith("tcp://"):  # a MoE rank's publisher connects here (`args.lockstep_rank_events`)
+            self._sub.bind(endpoint)
+        else:
+            self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)  # typed: nothing but these event structs
         self._next = 0  # vLLM's next batch number
