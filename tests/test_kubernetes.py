@@ -42,8 +42,9 @@ def _render(site: Path) -> subprocess.CompletedProcess:
 
 def _validate(text: str, where: Path) -> subprocess.CompletedProcess:
     where.write_text(text)
-    return subprocess.run([str(VALIDATE), "--strict", "--quiet", str(where)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [str(VALIDATE), "--strict", "--quiet", str(where)], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -90,11 +91,13 @@ def test_each_site_renders_and_validates(tmp_path):
     copy = tmp_path / "kubernetes"
     shutil.copytree(KUBE, copy)
     (copy / "site-a" / "kustomization.yaml").write_text(
-        (KUBE / "site-a" / "kustomization.yaml").read_text().replace("  - rld0\n", "  - rld9\n"))
+        (KUBE / "site-a" / "kustomization.yaml").read_text().replace("  - rld0\n", "  - rld9\n")
+    )
     assert _render(copy / "site-a").returncode != 0
     (copy / "site-a" / "kustomization.yaml").write_text((KUBE / "site-a" / "kustomization.yaml").read_text())
     (copy / "instance" / "deployment.yaml").write_text(
-        (KUBE / "instance" / "deployment.yaml").read_text().replace("replicas: 1", "replicas: one"))
+        (KUBE / "instance" / "deployment.yaml").read_text().replace("replicas: 1", "replicas: one")
+    )
     r = _render(copy / "site-b")
     assert r.returncode == 0 and _validate(r.stdout, tmp_path / "broken.yaml").returncode != 0
 
@@ -139,14 +142,16 @@ def test_every_instance_runs_in_its_site_as_the_deployment_file_says(rendered, d
         assert {p["port"] for p in service["ports"]} == {inst.port, inst.kv_port}
         assert inst.advertise[inst.dc] == f"pdd-{inst.name}.pdd.svc:{inst.kv_port}"
         policies = [d for (kind, _), d in docs.items() if kind == "NetworkPolicy"]
-        assert any(all(labels.get(e["key"]) for e in p["spec"]["podSelector"].get("matchExpressions", []))
-                   for p in policies), f"no NetworkPolicy over {inst.name}"
+        assert any(
+            all(labels.get(e["key"]) for e in p["spec"]["podSelector"].get("matchExpressions", [])) for p in policies
+        ), f"no NetworkPolicy over {inst.name}"
     router = rendered[dep.router.dc]["Deployment", "pdd-router"]
     c = _container(router)
     assert c["args"][:3] == ["router", "--config", "/etc/pdd/deployment.toml"] and router["spec"]["replicas"] == 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(
-        _flag(c["args"], "--shutdown-grace-s"))
+        _flag(c["args"], "--shutdown-grace-s")
+    )
     assert rendered[dep.router.dc]["PodDisruptionBudget", "pdd-router"]["spec"]["minAvailable"] == 1
 
 
@@ -163,8 +168,9 @@ def test_a_kv_port_is_reachable_across_the_line_only_where_the_other_site_calls_
             assert [i.name for i in reached] == [name.removeprefix("pdd-").removesuffix("-line")], name
             assert reached[0].name in called_across, f"{name} exposes {reached[0].name}, which no other site calls"
             assert [p["targetPort"] for p in d["spec"]["ports"]] == ["kv"], name
-            assert d["spec"]["loadBalancerSourceRanges"] and any("internal" in k.lower() or "Internal" in v
-                                                                 for k, v in d["metadata"]["annotations"].items())
+            assert d["spec"]["loadBalancerSourceRanges"] and any(
+                "internal" in k.lower() or "Internal" in v for k, v in d["metadata"]["annotations"].items()
+            )
     assert {("Service", f"pdd-{name}-line") for name in called_across} <= set(rendered["B"])
 
 
@@ -192,8 +198,9 @@ def test_the_group_layouts_file_is_the_base_file_with_md0_a_group_of_two():
     base, group = _parsed(""), _parsed("md-dp2")
     ranks = groups.of(group.instances, "md0")
     assert [r.name for r in ranks] == ["md0-dp0", "md0-dp1"]
-    assert {r.engine.vllm[groups.SIZE] for r in ranks} == {2} and all(r.engine.vllm["enable_expert_parallel"]
-                                                                       for r in ranks)
+    assert {r.engine.vllm[groups.SIZE] for r in ranks} == {2} and all(
+        r.engine.vllm["enable_expert_parallel"] for r in ranks
+    )
     assert [i for i in group.instances if not i.group] == [i for i in base.instances if i.name != "md0"]
     assert replace(group, instances=()) == replace(base, instances=())
     configs = {dc: [name for kind, name in docs if kind == "ConfigMap"] for dc, docs in _rendered("md-dp2").items()}
@@ -256,11 +263,15 @@ def test_the_groups_ranks_reach_each_other_and_nothing_outside_the_group_reaches
     torch_distributed = ("", 29500)  # vLLM draws these at start: any port between the ranks
     in_group = {"namespace": "pdd", "labels": rank1["spec"]["template"]["metadata"]["labels"]}
     assert _admits(docs, rank0, rpc, in_group) and _admits(docs, rank0, torch_distributed, in_group)
-    assert _admits(docs, rank1, torch_distributed,
-                   {"namespace": "pdd", "labels": rank0["spec"]["template"]["metadata"]["labels"]})
-    outside = [{"namespace": "pdd", "labels": {"pdd/instance": "md1", "app.kubernetes.io/component": "main"}},
-               {"namespace": "pdd", "labels": {"app.kubernetes.io/component": "router"}},
-               {"namespace": "monitoring", "labels": {}}, {"ip": "10.1.0.7"}]  # site A, across the line
+    assert _admits(
+        docs, rank1, torch_distributed, {"namespace": "pdd", "labels": rank0["spec"]["template"]["metadata"]["labels"]}
+    )
+    outside = [
+        {"namespace": "pdd", "labels": {"pdd/instance": "md1", "app.kubernetes.io/component": "main"}},
+        {"namespace": "pdd", "labels": {"app.kubernetes.io/component": "router"}},
+        {"namespace": "monitoring", "labels": {}},
+        {"ip": "10.1.0.7"},  # site A, across the line
+    ]
     for source in outside:
         assert not _admits(docs, rank0, rpc, source), source
         assert not _admits(docs, rank0, torch_distributed, source), source
