@@ -209,6 +209,34 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
     assert one == two
 
 
+def test_only_each_familys_contenders_by_the_screen_are_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`contenders=K`: each family's first K layouts by the analytic screen (capacity per
+    cost) are simulated, every family keeps at least one, and the rest are rows marked
+    screened out, with their capacity and no goodput."""
+    from pdd.lab.sim import planner
+
+    monkeypatch.setattr(planner, "goodput_of", _rising)
+    monkeypatch.setattr("time.sleep", lambda _s: None)
+    layouts = candidates(88, [25.0, 100.0], ["A", "B"])
+    shape, cost = agentic(SMALL).shape(), {}
+    screen = {}
+    for lay in layouts:
+        cost[lay.name] = paper.bill(lay.spec(), paper.SETTING).per_hour
+        screen[lay.name] = planner.capacity_of(planner.spec_of(lay, paper.SETTING, agentic(SMALL)), shape, TINY_PROBE)
+    for k in (1, 2):
+        rows = search(layouts, agentic(SMALL), TINY_PROBE, workers=1, contenders=k)
+        assert len(rows) == len(layouts)
+        for family in {lay.family for lay in layouts}:
+            mine = sorted((lay.name for lay in layouts if lay.family == family), key=lambda n: -screen[n] / cost[n])
+            simulated = {r["layout"] for r in rows if r["family"] == family and r["simulated"]}
+            assert simulated == set(mine[:k]), (family, k)
+            cut = [r for r in rows if r["family"] == family and r["layout"] not in simulated]
+            assert all(r["screened_out"] and r["goodput_rps"] == 0.0 and r["capacity_rps"] > 0 for r in cut)
+            assert len(cut) == len(mine) - k
+    everything = search(layouts, agentic(SMALL), TINY_PROBE, workers=1)
+    assert all(r["simulated"] for r in everything)
+
+
 def test_a_rate_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bisection that comes back to a rate (the ends, a bracket widened downwards)
     reuses its run: the simulation is deterministic."""
@@ -403,9 +431,9 @@ def test_each_attention_layout_holds_what_serving_holds_and_moves_rho() -> None:
     assert all(r is not None and r.a.bound == r.b.bound == "kv" for r in rhos)
 
 
-def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides() -> None:
+def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     """`pdd plan` searches each side's layout and instance size among those serving runs
-    (a layout serving cannot run only when named, and marked), and says which it took."""
+    (all three; one serving could not run only when named, and marked), and says which it took."""
     from pdd.lab.sim.plan_layouts import SERVED
     from pdd.names import AttentionLayout as L
 
@@ -413,7 +441,7 @@ def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides() -> Non
     add_plan_arguments(parser)
     plan = _prepare(parser.parse_args([]))
     served = {str(a) for a in L if SERVED[a] is None}
-    assert {o["attention"] for o in plan.sides} == served and L.TP_DCP not in served
+    assert {o["attention"] for o in plan.sides} == served == {"tp", "tp-dcp", "dp-ep"}
     assert {(r.side, r.hw) for r in plan.setting.roles} == {
         (s, hw) for s in ("prefill", "decode", "relay") for hw in "AB"
     }
@@ -439,9 +467,11 @@ def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides() -> Non
     console.print(sides_table(plan.sides))
     text = console.export_text()  # the prefill layouts' rates tie: the table says so
     assert text.count("chosen: prefill") == 2 and "tie" in text and "chosen: relay" in text
+    monkeypatch.setitem(SERVED, L.TP_DCP, "not in this build")
+    assert "tp-dcp" not in {o["attention"] for o in _prepare(parser.parse_args([])).sides}
     named = _prepare(parser.parse_args(["--attention", "tp-dcp"]))
     assert {str(r.attention) for r in named.setting.roles} == {"tp-dcp"}
-    assert all(not o["served"] and "DCP" in o["why_not_served"] for o in named.sides)
+    assert all(not o["served"] and o["why_not_served"] == "not in this build" for o in named.sides)
 
 
 def test_a_change_inside_the_searchs_resolution_is_a_tie() -> None:

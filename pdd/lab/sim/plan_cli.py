@@ -8,12 +8,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pdd.lab.sim import paper
+from pdd.lab.sim.plan_args import attention_arg, floats_arg, names_arg, pair_arg, workload_arg
 from pdd.lab.sim.plan_file import Fleet, read_plan_file
 from pdd.lab.sim.plan_layouts import SERVED, choose, smallest
 from pdd.lab.sim.plan_published import breakdown, cheapest_at, head_to_head, published
@@ -35,36 +35,7 @@ from pdd.lab.sim.planner import Layout, Probe, candidates, search
 from pdd.lab.workload.mooncake import load_trace
 from pdd.names import AttentionLayout
 
-
-def _floats(value: str) -> list[float]:
-    try:
-        return [float(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
-
-
-def _pair(kind: type) -> Callable[[str], tuple[Any, Any]]:
-    def parse(value: str) -> tuple[Any, Any]:
-        try:
-            low, high = (kind(v) for v in value.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {value!r}") from None
-        return low, high
-
-    return parse
-
-
-def _names(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _workload_arg(value: str) -> tuple[str, Path | None]:
-    kind, _, path = value.partition(":")
-    if kind == "agentic" and not path:
-        return "agentic", None
-    if kind == "mooncake" and path:
-        return "mooncake", Path(path)
-    raise argparse.ArgumentTypeError("expected 'agentic' or 'mooncake:PATH'")
+CONTENDERS = 2  # each family's best two by the screen: its error orders more than it prices
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,32 +50,32 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-gpus", type=int, help=f"GPU budget; layouts spend all of it (default {DEFAULTS['max_gpus']})")
     p.add_argument(
         "--line-gbps",
-        type=_floats,
+        type=floats_arg,
         help="line bandwidths to try for the cross-datacenter layouts (default 25,100)",
     )
     p.add_argument(
         "--chips",
-        type=_names,
+        type=names_arg,
         help="A and/or B: the first is datacenter A's (P, relays), the last B's (MD across the line); "
         "same-dc PD is tried on each (default A,B)",
     )
     p.add_argument(
         "--workload",
-        type=_workload_arg,
+        type=workload_arg,
         metavar="agentic|mooncake:PATH",
         help="agentic: the spec's 64K agentic sessions (default); mooncake: the trace, its arrivals "
         "rescaled to each probed rate",
     )
     p.add_argument(
         "--tool-time-s",
-        type=_pair(float),
+        type=pair_arg(float),
         metavar="LOW,HIGH",
         help="agentic: seconds a tool runs between a turn's answer and the next turn, drawn uniformly "
         "(default none); the session's KV waits in the decode side's cache meanwhile",
     )
     p.add_argument(
         "--task-tokens",
-        type=_pair(int),
+        type=pair_arg(int),
         metavar="LOW,HIGH",
         help=f"agentic: a session's first prompt beyond the system prompt, drawn uniformly (default "
         f"{paper.WORKLOAD.task_tokens[0]},{paper.WORKLOAD.task_tokens[1]}); near the context "
@@ -135,6 +106,12 @@ def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
         help=f"shortest judged window of a probe, whatever its requests (default {Probe.min_window_s:g})",
     )
     p.add_argument("--steps", type=int, default=Probe.steps, help=f"bisection steps per layout (default {Probe.steps})")
+    p.add_argument(
+        "--contenders",
+        type=int,
+        default=CONTENDERS,
+        help=f"layouts of each family simulated, its best by the analytic screen (default {CONTENDERS}; 0: all)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -174,7 +151,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention",
-        type=_layouts,
+        type=attention_arg,
         help="attention layouts each side may take (tp, tp-dcp, dp-ep), with the instance size searched for "
         "each (default: those serving runs: " + ",".join(a for a in AttentionLayout if SERVED[a] is None) + ")",
     )
@@ -235,18 +212,14 @@ def setting_of(args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
     return setting, fleet
 
 
-def _layouts(value: str) -> list[AttentionLayout]:
-    try:
-        return [AttentionLayout(v) for v in _names(value)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layouts of {', '.join(AttentionLayout)}, got {value!r}") from None
-
-
 def _prepare(args: argparse.Namespace) -> Plan:
     """The plan's layouts and workload, or a ValueError saying what is wrong with the options."""
     setting, fleet = setting_of(args)
-    if args.requests < 1 or args.steps < 0 or args.top < 1 or args.warmup_s < 0 or args.workers < 1 or args.seeds < 1:
-        raise ValueError("--requests, --workers, --seeds and --top must be >= 1, --steps and --warmup-s >= 0")
+    if (
+        min(args.requests, args.top, args.workers, args.seeds) < 1
+        or min(args.steps, args.warmup_s, args.contenders) < 0
+    ):
+        raise ValueError("--requests, --workers, --seeds, --top must be >= 1, --steps, --warmup-s, --contenders >= 0")
     if args.target_rps is not None and not args.target_rps > 0:
         raise ValueError("--target-rps must be > 0")
     if not 0 < args.attainment < 1:
@@ -289,7 +262,7 @@ def plan_main(args: argparse.Namespace) -> int:
     probe, setting = probe_of(args), plan.setting
     console, out = Console(stderr=True), Console()
     started = time.perf_counter()
-    rows = _run(console, args, "layouts", plan.layouts, plan.workload, probe, setting, args.exact)
+    rows = _run(console, args, "layouts", plan.layouts, plan.workload, probe, setting, args.exact, args.contenders)
     wall = time.perf_counter() - started
     ratio = paper.rho(setting, tpot_ms=probe.slo[1])
     found = verdict(rows, setting.b.price_per_hour, probe)
@@ -300,8 +273,9 @@ def plan_main(args: argparse.Namespace) -> int:
         out.print(line)
     if spread:
         out.print(seeds_line(spread, probe))
-    simulated = sum(r["simulated"] for r in rows)
-    title = f"the best {min(args.top, len(rows))} of {len(rows)} layouts by BCR ({simulated} simulated; G: line Gbit/s)"
+    simulated, screened = sum(r["simulated"] for r in rows), sum(r["screened_out"] for r in rows)
+    title = f"the best {min(args.top, len(rows))} of {len(rows)} layouts by BCR ({simulated} simulated, "
+    title += f"{screened} screened out; G: line Gbit/s)"
     out.print(rows_table(rows[: args.top], f"pdd plan: {title}", probe))
     families = sorted(best_per_family(rows).values(), key=lambda r: -r["bcr"])
     out.print(rows_table(families, "each family's best", probe))
@@ -356,8 +330,10 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(console, args, what: str, layouts, workload, probe, setting, exact: bool) -> list[dict[str, Any]]:
-    """`search` under a progress bar."""
+def _run(
+    console, args, what: str, layouts, workload, probe, setting, exact: bool, contenders=0
+) -> list[dict[str, Any]]:
+    """`search` under a progress bar; `contenders` of each family (0: all)."""
     from pdd.progress import progress_bar
 
     with progress_bar(console, args.quiet) as bar:
@@ -370,6 +346,7 @@ def _run(console, args, what: str, layouts, workload, probe, setting, exact: boo
             workers=args.workers,
             progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
             exact=exact,
+            contenders=contenders or None,
         )
 
 

@@ -27,11 +27,13 @@ from pdd.perf.model import SPEC_CONTEXT
 from pdd.perf.physics import MIN_KV_CONTEXTS, instance_sizes
 from pdd.perf.steps import chunk_load
 
-# What serving runs (issue 45's config, `attention =`), and why not where it does not.
+# What serving runs (`attention =` in a member's config; `pdd.engines.vllm.layout` moves
+# each layout's KV, DCP's split by token included) for every role, and why not where a
+# layout is named that it does not: None, served.
 SERVED: dict[AttentionLayout, str | None] = {
     AttentionLayout.TP: None,
+    AttentionLayout.TP_DCP: None,
     AttentionLayout.DP_EP: None,
-    AttentionLayout.TP_DCP: "pdd's KV connector does not yet move a cache split by token (vLLM's DCP)",
 }
 SIDES = ("prefill", "decode")
 SIZE_TOLERANCE = 0.05  # the smallest instance within this of the best per price: finer layouts of a budget

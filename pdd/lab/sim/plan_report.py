@@ -71,7 +71,8 @@ def rows_table(rows: list[dict[str, Any]], title: str, probe: Probe):
         if r["goodput_rps"] is None:  # missed the SLO at the rate that would beat its family's best
             goodput, bcr = f"missed {r['missed_rps']:.1f}", "-"
         else:
-            goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else "pruned", f"{r['bcr']:.3f}"
+            cut = "screened out" if r.get("screened_out") else "pruned"
+            goodput, bcr = f"{r['goodput_rps']:.1f}" if r["simulated"] else cut, f"{r['bcr']:.3f}"
         table.add_row(
             str(i),
             r["layout"],
