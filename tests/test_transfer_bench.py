@@ -72,28 +72,31 @@ def test_int8_and_zstd_payloads_read_the_same_from_any_buffer():
 
 
 @pytest.mark.parametrize("latent", [False, True])
-def test_consecutive_layers_travel_as_one_frame_of_their_own_memory(latent):
-    """P groups a chunk's layer slices into frames of up to a size (`frame_groups`), each
-    encoded from the slices' own memory (`encode_layers`): the bytes of the joined blob, and
-    read back as it. A group never spans two chunks nor skips a layer."""
-    from pdd.instance.prefill_kv import layer_pieces
+def test_a_chunks_layers_travel_in_frames_of_up_to_a_size(latent):
+    """An exported blob goes chunk by chunk, each chunk's layers in frames of up to
+    `KV_FRAME_BYTES` (`export_frames`, `codec.layer_groups`); a streamed chunk's layers that
+    are there together go as one frame from their own memory (`encode_layers`). Either reads
+    back as the blob it came from."""
+    from pdd.instance import prefill_kv
 
     blob = _blob("bfloat16", tokens=48, latent=latent)
-    pieces = layer_pieces(blob, 16)  # three chunks of three layers
-    layer_bytes = pieces[0].header.payload_bytes
-    groups = codec.frame_groups(pieces, 2 * layer_bytes)
-    assert [[(p.header.token_start, p.header.layer_start) for p in g] for g in groups] == [
-        [(0, 0), (0, 1)], [(0, 2)], [(16, 0), (16, 1)], [(16, 2)], [(32, 0), (32, 1)], [(32, 2)]
-    ]
-    assert len(codec.frame_groups(pieces, 100 * layer_bytes)) == 3  # a chunk a frame
-    assert len(codec.frame_groups(pieces, 1)) == 9  # a layer a frame, at the least
-    for group in groups:
-        parts = codec.encode_layers(group)
-        assert b"".join(parts) == codec.encode(codec.join_layers(group))
-        got = codec.decode(bytearray(b"".join(parts)))
-        assert torch.equal(got.k, torch.cat([p.k for p in group])) and got.header == codec.joined_header(group)
+    layer_bytes = codec.token_slice(blob, 0, 16).header.payload_bytes // 3
+    caps = ((2 * layer_bytes, [(0, 2), (2, 3)]), (100 * layer_bytes, [(0, 3)]), (1, [(0, 1), (1, 2), (2, 3)]))
+    for cap, layers in caps:
+        frames = codec.layer_groups(codec.token_slice(blob, 16, 32), cap)
+        assert [(f.header.layer_start, f.header.layer_end) for f in frames] == layers
+        for f in frames:
+            got = codec.decode(bytearray(codec.encode(f)))
+            i, j = f.header.layer_start, f.header.layer_end
+            assert torch.equal(got.k, blob.k[i:j, 16:32]) and torch.equal(got.v, blob.v[i:j, 16:32])
+    whole = prefill_kv.export_frames(blob, 16)
+    assert [(f.header.token_start, f.header.layer_end) for f in whole] == [(0, 3), (16, 3), (32, 3)]
+    pieces = codec.split_layers(codec.token_slice(blob, 32, 48))
+    parts = codec.encode_layers(pieces)
+    assert b"".join(parts) == codec.encode(codec.join_layers(pieces)) == codec.encode(whole[2])
+    assert codec.decode(bytearray(b"".join(parts))).header == codec.joined_header(pieces)
     with pytest.raises(codec.KVFormatError, match="different tokens"):
-        codec.joined_header([pieces[0], pieces[4]])  # (layer 0 of chunk 0, layer 1 of chunk 1)
+        codec.joined_header([pieces[0], codec.split_layers(whole[0])[1]])
 
 
 def test_a_prompts_hashes_are_computed_once_across_its_chunks(monkeypatch):

@@ -162,7 +162,7 @@ class KVSenders:
             streamed = end if first is None else max(start, first)
             if start < streamed:
                 blob = await self.engine.export_kv(job.rid, start, streamed)
-                sent += await self._send(job, peer, layer_pieces(blob, self.chunk_tokens))
+                sent += await self._send(job, peer, [[f] for f in export_frames(blob, self.chunk_tokens)])
         finally:
             self.exported(job)
         return sent + await self._streamed(job, peer, start, end, streamed)
@@ -208,7 +208,7 @@ class KVSenders:
         try:
             while pending or not ended.is_set():
                 if pending and pending[0][0] - job.acked.get(peer, start) <= ahead:
-                    sent += await self._send(job, peer, _next_frame(pending))
+                    sent += await self._send(job, peer, [_next_frame(pending)])
                 else:
                     arrived.clear()
                     await arrived.wait()
@@ -225,12 +225,12 @@ class KVSenders:
         if not job.exports:
             self.spawn(self.engine.release(job.rid))
 
-    async def _send(self, job: PrefillJob, peer: str, pieces: list[codec.KVBlob]) -> int:
-        """Layer slices, in order, a frame each group of them (`codec.frame_groups`); the
-        payload bytes sent."""
+    async def _send(self, job: PrefillJob, peer: str, frames: list[list[codec.KVBlob]]) -> int:
+        """`frames`, in order, each consecutive layer slices of one chunk sent as one frame;
+        the payload bytes sent."""
         sent, (lossy, compress) = 0, job.forms.get(peer, ("", ""))
         await job.chosen[peer].wait()
-        for group in codec.frame_groups(pieces, KV_FRAME_BYTES):
+        for group in frames:
             data = codec.encode_layers(group, lossy, compress)
             sent += await self.peers.send_bulk(peer, job.priority[peer], kv=(job.rid, data))
             self.in_prefill += job.stream is not None and not job.stream.closed
@@ -253,14 +253,14 @@ def _next_frame(pending: list[tuple[int, int, int, codec.KVBlob]]) -> list[codec
     return group
 
 
-def layer_pieces(blob: codec.KVBlob, chunk_tokens: int) -> list[codec.KVBlob]:
-    """A blob as P sends it: chunk by chunk of `chunk_tokens`, a slice a layer of each chunk
-    (grouped into frames by `codec.frame_groups`)."""
+def export_frames(blob: codec.KVBlob, chunk_tokens: int) -> list[codec.KVBlob]:
+    """An exported blob as P sends it: chunk by chunk of `chunk_tokens`, each chunk's layers
+    in frames of up to `KV_FRAME_BYTES` (`codec.layer_groups`)."""
     h = blob.header
     return [
-        layer
+        group
         for a, b in kv_chunks(h.token_start, h.token_end, chunk_tokens)
-        for layer in codec.split_layers(codec.token_slice(blob, a, b))
+        for group in codec.layer_groups(codec.token_slice(blob, a, b), KV_FRAME_BYTES)
     ]
 
 

@@ -341,26 +341,18 @@ def encode_layers(parts: list[KVBlob], lossy: str = "", compress: str = "") -> l
     return [_header_bytes(vars(joined_header(parts))), *body]
 
 
-def frame_groups(pieces: list[KVBlob], max_bytes: int) -> list[list[KVBlob]]:
-    """Layer slices (in order) in groups that each travel as one frame: consecutive layers of
-    the same tokens, up to `max_bytes` of KV (one slice at least). A frame a layer of a few
-    dozen tokens is tens of KiB, and each frame costs both ends a fixed time besides its bytes."""
-    groups: list[list[KVBlob]] = []
-    size = 0
-    for piece in pieces:
-        h, n = piece.header, piece.header.payload_bytes
-        last = groups[-1][-1].header if groups else None
-        if (
-            last is None
-            or size + n > max_bytes
-            or (last.token_start, last.token_end, last.layer_end) != (h.token_start, h.token_end, h.layer_start)
-        ):
-            groups.append([piece])
-            size = n
-        else:
-            groups[-1].append(piece)
-            size += n
-    return groups
+def layer_groups(blob: KVBlob, max_bytes: int) -> list[KVBlob]:
+    """`blob` as blobs of consecutive layers, each of up to `max_bytes` of KV (one layer at
+    least): what travels as one frame. A frame a layer of a few dozen tokens is tens of
+    KiB, and each frame costs both ends a fixed time besides its bytes."""
+    h = blob.header
+    per_layer = h.payload_bytes // max(1, h.layer_end - h.layer_start)
+    step, layers, out = max(1, max_bytes // max(1, per_layer)), blob.k.shape[0], []
+    for i in range(0, layers, step):
+        j = min(layers, i + step)
+        header = _of_layers(h, h.layer_start + i, h.layer_start + j, h.scales[2 * i : 2 * j])
+        out.append(KVBlob(header, blob.k[i:j], blob.v[i:j]))
+    return out
 
 
 @dataclass(frozen=True)

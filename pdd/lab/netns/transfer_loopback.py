@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,8 @@ class Receiver:
 
 class KVSender:
     """P's side of the whole KV path on `model`: a prompt prefilled once, its KV exported
-    afresh for every prompt sent and sent as P sends it (`layer_pieces`: one layer of one
-    `chunk_tokens` chunk a frame, each encoded into parts)."""
+    afresh for every prompt sent and sent as P sends it (`export_frames`: a `chunk_tokens`
+    chunk's layers a frame, up to `KV_FRAME_BYTES`, each encoded into parts)."""
 
     def __init__(self, model: KVModel, prompt_tokens: int, chunk_tokens: int):
         import torch
@@ -265,16 +266,13 @@ class KVSender:
 
     def frames(self) -> list[list[Any]]:
         """A prompt's KV frames' payloads (each a list of parts), as P sends them to a fresh request."""
-        from pdd.instance.prefill_kv import KV_FRAME_BYTES, layer_pieces
+        from pdd.instance.prefill_kv import export_frames
         from pdd.kv import codec
         from pdd.transfer import messages as m
 
         self._sent += 1
-        pieces = layer_pieces(self.engine.export_kv("kv", 0, len(self.prompt)), self.chunk_tokens)
-        return [
-            m.kv_payload(f"r{self._sent}", codec.encode_layers(group))
-            for group in codec.frame_groups(pieces, KV_FRAME_BYTES)
-        ]
+        blob = self.engine.export_kv("kv", 0, len(self.prompt))
+        return [m.kv_payload(f"r{self._sent}", codec.encode_parts(f)) for f in export_frames(blob, self.chunk_tokens)]
 
     def label(self) -> str:
         what = "tiny model" if self.model.shape == "tiny" else "realistic pages (Qwen2.5-0.5B's KV, random weights)"
@@ -308,10 +306,16 @@ def _loopback_mb_per_s(kind: str, mbytes: int, frame_bytes: int, kv: KVSender | 
         if kv is None:
             for _ in range(frames):
                 await conn.send(MsgType.KV_LAYER, blob)
-        else:
-            for _ in range(prompts):
-                for payload in kv.frames():
-                    await conn.send(MsgType.KV_LAYER, payload)
+        else:  # the next prompt's export on a thread while this one's frames go, as P's copy thread does
+            loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(1) as exporter:
+                upcoming = loop.run_in_executor(exporter, kv.frames)
+                for i in range(prompts):
+                    payloads = await upcoming
+                    if i + 1 < prompts:
+                        upcoming = loop.run_in_executor(exporter, kv.frames)
+                    for payload in payloads:
+                        await conn.send(MsgType.KV_LAYER, payload)
         conn.close()
         await conn.wait_closed()
 
