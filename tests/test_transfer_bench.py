@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from pdd.kv import codec
+from pdd.kv import codec, continuation
 from pdd.kv.blocks import block_hashes
 
 
@@ -113,8 +113,8 @@ def test_a_prompts_hashes_are_computed_once_across_its_chunks(monkeypatch):
         assert hashes.upto(end) == block_hashes(tokens[:end], 16)
     assert len(calls) == 256 // 16 + sum(range(1, 17))  # its own: once each; block_hashes': every time
     h = codec.token_slice(_blob("bfloat16", tokens=48), 0, 32).header
-    assert codec.check_continuation(h, (3, 2, 64), blocks.PrefixHashes(list(range(48))), 0, 48) is None
-    assert "another prompt" in codec.check_continuation(h, (3, 2, 64), blocks.PrefixHashes([7] * 48), 0, 48)
+    assert continuation.check_continuation(h, (3, 2, 64), blocks.PrefixHashes(list(range(48))), 0, 48) is None
+    assert "another prompt" in continuation.check_continuation(h, (3, 2, 64), blocks.PrefixHashes([7] * 48), 0, 48)
 
 
 def test_the_loopback_bench_carries_kv_of_the_tiny_model_and_of_realistic_pages(tmp_path, monkeypatch):

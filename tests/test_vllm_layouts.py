@@ -71,6 +71,7 @@ from pdd.engines.vllm.staging import SLOT_BYTES, SLOTS, Region  # noqa: E402
 from pdd.engines.vllm.worker_side import WorkerSide  # noqa: E402
 from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
+from pdd.kv.continuation import CacheForm, check_continuation  # noqa: E402
 
 MODEL_DTYPE = torch.bfloat16
 FLASHINFER = SimpleNamespace(get_name=lambda: "FLASHINFER", is_mla=lambda: False)  # (see the module's docstring)
@@ -748,16 +749,16 @@ def test_an_importer_refuses_kv_its_cache_cannot_hold_exactly():
     tokens = list(range(64))
     latent = header(latent=True)
     shape = (3, 1, 576)
-    assert codec.check_continuation(latent, shape, tokens, 16, 64, codec.CacheForm(latent=True)) is None
-    why = codec.check_continuation(latent, shape, tokens, 16, 64)  # (the embedded engine's call)
+    assert check_continuation(latent, shape, tokens, 16, 64, CacheForm(latent=True)) is None
+    why = check_continuation(latent, shape, tokens, 16, 64)  # (the embedded engine's call)
     assert why == "imported KV holds one latent vector a token (MLA), this cache K and V"
-    assert "this cache one latent vector a token (MLA)" in codec.check_continuation(
-        header(), shape, tokens, 16, 64, codec.CacheForm(latent=True)
+    assert "this cache one latent vector a token (MLA)" in check_continuation(
+        header(), shape, tokens, 16, 64, CacheForm(latent=True)
     )
     fp8 = header(kv_heads=2, head_dim=64, dtype="float8_e5m2", scales=[1.0] * 6)
-    why = codec.check_continuation(fp8, (3, 2, 64), tokens, 16, 64)
+    why = check_continuation(fp8, (3, 2, 64), tokens, 16, 64)
     assert why == "imported KV is float8_e5m2 and this cache not fp8: pdd converts no fp8 KV"
-    e4m3 = codec.CacheForm(raw_dtype="float8_e4m3fn", scales=(1.0,) * 6)
-    assert "float8_e5m2 and this cache float8_e4m3fn" in codec.check_continuation(fp8, (3, 2, 64), tokens, 16, 64, e4m3)
-    e5m2 = codec.CacheForm(raw_dtype="float8_e5m2", scales=(1.0,) * 6)
-    assert codec.check_continuation(fp8, (3, 2, 64), tokens, 16, 64, e5m2) is None
+    e4m3 = CacheForm(raw_dtype="float8_e4m3fn", scales=(1.0,) * 6)
+    assert "float8_e5m2 and this cache float8_e4m3fn" in check_continuation(fp8, (3, 2, 64), tokens, 16, 64, e4m3)
+    e5m2 = CacheForm(raw_dtype="float8_e5m2", scales=(1.0,) * 6)
+    assert check_continuation(fp8, (3, 2, 64), tokens, 16, 64, e5m2) is None

@@ -15,7 +15,7 @@ from pdd.engine.copies import Copies, Copy, export_copy, import_copy
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.sequence import Sequence
 from pdd.engine_port import RequestError
-from pdd.kv import codec
+from pdd.kv import codec, continuation
 from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
 from pdd.kv.copy_stream import CopyStream
 
@@ -68,7 +68,7 @@ class KVMoves:
         if seq.prompt_hashes is None:
             seq.prompt_hashes = PrefixHashes(seq.tokens[: seq.prompt_len])
         shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        why = codec.check_continuation(h, shape, seq.prompt_hashes, seq.num_computed, seq.prompt_len)
+        why = continuation.check_continuation(h, shape, seq.prompt_hashes, seq.num_computed, seq.prompt_len)
         if why:
             raise RequestError(why)
 

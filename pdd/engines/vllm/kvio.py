@@ -32,7 +32,7 @@ import torch
 from pdd.engine_port import RequestError
 from pdd.engines.vllm.split import TokenSplit
 from pdd.engines.vllm.staging import Region
-from pdd.kv import codec
+from pdd.kv import codec, continuation
 from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
 from pdd.kv.slots import Slots
 from pdd.policy.transfer import kv_chunks
@@ -284,8 +284,8 @@ class WorkerKV:
     ) -> None:
         first = self.ranks[0]
         raw = first.dtype if first.dtype in codec.RAW_DTYPES else None
-        cache = codec.CacheForm(first.latent, raw, self.scales)
-        why = codec.check_continuation(
+        cache = continuation.CacheForm(first.latent, raw, self.scales)
+        why = continuation.check_continuation(
             blob.header, (self.num_layers, self.total_heads, first.head_dim), prompt, computed, prompt_len, cache
         )
         if why:
