@@ -99,7 +99,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         assert isinstance(offer, m.KVRegion) and not offer.error and offer.slots == mooncake.SLOTS
         sender, out = mooncake.Endpoint("127.0.0.1"), _Conn()  # (another engine: P's)
         placement = Placement.from_offer(sender, offer, out)
-        blobs = [[bytes([i]) * (1 << 20), bytes(range(256)) * i] for i in range(12)]  # (in parts, as P sends them)
+        blobs = [[bytes([i]) * (1 << 20), bytes(range(256)) * i] for i in range(mooncake.SLOTS + 4)]  # (in parts, as P sends them)
         payloads = [b"".join(m.kv_payload(f"a.{i}", blob)) for i, blob in enumerate(blobs)]
         received: list[bytes] = []
 
@@ -116,12 +116,12 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
                 placement.slots.give(m.decode(conn.sent.pop()).slot)
 
         reader = asyncio.ensure_future(receive())
-        for i, blob in enumerate(blobs):  # (12 frames through 8 slots: each freed once the receiver has read it)
+        for i, blob in enumerate(blobs):  # (more frames than slots: each freed once the receiver has read it)
             await asyncio.wait_for(placement.send(out, m.kv_payload(f"a.{i}", blob)), 30)
         await asyncio.wait_for(placement.flush(), 30)
         await asyncio.wait_for(reader, 30)
         assert received == payloads  # every frame, whole and in order
-        assert receiver.placed == {"frames": 12, "bytes": sum(map(len, payloads))}
+        assert receiver.placed == {"frames": len(blobs), "bytes": sum(map(len, payloads))}
         await placement.send(out, payloads[0])
         await placement.flush()
         placed = m.decode(out.sent[-1])
