@@ -99,7 +99,8 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         assert isinstance(offer, m.KVRegion) and not offer.error and offer.slots == mooncake.SLOTS
         sender, out = mooncake.Endpoint("127.0.0.1"), _Conn()  # (another engine: P's)
         placement = Placement.from_offer(sender, offer, out)
-        blobs = [[bytes([i]) * (1 << 20), bytes(range(256)) * i] for i in range(mooncake.SLOTS + 4)]  # (in parts, as P sends them)
+        # more frames than slots, each in parts as P sends them
+        blobs = [[bytes([i]) * (1 << 20), bytes(range(256)) * i] for i in range(mooncake.SLOTS + 4)]
         payloads = [b"".join(m.kv_payload(f"a.{i}", blob)) for i, blob in enumerate(blobs)]
         received: list[bytes] = []
 
