@@ -21,14 +21,15 @@ with `group = "md0"` and `[engine.vllm] data_parallel_rank = R`, the group's
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdd.addresses import parse_addr
 from pdd.config_check import ConfigError
 from pdd.engine_port import devices
 
-if TYPE_CHECKING:
-    from pdd.config import InstanceSpec
+# `pdd.config.InstanceSpec`, named for the reader: config calls this module while it parses,
+# so importing the class back, even for the type checker alone, would close an import circle
+InstanceSpec = Any
 
 SIZE = "data_parallel_size"
 RANK = "data_parallel_rank"
