@@ -2,7 +2,7 @@
 fresh virtual environment that holds that wheel alone (no dependency, no checkout on its
 path) runs `pdd --help`. The distribution is pdd-serving, which nobody else holds on PyPI
 ("pdd" is a date calculator's): the wheel says so, carries the extras the docs install
-([vllm], [vllm-cuda], [lab], [mooncake]), and no install line in the repository names a
+([vllm], [vllm-cuda], [lab], [mooncake], [plan]), and no install line in the repository names a
 distribution pdd does not own."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = "pdd-serving"
-EXTRAS = {"vllm", "vllm-cuda", "lab", "mooncake", "test"}
+EXTRAS = {"vllm", "vllm-cuda", "lab", "mooncake", "plan", "test"}
 # a `pip install` of a distribution by name (not a path, `.` or a wheel file): NAME[extras] or NAME==
 INSTALL = re.compile(r"pip install[^`'\n]*?\s'?\"?([A-Za-z][\w.-]*)(\[[\w,-]+\]|==)")
 
