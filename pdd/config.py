@@ -169,7 +169,7 @@ class PolicySpec:
 
     __pydantic_config__ = STRICT_TABLE
     decode_radix_cache: bool = True  # decode side keeps prefixes; only the delta crosses
-    kv_chunk_tokens: int = 64  # tokens per KV chunk (one frame per layer; imported as it lands)
+    kv_chunk_tokens: int = 64  # tokens per KV chunk (its layers in frames of up to 1 MiB; imported as it lands)
     affinity_weight: float = 1.0  # router: value of one predicted cached token...
     load_weight: float = 1.0  # ...against one queued token of work
     # PDD mode. P -> MD when MD's KV delta is predicted to arrive within this after

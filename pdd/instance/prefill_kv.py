@@ -2,7 +2,7 @@
 
 A peer's sender starts as soon as P asks it to reserve, before prefill: once the
 reservation answers, it sends the KV after the peer's hit as the engine computes it,
-one layer of one chunk a frame (`pdd.kv.layer_stream`), so the line and the relay's
+a chunk's layers in frames of up to `KV_FRAME_BYTES` (`pdd.kv.layer_stream`), so the line and the relay's
 path are busy while later layers run; what the stream does not carry (the prefix P's
 own cache served, or all of it on an engine that streams nothing) it exports from P's
 held pages. The pipeline is chosen only after prefill (`pdd.instance.prefill`): the

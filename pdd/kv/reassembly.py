@@ -1,4 +1,4 @@
-"""A request's KV as it arrives at the decode side: one layer of one chunk a frame, over
+"""A request's KV as it arrives at the decode side: one or more layers of one chunk a frame, over
 several connections (`pdd.instance.peers` stripes urgent KV), so in any order. Chunks are
 gathered by their first token, each layer by layer until whole; whole chunks are handed
 out for import in token order, from the first token the receiver lacked on."""

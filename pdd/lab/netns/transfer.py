@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-chunk-tokens",
         type=int,
         default=PolicySpec.kv_chunk_tokens,
-        help=f"--loopback's KV path: tokens of a layer a frame, as P's [policy] kv_chunk_tokens "
+        help=f"--loopback's KV path: tokens a chunk (its layers a frame, up to 1 MiB), as P's [policy] kv_chunk_tokens "
         f"(default {PolicySpec.kv_chunk_tokens}, P's)",
     )
     p.add_argument("--repeats", type=int, default=3, help="--loopback: runs of each, their median (default 3)")

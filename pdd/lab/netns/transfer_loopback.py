@@ -352,7 +352,7 @@ def loopback(args: argparse.Namespace) -> int:
     title = (
         f"The frame layer on loopback, two processes ({args.mbytes} MB of {args.frame_kib} KiB frames; "
         f"the whole KV path: {args.prompt_tokens}-token prompts' KV, exported and sent as P sends it, "
-        f"{args.kv_chunk_tokens} tokens of a layer a frame (authenticated), decoded, put together and "
+        f"{args.kv_chunk_tokens}-token chunks, their layers a frame (authenticated), decoded, put together and "
         f"imported as MD does; the median of {args.repeats} runs)"
     )
     table = Table(title=title)
