@@ -240,6 +240,9 @@ def test_a_lost_prefill_is_retried_before_the_first_token_and_the_relay_goes_on_
     # P lost before its result came, with MD already producing from the KV the handoff waited for
     handed_off = State(**{**_STATE, "delivered": 5, "relay_producing": False, "relay_done": True, "handed_off": True})
     assert recover(_failed("entry"), handed_off) == Recovery.IGNORE
+    # P (pd-cross-dc) lost before its result came, with MD already producing: MD has the KV
+    producing = State(**{**_STATE, "delivered": 5, "relay_producing": False, "main_produced": True})
+    assert recover(_failed("entry"), producing) == Recovery.IGNORE
     # the relay producing alone (P chose P -> RLD, or MD was lost before): P's loss does not stop it
     relay_alone = State(**{**_STATE, "delivered": 5, "main_done": True})
     assert recover(_failed("entry"), relay_alone) == Recovery.RELAY_GOES_ON

@@ -50,6 +50,7 @@ class State:
     main_done: bool  # MD was already written off for it
     relay_done: bool
     handed_off: bool
+    main_produced: bool = False  # MD has delivered tokens: it holds the whole KV
 
 
 def failure_status(busy: bool, lost: bool) -> int:
@@ -59,8 +60,9 @@ def failure_status(busy: bool, lost: bool) -> int:
 def recover(f: Failed, s: State) -> Recovery:
     if f.entry:
         # P had finished its part, or MD took the request over with the KV it holds (a
-        # handoff waits for it), before P's result came: a loaded machine delays that result
-        if f.lost and (s.p_done or s.handed_off):
+        # handoff waits for it), or MD already produces from that KV, before P's result
+        # came: a loaded machine delays that result
+        if f.lost and (s.p_done or s.handed_off or s.main_produced):
             return Recovery.IGNORE
         if f.lost and retry_on_new_prefill(s.delivered, s.attempt, s.max_attempts, s.other_entry_up):
             return Recovery.RETRY_PREFILL

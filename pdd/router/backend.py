@@ -236,6 +236,7 @@ class RouterBackend:
             main_done=request.main_done,
             relay_done=request.relay_done,
             handed_off=request.handed_off is not None,
+            main_produced=plan.main is not None and request.merger.count(plan.main) > 0,
         )
         action = recover(failed, state)
         message = f"{source}: {err.message}"
