@@ -136,6 +136,11 @@ def test_the_loopback_bench_carries_kv_of_the_tiny_model_and_of_realistic_pages(
     report = json.loads(out.read_text())
     assert set(report["loopback_mb_s"]) == {"raw", "auth", "plain", "kv", "kv_realistic"}
     assert all(rate > 0 for rate in report["loopback_mb_s"].values())
+    # each end's CPU a GB, every row: the sender's work a byte is more than raw TCP's for the KV
+    cpu = report["cpu_s_per_gb"]
+    assert all(0 < x < 100 for row in cpu.values() for end in row.values() for x in end), cpu
+    assert cpu["kv_realistic"]["sender"][0] > cpu["raw"]["sender"][0]
+    assert report["core_gb_per_s"]["raw"] == pytest.approx(1 / max(cpu["raw"]["sender"][0], cpu["raw"]["receiver"][0]))
     assert report["kv_bytes_per_token"] == {"kv": 4096, "kv_realistic": 2 * 2 * 2 * 64 * 2}
     assert "float32" in report["labels"]["kv"] and "4,096 B a token" in report["labels"]["kv"]
     assert "bfloat16" in report["labels"]["kv_realistic"] and "1,024 B a token" in report["labels"]["kv_realistic"]

@@ -485,6 +485,51 @@ def test_frames_of_every_size_cross_a_real_connection_whole_with_a_slow_reader()
     assert echoed == payloads
 
 
+def test_a_large_payload_buffer_is_reused_only_once_nobody_holds_it() -> None:
+    """Large reads reuse the stream's earlier buffers (no zeroing, warm memory), but never
+    one its reader still holds, by the payload itself or by a view of it (a tensor over
+    the KV, say): those keep their bytes while later frames of the same size arrive."""
+    n = 256 * 1024
+    payloads = [bytes([i]) * n for i in range(12)]
+    held: dict[int, Any] = {}
+    seen: list[int] = []
+
+    async def go() -> None:
+        got: list[Any] = []
+
+        async def keep(conn: FramedConnection) -> None:
+            for i in range(len(payloads)):
+                frame = await conn.recv()
+                seen.append(id(frame.payload))
+                if i % 3 == 0:
+                    held[i] = frame.payload  # the payload itself
+                elif i % 3 == 1:
+                    held[i] = memoryview(frame.payload)[10:]  # only a view of it
+                del frame  # (i % 3 == 2: dropped: its buffer may serve a later frame)
+            got.append(True)
+
+        server = await serve(keep, "127.0.0.1", 0, None)
+        conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], None)
+        try:
+            for p in payloads:
+                await conn.send(MsgType.KV_LAYER, p)
+                await asyncio.sleep(0.01)  # (one frame at a time: each reader is done with it)
+            for _ in range(500):
+                if got:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+    for i, kept in held.items():
+        want = payloads[i] if i % 3 == 0 else payloads[i][10:]
+        assert bytes(kept) == want, f"frame {i}'s bytes were overwritten by a later frame"
+    assert len(seen) == len(payloads)
+
+
 async def _send_all(conn: FramedConnection, payloads: list[bytes]) -> None:
     for p in payloads:
         await conn.send(MsgType.KV_LAYER, p)

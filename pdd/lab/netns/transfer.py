@@ -34,7 +34,8 @@ from rich.table import Table
 
 from pdd.config import PolicySpec
 from pdd.lab.bench import options
-from pdd.lab.netns.transfer_loopback import KEY, SHAPES, Receiver
+from pdd.lab.netns.transfer_loopback import SHAPES
+from pdd.lab.netns.transfer_receiver import KEY, Receiver
 
 
 def _floats(value: str) -> list[float]:

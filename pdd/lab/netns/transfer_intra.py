@@ -104,14 +104,14 @@ async def _place(port: int, frames: int, frame_bytes: int) -> None:
     conn = await wire.open_connection("127.0.0.1", port, KEY)
     await wire.client_handshake(conn, {"role": "prefill", "name": "bench"})
     await m.send(conn, m.KVRegionAsk("mooncake"))
-    offer = m.decode(await conn.recv())
+    offer = m.decode_as(await conn.recv(), m.KVRegion)
     endpoint = mooncake.endpoint("127.0.0.1")
     placement = Placement.from_offer(endpoint, offer, conn)
 
     async def freed() -> None:
         try:
             while True:
-                placement.slots.give(m.decode(await conn.recv()).slot)
+                placement.slots.give(m.decode_as(await conn.recv(), m.KVSlotFree).slot)
         except ConnectionError as e:  # the relay refused what it was sent: say so, not hang
             placement.slots.close(e)
 

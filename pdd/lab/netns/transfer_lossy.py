@@ -15,7 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdd.lab.netns.transfer_loopback import engine_for, prefilled
+from pdd.lab.netns.transfer_loopback import prefilled
+from pdd.lab.netns.transfer_receiver import engine_for
 
 
 def _kv_pages(prompt_tokens: int) -> bytes:

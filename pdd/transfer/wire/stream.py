@@ -14,12 +14,15 @@ figure ("KV over a long line"). It is the write side's protocol too: asyncio's
 from __future__ import annotations
 
 import asyncio
+import sys
 from asyncio.streams import FlowControlMixin
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 STAGING_BYTES = 256 * 1024  # headers and small payloads land here
 DIRECT_MIN_BYTES = 64 * 1024  # a read of at least this goes straight into a buffer of its own
+SPARE_BUFFERS = 4  # a stream's large-read buffers kept for reuse once nobody holds them
+SPARE_MAX_BYTES = 4 << 20  # (larger ones are not kept)
 
 OnConnect = Callable[["FrameStream", asyncio.StreamWriter], Coroutine[Any, Any, None]]
 
@@ -41,6 +44,7 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
         self._reading_direct = False  # the last buffer handed out was the large read's
         self._discarding = False  # the last buffer handed out was scratch
         self._scratch = memoryview(bytearray(4096))
+        self._spare: list[bytearray] = []  # large-read buffers handed out, newest last
         self._want = 0  # staged bytes the reader waits for
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
@@ -118,8 +122,21 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
         self._resume()
         return out
 
-    async def _read_direct(self, n: int) -> bytearray:
+    def _buffer(self, n: int) -> bytearray:
+        """A buffer for a large read of `n` bytes: one this stream handed out before that
+        nobody holds any more (its reader dropped it and every view of it: CPython's
+        reference count says so), else a new one. A new buffer a frame is zeroed and its
+        memory cold: that cost the receiver about as much again as the kernel's copy."""
+        for buf in self._spare:
+            if len(buf) == n and sys.getrefcount(buf) == 3:  # (the list's, `buf`, the call's)
+                return buf
         buf = bytearray(n)
+        if n <= SPARE_MAX_BYTES:
+            self._spare = [*self._spare[1 - SPARE_BUFFERS :], buf]
+        return buf
+
+    async def _read_direct(self, n: int) -> bytearray:
+        buf = self._buffer(n)
         have = self._end - self._start
         buf[:have] = self._view[self._start : self._end]
         self._start = self._end = 0
