@@ -42,6 +42,25 @@ def test_every_body_round_trips():
         assert m.decode(_frame(body)) == body
 
 
+def test_each_connection_reads_only_the_bodies_it_carries():
+    """A router's connection, an instance's to the router, and the instances' own: each
+    body is carried by one at least (HELLO only opens them), and a body read off a
+    connection that does not carry it is a BadMessage, never handed to a handler."""
+    readers = {m.from_router: m.FromRouter, m.to_router: m.ToRouter, m.between_instances: m.BetweenInstances}
+    carried = set().union(*(typing.get_args(u) for u in readers.values()))
+    assert carried == set(typing.get_args(m.Body)) - {m.Hello}
+    for body in SAMPLES:
+        for read, union in readers.items():
+            if isinstance(body, typing.get_args(union)):
+                assert read(_frame(body)) == body
+            else:
+                with pytest.raises(m.BadMessage):
+                    read(_frame(body))
+        assert m.decode_as(_frame(body), type(body)) == body
+        with pytest.raises(m.BadMessage, match="was due"):
+            m.decode_as(_frame(body), m.KVSlotFree if not isinstance(body, m.KVSlotFree) else m.Abort)
+
+
 @pytest.mark.parametrize("body, field, value", [
     (m.Tokens("a", 0, [1]), "pos", -1),
     (m.Tokens("a", 0, [1]), "tokens", [1, "2"]),
@@ -70,6 +89,7 @@ def test_every_body_round_trips():
     (m.PipelineChosen("a", "P-MD"), "fallback", "whim"),
     (m.Progress("a"), "what", "later"),
 ])
+
 def test_bad_fields_are_refused(body, field, value):
     raw = {**m.to_dict(body), field: value}
     with pytest.raises(m.BadMessage):

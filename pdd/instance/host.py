@@ -48,10 +48,10 @@ class Host(Protocol):
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 
-    async def send(self, conn: FramedConnection, body: Any) -> bool:
+    async def send(self, conn: FramedConnection, body: m.Message) -> bool:
         """Send, or log why not (False): a peer that went away is its reader's business."""
 
-    def to_router(self, router_id: str, body: Any) -> None:
+    def to_router(self, router_id: str, body: m.ToRouter) -> None:
         """Queue a body for one router, in order; dropped if that router is gone."""
 
     def full(self) -> bool:
@@ -62,7 +62,7 @@ class Host(Protocol):
 
 
 class Role(Protocol):
-    async def on_router(self, router_id: str, body: Any) -> None:
+    async def on_router(self, router_id: str, body: m.FromRouter) -> None:
         """A body from a router (SUBMIT, ABORT, a takeover HANDOFF)."""
 
     def held(self) -> int:
@@ -100,6 +100,13 @@ def tokens_of(rid: str, out: StepOutput) -> m.Tokens:
 class PeerBusy(RuntimeError):
     """A peer refused the request for now: it holds all it may (its reservation's `busy`).
     The client may come back later: the router answers 429, not 500."""
+
+
+def not_taken(host: Host, router_id: str, body: m.FromRouter) -> None:
+    """Tell the router this instance's role takes no `body` (what the node does not
+    answer itself, and the role has no use for)."""
+    rid = getattr(body, "rid", None)
+    host.to_router(router_id, m.Error(f"a {host.spec.role} instance does not take {type(body).__name__}", rid))
 
 
 async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:

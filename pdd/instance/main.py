@@ -17,7 +17,6 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from pdd.instance.host import Host, Tombstones
 from pdd.instance.receiver import DecodeJob, DecodeSide
@@ -48,7 +47,7 @@ class MainRole(DecodeSide[MainJob]):
         self.early: OrderedDict[str, list[tuple[m.Handoff, FramedConnection]]] = OrderedDict()
         self.ended = Tombstones()  # requests that were here: a late handoff for one is refused
 
-    async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
+    async def on_peer_body(self, conn: FramedConnection, name: str, body: m.BetweenInstances) -> None:
         if isinstance(body, m.Handoff):
             job = self.jobs.get(body.rid)
             if job is None:
@@ -72,7 +71,7 @@ class MainRole(DecodeSide[MainJob]):
         while len(self.early) > MAX_EARLY:
             self.early.popitem(last=False)
 
-    async def on_router(self, router_id: str, body: Any) -> None:
+    async def on_router(self, router_id: str, body: m.FromRouter) -> None:
         if isinstance(body, m.Handoff):  # the relay was lost: take over from what the client has
             job = self.jobs.get(body.rid)
             if job is None or job.router_id != router_id:

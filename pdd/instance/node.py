@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Literal, cast
+from typing import Literal, assert_never, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engine_port import EnginePort
@@ -174,7 +174,7 @@ class Node:
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self._tasks.spawn(coro)
 
-    async def send(self, conn: FramedConnection, body: Any) -> bool:
+    async def send(self, conn: FramedConnection, body: m.Message) -> bool:
         """Send, or log why not: a peer that went away is its reader's business."""
         try:
             await m.send(conn, body)
@@ -183,7 +183,7 @@ class Node:
             log.debug("send to %s failed: %s", conn.peer, e)
             return False
 
-    def to_router(self, router_id: str, body: Any) -> None:
+    def to_router(self, router_id: str, body: m.ToRouter) -> None:
         """Queue a body for one router, in order; dropped if that router is gone."""
         conn = self.routers.get(router_id)
         if conn is not None:
@@ -249,26 +249,34 @@ class Node:
             while True:
                 frame = await conn.next_frame()
                 try:
-                    body = m.decode(frame)
+                    body = m.from_router(frame)
                 except m.BadMessage as e:
                     await self.send(conn, m.Error(str(e), m.rid_of(frame)))
                     continue
-                if isinstance(body, m.CacheUpdate):  # the router lost track: resend all
-                    self.spawn(self._send_snapshot(conn))
-                elif isinstance(body, m.Member):
-                    self._learn(body, router_id)
-                elif isinstance(body, m.Drain):
-                    self.drain()
-                elif isinstance(body, m.Submit) and (self.full() or self.refusing):
-                    why = f"takes no new work: {self.refusing}" if self.refusing else "holds its limit of requests"
-                    await self.send(conn, m.Error(f"{self.spec.name} {why}", body.rid, busy=True))
-                else:
-                    await self.role.on_router(router_id, body)
+                await self._on_router(conn, router_id, body)
         finally:
             beat.cancel()
             if self.routers.get(router_id) is conn:
                 del self.routers[router_id]
                 self.role.router_lost(router_id)
+
+    async def _on_router(self, conn: FramedConnection, router_id: str, body: m.FromRouter) -> None:
+        """What the node answers itself (the cache, members, a drain, a full instance's
+        refusal); the rest is its role's."""
+        match body:
+            case m.CacheUpdate():  # the router lost track: resend all
+                self.spawn(self._send_snapshot(conn))
+            case m.Member():
+                self._learn(body, router_id)
+            case m.Drain():
+                self.drain()
+            case m.Submit() if self.full() or self.refusing:
+                why = f"takes no new work: {self.refusing}" if self.refusing else "holds its limit of requests"
+                await self.send(conn, m.Error(f"{self.spec.name} {why}", body.rid, busy=True))
+            case m.Submit() | m.Abort() | m.Handoff():
+                await self.role.on_router(router_id, body)
+            case _:
+                assert_never(body)
 
     async def _serve_peer(self, conn: FramedConnection, name: str, channel: str) -> None:
         """One of a peer's connections (see `pdd.instance.peers`). Its control connection

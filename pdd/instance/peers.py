@@ -21,7 +21,6 @@ import logging
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pdd
 from pdd.config import Deployment, InstanceSpec
@@ -44,7 +43,7 @@ BULK_NOTSENT_LOWAT = 128 * 1024
 URGENT_TAIL_POLL_S = 0.002  # how often background KV looks whether urgent KV has left the kernel
 CHANNEL_NAMES = {Priority.CONTROL: "control", Priority.URGENT: "urgent", Priority.BACKGROUND: "background"}
 
-OnBody = Callable[[str, Any], Awaitable[None]]
+OnBody = Callable[[str, m.BetweenInstances], Awaitable[None]]
 OnLost = Callable[[str], None]
 
 
@@ -130,11 +129,15 @@ class PeerPool:
                 self._tasks.spawn(conn.keepalive(live.heartbeat_s, live.dead_after_s))
             return conn
 
-    async def send(self, name: str, body: Any) -> None:
+    async def send(self, name: str, body: m.BetweenInstances) -> None:
         await m.send(await self.get(name), body)
 
     async def send_bulk(
-        self, name: str, priority: Priority, body: Any = None, kv: tuple[str, wire.Payload] | None = None
+        self,
+        name: str,
+        priority: Priority,
+        body: m.BetweenInstances | None = None,
+        kv: tuple[str, wire.Payload] | None = None,
     ) -> int:
         """One frame on a Priority.URGENT or Priority.BACKGROUND connection: a KV layer
         `(rid, blob)` or a body; the payload bytes sent. Across the line each frame goes
@@ -165,7 +168,12 @@ class PeerPool:
             raise
         try:
             conn = await self.get(name, priority, stripe)
-            payload = m.kv_payload(*kv) if kv is not None else m.encode_body(body, conn.version)
+            payload: wire.Payload
+            if kv is not None:
+                msg_type, payload = MsgType.KV_LAYER, m.kv_payload(*kv)
+            else:
+                assert body is not None  # (one or the other, every caller)
+                msg_type, payload = body.TYPE, m.encode_body(body, conn.version)
             placement = await self._placements.of(name, conn)
             size = wire.payload_len(payload)
             if placement is not None and kv is not None and size <= placement.remote.slot_bytes:
@@ -173,7 +181,7 @@ class PeerPool:
             else:
                 if placement is not None:  # whatever follows placed frames follows them on the connection too
                     await placement.flush()
-                conn.post(MsgType.KV_LAYER if kv is not None else body.TYPE, payload)
+                conn.post(msg_type, payload)
             self.frames_sent[(name, priority, stripe)] += kv is not None
         except BaseException:
             self._release(name, priority, stripe)
@@ -220,7 +228,7 @@ class PeerPool:
             while True:
                 frame = await conn.next_frame()
                 try:
-                    body = m.decode(frame)
+                    body = m.between_instances(frame)
                 except m.BadMessage as e:  # a peer's bug, not a reason to drop the connection
                     log.warning("bad reply from %s: %s", name, e)
                     continue

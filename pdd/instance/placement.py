@@ -20,7 +20,6 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import crc32c
 import numpy as np
@@ -101,7 +100,7 @@ class Placement:
                 size, length = self.remote.slot_bytes, payload_len(payload)
                 local = self.local[slot * size : slot * size + length]
                 await asyncio.wrap_future(self.endpoint.write(local, self.remote, slot, length))
-                body: Any = m.KVPlaced(slot, length, n, vouched)
+                body: m.KVPlaced | None = m.KVPlaced(slot, length, n, vouched)
             except ConnectionError as e:
                 log.warning("the transfer engine failed (%s): this KV frame goes over the connection", e)
                 self.slots.give(slot)
@@ -177,7 +176,7 @@ class Placements:
             log.info("KV to %s goes through the transfer engine (%s)", name, endpoint.protocol)
         return placement
 
-    def answer(self, conn: FramedConnection, body: Any) -> bool:
+    def answer(self, conn: FramedConnection, body: m.BetweenInstances) -> bool:
         """Take the transfer engine's replies on `conn`; whether `body` was one."""
         if isinstance(body, m.KVRegion):
             fut = self._asked.get(conn)
@@ -220,12 +219,12 @@ class Regions:
         """A frame of a peer's connection as the role should see it: KV_REGION_ASK is
         answered here (None), KV_PLACED becomes the KV_LAYER frame it stands for."""
         if frame.type == MsgType.KV_REGION_ASK:
-            m.decode(frame)
+            m.decode_as(frame, m.KVRegionAsk)
             await m.send(conn, self._offer(conn))
             return None
         if frame.type != MsgType.KV_PLACED:
             return frame
-        placed = m.decode(frame)
+        placed = m.decode_as(frame, m.KVPlaced)
         region = self._by_conn.get(conn)
         if region is None:
             raise m.BadMessage("KV_PLACED on a connection that has no region")

@@ -17,11 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, assert_never
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
-from pdd.instance.host import Host, report_failure
+from pdd.instance.host import Host, not_taken, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.prefill_kv import KVSenders, PrefillJob, answer, loaded, reservation
 from pdd.kv.layer_stream import LayerStream
@@ -62,23 +62,23 @@ class PrefillRole:
         return self.lines[dc]
 
     # ---- from routers --------------------------------------------------------------------
-    async def on_router(self, router_id: str, body: Any) -> None:
-        if isinstance(body, m.Submit):
-            if body.rid in self.host.aborted or body.rid in self.jobs:
-                return
-            job = self.jobs[body.rid] = PrefillJob(body, router_id)
-            self.host.took()
-            job.task = self.host.spawn(self._run(job))
-        elif isinstance(body, m.Abort):
-            self.host.aborted.add(body.rid)
-            running = self.jobs.get(body.rid)
-            if running is not None and running.task is not None:
-                running.task.cancel()
-        else:
-            self.host.to_router(
-                router_id,
-                m.Error(f"a prefill instance does not take {type(body).__name__}", getattr(body, "rid", None)),
-            )
+    async def on_router(self, router_id: str, body: m.FromRouter) -> None:
+        match body:
+            case m.Submit():
+                if body.rid in self.host.aborted or body.rid in self.jobs:
+                    return
+                job = self.jobs[body.rid] = PrefillJob(body, router_id)
+                self.host.took()
+                job.task = self.host.spawn(self._run(job))
+            case m.Abort():
+                self.host.aborted.add(body.rid)
+                running = self.jobs.get(body.rid)
+                if running is not None and running.task is not None:
+                    running.task.cancel()
+            case m.Handoff() | m.CacheUpdate() | m.Member() | m.Drain():
+                not_taken(self.host, router_id, body)
+            case _:
+                assert_never(body)
 
     async def on_peer(self, conn, name, frame) -> None:
         await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
@@ -108,7 +108,7 @@ class PrefillRole:
                 job.task.cancel()
 
     # ---- from decode-side instances ------------------------------------------------------
-    async def _on_reply(self, peer: str, body: Any) -> None:
+    async def _on_reply(self, peer: str, body: m.BetweenInstances) -> None:
         rid = getattr(body, "rid", None)
         if isinstance(body, m.KVAck):
             self._line(peer).acked((body.rid, peer), body.token_end, body.done, time.monotonic())
@@ -169,7 +169,7 @@ class PrefillRole:
             self.jobs.pop(job.rid, None)
             await self.engine.release(job.rid)
 
-    async def _tell(self, peer: str, body: Any) -> None:
+    async def _tell(self, peer: str, body: m.BetweenInstances) -> None:
         try:
             await self.peers.send(peer, body)
         except (TimeoutError, OSError, wire.FrameError) as e:

@@ -16,12 +16,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, assert_never
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.engine_port import OutOfPages, OutputStream
-from pdd.instance.host import Host, report_failure, tokens_of
+from pdd.instance.host import Host, not_taken, report_failure, tokens_of
 from pdd.instance.reservations import ReservationLine
 from pdd.kv import codec
 from pdd.kv.reassembly import Reassembly
@@ -91,7 +91,7 @@ class DecodeSide(Generic[J]):
                 if header.rid not in self.host.aborted:  # (KV still on the line when it was aborted)
                     await self._on_layer(conn, self._job(header.rid, name), codec.decode(blob))
             else:
-                await self.on_peer_body(conn, name, m.decode(frame))
+                await self.on_peer_body(conn, name, m.between_instances(frame))
         except Exception as e:  # one bad request must not end the connection's others
             rid = m.rid_of(frame)
             log.warning("request %s from %s failed: %s: %s", rid, name, type(e).__name__, e)
@@ -118,56 +118,66 @@ class DecodeSide(Generic[J]):
             return f"{self.host.spec.name} holds {self.held()} requests, its limit"
         return None
 
-    async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
-        if isinstance(body, m.Reserve):
-            if body.rid in self.host.aborted:
-                return
-            refusal = self.refusal(body)
-            if refusal:
-                await self.host.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
-                return
-            job = self.jobs[body.rid] = self.job_type(body, name, conn)
-            self.host.took()
-            self.host.spawn(self._reserve(job))
-        elif isinstance(body, m.KVDone):
-            if body.rid in self.host.aborted:  # confirm it anyway: P counts it off the line
-                await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
-                return
-            job = self._job(body.rid, name)
-            await job.kv_in.wait()  # KV_DONE may overtake KV on another connection
-            if job.importing is not None:
-                await job.importing
-            if job.ended:
-                return
-            job.loaded, job.first_token, job.first_logprob = True, body.first_token, body.first_logprob
-            job.prompt_logprobs = body.prompt_logprobs
-            await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
-            if body.emit:
-                job.output = [body.first_token]
-                await self.run(job, emit_from=0)
-            else:
-                await self.on_loaded(job)
-        elif isinstance(body, m.Abort):  # P drops what it reserved or sent, for nothing
-            self.host.aborted.add(body.rid)
-            dropped = self.jobs.get(body.rid)
-            if dropped is not None:
-                await self.end(dropped)
-        else:
-            raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
+    async def on_peer_body(self, conn: FramedConnection, name: str, body: m.BetweenInstances) -> None:
+        match body:
+            case m.Reserve():
+                await self._on_reserve(conn, name, body)
+            case m.KVDone():
+                await self._on_kv_done(conn, name, body)
+            case m.Abort():  # P drops what it reserved or sent, for nothing
+                self.host.aborted.add(body.rid)
+                dropped = self.jobs.get(body.rid)
+                if dropped is not None:
+                    await self.end(dropped)
+            case (
+                m.ReserveAck() | m.KVAck() | m.Ready() | m.Handoff() | m.HandoffAck() | m.Error() | m.KVRegionAsk()
+                | m.KVRegion() | m.KVPlaced() | m.KVSlotFree()
+            ):  # fmt: skip
+                raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
+            case _:
+                assert_never(body)
 
-    async def on_router(self, router_id: str, body: Any) -> None:
-        if isinstance(body, m.Abort):
-            self.host.aborted.add(body.rid)
-            job = self.jobs.get(body.rid)
-            if job is not None:
-                await self.end(job)
+    async def _on_reserve(self, conn: FramedConnection, name: str, body: m.Reserve) -> None:
+        if body.rid in self.host.aborted:
+            return
+        refusal = self.refusal(body)
+        if refusal:
+            await self.host.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
+            return
+        job = self.jobs[body.rid] = self.job_type(body, name, conn)
+        self.host.took()
+        self.host.spawn(self._reserve(job))
+
+    async def _on_kv_done(self, conn: FramedConnection, name: str, body: m.KVDone) -> None:
+        if body.rid in self.host.aborted:  # confirm it anyway: P counts it off the line
+            await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
+            return
+        job = self._job(body.rid, name)
+        await job.kv_in.wait()  # KV_DONE may overtake KV on another connection
+        if job.importing is not None:
+            await job.importing
+        if job.ended:
+            return
+        job.loaded, job.first_token, job.first_logprob = True, body.first_token, body.first_logprob
+        job.prompt_logprobs = body.prompt_logprobs
+        await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
+        if body.emit:
+            job.output = [body.first_token]
+            await self.run(job, emit_from=0)
         else:
-            self.host.to_router(
-                router_id,
-                m.Error(
-                    f"{type(body).__name__} is not for a {self.host.spec.role} instance", getattr(body, "rid", None)
-                ),
-            )
+            await self.on_loaded(job)
+
+    async def on_router(self, router_id: str, body: m.FromRouter) -> None:
+        match body:
+            case m.Abort():
+                self.host.aborted.add(body.rid)
+                job = self.jobs.get(body.rid)
+                if job is not None:
+                    await self.end(job)
+            case m.Submit() | m.Handoff() | m.CacheUpdate() | m.Member() | m.Drain():
+                not_taken(self.host, router_id, body)
+            case _:
+                assert_never(body)
 
     def _job(self, rid: str, peer: str) -> J:
         job = self.jobs.get(rid)

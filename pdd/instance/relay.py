@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdd.engine_port import RequestError
 from pdd.instance.host import Host, report_failure
@@ -66,7 +65,7 @@ class RelayRole(DecodeSide[RelayJob]):
     def close(self) -> None:
         self.peers.close()
 
-    async def on_peer_body(self, conn: FramedConnection, name: str, body: Any) -> None:
+    async def on_peer_body(self, conn: FramedConnection, name: str, body: m.BetweenInstances) -> None:
         if isinstance(body, m.Ready):
             job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
             if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
@@ -105,7 +104,7 @@ class RelayRole(DecodeSide[RelayJob]):
             job.handoff.cancel()  # it ended here (finished, aborted): nothing to hand over
 
     # ---- replies from MD -------------------------------------------------------------------
-    async def _on_reply(self, main: str, body: Any) -> None:
+    async def _on_reply(self, main: str, body: m.BetweenInstances) -> None:
         job = self.jobs.get(getattr(body, "rid", None) or "")
         if not isinstance(job, RelayJob):
             return

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import assert_never
 
-from pdd.instance.host import Host, report_failure, tokens_of
+from pdd.instance.host import Host, not_taken, report_failure, tokens_of
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection
@@ -16,20 +16,20 @@ class StandaloneRole:
         self.host = host
         self.jobs: dict[str, tuple[str, asyncio.Task]] = {}  # rid -> (router id, its task)
 
-    async def on_router(self, router_id: str, body: Any) -> None:
-        if isinstance(body, m.Submit):
-            if body.rid not in self.host.aborted and body.rid not in self.jobs:
-                self.jobs[body.rid] = (router_id, self.host.spawn(self._run(router_id, body)))
-                self.host.took()
-        elif isinstance(body, m.Abort):
-            self.host.aborted.add(body.rid)
-            if body.rid in self.jobs:
-                self.host.engine.abort(body.rid)
-        else:
-            self.host.to_router(
-                router_id,
-                m.Error(f"a standalone instance does not take {type(body).__name__}", getattr(body, "rid", None)),
-            )
+    async def on_router(self, router_id: str, body: m.FromRouter) -> None:
+        match body:
+            case m.Submit():
+                if body.rid not in self.host.aborted and body.rid not in self.jobs:
+                    self.jobs[body.rid] = (router_id, self.host.spawn(self._run(router_id, body)))
+                    self.host.took()
+            case m.Abort():
+                self.host.aborted.add(body.rid)
+                if body.rid in self.jobs:
+                    self.host.engine.abort(body.rid)
+            case m.Handoff() | m.CacheUpdate() | m.Member() | m.Drain():
+                not_taken(self.host, router_id, body)
+            case _:
+                assert_never(body)
 
     async def _run(self, router_id: str, s: m.Submit) -> None:
         try:

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, assert_never
 
 from prometheus_client import CollectorRegistry
 
@@ -177,37 +177,50 @@ class RouterBackend:
     def _cached(request: RouterRequest) -> int:
         return request.chosen.p_hit if request.chosen else request.cached
 
-    async def _handle(self, request: RouterRequest, q: asyncio.Queue, source: str, body: Any) -> list[int]:
+    async def _handle(self, request: RouterRequest, q: asyncio.Queue, source: str, body: m.ForRequest) -> list[int]:
         """Apply one body to the request; the tokens it made deliverable."""
-        if isinstance(body, m.Tokens):
-            request.cached = body.cached_tokens
-            if body.stall_ms is not None:
-                request.stall_ms = body.stall_ms
-            self.pacer.observe(request, source)
-            return request.merger.add(
-                source, body.pos, body.tokens, body.finish_reason, body.logprobs, body.prompt_logprobs
-            )
-        if isinstance(body, (m.Progress, m.PipelineChosen)) and not request.merger.delivered:
-            request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
-        if isinstance(body, m.PipelineChosen):
-            request.chosen = body
-            if request.plan.main and body.pipeline != Pipeline.P_RLD:
-                self.metrics.observe_drift(request.plan.predicted_hit, body.d_hit)
-            if body.pipeline == Pipeline.P_MD:
-                request.relay_done = True
-            elif body.pipeline == Pipeline.P_RLD:
-                request.main_done = True
-            if body.fallback:
-                self._fell_back(request, body.fallback)
-        elif isinstance(body, m.Result):
-            request.result = body
-        elif isinstance(body, m.HandedOff):
-            request.handed_off, request.relay_done = body, True
-            if request.main_done:
-                raise BackendError(LOST_AFTER_HANDOFF, 503)
-        elif isinstance(body, m.Error):
-            await self._on_error(request, q, source, body)
+        match body:
+            case m.Tokens():
+                request.cached = body.cached_tokens
+                if body.stall_ms is not None:
+                    request.stall_ms = body.stall_ms
+                self.pacer.observe(request, source)
+                return request.merger.add(
+                    source, body.pos, body.tokens, body.finish_reason, body.logprobs, body.prompt_logprobs
+                )
+            case m.Progress():
+                self._progressed(request)
+            case m.PipelineChosen():
+                self._progressed(request)
+                self._chosen(request, body)
+            case m.Result():
+                request.result = body
+            case m.HandedOff():
+                request.handed_off, request.relay_done = body, True
+                if request.main_done:
+                    raise BackendError(LOST_AFTER_HANDOFF, 503)
+            case m.Error():
+                await self._on_error(request, q, source, body)
+            case _:
+                assert_never(body)
         return []
+
+    @staticmethod
+    def _progressed(request: RouterRequest) -> None:
+        if not request.merger.delivered:
+            request.last_progress = time.monotonic()  # slow, not stuck: its first-token timeout starts again
+
+    def _chosen(self, request: RouterRequest, body: m.PipelineChosen) -> None:
+        """P chose the request's pipeline (and said what it found at MD)."""
+        request.chosen = body
+        if request.plan.main and body.pipeline != Pipeline.P_RLD:
+            self.metrics.observe_drift(request.plan.predicted_hit, body.d_hit)
+        if body.pipeline == Pipeline.P_MD:
+            request.relay_done = True
+        elif body.pipeline == Pipeline.P_RLD:
+            request.main_done = True
+        if body.fallback:
+            self._fell_back(request, body.fallback)
 
     def _role_of(self, name: str) -> str:
         """An instance's role ("" once it has left the deployment)."""

@@ -16,7 +16,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import assert_never
 
 import pdd
 from pdd.config import InstanceSpec, LivenessSpec
@@ -107,7 +107,7 @@ class InstanceClient:
     def unregister(self, rid: str) -> None:
         self._queues.pop(rid, None)
 
-    async def send(self, body: Any) -> None:
+    async def send(self, body: m.FromRouter) -> None:
         conn = self.conn
         if conn is None or conn.closed:  # not `healthy`
             raise InstanceDown(f"instance {self.name} is not connected")
@@ -169,31 +169,36 @@ class InstanceClient:
     async def _read(self, conn: FramedConnection) -> None:
         resync_asked = False
         while True:
-            body = m.decode(await conn.next_frame())
-            if isinstance(body, m.CacheUpdate):
-                if body.kind == "snapshot":
-                    resync_asked = False
-                    self._ready.set()
-                if not self.on_cache_update(body) and not resync_asked:  # one request per gap
-                    resync_asked = True
-                    await m.send(conn, m.CacheUpdate("snapshot_request"))
-                continue
-            if isinstance(body, m.Member):
-                if self._on_member is not None:
-                    self._on_member(body)
-                continue
-            if isinstance(body, m.Drain):  # the instance drains, shuts down or lost its engine
-                if not self.refusing:
-                    log.info("instance %s takes no new work: planning around it", self.name)
-                self.refusing = True
-                continue
-            if isinstance(body, (m.Result, m.Error)):
-                self.kv_open.discard(getattr(body, "rid", None) or "")
-            if isinstance(body, m.Result) and self._on_result is not None:
-                self._on_result(body)
-            q = self._queues.get(getattr(body, "rid", None) or "")
-            if q is not None:
-                q.put_nowait((self.name, body))
+            body = m.to_router(await conn.next_frame())
+            match body:
+                case m.CacheUpdate():
+                    if body.kind == "snapshot":
+                        resync_asked = False
+                        self._ready.set()
+                    if not self.on_cache_update(body) and not resync_asked:  # one request per gap
+                        resync_asked = True
+                        await m.send(conn, m.CacheUpdate("snapshot_request"))
+                case m.Member():
+                    if self._on_member is not None:
+                        self._on_member(body)
+                case m.Drain():  # the instance drains, shuts down or lost its engine
+                    if not self.refusing:
+                        log.info("instance %s takes no new work: planning around it", self.name)
+                    self.refusing = True
+                case m.Tokens() | m.PipelineChosen() | m.Result() | m.HandedOff() | m.Progress() | m.Error():
+                    self._for_request(body)
+                case _:
+                    assert_never(body)
+
+    def _for_request(self, body: m.ForRequest) -> None:
+        """A body to its request's queue (none: the request is over)."""
+        if isinstance(body, (m.Result, m.Error)):
+            self.kv_open.discard(body.rid or "")
+        if isinstance(body, m.Result) and self._on_result is not None:
+            self._on_result(body)
+        q = self._queues.get(body.rid or "")
+        if q is not None:
+            q.put_nowait((self.name, body))
 
     def on_cache_update(self, body: m.CacheUpdate) -> bool:
         """Apply an instance's cache event (a snapshot also says the pages and context its

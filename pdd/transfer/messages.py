@@ -1,34 +1,62 @@
-"""The body of every control frame: one struct per message type, checked on arrival.
+"""Control frames' bodies off and onto the wire, checked on arrival.
 
 Frames are authenticated, but a peer can still be buggy or of another version, so
 `decode` checks every field against its declared type (and bounds) here, in one place:
-a bad body becomes a `BadMessage` the receiver answers, never a crash deeper in. The
-router, the instances and the tests all speak through these classes; nobody reads or
-writes a raw JSON dict for a control frame.
+a bad body becomes a `BadMessage` the receiver answers, never a crash deeper in; a body
+on a connection that does not carry it (`from_router`, `from_instance`) is one too. The
+router, the instances and the tests all speak through the classes of
+`pdd.transfer.bodies`, read through this module (`m.Submit`); nobody reads or writes a
+raw JSON dict for a control frame.
 
-The classes are `msgspec.Struct`s: msgspec decodes JSON straight into them and checks
-types, bounds, choices and unknown or missing fields as it goes (see `decode` for the
-measurement that chose it over pydantic).
-
-Versions: a field added in protocol N is named in its class's `SINCE`, with a default.
-Towards a peer that speaks N-1 it is left out (`to_dict`, `send`); from such a peer it
-is refused, as N-1 itself would refuse it (`decode`). A field is never removed or
-retyped within the versions spoken (`wire.OLDEST_PROTOCOL` to `wire.PROTOCOL_VERSION`).
-
-Token positions: a TOKENS frame says the output position of its first token, so the
-router can merge tokens from two producers (a relay and a main decode instance) into
-one ordered stream, whoever produced each position.
+Versions: towards a peer that speaks an older protocol the fields it lacks are left out
+(`to_dict`, `send`); from such a peer they are refused, as it would refuse them itself
+(`decode`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Any, TypeGuard, TypeVar, get_args
 
 import msgspec
-from msgspec import Meta
 
-from pdd.names import PDD_PIPELINES, Fallback, HandoffMode, Pipeline, RoleName
-from pdd.sampling import Logprob, SamplingParams
+from pdd.transfer.bodies import (
+    MAX_DICT,
+    MAX_NAME,
+    MAX_TEXT,
+    MAX_TOKENS,
+    ROLES_ON_WIRE,
+    Abort,
+    BadMessage,
+    BetweenInstances,
+    Body,
+    CacheUpdate,
+    Drain,
+    Error,
+    ForRequest,
+    FromRouter,
+    HandedOff,
+    Handoff,
+    HandoffAck,
+    Hello,
+    KVAck,
+    KVDone,
+    KVLayer,
+    KVPlaced,
+    KVRegion,
+    KVRegionAsk,
+    KVSlotFree,
+    Member,
+    Message,
+    PipelineChosen,
+    Progress,
+    Ready,
+    Reserve,
+    ReserveAck,
+    Result,
+    Submit,
+    Tokens,
+    ToRouter,
+)
 from pdd.transfer.wire import (
     MAX_JSON_BYTES,
     PROTOCOL_VERSION,
@@ -43,332 +71,60 @@ from pdd.transfer.wire import (
     with_header,
 )
 
-MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
-MAX_TEXT = 4096
-MAX_NAME = 128
-MAX_DICT = 64  # entries of a string table in one body (a member's addresses, one per datacenter)
-INT64_MAX = (1 << 63) - 1
+# the bodies (`pdd.transfer.bodies`) are read through this module, as `m.Submit`
+__all__ = [
+    "Abort",
+    "BadMessage",
+    "BadPayload",
+    "between_instances",
+    "BetweenInstances",
+    "Body",
+    "CacheUpdate",
+    "decode",
+    "decode_as",
+    "decode_kv",
+    "Drain",
+    "encode_body",
+    "Error",
+    "from_dict",
+    "from_router",
+    "ForRequest",
+    "FromRouter",
+    "HandedOff",
+    "Handoff",
+    "HandoffAck",
+    "Hello",
+    "kv_payload",
+    "KVAck",
+    "KVDone",
+    "KVLayer",
+    "KVPlaced",
+    "KVRegion",
+    "KVRegionAsk",
+    "KVSlotFree",
+    "MAX_DICT",
+    "MAX_NAME",
+    "MAX_TEXT",
+    "MAX_TOKENS",
+    "Member",
+    "Message",
+    "MsgType",
+    "PipelineChosen",
+    "Progress",
+    "Ready",
+    "Reserve",
+    "ReserveAck",
+    "Result",
+    "rid_of",
+    "ROLES_ON_WIRE",
+    "send",
+    "Submit",
+    "to_dict",
+    "to_router",
+    "Tokens",
+    "ToRouter",
+]
 
-ROLES_ON_WIRE = ("router", *RoleName)
-
-# Field types. JSON's own limits do the rest: msgspec refuses NaN, 1e400 (no float holds
-# it) and lone surrogates ("\ud800", which no frame could carry back out) as malformed.
-Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # positions, lengths, token ids, ports: what an int64 tensor holds
-Hash = Annotated[int, Meta(ge=0)]  # a 64-bit block hash; msgspec bounds stop at int64, so `CacheUpdate` checks < 2**64
-Name = Annotated[str, Meta(max_length=MAX_NAME)]
-Rid = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT)]
-TokenIds = Annotated[list[Count], Meta(max_length=MAX_TOKENS)]
-# each prompt token's (the first's None), bounded further by `MAX_PROMPT_LOGPROB_ENTRIES`
-PromptLogprobs = Annotated[list[Logprob | None], Meta(max_length=MAX_TOKENS)]
-
-
-class BadMessage(ValueError):
-    pass
-
-
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What every body is: immutable, and refused whole if it has a field too many or too few.
-
-    msgspec passes both options on to subclasses; each body says `frozen=True` again for the
-    type checker, which reads every class statement as a dataclass of its own."""
-
-    TYPE: ClassVar[MsgType]
-    SINCE: ClassVar[dict[str, int]] = {}  # field -> the protocol version that added it (after the oldest spoken)
-
-
-class Hello(Message, frozen=True):
-    TYPE: ClassVar[MsgType] = MsgType.HELLO
-    SINCE: ClassVar[dict[str, int]] = {"software": 5}
-    role: str
-    name: Name = ""
-    router_id: Name = ""  # a router's identity: instances send its requests' tokens to it alone
-    channel: Name = ""  # an instance's connection: "control" (heartbeats), "urgent" or "background" (KV)
-    software: Name = ""  # the sender's pdd release (`pdd.__version__`), shown per peer while upgrading
-
-    def __post_init__(self) -> None:
-        # a str and a check, not a type: msgspec cannot decode a union of "router" and the RoleName enum
-        if self.role not in ROLES_ON_WIRE:
-            raise ValueError(f"role must be one of {', '.join(ROLES_ON_WIRE)}, not {self.role[:MAX_NAME]!r}")
-
-
-class Submit(Message, frozen=True):
-    """Router -> P (or a standalone instance): run this request on the planned instances."""
-
-    TYPE: ClassVar[MsgType] = MsgType.SUBMIT
-    rid: Rid
-    prompt: TokenIds
-    params: SamplingParams
-    router_id: Name = ""
-    main: Name | None = None  # the main decode instance (P/D modes)
-    relay: Name | None = None  # the relay instance (PDD mode)
-    use_cache: bool = True  # decode side may reuse its cached prefix
-
-
-class Reserve(Message, frozen=True):
-    """P -> a decode-side instance: lock the cached prefix of this prompt, take pages for the rest."""
-
-    TYPE: ClassVar[MsgType] = MsgType.RESERVE
-    rid: Rid
-    prompt: TokenIds
-    params: SamplingParams
-    router_id: Name = ""
-    use_cache: bool = True
-    main: Name | None = None  # to a relay: the main decode instance it hands off to
-
-
-class ReserveAck(Message, frozen=True):
-    TYPE: ClassVar[MsgType] = MsgType.RESERVE_ACK
-    rid: Rid
-    hit: Count = 0  # tokens of the prompt already held (the authoritative decode-side hit)
-    error: Text | None = None
-    busy: bool = False  # with `error`: a relay too loaded to take an optional request (not a failure)
-
-
-class KVLayer(Message, frozen=True):
-    """The JSON header of a KV_LAYER frame; the encoded KV blob follows it."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_LAYER
-    rid: Rid
-
-
-class KVAck(Message, frozen=True):
-    """Decode side -> P: KV imported up to `token_end`; `done` once KV_DONE is in."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_ACK
-    rid: Rid
-    token_end: Count
-    done: bool = False
-
-
-class KVDone(Message, frozen=True):
-    """P -> decode side: all KV is sent. With `emit`, start decoding and stream from
-    position 0 (P's first token); without, wait for a handoff."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_DONE
-    SINCE: ClassVar[dict[str, int]] = {"first_logprob": 6, "prompt_logprobs": 7}
-    rid: Rid
-    first_token: Count
-    emit: bool = True
-    first_logprob: Logprob | None = None  # the first token's, where the request asks for logprobs
-    prompt_logprobs: PromptLogprobs | None = None  # P's, where asked: for the emitter of position 0
-
-
-class Ready(Message, frozen=True):
-    """P -> relay: the main decode instance holds the prompt's KV; hand off."""
-
-    TYPE: ClassVar[MsgType] = MsgType.READY
-    rid: Rid
-
-
-class Tokens(Message, frozen=True):
-    """Produced tokens for output positions [pos, pos + len(tokens))."""
-
-    TYPE: ClassVar[MsgType] = MsgType.TOKENS
-    SINCE: ClassVar[dict[str, int]] = {"logprobs": 6, "prompt_logprobs": 7}
-    rid: Rid
-    pos: Count
-    tokens: TokenIds
-    finish_reason: Text | None = None
-    cached_tokens: Count = 0
-    stall_ms: float | None = None  # the first token after a handoff: the main instance's extend stall
-    logprobs: list[Logprob] | None = None  # each token's, where the request asks (as many as `tokens`)
-    prompt_logprobs: PromptLogprobs | None = None  # with position 0, where asked: P's (`KVDone`)
-
-
-class PipelineChosen(Message, frozen=True):
-    """P -> router: the pipeline P chose from the reserved hit, and the hits."""
-
-    TYPE: ClassVar[MsgType] = MsgType.PIPELINE
-    rid: Rid
-    pipeline: Pipeline
-    p_hit: Count = 0
-    d_hit: Count = 0
-    predicted_ms: float | None = None  # when the decode-side delta was predicted to reach MD
-    fallback: Fallback | None = None  # why P ran a pipeline other than the plan (e.g. MD refused)
-
-    def __post_init__(self) -> None:
-        if self.pipeline not in PDD_PIPELINES:
-            raise ValueError(f"pipeline must be one of {', '.join(PDD_PIPELINES)}, not {self.pipeline!r}")
-
-
-class Result(Message, frozen=True):
-    """P -> router: KV transfers are over (or given up)."""
-
-    TYPE: ClassVar[MsgType] = MsgType.RESULT
-    rid: Rid
-    kv_bytes: Count = 0
-    wan_bytes: Count = 0
-    d_hit: Count | None = None  # MD's reserved hit, when it answered after the pipeline was chosen
-
-
-class Handoff(Message, frozen=True):
-    """Relay (or router) -> main: output tokens [start, start + len(tokens)).
-
-    Not final: a catch-up chunk to compute in the shadow. Final: compute the rest and
-    take over; the router already has positions below `emit_from`, so the main
-    instance streams every position from there on. Fill: the relay finished the
-    request itself; compute the tokens in the shadow and keep prompt and output in
-    the prefix cache, so the session's next turn finds them.
-    """
-
-    TYPE: ClassVar[MsgType] = MsgType.HANDOFF
-    rid: Rid
-    start: Count
-    tokens: TokenIds
-    final: bool
-    emit_from: Count = 0
-    step_cap: Count = 0  # catch-up and fill: most handed-over tokens computed in one step (0: all)
-    fill: bool = False
-
-
-class HandoffAck(Message, frozen=True):
-    """Main -> relay: it computed output positions below `computed`."""
-
-    TYPE: ClassVar[MsgType] = MsgType.HANDOFF_ACK
-    rid: Rid
-    computed: Count
-
-
-class HandedOff(Message, frozen=True):
-    """Relay -> router: it stopped; the main instance produces from `upto` on."""
-
-    TYPE: ClassVar[MsgType] = MsgType.HANDED_OFF
-    rid: Rid
-    mode: HandoffMode
-    upto: Count
-    chunks: Count = 1
-
-
-class Progress(Message, frozen=True):
-    """Instance -> router: the request moved forward without a token (its KV is
-    crossing the line, or the line of reservations ahead of it moved), so the router's
-    no-progress timeouts do not take a slow request for a stuck one."""
-
-    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
-    rid: Rid
-    what: Literal["", "kv", "queued"] = ""  # "kv": KV acknowledged; "queued": waiting for pages, the line moved
-
-
-class Abort(Message, frozen=True):
-    TYPE: ClassVar[MsgType] = MsgType.ABORT
-    rid: Rid
-
-
-class Member(Message, frozen=True):
-    """Router -> every instance: where a member of the deployment is, so P and the
-    relays can reach a decode instance that joined after their config was written.
-    (Departures need no frame: the router plans no work onto a member that left.)"""
-
-    TYPE: ClassVar[MsgType] = MsgType.MEMBER
-    name: Name
-    role: RoleName
-    dc: Name
-    host: Name
-    kv_port: Count
-    # datacenter -> "HOST:PORT" (`InstanceSpec`)
-    advertise: Annotated[dict[Name, Name], Meta(max_length=MAX_DICT)] = msgspec.field(default_factory=dict)
-
-
-class Drain(Message, frozen=True):
-    """Router -> instance: the router sends it no new work; finish, then exit."""
-
-    TYPE: ClassVar[MsgType] = MsgType.DRAIN
-
-
-class Error(Message, frozen=True):
-    TYPE: ClassVar[MsgType] = MsgType.ERROR
-    message: Text
-    rid: Rid | None = None
-    lost: bool = False  # the instance (or the link to it) is gone, not the request's fault
-    busy: bool = False  # the instance holds all the requests it may: try again later
-
-
-class CacheUpdate(Message, frozen=True):
-    """An instance's radix cache changed (stored / removed / snapshot); a router asks
-    for a fresh snapshot with kind "snapshot_request"."""
-
-    TYPE: ClassVar[MsgType] = MsgType.CACHE_EVENT
-    kind: Literal["stored", "removed", "snapshot", "snapshot_request"]
-    seq: Count = 0
-    hashes: Annotated[list[Hash], Meta(max_length=MAX_TOKENS)] = msgspec.field(default_factory=list)
-    page_size: Count = 0
-    # a snapshot's: the instance's KV pages and the context one request may hold, as its
-    # engine sized them (vLLM sizes itself: the router plans with these, not the config's)
-    pages: Count = 0
-    max_context: Count = 0
-
-    def __post_init__(self) -> None:
-        if self.hashes and max(self.hashes) >> 64:
-            raise ValueError("hashes must be below 2**64")
-
-
-class KVRegionAsk(Message, frozen=True):
-    """P -> a decode-side instance of its own datacenter, on a KV connection: a region of
-    the transfer engine `engine` for this connection's KV (`pdd.transfer.mooncake`)."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_REGION_ASK
-    engine: Literal["mooncake"]
-
-
-class KVRegion(Message, frozen=True):
-    """The answer to KV_REGION_ASK: where the sender may write (`session`, a registered
-    `address` of `slots` slots of `slot_bytes`), or `error` (KV then stays on the connection)."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_REGION
-    session: Name = ""
-    address: Count = 0
-    slot_bytes: Count = 0
-    slots: Annotated[int, Meta(ge=0, le=1024)] = 0
-    error: Text = ""
-
-
-class KVPlaced(Message, frozen=True):
-    """P -> decode side: a KV_LAYER frame's payload (its KVLayer header and blob) is in
-    slot `slot` of this connection's region, `nbytes` long, the `n`th placed on it; `tag`
-    (hex) is what the receiver checks its copy of the bytes against before it reads them:
-    their GMAC under a key of the connection's session (a CRC32C on a connection without
-    a key, whose frames are not authenticated either)."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_PLACED
-    slot: Annotated[int, Meta(ge=0, lt=1024)]
-    nbytes: Count
-    n: Count
-    tag: Annotated[str, Meta(pattern="^[0-9a-f]{8,32}$")]
-
-
-class KVSlotFree(Message, frozen=True):
-    """Decode side -> P: the bytes of slot `slot` are read; it may be written again."""
-
-    TYPE: ClassVar[MsgType] = MsgType.KV_SLOT_FREE
-    slot: Annotated[int, Meta(ge=0, lt=1024)]
-
-
-Body = (
-    Hello
-    | Submit
-    | Reserve
-    | ReserveAck
-    | KVAck
-    | KVDone
-    | Ready
-    | Tokens
-    | PipelineChosen
-    | Result
-    | Handoff
-    | HandoffAck
-    | HandedOff
-    | Progress
-    | Abort
-    | Error
-    | CacheUpdate
-    | Member
-    | Drain
-    | KVRegionAsk
-    | KVRegion
-    | KVPlaced
-    | KVSlotFree
-)
 # One decoder per type, built once. Measured (issue 13) decoding a TOKENS body of one token,
 # one of 4,096 tokens, and a KV_LAYER header in front of a 2 MiB blob, in us per decode
 # (best of 7 runs): the hand-written checker this replaced 13.5 / 534 / 11.3, pydantic
@@ -432,11 +188,61 @@ def to_dict(body: Message, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
     return out
 
 
-def decode(frame: Frame) -> Any:
+def decode(frame: Frame) -> Body:
     """The typed body of a control frame (not KV_LAYER, which `decode_kv` reads)."""
     if frame.type not in _DECODERS or frame.type == MsgType.KV_LAYER:
         raise BadMessage(f"{frame.type.name} frames have no JSON body")
-    return _of_version(_decode(frame.type, frame.payload), frame.version)
+    body: Body = _of_version(_decode(frame.type, frame.payload), frame.version)
+    return body
+
+
+B = TypeVar("B", bound=Message)
+_FROM_ROUTER, _TO_ROUTER, _BETWEEN = (get_args(u) for u in (FromRouter, ToRouter, BetweenInstances))
+
+
+def _is_from_router(body: Body) -> TypeGuard[FromRouter]:
+    return isinstance(body, _FROM_ROUTER)
+
+
+def _is_to_router(body: Body) -> TypeGuard[ToRouter]:
+    return isinstance(body, _TO_ROUTER)
+
+
+def _is_between(body: Body) -> TypeGuard[BetweenInstances]:
+    return isinstance(body, _BETWEEN)
+
+
+def decode_as(frame: Frame, cls: type[B]) -> B:
+    """A body that must be a `cls` (where the exchange says what comes next); any other
+    is a `BadMessage`."""
+    body = decode(frame)
+    if not isinstance(body, cls):
+        raise BadMessage(f"{frame.type.name} where {cls.TYPE.name} was due")
+    return body
+
+
+def from_router(frame: Frame) -> FromRouter:
+    """A body an instance reads from a router; any other is a `BadMessage`."""
+    body = decode(frame)
+    if not _is_from_router(body):
+        raise BadMessage(f"{frame.type.name} does not come from a router")
+    return body
+
+
+def to_router(frame: Frame) -> ToRouter:
+    """A body a router reads from an instance; any other is a `BadMessage`."""
+    body = decode(frame)
+    if not _is_to_router(body):
+        raise BadMessage(f"{frame.type.name} is not for a router")
+    return body
+
+
+def between_instances(frame: Frame) -> BetweenInstances:
+    """A body one instance reads from another; any other is a `BadMessage`."""
+    body = decode(frame)
+    if not _is_between(body):
+        raise BadMessage(f"{frame.type.name} does not pass between instances")
+    return body
 
 
 def decode_kv(frame: Frame) -> tuple[KVLayer, memoryview]:
