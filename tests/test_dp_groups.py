@@ -1,4 +1,4 @@
-"""Data-parallel groups on the config side (`pdd.groups`): an `[[instances]]` entry with
+"""Data-parallel groups on the config side (`pdd.config.groups`): an `[[instances]]` entry with
 `[engine.vllm] data_parallel_size = N` is N members, each rank with its own ports, its
 GPUs, the group's address and RPC port; bad values are refused in one line naming the
 key; the router counts a group's ranks as a unit (stats, drain, join); and the vLLM
@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from pdd import config as cfg
-from pdd import groups
+from pdd.config import groups
 from pdd.lab.deploy import resolve
 
 MD0 = {"name": "md0", "role": "main", "dc": "B", "host": "10.0.0.5", "port": 9000, "kv_port": 9100,

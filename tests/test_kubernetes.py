@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from pdd import config as cfg
-from pdd import groups
+from pdd.config import groups
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "deploy" / "kubernetes"

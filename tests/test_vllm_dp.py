@@ -1,7 +1,7 @@
 """A data-parallel group as pdd members: `pdd up --mode pdd --engine vllm` with MD as a DP 2
 group of the dense tiny model (`[engine.vllm] data_parallel_size = 2` on one
 `[[instances]]` entry), each rank an instance process of its own around one vLLM engine
-(`pdd.groups`). Greedy output equals a plain `vllm serve --data-parallel-size 2` on the
+(`pdd.config.groups`). Greedy output equals a plain `vllm serve --data-parallel-size 2` on the
 same weights through P -> RLD -> MD and P -> MD; the router shows the ranks under their
 group and plans requests onto both; a session's second turn goes to the rank that holds
 its first turn's KV and moves only what that rank lacks. One deployment for all."""

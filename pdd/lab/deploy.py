@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO
 
 from pdd import config as cfg
-from pdd import groups
 from pdd.addresses import parse_addr
+from pdd.config import groups
 from pdd.engine_port import devices, engine_names
 from pdd.errors import Mistake
 from pdd.lab.launch import (  # (the lab's other tools import these from here too)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pdd import groups
-from pdd.config import ROLES, Deployment, InstanceSpec
+from pdd.config import ROLES, Deployment, InstanceSpec, groups
 from pdd.names import RoleName
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.tasks import Tasks
@@ -120,7 +119,7 @@ class Membership:
 
     def group_of(self, name: str) -> list[InstanceClient]:
         """The members `name` names: that instance, or every rank of that data-parallel
-        group (`pdd.groups`), which join and leave whole."""
+        group (`pdd.config.groups`), which join and leave whole."""
         if name in self.clients:
             return [self.clients[name]]
         ranks = [c for c in self.clients.values() if c.spec.group == name]

@@ -162,7 +162,7 @@ def independent_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
     nothing to step in lockstep with the group's others (vLLM's engine core treats a dense
     model's ranks "like DP=1", and its engine arguments refuse a dense model a rank of an
     external load-balancing group, saying to launch independent engines instead). A
-    mixture-of-experts rank keeps them all: `pdd.groups`."""
+    mixture-of-experts rank keeps them all: `pdd.config.groups`."""
     return {k: v for k, v in kwargs.items() if k not in DATA_PARALLEL_KEYS}
 
 

@@ -84,7 +84,7 @@ class VllmEngine(Requests):
             # vLLM's config first (its reading of the checkpoint, its platform's changes), checked
             # before any weight loads; then the engine on exactly that config
             args = AsyncEngineArgs(**kwargs)
-            if args.data_parallel_size > 1:  # a rank of a data-parallel group (`pdd.groups`)
+            if args.data_parallel_size > 1:  # a rank of a data-parallel group (`pdd.config.groups`)
                 if args.create_model_config().is_moe:
                     kwargs, events, replay = vargs.lockstep_rank_events(kwargs, args.data_parallel_rank or 0)
                 else:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdd.addresses import parse_addr
-from pdd.config_check import ConfigError
+from pdd.config.check import ConfigError
 from pdd.engine_port import devices
 
 # `pdd.config.InstanceSpec`, named for the reader: config calls this module while it parses,
