@@ -1,4 +1,5 @@
-"""The wire protocol between pdd instances: `frame` (the format, its errors, JSON payloads),
+"""The wire protocol between pdd instances: `frame` (the format, its errors), `payload` (JSON bodies, and
+headers in front of a blob),
 `connection` (a framed TCP connection, its ends, the count of rejected frames) and
 `handshake` (HELLO and the link and session keys). Import the names from here."""
 
@@ -41,15 +42,9 @@ from pdd.transfer.wire.frame import (
     Payload,
     TooLarge,
     UnknownType,
-    decode_json,
-    encode_json,
     offered_protocol,
-    pack_with_header,
     parts_of,
     payload_len,
-    split_with_header,
-    unpack_with_header,
-    with_header,
 )
 from pdd.transfer.wire.handshake import (
     NONCE_BYTES,
@@ -59,6 +54,14 @@ from pdd.transfer.wire.handshake import (
     link_key,
     server_handshake,
     session_keys,
+)
+from pdd.transfer.wire.payload import (
+    decode_json,
+    encode_json,
+    pack_with_header,
+    split_with_header,
+    unpack_with_header,
+    with_header,
 )
 
 __all__ = [

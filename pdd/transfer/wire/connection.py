@@ -30,9 +30,9 @@ from pdd.transfer.wire.frame import (
     FrameError,
     MsgType,
     Payload,
-    encode_json,
     offered_protocol,
 )
+from pdd.transfer.wire.payload import encode_json
 from pdd.transfer.wire.stream import FrameStream
 
 log = logging.getLogger(__name__)

@@ -24,13 +24,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import os
 import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from crc32c import crc32c
 from cryptography.exceptions import InvalidTag
@@ -81,7 +80,6 @@ DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 # than a HELLO needs: an unauthenticated peer must not make us buffer megabytes.
 HANDSHAKE_MAX_PAYLOAD = 4096
 MAX_JSON_BYTES = 16 * 1024 * 1024
-_HEADER_LEN = struct.Struct("!I")
 
 
 class MsgType(IntEnum):
@@ -190,10 +188,6 @@ class Frame:
     seq: int
     payload: bytes | bytearray  # (a large one: the buffer the kernel read it into)
     version: int = PROTOCOL_VERSION  # the protocol version in its header
-
-    def json(self) -> dict[str, Any]:
-        """The payload decoded as a JSON object (raises `BadPayload` otherwise)."""
-        return decode_json(self.payload)
 
 
 class FrameCodec:
@@ -378,58 +372,3 @@ async def _read_exactly(reader: ByteSource, n: int, *, at_boundary: bool) -> byt
         if at_boundary and not err.partial:
             raise ConnectionClosed("peer closed the connection") from None
         raise ConnectionClosed("peer closed the connection in the middle of a frame") from None
-
-
-def encode_json(obj: dict[str, Any]) -> bytes:
-    """Compact UTF-8 JSON of a dict; NaN/Infinity are refused since JSON has none."""
-    if not isinstance(obj, dict):
-        raise TypeError(f"a JSON payload must be an object, not {type(obj).__name__}")
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-
-
-def _reject_constant(name: str) -> Any:
-    raise BadPayload(f"JSON constant {name} is not allowed")
-
-
-def decode_json(payload: Buffer, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
-    """Parse a JSON-object payload, refusing anything oversized, non-UTF-8 or odd."""
-    if len(payload) > max_bytes:
-        raise BadPayload(f"JSON payload of {len(payload)} bytes exceeds {max_bytes}")
-    try:
-        obj = json.loads(bytes(payload).decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4300 digits
-        raise BadPayload(f"invalid JSON payload: {err}") from None
-    if not isinstance(obj, dict):
-        raise BadPayload(f"JSON payload must be an object, got {type(obj).__name__}")
-    return obj
-
-
-def with_header(header: dict[str, Any], blob: Payload) -> list[Buffer]:
-    """u32 header length + JSON header + raw bytes: how binary frames (KV) describe
-    themselves, as parts (the blob's own, not copied)."""
-    encoded = encode_json(header)
-    return [_HEADER_LEN.pack(len(encoded)) + encoded, *parts_of(blob)]
-
-
-def pack_with_header(header: dict[str, Any], blob: Payload) -> bytes:
-    """`with_header`'s parts joined."""
-    return b"".join(with_header(header, blob))
-
-
-def split_with_header(payload: Buffer) -> tuple[memoryview, memoryview]:
-    """The JSON header's bytes and the blob of a `pack_with_header` payload, both zero-copy
-    views (so a typed decoder reads the header without a dict in between)."""
-    view = memoryview(payload).cast("B")
-    if len(view) < _HEADER_LEN.size:
-        raise BadPayload("payload too short for a header length")
-    (n,) = _HEADER_LEN.unpack_from(view)
-    if n > len(view) - _HEADER_LEN.size:
-        raise BadPayload(f"header length {n} exceeds the {len(view) - _HEADER_LEN.size} bytes present")
-    end = _HEADER_LEN.size + n
-    return view[_HEADER_LEN.size : end], view[end:]
-
-
-def unpack_with_header(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """Split a `pack_with_header` payload; the blob is a zero-copy view."""
-    header, blob = split_with_header(payload)
-    return decode_json(header), blob

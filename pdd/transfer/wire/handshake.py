@@ -47,6 +47,7 @@ from pdd.transfer.wire.frame import (
     offered_protocol,
 )
 from pdd.transfer.wire.frame import offered_protocol as spoken_protocol  # (the server's side: see `_server_nonce`)
+from pdd.transfer.wire.payload import decode_json
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[
 def _nonce_of(frame: Frame) -> tuple[dict[str, Any], bytes]:
     if frame.type != MsgType.HELLO:
         raise BadPayload(f"expected HELLO, got {frame.type.name}")
-    msg = frame.json()
+    msg = decode_json(frame.payload)
     try:
         nonce = bytes.fromhex(msg.get("nonce", ""))
     except (TypeError, ValueError):
