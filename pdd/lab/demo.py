@@ -180,10 +180,8 @@ def run(args: argparse.Namespace) -> int:
     """
     from rich.console import Console
 
-    from pdd.lab.bench.client import BenchError
-    from pdd.lab.bench.headline import format_headlines, headlines
+    from pdd.lab.bench.headline import headlines
     from pdd.lab.bench.report import write_report, write_requests
-    from pdd.lab.bench.summary import format_hardware_table, format_table
 
     err = Console(stderr=True)
     scenario = _scenario(args)
@@ -194,6 +192,25 @@ def run(args: argparse.Namespace) -> int:
         _note(err, f"`pdd up` is not usable, no mode can run: {exc}")
         return 1
     _note(err, args.fit_note)
+    summaries, records, failed = _run_modes(args, accepted, err)
+    out = Console()
+    figures = headlines(summaries)
+    _print_results(out, summaries, figures)
+    meta = _meta(args, scenario, started, failed, figures)
+    title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
+    paths = write_report(args.out, summaries, title=title, meta=meta)
+    write_requests(args.out, records)
+    # soft_wrap: a long path must stay on one line, copyable
+    out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False, soft_wrap=True)
+    return 0 if any(s["completed"] for s in summaries.values()) else 1
+
+
+def _run_modes(
+    args: argparse.Namespace, accepted: frozenset[str] | None, err: Any
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict]], dict[str, str]]:
+    """Each mode's run: (summaries, request records, why each mode that did not run failed)."""
+    from pdd.lab.bench.client import BenchError
+
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
@@ -215,8 +232,14 @@ def run(args: argparse.Namespace) -> int:
         if summary["completed"] == 0:
             failed[mode] = "every request failed"
             _note(err, f"mode {mode!r}: every request failed")
+    return summaries, records, failed
 
-    out = Console()
+
+def _print_results(out: Any, summaries: dict[str, dict[str, Any]], figures: list[Any]) -> None:
+    """The comparison table, the emulated chips', the pacing lines and the headline."""
+    from pdd.lab.bench.headline import format_headlines
+    from pdd.lab.bench.summary import format_hardware_table, format_table
+
     if summaries:
         table = format_table(summaries)
         table.title = "pdd demo"
@@ -226,10 +249,13 @@ def run(args: argparse.Namespace) -> int:
             out.print(hardware)
         for line in sorted({s.get("pacing", "") for s in summaries.values()} - {""}):
             out.print(line, markup=False, highlight=False, soft_wrap=True)
-    figures = headlines(summaries)
     if any(h.value is not None for h in figures):
         out.print(format_headlines(figures))
-    meta = {
+
+
+def _meta(args: argparse.Namespace, scenario: Any, started: str, failed: dict[str, str], figures: list[Any]) -> dict:
+    """What the report says of the run: when, the command, its settings, what failed."""
+    return {
         "date": started,
         "command": _command_line(args),
         "config": {
@@ -260,12 +286,6 @@ def run(args: argparse.Namespace) -> int:
         "failed_modes": failed,
         "headline": {h.name: h.to_dict() for h in figures},
     }
-    title = f"pdd demo, scenario {scenario.name}: {args.requests} agentic requests per mode (seed {args.seed})"
-    paths = write_report(args.out, summaries, title=title, meta=meta)
-    write_requests(args.out, records)
-    # soft_wrap: a long path must stay on one line, copyable
-    out.print(f"report: {paths['html'].resolve()}", markup=False, highlight=False, soft_wrap=True)
-    return 0 if any(s["completed"] for s in summaries.values()) else 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -275,6 +295,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="compare every deployment mode on one workload",
         description="Run the same agentic workload through every deployment mode and compare them.",
     )
+    _add_arguments(parser)
+
+    def func(args: argparse.Namespace) -> int:
+        _resolve(parser, args)
+        return run(args)
+
+    parser.set_defaults(func=func)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("pdd-demo"), metavar="DIR", help="report folder (default: ./pdd-demo)"
     )
@@ -334,24 +364,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
-    def func(args: argparse.Namespace) -> int:
-        scenario = SCENARIOS[args.scenario]
-        args.requests = scenario.requests if args.requests is None else args.requests
-        args.rate = scenario.rate if args.rate is None else args.rate
-        if args.requests < 1:
-            parser.error("--requests must be >= 1")
-        if args.config is not None and not args.config.is_file():
-            raise Mistake(f"--config {args.config}: no such file")
-        if not args.rate > 0:
-            parser.error("--rate must be > 0 (inf starts every session at once)")
-        if args.hardware == "native":
-            args.dilation = 1.0  # nothing is emulated, so nothing is stretched
-        if not args.dilation >= 1:
-            parser.error("--dilation must be at least 1")
-        try:
-            args.fitted, args.fit_note = fitted_scenario(args)
-        except (OSError, ValueError) as exc:  # no such model, one pdd cannot run, a bad config
-            raise Mistake(str(exc)) from None
-        return run(args)
 
-    parser.set_defaults(func=func)
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The scenario's defaults where no flag said, each flag checked, the scenario fitted
+    to the model: a mistake is one line naming the flag."""
+    scenario = SCENARIOS[args.scenario]
+    args.requests = scenario.requests if args.requests is None else args.requests
+    args.rate = scenario.rate if args.rate is None else args.rate
+    if args.requests < 1:
+        parser.error("--requests must be >= 1")
+    if args.config is not None and not args.config.is_file():
+        raise Mistake(f"--config {args.config}: no such file")
+    if not args.rate > 0:
+        parser.error("--rate must be > 0 (inf starts every session at once)")
+    if args.hardware == "native":
+        args.dilation = 1.0  # nothing is emulated, so nothing is stretched
+    if not args.dilation >= 1:
+        parser.error("--dilation must be at least 1")
+    try:
+        args.fitted, args.fit_note = fitted_scenario(args)
+    except (OSError, ValueError) as exc:  # no such model, one pdd cannot run, a bad config
+        raise Mistake(str(exc)) from None

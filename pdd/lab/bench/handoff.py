@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd.engine_port import EnginePort, StepOutput
+from pdd.kv.codec import KVBlob
 from pdd.lab.bench import options
 from pdd.lab.wan import Route, WanLine, WanRelay
 from pdd.lab.workload.scenarios import SCENARIOS
@@ -108,7 +109,6 @@ async def _drain(stream: AsyncIterator[StepOutput]) -> list[int]:
 
 async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
     """Everything through the engine port, so any backend is measured alike."""
-    from pdd.kv import codec
     from pdd.sampling import SamplingParams
 
     n, k = args.context_tokens, args.handoff_tokens
@@ -118,7 +118,32 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
     # their KV, held for export: what the relay holds when it hands over
     await _drain(engine.generate("kv", prompt + tokens, SamplingParams(max_tokens=1), hold=True))
 
-    # 1. ship the handed-over tokens' KV: the frames P would send, through the line, then import
+    wire_bytes, ship, copy = await _ship_and_copy(engine, args, prompt, tokens)
+    prompt_kv = await engine.export_kv("kv", 0, n)
+    await engine.release("kv")
+    alone, batched, plain = await _recompute(engine, args, prompt, tokens, prompt_kv, rng)
+    return {
+        "handoff_tokens": k,
+        "context_tokens": n,
+        "batch": args.batch,
+        "line": {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms},
+        "ship": {"bytes": wire_bytes, **_stats(ship)},
+        "copy": _stats(copy),
+        "recompute_alone": _stats(alone),
+        "recompute_in_batch": _stats(batched),
+        "decode_step_in_batch": _stats(plain),
+    }
+
+
+async def _ship_and_copy(
+    engine: EnginePort, args: argparse.Namespace, prompt: list[int], tokens: list[int]
+) -> tuple[int, list[float], list[float]]:
+    """1. Ship the handed-over tokens' KV: the frames P would send, through the line, then
+    import them: (the wire's bytes, each trial's shipping seconds, each one's import)."""
+    from pdd.kv import codec
+    from pdd.sampling import SamplingParams
+
+    n, k = args.context_tokens, args.handoff_tokens
     encoded = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", n, n + k))]
     payloads = [wire.pack_with_header(m.to_dict(m.KVLayer("bench")), e) for e in encoded]
     wire_bytes = sum(len(p) + wire.HEADER.size + wire.GMAC_TAG_SIZE for p in payloads)  # (a session's frames)
@@ -133,10 +158,22 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
         await engine.import_kv("imp", codec.join_layers([codec.decode(b) for b in head_blob]))
         copy.append(time.perf_counter() - start)
         await engine.release("imp")
+    return wire_bytes, ship, copy
 
-    # 2. recompute them on MD: one extend over the prompt's KV, alone and beside decoding sequences
-    prompt_kv = await engine.export_kv("kv", 0, n)
-    await engine.release("kv")
+
+async def _recompute(
+    engine: EnginePort,
+    args: argparse.Namespace,
+    prompt: list[int],
+    tokens: list[int],
+    prompt_kv: KVBlob,
+    rng: random.Random,
+) -> tuple[list[float], list[float], list[float]]:
+    """2. Recompute the tokens on MD: one extend over the prompt's KV, alone and beside
+    decoding sequences: (alone, in the batch, the batch's decode steps), seconds each."""
+    from pdd.sampling import SamplingParams
+
+    k = args.handoff_tokens
 
     async def extend_s() -> float:
         """From handing MD the tokens to its next token: the extend's step."""
@@ -185,17 +222,7 @@ async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
         for task in decoders:
             task.cancel()
         await asyncio.gather(*decoders, return_exceptions=True)
-    return {
-        "handoff_tokens": k,
-        "context_tokens": n,
-        "batch": args.batch,
-        "line": {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms},
-        "ship": {"bytes": wire_bytes, **_stats(ship)},
-        "copy": _stats(copy),
-        "recompute_alone": _stats(alone),
-        "recompute_in_batch": _stats(batched),
-        "decode_step_in_batch": _stats(plain),
-    }
+    return alone, batched, plain
 
 
 def run(args: argparse.Namespace) -> int:
