@@ -7,7 +7,7 @@ Running sequences go first (decodes stay smooth); waiting ones are admitted whil
 budget, slots and KV room last.
 
 The rule (`Scheduler`) is composed with what gives a sequence its KV room (a
-`BaseKV`). The engine's is `pdd.engine.paged_kv.PagedKV`: pages as a sequence grows,
+`BaseKV`). The engine's is `pdd.engines.embedded.paged_kv.PagedKV`: pages as a sequence grows,
 from the free list, then from evicting the prefix cache, then by preempting the newest
 running sequence (it recomputes later). The simulator runs this same `Scheduler` over
 room reserved whole at admission (`pdd.lab.sim.instance`), which never runs short.

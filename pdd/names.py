@@ -44,7 +44,7 @@ class RoleName(StrEnum):
 # `hardware =` in the config. native: this machine's speed; emulated: each instance on the
 # spec's chip for its role (P, RLD and a standalone on A, MD on B; pd-same-dc all on A);
 # A or B: every instance on that chip. An emulated chip paces each step to the time the
-# simulator's catalog gives it (`pdd.engine.pacing`; its chips are `pdd.perf.hardware.CATALOG`).
+# simulator's catalog gives it (`pdd.engines.embedded.pacing`; its chips are `pdd.perf.hardware.CATALOG`).
 NATIVE = "native"
 EMULATED = "emulated"
 CHIPS = ("A", "B")

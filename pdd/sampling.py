@@ -23,7 +23,7 @@ _FLOAT_MAX = sys.float_info.max
 
 
 MAX_CACHE_SALT = 256
-GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # (`pdd.engine.guide`)
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # (`pdd.engines.embedded.guide`)
 MAX_LOGPROBS = 20  # top log-probabilities a token may carry (OpenAI's top_logprobs bound)
 # a prompt's log-probabilities, counted as entries (its tokens x (1 + top)): what one frame
 # carries back from P with room to spare (`wire.MAX_JSON_BYTES`, about 30 bytes an entry)
@@ -62,7 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # Each output token's log-probability, and this many of the likeliest's beside it (None:
     # none); raw, as vLLM's default `logprobs_mode`: before shaping, temperature and filters
     logprobs: int | None = None
-    # Constrained decoding (`pdd.engine.guide`): (kind, spec), the output held to a JSON
+    # Constrained decoding (`pdd.engines.embedded.guide`): (kind, spec), the output held to a JSON
     # Schema, any JSON object, a regex, one of a list of strings, or a Lark grammar
     guide: tuple[str, str] | None = None
     # Each prompt token's log-probability given the tokens before it, and this many of the

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from pdd.engine.engine import Engine
-from pdd.engine_port import EngineConfig
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.model.store import resolve_model
 from pdd.sampling import SamplingParams

@@ -1,5 +1,5 @@
 """Checks e and f (scripts/gpu_check.py runs them): the embedded engine's KV imports and exports, copied on
-its copy thread beside its steps (pdd/engine/copies.py: on CUDA through page-locked memory and a copy
+its copy thread beside its steps (pdd/engines/embedded/copies.py: on CUDA through page-locked memory and a copy
 stream ordered by events), on the device, and `pdd bench stall`'s figures there; a prefill's layers
 streamed off the device as they are computed (pdd/kv/layer_stream.py). scripts/ is no package:
 gpu_check.py imports this file by its folder."""
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from pdd.engine import copies, kv_moves
-from pdd.engine.engine import Engine
-from pdd.engine.runtime import EngineRuntime
-from pdd.engine_port import EngineConfig
+from pdd.engines.embedded import copies, kv_moves
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.embedded.runtime import EngineRuntime
+from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import SamplingParams

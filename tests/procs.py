@@ -21,7 +21,7 @@ import jsonschema
 import openai
 
 from pdd import config as cfg
-from pdd.engine_port import EngineConfig
+from pdd.engines.port import EngineConfig
 from pdd.lab import deploy
 from pdd.lab.deploy import wait_http
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdd.api.protocol import CompletionRequest
 from pdd.api.shaping import sampling_params
-from pdd.engine_port import AUTO
+from pdd.engines.port import AUTO
 from pdd.instance.cli import vllm_flags
 from pdd.model.config import Declared
 from pdd.model.tokenizer import Tokenizer
@@ -129,7 +129,7 @@ def test_engine_vllm_without_vllm_names_the_extra(tmp_path, tiny_model_dir):
 
 def test_auto_sizes_read_from_a_file_and_the_command_line():
     from pdd import config as cfg
-    from pdd.engine_port import EngineConfig
+    from pdd.engines.port import EngineConfig
 
     dep = cfg.parse({"engine": {"backend": "vllm", "max_running": "auto", "max_batch_tokens": 4096}})
     assert (dep.engine.num_pages, dep.engine.max_running, dep.engine.max_batch_tokens) == (AUTO, AUTO, 4096)
@@ -201,7 +201,7 @@ def test_the_router_plans_with_what_each_instance_reports():
     hold is the least any instance reported."""
     from types import SimpleNamespace
 
-    from pdd.engine_port import EngineConfig
+    from pdd.engines.port import EngineConfig
     from pdd.names import Mode, RoleName
     from pdd.policy.capacity import pages_needed
     from pdd.router.client import InstanceClient
@@ -225,7 +225,7 @@ def test_the_router_plans_with_what_each_instance_reports():
 def test_an_engine_backend_name_is_registered_once():
     """As vLLM's connector factory: a second registration of a name is refused, naming the
     one it has (a plugin cannot replace a backend in silence)."""
-    from pdd.engine_port import register_engine
+    from pdd.engines.port import register_engine
 
     with pytest.raises(ValueError, match="'vllm' is registered already"):
         register_engine("vllm", "my_plugin:open_engine")

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from procs import standalone
 
-from pdd.engine.engine import Engine
-from pdd.engine_port import EngineConfig
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.port import EngineConfig
 from pdd.model.tokenizer import Tokenizer
 from pdd.sampling import SamplingParams
 

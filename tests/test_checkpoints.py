@@ -10,10 +10,10 @@ import pytest
 import torch
 from checkpoints import edit_config, hf_greedy, hf_model, rewrite_as_4x, save_random
 
-from pdd.engine.engine import Engine
-from pdd.engine_port import EngineConfig
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.embedded.loader import load_model
+from pdd.engines.port import EngineConfig
 from pdd.model.config import ModelConfig, UnsupportedCheckpoint
-from pdd.model.loader import load_model
 from pdd.sampling import SamplingParams
 
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(150)]  # past every original_max_position below

@@ -35,7 +35,7 @@ import httpx
 import pytest
 from procs import kv_bytes_per_token, metrics, pdd_process, pdd_up, rejected_frames, standalone, wait_until
 
-from pdd.engine_port import EngineConfig
+from pdd.engines.port import EngineConfig
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 CONTEXT = 4096  # the tiny model's max_position_embeddings

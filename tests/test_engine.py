@@ -12,8 +12,8 @@ import torch
 from msgspec.structs import replace
 
 from pdd import sampler
-from pdd.engine.engine import Engine
-from pdd.engine_port import EngineConfig, RequestError
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.sampler import exponentials, sample
 from pdd.sampling import SamplingParams, draw_key

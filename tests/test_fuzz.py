@@ -43,8 +43,8 @@ from schemathesis import GenerationMode
 from test_messages import SAMPLES
 from test_wire import FIELDS, KEY, OTHER_KEY
 
-from pdd.engine.engine import Engine
-from pdd.engine_port import EngineConfig, RequestError
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.kv.reassembly import Reassembly

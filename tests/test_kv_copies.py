@@ -1,5 +1,5 @@
 """The embedded engine's KV imports and exports run beside its steps, slice by slice, on a
-copy thread (`pdd.engine.copies`): a running stream keeps stepping while a long import
+copy thread (`pdd.engines.embedded.copies`): a running stream keeps stepping while a long import
 lands, a request never starts on KV that is not all in place, and a request dropped
 while its KV is being copied stops the copy before its pages go."""
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from pdd.engine import copies
-from pdd.engine.engine import Engine
-from pdd.engine.runtime import EngineRuntime
-from pdd.engine_port import EngineConfig, RequestError
+from pdd.engines.embedded import copies
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.embedded.runtime import EngineRuntime
+from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.sampling import SamplingParams
 
@@ -68,7 +68,7 @@ def _slowed(monkeypatch, runtime: EngineRuntime, hold: threading.Event | None = 
         copy.slices = [(a, b, functools.partial(slow, b, run)) for a, b, run in copy.slices]
         return copy
 
-    monkeypatch.setattr("pdd.engine.kv_moves.import_copy", slow_copy)
+    monkeypatch.setattr("pdd.engines.embedded.kv_moves.import_copy", slow_copy)
     return seen
 
 

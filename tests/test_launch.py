@@ -12,7 +12,7 @@ import pytest
 from procs import free_port
 
 from pdd import config as cfg
-from pdd.engine_port import EngineConfig, for_backend
+from pdd.engines.port import EngineConfig, for_backend
 from pdd.errors import Mistake
 from pdd.lab.deploy import with_devices
 from pdd.lab.launch import log_progress, wait_http

@@ -19,10 +19,10 @@ from procs import pdd_up
 from test_kv_copies import _prompt
 from test_pdd import FAST_LINE, _stream, _write_config
 
-from pdd.engine.attention import PagedAttention
-from pdd.engine.engine import Engine
-from pdd.engine.runtime import EngineRuntime
-from pdd.engine_port import EngineConfig
+from pdd.engines.embedded.attention import PagedAttention
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.embedded.runtime import EngineRuntime
+from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
 from pdd.sampling import SamplingParams

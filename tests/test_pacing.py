@@ -10,8 +10,8 @@ import time
 import pytest
 
 from pdd import config as cfg
-from pdd.engine.pacing import StepPacer
-from pdd.engine_port import EngineConfig, open_engine
+from pdd.engines.embedded.pacing import StepPacer
+from pdd.engines.port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
 from pdd.perf.emulated import scaled, token_scale
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load

@@ -1,10 +1,10 @@
-"""Imports into a host-memory pool by whole pages (`pdd.engine.page_rows`): the same slots
+"""Imports into a host-memory pool by whole pages (`pdd.engines.embedded.page_rows`): the same slots
 as the token-by-token write, for every way a range can meet its pages."""
 
 import pytest
 import torch
 
-from pdd.engine import page_rows
+from pdd.engines.embedded import page_rows
 
 PAGE = 16
 

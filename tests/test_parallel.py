@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.engine_port import EngineConfig
+from pdd.engines.port import EngineConfig
 from pdd.engines.vllm import args as vargs
 from pdd.engines.vllm.parallel import attention_layout, check_parallel
 from pdd.model.config import Declared

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdd.engine.kv_pool import KVPool
+from pdd.engines.embedded.kv_pool import KVPool
 from pdd.kv.blocks import block_hashes
 from pdd.kv.radix_cache import RadixCache
 from pdd.model.config import ModelConfig

@@ -423,7 +423,7 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     came free), evict from the caches and schedule every batch they step. Where a
     sequence's KV room comes from is the simulator's own, for the reason in NOT_LIVE."""
     from pdd.batching import BaseKV, Scheduler
-    from pdd.engine.paged_kv import PagedKV
+    from pdd.engines.embedded.paged_kv import PagedKV
     from pdd.instance.reservations import ReservationLine
     from pdd.kv.radix_cache import RadixCache
     from pdd.lab.sim.clock import SimClock

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdd.engine_port import EngineConfig
+from pdd.engines.port import EngineConfig
 from pdd.lab.sim.fit import fit
 from pdd.lab.sim.measure import Group, measure
 from pdd.lab.sim.profile import LocalProfile, load_profile, profile_to_json
@@ -59,7 +59,7 @@ _OPENED: list[EngineConfig] = []
 
 def _recorded_engine(model_dir: Path, config: EngineConfig, threads: int, eos_ids: frozenset[int]):
     """A backend of its own name for the test: the embedded engine, its opening recorded."""
-    from pdd.engine.runtime import open_embedded
+    from pdd.engines.embedded.runtime import open_embedded
 
     _OPENED.append(config)
     return open_embedded(model_dir, config, threads, eos_ids)
@@ -71,8 +71,8 @@ def test_measure_records_what_the_engine_scheduled(tiny_model_dir: Path, monkeyp
     reports is exactly a step the engine scheduled."""
     import torch
 
-    from pdd import engine_port
     from pdd.batching import Scheduler
+    from pdd.engines import port as engine_port
 
     scheduled: list[StepLoad] = []
     schedule = Scheduler.schedule
@@ -116,7 +116,7 @@ def test_an_output_is_placed_by_its_engine_step_not_by_when_it_came() -> None:
     by arrival (the two failures this replaced: contexts off by one per decoder)."""
     import asyncio
 
-    from pdd.engine_port import StepOutput
+    from pdd.engines.port import StepOutput
     from pdd.lab.sim.measure import _Batch
 
     async def go() -> tuple[int, int]:
@@ -185,7 +185,7 @@ def test_importing_the_module_does_not_import_torch() -> None:
 
 def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
     """Nothing in pdd/lab/sim imports the embedded engine (issue 13 § 1): calibration goes
-    through `pdd.engine_port`, so any backend can be calibrated."""
+    through `pdd.engines.port`, so any backend can be calibrated."""
     import ast
 
     import pdd.lab.sim
@@ -195,7 +195,8 @@ def test_the_simulator_reaches_no_engine_but_through_the_port() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.name}: {n}" for n in names if n == "pdd.engine" or n.startswith("pdd.engine.")]
+            room = "pdd.engines.embedded"
+            offenders += [f"{path.name}: {n}" for n in names if n == room or n.startswith(f"{room}.")]
     assert not offenders
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from pdd import config as cfg
 from pdd.cli import main
-from pdd.engine.pacing import StepPacer
+from pdd.engines.embedded.pacing import StepPacer
 from pdd.lab.sim.check import check, mode_deployment
 from pdd.lab.sim.local import local_spec, on_scenario_line, simulate_demo
 from pdd.lab.sim.metrics import summary

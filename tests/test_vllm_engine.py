@@ -19,9 +19,10 @@ from msgspec.structs import replace  # sampling params are a msgspec struct
 
 pytest.importorskip("vllm")
 
-from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput, open_engine  # noqa: E402
+from pdd.engines.port import EngineConfig, RequestError, StepOutput, open_engine  # noqa: E402
 from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
+from pdd.kv.pages import OutOfPages  # noqa: E402
 from pdd.model.tokenizer import Tokenizer  # noqa: E402
 from pdd.sampling import SamplingParams  # noqa: E402
 

@@ -57,7 +57,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from pdd.engine_port import RequestError  # noqa: E402
+from pdd.engines.port import RequestError  # noqa: E402
 from pdd.engines.vllm.kvio import WorkerInfo, WorkerKV  # noqa: E402
 from pdd.engines.vllm.layout import (  # noqa: E402
     CpuPackedLayout,

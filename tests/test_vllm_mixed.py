@@ -58,8 +58,8 @@ def test_every_pipeline_and_handoff_equals_plain_vllm_across_engines(dep, vllm_r
 
 
 def test_seeded_shaped_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
-    from pdd.engine.engine import Engine
-    from pdd.engine_port import EngineConfig
+    from pdd.engines.embedded.engine import Engine
+    from pdd.engines.port import EngineConfig
     from pdd.sampling import SamplingParams
 
     engine = Engine(tiny_model_dir, EngineConfig())

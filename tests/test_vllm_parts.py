@@ -23,7 +23,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 
 from pdd import config as cfg  # noqa: E402
-from pdd.engine_port import AUTO, EngineConfig, engine_options, for_backend  # noqa: E402
+from pdd.engines.port import AUTO, EngineConfig, engine_options, for_backend  # noqa: E402
 from pdd.engines.vllm import args as vargs  # noqa: E402
 from pdd.engines.vllm import bridge, staging, streams  # noqa: E402
 from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402

@@ -24,7 +24,8 @@ def _without_the_lab(tmp_path) -> dict[str, str]:
 def test_a_server_runs_without_the_lab_extra(tmp_path, tiny_model_dir):
     env = _without_the_lab(tmp_path)
     check = subprocess.run([sys.executable, "-c", "import pdd.api.app, pdd.router.cli, pdd.instance.cli, "
-                            "pdd.engine.runtime, pdd.engine.pacing, pdd.engines.vllm.engine; print('imported'); "
+                            "pdd.engines.embedded.runtime, pdd.engines.embedded.pacing, pdd.engines.vllm.engine; "
+                            "print('imported'); "
                             "import simpy"], env=env, capture_output=True, text=True, timeout=120)
     # the serving modules imported; the lab's package alone did not (as where it is not installed)
     assert check.stdout == "imported\n" and "No module named 'simpy'" in check.stderr, check.stderr

@@ -43,7 +43,7 @@ from pdd.config.tables import (
     TLSSpec,
     TopologySpec,
 )
-from pdd.engine_port import (
+from pdd.engines.port import (
     SELF_SIZED,
     SIZES_ITSELF,
     EngineConfig,

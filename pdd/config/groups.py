@@ -25,7 +25,7 @@ from typing import Any
 
 from pdd.addresses import parse_addr
 from pdd.config.check import ConfigError
-from pdd.engine_port import devices
+from pdd.engines.port import devices
 
 # `pdd.config.InstanceSpec`, named for the reader: config calls this module while it parses,
 # so importing the class back, even for the type checker alone, would close an import circle

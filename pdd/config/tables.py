@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pdd.addresses import UNSPECIFIED_HOSTS, callable_at, parse_addr
 from pdd.config import groups
 from pdd.config.check import STRICT_TABLE, ConfigError
-from pdd.engine_port import (
+from pdd.engines.port import (
     EngineConfig,
 )
 from pdd.names import (
@@ -270,7 +270,7 @@ class TopologySpec:
     # from decoding (whose token gaps the benchmarks compare). 0: no change.
     prefill_nice: int = 10
     # what the instances run on (`pdd.names.HARDWARE`): "native", at this machine's speed;
-    # "emulated", each on the spec's chip for its role (`pdd.engine.pacing`: P and RLD on
+    # "emulated", each on the spec's chip for its role (`pdd.engines.embedded.pacing`: P and RLD on
     # A, MD on B, a standalone instance on A); "A" or "B", every instance on that chip.
     # Emulated time runs `dilation` times slower than the chips, and `pdd up` stretches
     # the line and the policy's latency budget alike

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdd.config import ROLES
-from pdd.engine_port import AUTO, EngineConfig, engine_names, engine_options, for_backend
+from pdd.engines.port import AUTO, EngineConfig, engine_names, engine_options, for_backend
 from pdd.errors import Mistake
 from pdd.names import HARDWARE, HARDWARE_HELP, REASONING_PARSERS, TOOL_PARSERS, RoleName, role_chip
 from pdd.shutdown import DEFAULT_GRACE_S, add_grace_flag
@@ -275,7 +275,7 @@ async def _serve(
     from pdd.api.app import build_app
     from pdd.api.metrics import LineMetrics
     from pdd.api.parsers import Parsers, choose_parsers
-    from pdd.engine_port import EngineStartError, open_engine
+    from pdd.engines.port import EngineStartError, open_engine
     from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
     from pdd.instance.local_backend import LocalBackend

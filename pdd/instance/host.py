@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from pdd.config import Deployment, InstanceSpec
-from pdd.engine_port import EnginePort, StepOutput
+from pdd.engines.port import EnginePort, StepOutput
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection

@@ -6,7 +6,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pdd import heap
 from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
-from pdd.engine_port import EnginePort, RequestError
+from pdd.engines.port import EnginePort, RequestError
 from pdd.instance.liveness import engine_failure
 from pdd.names import Pipeline
 from pdd.record import RequestRecord

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Literal, assert_never, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
-from pdd.engine_port import EnginePort
+from pdd.engines.port import EnginePort
 from pdd.instance.host import Host, Role, Tombstones
 from pdd.instance.liveness import WATCH_S, engine_failure
 from pdd.instance.placement import Regions, check_start

@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.engine_port import EnginePort
+from pdd.engines.port import EnginePort
 from pdd.instance.host import PeerBusy
 from pdd.instance.peers import PeerPool
 from pdd.kv import codec

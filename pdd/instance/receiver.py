@@ -20,10 +20,11 @@ from typing import Generic, TypeVar, assert_never
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
-from pdd.engine_port import OutOfPages, OutputStream
+from pdd.engines.port import OutputStream
 from pdd.instance.host import Host, not_taken, report_failure, tokens_of
 from pdd.instance.reservations import ReservationLine
 from pdd.kv import codec
+from pdd.kv.pages import OutOfPages
 from pdd.kv.reassembly import Reassembly
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
 from pdd.sampling import Logprob

@@ -20,7 +20,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pdd.engine_port import RequestError
+from pdd.engines.port import RequestError
 from pdd.instance.host import Host, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.receiver import DecodeJob, DecodeSide

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from pdd.clock import ASYNCIO, Clock
-from pdd.engine_port import OutOfPages
+from pdd.kv.pages import OutOfPages
 from pdd.policy.retry import reserve_retry_delay
 
 J = TypeVar("J")

@@ -1,5 +1,5 @@
 """Which pages of a paged KV pool are free, and who may take them: the bookkeeping
-half of `pdd.engine.kv_pool.KVPool`, without its tensors, so the radix cache runs
+half of `pdd.engines.embedded.kv_pool.KVPool`, without its tensors, so the radix cache runs
 over it wherever pages are only counted (the simulator's instances).
 
 Pages are owned exclusively, by a running sequence or by the radix cache, and come
@@ -8,7 +8,9 @@ back here when their owner lets go.
 
 from __future__ import annotations
 
-from pdd.engine_port import OutOfPages
+
+class OutOfPages(RuntimeError):
+    """The KV pool cannot hold this now; it may once other requests finish."""
 
 
 class PagePool:

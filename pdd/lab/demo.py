@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdd.engine_port import engine_names
+from pdd.engines.port import engine_names
 from pdd.errors import Mistake
 from pdd.lab.demo_deploy import START_TIMEOUT_S, DemoDeployment, DeployError, accepted_modes
 from pdd.lab.workload.scenarios import SCENARIOS, Scenario, fit_scenario

@@ -27,7 +27,7 @@ from typing import IO
 from pdd import config as cfg
 from pdd.addresses import parse_addr
 from pdd.config import groups
-from pdd.engine_port import devices, engine_names
+from pdd.engines.port import devices, engine_names
 from pdd.errors import Mistake
 from pdd.lab.launch import (  # (the lab's other tools import these from here too)
     PDD_COMMAND as PDD_COMMAND,

@@ -102,7 +102,7 @@ def read_rope(cfg: dict[str, Any], max_position: int) -> dict[str, Any]:
     (`type` or `rope_type`, plus its parameters); 5.x writes one `rope_parameters` table
     with `rope_theta` and `rope_type` inside. Both are read the way transformers 5 does:
     a 4.x `rope_scaling` wins, then the table's own `rope_theta`, then the top-level one,
-    then 10000. A type or parameter `pdd.model.rope` cannot compute exactly is refused.
+    then 10000. A type or parameter `pdd.engines.embedded.rope` cannot compute exactly is refused.
     """
     where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     table = cfg.get(where) or {}

@@ -1,6 +1,6 @@
 """The step model of an emulated accelerator, shared by the live pacer and the simulator.
 
-A paced engine (`pdd.engine.pacing`) holds each step until the chip it emulates would
+A paced engine (`pdd.engines.embedded.pacing`) holds each step until the chip it emulates would
 have finished it; `pdd sim check` simulates a paced deployment with the very same
 function, so what is left between the two is the control plane's error, not two step
 models. The tiny model's requests are the spec's scaled down by `scale` (contexts and

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdd.engine_port import EngineConfig, EngineStartError
+from pdd.engines.port import EngineConfig, EngineStartError
 
 if TYPE_CHECKING:
     from pdd.engines.vllm.engine import VllmEngine

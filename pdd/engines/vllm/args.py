@@ -41,7 +41,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pdd.engine_port import AUTO, EngineConfig, devices, left_to_engine
+from pdd.engines.port import AUTO, EngineConfig, devices, left_to_engine
 from pdd.engines.vllm.parallel import sizes
 from pdd.model.config import Declared
 

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, RequestError
+from pdd.engines.port import CacheListener, EngineConfig, EngineLoad, RequestError
 from pdd.engines.vllm import args as vargs
 from pdd.engines.vllm.bridge import BridgeServer
 from pdd.engines.vllm.events import EventSubscriber, VllmHashes

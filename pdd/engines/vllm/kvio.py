@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pdd.engine_port import RequestError
+from pdd.engines.port import RequestError
 from pdd.engines.vllm.split import TokenSplit
 from pdd.engines.vllm.staging import Region
 from pdd.kv import codec, continuation

@@ -13,7 +13,7 @@ names them (`pdd.names.AttentionLayout`).
 
 from __future__ import annotations
 
-from pdd.engine_port import EngineConfig
+from pdd.engines.port import EngineConfig
 from pdd.model.config import Declared
 from pdd.names import AttentionLayout
 

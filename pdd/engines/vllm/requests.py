@@ -13,12 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pdd.engine_port import OutOfPages, RequestError, StepOutput
+from pdd.engines.port import RequestError, StepOutput
 from pdd.engines.vllm import streams
 from pdd.engines.vllm.events import SALT_PREFIX
 from pdd.engines.vllm.layer_reads import LayerReads
 from pdd.engines.vllm.streams import FINAL, LOAD, SHADOW, Request, Watch
 from pdd.kv.layer_stream import LayerStream
+from pdd.kv.pages import OutOfPages
 from pdd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.engine_port import StepOutput
+from pdd.engines.port import StepOutput
 from pdd.engines.vllm.draw import draw_args
 from pdd.kv.blocks import PrefixHashes
 from pdd.kv.layer_stream import LayerStream

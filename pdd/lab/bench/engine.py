@@ -20,7 +20,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from pdd.engine_port import EnginePort, engine_names
+from pdd.engines.port import EnginePort, engine_names
 from pdd.lab.bench import options
 from pdd.lab.bench.sse import chunks
 from pdd.lab.deploy import PDD_COMMAND, STOP_GRACE_S, free_port, start, stop_group, wait_http
@@ -42,7 +42,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded", device: str = "cpu") -> dict[str, float]:
     """Prefill and decode throughput of one engine, through the engine port (any backend)."""
-    from pdd.engine_port import EngineConfig, open_engine
+    from pdd.engines.port import EngineConfig, open_engine
 
     config = EngineConfig(
         page_size=16, num_pages=4096, max_batch_tokens=2048, max_running=64, device=device, backend=backend

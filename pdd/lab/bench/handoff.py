@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pdd.engine_port import EnginePort, StepOutput
+from pdd.engines.port import EnginePort, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.lab.bench import options
 from pdd.lab.wan import Route, WanLine, WanRelay
@@ -89,7 +89,7 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
 
 
 def measure(model_dir: str, args: argparse.Namespace) -> dict:
-    from pdd.engine_port import EngineConfig, open_engine
+    from pdd.engines.port import EngineConfig, open_engine
 
     config = EngineConfig(
         num_pages=8192,

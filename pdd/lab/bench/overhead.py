@@ -174,7 +174,7 @@ def _commands(model_dir: Path, args: argparse.Namespace) -> dict[str, list[str]]
     """Both servers' command lines, every budget the same: pdd gets plain vLLM's block
     count (less vLLM's null block, which pdd adds back), plain vLLM pdd's default batch
     and sequence budgets."""
-    from pdd.engine_port import EngineConfig
+    from pdd.engines.port import EngineConfig
 
     budgets = EngineConfig()
     common = ["--model", str(model_dir), "--served-model-name", "bench", "--host", "127.0.0.1"]

@@ -73,7 +73,7 @@ async def _step_ms(engine, extra: dict, args: argparse.Namespace, tag: str, only
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdd.engine_port import EngineConfig, open_engine
+    from pdd.engines.port import EngineConfig, open_engine
     from pdd.model.store import resolve_model
 
     pages = args.batch * ((args.prompt_tokens + args.steps + 2) // 16 + 2) + 8

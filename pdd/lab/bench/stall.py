@@ -145,7 +145,7 @@ async def _measure(engine: Any, model_dir: str, args: argparse.Namespace) -> dic
 
 
 def measure(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
-    from pdd.engine_port import EngineConfig, open_engine
+    from pdd.engines.port import EngineConfig, open_engine
 
     page = 32 if args.engine == "vllm" else 16  # (vLLM's CPU attention takes multiples of 32)
     pages = (args.import_tokens + 4096) // page + args.streams * 8

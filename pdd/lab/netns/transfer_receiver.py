@@ -41,8 +41,8 @@ def bench_prompt(tokens: int) -> list[int]:
 
 def engine_for(pages: int, model: KVModel = TINY) -> Any:
     """`model`'s embedded engine, of `pages` 16-token pages."""
-    from pdd.engine.engine import Engine
-    from pdd.engine_port import EngineConfig
+    from pdd.engines.embedded.engine import Engine
+    from pdd.engines.port import EngineConfig
     from pdd.model.store import resolve_model
 
     return Engine(resolve_model(model.model_dir), EngineConfig(page_size=PAGE, num_pages=pages, dtype=model.dtype))

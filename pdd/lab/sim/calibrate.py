@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdd.engine_port import EngineConfig, engine_names
+from pdd.engines.port import EngineConfig, engine_names
 from pdd.lab.sim.fit import Sample, fit, relative_errors
 from pdd.lab.sim.measure import Measured, measure
 from pdd.lab.sim.profile import TERMS, LocalProfile, profile_to_json

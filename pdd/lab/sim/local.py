@@ -20,7 +20,7 @@ from dataclasses import replace
 import simpy
 
 from pdd import config as cfg
-from pdd.engine_port import AUTO, AUTO_SIZES, EngineConfig
+from pdd.engines.port import AUTO, AUTO_SIZES, EngineConfig
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
 from pdd.lab.sim.profile import LocalProfile

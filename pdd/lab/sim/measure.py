@@ -1,4 +1,4 @@
-"""Timing an engine's steps through the engine port (`pdd.engine_port`), for any backend.
+"""Timing an engine's steps through the engine port (`pdd.engines.port`), for any backend.
 
 The simulator prices steps it never runs, so its step model has to come from steps
 that did run. An engine behind the port is seen only through its requests' outputs, so
@@ -34,7 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdd.engine_port import EngineConfig, EnginePort, StepOutput, open_engine
+from pdd.engines.port import EngineConfig, EnginePort, StepOutput, open_engine
 from pdd.lab.sim.fit import Sample
 from pdd.model.config import Declared
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load

@@ -21,7 +21,7 @@ from typing import cast
 
 import simpy
 
-from pdd.engine_port import OutOfPages
+from pdd.kv.pages import OutOfPages
 from pdd.lab.sim.clock import drive
 from pdd.lab.sim.fleet import Fleet, Proc
 from pdd.lab.sim.instance import Instance

@@ -4,7 +4,7 @@ sequence grows, over the prefix cache."""
 from __future__ import annotations
 
 from pdd.batching import BaseKV, Status, step_tokens
-from pdd.engine.sequence import Sequence
+from pdd.engines.embedded.sequence import Sequence
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache
 

@@ -18,19 +18,20 @@ from pathlib import Path
 import torch
 
 from pdd.batching import Scheduler, Status
-from pdd.engine.attention import PagedAttention
-from pdd.engine.copies import Copies
-from pdd.engine.kv_moves import KVMoves
-from pdd.engine.kv_pool import KVPool
-from pdd.engine.paged_kv import PagedKV
-from pdd.engine.sequence import Sequence
-from pdd.engine_port import EngineConfig, OutOfPages, RequestError, StepOutput
+from pdd.engines.embedded.attention import PagedAttention
+from pdd.engines.embedded.copies import Copies
+from pdd.engines.embedded.kv_moves import KVMoves
+from pdd.engines.embedded.kv_pool import KVPool
+from pdd.engines.embedded.loader import load_model
+from pdd.engines.embedded.paged_kv import PagedKV
+from pdd.engines.embedded.sequence import Sequence
+from pdd.engines.port import EngineConfig, RequestError, StepOutput
 from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream
 from pdd.kv.layer_stream import LayerStream
+from pdd.kv.pages import OutOfPages
 from pdd.kv.radix_cache import RadixCache
-from pdd.model.loader import load_model
 from pdd.sampler import logprobs as sampler_logprobs
 from pdd.sampler import sample
 from pdd.sampling import Logprob, SamplingParams
@@ -61,7 +62,7 @@ class Engine(KVMoves):
         self.kv = PagedKV(self.pool, self.cache)
         self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
         self.seqs: dict[str, Sequence] = {}
-        self.copies: Copies | None = None  # the copy thread, where a runtime runs one (`pdd.engine.copies`)
+        self.copies: Copies | None = None  # the copy thread, where a runtime runs one (`pdd.engines.embedded.copies`)
         self.copy_stream = CopyStream(config.device)  # (a copy made here and now goes through it too)
         self.stats = EngineStats()
         self.eos_ids = eos_ids

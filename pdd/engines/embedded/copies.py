@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from pdd.engine import page_rows
-from pdd.engine.kv_pool import KVPool
-from pdd.engine.sequence import Sequence
-from pdd.engine_port import RequestError
+from pdd.engines.embedded import page_rows
+from pdd.engines.embedded.kv_pool import KVPool
+from pdd.engines.embedded.sequence import Sequence
+from pdd.engines.port import RequestError
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream, rest, yield_cpu
 from pdd.policy.transfer import kv_chunks

@@ -1,5 +1,5 @@
 """The embedded engine's KV in and out (a part of `Engine`): an import or export is
-checked and claimed on the engine thread, and copied by `pdd.engine.copies`, beside the
+checked and claimed on the engine thread, and copied by `pdd.engines.embedded.copies`, beside the
 steps where a runtime runs a copy thread, here and now otherwise."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdd.batching import Scheduler, Status
-from pdd.engine.copies import Copies, Copy, export_copy, import_copy
-from pdd.engine.kv_pool import KVPool
-from pdd.engine.sequence import Sequence
-from pdd.engine_port import RequestError
+from pdd.engines.embedded.copies import Copies, Copy, export_copy, import_copy
+from pdd.engines.embedded.kv_pool import KVPool
+from pdd.engines.embedded.sequence import Sequence
+from pdd.engines.port import RequestError
 from pdd.kv import codec, continuation
 from pdd.kv.blocks import HASH_BLOCK, PrefixHashes, block_hashes
 from pdd.kv.copy_stream import CopyStream

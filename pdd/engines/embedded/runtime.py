@@ -1,5 +1,5 @@
 """`EngineRuntime`: the embedded `Engine` on its own thread, behind `EnginePort`
-(`pdd.engine_port`); `open_embedded` is the "embedded" backend's factory.
+(`pdd.engines.port`); `open_embedded` is the "embedded" backend's factory.
 
 The engine is single-threaded by design; everything that touches it (adding requests,
 aborting, reserving, importing KV) is shipped to the engine thread as a command and
@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from pdd.engine.copies import Copies
-from pdd.engine.engine import Engine
-from pdd.engine.pacing import StepPacer
-from pdd.engine_port import CacheListener, EngineConfig, EngineLoad, StepOutput
+from pdd.engines.embedded.copies import Copies
+from pdd.engines.embedded.engine import Engine
+from pdd.engines.embedded.pacing import StepPacer
+from pdd.engines.port import CacheListener, EngineConfig, EngineLoad, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.kv.layer_stream import LayerStream
 from pdd.names import NATIVE
@@ -131,7 +131,7 @@ class EngineRuntime:
         )
 
     async def import_kv(self, rid: str, blob: KVBlob) -> None:
-        """Checked and claimed on the engine thread, copied beside its steps (`pdd.engine.copies`)."""
+        """Checked and claimed on the engine thread, copied beside its steps (`pdd.engines.embedded.copies`)."""
         copy = await self.call(lambda e: e.claim_import(rid, blob))
         await self.copies.run(copy, lambda: self._cmds.put((lambda e: e.copied(copy), None)))
 

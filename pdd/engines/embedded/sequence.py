@@ -41,7 +41,7 @@ class Sequence:
     published: bool = False  # its prompt's full pages are in the prefix cache (`Engine._publish`)
     # each prompt token's log-probabilities by position, where asked (`params.prompt_logprobs`)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
-    # KV copies claimed and not yet done (`pdd.engine.copies`): a start waits for them
+    # KV copies claimed and not yet done (`pdd.engines.embedded.copies`): a start waits for them
     copies: int = 0
     prompt_hashes: PrefixHashes | None = None  # its prompt's, kept as its imports are checked
     copied_end: int = 0  # an import's tokens in place so far (what counts if it is cancelled)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdd.engine.kv_pool import KVPool
+from pdd.engines.embedded.kv_pool import KVPool
 
 
 class PagedAttention:

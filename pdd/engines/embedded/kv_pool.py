@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdd.engine import page_rows
+from pdd.engines.embedded import page_rows
 from pdd.kv.pages import PagePool
 from pdd.model.config import ModelConfig
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdd.engines.embedded.rope import inv_freq_and_scale
 from pdd.model.config import ModelConfig
-from pdd.model.rope import inv_freq_and_scale
 
 
 class Attention(Protocol):

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pdd.engines.embedded.llama import CausalLM, Rotary
 from pdd.errors import ModelNotFound
 from pdd.model.config import ModelConfig
-from pdd.model.llama import CausalLM, Rotary
 
 # derived buffers some exporters store; the model recomputes them from config.json
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)

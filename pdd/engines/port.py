@@ -86,7 +86,7 @@ class EngineConfig:
     # ...), passed through when backend = "vllm": the `[engine.vllm]` table, or `pdd serve --vllm-arg`
     vllm: dict[str, Any] = field(default_factory=dict)
     # "native": steps take what this machine takes; "A" / "B": at least what that chip of
-    # the simulator's catalog would (`pdd.engine.pacing`), `dilation` times slower
+    # the simulator's catalog would (`pdd.engines.embedded.pacing`), `dilation` times slower
     # ("emulated" is resolved to a chip by role before it gets here: `pdd.names.role_chip`)
     hardware: str = NATIVE
     dilation: float = 1.0
@@ -116,10 +116,6 @@ class RequestError(ValueError):
 class EngineStartError(RuntimeError):
     """The engine cannot start with this model or these settings; the message is one line
     that says why (a missing extra, a checkpoint the engine refuses)."""
-
-
-class OutOfPages(RuntimeError):
-    """The KV pool cannot hold this now; it may once other requests finish."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +308,6 @@ def open_engine(
     return factory(Path(model_dir), config, threads, eos_ids)
 
 
-register_engine("embedded", "pdd.engine.runtime:open_embedded")
+register_engine("embedded", "pdd.engines.embedded.runtime:open_embedded")
 # the `pdd[vllm]` extra; vLLM's CPU attention takes blocks of a multiple of 32 tokens
 register_engine("vllm", "pdd.engines.vllm:open_vllm", page_size=32)
