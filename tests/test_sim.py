@@ -359,8 +359,8 @@ POLICIES = {
     "fits": ("pdd.lab.sim.cluster", "pdd.router.planning"),
     "pages_needed": ("pdd.lab.sim.cluster", "pdd.router.planning"),
     "relay_accepts": ("pdd.lab.sim.reserve", "pdd.instance.relay"),
-    "prefix_holder": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
-    "may_hold": ("pdd.lab.sim.reserve", "pdd.instance.receiver"),
+    "prefix_holder": ("pdd.lab.sim.reserve", "pdd.instance.decode_side"),
+    "may_hold": ("pdd.lab.sim.reserve", "pdd.instance.decode_side"),
     "reserve_retry_delay": ("pdd.instance.reservations", "pdd.instance.reservations"),
     "choose_pipeline": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
     "answer_wait_s": ("pdd.lab.sim.prefill", "pdd.instance.prefill"),
@@ -385,8 +385,8 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
     would fail here."""
     import importlib
 
+    from pdd.instance import decode_side
     from pdd.instance import prefill as live_prefill
-    from pdd.instance import receiver
     from pdd.lab.sim import prefill as sim_prefill
     from pdd.lab.sim import relayed, reserve
     from pdd.policy.transfer import LineMeter
@@ -406,7 +406,7 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
     assert live_prefill.LineMeter is LineMeter
     for method in METER:
         monkeypatch.setattr(LineMeter, method, spying(f"LineMeter.{method}", getattr(LineMeter, method)))
-    assert reserve.PREFIX_WAIT_S is receiver.PREFIX_WAIT_S
+    assert reserve.PREFIX_WAIT_S is decode_side.PREFIX_WAIT_S
     assert sim_prefill.Priority is live_prefill.Priority and relayed.Priority is live_prefill.Priority
     assert sim_prefill.RELAY_ANSWER_S == live_prefill.RELAY_ANSWER_S
     for name in PATHS:
@@ -601,7 +601,7 @@ def test_same_sessions_same_outcomes() -> None:
 # ---- 7b. MD waits for an earlier arrival that holds its prompt, reserved or not ------------
 
 def test_a_reservation_waits_for_an_earlier_arrival_not_reserved_yet() -> None:
-    """As the live side (`pdd.instance.receiver._may_hold`): a request still waiting for
+    """As the live side (`pdd.instance.decode_side._may_hold`): a request still waiting for
     its own reservation holds most of a later one's prompt, so the later one waits for it
     rather than fetch the same KV over the line; an earlier one never waits for a later
     arrival that is not reserved (the two would wait for each other), but does once it is."""

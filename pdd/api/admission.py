@@ -1,4 +1,4 @@
-"""The bounded line in front of a server's backend (`pdd.policy.admission` decides).
+"""The bounded line in front of a server's token source (`pdd.policy.admission` decides).
 
 Every /v1 request takes a slot before it is tokenized and holds it until its response
 ends; requests past the running limit wait in a FIFO of bounded length, and past

@@ -2,7 +2,7 @@
 
 It owns everything about the API — validation, tokenization, chat templates, stop
 strings, SSE framing, usage, metrics — and nothing about where tokens come from: that
-is the `Backend`. Every failure leaves as OpenAI's error JSON with a 4xx/5xx status.
+is the `TokenSource`. Every failure leaves as OpenAI's error JSON with a 4xx/5xx status.
 This module builds the app (`pdd.api.server` answers the requests, `shaping` and `sse`
 give them OpenAI's shapes).
 """
@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.api.access import AccessLog, KeyMetrics, access_of
 from pdd.api.auth import RequireApiKey
-from pdd.api.backend import Backend
 from pdd.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdd.api.parsers import Parsers
 from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -28,6 +27,7 @@ from pdd.api.response_store import Stored
 from pdd.api.responses import ResponsesRequest, named_as_responses
 from pdd.api.server import OpenAIServer
 from pdd.api.shaping import validation_error
+from pdd.api.source import TokenSource
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
 from pdd.process import identity
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def build_app(
-    backend: Backend,
+    source: TokenSource,
     tokenizer: Tokenizer,
     model_name: str,
     registry: CollectorRegistry | None = None,
@@ -49,7 +49,7 @@ def build_app(
     """The HTTP app; without `openai_api`, only /health, /metrics and /pdd/stats (a P/D
     instance: requests reach it from the router, over the framed protocol)."""
     server = OpenAIServer(
-        backend,
+        source,
         tokenizer,
         model_name,
         registry,
@@ -83,12 +83,12 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        state = backend.health()
+        state = source.health()
         return JSONResponse({**state, **identity()}, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        state = backend.ready()
+        state = source.ready()
         return JSONResponse({**state, **identity()}, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/metrics")
@@ -98,7 +98,7 @@ def build_app(
     @app.get("/pdd/stats")
     async def stats() -> dict:
         # (with the stored responses' bound: `pdd.api.response_store`)
-        return {**await backend.stats(), "responses": server.stored.stats()}
+        return {**await source.stats(), "responses": server.stored.stats()}
 
     if openai_api:
         _openai_routes(app, server)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pdd.api.backend import Load
+from pdd.api.source import Load
 from pdd.policy.transfer import LinkEstimate
 from pdd.transfer.wire import REJECTS
 

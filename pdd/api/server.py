@@ -1,5 +1,5 @@
 """The OpenAI API's handlers: admission, tokenization, chat templates, stop strings,
-running a generation on the `Backend` and answering it whole or streamed."""
+running a generation on the `TokenSource` and answering it whole or streamed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from starlette.background import BackgroundTask
 
 from pdd.api.access import Access, access_of
 from pdd.api.admission import AdmissionGate, Slot
-from pdd.api.backend import Backend, BackendError, GenRequest
 from pdd.api.choices import choice_params, collect, countdown, merged, whole_body
 from pdd.api.logprobs import LogprobFormatter
 from pdd.api.metrics import ServingMetrics
@@ -26,6 +25,7 @@ from pdd.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest,
 from pdd.api.response_store import DEFAULT_KEPT, ResponseStore, Stored
 from pdd.api.responses import ResponseForm, ResponsesRequest, named_as_responses
 from pdd.api.shaping import Outcome, sampling_params, unicode_text
+from pdd.api.source import GenerationError, GenRequest, TokenSource
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
 from pdd.api.tools import Assistant, ToolPlan
@@ -41,7 +41,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class OpenAIServer:
     def __init__(
         self,
-        backend: Backend,
+        source: TokenSource,
         tokenizer: Tokenizer,
         model_name: str,
         registry: CollectorRegistry | None,
@@ -57,14 +57,14 @@ class OpenAIServer:
         self.parsers = parsers
         self.tool_parser = parsers.tool
         self.stored = ResponseStore(responses_kept)
-        self.backend = backend
+        self.source = source
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.metrics = ServingMetrics(backend.load, registry)
+        self.metrics = ServingMetrics(source.load, registry)
         self.gate = AdmissionGate(admission, self.metrics.registry)
-        source = tokenizer.source
-        self.guides = None if source is None else Guides(source, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
+        vocab = tokenizer.source
+        self.guides = None if vocab is None else Guides(vocab, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
         self.created = int(time.time())
 
     # ---- request -> (prompt ids, sampling params) ------------------------------------------
@@ -106,7 +106,7 @@ class OpenAIServer:
         order: tuple[asyncio.Event, bool] | None = None,
     ) -> AsyncGenerator[Piece, None]:
         """Yield (text delta, token ids, their `logprobs` object where asked) pieces; fill
-        `out` and `access`; close the backend stream and give the admission slot back on
+        `out` and `access`; close the source's stream and give the admission slot back on
         exit (`release`). With `echo` (the prompt's text), a first piece says the prompt,
         with its logprobs where asked (no token ids: those are the output's). `order`: an
         event and whether this generation sets it (with its first token, or its end) or
@@ -114,7 +114,7 @@ class OpenAIServer:
         they then find in the prefix cache."""
         text = TextStream(self.tokenizer, stop)
         formatter = LogprobFormatter(self.tokenizer, chat) if params.logprobs is not None else None
-        gen = self.backend.generate(GenRequest(rid, prompt, params))
+        gen = self.source.generate(GenRequest(rid, prompt, params))
         first, last = None, None
         access.rid, access.prompt_tokens = rid, len(prompt)
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -161,7 +161,7 @@ class OpenAIServer:
                 yield delta, tokens, logprobs
                 if out.finish_reason:
                     break
-        except BackendError as e:
+        except GenerationError as e:
             raise self._failed(e) from None
         finally:
             if order is not None:
@@ -173,7 +173,7 @@ class OpenAIServer:
             access.pipeline = out.record.pipeline or "" if out.record else ""
         self._observe_end(out, first, last, access)
 
-    def _failed(self, e: BackendError) -> ApiError:
+    def _failed(self, e: GenerationError) -> ApiError:
         """A generation's failure as the client's error (counted)."""
         self.metrics.requests.labels("error").inc()
         retry = {"Retry-After": str(self.gate.retry_after())}
@@ -206,7 +206,7 @@ class OpenAIServer:
     ) -> Response:
         """Run a request and answer it: a completion, a chat completion (`chat`), or with
         `form`, a chat completion in the Responses API's shapes."""
-        limit, defaults = self.backend.max_context, self.tokenizer.generation_defaults
+        limit, defaults = self.source.max_context, self.tokenizer.generation_defaults
         access = access_of(client.scope)
         params = sampling_params(
             req, len(prompt), max_tokens, default_max, limit, defaults, access.api_key if self.tenants else ""
@@ -292,7 +292,7 @@ class OpenAIServer:
         prompt = await self.chat_prompt(messages, tools, req.chat_template_kwargs or {}, bool(req.add_special_tokens))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # as vLLM: without max_tokens, a chat completion may take the rest of the context
-        return await self.respond(True, req, prompt, max_tokens, self.backend.max_context, client, slot, tools, form)
+        return await self.respond(True, req, prompt, max_tokens, self.source.max_context, client, slot, tools, form)
 
     async def chat_prompt(
         self, messages: list[dict], tools: ToolPlan | None, kwargs: dict, special: bool = False
@@ -368,7 +368,7 @@ class OpenAIServer:
         """Tokenize on a worker thread: a long prompt takes seconds, and the event loop
         serves every other stream and /health meanwhile. A text too long for the context
         whatever its tokens is refused first (the tokenizer holds the GIL while it works)."""
-        limit = self.backend.max_context
+        limit = self.source.max_context
         if len(text) > 2 * limit * self.tokenizer.longest_token_chars:
             raise ApiError(
                 400,
@@ -387,7 +387,7 @@ class OpenAIServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "pdd",
-                    "max_model_len": self.backend.max_context,
+                    "max_model_len": self.source.max_context,
                     # pdd's extension: what `pdd bench` draws prompt token IDs below
                     "vocab_size": self.tokenizer.vocab_size,
                 }

@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_gracefully(server, backend, node, grace_s: float) -> None:
+def _exit_gracefully(server, source, node, grace_s: float) -> None:
     """The HTTP server, SIGTERM as `pdd.shutdown` takes it: its own API and the routers get no
     new work (each router hears it and plans around), what it holds finishes, then it exits.
     Held means the node's requests (for a P/D instance) and its own API's streams; quiet for
@@ -243,14 +243,14 @@ def _exit_gracefully(server, backend, node, grace_s: float) -> None:
     from pdd.shutdown import GracefulExit
 
     def begin() -> None:
-        backend.close_admission()
+        source.close_admission()
         if node is not None:
             node.refuse_work("shutting down")
 
     def idle() -> bool:
-        return backend.in_flight == 0 and (node is None or node.quiet_for() >= DRAIN_QUIET_S)
+        return source.in_flight == 0 and (node is None or node.quiet_for() >= DRAIN_QUIET_S)
 
-    GracefulExit(server, grace_s, begin, idle, backend.expire)
+    GracefulExit(server, grace_s, begin, idle, source.expire)
 
 
 async def _serve(
@@ -278,7 +278,7 @@ async def _serve(
     from pdd.engines.port import EngineStartError, open_engine
     from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
-    from pdd.instance.local_backend import LocalBackend
+    from pdd.instance.local_source import LocalSource
     from pdd.instance.node import Node
     from pdd.instance.roles import make_role
     from pdd.model.tokenizer import Tokenizer
@@ -302,10 +302,10 @@ async def _serve(
         await node.start()
         role = node.role  # a prefill role measures its lines (by datacenter); the others have none
         registry.register(LineMetrics(lambda: {dc: line.estimate for dc, line in getattr(role, "lines", {}).items()}))
-    backend = LocalBackend(runtime, node.stats if node else None, (lambda: node.refusing) if node else lambda: "")
+    source = LocalSource(runtime, node.stats if node else None, (lambda: node.refusing) if node else lambda: "")
     # its own API holds at most what the instance may hold; the engine queues past max_running
     app = build_app(
-        backend,
+        source,
         tokenizer,
         name,
         registry,
@@ -317,7 +317,7 @@ async def _serve(
     server = uvicorn.Server(
         uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
     )
-    _exit_gracefully(server, backend, node, grace_s)
+    _exit_gracefully(server, source, node, grace_s)
     if node is not None:
         node.on_drained = lambda: setattr(server, "should_exit", True)
         if join:

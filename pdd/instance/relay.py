@@ -21,9 +21,9 @@ import logging
 from dataclasses import dataclass, field
 
 from pdd.engines.port import RequestError
+from pdd.instance.decode_side import DecodeJob, DecodeSide
 from pdd.instance.host import Host, report_failure
 from pdd.instance.peers import PeerPool
-from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.names import HandoffMode
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy

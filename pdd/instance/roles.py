@@ -4,7 +4,7 @@ wires the chosen one into the node)."""
 from __future__ import annotations
 
 from pdd.instance.host import Host, Role
-from pdd.instance.main import MainRole
+from pdd.instance.main_decode import MainRole
 from pdd.instance.prefill import PrefillRole
 from pdd.instance.relay import RelayRole
 from pdd.instance.standalone import StandaloneRole

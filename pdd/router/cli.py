@@ -65,7 +65,7 @@ async def _serve(dep, sock, keys: dict[str, str], grace_s: float) -> None:
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
     from pdd.router.admin import add_admin_routes
-    from pdd.router.backend import RouterBackend
+    from pdd.router.source import RouterSource
     from pdd.shutdown import GracefulExit
 
     model_dir = resolve_model(dep.model.path)
@@ -75,11 +75,11 @@ async def _serve(dep, sock, keys: dict[str, str], grace_s: float) -> None:
         model.reasoning_parser, model.tool_parser, model.tool_parser_plugin, model_dir, tokenizer.chat_template
     )
     registry = CollectorRegistry()
-    backend = RouterBackend(dep, registry)
-    backend.max_context = Declared.from_dir(model_dir).max_position  # (each instance's own limit as it reports it)
-    await backend.start()
+    source = RouterSource(dep, registry)
+    source.max_context = Declared.from_dir(model_dir).max_position  # (each instance's own limit as it reports it)
+    await source.start()
     app = build_app(
-        backend,
+        source,
         tokenizer,
         dep.model.served_name,
         registry,
@@ -88,15 +88,15 @@ async def _serve(dep, sock, keys: dict[str, str], grace_s: float) -> None:
         admission=Limits(dep.router.max_running, dep.router.max_waiting),
         parsers=parsers,
     )
-    add_admin_routes(app, backend.members, dep)
+    add_admin_routes(app, source.members, dep)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=dep.router.host, port=dep.router.port, log_level="warning", timeout_graceful_shutdown=2
         )
     )
-    GracefulExit(server, grace_s, backend.close_admission, lambda: backend.in_flight == 0, backend.expire)
+    GracefulExit(server, grace_s, source.close_admission, lambda: source.in_flight == 0, source.expire)
     freeze_startup_heap()
     try:
         await server.serve(sockets=[sock])
     finally:
-        await backend.stop()
+        await source.stop()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pdd.api.backend import BackendError, GenRequest
+from pdd.api.source import GenerationError, GenRequest
 from pdd.config import Deployment
 from pdd.names import Mode, RoleName
 from pdd.policy.capacity import Room, fits, pages_needed
@@ -74,7 +74,7 @@ class Planner:
     def plan(self, req: GenRequest, room: bool = False) -> Plan | None:
         """The request's instances. With `room`, only decode-side instances that have room
         for it now: None while every one that is up is full (the request waits its turn).
-        BackendError 503 when an instance every request needs is down."""
+        GenerationError 503 when an instance every request needs is down."""
         p = self.dep.policy
         rule = anomaly_rule(
             p.anomaly_filter,
@@ -100,7 +100,7 @@ class Planner:
             needs, field = req.params.needs_protocol()
             old = sorted(c.name for c in self.clients.values() if _too_old(c, needs))
             why = f" ({field} needs protocol {needs}: {', '.join(old)} speak older)" if old else ""
-            raise BackendError(f"{e}{why}", 503) from None
+            raise GenerationError(f"{e}{why}", 503) from None
 
     async def dispatch(self, req: GenRequest) -> RouterRequest:
         """Plan the request once its decode side has room, first come first served."""

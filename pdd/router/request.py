@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdd.api.backend import GenRequest
+from pdd.api.source import GenRequest
 from pdd.names import Pipeline
 from pdd.policy.plan import Plan
 from pdd.record import RequestRecord

@@ -1,5 +1,5 @@
 """The relayed pipeline of a simulated request: P -> RLD -> MD, as the live relay and
-main instances run it (pdd/instance/relay.py, receiver.py).
+main instances run it (pdd/instance/relay.py, decode_side.py).
 
 P sends the full KV to the relay (urgent, inside the datacenter) and the delta to MD
 (background, over the line) at once; the relay streams from P's first token. Once MD

@@ -1,5 +1,5 @@
 """A decode-side instance's reservations, as the live ones take them
-(pdd/instance/receiver.py, relay.py, reservations.py).
+(pdd/instance/decode_side.py, relay.py, reservations.py).
 
 RESERVE lands a one-way delay after P sent it. A loaded relay turns an optional
 request (one with an MD to fall back on) away at once (`pdd.policy.capacity.

@@ -18,8 +18,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pdd.instance.decode_side import DecodeJob, DecodeSide
 from pdd.instance.host import Host, Tombstones
-from pdd.instance.receiver import DecodeJob, DecodeSide
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection
 

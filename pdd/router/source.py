@@ -26,7 +26,7 @@ from typing import Any, assert_never
 
 from prometheus_client import CollectorRegistry
 
-from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
+from pdd.api.source import GenerationError, GenEvent, GenRequest, Load
 from pdd.config import Deployment
 from pdd.names import Fallback, Pipeline, RoleName
 from pdd.policy.plan import missing_roles
@@ -35,8 +35,8 @@ from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.router.client import InstanceClient, InstanceDown
 from pdd.router.members import Membership
 from pdd.router.metrics import RouterMetrics
-from pdd.router.pacing import Pacer
 from pdd.router.planning import Planner
+from pdd.router.playout import TokenPlayout
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
@@ -45,7 +45,7 @@ from pdd.transfer.wire import link_key
 log = logging.getLogger(__name__)
 
 
-class RouterBackend:
+class RouterSource:
     def __init__(self, dep: Deployment, registry: CollectorRegistry) -> None:
         self.dep = dep
         self.router_id = secrets.token_hex(8)
@@ -53,7 +53,7 @@ class RouterBackend:
         self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.planner = Planner(dep, self.clients)
-        self.pacer = Pacer(dep.router.handoff_reserve_tokens)
+        self.playout = TokenPlayout(dep.router.handoff_reserve_tokens)
         self.in_flight = 0
         self.closing = False  # shutting down: no new requests (`close_admission`)
         self.expired = ""  # the shutdown's grace ran out: why the requests still running end (`expire`)
@@ -110,7 +110,7 @@ class RouterBackend:
     # ---- a request -------------------------------------------------------------------------
     async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         if self.closing:
-            raise BackendError("this router is shutting down: send the request to another", 503)
+            raise GenerationError("this router is shutting down: send the request to another", 503)
         request = await self.planner.dispatch(req)
         q: asyncio.Queue = asyncio.Queue()
         sent = 0  # output positions yielded so far
@@ -119,7 +119,7 @@ class RouterBackend:
             await self._submit(request, q)
             while True:
                 if self.expired:
-                    raise BackendError(self.expired, 503)
+                    raise GenerationError(self.expired, 503)
                 item = await self._next(request, q)
                 if item is not None:
                     source, body = item
@@ -130,10 +130,10 @@ class RouterBackend:
                         request.held += new
                         request.last_progress = time.monotonic()
                     if request.stranded:
-                        raise BackendError(
+                        raise GenerationError(
                             f"no instance is left to produce the request (instances {', '.join(request.members)})", 503
                         )
-                out = self.pacer.play_out(request)
+                out = self.playout.play_out(request)
                 if request.merger.finished and not request.held:
                     yield self._with_logprobs(request, self._finish(request, out), sent)
                     return
@@ -142,8 +142,8 @@ class RouterBackend:
                     sent += len(out)
         except InstanceDown as e:
             self.metrics.failures.inc()
-            raise BackendError(str(e)) from None
-        except BackendError:
+            raise GenerationError(str(e)) from None
+        except GenerationError:
             self.metrics.failures.inc()
             raise
         finally:
@@ -162,7 +162,7 @@ class RouterBackend:
             time.monotonic() - request.last_release,
             request.pacing,
             request.relay_stopped,
-            self.pacer.playout(request),
+            self.playout.playout(request),
         )
         try:
             if left <= 0:
@@ -171,7 +171,8 @@ class RouterBackend:
         except TimeoutError:
             if due is not None and due <= left:
                 return None
-            raise BackendError(f"no progress for {timeout:g} s (instances {', '.join(request.members)})", 504) from None
+            members = ", ".join(request.members)
+            raise GenerationError(f"no progress for {timeout:g} s (instances {members})", 504) from None
 
     @staticmethod
     def _cached(request: RouterRequest) -> int:
@@ -184,7 +185,7 @@ class RouterBackend:
                 request.cached = body.cached_tokens
                 if body.stall_ms is not None:
                     request.stall_ms = body.stall_ms
-                self.pacer.observe(request, source)
+                self.playout.observe(request, source)
                 return request.merger.add(
                     source, body.pos, body.tokens, body.finish_reason, body.logprobs, body.prompt_logprobs
                 )
@@ -198,7 +199,7 @@ class RouterBackend:
             case m.HandedOff():
                 request.handed_off, request.relay_done = body, True
                 if request.main_done:
-                    raise BackendError(LOST_AFTER_HANDOFF, 503)
+                    raise GenerationError(LOST_AFTER_HANDOFF, 503)
             case m.Error():
                 await self._on_error(request, q, source, body)
             case _:
@@ -260,7 +261,7 @@ class RouterBackend:
         if action == Recovery.RETRY_PREFILL:
             self._release(request)
             retry = self.planner.plan(request.req)  # (it was dispatched: no second wait for room)
-            assert retry is not None  # without `room`, a plan or BackendError, never None
+            assert retry is not None  # without `room`, a plan or GenerationError, never None
             request.restart(retry)
             self._fell_back(request, Fallback.PREFILL_RETRY)
             await self._submit(request, q)
@@ -271,13 +272,13 @@ class RouterBackend:
             self._fell_back(request, Fallback.RELAY_LOST)
             main = self.clients.get(plan.main or "")
             if main is None:
-                raise BackendError(message, failure_status(err.busy, err.lost))
+                raise GenerationError(message, failure_status(err.busy, err.lost))
             delivered = request.merger.delivered
             await main.send(m.Handoff(request.rid, 0, list(delivered), True, len(delivered)))
         else:
             if failed.main and request.handed_off:
                 message = LOST_AFTER_HANDOFF
-            raise BackendError(message, failure_status(err.busy, err.lost))
+            raise GenerationError(message, failure_status(err.busy, err.lost))
 
     @staticmethod
     def _with_logprobs(request: RouterRequest, event: GenEvent, first: int) -> GenEvent:
@@ -359,7 +360,7 @@ class RouterBackend:
             "membership": self.members.stats(),
             "dispatch_waiting": self.planner.line.waiting,
             "max_context": self.max_context,
-            "playout": self.pacer.stats(),
+            "playout": self.playout.stats(),
             "groups": self.members.groups(),
             "instances": {
                 c.name: {

@@ -1,11 +1,11 @@
-"""The OpenAI front end's backend for one colocated instance."""
+"""The OpenAI front end's token source for one colocated instance."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pdd import heap
-from pdd.api.backend import BackendError, GenEvent, GenRequest, Load
+from pdd.api.source import GenerationError, GenEvent, GenRequest, Load
 from pdd.engines.port import EnginePort, RequestError
 from pdd.instance.liveness import engine_failure
 from pdd.names import Pipeline
@@ -13,7 +13,7 @@ from pdd.record import RequestRecord
 from pdd.transfer.wire import REJECTS
 
 
-class LocalBackend:
+class LocalSource:
     def __init__(
         self,
         engine: EnginePort,
@@ -30,15 +30,15 @@ class LocalBackend:
 
     async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         if self.closing:
-            raise BackendError(f"this instance is {self.closing}: send the request to another", 503)
+            raise GenerationError(f"this instance is {self.closing}: send the request to another", 503)
         self.in_flight += 1
         try:
             async for event in self._generate(req):
                 yield event
         except RequestError as e:
-            raise BackendError(str(e), 400) from None
+            raise GenerationError(str(e), 400) from None
         except RuntimeError as e:  # the engine failed mid-request
-            raise BackendError(str(e), 500) from None
+            raise GenerationError(str(e), 500) from None
         finally:
             self.in_flight -= 1
 
@@ -46,7 +46,7 @@ class LocalBackend:
         produced = 0
         async for out in self.engine.generate(req.rid, req.prompt, req.params):
             if self.expired:
-                raise BackendError(self.expired, 503)
+                raise GenerationError(self.expired, 503)
             tokens = [] if out.token is None else [out.token]
             produced += len(tokens)
             event = GenEvent(tokens, out.finish_reason, out.cached_tokens)

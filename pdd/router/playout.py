@@ -9,7 +9,7 @@ from pdd.policy.playout import DEFAULT_PACE_S, Playout, observe_pace, observe_st
 from pdd.router.request import RouterRequest
 
 
-class Pacer:
+class TokenPlayout:
     def __init__(self, reserve_tokens: int) -> None:
         self.reserve_tokens = reserve_tokens  # the least kept (0: no reserve)
         self._pace: dict[str, float] = {}  # instance -> its measured gap between tokens (main and relay)

@@ -14,7 +14,7 @@ from pdd.record import RequestRecord
 from pdd.sampling import Logprob, SamplingParams
 
 
-class BackendError(Exception):
+class GenerationError(Exception):
     """Generation failed after it was accepted (an instance died, a link broke, ...)."""
 
     def __init__(self, message: str, status: int = 503) -> None:
@@ -52,7 +52,7 @@ class Load:
     used_pages: int = 0
 
 
-class Backend(Protocol):
+class TokenSource(Protocol):
     max_context: int
 
     def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
