@@ -140,7 +140,7 @@ def test_a_full_decode_pool_serves_reservations_first_come_first_served(tmp_path
         secret = next(line.split('"')[1] for line in deployment.splitlines() if line.startswith("secret"))
         port = next(int(line.split("=")[1]) for line in _instance_lines(deployment, "md0") if
                     line.startswith("kv_port"))
-        order = asyncio.run(_reserve_three(port, wire.link_key(secret, "instances")))
+        order = asyncio.run(_reserve_three(port, wire.connection_key(secret, "instances")))
     assert order[:2] == [("A", 0), ("wait", None)]
     assert [name for name, _ in order[2:]] == ["B", "C"]
 

@@ -20,7 +20,7 @@ from pdd.transfer.wire import (
     FramedConnection,
     MsgType,
     client_handshake,
-    link_key,
+    connection_key,
     open_connection,
     serve,
     server_handshake,
@@ -153,7 +153,7 @@ def test_a_tls_deployment_serves_and_listens_only_where_its_config_says(pair, tm
                                                           "ignore_eos": True, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
         deployed = load(dep.run_dir / "deployment.toml")
-        md0, key = deployed.instance("md0"), link_key(deployed.secret, "instances")
+        md0, key = deployed.instance("md0"), connection_key(deployed.secret, "instances")
         # with the deployment's own key, a router's HELLO over TLS gets MD's first frame (its cache
         # snapshot); the same over plain TCP is refused: only the missing TLS can refuse it
         assert asyncio.run(_exchange(md0.kv_port, client_context(pair), key, send=False))

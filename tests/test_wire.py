@@ -36,17 +36,17 @@ from pdd.transfer.wire import (
     MsgType,
     TooLarge,
     UnknownType,
+    connection_key,
     decode_json,
     encode_json,
-    link_key,
     open_connection,
     pack_with_header,
     serve,
     unpack_with_header,
 )
 
-KEY = link_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
-OTHER_KEY = link_key("correct horse battery staple", "dc-a/p0->dc-b/md1")
+KEY = connection_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
+OTHER_KEY = connection_key("correct horse battery staple", "dc-a/p0->dc-b/md1")
 FIELDS = {  # byte offsets of the header fields
     "magic": range(0, 2),
     "version": range(2, 3),
@@ -353,11 +353,11 @@ def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
 
 def test_link_key_derivation() -> None:
     assert len(KEY) == 32
-    assert KEY == link_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
+    assert KEY == connection_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
     assert KEY != OTHER_KEY
-    assert KEY != link_key("another secret", "dc-a/p0->dc-b/md0")
+    assert KEY != connection_key("another secret", "dc-a/p0->dc-b/md0")
     with pytest.raises(ValueError):
-        link_key("", "x")
+        connection_key("", "x")
 
 
 async def _pong_handler(conn: FramedConnection) -> None:
@@ -563,7 +563,7 @@ def test_random_byte_flips_never_decode_under_auth(payload: bytes, data: st.Data
 
 def test_a_recorded_session_cannot_be_replayed_on_a_new_connection():
     """Both ends add a fresh nonce: frames captured from one connection fail on another."""
-    key = wire.link_key("secret", "instances")
+    key = wire.connection_key("secret", "instances")
 
     async def scenario() -> None:
         seen: list[dict] = []
@@ -685,7 +685,7 @@ def test_the_version_is_settled_in_hello(server_speaks, monkeypatch) -> None:
     on); a server pinned to the version before (`PDD_PROTOCOL`: on the wire, the release
     before) closes on a newer HELLO, and `connect` says it again in the older one. A
     client pinned so speaks its own to either."""
-    key = wire.link_key("secret", "instances")
+    key = wire.connection_key("secret", "instances")
     monkeypatch.setenv(wire.PROTOCOL_ENV, str(server_speaks))  # what the server's end reads
 
     async def scenario() -> list[tuple[int, dict, tuple]]:

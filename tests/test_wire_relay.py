@@ -22,7 +22,7 @@ import pytest
 from pdd.transfer import wire
 from pdd.transfer.wire.frame import FLAG_AUTH, GMAC_SINCE, GMAC_TAG_SIZE, HEADER, TAG_SIZE
 
-KEY = wire.link_key("relay-test-secret", "instances")
+KEY = wire.connection_key("relay-test-secret", "instances")
 NEWEST = wire.PROTOCOL_VERSION
 Tamper = Callable[[int, bytes], list[bytes] | None]  # (index, frame) -> what goes on (None: close)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdd.api.access import access_of
 from pdd.api.protocol import ApiError
-from pdd.transfer.wire import link_key
+from pdd.transfer.wire import connection_key
 
 ADMIN_PREFIX = "/pdd/admin/"
 
@@ -21,7 +21,7 @@ ADMIN_PREFIX = "/pdd/admin/"
 def admin_token(secret: str) -> str:
     """The bearer token of the membership routes: derived from the deployment's secret,
     so every instance (which joins) and operator (who drains) holding the config has it."""
-    return link_key(secret, "admin").hex()
+    return connection_key(secret, "admin").hex()
 
 
 class RequireApiKey:

@@ -283,7 +283,7 @@ async def _serve(
     from pdd.instance.roles import make_role
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
-    from pdd.transfer.wire import link_key
+    from pdd.transfer.wire import connection_key
 
     torch.set_num_threads(threads)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -298,7 +298,7 @@ async def _serve(
     for collector in runtime.metric_collectors():  # the engine's own series (vLLM's vllm:*)
         registry.register(collector)
     if dep is not None:
-        node = Node(spec, dep, runtime, link_key(dep.secret, "instances"), make_role)
+        node = Node(spec, dep, runtime, connection_key(dep.secret, "instances"), make_role)
         await node.start()
         role = node.role  # a prefill role measures its lines (by datacenter); the others have none
         registry.register(LineMetrics(lambda: {dc: line.estimate for dc, line in getattr(role, "lines", {}).items()}))

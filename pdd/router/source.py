@@ -40,7 +40,7 @@ from pdd.router.playout import TokenPlayout
 from pdd.router.request import LOST_AFTER_HANDOFF, RouterRequest
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
-from pdd.transfer.wire import link_key
+from pdd.transfer.wire import connection_key
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class RouterSource:
         self.dep = dep
         self.router_id = secrets.token_hex(8)
         self.metrics = RouterMetrics(registry, lambda: self.clients.values())
-        self.members = Membership(dep, link_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
+        self.members = Membership(dep, connection_key(dep.secret, "instances"), self.router_id, self.metrics.kv_sent)
         self.clients = self.members.clients  # by name; instances join and leave at run time
         self.planner = Planner(dep, self.clients)
         self.playout = TokenPlayout(dep.router.handoff_reserve_tokens)

@@ -35,7 +35,7 @@ from pdd.lab.workload.scenarios import SCENARIOS
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
-KEY = wire.link_key("pdd bench handoff", "line")
+KEY = wire.connection_key("pdd bench handoff", "line")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -51,7 +51,7 @@ from pdd.transfer.wire.handshake import (
     Downgrade,
     client_handshake,
     connect,
-    link_key,
+    connection_key,
     server_handshake,
     session_keys,
 )
@@ -114,7 +114,7 @@ __all__ = [
     "Downgrade",
     "client_handshake",
     "connect",
-    "link_key",
+    "connection_key",
     "server_handshake",
     "session_keys",
 ]

@@ -170,13 +170,11 @@ async def connect(
             raise
 
 
-def link_key(secret: str, link_name: str) -> bytes:
-    """Derive a per-link key from the deployment's shared secret.
-
-    Each link gets its own key, so a key leaked from one link's endpoints does not
-    authenticate traffic on another.
-    """
+def connection_key(secret: str, kind: str) -> bytes:
+    """The key of one kind of connection (`"instances"`: between instances; a router's
+    own), derived from the deployment's shared secret: a key leaked from one kind's ends
+    does not authenticate traffic of another."""
     if not secret:
         raise ValueError("the shared secret must not be empty")
-    info = b"pdd/link-key/v2\x00" + link_name.encode("utf-8")
+    info = b"pdd/link-key/v2\x00" + kind.encode("utf-8")  # (the protocol's label: never renamed)
     return HKDF(SHA256(), KEY_BYTES, salt=None, info=info).derive(secret.encode("utf-8"))
