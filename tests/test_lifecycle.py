@@ -155,11 +155,11 @@ def test_an_instance_whose_engine_dies_tells_every_router_at_once():
 
     from pdd import config as cfg
     from pdd.instance.liveness import WATCH_S
-    from pdd.instance.node import Node
+    from pdd.instance.node import InstanceNode
     from pdd.transfer import messages as m
 
     engine = SimpleNamespace(llm=SimpleNamespace(errored=False))
-    node = Node(cfg.InstanceSpec("md0", "main", "B"), cfg.Deployment(), engine, b"k" * 32,
+    node = InstanceNode(cfg.InstanceSpec("md0", "main", "B"), cfg.Deployment(), engine, b"k" * 32,
                 lambda host: SimpleNamespace(held=lambda: 0))
     sent: list[tuple[str, object]] = []
 

@@ -279,7 +279,7 @@ async def _serve(
     from pdd.heap import freeze_startup_heap
     from pdd.instance.join import register
     from pdd.instance.local_source import LocalSource
-    from pdd.instance.node import Node
+    from pdd.instance.node import InstanceNode
     from pdd.instance.roles import make_role
     from pdd.model.tokenizer import Tokenizer
     from pdd.policy.admission import Limits
@@ -298,7 +298,7 @@ async def _serve(
     for collector in runtime.metric_collectors():  # the engine's own series (vLLM's vllm:*)
         registry.register(collector)
     if dep is not None:
-        node = Node(spec, dep, runtime, connection_key(dep.secret, "instances"), make_role)
+        node = InstanceNode(spec, dep, runtime, connection_key(dep.secret, "instances"), make_role)
         await node.start()
         role = node.role  # a prefill role measures its lines (by datacenter); the others have none
         registry.register(LineMetrics(lambda: {dc: line.estimate for dc, line in getattr(role, "lines", {}).items()}))

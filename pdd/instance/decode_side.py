@@ -21,8 +21,8 @@ from typing import Generic, TypeVar, assert_never
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.engines.port import OutputStream
-from pdd.instance.host import Host, not_taken, report_failure, tokens_of
 from pdd.instance.reservations import ReservationLine
+from pdd.instance.role import Node, not_taken, report_failure, tokens_of
 from pdd.kv import codec
 from pdd.kv.pages import OutOfPages
 from pdd.kv.reassembly import Reassembly
@@ -74,14 +74,14 @@ class DecodeSide(Generic[J]):
     """Base of `MainRole` and `RelayRole`; subclasses add the handoff, and their jobs
     (`job_type`) the handoff's state."""
 
-    def __init__(self, host: Host, job_type: type[J]) -> None:
-        self.host = host
-        self.engine = host.engine
+    def __init__(self, node: Node, job_type: type[J]) -> None:
+        self.node = node
+        self.engine = node.engine
         self.job_type = job_type
         self.jobs: dict[str, J] = {}
         self.prefix_waits_expired = 0  # reservations that waited PREFIX_WAIT_S for a prefix holder in vain
         self.line: ReservationLine[J] = ReservationLine(
-            lambda job: self.host.to_router(job.router_id, m.Progress(job.rid, "queued"))
+            lambda job: self.node.to_router(job.router_id, m.Progress(job.rid, "queued"))
         )
 
     # ---- frames --------------------------------------------------------------------------
@@ -89,7 +89,7 @@ class DecodeSide(Generic[J]):
         try:
             if frame.type == MsgType.KV_LAYER:
                 header, blob = m.decode_kv(frame)
-                if header.rid not in self.host.aborted:  # (KV still on the line when it was aborted)
+                if header.rid not in self.node.aborted:  # (KV still on the line when it was aborted)
                     await self._on_layer(conn, self._job(header.rid, name), codec.decode(blob))
             else:
                 await self.on_peer_body(conn, name, m.between_instances(frame))
@@ -100,7 +100,7 @@ class DecodeSide(Generic[J]):
             if job is not None:
                 await self.fail(job, e)
             elif rid:
-                await self.host.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
+                await self.node.send(conn, m.Error(f"{type(e).__name__}: {e}", rid))
 
     def held(self) -> int:
         return len(self.jobs)
@@ -115,8 +115,8 @@ class DecodeSide(Generic[J]):
 
     def refusal(self, r: m.Reserve) -> str | None:
         """Why this instance will not hold `r` now (None: it will, queued if need be)."""
-        if self.host.full():
-            return f"{self.host.spec.name} holds {self.held()} requests, its limit"
+        if self.node.full():
+            return f"{self.node.spec.name} holds {self.held()} requests, its limit"
         return None
 
     async def on_peer_body(self, conn: FramedConnection, name: str, body: m.BetweenInstances) -> None:
@@ -126,7 +126,7 @@ class DecodeSide(Generic[J]):
             case m.KVDone():
                 await self._on_kv_done(conn, name, body)
             case m.Abort():  # P drops what it reserved or sent, for nothing
-                self.host.aborted.add(body.rid)
+                self.node.aborted.add(body.rid)
                 dropped = self.jobs.get(body.rid)
                 if dropped is not None:
                     await self.end(dropped)
@@ -134,24 +134,24 @@ class DecodeSide(Generic[J]):
                 m.ReserveAck() | m.KVAck() | m.Ready() | m.Handoff() | m.HandoffAck() | m.Error() | m.KVRegionAsk()
                 | m.KVRegion() | m.KVPlaced() | m.KVSlotFree()
             ):  # fmt: skip
-                raise m.BadMessage(f"{type(body).__name__} is not for a {self.host.spec.role} instance")
+                raise m.BadMessage(f"{type(body).__name__} is not for a {self.node.spec.role} instance")
             case _:
                 assert_never(body)
 
     async def _on_reserve(self, conn: FramedConnection, name: str, body: m.Reserve) -> None:
-        if body.rid in self.host.aborted:
+        if body.rid in self.node.aborted:
             return
         refusal = self.refusal(body)
         if refusal:
-            await self.host.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
+            await self.node.send(conn, m.ReserveAck(body.rid, error=refusal, busy=True))
             return
         job = self.jobs[body.rid] = self.job_type(body, name, conn)
-        self.host.took()
-        self.host.spawn(self._reserve(job))
+        self.node.took()
+        self.node.spawn(self._reserve(job))
 
     async def _on_kv_done(self, conn: FramedConnection, name: str, body: m.KVDone) -> None:
-        if body.rid in self.host.aborted:  # confirm it anyway: P counts it off the line
-            await self.host.send(conn, m.KVAck(body.rid, 0, done=True))
+        if body.rid in self.node.aborted:  # confirm it anyway: P counts it off the line
+            await self.node.send(conn, m.KVAck(body.rid, 0, done=True))
             return
         job = self._job(body.rid, name)
         await job.kv_in.wait()  # KV_DONE may overtake KV on another connection
@@ -161,7 +161,7 @@ class DecodeSide(Generic[J]):
             return
         job.loaded, job.first_token, job.first_logprob = True, body.first_token, body.first_logprob
         job.prompt_logprobs = body.prompt_logprobs
-        await self.host.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
+        await self.node.send(conn, m.KVAck(job.rid, len(job.reserve.prompt), done=True))
         if body.emit:
             job.output = [body.first_token]
             await self.run(job, emit_from=0)
@@ -171,12 +171,12 @@ class DecodeSide(Generic[J]):
     async def on_router(self, router_id: str, body: m.FromRouter) -> None:
         match body:
             case m.Abort():
-                self.host.aborted.add(body.rid)
+                self.node.aborted.add(body.rid)
                 job = self.jobs.get(body.rid)
                 if job is not None:
                     await self.end(job)
             case m.Submit() | m.Handoff() | m.CacheUpdate() | m.Member() | m.Drain():
-                not_taken(self.host, router_id, body)
+                not_taken(self.node, router_id, body)
             case _:
                 assert_never(body)
 
@@ -237,7 +237,7 @@ class DecodeSide(Generic[J]):
                 if hit is None:
                     return
         except OutOfPages as e:
-            await self._refuse(job, f"{self.host.spec.name} is full: {e}", busy=True)
+            await self._refuse(job, f"{self.node.spec.name} is full: {e}", busy=True)
             return
         except Exception as e:
             await self._refuse(job, str(e))
@@ -248,11 +248,11 @@ class DecodeSide(Generic[J]):
         job.reserved, job.kv = True, Reassembly(hit, len(r.prompt))  # P sends the KV of [hit, prompt)
         if job.kv.complete:
             job.kv_in.set()
-        await self.host.send(job.owner, m.ReserveAck(r.rid, hit))
+        await self.node.send(job.owner, m.ReserveAck(r.rid, hit))
 
     async def _refuse(self, job: J, reason: str, busy: bool = False) -> None:
         self.forget(job)
-        await self.host.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
+        await self.node.send(job.owner, m.ReserveAck(job.rid, error=reason, busy=busy))
 
     async def _on_layer(self, conn: FramedConnection, job: J, blob: codec.KVBlob) -> None:
         if job.kv is None:
@@ -260,7 +260,7 @@ class DecodeSide(Generic[J]):
         for whole in job.kv.add(blob):
             # not awaited: reading goes on (the line keeps flowing) while the engine is busy;
             # engine commands run in the order they are issued, so chunks land in token order
-            job.importing = self.host.spawn(self._import(conn, job, whole))
+            job.importing = self.node.spawn(self._import(conn, job, whole))
         if job.kv.complete:
             job.kv_in.set()
 
@@ -271,7 +271,7 @@ class DecodeSide(Generic[J]):
             if not job.ended:
                 await self.fail(job, e)
             return
-        await self.host.send(conn, m.KVAck(job.rid, blob.header.token_end))
+        await self.node.send(conn, m.KVAck(job.rid, blob.header.token_end))
 
     # ---- decoding ------------------------------------------------------------------------
     async def run(self, job: J, emit_from: int | None, shadow: bool = False, step_cap: int = 0) -> None:
@@ -290,7 +290,7 @@ class DecodeSide(Generic[J]):
                 stream.close()
                 raise
             job.stream = stream
-            self.host.spawn(self._forward(job, stream))
+            self.node.spawn(self._forward(job, stream))
         else:
             cached = await self.engine.start(job.rid, new, shadow, step_cap)
         job.producing = emit_from is not None
@@ -304,7 +304,7 @@ class DecodeSide(Generic[J]):
             tokens = m.Tokens(
                 job.rid, emit_from, job.output[emit_from:], None, cached, logprobs=lps, prompt_logprobs=prompt_lps
             )
-            self.host.to_router(job.router_id, tokens)
+            self.node.to_router(job.router_id, tokens)
 
     async def _forward(self, job: J, stream: OutputStream) -> None:
         finished = False
@@ -320,10 +320,10 @@ class DecodeSide(Generic[J]):
                 if job.stall_from is not None:  # the first token after a handoff: how long MD stalled
                     tokens = replace(tokens, stall_ms=1000 * (time.monotonic() - job.stall_from))
                     job.stall_from = None
-                self.host.to_router(job.router_id, tokens)
+                self.node.to_router(job.router_id, tokens)
                 self.on_token(job)
         except RuntimeError as e:  # the engine failed this request: say so, don't go silent
-            await report_failure(self.host, job.router_id, job.rid, e)
+            await report_failure(self.node, job.router_id, job.rid, e)
         finally:
             stream.close()
             self.forget(job)
@@ -341,7 +341,7 @@ class DecodeSide(Generic[J]):
 
     async def on_loaded(self, job: J) -> None:
         """KV complete without `emit`: the main instance waits for a handoff."""
-        raise m.BadMessage(f"a {self.host.spec.role} instance cannot wait for a handoff")
+        raise m.BadMessage(f"a {self.node.spec.role} instance cannot wait for a handoff")
 
     # ---- endings -------------------------------------------------------------------------
     def forget(self, job: J) -> None:
@@ -361,8 +361,8 @@ class DecodeSide(Generic[J]):
 
     async def fail(self, job: J, error: BaseException) -> None:
         await self.end(job)
-        await self.host.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
-        await report_failure(self.host, job.router_id, job.rid, error)
+        await self.node.send(job.owner, m.Error(f"{type(error).__name__}: {error}", job.rid))
+        await report_failure(self.node, job.router_id, job.rid, error)
 
     def peer_lost(self, name: str) -> None:
         """A connection from P is gone: what it reserved and had not finished sending is
@@ -372,17 +372,17 @@ class DecodeSide(Generic[J]):
         fail it as MD's own loss. (MD hears of it at once where one of P's connections
         carries nothing: P's KV is striped over several, `pdd.instance.peers`.)"""
         for job in [j for j in self.jobs.values() if j.peer == name and not j.loaded]:
-            self.host.spawn(self.end(job))
+            self.node.spawn(self.end(job))
             lost = ConnectionError(f"prefill instance {name} was lost before the KV was complete")
-            self.host.spawn(self._report_p_lost(job, lost))
+            self.node.spawn(self._report_p_lost(job, lost))
 
     async def _report_p_lost(self, job: J, lost: ConnectionError) -> None:
-        live = self.host.dep.liveness
+        live = self.node.dep.liveness
         await asyncio.sleep(live.dead_after_s + live.heartbeat_s)  # (for the attempt it left: ignored)
-        await report_failure(self.host, job.router_id, job.rid, lost)
+        await report_failure(self.node, job.router_id, job.rid, lost)
 
     def router_lost(self, router_id: str) -> None:
         """Nobody will read these tokens any more: stop computing them."""
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.host.aborted.add(job.rid)
-            self.host.spawn(self.end(job))
+            self.node.aborted.add(job.rid)
+            self.node.spawn(self.end(job))

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdd.instance.decode_side import DecodeJob, DecodeSide
-from pdd.instance.host import Host, Tombstones
+from pdd.instance.role import Node, Tombstones
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection
 
@@ -38,8 +38,8 @@ class MainJob(DecodeJob):
 
 
 class MainRole(DecodeSide[MainJob]):
-    def __init__(self, host: Host) -> None:
-        super().__init__(host, MainJob)
+    def __init__(self, node: Node) -> None:
+        super().__init__(node, MainJob)
         # The relay's frames and P's reservation come on different connections; after a
         # stalled line a relay's handoff (a fill, say) can overtake the reservation. It is
         # kept here, bounded, and applied when the reservation lands: refused, it would
@@ -65,7 +65,7 @@ class MainRole(DecodeSide[MainJob]):
             self.early.pop(body.rid, None)
 
     def _keep_early(self, h: m.Handoff, conn: FramedConnection) -> None:
-        if h.rid in self.ended or h.rid in self.host.aborted:  # the relay hears so and finishes alone
+        if h.rid in self.ended or h.rid in self.node.aborted:  # the relay hears so and finishes alone
             raise m.BadMessage(f"request {h.rid!r} is not held here")
         self.early.setdefault(h.rid, []).append((h, conn))
         while len(self.early) > MAX_EARLY:
@@ -75,7 +75,7 @@ class MainRole(DecodeSide[MainJob]):
         if isinstance(body, m.Handoff):  # the relay was lost: take over from what the client has
             job = self.jobs.get(body.rid)
             if job is None or job.router_id != router_id:
-                self.host.to_router(router_id, m.Error(f"request {body.rid!r} is not held here", body.rid))
+                self.node.to_router(router_id, m.Error(f"request {body.rid!r} is not held here", body.rid))
                 return
             try:
                 await self._on_handoff(job, body, None)
@@ -107,7 +107,7 @@ class MainRole(DecodeSide[MainJob]):
             await self._apply(job)
 
     async def on_loaded(self, job: MainJob) -> None:
-        self.host.spawn(self._watch(job))
+        self.node.spawn(self._watch(job))
         await self._apply(job)
 
     async def _watch(self, job: MainJob) -> None:
@@ -143,4 +143,4 @@ class MainRole(DecodeSide[MainJob]):
         if job.fill:
             await self._apply(job)
         elif job.relay_conn is not None:
-            await self.host.send(job.relay_conn, m.HandoffAck(job.rid, computed))
+            await self.node.send(job.relay_conn, m.HandoffAck(job.rid, computed))

@@ -4,7 +4,7 @@ Routers connect to every instance (requests in, tokens and cache events out); ot
 instances connect to the decode side (KV in, replies out). The node authenticates the
 connection, reads typed bodies (`pdd.transfer.messages`) and hands them to the role
 object that owns the requests (`pdd.instance.roles`), which sees the node only as a
-`pdd.instance.host.Host`. A role never touches sockets beyond sending on them.
+`pdd.instance.role.Node`. A role never touches sockets beyond sending on them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Literal, assert_never, cast
 
 from pdd.config import ROLES, Deployment, InstanceSpec
 from pdd.engines.port import EnginePort
-from pdd.instance.host import Host, Role, Tombstones
 from pdd.instance.liveness import WATCH_S, engine_failure
 from pdd.instance.placement import Regions, check_start
+from pdd.instance.role import Node, Role, Tombstones
 from pdd.names import RoleName
 from pdd.tasks import Tasks
 from pdd.transfer import messages as m
@@ -32,9 +32,9 @@ HELLO_TIMEOUT_S = 10.0
 DRAIN_QUIET_S = 1.0
 
 
-class Node:
+class InstanceNode:
     def __init__(
-        self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes, make_role: Callable[[Host], Role]
+        self, spec: InstanceSpec, dep: Deployment, engine: EnginePort, key: bytes, make_role: Callable[[Node], Role]
     ) -> None:
         self.spec = spec
         self.dep = dep

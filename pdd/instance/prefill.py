@@ -21,9 +21,9 @@ from typing import Any, assert_never
 
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
-from pdd.instance.host import Host, not_taken, report_failure
 from pdd.instance.peers import PeerPool
 from pdd.instance.prefill_kv import KVSenders, PrefillJob, answer, loaded, reservation
+from pdd.instance.role import Node, not_taken, report_failure
 from pdd.kv.layer_stream import LayerStream
 from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
@@ -37,25 +37,25 @@ PROGRESS_EVERY_S = 1.0
 
 
 class PrefillRole:
-    def __init__(self, host: Host) -> None:
-        self.host = host
-        self.engine = host.engine
-        self.policy = host.dep.policy
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.engine = node.engine
+        self.policy = node.dep.policy
         self.jobs: dict[str, PrefillJob] = {}
-        self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_peer_lost)
+        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_peer_lost)
         self.lines: dict[str, LineMeter] = {}  # by datacenter
-        self.senders = KVSenders(self.engine, self.peers, self.policy.kv_chunk_tokens, self._line, host.spawn)
+        self.senders = KVSenders(self.engine, self.peers, self.policy.kv_chunk_tokens, self._line, node.spawn)
 
     def close(self) -> None:
         self.peers.close()
 
     def _line(self, peer: str) -> LineMeter:
-        dc = self.host.dep.instance(peer).dc
+        dc = self.node.dep.instance(peer).dc
         if dc not in self.lines:
-            link = self.host.dep.link
+            link = self.node.dep.link
             prior = (
                 LOCAL_PRIOR
-                if dc == self.host.spec.dc
+                if dc == self.node.spec.dc
                 else LinkEstimate(link.bandwidth_mbps * 125_000, link.delay_ms / 1000)
             )
             self.lines[dc] = LineMeter(prior)
@@ -65,23 +65,23 @@ class PrefillRole:
     async def on_router(self, router_id: str, body: m.FromRouter) -> None:
         match body:
             case m.Submit():
-                if body.rid in self.host.aborted or body.rid in self.jobs:
+                if body.rid in self.node.aborted or body.rid in self.jobs:
                     return
                 job = self.jobs[body.rid] = PrefillJob(body, router_id)
-                self.host.took()
-                job.task = self.host.spawn(self._run(job))
+                self.node.took()
+                job.task = self.node.spawn(self._run(job))
             case m.Abort():
-                self.host.aborted.add(body.rid)
+                self.node.aborted.add(body.rid)
                 running = self.jobs.get(body.rid)
                 if running is not None and running.task is not None:
                     running.task.cancel()
             case m.Handoff() | m.CacheUpdate() | m.Member() | m.Drain():
-                not_taken(self.host, router_id, body)
+                not_taken(self.node, router_id, body)
             case _:
                 assert_never(body)
 
     async def on_peer(self, conn, name, frame) -> None:
-        await self.host.send(conn, m.Error("a prefill instance takes no peer traffic"))
+        await self.node.send(conn, m.Error("a prefill instance takes no peer traffic"))
 
     def peer_lost(self, name: str) -> None:
         pass
@@ -103,7 +103,7 @@ class PrefillRole:
 
     def router_lost(self, router_id: str) -> None:
         for job in [j for j in self.jobs.values() if j.router_id == router_id]:
-            self.host.aborted.add(job.rid)
+            self.node.aborted.add(job.rid)
             if job.task is not None:
                 job.task.cancel()
 
@@ -137,7 +137,7 @@ class PrefillRole:
         job.last_ack = now = time.monotonic()
         if now - job.progress_sent >= PROGRESS_EVERY_S:
             job.progress_sent = now
-            self.host.to_router(job.router_id, m.Progress(job.rid, "kv"))
+            self.node.to_router(job.router_id, m.Progress(job.rid, "kv"))
 
     def _on_peer_lost(self, peer: str) -> None:
         for job in self.jobs.values():
@@ -154,11 +154,11 @@ class PrefillRole:
         except Exception as e:
             if not isinstance(e, (ConnectionError, asyncio.TimeoutError, ValueError, RuntimeError)):
                 log.exception("request %s failed", job.rid)
-            await report_failure(self.host, job.router_id, job.rid, e)
+            await report_failure(self.node, job.router_id, job.rid, e)
         finally:
             self.senders.stop(job)
             for peer in job.holders:  # they reserved (or got part of the KV) for nothing
-                self.host.spawn(self._tell(peer, m.Abort(job.rid)))
+                self.node.spawn(self._tell(peer, m.Abort(job.rid)))
                 self._line(peer).end((job.rid, peer))
             answers: list[asyncio.Future[Any]] = [*job.acks.values(), *job.loaded.values()]
             for fut in answers:
@@ -193,7 +193,7 @@ class PrefillRole:
         the pages)."""
         if not self.peers.remote(peer) or version < wire.LOSSY_KV_SINCE:
             return "", ""
-        return self.host.dep.link.lossy_kv, self.host.dep.link.compress_kv
+        return self.node.dep.link.lossy_kv, self.node.dep.link.compress_kv
 
     async def _serve(self, job: PrefillJob) -> None:
         s = job.submit
@@ -209,7 +209,7 @@ class PrefillRole:
         if s.relay and pipeline == Pipeline.P_MD:
             job.holders.discard(s.relay)
             self.senders.drop(job, s.relay)
-            self.host.spawn(self._tell(s.relay, m.Abort(s.rid)))
+            self.node.spawn(self._tell(s.relay, m.Abort(s.rid)))
         if s.main and pipeline == Pipeline.P_RLD:
             self.senders.drop(job, s.main)
         log.debug(
@@ -218,16 +218,16 @@ class PrefillRole:
             1000 * (t_prefilled - job.submitted),
             1000 * (time.monotonic() - t_prefilled),
         )
-        self.host.to_router(
+        self.node.to_router(
             job.router_id, m.PipelineChosen(s.rid, pipeline, cached, ack.hit if ack else 0, predicted, fallback)
         )
         if reason == "stop" or s.params.max_tokens == 1:  # P's token is the whole answer
-            self.host.to_router(job.router_id, m.Result(s.rid))
+            self.node.to_router(job.router_id, m.Result(s.rid))
             lps = None if job.first_logprob is None else [job.first_logprob]
             tokens = m.Tokens(
                 s.rid, 0, [first], reason or "length", cached, logprobs=lps, prompt_logprobs=job.prompt_logprobs
             )
-            self.host.to_router(job.router_id, tokens)
+            self.node.to_router(job.router_id, tokens)
             return
         paths: dict[str, Coroutine[Any, Any, int]] = {}
         if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD):  # the fast path: full KV to the relay, which emits at once
@@ -251,7 +251,7 @@ class PrefillRole:
         late_hit = None
         if ack is None and s.main is not None and s.main in sent:  # MD answered after the decision: what it held
             late_hit = job.acks[s.main].result().hit
-        self.host.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan, late_hit))
+        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan, late_hit))
 
     async def _prefill(self, job: PrefillJob) -> tuple[int, int, str | None]:
         """Prefill, the decode side's senders following its KV layer by layer as it is

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.engines.port import EnginePort
-from pdd.instance.host import PeerBusy
 from pdd.instance.peers import PeerPool
+from pdd.instance.role import PeerBusy
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
 from pdd.policy.transfer import LineMeter, Priority, kv_chunks, kv_range

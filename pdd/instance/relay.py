@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from pdd.engines.port import RequestError
 from pdd.instance.decode_side import DecodeJob, DecodeSide
-from pdd.instance.host import Host, report_failure
 from pdd.instance.peers import PeerPool
+from pdd.instance.role import Node, report_failure
 from pdd.names import HandoffMode
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
@@ -45,10 +45,10 @@ class RelayJob(DecodeJob):
 
 
 class RelayRole(DecodeSide[RelayJob]):
-    def __init__(self, host: Host) -> None:
-        super().__init__(host, RelayJob)
-        self.policy = host.dep.policy
-        self.peers = PeerPool(host.spec, lambda: host.dep, host.key, self._on_reply, self._on_main_lost)
+    def __init__(self, node: Node) -> None:
+        super().__init__(node, RelayJob)
+        self.policy = node.dep.policy
+        self.peers = PeerPool(node.spec, lambda: node.dep, node.key, self._on_reply, self._on_main_lost)
 
     def optional(self, r: m.Reserve) -> bool:
         return r.main is not None  # MD can produce it (later): the relay only hides latency
@@ -57,7 +57,7 @@ class RelayRole(DecodeSide[RelayJob]):
         load = self.engine.load()
         if self.optional(r) and not relay_accepts(self.held(), load.waiting, load.max_running):
             return (
-                f"{self.host.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
+                f"{self.node.spec.name} is loaded ({self.held()} held, {load.waiting} waiting, "
                 f"batch of {load.max_running})"
             )
         return super().refusal(r)
@@ -69,7 +69,7 @@ class RelayRole(DecodeSide[RelayJob]):
         if isinstance(body, m.Ready):
             job = self.jobs.get(body.rid)  # gone: it finished here before MD was ready
             if isinstance(job, RelayJob) and job.peer == name and job.handoff is None and job.reserve.main:
-                job.handoff = self.host.spawn(self._hand_off(job, job.reserve.main))
+                job.handoff = self.node.spawn(self._hand_off(job, job.reserve.main))
         else:
             await super().on_peer_body(conn, name, body)
 
@@ -128,7 +128,7 @@ class RelayRole(DecodeSide[RelayJob]):
             if job.stream is None:  # its KV has not even arrived here: MD starts from P's token
                 await self.end(job)
                 await m.send(conn, m.Handoff(job.rid, 0, [], True, 0))
-                self.host.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
+                self.node.to_router(job.router_id, m.HandedOff(job.rid, HandoffMode.ONE_SHOT, 0))
                 return
             load = self.engine.load()
             plan = choose_handoff(
@@ -147,7 +147,7 @@ class RelayRole(DecodeSide[RelayJob]):
         except (TimeoutError, OSError, wire.FrameError) as e:
             log.warning("handoff of %s abandoned: %s", job.rid, e)
             if job.cutting:  # its sequence is cut here: nobody produces unless the router has MD take over
-                await report_failure(self.host, job.router_id, job.rid, e)
+                await report_failure(self.node, job.router_id, job.rid, e)
 
     async def _send_chunks(self, job: RelayJob, conn: FramedConnection, plan: HandoffPlan) -> None:
         """Every produced token MD lacks, in chunks of `plan.chunk`."""
@@ -179,4 +179,4 @@ class RelayRole(DecodeSide[RelayJob]):
             return  # it finished here meanwhile: on_finished sends MD the output as a fill
         await m.send(conn, m.Handoff(job.rid, job.sent, output[job.sent :], True, len(output)))
         chunks = 1 + (job.rounds if plan.mode == HandoffMode.CATCH_UP else 0)
-        self.host.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))
+        self.node.to_router(job.router_id, m.HandedOff(job.rid, plan.mode, len(output), chunks))

@@ -3,10 +3,10 @@ wires the chosen one into the node)."""
 
 from __future__ import annotations
 
-from pdd.instance.host import Host, Role
 from pdd.instance.main_decode import MainRole
 from pdd.instance.prefill import PrefillRole
 from pdd.instance.relay import RelayRole
+from pdd.instance.role import Node, Role
 from pdd.instance.standalone import StandaloneRole
 from pdd.names import RoleName
 
@@ -18,5 +18,5 @@ ROLE_CLASSES: dict[str, type] = {
 }
 
 
-def make_role(host: Host) -> Role:
-    return ROLE_CLASSES[host.spec.role](host)
+def make_role(node: Node) -> Role:
+    return ROLE_CLASSES[node.spec.role](node)

@@ -2,7 +2,7 @@
 
 The node (`pdd.instance.node`) accepts connections and dispatches frames to its role;
 the roles (prefill, relay, main, standalone) own the requests. Roles see their node
-only through `Host`, so neither imports the other: the instance's entry point wires
+only through `Node`, so neither imports the other: the instance's entry point wires
 a role (`pdd.instance.roles`) into a node.
 """
 
@@ -39,7 +39,7 @@ class Tombstones:
         return rid in self._ids
 
 
-class Host(Protocol):
+class Node(Protocol):
     spec: InstanceSpec
     dep: Deployment  # (replaced as members join: read it at use)
     engine: EnginePort
@@ -102,17 +102,17 @@ class PeerBusy(RuntimeError):
     The client may come back later: the router answers 429, not 500."""
 
 
-def not_taken(host: Host, router_id: str, body: m.FromRouter) -> None:
+def not_taken(node: Node, router_id: str, body: m.FromRouter) -> None:
     """Tell the router this instance's role takes no `body` (what the node does not
     answer itself, and the role has no use for)."""
     rid = getattr(body, "rid", None)
-    host.to_router(router_id, m.Error(f"a {host.spec.role} instance does not take {type(body).__name__}", rid))
+    node.to_router(router_id, m.Error(f"a {node.spec.role} instance does not take {type(body).__name__}", rid))
 
 
-async def report_failure(host: Host, router_id: str, rid: str, error: BaseException) -> None:
+async def report_failure(node: Node, router_id: str, rid: str, error: BaseException) -> None:
     """Tell the router a request failed here; the instance keeps serving. A peer that
     was lost or timed out is the deployment's failure, not the request's (503); a peer
     that was full, a reason to come back later (429)."""
     lost = isinstance(error, (ConnectionError, asyncio.TimeoutError))
     busy = isinstance(error, PeerBusy)
-    host.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost, busy=busy))
+    node.to_router(router_id, m.Error(f"{type(error).__name__}: {error}", rid, lost=lost, busy=busy))
