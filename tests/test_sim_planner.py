@@ -209,6 +209,24 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
     assert one == two
 
 
+def test_searches_on_one_pool_give_each_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's search and the publication's layouts share the workers (`run`): each
+    search's rows are those it gives alone, whatever the other's layouts finish first."""
+    from pdd.lab.sim import plan_search
+
+    monkeypatch.setattr(plan_search, "goodput_of", _rising)
+    layouts = candidates(88, [100.0], ["A", "B"])
+    mine = [lay for lay in layouts if lay.family == "pd-same-dc-b"][:3]
+    theirs = [lay for lay in layouts if lay.family == "pd-same-dc"][:3]
+    alone = [search(mine, agentic(SMALL), TINY_PROBE, workers=1), search(theirs, agentic(SMALL), TINY_PROBE, workers=1)]
+    shared = plan_search.run(
+        [plan_search.Search(mine, agentic(SMALL), TINY_PROBE), plan_search.Search(theirs, agentic(SMALL), TINY_PROBE)],
+        workers=2,
+    )
+    assert shared == alone
+    assert {r["family"] for r in shared[0]} == {"pd-same-dc-b"} and [r["beat_rps"] for r in shared[0]].count(None) == 1
+
+
 def test_only_each_familys_contenders_by_the_screen_are_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """`contenders=K`: each family's first K layouts by the analytic screen (capacity per
     cost) are simulated, every family keeps at least one, and the rest are rows marked
@@ -583,3 +601,20 @@ def test_each_familys_cheapest_layout_at_a_target_load(monkeypatch: pytest.Monke
     add_plan_arguments(parser)
     assert plan_main(parser.parse_args(["--target-rps", "0"])) == 2
     assert "--target-rps must be > 0" in capsys.readouterr().err
+
+
+def test_the_screen_prices_a_prefill_instances_own_hits() -> None:
+    """P caches the prompts it computed, never the answer MD decoded: a later turn's hit at
+    P is the previous turn's prompt, so P recomputes the previous answer, and a P instance
+    takes fewer requests a second than the decode side's hits would let it (a colocated
+    instance, which decodes too, keeps them)."""
+    from pdd.lab.sim.bounds import prefill_rps, shape_of
+
+    shape = shape_of(SMALL)
+    assert shape.prefilled is not None and len(shape.prefilled) == len(shape.requests)
+    later = [k for k in range(1, len(shape.requests)) if shape.requests[k][1] > shape.requests[k - 1][0]]
+    assert later  # turns that hit more than the previous prompt at the decode side
+    for k in later:
+        assert shape.prefilled[k] == (shape.requests[k][0], shape.requests[k - 1][0])
+    p = next(r for r in Layout(1, 1, 0, "B", "B").spec().roles if r.role == "prefill")
+    assert prefill_rps(p, shape) < prefill_rps(replace(p, role="standalone"), shape)
