@@ -17,9 +17,9 @@ from pdd.lab.sim.metrics import goodput
 from pdd.lab.sim.plan_cli import _prepare, add_plan_arguments, plan_main
 from pdd.lab.sim.plan_published import published
 from pdd.lab.sim.plan_report import assumption_line
+from pdd.lab.sim.plan_search import search
 from pdd.lab.sim.plan_verdict import best_per_family
 from pdd.lab.sim.plan_workload import agentic, mooncake
-from pdd.lab.sim.plan_search import search
 from pdd.lab.sim.planner import (
     FAMILIES,
     Layout,

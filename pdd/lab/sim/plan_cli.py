@@ -29,9 +29,9 @@ from pdd.lab.sim.plan_report import (
     verdict_lines,
     versus_line,
 )
+from pdd.lab.sim.plan_search import Search, run
 from pdd.lab.sim.plan_verdict import best_per_family, screen_error, seed_spread, verdict
 from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
-from pdd.lab.sim.plan_search import Search, run
 from pdd.lab.sim.planner import Layout, OnProgress, Probe, candidates
 from pdd.lab.workload.mooncake import load_trace
 from pdd.names import AttentionLayout
