@@ -17,6 +17,7 @@ from pdd.lab.sim.metrics import goodput
 from pdd.lab.sim.plan_cli import _prepare, add_plan_arguments, plan_main
 from pdd.lab.sim.plan_published import published
 from pdd.lab.sim.plan_report import assumption_line
+from pdd.lab.sim.plan_search import search
 from pdd.lab.sim.plan_verdict import best_per_family
 from pdd.lab.sim.plan_workload import agentic, mooncake
 from pdd.lab.sim.planner import (
@@ -24,7 +25,6 @@ from pdd.lab.sim.planner import (
     Layout,
     Probe,
     candidates,
-    search,
     search_resolution,
     tie,
 )
@@ -200,22 +200,40 @@ def _rising(layout: Layout, setting, workload, probe, capacity: float, beat_rps:
 def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a layout is probed at depends on its family's earlier layouts only, not on
     which process finished first: two workers give the rows one gives."""
-    from pdd.lab.sim import planner
+    from pdd.lab.sim import plan_search
 
-    monkeypatch.setattr(planner, "goodput_of", _rising)
+    monkeypatch.setattr(plan_search, "goodput_of", _rising)
     layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "pd-same-dc-b"][:4]
     one, two = (search(layouts, agentic(SMALL), TINY_PROBE, workers=n) for n in (1, 2))
     assert [r["beat_rps"] for r in one].count(None) == 1  # every layout after the first was probed to beat one
     assert one == two
 
 
+def test_searches_on_one_pool_give_each_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's search and the publication's layouts share the workers (`run`): each
+    search's rows are those it gives alone, whatever the other's layouts finish first."""
+    from pdd.lab.sim import plan_search
+
+    monkeypatch.setattr(plan_search, "goodput_of", _rising)
+    layouts = candidates(88, [100.0], ["A", "B"])
+    mine = [lay for lay in layouts if lay.family == "pd-same-dc-b"][:3]
+    theirs = [lay for lay in layouts if lay.family == "pd-same-dc"][:3]
+    alone = [search(mine, agentic(SMALL), TINY_PROBE, workers=1), search(theirs, agentic(SMALL), TINY_PROBE, workers=1)]
+    shared = plan_search.run(
+        [plan_search.Search(mine, agentic(SMALL), TINY_PROBE), plan_search.Search(theirs, agentic(SMALL), TINY_PROBE)],
+        workers=2,
+    )
+    assert shared == alone
+    assert {r["family"] for r in shared[0]} == {"pd-same-dc-b"} and [r["beat_rps"] for r in shared[0]].count(None) == 1
+
+
 def test_only_each_familys_contenders_by_the_screen_are_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """`contenders=K`: each family's first K layouts by the analytic screen (capacity per
     cost) are simulated, every family keeps at least one, and the rest are rows marked
     screened out, with their capacity and no goodput."""
-    from pdd.lab.sim import planner
+    from pdd.lab.sim import plan_search, planner
 
-    monkeypatch.setattr(planner, "goodput_of", _rising)
+    monkeypatch.setattr(plan_search, "goodput_of", _rising)
     monkeypatch.setattr("time.sleep", lambda _s: None)
     layouts = candidates(88, [25.0, 100.0], ["A", "B"])
     shape, cost = agentic(SMALL).shape(), {}
@@ -320,19 +338,21 @@ def test_more_decode_instances_never_lose_goodput() -> None:
     assert two["goodput_rps"] >= one["goodput_rps"]
 
 
-def test_a_smaller_draw_is_cut_from_a_larger_one() -> None:
-    """Sessions are drawn once, at the largest size a search needs: every smaller draw
-    cut from it is the draw itself, its last session cut to the requests left."""
+def test_each_probe_replays_the_head_of_one_draw() -> None:
+    """Sessions are drawn once, at a unit rate, as far as the largest probe needs (and on
+    from there when a later one needs more): each probe's sessions are
+    `plan_session_shapes`' at its rate, those that start before its end."""
     from pdd.lab.sim import runner
     from pdd.lab.workload.agentic import plan_session_shapes
 
     config = replace(SMALL, seed=SMALL.seed + 1)  # a config no other test has drawn
-    runner.draw_ahead(config, 8.0, 100.0)
-    (largest,) = (draw for held, draw in runner._LARGEST.items() if held == config)
-    for requests in (1024, 1027, 2048):
-        cut = runner._at_unit_rate(config, requests)
-        assert len(cut) < len(largest) and cut == tuple(plan_session_shapes(config, requests, 1.0))
-    assert sum(len(s.turns) for s in runner._at_unit_rate(config, 1027)) == 1027
+    runner.draw_ahead(config, 2.0, 100.0)
+    held = len(runner._DRAWN[config].sessions)
+    for rate, until_s in ((2.0, 50.0), (0.5, 300.0), (4.0, 3 * runner.history_s(config))):
+        drawn = runner._drawn(config, rate, until_s)
+        planned = plan_session_shapes(config, 4 * sum(len(s.turns) for s in drawn), rate)
+        assert drawn == [s for s in planned if s.start_s < until_s]
+    assert len(runner._DRAWN[config].sessions) > held  # the last drew on past the first draw
 
 
 def test_a_trace_is_replayed_at_the_probed_rate() -> None:
@@ -581,3 +601,20 @@ def test_each_familys_cheapest_layout_at_a_target_load(monkeypatch: pytest.Monke
     add_plan_arguments(parser)
     assert plan_main(parser.parse_args(["--target-rps", "0"])) == 2
     assert "--target-rps must be > 0" in capsys.readouterr().err
+
+
+def test_the_screen_prices_a_prefill_instances_own_hits() -> None:
+    """P caches the prompts it computed, never the answer MD decoded: a later turn's hit at
+    P is the previous turn's prompt, so P recomputes the previous answer, and a P instance
+    takes fewer requests a second than the decode side's hits would let it (a colocated
+    instance, which decodes too, keeps them)."""
+    from pdd.lab.sim.bounds import prefill_rps, shape_of
+
+    shape = shape_of(SMALL)
+    assert shape.prefilled is not None and len(shape.prefilled) == len(shape.requests)
+    later = [k for k in range(1, len(shape.requests)) if shape.requests[k][1] > shape.requests[k - 1][0]]
+    assert later  # turns that hit more than the previous prompt at the decode side
+    for k in later:
+        assert shape.prefilled[k] == (shape.requests[k][0], shape.requests[k - 1][0])
+    p = next(r for r in Layout(1, 1, 0, "B", "B").spec().roles if r.role == "prefill")
+    assert prefill_rps(p, shape) < prefill_rps(replace(p, role="standalone"), shape)

@@ -4,7 +4,7 @@ capacity, which seeds its goodput search and prunes layouts that cannot win.
 Three ceilings, each optimistic (no queueing, perfect batching):
 - prefill: every P step full (`max_batch_tokens`), so a request pays its share of a
   full step's weights, all-to-all and fixed costs, plus its own attention over its
-  cached prefix;
+  cached prefix (at P, the previous turn's prompt: P never holds the answer MD decoded);
 - decode: the largest batch whose step still meets the TPOT target and whose KV fits
   the pool, at the workload's mean context, spread over the mean output;
 - the line: the mean KV delta per request against the line's bandwidth.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
@@ -30,11 +31,16 @@ SAMPLE_REQUESTS = 3000
 
 @dataclass(frozen=True)
 class Shape:
-    """The workload's per-request averages (decode-side hit as the planner of turns expects)."""
+    """The workload's per-request averages (decode-side hit as the planner of turns
+    expects; a prefill instance's own hit apart, `prefilled`)."""
 
     requests: list[tuple[int, int]]  # (prompt tokens, hit tokens) of a sample
     mean_output: float
     mean_context: float  # a decoding sequence's context, halfway through its output
+    # (prompt tokens, hit tokens) at a prefill instance, which caches the prompts it computed but
+    # never the tokens the decode side produced: a later turn recomputes the previous answer
+    # (None: as `requests`)
+    prefilled: list[tuple[int, int]] | None = None
 
     @property
     def mean_delta(self) -> float:
@@ -46,14 +52,20 @@ def shape_of(config: AgenticConfig) -> Shape:
     outputs = [t.max_tokens for s in plan_session_shapes(config, SAMPLE_REQUESTS, 1.0) for t in s.turns]
     mean_output = float(np.mean(outputs))
     requests = [(t.prompt_tokens, t.hit_tokens) for t in turns]
-    return Shape(requests, mean_output, float(np.mean([p for p, _ in requests])) + mean_output / 2)
+    # a later turn's hit at P is the previous turn's prompt (the turns of a session are consecutive)
+    prefilled = [(t.prompt_tokens, before.prompt_tokens if t.turn else t.hit_tokens) for before, t in pairwise(turns)]
+    prefilled.insert(0, requests[0])
+    return Shape(requests, mean_output, float(np.mean([p for p, _ in requests])) + mean_output / 2, prefilled)
 
 
 def prefill_rps(role: RoleSpec, shape: Shape) -> float:
-    """Requests a second one prefill instance can take, batching perfectly."""
+    """Requests a second one prefill instance can take, batching perfectly: a P instance
+    at its own hits (`Shape.prefilled`), a colocated one, which decodes too, at the
+    decode side's."""
     physics = role.steps
     assert isinstance(physics, Physics), "the bounds split a step into the physical model's parts"
-    return _prefill_rps(physics, role.max_batch_tokens, tuple(shape.requests))
+    requests = shape.prefilled if role.role == "prefill" and shape.prefilled is not None else shape.requests
+    return _prefill_rps(physics, role.max_batch_tokens, tuple(requests))
 
 
 @lru_cache(maxsize=64)

@@ -19,9 +19,10 @@ from dataclasses import replace
 from typing import Any
 
 from pdd.lab.sim import paper
+from pdd.lab.sim.plan_search import search
 from pdd.lab.sim.plan_verdict import best_per_family, iso_goodput
 from pdd.lab.sim.plan_workload import agentic
-from pdd.lab.sim.planner import FAMILIES, Layout, Probe, candidates, search
+from pdd.lab.sim.planner import FAMILIES, Layout, Probe, candidates
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
 from pdd.lab.sim.tcp import handoff_times_s
 from pdd.perf.hardware import Line

@@ -29,9 +29,10 @@ from pdd.lab.sim.plan_report import (
     verdict_lines,
     versus_line,
 )
+from pdd.lab.sim.plan_search import Search, run
 from pdd.lab.sim.plan_verdict import best_per_family, screen_error, seed_spread, verdict
 from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
-from pdd.lab.sim.planner import Layout, Probe, candidates, search
+from pdd.lab.sim.planner import Layout, OnProgress, Probe, candidates
 from pdd.lab.workload.mooncake import load_trace
 from pdd.names import AttentionLayout
 
@@ -262,7 +263,7 @@ def plan_main(args: argparse.Namespace) -> int:
     probe, setting = probe_of(args), plan.setting
     console, out = Console(stderr=True), Console()
     started = time.perf_counter()
-    rows = _run(console, args, "layouts", plan.layouts, plan.workload, probe, setting, args.exact, args.contenders)
+    rows, given, as_given = _searches(console, args, plan, probe)
     wall = time.perf_counter() - started
     ratio = paper.rho(setting, tpot_ms=probe.slo[1])
     found = verdict(rows, setting.b.price_per_hour, probe)
@@ -284,11 +285,8 @@ def plan_main(args: argparse.Namespace) -> int:
         out.print(line)
     out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
-    versus, steps, given = None, None, []
-    if args.published:
-        as_given = smallest(setting)  # (its counts are of the fewest nodes that hold the model)
-        layouts = published(args.line_gbps[0], as_given)
-        given = _run(console, args, "the publication's layouts", layouts, plan.workload, probe, as_given, True)
+    versus, steps = None, None
+    if as_given is not None:
         out.print(rows_table(given, "the publication's layouts, as given (nearest buildable)", probe))
         versus = head_to_head(given, as_given)
         out.print(versus_line(versus, probe))
@@ -302,10 +300,9 @@ def plan_main(args: argparse.Namespace) -> int:
             f"(median; {screen['low']:+.0%} to {screen['high']:+.0%}) over {screen['layouts']} simulated layouts."
         )
     out.print(
-        f"{len(plan.layouts)} layouts, {simulated} simulated ({probes} probes), in {wall:.0f} s "
-        f"({args.workers} worker(s))"
+        f"{len(plan.layouts)} layouts, {simulated} simulated ({probes} probes)"
         + (f"; the publication's, {sum(r['probes'] for r in given)} probes more" if given else "")
-        + f"; {time.perf_counter() - started:.0f} s in all."
+        + f"; searched in {wall:.0f} s ({args.workers} worker(s)), {time.perf_counter() - started:.0f} s in all."
     )
     if args.out is not None:
         report = {
@@ -330,24 +327,38 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(
-    console, args, what: str, layouts, workload, probe, setting, exact: bool, contenders=0
-) -> list[dict[str, Any]]:
-    """`search` under a progress bar; `contenders` of each family (0: all)."""
+def _searches(
+    console, args: argparse.Namespace, plan: Plan, probe: Probe
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], paper.Setting | None]:
+    """The plan's search (`--contenders` of each family; 0: all) and, with `--published`,
+    the publication's layouts (each searched whole, in the setting they are counted in),
+    on one pool under one progress bar: the rows of each, and the publication's setting."""
     from pdd.progress import progress_bar
 
+    as_given = smallest(plan.setting) if args.published else None  # (counted in the fewest nodes that hold the model)
     with progress_bar(console, args.quiet) as bar:
-        task = bar.add_task(what, total=len(layouts))
-        return search(
-            layouts,
-            workload,
-            probe,
-            setting,
-            workers=args.workers,
-            progress=lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg),
-            exact=exact,
-            contenders=contenders or None,
-        )
+
+        def shown(what: str, total: int) -> OnProgress:
+            task = bar.add_task(what, total=total)
+            return lambda done, total, msg: bar.update(task, completed=done, total=total, description=msg)
+
+        searches = [
+            Search(
+                plan.layouts,
+                plan.workload,
+                probe,
+                plan.setting,
+                shown("layouts", len(plan.layouts)),
+                args.exact,
+                args.contenders or None,
+            )
+        ]
+        if as_given is not None:
+            layouts = published(args.line_gbps[0], as_given)
+            progress = shown("the publication's layouts", len(layouts))
+            searches.append(Search(layouts, plan.workload, probe, as_given, progress, exact=True))
+        found = run(searches, args.workers)
+    return found[0], found[1] if as_given is not None else [], as_given
 
 
 def _at_target(console, out, args: argparse.Namespace, plan: Plan, probe: Probe) -> list[dict[str, Any]]:

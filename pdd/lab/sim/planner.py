@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -287,105 +286,6 @@ def row_of(
 
 
 OnProgress = Callable[[int, int, str], None]  # (layouts done, layouts to simulate so far, what finished)
-
-
-def search(
-    layouts: Sequence[Layout],
-    workload: Workload,
-    probe: Probe = Probe(),
-    setting: paper.Setting = paper.SETTING,
-    workers: int = 2,
-    progress: OnProgress | None = None,
-    exact: bool = False,
-    contenders: int | None = None,
-) -> list[dict[str, Any]]:
-    """Every layout's row, best BCR first: simulated ones with their goodput, pruned ones
-    with their capacity (`simulated` False). Each family's layouts go in order of
-    capacity per cost (the analytic screen), its first `contenders` (None: all) only
-    (`_contenders`); the next is simulated only while `HEADROOM` x its capacity per cost
-    can beat its family's best BCR so far, and (unless `exact`) first at the one rate
-    that decides whether it does (`goodput_of`'s `beat_rps`): a layout shown not to
-    win has the rate it missed at, not a goodput. Up to `workers` layouts run at once, one
-    process each and one per family, the family with the most layouts left first: what a
-    layout is probed at and whether it is pruned depend only on its own family's earlier
-    layouts, never on which of two processes finished first, so the rows are the same
-    whatever the workers and the machine's load."""
-    shape = workload.shape()
-    caps = {lay: capacity_of(spec_of(lay, setting, workload), shape, probe) for lay in layouts}
-    queues, rows = _contenders(layouts, caps, setting, contenders)
-    cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for q in queues.values() for lay in q}
-    best = {f: 0.0 for f in queues}
-    pace = {f: 0.0 for f in queues}  # the probed rate per cost of the family's best: what beat_rps scales
-    running: dict[Future, str] = {}
-
-    def next_layout() -> tuple[Layout, float | None] | None:
-        busy = set(running.values())
-        for f in sorted((f for f in queues if f not in busy), key=lambda f: -len(queues[f])):
-            queue = queues[f]
-            while queue and HEADROOM * caps[queue[0]] / cost[queue[0]] < best[f]:
-                lay = queue.pop(0)
-                rows.append(row_of(lay, setting, None, caps[lay], None) | {"simulated": False})
-            if not queue:
-                continue
-            lay = queue.pop(0)
-            return lay, None if exact or not best[f] else pace[f] * cost[lay]
-        return None
-
-    if cost:  # the largest probe's sessions, drawn once here rather than in every worker
-        top = (1 + search_resolution(probe)) * HEADROOM * max(caps[lay] for lay in cost)
-        workload.draw_ahead(top, probe.window(top, workload).end_s)
-    with ProcessPoolExecutor(workers) if workers > 1 else ThreadPoolExecutor(1) as pool:  # one: no process
-        while True:
-            while len(running) < workers and (picked := next_layout()) is not None:
-                lay, beat = picked
-                running[pool.submit(goodput_of, lay, setting, workload, probe, caps[lay], beat)] = lay.family
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                running.pop(future)
-                row = future.result()
-                rows.append(row)
-                if (row["bcr"] or 0.0) > best[row["family"]]:
-                    best[row["family"]] = row["bcr"]
-                    pace[row["family"]] = row["probed_rps"] / row["cost_per_hour"]
-                if progress is not None:
-                    progress(
-                        sum(r["simulated"] for r in rows),
-                        len(cost),
-                        f"{row['layout']}: "
-                        + (
-                            f"{row['goodput_rps']:.1f} req/s"
-                            if row["goodput_rps"] is not None
-                            else f"missed at {row['missed_rps']:.1f} req/s"
-                        ),
-                    )
-    return sorted(rows, key=_rank)
-
-
-def _contenders(
-    layouts: Sequence[Layout], caps: dict[Layout, float], setting: paper.Setting, contenders: int | None
-) -> tuple[dict[str, list[Layout]], list[dict[str, Any]]]:
-    """Each family's layouts by the screen (capacity per cost), best first, cut to its first
-    `contenders` (at least one); and the rows of those cut (`screened_out`). The screen
-    orders well enough to find a family's best among its first few, not to price them
-    (its error against the simulation is printed): the verdict rests on simulations."""
-    per_cost = {lay: caps[lay] / paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
-    queues = {
-        f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -per_cost[x])
-        for f in sorted({lay.family for lay in layouts})
-    }
-    keep = len(layouts) if contenders is None else max(1, contenders)
-    cut = [row_of(lay, setting, None, caps[lay], None) for q in queues.values() for lay in q[keep:]]
-    return {f: q[:keep] for f, q in queues.items()}, [r | {"simulated": False, "screened_out": True} for r in cut]
-
-
-def _rank(row: dict[str, Any]) -> tuple[int, float, float, str]:
-    """Best BCR first; then the layouts shown not to win, by the rate per cost they missed at; pruned last
-    (ties by name, not by which finished first)."""
-    if row["bcr"] is not None:
-        return 0 if row["simulated"] else 2, -row["bcr"], row["cost_per_hour"], row["layout"]
-    return 1, -row["missed_rps"] / row["cost_per_hour"], row["cost_per_hour"], row["layout"]
 
 
 def search_resolution(probe: Probe) -> float:

@@ -23,7 +23,7 @@ run on until the last judged request ends.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -34,7 +34,7 @@ from pdd.heap import no_cyclic_collection
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, Proc
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT, goodput, summary
-from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes
+from pdd.lab.workload.agentic import AgenticConfig, plan_session_shapes, session_shape_stream
 from pdd.lab.workload.types import Session
 from pdd.record import RequestRecord
 
@@ -92,48 +92,41 @@ def _resume(s: Session, history: float) -> Session | None:
     return None
 
 
-_LARGEST: dict[AgenticConfig, tuple[Session, ...]] = {}  # each config's largest unit-rate draw so far
+@dataclass
+class _Drawn:
+    """A config's sessions at a unit rate as far as drawn, and the stream that draws on."""
+
+    stream: Iterator[Session]
+    sessions: list[Session]
 
 
-@lru_cache(maxsize=8)
-def _at_unit_rate(config: AgenticConfig, requests: int) -> tuple[Session, ...]:
-    """`plan_session_shapes(config, requests, 1.0)`, cut from the largest draw made so far
-    when it holds as many requests: sessions are drawn one by one from the stream, so a
-    smaller draw is a larger one's head, its last session cut to the requests left (the
-    draw is most of a probe's set-up, and a search needs several sizes of it)."""
-    held = _LARGEST.get(config)
-    if held is None or sum(len(s.turns) for s in held) < requests:
-        held = _LARGEST[config] = tuple(plan_session_shapes(config, requests, 1.0))
-    head, left = [], requests
-    for s in held:
-        if len(s.turns) >= left:
-            head.append(s if len(s.turns) == left else replace(s, turns=s.turns[:left]))
-            break
-        head.append(s)
-        left -= len(s.turns)
-    return tuple(head)
+_DRAWN: dict[AgenticConfig, _Drawn] = {}
 
 
-def _requests(config: AgenticConfig, rate: float, end_s: float, warm: bool) -> int:
-    """Requests a steady run at `rate` until `end_s` draws: more than start by then, with a margin."""
-    history = history_s(config) if warm else 0.0
-    requests = max(1, math.ceil(1.5 * rate * (end_s + history) * turns_per_session(config)) + 100)
-    return 1 << max(10, math.ceil(math.log2(requests)))  # a few sizes, each drawn once
+def _at_unit_rate(config: AgenticConfig, until_s: float) -> list[Session]:
+    """`session_shape_stream(config, 1.0)`'s sessions that start before `until_s`, and one
+    more (it starts at or after it), drawn on from where the last call stopped: a search
+    probes many rates of one workload, and the draw is most of a probe's set-up."""
+    held = _DRAWN.get(config)
+    if held is None:
+        held = _DRAWN[config] = _Drawn(session_shape_stream(config, 1.0), [])
+    while not held.sessions or held.sessions[-1].start_s < until_s:
+        held.sessions.append(next(held.stream))
+    return held.sessions
 
 
 def draw_ahead(config: AgenticConfig, rate: float, end_s: float) -> None:
     """Draw the sessions of the largest steady run a search will make now, before its
-    worker processes fork: they inherit the draw and cut every smaller one from it."""
-    _at_unit_rate(config, _requests(config, rate, end_s, True))
+    worker processes fork: they inherit the draw and draw on only past it."""
+    _at_unit_rate(config, rate * (end_s + history_s(config)))
 
 
-def _drawn(config: AgenticConfig, requests: int, rate: float, until_s: float) -> list[Session]:
-    """`plan_session_shapes(config, requests, rate)`'s sessions that start before `until_s`,
-    from one draw at a unit rate: start times are a Poisson process, so at `rate` they are
-    the unit-rate ones / `rate`. A search probes many rates of one workload; this draws
-    its sessions once."""
+def _drawn(config: AgenticConfig, rate: float, until_s: float) -> list[Session]:
+    """`plan_session_shapes(config, ..., rate)`'s sessions that start before `until_s`,
+    from the one draw at a unit rate: start times are a Poisson process, so at `rate`
+    they are the unit-rate ones / `rate`."""
     drawn = []
-    for s in _at_unit_rate(config, requests):
+    for s in _at_unit_rate(config, rate * until_s):
         start = s.start_s / rate
         if start >= until_s:  # (starts only grow)
             break
@@ -147,7 +140,7 @@ def steady_sessions(config: AgenticConfig, warm: bool = True) -> Sessions:
 
     def sessions(rate: float, end_s: float) -> list[Session]:
         history = history_s(config) if warm else 0.0
-        drawn = _drawn(config, _requests(config, rate, end_s, warm), rate, end_s + history)
+        drawn = _drawn(config, rate, end_s + history)
         if not warm:
             return drawn
         resumed = (_resume(s, history) for s in drawn)

@@ -16,9 +16,10 @@ from typing import Any
 
 from pdd.lab.sim import paper
 from pdd.lab.sim.compare import LINES_GBPS, MAX_GPUS, change
+from pdd.lab.sim.plan_search import search
 from pdd.lab.sim.plan_verdict import best_per_family
 from pdd.lab.sim.plan_workload import agentic
-from pdd.lab.sim.planner import Probe, candidates, search
+from pdd.lab.sim.planner import Probe, candidates
 from pdd.perf.hardware import CHIPS
 from pdd.perf.model import FP8
 

@@ -195,23 +195,37 @@ def iter_session_shapes(config: AgenticConfig) -> Iterator[Session]:
     return _sessions(config, _count, Turn)
 
 
+def _timed(config: AgenticConfig, sessions: Iterator[Session], rate: float) -> Iterator[Session]:
+    """`sessions` with their start times: a Poisson process of `rate` sessions a second,
+    the first at 0 (with an infinite rate, all at 0)."""
+    gaps = _rng(config.seed, _SCHEDULE)
+    start = 0.0
+    for session in sessions:
+        yield replace(session, start_s=start)
+        if math.isfinite(rate):
+            start += float(gaps.exponential(1.0 / rate))
+
+
+def session_shape_stream(config: AgenticConfig, rate: float) -> Iterator[Session]:
+    """`plan_session_shapes`' sessions without end: every plan of it is this stream's
+    head, its last session cut to the requests left, so a caller that needs sessions
+    until a time rather than a count of requests draws only those."""
+    return _timed(config, iter_session_shapes(config), rate)
+
+
 def _plan(config: AgenticConfig, sessions: Iterator[Session], requests: int, rate: float) -> list[Session]:
     if requests < 1:
         raise ValueError("requests must be >= 1")
     if not rate > 0:
         raise ValueError("rate must be > 0 (use math.inf to start all sessions at once)")
-    gaps = _rng(config.seed, _SCHEDULE)
     planned: list[Session] = []
     left = requests
-    start = 0.0
-    for session in sessions:
-        turns = session.turns[:left]
-        planned.append(replace(session, turns=turns, start_s=start))
-        left -= len(turns)
+    for session in _timed(config, sessions, rate):
+        cut = len(session.turns) > left
+        planned.append(replace(session, turns=session.turns[:left]) if cut else session)
+        left -= len(planned[-1].turns)
         if left == 0:
             return planned
-        if math.isfinite(rate):
-            start += float(gaps.exponential(1.0 / rate))
     raise AssertionError("the session stream is endless")
 
 
