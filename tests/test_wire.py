@@ -351,7 +351,7 @@ def test_keys_are_hkdf_sha256_of_the_version_labels() -> None:
     assert wire.session_keys(KEY, s, c) != wire.session_keys(KEY, c, s)
 
 
-def test_link_key_derivation() -> None:
+def test_connection_key_derivation() -> None:
     assert len(KEY) == 32
     assert KEY == connection_key("correct horse battery staple", "dc-a/p0->dc-b/md0")
     assert KEY != OTHER_KEY
