@@ -618,3 +618,18 @@ def test_the_screen_prices_a_prefill_instances_own_hits() -> None:
         assert shape.prefilled[k] == (shape.requests[k][0], shape.requests[k - 1][0])
     p = next(r for r in Layout(1, 1, 0, "B", "B").spec().roles if r.role == "prefill")
     assert prefill_rps(p, shape) < prefill_rps(replace(p, role="standalone"), shape)
+
+
+def test_the_screen_counts_what_a_relay_decodes_and_what_it_keeps_off_the_line() -> None:
+    """A relay decodes each request's first tokens, and a request it finishes alone sends
+    no KV over the line: a PDD layout's decode and line ceilings hold its relays' decode
+    (counted as MD only, the screen put PDD's best below layouts that lost to it)."""
+    from pdd.lab.sim.bounds import capacity_rps, decode_rps, shape_of
+
+    shape, tpot_s = shape_of(SMALL), 0.2
+    pdd = Layout(2, 1, 1, "A", "B", 25.0).spec()
+    cross = Layout(2, 1, 0, "A", "B", 25.0).spec()
+    relay = next(r for r in pdd.roles if r.role == "relay")
+    with_relay, without = capacity_rps(pdd, shape, tpot_s), capacity_rps(cross, shape, tpot_s)
+    assert with_relay["decode"] == pytest.approx(without["decode"] + decode_rps(relay, shape, tpot_s))
+    assert with_relay["line"] == pytest.approx(without["line"] + decode_rps(relay, shape, tpot_s))

@@ -6,8 +6,10 @@ Three ceilings, each optimistic (no queueing, perfect batching):
   full step's weights, all-to-all and fixed costs, plus its own attention over its
   cached prefix (at P, the previous turn's prompt: P never holds the answer MD decoded);
 - decode: the largest batch whose step still meets the TPOT target and whose KV fits
-  the pool, at the workload's mean context, spread over the mean output;
-- the line: the mean KV delta per request against the line's bandwidth.
+  the pool, at the workload's mean context, spread over the mean output, on every
+  instance that decodes (a relay decodes each request's first tokens);
+- the line: the mean KV delta per request against the line's bandwidth, plus what the
+  relays could finish without MD (a request kept on the relay sends nothing over it).
 The layout's capacity is the smallest. The simulation then finds the real goodput
 below it; a layout whose capacity per cost is below a fraction of the best goodput
 per cost already found is not simulated.
@@ -95,12 +97,15 @@ def decode_rps(role: RoleSpec, shape: Shape, tpot_s: float) -> float:
 def capacity_rps(spec: DeploymentSpec, shape: Shape, tpot_s: float) -> dict[str, float]:
     """Each ceiling of a deployment, and the smallest (`rps`)."""
     caps: dict[str, float] = {}
+    relays = 0.0  # what relays decode: each request's first tokens, or all of one kept off the line
     for r in spec.roles:
         if r.role in ("prefill", "standalone"):
             caps["prefill"] = caps.get("prefill", 0.0) + r.count * prefill_rps(r, shape)
-        if r.role in ("main", "standalone"):
+        if r.role in ("main", "standalone", "relay"):
             caps["decode"] = caps.get("decode", 0.0) + r.count * decode_rps(r, shape, tpot_s)
-    if len({r.dc for r in spec.roles}) > 1:
-        caps["line"] = spec.wan.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token)
+        if r.role == "relay":
+            relays += r.count * decode_rps(r, shape, tpot_s)
+    if len({r.dc for r in spec.roles}) > 1:  # (a request a relay finishes sends no KV over the line)
+        caps["line"] = spec.wan.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token) + relays
     caps["rps"] = min(caps.values())
     return caps

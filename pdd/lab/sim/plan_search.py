@@ -138,8 +138,7 @@ def _contenders(
     """Each family's layouts by the screen (capacity per cost), best first, cut to its first
     `contenders` (at least one); and the rows of those cut (`screened_out`). The screen
     orders, it does not price (its error against the simulation is printed): the verdict
-    rests on simulations, and a layout the screen underrates can be cut (one whose relays
-    decode much: its decode ceiling counts MD only)."""
+    rests on simulations, and a layout the screen underrates can be cut."""
     per_cost = {lay: caps[lay] / paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
     queues = {
         f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -per_cost[x])
