@@ -15,7 +15,7 @@ Versions: towards a peer that speaks an older protocol the fields it lacks are l
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard, TypeVar, get_args
+from typing import Any, TypeVar, cast, get_args
 
 import msgspec
 
@@ -200,18 +200,6 @@ B = TypeVar("B", bound=Message)
 _FROM_ROUTER, _TO_ROUTER, _BETWEEN = (get_args(u) for u in (FromRouter, ToRouter, BetweenInstances))
 
 
-def _is_from_router(body: Body) -> TypeGuard[FromRouter]:
-    return isinstance(body, _FROM_ROUTER)
-
-
-def _is_to_router(body: Body) -> TypeGuard[ToRouter]:
-    return isinstance(body, _TO_ROUTER)
-
-
-def _is_between(body: Body) -> TypeGuard[BetweenInstances]:
-    return isinstance(body, _BETWEEN)
-
-
 def decode_as(frame: Frame, cls: type[B]) -> B:
     """A body that must be a `cls` (where the exchange says what comes next); any other
     is a `BadMessage`."""
@@ -221,28 +209,27 @@ def decode_as(frame: Frame, cls: type[B]) -> B:
     return body
 
 
+def _carried(frame: Frame, kinds: tuple[type, ...], where: str) -> Body:
+    """The frame's body if the connection it came on carries its kind; else a `BadMessage`."""
+    body = decode(frame)
+    if not isinstance(body, kinds):
+        raise BadMessage(f"{frame.type.name} {where}")
+    return body
+
+
 def from_router(frame: Frame) -> FromRouter:
     """A body an instance reads from a router; any other is a `BadMessage`."""
-    body = decode(frame)
-    if not _is_from_router(body):
-        raise BadMessage(f"{frame.type.name} does not come from a router")
-    return body
+    return cast(FromRouter, _carried(frame, _FROM_ROUTER, "does not come from a router"))
 
 
 def to_router(frame: Frame) -> ToRouter:
     """A body a router reads from an instance; any other is a `BadMessage`."""
-    body = decode(frame)
-    if not _is_to_router(body):
-        raise BadMessage(f"{frame.type.name} is not for a router")
-    return body
+    return cast(ToRouter, _carried(frame, _TO_ROUTER, "is not for a router"))
 
 
 def between_instances(frame: Frame) -> BetweenInstances:
     """A body one instance reads from another; any other is a `BadMessage`."""
-    body = decode(frame)
-    if not _is_between(body):
-        raise BadMessage(f"{frame.type.name} does not pass between instances")
-    return body
+    return cast(BetweenInstances, _carried(frame, _BETWEEN, "does not pass between instances"))
 
 
 def decode_kv(frame: Frame) -> tuple[KVLayer, memoryview]:
