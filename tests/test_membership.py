@@ -272,7 +272,7 @@ def test_int8_and_zstd_kv_go_only_to_peers_that_speak_them():
 
     link = cfg.LinkSpec(lossy_kv="int8", compress_kv="zstd")
     p = SimpleNamespace(peers=SimpleNamespace(remote=lambda peer: peer != "rld0"),
-                        host=SimpleNamespace(dep=cfg.Deployment(link=link)))
+                        node=SimpleNamespace(dep=cfg.Deployment(link=link)))
     for version in range(wire.OLDEST_PROTOCOL, wire.PROTOCOL_VERSION + 1):
         spoken = ("int8", "zstd") if version >= wire.LOSSY_KV_SINCE else ("", "")
         assert PrefillRole._forms(p, "md0", version) == spoken, version
