@@ -102,9 +102,9 @@ def capacity_rps(spec: DeploymentSpec, shape: Shape, tpot_s: float) -> dict[str,
         if r.role in ("prefill", "standalone"):
             caps["prefill"] = caps.get("prefill", 0.0) + r.count * prefill_rps(r, shape)
         if r.role in ("main", "standalone", "relay"):
-            caps["decode"] = caps.get("decode", 0.0) + r.count * decode_rps(r, shape, tpot_s)
-        if r.role == "relay":
-            relays += r.count * decode_rps(r, shape, tpot_s)
+            decodes = r.count * decode_rps(r, shape, tpot_s)
+            caps["decode"] = caps.get("decode", 0.0) + decodes
+            relays += decodes if r.role == "relay" else 0.0
     if len({r.dc for r in spec.roles}) > 1:  # (a request a relay finishes sends no KV over the line)
         caps["line"] = spec.wan.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token) + relays
     caps["rps"] = min(caps.values())
