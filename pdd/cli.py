@@ -26,8 +26,8 @@ _COMMANDS: dict[str, str] = {
     "soak": "pdd.lab.soak.cli",
     "bench": "pdd.lab.bench.cli",
     "demo": "pdd.lab.demo",
-    "sim": "pdd.lab.sim.cli",
-    "plan": "pdd.lab.sim.cli:add_plan_parser",
+    "sim": "pdd.lab.sim_cli",
+    "plan": "pdd.lab.sim_cli:add_plan_parser",
 }
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_cli import _prepare, add_plan_arguments, plan_main
-from pdd.lab.sim.plan_report import verdict_lines
-from pdd.lab.sim.plan_verdict import break_even, repriced_bcr, verdict
-from pdd.lab.sim.planner import Probe
+from pdd.lab.plan import paper
+from pdd.lab.plan.command import _prepare, add_plan_arguments, plan_main
+from pdd.lab.plan.planner import Probe
+from pdd.lab.plan.report import verdict_lines
+from pdd.lab.plan.verdict import break_even, repriced_bcr, verdict
 from pdd.perf.hf_model import ModelConfigError, load_model, shape_from_config
 from pdd.perf.model import BF16, FP8, MODELS
 
@@ -234,8 +234,8 @@ def test_step_times_come_from_aiconfigurator_where_it_covers_the_chip_model_and_
     AIConfigurator's databases cover takes the roofline fitted to its estimates, within
     `MAX_FIT_ERROR` of each; the rest keep the roofline, each with why."""
     pytest.importorskip("aiconfigurator_core")
-    from pdd.lab.sim.measured import MAX_FIT_ERROR, measure, samples
-    from pdd.lab.sim.plan_layouts import choose
+    from pdd.lab.plan.layouts import choose
+    from pdd.lab.plan.measured import MAX_FIT_ERROR, measure, samples
     from pdd.names import AttentionLayout
     from pdd.perf.hardware import CHIPS
 

@@ -17,7 +17,7 @@ import random
 import pytest
 import simpy
 
-from pdd.lab.sim import paper
+from pdd.lab.plan import paper
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.link import SharedLink

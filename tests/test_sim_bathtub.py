@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.bathtub import SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep, valleys
+from pdd.lab.paper.bathtub import SCHEDULERS, deployment, group_sessions, plot, point, shared_blocks, sweep, valleys
+from pdd.lab.plan import paper
 from pdd.lab.sim.runner import Window, simulate
 
 PROMPT, OUTPUT, BLOCK = 4096, 16, paper.SETTING.block_tokens

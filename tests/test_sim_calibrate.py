@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pdd.engines.port import EngineConfig
-from pdd.lab.sim.fit import fit
-from pdd.lab.sim.measure import Group, measure
-from pdd.lab.sim.profile import LocalProfile, load_profile, profile_to_json
+from pdd.lab.calibration.fit import fit
+from pdd.lab.calibration.measure import Group, measure
+from pdd.lab.calibration.profile import LocalProfile, load_profile, profile_to_json
 from pdd.perf.steps import EMPTY, Fitted, StepLoad, add, chunk_load
 
 TRUTH = Fitted(base_s=1.5e-3, per_token_s=9e-5, per_pair_s=7e-8, per_seq_s=2e-5, per_kv_token_s=1.2e-6)
@@ -117,7 +117,7 @@ def test_an_output_is_placed_by_its_engine_step_not_by_when_it_came() -> None:
     import asyncio
 
     from pdd.engines.port import StepOutput
-    from pdd.lab.sim.measure import _Batch
+    from pdd.lab.calibration.measure import _Batch
 
     async def go() -> tuple[int, int]:
         batch = _Batch()
@@ -179,7 +179,7 @@ def test_load_profile_rejects_a_malformed_file(tmp_path: Path, text: str) -> Non
 
 
 def test_importing_the_module_does_not_import_torch() -> None:
-    code = "import sys, pdd.lab.sim.calibrate, pdd.lab.sim.measure; assert 'torch' not in sys.modules"
+    code = "import sys, pdd.lab.calibration.calibrate, pdd.lab.calibration.measure; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -209,7 +209,7 @@ def test_request_overhead_is_the_median_ttft_less_its_prefill_step(monkeypatch: 
 
     from pdd.lab import demo_deploy
     from pdd.lab.bench import client
-    from pdd.lab.sim.calibrate import request_overhead_s
+    from pdd.lab.calibration.calibrate import request_overhead_s
     from pdd.record import RequestRecord
 
     seen: list[str] = []

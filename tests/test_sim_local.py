@@ -14,10 +14,10 @@ import pytest
 from pdd import config as cfg
 from pdd.cli import main
 from pdd.engines.embedded.pacing import StepPacer
-from pdd.lab.sim.check import check, mode_deployment
-from pdd.lab.sim.local import local_spec, on_scenario_line, simulate_demo
+from pdd.lab.calibration.check import check, mode_deployment
+from pdd.lab.calibration.local import local_spec, on_scenario_line, simulate_demo
+from pdd.lab.calibration.profile import LocalProfile, profile_to_json
 from pdd.lab.sim.metrics import summary
-from pdd.lab.sim.profile import LocalProfile, profile_to_json
 from pdd.lab.workload.scenarios import SCENARIOS
 from pdd.perf.steps import Fitted, StepLoad, chunk_load
 

@@ -10,7 +10,7 @@ import statistics
 import pytest
 import simpy
 
-from pdd.lab.sim import paper
+from pdd.lab.plan import paper
 from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.runner import simulate
 from pdd.lab.sim.sequence import SimSeq

@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.metrics import goodput
-from pdd.lab.sim.plan_cli import _prepare, add_plan_arguments, plan_main
-from pdd.lab.sim.plan_published import published
-from pdd.lab.sim.plan_report import assumption_line
-from pdd.lab.sim.plan_search import search
-from pdd.lab.sim.plan_verdict import best_per_family
-from pdd.lab.sim.plan_workload import agentic, mooncake
-from pdd.lab.sim.planner import (
+from pdd.lab.plan import paper
+from pdd.lab.plan.command import _prepare, add_plan_arguments, plan_main
+from pdd.lab.plan.planner import (
     FAMILIES,
     Layout,
     Probe,
@@ -28,6 +22,12 @@ from pdd.lab.sim.planner import (
     search_resolution,
     tie,
 )
+from pdd.lab.plan.published import published
+from pdd.lab.plan.report import assumption_line
+from pdd.lab.plan.search import search
+from pdd.lab.plan.verdict import best_per_family
+from pdd.lab.plan.workload import agentic, mooncake
+from pdd.lab.sim.metrics import goodput
 from pdd.lab.workload.agentic import AgenticConfig
 from pdd.lab.workload.mooncake import TraceRecord
 from pdd.perf.hardware import CATALOG, LINE_PRICE_PER_GBPS_HOUR
@@ -147,7 +147,7 @@ def test_each_family_is_ranked_by_the_best_layout_it_simulated(rows: list[dict])
 
 
 def test_pruned_layouts_could_not_have_won(rows: list[dict]) -> None:
-    from pdd.lab.sim.planner import HEADROOM
+    from pdd.lab.plan.planner import HEADROOM
 
     best = best_per_family(rows)
     for r in rows:
@@ -200,7 +200,7 @@ def _rising(layout: Layout, setting, workload, probe, capacity: float, beat_rps:
 def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a layout is probed at depends on its family's earlier layouts only, not on
     which process finished first: two workers give the rows one gives."""
-    from pdd.lab.sim import plan_search
+    from pdd.lab.plan import search as plan_search
 
     monkeypatch.setattr(plan_search, "goodput_of", _rising)
     layouts = [lay for lay in candidates(88, [100.0], ["A", "B"]) if lay.family == "pd-same-dc-b"][:4]
@@ -212,7 +212,7 @@ def test_the_search_is_the_same_whatever_the_workers(monkeypatch: pytest.MonkeyP
 def test_searches_on_one_pool_give_each_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's search and the publication's layouts share the workers (`run`): each
     search's rows are those it gives alone, whatever the other's layouts finish first."""
-    from pdd.lab.sim import plan_search
+    from pdd.lab.plan import search as plan_search
 
     monkeypatch.setattr(plan_search, "goodput_of", _rising)
     layouts = candidates(88, [100.0], ["A", "B"])
@@ -231,7 +231,8 @@ def test_only_each_familys_contenders_by_the_screen_are_simulated(monkeypatch: p
     """`contenders=K`: each family's first K layouts by the analytic screen (capacity per
     cost) are simulated, every family keeps at least one, and the rest are rows marked
     screened out, with their capacity and no goodput."""
-    from pdd.lab.sim import plan_search, planner
+    from pdd.lab.plan import planner
+    from pdd.lab.plan import search as plan_search
 
     monkeypatch.setattr(plan_search, "goodput_of", _rising)
     monkeypatch.setattr("time.sleep", lambda _s: None)
@@ -281,7 +282,8 @@ def test_the_probe_at_the_beating_rate_decides(monkeypatch: pytest.MonkeyPatch, 
     at least that rate and within the bisection's resolution of its threshold. The goodput
     is the rate probed, not what the window judged (here a tenth more: closed-loop
     sessions whose turns end sooner than nominal)."""
-    from pdd.lab.sim import planner, runner
+    from pdd.lab.plan import planner
+    from pdd.lab.sim import runner
 
     workload, beat_rps = agentic(SMALL), 6.0
     threshold_rps = threshold_x * beat_rps
@@ -454,7 +456,7 @@ def test_each_attention_layout_holds_what_serving_holds_and_moves_rho() -> None:
 def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     """`pdd plan` searches each side's layout and instance size among those serving runs
     (all three; one serving could not run only when named, and marked), and says which it took."""
-    from pdd.lab.sim.plan_layouts import SERVED
+    from pdd.lab.plan.layouts import SERVED
     from pdd.names import AttentionLayout as L
 
     parser = argparse.ArgumentParser()
@@ -481,7 +483,7 @@ def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides(monkeypa
     assert picked["kv_tokens"] == max(o["kv_tokens"] for o in prefill if o["gpus"] == picked["gpus"])
     from rich.console import Console
 
-    from pdd.lab.sim.plan_report import sides_table
+    from pdd.lab.plan.report import sides_table
 
     console = Console(width=160, record=True)
     console.print(sides_table(plan.sides))
@@ -497,8 +499,8 @@ def test_the_plan_offers_only_layouts_serving_runs_and_names_each_sides(monkeypa
 def test_a_change_inside_the_searchs_resolution_is_a_tie() -> None:
     """Each goodput is known to one bisection step (9.7 % at the default four steps), so a
     verdict calls a smaller change of goodput or BCR, either way, a tie, and says so."""
-    from pdd.lab.sim.plan_report import judged
-    from pdd.lab.sim.plan_report import versus_line as _versus_line
+    from pdd.lab.plan.report import judged
+    from pdd.lab.plan.report import versus_line as _versus_line
 
     probe = Probe()
     step = search_resolution(probe)
@@ -566,7 +568,8 @@ def test_each_familys_cheapest_layout_at_a_target_load(monkeypatch: pytest.Monke
     that spend it), each family's in order of cost, the first that meets the SLO at the
     target is its answer; its goodput is the target. Here a probe meets it on 32 GPUs or
     more: the answer is the cheapest such layout of each family."""
-    from pdd.lab.sim import plan_published, planner
+    from pdd.lab.plan import planner
+    from pdd.lab.plan import published as plan_published
 
     probed: list[int] = []
 
@@ -608,7 +611,7 @@ def test_the_screen_prices_a_prefill_instances_own_hits() -> None:
     P is the previous turn's prompt, so P recomputes the previous answer, and a P instance
     takes fewer requests a second than the decode side's hits would let it (a colocated
     instance, which decodes too, keeps them)."""
-    from pdd.lab.sim.bounds import prefill_rps, shape_of
+    from pdd.lab.plan.bounds import prefill_rps, shape_of
 
     shape = shape_of(SMALL)
     assert shape.prefilled is not None and len(shape.prefilled) == len(shape.requests)
@@ -624,7 +627,7 @@ def test_the_screen_counts_what_a_relay_decodes_and_what_it_keeps_off_the_line()
     """A relay decodes each request's first tokens, and a request it finishes alone sends
     no KV over the line: a PDD layout's decode and line ceilings hold its relays' decode
     (counted as MD only, the screen put PDD's best below layouts that lost to it)."""
-    from pdd.lab.sim.bounds import capacity_rps, decode_rps, shape_of
+    from pdd.lab.plan.bounds import capacity_rps, decode_rps, shape_of
 
     shape, tpot_s = shape_of(SMALL), 0.2
     pdd = Layout(2, 1, 1, "A", "B", 25.0).spec()

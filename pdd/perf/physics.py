@@ -66,7 +66,7 @@ class Efficiency:
     ep_overlap: float = 1.0  # share of the compute time under which all-to-all bytes hide
     routing_skew: float = 1.1  # hottest GPU's expert tokens over the mean, after load balancing
     # the dense, expert and attention parts' times x these: 1, the roofline as is; else fitted to a
-    # measurement of the chip and model (`pdd.lab.sim.measured`)
+    # measurement of the chip and model (`pdd.lab.plan.measured`)
     scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
     def to_dict(self) -> dict[str, object]:
@@ -103,7 +103,7 @@ class Physics:
     model: ModelShape
     gpus: int
     eff: Efficiency = Efficiency()
-    attention: AttentionLayout = AttentionLayout.TP_DCP  # the paper setting's (`pdd.lab.sim.paper.Setting`)
+    attention: AttentionLayout = AttentionLayout.TP_DCP  # the paper setting's (`pdd.lab.plan.paper.Setting`)
     # decode_s's per-batch-size costs (not a field: a cache)
     _decode_batch: dict[int, tuple[float, float, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_file import Fleet
-from pdd.lab.sim.plan_layouts import SIZE_TOLERANCE
-from pdd.lab.sim.plan_workload import Workload
-from pdd.lab.sim.planner import Probe, search_resolution, tie
+from pdd.lab.plan import paper
+from pdd.lab.plan.file import Fleet
+from pdd.lab.plan.layouts import SIZE_TOLERANCE
+from pdd.lab.plan.planner import Probe, search_resolution, tie
+from pdd.lab.plan.workload import Workload
 
 
 def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = paper.SETTING) -> str:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Final, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdd.lab.sim.fit import Sample, relative_errors
+from pdd.lab.calibration.fit import Sample, relative_errors
 from pdd.perf.steps import Fitted
 
 PROFILE_VERSION: Final = 1
@@ -57,7 +57,7 @@ assert tuple(_FittedFile.model_fields) == (*TERMS, "source"), "the profile file 
 
 @dataclass(frozen=True)
 class LocalProfile:
-    """This machine, as `pdd sim calibrate` measured it: what `pdd.lab.sim.local` needs to
+    """This machine, as `pdd sim calibrate` measured it: what `pdd.lab.calibration.local` needs to
     simulate a deployment of the served model here."""
 
     steps: Fitted

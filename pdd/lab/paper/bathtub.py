@@ -29,8 +29,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.bounds import Shape, prefill_rps
+from pdd.lab.plan import paper
+from pdd.lab.plan.bounds import Shape, prefill_rps
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.runner import Window, simulate
 from pdd.lab.workload.types import Session, Turn

@@ -1,5 +1,5 @@
 """`pdd plan`: the layouts of a GPU budget, searched for the best BCR per family
-(`pdd.lab.sim.planner`), printed with every assumption."""
+(`pdd.lab.plan.planner`), printed with every assumption."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_args import attention_arg, floats_arg, names_arg, pair_arg, workload_arg
-from pdd.lab.sim.plan_file import Fleet, read_plan_file
-from pdd.lab.sim.plan_layouts import SERVED, choose, smallest
-from pdd.lab.sim.plan_published import breakdown, cheapest_at, head_to_head, published
-from pdd.lab.sim.plan_report import (
+from pdd.lab.plan import paper
+from pdd.lab.plan.args import attention_arg, floats_arg, names_arg, pair_arg, workload_arg
+from pdd.lab.plan.file import Fleet, read_plan_file
+from pdd.lab.plan.layouts import SERVED, choose, smallest
+from pdd.lab.plan.planner import Layout, OnProgress, Probe, candidates
+from pdd.lab.plan.published import breakdown, cheapest_at, head_to_head, published
+from pdd.lab.plan.report import (
     assumption_line,
     assumptions,
     breakdown_table,
@@ -29,10 +30,9 @@ from pdd.lab.sim.plan_report import (
     verdict_lines,
     versus_line,
 )
-from pdd.lab.sim.plan_search import Search, run
-from pdd.lab.sim.plan_verdict import best_per_family, screen_error, seed_spread, verdict
-from pdd.lab.sim.plan_workload import Workload, agentic, mooncake
-from pdd.lab.sim.planner import Layout, OnProgress, Probe, candidates
+from pdd.lab.plan.search import Search, run
+from pdd.lab.plan.verdict import best_per_family, screen_error, seed_spread, verdict
+from pdd.lab.plan.workload import Workload, agentic, mooncake
 from pdd.lab.workload.mooncake import load_trace
 from pdd.names import AttentionLayout
 
@@ -41,7 +41,7 @@ CONTENDERS = 2  # each family's best two by the screen: its error orders more th
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `pdd plan`; defaults are the plan file's, else the spec's setting
-    (pdd/lab/sim/paper.py, `DEFAULTS`)."""
+    (pdd/lab/plan/paper.py, `DEFAULTS`)."""
     p.add_argument(
         "--plan-file",
         type=Path,
@@ -198,7 +198,7 @@ class Plan:
     setting: paper.Setting
     fleet: Fleet
     sides: list[dict[str, Any]]
-    steps: list[dict[str, Any]]  # each side's step times' source (`pdd.lab.sim.measured`); empty: the roofline's
+    steps: list[dict[str, Any]]  # each side's step times' source (`pdd.lab.plan.measured`); empty: the roofline's
 
 
 def setting_of(args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
@@ -229,7 +229,7 @@ def _prepare(args: argparse.Namespace) -> Plan:
     steps: list[dict[str, Any]] = []
     if args.aiconfigurator:
         try:
-            from pdd.lab.sim.measured import measure
+            from pdd.lab.plan.measured import measure
         except ImportError:
             raise ValueError("--aiconfigurator needs the plan extra: pip install 'pdd-serving[plan]'") from None
         setting, steps = measure(setting, args.aiconfigurator)

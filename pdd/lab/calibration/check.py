@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pdd import config as cfg
-from pdd.lab.sim.local import simulate_demo
+from pdd.lab.calibration.local import simulate_demo
+from pdd.lab.calibration.profile import LocalProfile
 from pdd.lab.sim.metrics import summary
-from pdd.lab.sim.profile import LocalProfile
 from pdd.lab.workload.scenarios import SCENARIOS
 from pdd.names import mode_options
 

@@ -1,5 +1,8 @@
 """`pdd sim` (the published comparison, a live deployment simulated, the calibration
-check, the calibration itself) and `pdd plan`."""
+check, the calibration itself) and `pdd plan`: the one command line in front of the
+simulator (`pdd.lab.sim`), the planner (`pdd.lab.plan`), the published comparison
+(`pdd.lab.paper`) and the calibration (`pdd.lab.calibration`), each imported when its
+command runs; none of them imports this."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ def _write(path: str | None, data: dict, console: Console) -> None:
 
 
 def _paper(args: argparse.Namespace) -> int:
-    from pdd.lab.sim.compare import run_paper
-    from pdd.lab.sim.paper_report import print_paper
-    from pdd.lab.sim.planner import Probe
+    from pdd.lab.paper.compare import run_paper
+    from pdd.lab.paper.report import print_paper
+    from pdd.lab.plan.planner import Probe
 
     console = Console()
     err = Console(stderr=True)
@@ -36,8 +39,8 @@ def _paper(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from pdd.lab.sim.planner import Probe
-    from pdd.lab.sim.sweep import run_sweep
+    from pdd.lab.paper.sweep import run_sweep
+    from pdd.lab.plan.planner import Probe
 
     console = Console()
     with Console(stderr=True).status("simulating") as status:
@@ -71,7 +74,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _line(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from pdd.lab.sim.line_check import line_check
+    from pdd.lab.calibration.line_check import line_check
 
     console = Console()
     r = line_check(args.mbps, args.runs, not args.no_emulator)
@@ -102,7 +105,7 @@ def _line(args: argparse.Namespace) -> int:
 
 
 def _bathtub(args: argparse.Namespace) -> int:
-    from pdd.lab.sim.bathtub import CACHED_PRICE, economics, plot, sweep, valleys
+    from pdd.lab.paper.bathtub import CACHED_PRICE, economics, plot, sweep, valleys
 
     console = Console()
     hits = tuple(h / 100 for h in range(0, 100, max(1, round(args.step * 100))))
@@ -147,9 +150,9 @@ def _bathtub(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace) -> int:
     from pdd import config as cfg
     from pdd.lab.bench.summary import format_table
-    from pdd.lab.sim.local import simulate_demo
+    from pdd.lab.calibration.local import simulate_demo
+    from pdd.lab.calibration.profile import load_profile
     from pdd.lab.sim.metrics import summary
-    from pdd.lab.sim.profile import load_profile
     from pdd.lab.workload.scenarios import SCENARIOS
 
     console = Console()
@@ -187,15 +190,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from pdd.lab.sim.calibrate import calibrate_main
+    from pdd.lab.calibration.calibrate import calibrate_main
 
     return calibrate_main(args)
 
 
 def _check(args: argparse.Namespace) -> int:
     """Calibrate and run the demo first when their files are missing: one command."""
-    from pdd.lab.sim.check import check, load_report, print_check
-    from pdd.lab.sim.profile import load_profile
+    from pdd.lab.calibration.check import check, load_report, print_check
+    from pdd.lab.calibration.profile import load_profile
 
     console = Console()
     profile, report = Path(args.profile), Path(args.demo) / "report.json"
@@ -216,7 +219,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdd.lab.sim.calibrate import add_calibrate_arguments
+    from pdd.lab.calibration.calibrate import add_calibrate_arguments
 
     p = sub.add_parser(
         "sim",
@@ -291,7 +294,7 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from pdd.lab.sim.plan_cli import add_plan_arguments, plan_main
+    from pdd.lab.plan.command import add_plan_arguments, plan_main
 
     p = sub.add_parser("plan", help="search instance counts per role and datacenter, and the line, for the best BCR")
     add_plan_arguments(p)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdd.lab.sim import paper
+from pdd.lab.plan import paper
 from pdd.names import AttentionLayout
 from pdd.perf.decode import decode_rate
 from pdd.perf.model import SPEC_CONTEXT
@@ -121,7 +121,7 @@ def choose(
 
 def smallest(setting: paper.Setting) -> paper.Setting:
     """`setting` with each chosen layout on the fewest nodes that hold it: the publication's
-    layouts are counted in such instances (`pdd.lab.sim.plan_published.published`)."""
+    layouts are counted in such instances (`pdd.lab.plan.published.published`)."""
     roles = []
     for r in setting.roles:
         sizes = instance_sizes(

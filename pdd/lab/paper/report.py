@@ -8,11 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.compare import change
-from pdd.lab.sim.plan_report import assumption_line, judged
-from pdd.lab.sim.plan_workload import agentic
-from pdd.lab.sim.planner import Probe
+from pdd.lab.paper.compare import change
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import Probe
+from pdd.lab.plan.report import assumption_line, judged
+from pdd.lab.plan.workload import agentic
 
 
 def _pct(value: float | None) -> str:

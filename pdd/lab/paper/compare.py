@@ -2,7 +2,7 @@
 
 Every family (same-datacenter PD on GPU A, the spec's baseline; the same on GPU B;
 cross-datacenter PD; PDD) gets its P:D and relay counts searched under one GPU budget
-and SLO (`pdd.lab.sim.planner`) before any ratio is quoted. Then each family's best runs
+and SLO (`pdd.lab.plan.planner`) before any ratio is quoted. Then each family's best runs
 longer at one reference load (80 % of the baseline's goodput) for latencies, the
 relay's share and the line's use. Each published figure is graded against the
 deployment it was published against (`paper.PAPER`), with the resource that binds each
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_search import search
-from pdd.lab.sim.plan_verdict import best_per_family, iso_goodput
-from pdd.lab.sim.plan_workload import agentic
-from pdd.lab.sim.planner import FAMILIES, Layout, Probe, candidates
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import FAMILIES, Layout, Probe, candidates
+from pdd.lab.plan.search import search
+from pdd.lab.plan.verdict import best_per_family, iso_goodput
+from pdd.lab.plan.workload import agentic
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
 from pdd.lab.sim.tcp import handoff_times_s
 from pdd.perf.hardware import Line

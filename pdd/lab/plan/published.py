@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_workload import Workload
-from pdd.lab.sim.planner import HEADROOM, Layout, OnProgress, Probe, capacity_of, probe_at, row_of, spec_of
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import HEADROOM, Layout, OnProgress, Probe, capacity_of, probe_at, row_of, spec_of
+from pdd.lab.plan.workload import Workload
 
 
 def published(line_gbps: float, setting: paper.Setting = paper.SETTING) -> list[Layout]:

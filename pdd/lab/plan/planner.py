@@ -3,9 +3,9 @@ of hardware cost (BCR), under one GPU budget and one SLO.
 
 A comparison between two hand-picked layouts says more about the picking than about the
 architectures, so every family is given its own best layout before any two are compared
-(`pdd.lab.sim.plan_verdict.best_per_family`): same-datacenter PD on A, on B, cross-datacenter PD, and PDD, with
+(`pdd.lab.plan.verdict.best_per_family`): same-datacenter PD on A, on B, cross-datacenter PD, and PDD, with
 their P:D (and relay) counts, at each line bandwidth. Every layout that spends the
-budget is a candidate. Each one's analytic capacity (`pdd.lab.sim.bounds`), the screen,
+budget is a candidate. Each one's analytic capacity (`pdd.lab.plan.bounds`), the screen,
 orders the search and seeds its goodput bisection; only each family's first few by it
 are contenders, and a contender whose capacity per cost cannot reach the best goodput
 per cost its family has already shown is not simulated. The rest are simulated in
@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.bounds import Shape, capacity_rps
+from pdd.lab.plan import paper
+from pdd.lab.plan.bounds import Shape, capacity_rps
+from pdd.lab.plan.workload import Workload
 from pdd.lab.sim.fleet import DeploymentSpec
 from pdd.lab.sim.metrics import GOODPUT_ATTAINMENT
-from pdd.lab.sim.plan_workload import Workload
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
 from pdd.names import CHIPS, Mode
 

@@ -3,7 +3,7 @@
 The published comparison rests on assumptions the spec does not state (its chips' figures,
 their memory use, the weights' precision) and one it does (GPU B priced 20-30 % above
 A). Each variant here changes one of them and searches every family's best layout
-again (`pdd.lab.sim.planner`), so the answer to "PDD against same-datacenter PD" can be read
+again (`pdd.lab.plan.planner`), so the answer to "PDD against same-datacenter PD" can be read
 against each assumption. Prices change only the cost: the base search's simulated
 layouts are re-ranked at each price without simulating again.
 """
@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.compare import LINES_GBPS, MAX_GPUS, change
-from pdd.lab.sim.plan_search import search
-from pdd.lab.sim.plan_verdict import best_per_family
-from pdd.lab.sim.plan_workload import agentic
-from pdd.lab.sim.planner import Probe, candidates
+from pdd.lab.paper.compare import LINES_GBPS, MAX_GPUS, change
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import Probe, candidates
+from pdd.lab.plan.search import search
+from pdd.lab.plan.verdict import best_per_family
+from pdd.lab.plan.workload import agentic
 from pdd.perf.hardware import CHIPS
 from pdd.perf.model import FP8
 

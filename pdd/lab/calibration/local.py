@@ -21,9 +21,9 @@ import simpy
 
 from pdd import config as cfg
 from pdd.engines.port import AUTO, AUTO_SIZES, EngineConfig
+from pdd.lab.calibration.profile import LocalProfile
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec, RoleSpec
-from pdd.lab.sim.profile import LocalProfile
 from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.scenarios import Scenario
 from pdd.perf.emulated import emulated_steps, token_scale

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.planner import Layout
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import Layout
 from pdd.perf.hardware import CHIPS, Chip
 from pdd.perf.hf_model import ModelConfigError, dtype_bytes, load_model, read_parsed
 from pdd.perf.model import ModelShape

@@ -1,6 +1,6 @@
 """`pdd plan`'s searches run on one pool of worker processes: each family's layouts in
 the order of the analytic screen, a layout simulated only while it can still beat its
-family's best (`pdd.lab.sim.planner`). Several searches (the plan's own and the
+family's best (`pdd.lab.plan.planner`). Several searches (the plan's own and the
 publication's layouts) share the pool, so no worker idles while another search has a
 layout left; each search's rows depend only on its own layouts' results."""
 
@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_workload import Workload
-from pdd.lab.sim.planner import (
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import (
     HEADROOM,
     Layout,
     OnProgress,
@@ -23,6 +22,7 @@ from pdd.lab.sim.planner import (
     search_resolution,
     spec_of,
 )
+from pdd.lab.plan.workload import Workload
 
 
 class Search:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from pdd.lab.sim import paper
+from pdd.lab.plan import paper
 from pdd.names import AttentionLayout
 from pdd.perf.physics import GPUS_PER_NODE, Physics
 from pdd.perf.steps import StepLoad, chunk_load, decode_stretch

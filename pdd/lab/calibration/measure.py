@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdd.engines.port import EngineConfig, EnginePort, StepOutput, open_engine
-from pdd.lab.sim.fit import Sample
+from pdd.lab.calibration.fit import Sample
 from pdd.model.config import Declared
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
 from pdd.sampling import SamplingParams

@@ -4,7 +4,7 @@
 PDD_SPEC § The results to beat: 64K total length, a 90 % average hit with the spec's
 skew, 1K output tokens; GPU A runs P and RLD in cluster A, GPU B runs MD in cluster B,
 joined by one line. Everything the answer depends on is one `Setting`, printed with
-every result and varied by the sensitivity sweep (`pdd.lab.sim.sweep`).
+every result and varied by the sensitivity sweep (`pdd.lab.paper.sweep`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class RoleLayout:
     hw: str  # "A" or "B"
     attention: AttentionLayout
     gpus: int
-    eff: Efficiency | None = None  # fitted to a measurement (`pdd.lab.sim.measured`); None: the setting's
+    eff: Efficiency | None = None  # fitted to a measurement (`pdd.lab.plan.measured`); None: the setting's
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Setting:
     max_running: int = 1024  # the engine's slot limit, and its most requests held; KV memory binds long before
     # every side's layout unless `roles` names it: the latent split by token, one copy of the KV
     attention: AttentionLayout = AttentionLayout.TP_DCP
-    roles: tuple[RoleLayout, ...] = ()  # chosen layouts per side and chip (`pdd.lab.sim.plan_layouts`)
+    roles: tuple[RoleLayout, ...] = ()  # chosen layouts per side and chip (`pdd.lab.plan.layouts`)
 
     def chip(self, name: str) -> Chip:
         return {"A": self.a, "B": self.b}[name]
@@ -201,7 +201,7 @@ def paper_deployments(gbps: float = LINE_GBPS, setting: Setting = SETTING) -> di
     """The spec's three deployments, as near as whole instances come: its 88 GPU A are
     5 instances of 16 (the 594 GB of weights do not fit 8 x 80 GB), its 43 A + 32 B are
     3 A instances + 4 B instances of 8. These are the tests' fixtures and a reference;
-    `pdd sim --paper` compares each family's best layout, searched (`pdd.lab.sim.planner`)."""
+    `pdd sim --paper` compares each family's best layout, searched (`pdd.lab.plan.planner`)."""
     r = setting.role
     return {
         "pd-same-dc": setting.deployment("pd-same-dc", (r("prefill", "A", 2, "A"), r("main", "A", 3, "A")), gbps),

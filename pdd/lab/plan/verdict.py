@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.plan_workload import Workload
-from pdd.lab.sim.planner import Layout, Probe, goodput_of, tie
+from pdd.lab.plan import paper
+from pdd.lab.plan.planner import Layout, Probe, goodput_of, tie
+from pdd.lab.plan.workload import Workload
 
 Row = dict[str, Any]
 PRICE_SPAN = 8.0  # break-even prices are searched from 0 to this many times B's price
@@ -38,7 +38,7 @@ def iso_goodput(family_rows: Sequence[Row], target_rps: float) -> Row | None:
 
 
 def screen_error(rows: Sequence[Row]) -> dict[str, Any] | None:
-    """The analytic screen (each layout's capacity, `pdd.lab.sim.bounds`, which orders and
+    """The analytic screen (each layout's capacity, `pdd.lab.plan.bounds`, which orders and
     prunes the search) against the simulation: capacity over goodput - 1 over the layouts
     whose goodput was found (None: none was)."""
     errors = sorted(r["capacity_rps"] / r["goodput_rps"] - 1 for r in _found(rows))
@@ -120,7 +120,7 @@ def verdict(rows: Sequence[Row], b_price: float, probe: Probe) -> dict[str, Any]
 
 
 def layout_of(row: dict[str, Any]) -> Layout:
-    """The layout a row (`pdd.lab.sim.planner.row_of`) is of."""
+    """The layout a row (`pdd.lab.plan.planner.row_of`) is of."""
     return Layout(row["prefill"], row["main"], row["relays"], row["prefill_hw"], row["main_hw"], row["line_gbps"])
 
 

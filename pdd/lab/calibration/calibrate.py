@@ -1,7 +1,7 @@
 """Measure this machine's engine into a `Fitted` step model (`pdd sim calibrate`).
 
 The simulator prices steps it never runs, so its step model has to come from steps
-that did run: `pdd.lab.sim.measure` times the engine, through the engine port (any
+that did run: `pdd.lab.calibration.measure` times the engine, through the engine port (any
 backend), in the step shapes a deployment makes (prefills, prefix-cached tails,
 decode batches, extends, prefills riding along a decode batch); `fit` solves for the
 linear model's coefficients, and a small JSON profile carries them, with how well they
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from pdd.engines.port import EngineConfig, engine_names
-from pdd.lab.sim.fit import Sample, fit, relative_errors
-from pdd.lab.sim.measure import Measured, measure
-from pdd.lab.sim.profile import TERMS, LocalProfile, profile_to_json
+from pdd.lab.calibration.fit import Sample, fit, relative_errors
+from pdd.lab.calibration.measure import Measured, measure
+from pdd.lab.calibration.profile import TERMS, LocalProfile, profile_to_json
 from pdd.perf.steps import Fitted, chunk_load
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdd.lab.sim import paper
-from pdd.lab.sim.bounds import Shape, shape_of
+from pdd.lab.plan import paper
+from pdd.lab.plan.bounds import Shape, shape_of
 from pdd.lab.sim.runner import Sessions, draw_ahead, steady_sessions, turns_per_session
 from pdd.lab.sim.workload import trace_sessions
 from pdd.lab.workload.agentic import AgenticConfig
