@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.lab.plan import paper
+from pdd.lab.plan import paper, planner
 from pdd.lab.plan.command import _prepare, add_plan_arguments, plan_main
 from pdd.lab.plan.planner import (
     FAMILIES,
@@ -89,6 +89,43 @@ def test_a_layout_places_roles_and_bills_the_line_only_across_sites() -> None:
     assert {r.dc for r in same.roles} == {"A"} and paper.bill(same).per_hour == 80 * CATALOG["A"].price_per_hour
     with pytest.raises(ValueError):
         Layout(4, 7, relays=1)
+
+
+def test_a_layout_of_cells_is_its_cells_together_each_on_its_share_of_the_line() -> None:
+    cell, cells = Layout(2, 4, 1, "A", "B", 25.0), Layout(2, 4, 1, "A", "B", 75.0, cells=3)
+    assert cells.spec() == cell.spec()  # one cell, on a third of the line
+    assert cells.gpus() == 3 * cell.gpus() and cells.name == f"3 x {Layout(2, 4, 1, 'A', 'B', 75.0).name}"
+    assert cells.bill().per_hour == pytest.approx(3 * cell.bill().per_hour)
+    assert cells.bill().gpus == {hw: 3 * n for hw, n in cell.bill().gpus.items()}
+    shape = agentic(SMALL).shape()
+    assert planner.capacity_of(cells, paper.SETTING, agentic(SMALL), shape, TINY_PROBE) == pytest.approx(
+        3 * planner.capacity_of(cell, paper.SETTING, agentic(SMALL), shape, TINY_PROBE)
+    )
+    with pytest.raises(ValueError, match="one cell"):
+        Layout(2, 4, cells=0)
+
+
+def test_a_budget_past_the_cell_size_is_planned_in_cells_within_it() -> None:
+    assert [planner.cells_for(gpus, 128) for gpus in (88, 128, 129, 1000)] == [1, 1, 2, 8]
+    assert planner.cells_for(1000, 0) == 1
+    layouts = candidates(1000, [100.0], ["A", "B"], cells=8)
+    assert layouts and {lay.cells for lay in layouts} == {8}
+    assert max(lay.gpus() for lay in layouts) <= 1000
+    assert {replace(lay, cells=1, line_gbps=lay.line_gbps / 8) for lay in layouts} == set(
+        candidates(125, [12.5], ["A", "B"])
+    )
+
+
+def test_a_layout_of_cells_simulates_one_cell_at_its_share_of_the_rate() -> None:
+    """Exact for the deployment it names: each cell its own router and sessions."""
+    workload, cell = agentic(SMALL), Layout(1, 1, 1, "A", "B", 25.0)
+    capacity = planner.capacity_of(cell, paper.SETTING, workload, workload.shape(), TINY_PROBE)
+    one = planner.goodput_of(cell, paper.SETTING, workload, TINY_PROBE, capacity)
+    two = planner.goodput_of(replace(cell, line_gbps=50.0, cells=2), paper.SETTING, workload, TINY_PROBE, 2 * capacity)
+    assert one["goodput_rps"] and two["goodput_rps"] == pytest.approx(2 * one["goodput_rps"])
+    assert two["run"] == one["run"] and two["probes"] == one["probes"]
+    assert two["judged_rps"] == pytest.approx(2 * one["judged_rps"])
+    assert two["bcr"] == pytest.approx(one["bcr"])
 
 
 def test_goodput_search_finds_the_threshold_on_a_log_scale() -> None:
@@ -240,8 +277,8 @@ def test_only_each_familys_contenders_by_the_screen_are_simulated(monkeypatch: p
     shape, cost = agentic(SMALL).shape(), {}
     screen = {}
     for lay in layouts:
-        cost[lay.name] = paper.bill(lay.spec(), paper.SETTING).per_hour
-        screen[lay.name] = planner.capacity_of(planner.spec_of(lay, paper.SETTING, agentic(SMALL)), shape, TINY_PROBE)
+        cost[lay.name] = lay.bill().per_hour
+        screen[lay.name] = planner.capacity_of(lay, paper.SETTING, agentic(SMALL), shape, TINY_PROBE)
     for k in (1, 2):
         rows = search(layouts, agentic(SMALL), TINY_PROBE, workers=1, contenders=k)
         assert len(rows) == len(layouts)

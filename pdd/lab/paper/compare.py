@@ -19,9 +19,9 @@ from dataclasses import replace
 from typing import Any
 
 from pdd.lab.plan import paper
-from pdd.lab.plan.planner import FAMILIES, Layout, Probe, candidates
+from pdd.lab.plan.planner import FAMILIES, Probe, candidates
 from pdd.lab.plan.search import search
-from pdd.lab.plan.verdict import best_per_family, iso_goodput
+from pdd.lab.plan.verdict import best_per_family, iso_goodput, layout_of
 from pdd.lab.plan.workload import agentic
 from pdd.lab.sim.runner import Window, find_goodput, run_window, tail_s
 from pdd.lab.sim.tcp import handoff_times_s
@@ -33,10 +33,6 @@ B_PRICES = (1.2, 1.25, 1.3)  # GPU B in GPU A hours: the spec's "20-30 % above A
 LINES_GBPS = (25.0, 100.0)
 MAX_GPUS = 88
 SLO_VARIANTS = ((2000.0, 0.9), (10000.0, 0.9), (5000.0, 0.99))  # (TTFT ms, attainment); TPOT stays
-
-
-def _layout(row: dict[str, Any]) -> Layout:
-    return Layout(row["prefill"], row["main"], row["relays"], row["prefill_hw"], row["main_hw"], row["line_gbps"])
 
 
 def run_paper(
@@ -70,7 +66,7 @@ def run_paper(
             continue
         row = best[family]
         progress(f"{family}: {row['layout']} at {reference:.1f} req/s, {requests:,} judged requests")
-        spec = _layout(row).spec(setting)
+        spec = layout_of(row).spec(setting)
         window = Window(
             probe.warmup_s,
             probe.warmup_s + max(requests / reference, probe.min_window_s),
@@ -162,7 +158,7 @@ def _slo_sensitivity(
 
         for family, row in best.items():
             progress(f"SLO {key}: {family}")
-            spec = _layout(row).spec(setting)
+            spec = layout_of(row).spec(setting)
             g = row["goodput_rps"] or 1.0
             run = find_goodput(
                 spec,

@@ -16,7 +16,7 @@ from pdd.lab.plan import paper
 from pdd.lab.plan.args import attention_arg, floats_arg, names_arg, pair_arg, workload_arg
 from pdd.lab.plan.file import Fleet, read_plan_file
 from pdd.lab.plan.layouts import SERVED, choose, smallest
-from pdd.lab.plan.planner import Layout, OnProgress, Probe, candidates
+from pdd.lab.plan.planner import Layout, OnProgress, Probe, candidates, cells_for
 from pdd.lab.plan.published import breakdown, cheapest_at, head_to_head, published
 from pdd.lab.plan.report import (
     assumption_line,
@@ -49,6 +49,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "and workload (docs/cli.md); a flag given here overrides its key",
     )
     p.add_argument("--max-gpus", type=int, help=f"GPU budget; layouts spend all of it (default {DEFAULTS['max_gpus']})")
+    p.add_argument(
+        "--cell-gpus",
+        type=int,
+        help="a budget above this is planned as identical cells of at most this many GPUs, each its own "
+        "deployment, sessions split among them by a session-affine balancer; one cell is simulated at its "
+        f"share of the rate (0: one deployment whatever the budget; default {DEFAULTS['cell_gpus']})",
+    )
     p.add_argument(
         "--line-gbps",
         type=floats_arg,
@@ -183,7 +190,7 @@ def probe_of(args: argparse.Namespace) -> Probe:
     )
 
 
-DEFAULTS: dict[str, Any] = {"max_gpus": 88, "line_gbps": [25.0, 100.0], "chips": ["A", "B"]}
+DEFAULTS: dict[str, Any] = {"max_gpus": 88, "cell_gpus": 128, "line_gbps": [25.0, 100.0], "chips": ["A", "B"]}
 DEFAULTS |= {"workload": ("agentic", None), "slo_ttft_ms": paper.SLO_TTFT_MS, "slo_tpot_ms": paper.SLO_TPOT_MS}
 DEFAULTS |= {"attainment": Probe.attainment, "aiconfigurator": None}
 
@@ -218,9 +225,11 @@ def _prepare(args: argparse.Namespace) -> Plan:
     setting, fleet = setting_of(args)
     if (
         min(args.requests, args.top, args.workers, args.seeds) < 1
-        or min(args.steps, args.warmup_s, args.contenders) < 0
+        or min(args.steps, args.warmup_s, args.contenders, args.cell_gpus) < 0
     ):
-        raise ValueError("--requests, --workers, --seeds, --top must be >= 1, --steps, --warmup-s, --contenders >= 0")
+        raise ValueError(
+            "--requests, --workers, --seeds, --top must be >= 1, --steps, --warmup-s, --contenders, --cell-gpus >= 0"
+        )
     if args.target_rps is not None and not args.target_rps > 0:
         raise ValueError("--target-rps must be > 0")
     if not 0 < args.attainment < 1:
@@ -233,7 +242,8 @@ def _prepare(args: argparse.Namespace) -> Plan:
         except ImportError:
             raise ValueError("--aiconfigurator needs the plan extra: pip install 'pdd-serving[plan]'") from None
         setting, steps = measure(setting, args.aiconfigurator)
-    everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False)
+    cells = cells_for(args.max_gpus, args.cell_gpus)
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False, cells=cells)
     layouts = fleet.spending(everything, setting, args.max_gpus)
     if not layouts:
         raise ValueError("no layout fits: the budget (and fleet) must hold two instances the model fits on")
@@ -284,6 +294,14 @@ def plan_main(args: argparse.Namespace) -> int:
     for line in step_lines(plan.steps):
         out.print(line)
     out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
+    cells = cells_for(args.max_gpus, args.cell_gpus)
+    if cells > 1:
+        out.print(
+            f"Cells: {args.max_gpus} GPUs are planned as {cells} identical cells of at most "
+            f"{args.max_gpus // cells} (--cell-gpus {args.cell_gpus}), each its own deployment on its share of the "
+            "line, sessions split among them by a session-affine balancer; one cell is simulated at its share of "
+            "the rate, and its rates and costs are multiplied by the cells."
+        )
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     versus, steps = None, None
     if as_given is not None:
@@ -365,7 +383,8 @@ def _at_target(console, out, args: argparse.Namespace, plan: Plan, probe: Probe)
     """Each family's cheapest layout within the budget that meets the SLO at `--target-rps`."""
     from pdd.progress import progress_bar
 
-    everything = candidates(args.max_gpus, args.line_gbps, args.chips, plan.setting, spend=False)
+    cells = cells_for(args.max_gpus, args.cell_gpus)
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, plan.setting, spend=False, cells=cells)
     with progress_bar(console, args.quiet) as bar:
         task = bar.add_task("at the target", total=None)
         found = cheapest_at(

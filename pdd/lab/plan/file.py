@@ -14,6 +14,7 @@ workload, in one TOML file; a flag given on the command line overrides its key.
     gpus = 88                 # the most GPUs a layout uses (--max-gpus)
     owned = { H800 = 88 }     # a layout uses no more of a chip than the fleet owns (others are bought)
     budget_per_hour = 300     # and costs no more an hour
+    cell_gpus = 128           # a larger budget is planned as identical cells of at most this (--cell-gpus)
     [line]
     gbps = [25, 100]
     rtt_ms = 40
@@ -58,7 +59,7 @@ NEW_CHIP_NEEDS = ("memory_gb", "hbm_tbps", "tflops_bf16", "tflops_fp8", "price_p
 TABLES = {
     "chips": None,
     "sites": ("A", "B"),
-    "fleet": ("gpus", "owned", "budget_per_hour"),
+    "fleet": ("gpus", "cell_gpus", "owned", "budget_per_hour"),
     "line": ("gbps", "rtt_ms", "price_per_gbps_hour"),
     "model": ("config", "name", "expert_dtype", "dense_dtype", "kv_dtype", "aiconfigurator"),
     "slo": ("ttft_ms", "tpot_ms", "attainment"),
@@ -80,7 +81,7 @@ class Fleet:
 
     def allows(self, layout: Layout, setting: paper.Setting, max_gpus: int) -> bool:
         """Whether `layout` fits the GPU budget, the GPUs owned and the money budget."""
-        bill = paper.bill(layout.spec(setting), setting)
+        bill = layout.bill(setting)
         within = all(bill.gpus.get(site, 0) <= n for site, n in self.owned.items())
         money = self.budget_per_hour is None or bill.per_hour <= self.budget_per_hour
         return layout.gpus(setting) <= max_gpus and within and money
@@ -201,6 +202,8 @@ def read_plan_file(path: Path, args: argparse.Namespace) -> tuple[paper.Setting,
 def _fleet(table: dict[str, Any], setting: paper.Setting, args: argparse.Namespace) -> Fleet:
     if "gpus" in table and args.max_gpus is None:
         args.max_gpus = int(_number(table["gpus"], "[fleet] gpus"))
+    if "cell_gpus" in table and args.cell_gpus is None:
+        args.cell_gpus = int(_number(table["cell_gpus"], "[fleet] cell_gpus", positive=False))
     owned = table.get("owned", {})
     if not isinstance(owned, dict):
         raise PlanFileError("[fleet] owned: expected a table of chip = GPUs")

@@ -37,18 +37,27 @@ FAMILIES = (Mode.PD_SAME_DC.value, f"{Mode.PD_SAME_DC}-b", Mode.PD_CROSS_DC.valu
 @dataclass(frozen=True)
 class Layout:
     """A deployment to price: P (and relays) in datacenter A, MD in A when there is no
-    line, else across the line in B."""
+    line, else across the line in B.
+
+    `cells`: the deployment is that many identical cells, each these instances under a
+    router of its own, sessions split among the cells by a hash of the session (a
+    session-affine balancer in front of `cells` pdd deployments, not part of pdd); the
+    line is shared in equal parts. One cell is simulated at its share of the rate, which
+    is exact for that deployment, so a large fleet's probe costs what its cell's does."""
 
     prefill: int
     main: int
     relays: int = 0
     prefill_hw: str = "A"  # P and the relays
     main_hw: str = "A"
-    line_gbps: float = 0.0  # 0: one datacenter, no line
+    line_gbps: float = 0.0  # 0: one datacenter, no line; with cells, the whole line
+    cells: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.main < 1 or self.relays < 0:
             raise ValueError("a layout needs at least one prefill and one main instance")
+        if self.cells < 1:
+            raise ValueError("a layout is at least one cell")
         if self.relays and not self.line_gbps:
             raise ValueError("relays only make sense when MD is across a line")
 
@@ -63,6 +72,10 @@ class Layout:
 
     @property
     def name(self) -> str:
+        return f"{self.cells} x {self._cell_name}" if self.cells > 1 else self._cell_name
+
+    @property
+    def _cell_name(self) -> str:
         if not self.line_gbps and self.main_hw != self.prefill_hw:
             return f"same-dc {self.prefill}P {self.prefill_hw} + {self.main}D {self.main_hw}"
         if not self.line_gbps:
@@ -74,16 +87,29 @@ class Layout:
         )
 
     def spec(self, setting: paper.Setting = paper.SETTING) -> DeploymentSpec:
+        """One cell's deployment (the whole one when it is one cell), on its share of the line."""
         far = "B" if self.line_gbps else "A"
         roles = [setting.role("prefill", "A", self.prefill, self.prefill_hw)]
         if self.relays:
             roles.append(setting.role("relay", "A", self.relays, self.prefill_hw))
         roles.append(setting.role("main", far, self.main, self.main_hw))
-        return setting.deployment(self.family, tuple(roles), self.line_gbps)
+        return setting.deployment(self.family, tuple(roles), self.line_gbps / self.cells)
 
     def gpus(self, setting: paper.Setting = paper.SETTING) -> int:
         p, r, d = _sizes(setting, self.prefill_hw, self.main_hw)
-        return self.prefill * p + self.relays * r + self.main * d
+        return self.cells * (self.prefill * p + self.relays * r + self.main * d)
+
+    def bill(self, setting: paper.Setting = paper.SETTING, b_price: float | None = None) -> paper.Bill:
+        """What all its cells cost an hour (the line's price is linear in its bandwidth:
+        the cells' shares add up to the whole line's)."""
+        cell = paper.bill(self.spec(setting), setting, b_price)
+        return paper.Bill({hw: self.cells * n for hw, n in cell.gpus.items()}, self.cells * cell.per_hour)
+
+
+def cells_for(max_gpus: int, cell_gpus: int) -> int:
+    """Cells a budget of `max_gpus` is planned in: as few as keep each within `cell_gpus`
+    (0: one, whatever the budget)."""
+    return max(1, math.ceil(max_gpus / cell_gpus)) if cell_gpus > 0 else 1
 
 
 def _sizes(setting: paper.Setting, near: str, far: str) -> tuple[int, int, int]:
@@ -101,20 +127,22 @@ def candidates(
     hardware: Sequence[str],
     setting: paper.Setting = paper.SETTING,
     spend: bool = True,
+    cells: int = 1,
 ) -> list[Layout]:
     """Layouts within the budget: same-dc PD on each hardware, and for each line P (and
     relays) on `hardware[0]` with MD on `hardware[-1]`, within a sensible share of prefill
-    GPUs. `spend`: only those that spend it (no instance of either kind would still fit)."""
+    GPUs. `spend`: only those that spend it (no instance of either kind would still fit).
+    `cells`: layouts of that many identical cells, each within its share of the budget."""
     unknown = [h for h in hardware if h not in CHIPS]
     if unknown or not hardware:
         raise ValueError(f"chips must be {' or '.join(CHIPS)}, got {list(hardware)}")
     layouts: list[Layout] = []
     for hw in hardware:
-        layouts += _family(max_gpus, hw, hw, 0, 0.0, setting, spend)
+        layouts += _family(max_gpus // cells, hw, hw, 0, 0.0, setting, spend)
     for gbps in line_gbps:
         for relays in (0, *RELAYS):
-            layouts += _family(max_gpus, hardware[0], hardware[-1], relays, gbps, setting, spend)
-    return layouts
+            layouts += _family(max_gpus // cells, hardware[0], hardware[-1], relays, gbps, setting, spend)
+    return [replace(lay, cells=cells) for lay in layouts] if cells > 1 else layouts
 
 
 def _family(
@@ -164,9 +192,10 @@ def spec_of(layout: Layout, setting: paper.Setting, workload: Workload) -> Deplo
     return replace(layout.spec(setting), block_tokens=workload.block_tokens)
 
 
-def capacity_of(spec: DeploymentSpec, shape: Shape, probe: Probe) -> float:
-    """The deployment's analytic capacity in requests a second (`bounds.capacity_rps`)."""
-    return capacity_rps(spec, shape, probe.slo[1] / 1000)["rps"]
+def capacity_of(layout: Layout, setting: paper.Setting, workload: Workload, shape: Shape, probe: Probe) -> float:
+    """The layout's analytic capacity in requests a second (`bounds.capacity_rps`), all
+    its cells'; `shape`: the workload's."""
+    return layout.cells * capacity_rps(spec_of(layout, setting, workload), shape, probe.slo[1] / 1000)["rps"]
 
 
 def probe_at(spec: DeploymentSpec, workload: Workload, probe: Probe, rps: float) -> dict[str, Any]:
@@ -202,7 +231,8 @@ def goodput_of(
     meets it is searched upwards from there. `probed_rps`: the rate its goodput was
     probed at (session rate x turns), which is its goodput (`_row`) and what `beat_rps`
     is made of."""
-    spec = spec_of(layout, setting, workload)
+    spec, cells = spec_of(layout, setting, workload), layout.cells
+    capacity, beat_rps = capacity / cells, None if beat_rps is None else beat_rps / cells  # one cell's
     sessions, turns = workload.sessions(), workload.turns
     runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
 
@@ -222,11 +252,11 @@ def goodput_of(
     if beat_rps is not None:
         run = runs[beat_rps / turns] = probe_at(spec, workload, probe, beat_rps)
         if (run["slo_attainment"] or 0.0) < probe.attainment:
-            return row_of(layout, setting, run, capacity, beat_rps) | {
+            return row_of(layout, setting, run, cells * capacity, cells * beat_rps) | {
                 "goodput_rps": None,
                 "bcr": None,
                 "probes": 1,
-                "missed_rps": beat_rps,
+                "missed_rps": cells * beat_rps,
             }
         high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
         best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
@@ -235,8 +265,8 @@ def goodput_of(
         while best is None and tried < 3:
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
-    probed = best["session_rate"] * turns if best else None
-    return row_of(layout, setting, best, capacity, probed) | {"probes": len(runs), "probed_rps": probed}
+    probed = cells * best["session_rate"] * turns if best else None
+    return row_of(layout, setting, best, cells * capacity, probed) | {"probes": len(runs), "probed_rps": probed}
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
@@ -252,8 +282,8 @@ def row_of(
     happened to judge (`judged_rps`): closed-loop sessions arrive as their turns end,
     which the warm start's nominal turn lengths do not know, so the count moved with how
     fast a layout decodes (-8 % to +19 % of the probed rate over the default search's top
-    layouts, BENCHMARKS.md)."""
-    bill = paper.bill(layout.spec(setting), setting)
+    layouts, BENCHMARKS.md). Rates are the whole layout's; `run` is its one cell's."""
+    bill = layout.bill(setting)
     rps = probed_rps if run and probed_rps else 0.0
     ttft = run["ttft_ms"] if run else {}
     return {
@@ -265,11 +295,12 @@ def row_of(
         "prefill_hw": layout.prefill_hw,
         "main_hw": layout.main_hw,
         "line_gbps": layout.line_gbps,
+        "cells": layout.cells,
         "gpus": bill.gpus,
         "cost_per_hour": bill.per_hour,
         "capacity_rps": capacity,
         "goodput_rps": rps,
-        "judged_rps": run["offered_rps"] if run else None,
+        "judged_rps": layout.cells * run["offered_rps"] if run else None,
         "bcr": rps / bill.per_hour,
         "simulated": True,
         "ttft_p50_ms": ttft.get("p50"),

@@ -119,13 +119,12 @@ def cheapest_at(
     for family in families:
         for lay in sorted(
             (x for x in layouts if x.family == family),
-            key=lambda x: (paper.bill(x.spec(setting), setting).per_hour, x.name),
+            key=lambda x: (x.bill(setting).per_hour, x.name),
         ):
-            spec = spec_of(lay, setting, workload)
-            capacity = capacity_of(spec, shape, probe)
+            capacity = capacity_of(lay, setting, workload, shape, probe)
             if HEADROOM * capacity < target_rps:
                 continue
-            run = probe_at(spec, workload, probe, target_rps)
+            run = probe_at(spec_of(lay, setting, workload), workload, probe, target_rps / lay.cells)
             probed += 1
             if progress is not None:
                 progress(probed, probed, f"{lay.name} at {target_rps:g} req/s")

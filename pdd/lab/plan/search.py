@@ -20,7 +20,6 @@ from pdd.lab.plan.planner import (
     goodput_of,
     row_of,
     search_resolution,
-    spec_of,
 )
 from pdd.lab.plan.workload import Workload
 
@@ -42,14 +41,14 @@ class Search:
     ) -> None:
         self.workload, self.probe, self.setting, self.progress, self.exact = workload, probe, setting, progress, exact
         shape = workload.shape()
-        self.caps = {lay: capacity_of(spec_of(lay, setting, workload), shape, probe) for lay in layouts}
+        self.caps = {lay: capacity_of(lay, setting, workload, shape, probe) for lay in layouts}
         self.queues, self.rows = _contenders(layouts, self.caps, setting, contenders)
-        self.cost = {lay: paper.bill(lay.spec(setting), setting).per_hour for q in self.queues.values() for lay in q}
+        self.cost = {lay: lay.bill(setting).per_hour for q in self.queues.values() for lay in q}
         self.best = {f: 0.0 for f in self.queues}
         self.pace = {f: 0.0 for f in self.queues}  # the probed rate per cost of the family's best: what beat_rps scales
         self.busy: set[str] = set()  # families with a layout in a worker
         if self.cost:  # the largest probe's sessions, drawn once here rather than in every worker
-            top = (1 + search_resolution(probe)) * HEADROOM * max(self.caps[lay] for lay in self.cost)
+            top = (1 + search_resolution(probe)) * HEADROOM * max(self.caps[lay] / lay.cells for lay in self.cost)
             workload.draw_ahead(top, probe.window(top, workload).end_s)
 
     def next_layout(self) -> tuple[Layout, float | None] | None:
@@ -139,7 +138,7 @@ def _contenders(
     `contenders` (at least one); and the rows of those cut (`screened_out`). The screen
     orders, it does not price (its error against the simulation is printed): the verdict
     rests on simulations, and a layout the screen underrates can be cut."""
-    per_cost = {lay: caps[lay] / paper.bill(lay.spec(setting), setting).per_hour for lay in layouts}
+    per_cost = {lay: caps[lay] / lay.bill(setting).per_hour for lay in layouts}
     queues = {
         f: sorted((lay for lay in layouts if lay.family == f), key=lambda x: -per_cost[x])
         for f in sorted({lay.family for lay in layouts})

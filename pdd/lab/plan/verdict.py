@@ -121,7 +121,9 @@ def verdict(rows: Sequence[Row], b_price: float, probe: Probe) -> dict[str, Any]
 
 def layout_of(row: dict[str, Any]) -> Layout:
     """The layout a row (`pdd.lab.plan.planner.row_of`) is of."""
-    return Layout(row["prefill"], row["main"], row["relays"], row["prefill_hw"], row["main_hw"], row["line_gbps"])
+    return Layout(
+        row["prefill"], row["main"], row["relays"], row["prefill_hw"], row["main_hw"], row["line_gbps"], row["cells"]
+    )
 
 
 def seed_spread(
