@@ -4,11 +4,11 @@ whose room a request reserves whole.
 It runs the live `pdd.batching.Scheduler` (running sequences first, so decodes stay
 smooth, then waiting ones admitted while the step's token budget, the running slots and
 the pool last; each computes up to its pending tokens, or one to decode) and the live
-`RadixCache`. What differs is the room (`_ReservedKV`): the engine's `PagedKV` takes
-pages as a sequence grows and preempts when none are left; here a sequence reserves
-its prompt and all its output when admitted, so no step can run short of pages and a
-run of decode-only steps can be priced as one event (below), which the planner's time
-rests on. A step's time comes from a `StepModel`; on a machine whose processes share
+`RadixCache`. What differs is the room (`pdd.lab.sim.room.ReservedKV`): the engine's
+`PagedKV` takes pages as a sequence grows and preempts when none are left; here a
+sequence reserves its prompt and all its output when admitted, so no step can run short
+of pages and a run of decode-only steps can be priced as one event (below), which the
+planner's time rests on. A step's time comes from a `StepModel`; on a machine whose processes share
 cores (`cpu`), a step first waits for a core.
 
 Decode stretches. Between two changes of its batch (an arrival, a finish, a chunk, a
@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from pdd.batching import BaseKV, Scheduler, Status, step_tokens
+from pdd.batching import Scheduler, Status
 from pdd.instance.reservations import ReservationLine
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache, TreeNode
 from pdd.lab.sim.clock import SimClock
+from pdd.lab.sim.room import ReservedKV, named_by_key
 from pdd.lab.sim.sequence import Hold, Landing, SimSeq, _Run
 from pdd.perf.steps import StepLoad, StepModel
 from pdd.policy.capacity import Room
@@ -85,8 +86,9 @@ class Instance:
         # The engine's own prefix cache. A page is a block here, named by its block key (a key
         # names its whole prefix, as a chained hash does), and the pool is the cache's alone:
         # what sequences hold is counted in `used`, and the cache keeps within the rest.
-        self.cache = RadixCache(PagePool(self.capacity_tokens // self.block_tokens, 1), chain=_named_by_key)
-        self.scheduler = Scheduler(_ReservedKV(self), self.max_batch_tokens, self.max_running, self.max_chunks)
+        self.cache = RadixCache(PagePool(self.capacity_tokens // self.block_tokens, 1), chain=named_by_key)
+        room = ReservedKV(self._admit, self.release)
+        self.scheduler = Scheduler(room, self.max_batch_tokens, self.max_running, self.max_chunks)
         self.used = 0  # pool tokens held by sequences (reserved or running)
         self.holds = 0  # requests holding pool room
         self.without_room = 0  # requests held here without room yet (a reservation waiting; a sequence not admitted)
@@ -354,32 +356,6 @@ class Instance:
             self.without_room -= seq.hold is None
         self.scheduler.finish(seq)
         self.poke()
-
-
-class _ReservedKV(BaseKV[SimSeq]):
-    """A sequence's whole room (its prompt and every token it will produce), taken when it
-    is admitted (`Instance.hold`) unless it arrived holding it: a running sequence never
-    runs short, so none is preempted."""
-
-    def __init__(self, inst: Instance) -> None:
-        self.inst = inst
-
-    def admit(self, seq: SimSeq, budget: int, alone: bool) -> int | None:
-        if seq.hold is None and not self.inst._admit(seq):
-            return None
-        return step_tokens(seq.num_pending, seq.step_cap, budget)
-
-    def grow(self, seq: SimSeq, n: int) -> bool:
-        return True
-
-    def finish(self, seq: SimSeq) -> None:
-        seq.status = Status.FINISHED
-        self.inst.release(seq)
-
-
-def _named_by_key(_parent: int, key: Hashable) -> int:
-    """A simulated page's chain hash: its block key's (which names its whole prefix)."""
-    return hash(key)
 
 
 def _load(batch: list[tuple[SimSeq, int]]) -> StepLoad:

@@ -12,7 +12,7 @@ from __future__ import annotations
 NOT_LIVE: dict[str, str] = {
     "PagedKV": "the engine's PagedKV takes pages as a sequence grows and preempts the newest "
     "when none are left; a simulated sequence reserves its prompt and all its output when "
-    "admitted (_ReservedKV), so no step can run short and a decode-only run of up to 4096 "
+    "admitted (pdd.lab.sim.room.ReservedKV), so no step can run short and a decode-only run of up to 4096 "
     "steps is priced as one event (16x fewer events: BENCHMARKS.md), which the planner's time "
     "rests on (pdd.lab.sim.instance)",
     "the request lifecycle (pdd.router.request, pdd.instance)": "the live lifecycle is asyncio "
