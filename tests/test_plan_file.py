@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdd.lab.plan import paper
-from pdd.lab.plan.command import _prepare, add_plan_arguments, plan_main
+from pdd.lab.plan.args import add_plan_arguments
+from pdd.lab.plan.command import _prepare, plan_main
 from pdd.lab.plan.planner import Probe
 from pdd.lab.plan.report import verdict_lines
 from pdd.lab.plan.verdict import break_even, repriced_bcr, verdict

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdd.lab.plan import paper, planner
-from pdd.lab.plan.command import _prepare, add_plan_arguments, plan_main
+from pdd.lab.plan.args import add_plan_arguments
+from pdd.lab.plan.command import _prepare, plan_main
 from pdd.lab.plan.planner import (
     FAMILIES,
     Layout,

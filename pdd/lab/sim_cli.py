@@ -294,7 +294,8 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from pdd.lab.plan.command import add_plan_arguments, plan_main
+    from pdd.lab.plan.args import add_plan_arguments
+    from pdd.lab.plan.command import plan_main
 
     p = sub.add_parser("plan", help="search instance counts per role and datacenter, and the line, for the best BCR")
     add_plan_arguments(p)
