@@ -19,6 +19,7 @@ from pdd.lab.plan.published import breakdown, cheapest_at, head_to_head, publish
 from pdd.lab.plan.report import (
     assumption_line,
     assumptions,
+    cells_line,
     breakdown_table,
     rows_table,
     seeds_line,
@@ -133,14 +134,8 @@ def plan_main(args: argparse.Namespace) -> int:
     for line in step_lines(plan.steps):
         out.print(line)
     out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
-    cells = cells_for(args.max_gpus, args.cell_gpus)
-    if cells > 1:
-        out.print(
-            f"Cells: {args.max_gpus} GPUs are planned as {cells} identical cells of at most "
-            f"{args.max_gpus // cells} (--cell-gpus {args.cell_gpus}), each its own deployment on its share of the "
-            "line, sessions split among them by a session-affine balancer; one cell is simulated at its share of "
-            "the rate, and its rates and costs are multiplied by the cells."
-        )
+    if cells_for(args.max_gpus, args.cell_gpus) > 1:
+        out.print(cells_line(args.max_gpus, args.cell_gpus))
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     versus, steps = None, None
     if as_given is not None:

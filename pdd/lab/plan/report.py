@@ -9,7 +9,7 @@ from typing import Any
 from pdd.lab.plan import paper
 from pdd.lab.plan.file import Fleet
 from pdd.lab.plan.layouts import SIZE_TOLERANCE
-from pdd.lab.plan.planner import Probe, search_resolution, tie
+from pdd.lab.plan.planner import Probe, cells_for, search_resolution, tie
 from pdd.lab.plan.workload import Workload
 
 
@@ -29,6 +29,17 @@ def assumption_line(probe: Probe, workload: Workload, setting: paper.Setting = p
         f"requests, and at least {probe.min_window_s:g} s, after a warm start and {probe.warmup_s:g} s; "
         f"goodput found to "
         f"{search_resolution(probe):.0%}. Costs are the chips' and the line's prices an hour; BCR = goodput / cost."
+    )
+
+
+def cells_line(max_gpus: int, cell_gpus: int) -> str:
+    """How a budget past `--cell-gpus` was planned (`pdd.lab.plan.planner.Layout.cells`)."""
+    cells = cells_for(max_gpus, cell_gpus)
+    return (
+        f"Cells: {max_gpus} GPUs are planned as {cells} identical cells of at most {max_gpus // cells} "
+        f"(--cell-gpus {cell_gpus}), each its own deployment on its share of the line, sessions split among them "
+        "by a session-affine balancer; one cell is simulated at its share of the rate, and its rates and costs "
+        "are multiplied by the cells."
     )
 
 
