@@ -19,8 +19,8 @@ from pdd.lab.plan.published import breakdown, cheapest_at, head_to_head, publish
 from pdd.lab.plan.report import (
     assumption_line,
     assumptions,
-    cells_line,
     breakdown_table,
+    cells_line,
     rows_table,
     seeds_line,
     sides_table,
