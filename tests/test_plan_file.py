@@ -119,6 +119,12 @@ def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path
     assert spec.wan.one_way_ms == 20.0 and spec.wan.price_per_hour == pytest.approx(5.0)
     flags = _prepare(_parser().parse_args(["--plan-file", str(path), "--max-gpus", "48", "--line-gbps", "25"]))
     assert all(lay.gpus(flags.setting) <= 48 and lay.line_gbps in (0.0, 25.0) for lay in flags.layouts)
+    path.write_text(path.read_text().replace("budget_per_hour = 400", "budget_per_hour = 400\ncell_gpus = 64"))
+    cells = _prepare(_parser().parse_args(["--plan-file", str(path), "--max-gpus", "128"]))
+    assert cells.layouts and {lay.cells for lay in cells.layouts} == {2}
+    assert all(cells.fleet.allows(lay, s, 128) for lay in cells.layouts)  # the fleet owned is every cell's
+    with pytest.raises(ValueError, match="no layout fits a cell of 32 GPUs"):
+        _prepare(_parser().parse_args(["--plan-file", str(path), "--cell-gpus", "32"]))
 
 
 @pytest.mark.parametrize(
@@ -133,6 +139,7 @@ def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path
         (("owned = { H800 = 48 }", "owned = { H100 = 48 }"), "[fleet] owned.H100: not a chip of [sites]"),
         (("task_tokens = [512, 1024]", "task_tokens = 512"), "[workload] task_tokens: expected [LOW, HIGH]"),
         (('config = "', 'config = "/nowhere'), "[model] config: /nowhere"),
+        (("budget_per_hour = 400", "cell_gpus = -8"), "[fleet] cell_gpus: expected GPUs >= 0 (0: one cell), got -8"),
     ],
 )
 def test_a_mistake_in_the_plan_file_is_one_line_naming_the_key(tmp_path: Path, capsys, change, message) -> None:

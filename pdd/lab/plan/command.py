@@ -86,7 +86,8 @@ def _prepare(args: argparse.Namespace) -> Plan:
     everything = candidates(args.max_gpus, args.line_gbps, args.chips, setting, spend=False, cells=cells)
     layouts = fleet.spending(everything, setting, args.max_gpus)
     if not layouts:
-        raise ValueError("no layout fits: the budget (and fleet) must hold two instances the model fits on")
+        cell = f"a cell of {args.max_gpus // cells} GPUs (--cell-gpus)" if cells > 1 else "the budget"
+        raise ValueError(f"no layout fits {cell}: it (and the fleet) must hold two instances the model fits on")
     kind, path = args.workload
     if kind != "agentic":
         if args.tool_time_s or args.task_tokens:

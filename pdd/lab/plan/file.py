@@ -204,6 +204,8 @@ def _fleet(table: dict[str, Any], setting: paper.Setting, args: argparse.Namespa
         args.max_gpus = int(_number(table["gpus"], "[fleet] gpus"))
     if "cell_gpus" in table and args.cell_gpus is None:
         args.cell_gpus = int(_number(table["cell_gpus"], "[fleet] cell_gpus", positive=False))
+        if args.cell_gpus < 0:
+            raise PlanFileError(f"[fleet] cell_gpus: expected GPUs >= 0 (0: one cell), got {table['cell_gpus']!r}")
     owned = table.get("owned", {})
     if not isinstance(owned, dict):
         raise PlanFileError("[fleet] owned: expected a table of chip = GPUs")
