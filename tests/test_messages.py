@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import BadPayload, Frame, MsgType, encode_json
 
