@@ -70,7 +70,7 @@ def test_agentic_run_sends_only_the_missing_kv():
     s = summarize(run.records, line_bytes=run.line_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
     bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
     line = sum(line_after[k] - line_before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
-    print(f"\nWAN bytes {s['line_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
+    print(f"\nline bytes {s['line_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
           f"decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
     # the instances' count (the KV payload P sent across) against the emulator's (every byte, both ways)
     assert s["line_bytes"] <= line <= s["line_bytes"] * 1.05 + 24 * 16384

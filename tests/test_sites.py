@@ -118,7 +118,7 @@ def site(tmp_path_factory, tiny_model_dir):
             launcher.stop()
 
 
-def test_a_line_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp_path, reference):
+def test_a_line_emulator_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp_path, reference):
     """Where a test needs delay (the kernel here has no netem), `pdd line` sits on the
     route: MD advertises the hop's address to A, and the hop relays to MD's own."""
     base = cfg.Deployment(line=cfg.LineSpec(bandwidth_mbps=LINE_MBPS, delay_ms=25.0, jitter_ms=0.0))
