@@ -18,7 +18,7 @@ needed), which enforces what a real line would:
 
 "a→b" is client-to-server traffic (towards the route's target), "b→a" the replies.
 
-Modules: `line` (settings, shaper, the shared medium), `relay` (routes and the TCP
+Modules: `emulated` (settings, shaper, the shared medium), `relay` (routes and the TCP
 relay), `admin` (the HTTP control API), `run` (all of it until stopped), `cli`.
 """
 
