@@ -181,7 +181,8 @@ class Result(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.RESULT
     rid: Rid
     kv_bytes: Count = 0
-    line_bytes: Count = 0
+    # (peers of the release before send and read the field under the name it had)
+    line_bytes: Count = msgspec.field(default=0, name="wan_bytes")  # its retired name, on the wire
     d_hit: Count | None = None  # MD's reserved hit, when it answered after the pipeline was chosen
 
 
