@@ -1,5 +1,5 @@
 """`HOST:PORT` addresses as deployment files, routes and flags write them (a leaf module:
-the config, the WAN emulator and the command lines all read addresses the same way)."""
+the config, the line emulator and the command lines all read addresses the same way)."""
 
 from __future__ import annotations
 

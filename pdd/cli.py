@@ -20,7 +20,7 @@ _COMMANDS: dict[str, str] = {
     "router": "pdd.router.cli",
     "drain": "pdd.router.drain",
     "up": "pdd.lab.deploy",
-    "wan": "pdd.lab.wan.cli",
+    "line": "pdd.lab.line.cli",
     "cert": "pdd.transfer.tls",
     "netns": "pdd.lab.netns.cli",
     "soak": "pdd.lab.soak.cli",

@@ -1,8 +1,8 @@
 """What a waiting line waits with: the clock, and a signal that wakes its waiters.
 
-The router's dispatch line and an instance's reservation line wait for a signal (room
+The router's dispatch queue and an instance's reservation queue wait for a signal (room
 came free, the head left) or a timeout, and read the time. Live, that is asyncio's
-loop (`ASYNCIO`). The simulator runs the same line classes under its simulated clock
+loop (`ASYNCIO`). The simulator runs the same queue classes under its simulated clock
 (`pdd.lab.sim.clock`): a line's coroutine awaits only what its clock gives it, so the
 simulator steps it as one of its own processes, and no second copy of the line's
 rules is kept.

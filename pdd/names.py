@@ -93,13 +93,13 @@ class Fallback(StrEnum):
     RELAY_FINISHED = "relay_finished"  # the relay finished before MD had its KV
 
 
-# Lossy forms KV may cross the line in (`[link] lossy_kv`; `pdd.kv.codec` writes and reads them)
+# Lossy forms KV may cross the line in (`[line] lossy_kv`; `pdd.kv.codec` writes and reads them)
 LOSSY_KV_FORMS = ("int8",)
 # Reasoning parsers, as vLLM names them (`[model] reasoning_parser`; `pdd.api.reasoning`)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # Tool-call parsers, as vLLM names them (`[model] tool_parser`; `pdd.api.tools`)
 TOOL_PARSERS = ("hermes",)
-# Lossless compressions KV may cross the line in (`[link] compress_kv`; `pdd.kv.codec`)
+# Lossless compressions KV may cross the line in (`[line] compress_kv`; `pdd.kv.codec`)
 KV_COMPRESSIONS = ("zstd",)
 
 

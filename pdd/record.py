@@ -26,7 +26,7 @@ SERVED = (
     "mirror_drift_tokens",
     "kv_predicted_ms",
     "kv_bytes",
-    "wan_bytes",
+    "line_bytes",
     "relay_output_tokens",
     "main_output_tokens",
     "handoff",
@@ -67,7 +67,7 @@ class RequestRecord:
     mirror_drift_tokens: int | None = None
     kv_predicted_ms: float | None = None  # when P predicted MD's KV would arrive
     kv_bytes: int = 0  # KV P sent, every path
-    wan_bytes: int = 0  # ... of which across the line
+    line_bytes: int = 0  # ... of which across the line
     relay_output_tokens: int = 0
     main_output_tokens: int = 0
     handoff: str | None = None

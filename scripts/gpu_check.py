@@ -51,7 +51,7 @@ from pdd.engines.embedded.engine import Engine
 from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.model.store import resolve_model
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()

@@ -23,7 +23,7 @@ from pdd.engines.embedded.runtime import EngineRuntime
 from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 # the tiny model's KV is 4 KiB a token in fp32: 4 tokens a slice, a prompt of a few hundred ~50-100 slices
 SMALL_SLICE = 16 << 10

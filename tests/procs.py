@@ -107,7 +107,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: fl
 
 class Deployment:
     """A running `pdd up`, with what it printed: router URL, instance pids and HTTP URLs,
-    WAN admin, run directory (its `deployment.toml` holds the secret)."""
+    the line emulator's admin URL, run directory (its `deployment.toml` holds the secret)."""
 
     def __init__(self, proc: subprocess.Popen, lines: list[str]) -> None:
         self.proc = proc
@@ -118,8 +118,8 @@ class Deployment:
         self.http = {line.split()[1]: line.split()[-1] for line in lines if line.startswith("instance ")}
         self.pids = {line.split()[1].rstrip(":"): int(line.split("pid ")[1].split(",")[0])
                      for line in lines if line.startswith("process ")}
-        admin = [line.split("admin ")[1].strip() for line in lines if line.startswith("wan: ") and "admin " in line]
-        self.wan_admin = admin[0] if admin else None
+        admin = [line.split("admin ")[1].strip() for line in lines if line.startswith("line: ") and "admin " in line]
+        self.line_admin = admin[0] if admin else None
 
     def exit_code(self, name: str) -> int | None:
         """The code a child of `pdd up` exited with, as `pdd up` said; None while it runs."""
@@ -127,8 +127,8 @@ class Deployment:
         return int(said[0]) if said else None
 
     def fault(self, **fault: Any) -> dict:
-        """Inject (or clear) a fault on the WAN line; the emulator's stats after it."""
-        r = httpx.post(f"{self.wan_admin}/fault", json=fault, timeout=5)
+        """Inject (or clear) a fault on the line; the emulator's stats after it."""
+        r = httpx.post(f"{self.line_admin}/fault", json=fault, timeout=5)
         r.raise_for_status()
         return r.json()
 
@@ -170,10 +170,10 @@ def join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None)
     API, `--openai-api`, which a P/D instance serves only when asked)."""
     conf = cfg.load(dep.run_dir / "deployment.toml")
     hop = f"127.0.0.1:{free_port()}"  # callers in A reach it through the emulator
-    spec = cfg.InstanceSpec(name, "main", conf.link.b, port=free_port(), kv_port=free_port(),
-                            advertise={conf.link.a: hop}, engine=conf.engine)
+    spec = cfg.InstanceSpec(name, "main", conf.line.b, port=free_port(), kv_port=free_port(),
+                            advertise={conf.line.a: hop}, engine=conf.engine)
     route = f"{hop}=127.0.0.1:{spec.kv_port}"
-    httpx.post(f"{dep.wan_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
+    httpx.post(f"{dep.line_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
     path = tmp_path / "joined.toml"
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
     http = f"http://127.0.0.1:{spec.port}"

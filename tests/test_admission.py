@@ -1,4 +1,4 @@
-"""Admission control: a bounded line at the router and in each instance; past it,
+"""Admission control: a bounded queue at the router and in each instance; past it,
 429 with Retry-After in OpenAI's error shape, and no accepted request is lost."""
 
 from __future__ import annotations

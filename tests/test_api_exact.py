@@ -18,7 +18,7 @@ from procs import standalone
 from pdd.engines.embedded.engine import Engine
 from pdd.engines.port import EngineConfig
 from pdd.model.tokenizer import Tokenizer
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 PROMPT = [17, 230, 901, 17, 230, 901, 17, 230, 901, 55, 1024, 333, 17, 230, 901, 2048, 77, 78, 79, 80] * 3
 MAX = 40

@@ -33,7 +33,7 @@ from pdd.policy.prefix import common_prefix
 FAIL_HTTP = 1  # answer HTTP 500
 FAIL_STREAM = 2  # stream 3 tokens, then an error event
 HANG = 3  # stall longer than any test's timeout
-WAN_BYTES_PER_TOKEN = 10
+LINE_BYTES_PER_TOKEN = 10
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -51,7 +51,7 @@ def make_app() -> FastAPI:
     app = FastAPI()
     cache: list[list[int]] = []
     prompts: list[list[int]] = []
-    wan = {"bytes": 1_000}
+    line = {"bytes": 1_000}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -59,7 +59,7 @@ def make_app() -> FastAPI:
 
     @app.get("/pdd/stats")
     async def stats() -> dict:
-        return {"wan_bytes": wan["bytes"]}
+        return {"line_bytes": line["bytes"]}
 
     @app.get("/fake/prompts")
     async def received() -> list[list[int]]:
@@ -78,8 +78,8 @@ def make_app() -> FastAPI:
         output = fake_output(prompt, n)
         cache.append(prompt + output)
         relayed = cached * 2 < len(prompt)
-        wan_bytes = (len(prompt) - cached) * WAN_BYTES_PER_TOKEN
-        wan["bytes"] += wan_bytes
+        line_bytes = (len(prompt) - cached) * LINE_BYTES_PER_TOKEN
+        line["bytes"] += line_bytes
 
         async def events():
             if prompt[-1] == HANG:
@@ -100,7 +100,7 @@ def make_app() -> FastAPI:
                                   "prompt_tokens_details": {"cached_tokens": cached}},
                         "pdd": {"pipeline": "P-RLD-MD" if relayed else "P-MD",
                                 "p_hit_tokens": cached, "d_hit_tokens": cached,
-                                "wan_bytes": wan_bytes, "relay_output_tokens": rld,
+                                "line_bytes": line_bytes, "relay_output_tokens": rld,
                                 "main_output_tokens": n - rld,
                                 "handoff": "one_shot" if relayed else None}})
             yield _sse("[DONE]")
@@ -193,8 +193,8 @@ def test_replay_builds_turns_from_returned_ids_and_records_failures(server_url):
 
     # The server's counter also moved for the two requests that failed after their
     # KV was sent: that is why the summary prefers it to the per-request sum.
-    failed_after_transfer = (151 + 121) * WAN_BYTES_PER_TOKEN
-    assert run.wan_bytes == sum(r.wan_bytes for r in run.records) + failed_after_transfer
+    failed_after_transfer = (151 + 121) * LINE_BYTES_PER_TOKEN
+    assert run.line_bytes == sum(r.line_bytes for r in run.records) + failed_after_transfer
 
 
 def test_a_turn_is_sent_after_its_tool_time(server_url):
@@ -222,7 +222,7 @@ def test_cli_agentic_writes_report_and_table(server_url, tmp_path, capsys):
     assert summary["output_tokens"] == sum(r["output_tokens"] for r in records)
     # Later turns re-send the context the fake cached, so most prompt tokens are hits.
     assert summary["d_hit_rate"] > 0.5
-    assert summary["wan_bytes"] == sum(r["wan_bytes"] for r in records)
+    assert summary["line_bytes"] == sum(r["line_bytes"] for r in records)
     assert summary["pipelines"]["P-MD"] + summary["pipelines"]["P-RLD-MD"] == 24
     assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     assert report["config"]["model"] == "fake-model"

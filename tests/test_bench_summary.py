@@ -11,7 +11,7 @@ from pdd.lab.bench.summary import format_table, summarize
 from pdd.record import RequestRecord
 
 CONTRACT_KEYS = {"requests", "completed", "failed", "ttft_ms", "tpot_ms", "e2e_ms", "max_itl_ms",
-                 "prompt_tokens", "output_tokens", "p_hit_tokens", "d_hit_tokens", "wan_bytes",
+                 "prompt_tokens", "output_tokens", "p_hit_tokens", "d_hit_tokens", "line_bytes",
                  "relay_output_tokens", "main_output_tokens", "pipelines", "handoffs",
                  "slo_attainment", "d_hit_rate", "duration_s", "output_tokens_per_s"}
 
@@ -23,13 +23,13 @@ def _ok(i: int, ttft: float, tpot: float | None, *, pipeline: str | None = "P-MD
     return RequestRecord(id=f"{i}-0", session=i, turn=0, start_s=i * 0.5, prompt_tokens=100,
                          output_tokens=output, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e,
                          max_itl_ms=itl, cached_tokens=90, pipeline=pipeline, p_hit_tokens=90,
-                         d_hit_tokens=80, wan_bytes=1000, relay_output_tokens=1 if handoff else 0,
+                         d_hit_tokens=80, line_bytes=1000, relay_output_tokens=1 if handoff else 0,
                          main_output_tokens=output - (1 if handoff else 0), handoff=handoff)
 
 
 def _failed(i: int) -> RequestRecord:
     return RequestRecord(id=f"{i}-0", session=i, turn=0, start_s=0.25, prompt_tokens=100,
-                         output_tokens=3, e2e_ms=100.0, wan_bytes=500, error="HTTP 500: boom")
+                         output_tokens=3, e2e_ms=100.0, line_bytes=500, error="HTTP 500: boom")
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def records() -> list[RequestRecord]:
 
 
 def test_latency_percentiles_cover_completed_requests_only(records):
-    summary = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    summary = summarize(records, line_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
     assert summary.keys() >= CONTRACT_KEYS
     quantiles = ("mean", "p50", "p90", "p99")
     assert {q: summary["ttft_ms"][q] for q in quantiles} == pytest.approx({"mean": 25.0, "p50": 25.0, "p90": 37.0,
@@ -55,7 +55,7 @@ def test_latency_percentiles_cover_completed_requests_only(records):
 
 
 def test_counts_sums_and_shares(records):
-    summary = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    summary = summarize(records, line_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
     assert (summary["requests"], summary["completed"], summary["failed"]) == (5, 4, 1)
     assert summary["prompt_tokens"] == 400 and summary["output_tokens"] == 34
     assert summary["p_hit_tokens"] == 360 and summary["d_hit_tokens"] == 320
@@ -63,16 +63,16 @@ def test_counts_sums_and_shares(records):
     assert summary["relay_output_tokens"] == 2 and summary["main_output_tokens"] == 32
     assert summary["pipelines"] == {"P-MD": 1, "P-RLD-MD": 2, "P-RLD": 1}
     assert summary["handoffs"] == {"one_shot": 1, "catch_up": 1}
-    # Without a server counter, WAN bytes are the per-request sum, failed ones included.
-    assert summary["wan_bytes"] == 4500
-    assert summarize(records, wan_bytes=123, slo_ttft_ms=1, slo_tpot_ms=1)["wan_bytes"] == 123
+    # Without a server counter, line bytes are the per-request sum, failed ones included.
+    assert summary["line_bytes"] == 4500
+    assert summarize(records, line_bytes=123, slo_ttft_ms=1, slo_tpot_ms=1)["line_bytes"] == 123
     # From the first start (0 s) to the last end (1.5 s + 120 ms).
     assert summary["duration_s"] == pytest.approx(1.62)
     assert summary["output_tokens_per_s"] == pytest.approx(34 / 1.62)
 
 
 def test_slo_attainment_counts_failures_against_it(records):
-    summary = summarize(records, wan_bytes=None, slo_ttft_ms=30.0, slo_tpot_ms=3.0)
+    summary = summarize(records, line_bytes=None, slo_ttft_ms=30.0, slo_tpot_ms=3.0)
     # Request 0 meets both; 1 misses TPOT; 2 has no TPOT and meets TTFT; 3 misses
     # TTFT; the failed one cannot count.
     assert summary["slo_attainment"] == pytest.approx(2 / 5)
@@ -81,14 +81,14 @@ def test_slo_attainment_counts_failures_against_it(records):
 
 def test_colocated_and_plain_servers_are_counted_as_such():
     colocated = [_ok(0, 10.0, 1.0, pipeline="colocated"), _ok(1, 10.0, 1.0, pipeline=None)]
-    summary = summarize(colocated, wan_bytes=0, slo_ttft_ms=100, slo_tpot_ms=100)
+    summary = summarize(colocated, line_bytes=0, slo_ttft_ms=100, slo_tpot_ms=100)
     assert summary["pipelines"] == {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "colocated": 1}
-    assert "colocated" not in summarize([], wan_bytes=None, slo_ttft_ms=1,
+    assert "colocated" not in summarize([], line_bytes=None, slo_ttft_ms=1,
                                         slo_tpot_ms=1)["pipelines"]
 
 
 def test_all_failed_gives_nulls_not_errors():
-    summary = summarize([_failed(0), _failed(1)], wan_bytes=None, slo_ttft_ms=1, slo_tpot_ms=1)
+    summary = summarize([_failed(0), _failed(1)], line_bytes=None, slo_ttft_ms=1, slo_tpot_ms=1)
     assert summary["completed"] == 0 and summary["failed"] == 2
     assert summary["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0, "p90_ci": None,
                                   "p99_ci": None}
@@ -102,9 +102,9 @@ def test_records_round_trip_through_json(records):
 
 
 def test_table_puts_summaries_side_by_side(records):
-    by_mode = {"pd-cross-dc": summarize(records[:1], wan_bytes=2 * 1024 ** 2, slo_ttft_ms=1,
+    by_mode = {"pd-cross-dc": summarize(records[:1], line_bytes=2 * 1024 ** 2, slo_ttft_ms=1,
                                         slo_tpot_ms=1),
-               "pdd": summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)}
+               "pdd": summarize(records, line_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)}
     console = Console(record=True, width=120)
     console.print(format_table(by_mode))
     text = console.export_text()
@@ -116,22 +116,22 @@ def test_table_puts_summaries_side_by_side(records):
 
 
 def test_tail_percentiles_carry_a_bootstrap_interval_that_narrows_with_more_requests():
-    few = summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None, slo_ttft_ms=1e9,
+    few = summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], line_bytes=None, slo_ttft_ms=1e9,
                     slo_tpot_ms=1e9)
-    many = summarize([_ok(i, ttft=10.0 + i % 20, tpot=2.0) for i in range(400)], wan_bytes=None, slo_ttft_ms=1e9,
+    many = summarize([_ok(i, ttft=10.0 + i % 20, tpot=2.0) for i in range(400)], line_bytes=None, slo_ttft_ms=1e9,
                      slo_tpot_ms=1e9)
     lo, hi = few["ttft_ms"]["p99_ci"]
     assert lo <= few["ttft_ms"]["p99"] <= hi and lo < hi  # over 20 requests the P99 is uncertain
     lo2, hi2 = many["ttft_ms"]["p99_ci"]
     assert hi2 - lo2 < hi - lo
-    assert few["ttft_ms"]["p90_ci"] == summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], wan_bytes=None,
+    assert few["ttft_ms"]["p90_ci"] == summarize([_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)], line_bytes=None,
                                                  slo_ttft_ms=1e9, slo_tpot_ms=1e9)["ttft_ms"]["p90_ci"]  # seeded
 
 
 def test_a_summary_without_intervals_differs_only_by_them():
     records = [_ok(i, ttft=10.0 + i, tpot=2.0) for i in range(20)]
-    full = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
-    brief = summarize(records, wan_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9, intervals=False)
+    full = summarize(records, line_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    brief = summarize(records, line_bytes=None, slo_ttft_ms=1e9, slo_tpot_ms=1e9, intervals=False)
     assert brief["ttft_ms"]["p99_ci"] is None and full["ttft_ms"]["p99_ci"] is not None
     without = {k: {q: v for q, v in s.items() if not q.endswith("_ci")} if isinstance(s, dict) else s
                for k, s in full.items()}

@@ -14,7 +14,7 @@ from pdd.engines.embedded.engine import Engine
 from pdd.engines.embedded.loader import load_model
 from pdd.engines.port import EngineConfig
 from pdd.model.config import ModelConfig, UnsupportedCheckpoint
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(150)]  # past every original_max_position below
 STEPS = 12

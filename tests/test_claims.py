@@ -1,5 +1,5 @@
 """The README's claims about a running deployment, each proved by real processes on
-loopback driven over HTTP (and the WAN emulator's admin API), so that each test fails
+loopback driven over HTTP (and the line emulator's admin API), so that each test fails
 if the behaviour it names were missing:
 
 * pd-same-dc returns a colocated instance's greedy tokens;
@@ -8,7 +8,7 @@ if the behaviour it names were missing:
 * the router reconnects to an instance that returns, without a restart;
 * a decode instance whose pool is full holds a reservation back until pages free up;
 * the decode-side cache (DRC) cuts the bytes on the line, by the KV it already holds;
-* WAN faults (stall, drop, blackhole) in the middle of a P/D run end every request
+* line faults (stall, drop, blackhole) in the middle of a P/D run end every request
   cleanly, and the deployment serves correct requests once the line is back;
 * and, for the suite itself: with CI set, a skip (a missing test extra or data file)
   is a failure (tests/conftest.py).
@@ -57,9 +57,9 @@ def _write_config(path: Path, mode: str, instances: str = "", **sections: dict) 
     return str(path)
 
 
-def _line_args(link: dict) -> list[str]:
-    return ["--bandwidth-mbps", str(link["bandwidth_mbps"]), "--delay-ms", str(link["delay_ms"]),
-            "--jitter-ms", str(link["jitter_ms"])]
+def _line_args(line: dict) -> list[str]:
+    return ["--bandwidth-mbps", str(line["bandwidth_mbps"]), "--delay-ms", str(line["delay_ms"]),
+            "--jitter-ms", str(line["jitter_ms"])]
 
 
 def _body(prompt: list[int], max_tokens: int, stream: bool) -> dict:
@@ -172,20 +172,20 @@ def colocated(tiny_model_dir):
 # ---- 1. pd-same-dc equals colocated ---------------------------------------------------
 
 def test_pd_same_dc_greedy_equals_colocated(colocated):
-    """P and MD in one datacenter (no WAN emulator at all): the KV moves over the fast
+    """P and MD in one datacenter (no line emulator at all): the KV moves over the fast
     path, and the tokens are a colocated instance's, for cold prompts and for prompts
     whose prefix the decode side already holds."""
     base = _prompt(11, 300)
     prompts = [base, base + _prompt(12, 40), _prompt(13, 200), base[:100] + _prompt(14, 50)]
     want = [colocated(p, 40) for p in prompts]
     with pdd_up("--mode", "pd-same-dc") as dep:
-        assert dep.wan_admin is None and set(dep.pids) == {"p0", "md0", "router"}
+        assert dep.line_admin is None and set(dep.pids) == {"p0", "md0", "router"}
         got = [_complete(dep.url, p, 40) for p in prompts]
     assert [g["choices"][0]["token_ids"] for g in got] == want
     records = [g["pdd"] for g in got]
     assert {r["pipeline"] for r in records} == {"P-MD"}
     assert all(r["instances"] == {"entry": "p0", "relay": None, "main": "md0"} for r in records)
-    assert all(r["main_output_tokens"] == 40 and r["wan_bytes"] == 0 for r in records), records
+    assert all(r["main_output_tokens"] == 40 and r["line_bytes"] == 0 for r in records), records
     assert records[1]["d_hit_tokens"] >= 288  # the second shares the first's 300 tokens at MD
 
 
@@ -200,7 +200,7 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(tmp_path, coloc
     cannot end by itself) and leaves; P must count the abort and drop the request and
     its pages, and MD must never run it."""
     prompt = _prompt(21, 1000)
-    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", link=FAST_LINE,
+    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", line=FAST_LINE,
                          liveness={"heartbeat_s": 1.0, "dead_after_s": 120.0})
     with pdd_up("--config", conf) as dep:
         http = dep.http
@@ -218,7 +218,7 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(tmp_path, coloc
         wait_until(lambda: metrics(http["p0"])["pdd_kv_used_pages"] == 0 and _settled(http["p0"]), 20,
                   "P released the pages of the request whose client left")
         released = time.monotonic() - left
-        assert httpx.get(f"{dep.wan_admin}/stats").json()["stalled_for_s"] > 30, "P let go only when the stall ended"
+        assert httpx.get(f"{dep.line_admin}/stats").json()["stalled_for_s"] > 30, "P let go only when the stall ended"
         assert _stats(http["p0"])["node"]["aborted"] == p_aborted + 1  # the router's abort, not a lost peer
         assert metrics(http["p0"])["pdd_requests_running"] == 0
         dep.fault(stall_s=0)  # the line is back: MD gets the late reservation and P's abort
@@ -234,7 +234,7 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(tmp_path, coloc
 # ---- 3. 504 after token_timeout_s -----------------------------------------------------
 
 def test_no_first_token_within_token_timeout_is_a_504(tmp_path, colocated):
-    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", link=FAST_LINE, router={"token_timeout_s": 2.0})
+    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", line=FAST_LINE, router={"token_timeout_s": 2.0})
     prompt = _prompt(31, 200)
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         warm = _prompt(32, 50)
@@ -323,7 +323,7 @@ def test_full_decode_pool_holds_a_reservation_until_pages_free(tmp_path, colocat
     its 350 tokens) runs; B (400 tokens, 25 pages) cannot be reserved next to it. B
     must wait, not fail, and start once A's pages are free: its first token reaches
     the client after A's last, and its tokens are exact."""
-    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", SMALL_MD, link=FAST_LINE)
+    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", SMALL_MD, line=FAST_LINE)
     a, b = _prompt(51, 200), _prompt(52, 400)
     want_a, want_b = colocated(a, 350), colocated(b, 60)
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(2) as pool:
@@ -349,9 +349,9 @@ def test_full_decode_pool_holds_a_reservation_until_pages_free(tmp_path, colocat
 def _held_back(router: str, md: str) -> str | None:
     """Where a request waits for room at MD now, if anywhere."""
     if _stats(router)["dispatch_waiting"]:
-        return "the router's dispatch line"
+        return "the router's dispatch queue"
     if _stats(md)["node"]["reservations_waiting"]:
-        return "MD's reservation line"
+        return "MD's reservation queue"
     return None
 
 
@@ -372,15 +372,15 @@ def _sessions(colocated) -> list[tuple[list[int], int]]:
     return turns
 
 
-def _run_turns(url: str, wan_admin: str, turns: list[tuple[list[int], int]]) -> tuple[list[dict], int]:
-    before = httpx.get(f"{wan_admin}/stats").json()["bytes_a_to_b"]
+def _run_turns(url: str, line_admin: str, turns: list[tuple[list[int], int]]) -> tuple[list[dict], int]:
+    before = httpx.get(f"{line_admin}/stats").json()["bytes_a_to_b"]
     got = [_complete(url, p, n) for p, n in turns]
-    return got, httpx.get(f"{wan_admin}/stats").json()["bytes_a_to_b"] - before
+    return got, httpx.get(f"{line_admin}/stats").json()["bytes_a_to_b"] - before
 
 
-def test_decode_side_cache_cuts_wan_bytes_against_drc_off(colocated, tiny_model_dir):
+def test_decode_side_cache_cuts_line_bytes_against_drc_off(colocated, tiny_model_dir):
     """The same multi-turn workload through pd-cross-dc, DRC on and off, counted at the
-    WAN emulator (P -> MD direction: the KV, the reservations). Off ships every prompt
+    line emulator (P -> MD direction: the KV, the reservations). Off ships every prompt
     token's KV; on, a later turn ships only what follows the previous turn's prompt and
     output, to the page (MD caches whole pages; the last output token has no KV yet).
     Both are bounded from the model's KV size per token, with 3 % + 16 KiB a request
@@ -401,9 +401,9 @@ def test_decode_side_cache_cuts_wan_bytes_against_drc_off(colocated, tiny_model_
     measured = {}
     for drc in ("off", "on"):
         with pdd_up("--mode", "pd-cross-dc", "--drc", drc, *_line_args(FAST_LINE)) as dep:
-            got, measured[drc] = _run_turns(dep.url, dep.wan_admin, turns)
+            got, measured[drc] = _run_turns(dep.url, dep.line_admin, turns)
         assert [g["choices"][0]["token_ids"] for g in got] == [colocated(p, n) for p, n in turns], drc
-    print(f"\nKV {bpt} B/token; WAN bytes P->MD: DRC off {measured['off']:,} (KV of {off_tokens} tokens), "
+    print(f"\nKV {bpt} B/token; line bytes P->MD: DRC off {measured['off']:,} (KV of {off_tokens} tokens), "
           f"on {measured['on']:,} (KV of {on_lo}..{on_hi} tokens)")
     assert off_tokens * bpt <= measured["off"] <= off_tokens * bpt * 1.03 + slack
     assert on_lo * bpt <= measured["on"] <= on_hi * bpt * 1.03 + slack
@@ -411,7 +411,7 @@ def test_decode_side_cache_cuts_wan_bytes_against_drc_off(colocated, tiny_model_
     assert measured["off"] - measured["on"] >= (off_tokens - on_hi) * bpt  # what MD held did not cross
 
 
-# ---- 7. WAN faults in the middle of a P/D run --------------------------------------------
+# ---- 7. line faults in the middle of a P/D run --------------------------------------------
 
 FAULT_BOUND_S = 30.0
 FAULTS = {"stall": {"stall_s": 3.0}, "drop": {"drop": True}, "blackhole": {"blackhole": True}}
@@ -436,14 +436,14 @@ def _attempt(url: str, prompt: list[int], max_tokens: int, stream: bool,
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_wan_fault_mid_run_ends_requests_cleanly_and_the_deployment_recovers(fault, tmp_path, colocated):
+def test_line_fault_mid_run_ends_requests_cleanly_and_the_deployment_recovers(fault, tmp_path, colocated):
     """Requests stream through pd-cross-dc when the line stalls (3 s, under the
     liveness limit of 5 s), drops every connection, or silently swallows everything.
     Each request, in flight or arriving during the fault, ends within 30 s either with
     the colocated tokens or with a clean OpenAI error: a 502/503/504 status, or a
     stream's error event; never a 500 nor an unhandled exception. Once the fault is
     cleared, the deployment serves exact tokens again."""
-    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", link={**FAST_LINE, "bandwidth_mbps": 50.0},
+    conf = _write_config(tmp_path / "d.toml", "pd-cross-dc", line={**FAST_LINE, "bandwidth_mbps": 50.0},
                          router={"stall_timeout_s": 5.0, "token_timeout_s": 10.0})
     prompts = [_prompt(80 + i, 250 + 30 * i) for i in range(4)]
     n = 300

@@ -54,10 +54,10 @@ def test_demo_runs_every_real_mode_and_writes_its_report(demo):
         assert QUANTILES <= set(s["ttft_ms"]) and s["ttft_ms"]["p50"] > 0 and s["output_tokens"] > 0, (mode, s)
         assert sum(s["pipelines"].values()) == DEMO_REQUESTS, (mode, s["pipelines"])
         crosses = mode in ("pd-cross-dc", "pdd")
-        assert (s["wan_bytes"] > 0) == crosses, (mode, s["wan_bytes"])  # only those modes have a line to cross
+        assert (s["line_bytes"] > 0) == crosses, (mode, s["line_bytes"])  # only those modes have a line to cross
     assert report["modes"]["pdd"]["relay_output_tokens"] > 0  # the relay produced in PDD mode, and only there
     assert all(report["modes"][m]["relay_output_tokens"] == 0 for m in MODES[:3])
-    for name in ("report.html", "ttft.png", "wan.png"):
+    for name in ("report.html", "ttft.png", "line.png"):
         assert (demo / name).stat().st_size > 0, name
 
 

@@ -1,6 +1,6 @@
 """Addresses in the deployment file: an instance is reached where it listens, from
 every datacenter, unless it advertises another address to a datacenter (a NAT, a
-public address, or a `pdd wan` hop, which is what `pdd up` puts on each route that
+public address, or a `pdd line` hop, which is what `pdd up` puts on each route that
 crosses its emulated line)."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_a_wildcard_listener_must_say_where_it_is_reached():
     ('advertise = { A = "h:0" }', r"advertise\.A"),
     ('advertise = { A = 9100 }', r"advertise\.A"),
     ('advertise = "h:1"', "advertise must be a table"),
-    ('wan_port = 9200', "unknown keys.*wan_port"),
+    ('line_port = 9200', "unknown keys.*line_port"),
 ])
 def test_bad_addresses_are_refused_by_name(line, match):
     with pytest.raises(cfg.ConfigError, match=match):
@@ -97,20 +97,20 @@ def test_advertised_addresses_survive_the_file_a_join_and_the_member_frame():
 
 def test_pdd_up_puts_its_emulator_on_every_route_across_the_line_and_only_there(tiny_model_dir, tmp_path):
     dep = resolve(cfg.Deployment(), "pdd", 0)
-    link = dep.link
+    line = dep.line
     hops = {i.name: i.advertise for i in dep.instances}
     assert set(hops["md0"]) == {"A"} and not hops["p0"] and not hops["rld0"]
     md0 = dep.instance("md0")
-    assert dep.address(md0, "A") == cfg.parse_addr(hops["md0"]["A"]) and hops["md0"]["A"].startswith(link.host)
+    assert dep.address(md0, "A") == cfg.parse_addr(hops["md0"]["A"]) and hops["md0"]["A"].startswith(line.host)
     assert dep.address(md0, "B") == (md0.host, md0.kv_port)
-    assert f"--route={hops['md0']['A']}={md0.host}:{md0.kv_port}" in Launcher(dep, tmp_path).wan_args()
-    assert link.admin_port
+    assert f"--route={hops['md0']['A']}={md0.host}:{md0.kv_port}" in Launcher(dep, tmp_path).emulator_args()
+    assert line.admin_port
     same = resolve(cfg.Deployment(), "pd-same-dc", 0)
-    assert not any(i.advertise for i in same.instances) and not same.link.admin_port
+    assert not any(i.advertise for i in same.instances) and not same.line.admin_port
 
 
 @pytest.mark.parametrize("text, match", [
-    ('[link]\nbandwidth_mbps = "fast"', r"\[link\] bandwidth_mbps must be a number"),
+    ('[line]\nbandwidth_mbps = "fast"', r"\[line\] bandwidth_mbps must be a number"),
     ("[engine]\nnum_pages = 2.5", r"\[engine\] num_pages must be an integer"),
     ("[policy]\ndecode_radix_cache = 1", r"\[policy\] decode_radix_cache must be true or false"),
     ("[slo]\nttft_ms = nan", r"\[slo\] ttft_ms must be a finite number"),
@@ -125,6 +125,22 @@ def test_a_bad_value_is_refused_naming_the_file_and_the_key(tmp_path, text, matc
     path = tmp_path / "bad.toml"
     path.write_text(text + "\n")
     with pytest.raises(cfg.ConfigError, match=re.escape(str(path)) + ": " + match):
+        cfg.load(path)
+
+
+OLD_FILE = "[link]\nbandwidth_mbps = 80.0\ndelay_ms = 3.0\n"  # [line] under its retired name
+
+
+def test_a_file_with_the_old_line_table_still_loads_and_is_told_the_new_name(tmp_path, caplog):
+    path = tmp_path / "old.toml"
+    path.write_text(OLD_FILE)
+    with caplog.at_level("WARNING", logger="pdd.config"):
+        dep = cfg.load(path)
+    assert (dep.line.bandwidth_mbps, dep.line.delay_ms) == (80.0, 3.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"[{cfg.OLD_LINE_TABLE}] is now called [line]: rename the table (read as [line] this time)"]
+    path.write_text(OLD_FILE + "[line]\njitter_ms = 1.0\n")
+    with pytest.raises(cfg.ConfigError, match=r"are one table: keep \[line\]"):
         cfg.load(path)
 
 
@@ -150,7 +166,7 @@ def test_a_launchs_ports_are_all_distinct_when_the_draw_repeats(tiny_model_dir, 
         dep = resolve(cfg.Deployment(), mode, None)
         ports = [p for i in dep.instances for p in (i.port, i.kv_port)]
         ports += [int(a.rsplit(":", 1)[1]) for i in dep.instances for a in i.advertise.values()]
-        ports += [dep.router.port] + ([dep.link.admin_port] if dep.link.admin_port else [])
+        ports += [dep.router.port] + ([dep.line.admin_port] if dep.line.admin_port else [])
         assert len(ports) == len(set(ports)) >= 7, ports
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from msgspec.structs import replace
 
-from pdd import sampler
 from pdd.engines.embedded.engine import Engine
 from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
-from pdd.sampler import exponentials, sample
-from pdd.sampling import SamplingParams, draw_key
+from pdd.sampling import draw
+from pdd.sampling.draw import exponentials, sample
+from pdd.sampling.params import SamplingParams, draw_key
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -153,7 +153,7 @@ def test_a_seeded_draw_depends_on_its_row_alone():
     assert sample(logits, params, seeds, positions) == alone and alone[0] == int(logits[0].argmax())
     # as a GPU draws them: every sampled row in one race (the CPU runs one row at a time)
     keys = [draw_key(s, p) for s, p in zip(seeds[1:], positions[1:], strict=True)]
-    assert sampler._race(logits[1:], params[1:], keys) == alone[1:]
+    assert draw._race(logits[1:], params[1:], keys) == alone[1:]
 
     def splitmix(key: int, token: int) -> int:
         m = (1 << 64) - 1
@@ -165,8 +165,8 @@ def test_a_seeded_draw_depends_on_its_row_alone():
     keys = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x0123456789ABCDEF]
     words = torch.tensor([[splitmix(k, t) for t in range(600)] for k in keys], dtype=torch.float64)  # exact: 53 bits
     cpu = torch.device("cpu")
-    assert torch.equal(sampler._words_numpy(keys, 600), words)  # the CPU's
-    assert torch.equal(sampler._words_torch(keys, 600, cpu), words)  # every other device's, here on the CPU
+    assert torch.equal(draw._words_numpy(keys, 600), words)  # the CPU's
+    assert torch.equal(draw._words_torch(keys, 600, cpu), words)  # every other device's, here on the CPU
     want = [[-math.log((w + 0.5) / (1 << 53)) for w in row] for row in words.tolist()]
     assert exponentials(keys, 600, cpu).tolist() == [pytest.approx(row, rel=1e-15) for row in want]
 
@@ -262,12 +262,12 @@ def test_shaping_is_vllms_formula_on_prompt_and_output():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
     params = SamplingParams(max_tokens=9, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
                             logit_bias=((2, 1.0),), min_tokens=4)
-    shaped = sampler.shape(logits, params, ([0], [1, 3, 3]), frozenset({4}))
+    shaped = draw.shape(logits, params, ([0], [1, 3, 3]), frozenset({4}))
     assert shaped.tolist() == [1.0, -2.75, 1.5, 0.25, float("-inf")]
     assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, 0.0]  # a new tensor
-    enough = sampler.shape(logits, params, ([0], [1, 3, 3, 3]), frozenset({4}))
+    enough = draw.shape(logits, params, ([0], [1, 3, 3, 3]), frozenset({4}))
     assert enough[4] == 0.0 and enough[3] == 1.5 - 1.5 - 0.25  # four outputs: EOS may come
-    assert sampler.shape(logits, SamplingParams(), ([0], [1]), frozenset()).tolist() == logits.tolist()
+    assert draw.shape(logits, SamplingParams(), ([0], [1]), frozenset()).tolist() == logits.tolist()
     # greedy rows: the choice is the shaped argmax; an unshaped row beside it is untouched
     rows = torch.stack([logits, logits])
     assert sample(rows, [params, GREEDY], [0, 0], [3, 3], [([0], [1, 3, 3]), None], [frozenset({4})] * 2) == [2, 3]

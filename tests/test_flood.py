@@ -23,7 +23,7 @@ from pdd.transfer import wire
 
 PROMPT_TOKENS, MAX_TOKENS = 150, 16  # 11 pages of 16 tokens at a decode instance
 SMALL = {"engine": {"num_pages": 48}, "router": {"max_running": 8, "max_waiting": 8},
-         "link": {"bandwidth_mbps": 100.0, "delay_ms": 5.0, "jitter_ms": 1.0}}
+         "line": {"bandwidth_mbps": 100.0, "delay_ms": 5.0, "jitter_ms": 1.0}}
 
 
 def _config(path: Path, mode: str, sections: dict, instances: str = "") -> str:
@@ -90,7 +90,7 @@ num_pages = 512
 def test_a_small_relay_is_never_overrun_and_md_takes_the_rest(tmp_path):
     """A relay a tenth of MD's size (2 sequences, 48 pages) under a flood: it takes what
     it can decode at once, and P sends the rest P -> MD, counted as a fallback."""
-    sections = {"router": {"max_running": 32, "max_waiting": 64}, "link": SMALL["link"]}
+    sections = {"router": {"max_running": 32, "max_waiting": 64}, "line": SMALL["line"]}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_RELAY)) as dep:
         out = asyncio.run(flood(dep.url, 48, PROMPT_TOKENS, MAX_TOKENS))
         stats = httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()
@@ -107,7 +107,7 @@ def test_a_small_relay_is_never_overrun_and_md_takes_the_rest(tmp_path):
 def test_a_slow_line_is_progress_not_a_timeout(tmp_path):
     """The KV of an 800-token prompt takes about 7 s over a 4 Mbps line, more than
     twice the first-token timeout: the request completes, since the KV keeps moving."""
-    sections = {"router": {"token_timeout_s": 3.0}, "link": {"bandwidth_mbps": 4.0, "delay_ms": 5.0, "jitter_ms": 0.0}}
+    sections = {"router": {"token_timeout_s": 3.0}, "line": {"bandwidth_mbps": 4.0, "delay_ms": 5.0, "jitter_ms": 0.0}}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pd-cross-dc", sections)) as dep:
         out = asyncio.run(flood(dep.url, 1, 800, 4, stream_share=0.0))
         assert out.ok and out.whole == 1, out.other
@@ -152,7 +152,7 @@ def _instance_lines(toml: str, name: str) -> list[str]:
 
 
 async def _reserve_three(port: int, key: bytes) -> list[tuple[str, int | None]]:
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     conn = await wire.open_connection("127.0.0.1", port, key)
     await wire.client_handshake(conn, {"role": "prefill", "name": "fake-p", "channel": "control"})
@@ -212,7 +212,7 @@ def test_background_copies_behind_a_stalled_line_leave_p_its_places(tmp_path):
     requests wait at P behind it; they are not foreground work, so P keeps taking new
     requests (the relay serves them) instead of refusing them as busy; and once the
     line is back, MD's pages come back within seconds."""
-    sections = {"liveness": {"heartbeat_s": 1.0, "dead_after_s": 30.0}, "link": SMALL["link"]}
+    sections = {"liveness": {"heartbeat_s": 1.0, "dead_after_s": 30.0}, "line": SMALL["line"]}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_P)) as dep:
         assert asyncio.run(flood(dep.url, 1, PROMPT_TOKENS, MAX_TOKENS, seed=9)).whole == 1  # connected
         dep.fault(stall_s=8.0)

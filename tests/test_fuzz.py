@@ -48,7 +48,7 @@ from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
 from pdd.kv.blocks import block_hashes
 from pdd.kv.reassembly import Reassembly
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import (
     FLAG_AUTH,

@@ -1,4 +1,4 @@
-"""KV inside a datacenter through the Mooncake Transfer Engine (`[link] intra_kv`): P writes
+"""KV inside a datacenter through the Mooncake Transfer Engine (`[line] intra_kv`): P writes
 each KV frame into the relay's registered memory and sends only where it is; the tokens
 are colocated's in every pipeline the relay takes part in, a slot whose bytes do not
 match their digest is refused, and where the engine cannot run the KV goes over TCP
@@ -28,8 +28,8 @@ def greedy(colocated) -> list[list[int]]:
 
 @pytest.mark.parametrize("handoff", list(HANDOFFS))
 def test_kv_to_the_relay_through_the_transfer_engine_gives_colocateds_tokens(handoff, greedy, tmp_path):
-    link = {**FAST_LINE, "intra_kv": "mooncake"}
-    conf = _write_config(tmp_path / "pdd.toml", link=link, policy={"pipeline": "P-RLD-MD", **HANDOFFS[handoff]})
+    line = {**FAST_LINE, "intra_kv": "mooncake"}
+    conf = _write_config(tmp_path / "pdd.toml", line=line, policy={"pipeline": "P-RLD-MD", **HANDOFFS[handoff]})
     with pdd_up("--mode", "pdd", "--config", conf) as dep:
         got = [_stream(dep.url, p, 40) for p in _prompts()]
         relay = httpx.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
@@ -48,7 +48,7 @@ def test_without_the_engine_auto_says_why_and_sends_over_tcp_and_mooncake_does_n
     (missing / "mooncake" / "__init__.py").write_text("raise ImportError('no transfer engine on this host')\n")
     env = {"PYTHONPATH": f"{missing}"}
     policy = {"pipeline": "P-RLD-MD", "handoff": "one_shot"}
-    conf = _write_config(tmp_path / "auto.toml", link={**FAST_LINE, "intra_kv": "auto"}, policy=policy)
+    conf = _write_config(tmp_path / "auto.toml", line={**FAST_LINE, "intra_kv": "auto"}, policy=policy)
     with pdd_up("--mode", "pdd", "--config", conf, env=env) as dep:
         got = [_stream(dep.url, p, 40)["ids"] for p in _prompts()[:2]]
         relay = httpx.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
@@ -56,7 +56,7 @@ def test_without_the_engine_auto_says_why_and_sends_over_tcp_and_mooncake_does_n
     assert got == greedy[:2] and relay["frames"] == 0
     lines = [line for line in said.splitlines() if "goes over TCP, not the transfer engine" in line]
     assert len(lines) == 1 and "no transfer engine on this host" in lines[0], lines
-    conf = _write_config(tmp_path / "named.toml", link={**FAST_LINE, "intra_kv": "mooncake"}, policy=policy)
+    conf = _write_config(tmp_path / "named.toml", line={**FAST_LINE, "intra_kv": "mooncake"}, policy=policy)
     with pytest.raises(RuntimeError, match="exited before its router was ready") as refused:
         with pdd_up("--mode", "pdd", "--config", conf, env=env, timeout=60):
             pass

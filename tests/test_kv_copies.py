@@ -18,7 +18,7 @@ from pdd.engines.embedded.engine import Engine
 from pdd.engines.embedded.runtime import EngineRuntime
 from pdd.engines.port import EngineConfig, RequestError
 from pdd.kv import codec
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -25,7 +25,7 @@ from pdd.engines.embedded.runtime import EngineRuntime
 from pdd.engines.port import EngineConfig
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 colocated = test_pdd.colocated  # (the token oracle, a fixture)
 P_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -164,7 +164,7 @@ def test_p_sends_frames_while_its_prefill_still_computes(colocated, tmp_path):
     want = [colocated(p, 20) for p in prompts]
     conf = _write_config(
         tmp_path / "pdd.toml",
-        link=FAST_LINE,
+        line=FAST_LINE,
         policy={"pipeline": "P-RLD-MD", "handoff": "one_shot"},
         engine={"max_batch_tokens": 64},
     )

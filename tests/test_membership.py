@@ -19,7 +19,7 @@ from procs import free_port, join_main, pdd_process, pdd_up, wait_until
 import pdd
 from pdd import config as cfg
 from pdd.api.auth import admin_token
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.transfer import wire
 
 PROMPT = list(range(100, 260))
@@ -270,9 +270,9 @@ def test_int8_and_zstd_kv_go_only_to_peers_that_speak_them():
 
     from pdd.instance.prefill import PrefillRole
 
-    link = cfg.LinkSpec(lossy_kv="int8", compress_kv="zstd")
+    line = cfg.LineSpec(lossy_kv="int8", compress_kv="zstd")
     p = SimpleNamespace(peers=SimpleNamespace(remote=lambda peer: peer != "rld0"),
-                        node=SimpleNamespace(dep=cfg.Deployment(link=link)))
+                        node=SimpleNamespace(dep=cfg.Deployment(line=line)))
     for version in range(wire.OLDEST_PROTOCOL, wire.PROTOCOL_VERSION + 1):
         spoken = ("int8", "zstd") if version >= wire.LOSSY_KV_SINCE else ("", "")
         assert PrefillRole._forms(p, "md0", version) == spoken, version

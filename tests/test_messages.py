@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import BadPayload, Frame, MsgType, encode_json
 
@@ -155,3 +155,14 @@ def test_send_speaks_the_connections_version():
         conn = Conn(version)
         asyncio.run(m.send(conn, hello))
         assert m.decode(conn.sent[0]) == said
+
+
+OLD_FIELD = "wan_bytes"  # RESULT's field under its retired name, which the wire keeps
+
+
+def test_results_line_bytes_keep_the_field_name_peers_of_the_release_before_speak():
+    """The code says `line_bytes`; a P or a router of the release before sends and reads
+    the field under its old name, so the frame keeps it: a rename is no protocol change."""
+    assert m.to_dict(m.Result("a.0", 100, 60))[OLD_FIELD] == 60
+    assert m.from_dict(m.Result, {"rid": "a.0", "kv_bytes": 100, OLD_FIELD: 60}).line_bytes == 60
+    assert m.decode(_frame(m.Result("a.0", 100, 60))) == m.Result("a.0", 100, 60)

@@ -15,7 +15,7 @@ from pdd.engines.port import EngineConfig, open_engine
 from pdd.names import Mode, RoleName
 from pdd.perf.emulated import scaled, token_scale
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 
 def test_a_prefills_faster_and_b_decodes_faster_and_dilation_stretches_both():
@@ -64,9 +64,9 @@ def test_pdd_up_puts_p_and_the_relay_on_a_md_on_b_and_same_dc_pd_all_on_a():
     native = cfg.instances_for_mode(cfg.Deployment(), Mode.PDD)
     assert {i.engine.hardware for i in native} == {"native"} and native[0].role == RoleName.PREFILL
     slow = cfg.in_emulated_time(cfg.Deployment(
-        link=cfg.LinkSpec(bandwidth_mbps=60.0, delay_ms=2.0, jitter_ms=0.5), policy=cfg.PolicySpec(ttft_budget_ms=60.0),
+        line=cfg.LineSpec(bandwidth_mbps=60.0, delay_ms=2.0, jitter_ms=0.5), policy=cfg.PolicySpec(ttft_budget_ms=60.0),
         slo=cfg.SLOSpec(ttft_ms=1000.0, tpot_ms=50.0), topology=cfg.TopologySpec(hardware="emulated", dilation=3.0)))
-    assert (slow.link.bandwidth_mbps, slow.link.delay_ms, slow.link.jitter_ms) == (20.0, 6.0, 1.5)
+    assert (slow.line.bandwidth_mbps, slow.line.delay_ms, slow.line.jitter_ms) == (20.0, 6.0, 1.5)
     assert (slow.policy.ttft_budget_ms, slow.slo.ttft_ms, slow.slo.tpot_ms) == (180.0, 3000.0, 150.0)
     assert cfg.in_emulated_time(cfg.Deployment()) == cfg.Deployment()
 

@@ -53,7 +53,7 @@ def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
         got = [_complete(dep.url, p) for p in _requests()]
     assert [g["choices"][0]["token_ids"] for g in got] == colocated_tokens
     assert {g["pdd"]["pipeline"] for g in got} == {"P-MD"}
-    assert all(g["pdd"]["wan_bytes"] > 0 for g in got)
+    assert all(g["pdd"]["line_bytes"] > 0 for g in got)
     if drc == "off":  # the baseline ships every prompt token's KV
         assert all(g["pdd"]["d_hit_tokens"] == 0 for g in got)
     else:  # the third request shares 300 tokens with the first: the decode side has them
@@ -63,30 +63,30 @@ def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
 def test_agentic_run_sends_only_the_missing_kv():
     sessions = plan_sessions(AgenticConfig(seed=3, max_context=1500), 24)
     with pdd_up("--mode", "pd-cross-dc", "--drc", "on") as dep:
-        line_before = httpx.get(f"{dep.wan_admin}/stats").json()
+        line_before = httpx.get(f"{dep.line_admin}/stats").json()
         run = run_bench(dep.url, sessions, quiet=True)
         stats = httpx.get(f"{dep.url}/pdd/stats").json()
-        line_after = httpx.get(f"{dep.wan_admin}/stats").json()
-    s = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
+        line_after = httpx.get(f"{dep.line_admin}/stats").json()
+    s = summarize(run.records, line_bytes=run.line_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
     bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
     line = sum(line_after[k] - line_before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
-    print(f"\nWAN bytes {s['wan_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
+    print(f"\nline bytes {s['line_bytes']:,} <= bound {bound:,.0f}; the emulator's count {line:,}; "
           f"decode-side hit rate {s['d_hit_tokens'] / s['prompt_tokens']:.1%}")
     # the instances' count (the KV payload P sent across) against the emulator's (every byte, both ways)
-    assert s["wan_bytes"] <= line <= s["wan_bytes"] * 1.05 + 24 * 16384
+    assert s["line_bytes"] <= line <= s["line_bytes"] * 1.05 + 24 * 16384
     assert s["completed"] == 24
-    assert 0 < s["wan_bytes"] <= bound
+    assert 0 < s["line_bytes"] <= bound
     assert s["d_hit_tokens"] / s["prompt_tokens"] > 0.5
     assert stats["mirror_drift_abs_tokens"] == 0, "a steady run's mirror must predict every reservation"
 
 
 def test_lossy_kv_crosses_the_line_in_int8_and_lives_in_its_own_namespace(tmp_path, colocated_tokens):
-    """`[link] lossy_kv = "int8"`: P's KV crosses the line at about a quarter of its fp32
+    """`[line] lossy_kv = "int8"`: P's KV crosses the line at about a quarter of its fp32
     bytes; MD keeps it in a namespace of its own, which a later request in the same form
     reuses (the third shares 300 tokens with the first) and the router's mirror predicts
     exactly. Lossy: the tokens are counted against colocated's, not required equal."""
     conf = tmp_path / "lossy.toml"
-    conf.write_text('mode = "pd-cross-dc"\n[link]\nlossy_kv = "int8"\n')
+    conf.write_text('mode = "pd-cross-dc"\n[line]\nlossy_kv = "int8"\n')
     with pdd_up("--config", str(conf)) as dep:
         got = [_complete(dep.url, p) for p in _requests()[:3]]
     int8_bytes_per_token = 2 * 4 * 2 * (64 + 4)  # an int8 a value and an fp32 scale a head and token
@@ -95,26 +95,26 @@ def test_lossy_kv_crosses_the_line_in_int8_and_lives_in_its_own_namespace(tmp_pa
         assert len(choice["token_ids"]) == 12 and choice["finish_reason"] == "length"
         missed = len(prompt) - rec["d_hit_tokens"]
         # (exact fp32 KV would take KV_BYTES_PER_TOKEN, 3.8x as much, a missed token)
-        assert missed * int8_bytes_per_token <= rec["wan_bytes"] <= missed * int8_bytes_per_token * 1.25, rec
+        assert missed * int8_bytes_per_token <= rec["line_bytes"] <= missed * int8_bytes_per_token * 1.25, rec
     assert got[2]["pdd"]["d_hit_tokens"] >= 288  # lossy pages reused in their namespace...
     assert got[2]["pdd"]["d_hit_predicted"] == got[2]["pdd"]["d_hit_tokens"]  # ...which the mirror follows
     equal = sum(g["choices"][0]["token_ids"] == c for g, c in zip(got, colocated_tokens, strict=False))
     print(f"\nint8 KV over the line: {equal} of {len(got)} requests' greedy tokens equal colocated's; "
-          f"WAN bytes {[g['pdd']['wan_bytes'] for g in got]}")
+          f"line bytes {[g['pdd']['line_bytes'] for g in got]}")
 
 
 def test_compressed_kv_crosses_the_line_in_fewer_bytes_and_changes_no_token(tmp_path, colocated_tokens):
-    """`[link] compress_kv = "zstd"`: lossless, so every token equals colocated's, in the
+    """`[line] compress_kv = "zstd"`: lossless, so every token equals colocated's, in the
     shared cache namespace; the line carries fewer bytes than the fp32 KV it holds (the
     random model's KV compresses by about 8 %: BENCHMARKS.md)."""
     conf = tmp_path / "zstd.toml"
-    conf.write_text('mode = "pd-cross-dc"\n[link]\ncompress_kv = "zstd"\n')
+    conf.write_text('mode = "pd-cross-dc"\n[line]\ncompress_kv = "zstd"\n')
     with pdd_up("--config", str(conf)) as dep:
         got = [_complete(dep.url, p) for p in _requests()[:3]]
     assert [g["choices"][0]["token_ids"] for g in got] == colocated_tokens[:3]
     for g, prompt in zip(got, _requests(), strict=False):
         missed = len(prompt) - g["pdd"]["d_hit_tokens"]
-        assert 0 < g["pdd"]["wan_bytes"] < 0.97 * missed * KV_BYTES_PER_TOKEN, g["pdd"]
+        assert 0 < g["pdd"]["line_bytes"] < 0.97 * missed * KV_BYTES_PER_TOKEN, g["pdd"]
     assert got[2]["pdd"]["d_hit_tokens"] >= 288  # exact pages: the shared namespace, reused
 
 
@@ -151,7 +151,7 @@ num_pages = 15
     assert any(g["pdd"]["d_hit_tokens"] < 192 for g in second), "the small pool should have evicted"
     for g, p in zip(first + second, prompts + prompts, strict=True):  # bytes follow the reservation
         kv = (len(p) - g["pdd"]["d_hit_tokens"]) * KV_BYTES_PER_TOKEN
-        assert kv <= g["pdd"]["wan_bytes"] <= kv * 1.05 + 4096
+        assert kv <= g["pdd"]["line_bytes"] <= kv * 1.05 + 4096
 
 
 def test_kill_decode_mid_stream_fails_cleanly():
@@ -281,8 +281,8 @@ def test_bad_frames_are_rejected_and_counted():
         assert counted == {"p0": 0, "md0": 4, "router": 0}, counted
 
 
-@pytest.mark.parametrize("sig,mode,processes", [(signal.SIGTERM, "pd-cross-dc", {"wan", "p0", "md0", "router"}),
-                                                (signal.SIGINT, "pdd", {"wan", "p0", "rld0", "md0", "router"})],
+@pytest.mark.parametrize("sig,mode,processes", [(signal.SIGTERM, "pd-cross-dc", {"line", "p0", "md0", "router"}),
+                                                (signal.SIGINT, "pdd", {"line", "p0", "rld0", "md0", "router"})],
                          ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_every_process(sig, mode, processes):
     """SIGTERM to the launcher alone (a service manager's stop); SIGINT to its whole

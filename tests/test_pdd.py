@@ -25,7 +25,7 @@ from test_pd import KV_BYTES_PER_TOKEN
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 SEEDED = {"temperature": 25.0, "top_p": 0.95, "seed": 1234}  # the tiny model is decisive: it takes heat
 # penalties count the output so far, wherever it was produced (strong: the tiny model is decisive)
-# the output held to a JSON Schema (`pdd.guide`): every producer advances the grammar over the output
+# the output held to a JSON Schema (`pdd.sampling.guide`): every producer advances the grammar over the output
 GUIDED = {"ignore_eos": False, "structured_outputs": {"json": {
     "type": "object", "required": ["city", "days"], "additionalProperties": False,
     "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "maximum": 999}}}}}
@@ -172,8 +172,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, colocated, tmp_path):
-    mode, policy, link = VARIANTS[variant]
-    conf = _write_config(tmp_path / "pdd.toml", link=link, policy=policy)
+    mode, policy, line = VARIANTS[variant]
+    conf = _write_config(tmp_path / "pdd.toml", line=line, policy=policy)
     unseeded_params = {k: v for k, v in SEEDED.items() if k != "seed"}
     with pdd_up("--mode", mode, "--config", conf) as dep:
         greedy = [_stream(dep.url, p, 120) for p in _prompts()]
@@ -233,7 +233,7 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
 
 
 def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
-    conf = _write_config(tmp_path / "pdd.toml", link=FAST_LINE)
+    conf = _write_config(tmp_path / "pdd.toml", line=FAST_LINE)
     rng = random.Random(5)
     long_input = [rng.randrange(16, 4096) for _ in range(2300)]  # over half the 4,096 context, nothing cached
     with pdd_up("--config", conf) as dep:
@@ -253,7 +253,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
     # prefilled by P (a long prefill on the relay would stall every stream it relays), decoded by the relay alone
     assert short["record"]["instances"] == {"entry": "p0", "relay": "rld0", "main": None}
     assert stats_p0_prefilled >= len(long_input) - 1
-    assert short["record"]["wan_bytes"] == 0
+    assert short["record"]["line_bytes"] == 0
     assert normal["record"]["pipeline"] == "P-RLD-MD" and normal["record"]["handoff"]
     assert normal["record"]["main_output_tokens"] > 0  # it did not end on the relay
     assert stats["anomaly_filtered"] == 1 and stats.get("fallback:relay_finished", 0) == 0
@@ -267,7 +267,7 @@ def test_pipeline_follows_reserved_hits_when_md_evicts_behind_the_router(tmp_pat
     B's hit from its mirror. P decides on the hits MD reserved: whatever has to cross
     goes through the relay and is handed over, and the relay only covers transfers."""
     # 30 ms each way: for a round trip after a reservation, the router's mirror of MD is stale
-    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 80.0, "delay_ms": 30.0, "jitter_ms": 0.5},
+    conf = _write_config(tmp_path / "pdd.toml", line={"bandwidth_mbps": 80.0, "delay_ms": 30.0, "jitter_ms": 0.5},
                          policy={"ttft_budget_ms": 150.0})
     Path(conf).write_text(Path(conf).read_text() + """
 [[instances]]
@@ -321,8 +321,8 @@ num_pages = 210
 
 # ---- failure paths ---------------------------------------------------------------------
 
-def _pdd_config(tmp_path: Path, link: dict, policy: dict | None = None, **extra: dict) -> str:
-    return _write_config(tmp_path / "pdd.toml", link=link, policy={"pipeline": "P-RLD-MD", **(policy or {})}, **extra)
+def _pdd_config(tmp_path: Path, line: dict, policy: dict | None = None, **extra: dict) -> str:
+    return _write_config(tmp_path / "pdd.toml", line=line, policy={"pipeline": "P-RLD-MD", **(policy or {})}, **extra)
 
 
 def _kill_after(dep, name: str, url: str, prompt: list[int], max_tokens: int, after: int) -> dict:
@@ -424,7 +424,7 @@ def test_main_lost_after_the_handoff_fails_the_request_at_once(fault, tmp_path):
 
 
 def test_prefill_killed_before_the_first_token_is_retried_on_another(reference, tmp_path):
-    conf = _write_config(tmp_path / "pdd.toml", link={"bandwidth_mbps": 2.0, "delay_ms": 2.0},
+    conf = _write_config(tmp_path / "pdd.toml", line={"bandwidth_mbps": 2.0, "delay_ms": 2.0},
                          policy={"pipeline": "P-MD"}, topology={"prefill": 2})
     with pdd_up("--config", conf) as dep, ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, dep.url, _prompts()[2], 120)
@@ -450,7 +450,7 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
     """A blackholed line keeps TCP open and silent. Heartbeats must fail the stream on it
     within about `dead_after_s` (not the 30 s stall timeout), make the router refuse new
     work at once instead of routing it there, and let MD rejoin when the line heals."""
-    conf = _write_config(tmp_path / "pd.toml", link=FAST_LINE, liveness=LIVENESS, router={"stall_timeout_s": 30.0})
+    conf = _write_config(tmp_path / "pd.toml", line=FAST_LINE, liveness=LIVENESS, router={"stall_timeout_s": 30.0})
     with pdd_up("--config", conf, "--mode", "pd-cross-dc") as dep, ThreadPoolExecutor(1) as pool:
         http = dep.http
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
@@ -481,7 +481,7 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
 
 
 def test_new_requests_route_around_a_silent_main_to_the_relay(tmp_path):
-    conf = _write_config(tmp_path / "pdd.toml", link=FAST_LINE, liveness=LIVENESS)
+    conf = _write_config(tmp_path / "pdd.toml", line=FAST_LINE, liveness=LIVENESS)
     with pdd_up("--config", conf) as dep:
         before = _stream(dep.url, _prompts()[0], 60)
         dep.fault(blackhole=True)
@@ -536,16 +536,16 @@ def _stalled(dep):
 @contextlib.contextmanager
 def _narrowed(dep, bandwidth_mbps: float):
     """The line at `bandwidth_mbps` for the block (a KV transfer takes seconds)."""
-    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": bandwidth_mbps}, timeout=5).raise_for_status()
+    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": bandwidth_mbps}, timeout=5).raise_for_status()
     try:
         yield
     finally:
-        httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": FAST_LINE["bandwidth_mbps"]},
+        httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": FAST_LINE["bandwidth_mbps"]},
                    timeout=5).raise_for_status()
 
 
 def _bytes_to_md(dep) -> int:
-    return httpx.get(f"{dep.wan_admin}/stats", timeout=5).json()["bytes_a_to_b"]
+    return httpx.get(f"{dep.line_admin}/stats", timeout=5).json()["bytes_a_to_b"]
 
 
 def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):

@@ -1,5 +1,5 @@
 """The connections an instance keeps to a peer across the line (`pdd.instance.peers`),
-live: real framed connections through the WAN emulator to a far end that records what
+live: real framed connections through the line emulator to a far end that records what
 arrives when. README: "each instance keeps a control, an urgent-KV and a background-KV
 connection per peer, so a reservation never waits behind megabytes of KV and
 background KV yields to urgent KV". The line's rate makes each claim a count of frames,
@@ -18,12 +18,12 @@ import pytest
 
 from pdd import config as cfg
 from pdd.instance.peers import BULK_NOTSENT_LOWAT, PeerPool
+from pdd.lab.line.emulated import EmulatedLine
+from pdd.lab.line.relay import LineRelay, Route
 from pdd.lab.netns.delay import LineDelay
 from pdd.lab.netns.lab import lab, run_in
-from pdd.lab.wan.line import WanLine
-from pdd.lab.wan.relay import Route, WanRelay
 from pdd.policy.transfer import Priority
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.transfer import messages as m
 from pdd.transfer.wire import FramedConnection, MsgType, serve, server_handshake
 
@@ -51,7 +51,7 @@ async def _traffic(listen: socket.socket | None = None) -> tuple[list[tuple[str,
     """Background KV flowing, then a reservation, then urgent KV, sent by a PeerPool in
     datacenter A to a peer in B through a 32 Mbit/s line: what reached the peer, in order
     of arrival, as (channel, frame type), and how many background frames had arrived when
-    the reservation was sent. The line is `pdd wan`'s on loopback, or, given the peer's
+    the reservation was sent. The line is `pdd line`'s on loopback, or, given the peer's
     listening socket (on a lab host), the lab's line with its delay on the kernel path."""
     arrived: list[tuple[str, MsgType]] = []
 
@@ -62,7 +62,7 @@ async def _traffic(listen: socket.socket | None = None) -> tuple[list[tuple[str,
 
     server = await serve(far_end, "127.0.0.1", 0, KEY, sock=listen)
     host, port = server.sockets[0].getsockname()[:2]
-    relay = None if listen else WanRelay(WanLine(32, 2.0), [Route("127.0.0.1", 0, host, port)])
+    relay = None if listen else LineRelay(EmulatedLine(32, 2.0), [Route("127.0.0.1", 0, host, port)])
     if relay:
         await relay.start()
     p0 = cfg.InstanceSpec("p0", "prefill", "A")
@@ -222,7 +222,7 @@ def test_an_urgent_send_cancelled_while_it_waits_for_a_connection_does_not_hold_
 
 
 def test_urgent_kv_across_the_line_is_striped_as_the_sender_counts_it():
-    """64 urgent KV frames to a peer across a 32 Mbit/s line (`pdd wan`'s), `[link]
+    """64 urgent KV frames to a peer across a 32 Mbit/s line (`pdd line`'s), `[line]
     kv_streams` 4: the sender wrote them over every one of its four urgent connections
     (`PeerPool.frames_sent`, by stripe), and the far end got every frame over four urgent
     connections. One connection doing all the work (a fall back to no striping) fails it."""
@@ -240,7 +240,7 @@ def test_urgent_kv_across_the_line_is_striped_as_the_sender_counts_it():
 
         server = await serve(far_end, "127.0.0.1", 0, KEY)
         host, port = server.sockets[0].getsockname()[:2]
-        relay = WanRelay(WanLine(32, 2.0), [Route("127.0.0.1", 0, host, port)])
+        relay = LineRelay(EmulatedLine(32, 2.0), [Route("127.0.0.1", 0, host, port)])
         await relay.start()
         p0 = cfg.InstanceSpec("p0", "prefill", "A")
         md0 = cfg.InstanceSpec("md0", "main", "B", host=host, kv_port=port,

@@ -116,7 +116,7 @@ def test_the_plan_file_sets_the_chips_prices_fleet_line_and_model(tmp_path: Path
         for more in (replace(lay, prefill=lay.prefill + 1), replace(lay, main=lay.main + 1)):
             assert not plan.fleet.allows(more, s, 64), (lay, more)
     spec = next(lay for lay in plan.layouts if lay.family == "pdd").spec(s)
-    assert spec.wan.one_way_ms == 20.0 and spec.wan.price_per_hour == pytest.approx(5.0)
+    assert spec.line.one_way_ms == 20.0 and spec.line.price_per_hour == pytest.approx(5.0)
     flags = _prepare(_parser().parse_args(["--plan-file", str(path), "--max-gpus", "48", "--line-gbps", "25"]))
     assert all(lay.gpus(flags.setting) <= 48 and lay.line_gbps in (0.0, 25.0) for lay in flags.layouts)
     path.write_text(path.read_text().replace("budget_per_hour = 400", "budget_per_hour = 400\ncell_gpus = 64"))

@@ -17,8 +17,8 @@ from pdd.policy.recovery import Failed, Recovery, State, failure_status, recover
 from pdd.policy.retry import reserve_retry_delay, retry_on_new_prefill
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import (
+    LineEstimate,
     LineMeter,
-    LinkEstimate,
     Priority,
     finish_s,
     kv_chunks,
@@ -27,7 +27,7 @@ from pdd.policy.transfer import (
     observe_rtt,
 )
 
-LINE = LinkEstimate(bytes_per_s=2_500_000, one_way_s=0.02)  # 20 Mbit/s, 20 ms
+LINE = LineEstimate(bytes_per_s=2_500_000, one_way_s=0.02)  # 20 Mbit/s, 20 ms
 
 
 def test_transfer_time_shares_the_line_fairly():
@@ -277,7 +277,7 @@ def test_the_playout_pace_is_a_slow_average_and_occupancy_a_share():
 
 
 def test_the_line_meter_measures_acknowledged_kv_over_windows():
-    meter = LineMeter(LinkEstimate(bytes_per_s=1e6, one_way_s=0.01))
+    meter = LineMeter(LineEstimate(bytes_per_s=1e6, one_way_s=0.01))
     meter.begin(("r", "md0"), 0, 1000, 100, Priority.BACKGROUND)
     meter.begin(("s", "md0"), 0, 500, 100, Priority.URGENT)
     assert meter.in_flight(Priority.URGENT) == [50_000]  # background yields to it
@@ -290,11 +290,11 @@ def test_the_line_meter_measures_acknowledged_kv_over_windows():
 
 
 def test_lossy_kv_lives_in_a_namespace_of_each_salt_and_form():
-    from pdd.config import LinkSpec
+    from pdd.config import LineSpec
     from pdd.policy.transfer import kv_namespace
 
     assert kv_namespace("", "") == "" and kv_namespace("t1", "") == "t1"  # exact KV: the request's own
     spaces = {kv_namespace(salt, form) for salt in ("", "t1") for form in ("", "int8")}
     assert len(spaces) == 4
     with pytest.raises(ValueError, match="lossy_kv"):
-        LinkSpec(lossy_kv="int4")
+        LineSpec(lossy_kv="int4")

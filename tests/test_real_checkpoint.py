@@ -96,7 +96,7 @@ def test_pdd_mode_on_the_checkpoint_equals_one_instance_and_transformers(synth: 
 
     # through the relay, then handed over to MD by catch-up: three producers' tokens merged
     conf = tmp_path / "pdd.toml"
-    conf.write_text('[link]\nbandwidth_mbps = 200.0\ndelay_ms = 2.0\njitter_ms = 0.5\n[policy]\n'
+    conf.write_text('[line]\nbandwidth_mbps = 200.0\ndelay_ms = 2.0\njitter_ms = 0.5\n[policy]\n'
                     'pipeline = "P-RLD-MD"\nhandoff = "catch_up"\ncatch_up_chunk = 7\nhandoff_threshold = 4\n')
     with pdd_up("--mode", "pdd", "--config", str(conf), "--model", str(synth["dir"])) as dep:
         runs = [_complete(dep.url, "synth", p) for p in _prompts()]

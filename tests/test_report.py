@@ -32,8 +32,8 @@ def _record(i: int, ttft: float, **pdd: object) -> RequestRecord:
                          max_itl_ms=40.0 + 10 * i, **pdd)
 
 
-def _summary(records: list[RequestRecord], wan_bytes: int = 0) -> dict:
-    return summarize(records, wan_bytes=wan_bytes, slo_ttft_ms=2000.0, slo_tpot_ms=200.0)
+def _summary(records: list[RequestRecord], line_bytes: int = 0) -> dict:
+    return summarize(records, line_bytes=line_bytes, slo_ttft_ms=2000.0, slo_tpot_ms=200.0)
 
 
 def _summaries() -> dict[str, dict]:
@@ -43,13 +43,13 @@ def _summaries() -> dict[str, dict]:
         "colocated": _summary([_record(i, 40.0 + i, cached_tokens=900, p_hit_tokens=900,
                                        d_hit_tokens=900) for i in range(10)]),
         "pd-same-dc": _summary([_record(i, 60.0 + i, **hits) for i in range(10)]),
-        "pd-cross-dc": _summary([_record(i, 300.0 + 900 * (i >= 8), wan_bytes=100_000, **hits)
-                                 for i in range(10)], wan_bytes=1_000_000),
-        "pdd": _summary([_record(i, 80.0, wan_bytes=100_000, relay_output_tokens=2,
+        "pd-cross-dc": _summary([_record(i, 300.0 + 900 * (i >= 8), line_bytes=100_000, **hits)
+                                 for i in range(10)], line_bytes=1_000_000),
+        "pdd": _summary([_record(i, 80.0, line_bytes=100_000, relay_output_tokens=2,
                                  main_output_tokens=18, pipeline="P-RLD-MD" if i < 3 else "P-MD",
                                  handoff="one_shot" if i < 3 else None, handoff_tokens=2 if i < 3 else 0,
                                  handoff_stall_ms=12.0 + i if i < 3 else None, **hits)
-                         for i in range(10)], wan_bytes=1_000_000),
+                         for i in range(10)], line_bytes=1_000_000),
     }
 
 
@@ -66,7 +66,7 @@ def test_report_files_follow_the_contract(tmp_path: Path) -> None:
     assert report["meta"] == meta
 
     pngs = sorted(p for p in paths.values() if p.suffix == ".png")
-    assert {p.name for p in pngs} == {"ttft.png", "decode.png", "wan.png", "producers.png", "handoffs.png"}
+    assert {p.name for p in pngs} == {"ttft.png", "decode.png", "line.png", "producers.png", "handoffs.png"}
     assert report["modes"]["pdd"]["handoffs"] == {"one_shot": 3, "catch_up": 0}
     assert report["modes"]["pdd"]["handoff_stall_ms"]["p50"] == 13.0
     for png in pngs:
@@ -87,11 +87,11 @@ def test_plots_without_data_are_left_out(tmp_path: Path) -> None:
     baseline = {"colocated": _summary([_record(i, 50.0) for i in range(5)])}
     paths = write_report(tmp_path, baseline, title="second", meta={})
 
-    assert "wan" not in paths and "producers" not in paths and "handoffs" not in paths
+    assert "line" not in paths and "producers" not in paths and "handoffs" not in paths
     # A plot from the earlier run in the same folder must not pass for this run's.
-    assert not (tmp_path / "wan.png").exists() and not (tmp_path / "producers.png").exists()
+    assert not (tmp_path / "line.png").exists() and not (tmp_path / "producers.png").exists()
     page = paths["html"].read_text()
-    assert 'src="ttft.png"' in page and "wan.png" not in page
+    assert 'src="ttft.png"' in page and "line.png" not in page
 
 
 def test_html_escapes_hostile_text(tmp_path: Path) -> None:

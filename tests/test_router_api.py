@@ -33,7 +33,7 @@ max_running = 1
 max_waiting = 2
 [policy]
 pipeline = "P-RLD-MD"
-[link]
+[line]
 bandwidth_mbps = 200.0
 delay_ms = 2.0
 jitter_ms = 0.5
@@ -109,7 +109,7 @@ def _scrape_targets(deployment) -> tuple[cfg.Deployment, dict]:
     """The deployment's file and Prometheus' targets for it, labelled as prometheus.yml labels them."""
     dep = cfg.load(str(deployment.run_dir / "deployment.toml"))
     address = {name: url.split("//")[1] for name, url in {"router": deployment.url, **deployment.http}.items()}
-    targets = {"pdd-router": {address["router"]: {"name": "router", "role": "router", "site": dep.link.a}},
+    targets = {"pdd-router": {address["router"]: {"name": "router", "role": "router", "site": dep.line.a}},
                "pdd-instances": {address[i.name]: {"name": i.name, "role": str(i.role), "site": i.dc}
                                  for i in dep.instances}}
     return dep, targets
@@ -213,7 +213,7 @@ async def _shed_after_slow_service(url: str, hold_s: float, slow: int) -> httpx.
         for _ in range(slow):
             await hold(hold_s)
             await asyncio.to_thread(_idle, url)
-        holders = [asyncio.ensure_future(hold(60)) for _ in range(3)]  # one runs, two wait in line
+        holders = [asyncio.ensure_future(hold(60)) for _ in range(3)]  # one runs, two wait in the queue
         try:
             await asyncio.to_thread(wait_until, lambda: metrics(url)["pdd_admission_waiting"] == 2, 30, "a full line")
             return await client.post("/v1/completions", json={**body, "stream": False})

@@ -14,7 +14,7 @@ KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
 CONFIG = """mode = "pdd"
 [policy]
 pipeline = "P-RLD-MD"
-[link]
+[line]
 bandwidth_mbps = 200.0
 delay_ms = 2.0
 jitter_ms = 0.5

@@ -20,7 +20,7 @@ import simpy
 from pdd.lab.plan import paper
 from pdd.lab.sim.cluster import Cluster
 from pdd.lab.sim.fleet import DeploymentSpec
-from pdd.lab.sim.link import SharedLink
+from pdd.lab.sim.line import SharedLine
 from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.types import Session, Turn
 from pdd.names import Fallback, HandoffMode, Pipeline
@@ -207,23 +207,23 @@ GBPS = 10.0
 DELAY_MS = 3.0
 
 
-def _link() -> tuple[simpy.Environment, SharedLink]:
+def _line() -> tuple[simpy.Environment, SharedLine]:
     env = simpy.Environment()
-    return env, SharedLink(env, line(GBPS, DELAY_MS), "wan")
+    return env, SharedLine(env, line(GBPS, DELAY_MS), "line")
 
 
-def _send_at(env: simpy.Environment, link: SharedLink, at: float, nbytes: float, priority: int,
+def _send_at(env: simpy.Environment, line: SharedLine, at: float, nbytes: float, priority: int,
              done: dict[int, float], key: int):
     def go():
         yield env.timeout(at)
-        yield link.send(nbytes, priority)
+        yield line.send(nbytes, priority)
         done[key] = env.now
     return env.process(go())
 
 
-def test_link_never_beats_its_bandwidth() -> None:
-    env, link = _link()
-    bw, delay = link.line.bytes_per_s, DELAY_MS / 1000
+def test_line_never_beats_its_bandwidth() -> None:
+    env, line = _line()
+    bw, delay = line.line.bytes_per_s, DELAY_MS / 1000
     rng = random.Random(7)
     transfers = []  # (start, bytes, priority)
     for _ in range(300):
@@ -231,10 +231,10 @@ def test_link_never_beats_its_bandwidth() -> None:
                           rng.choice([0, 1])))
     done: dict[int, float] = {}
     for k, (at, nbytes, prio) in enumerate(transfers):
-        _send_at(env, link, at, nbytes, prio, done, k)
+        _send_at(env, line, at, nbytes, prio, done, k)
     env.run()
     assert len(done) == len(transfers)
-    assert link.stats.bytes == pytest.approx(sum(n for _, n, _ in transfers))
+    assert line.stats.bytes == pytest.approx(sum(n for _, n, _ in transfers))
     tol = 1e-6 * bw  # float residue
     for k, (at, nbytes, _) in enumerate(transfers):
         # alone on the line at best, and never before the bytes could have crossed
@@ -253,24 +253,24 @@ def test_link_never_beats_its_bandwidth() -> None:
     assert max(done.values()) == pytest.approx(free + delay, rel=1e-9)
 
 
-def test_link_processor_sharing_and_priority() -> None:
-    env, link = _link()
-    bw, delay = link.line.bytes_per_s, DELAY_MS / 1000
+def test_line_processor_sharing_and_priority() -> None:
+    env, line = _line()
+    bw, delay = line.line.bytes_per_s, DELAY_MS / 1000
     size = 50e6
     done: dict[int, float] = {}
     # two equal transfers together finish together, at twice one alone
-    _send_at(env, link, 0.0, size, 0, done, 0)
-    _send_at(env, link, 0.0, size, 0, done, 1)
+    _send_at(env, line, 0.0, size, 0, done, 0)
+    _send_at(env, line, 0.0, size, 0, done, 1)
     # later: a transfer of 2S and one of S share; S finishes at 2S/bw, 2S at 3S/bw
     t1 = 1.0
-    _send_at(env, link, t1, 2 * size, 0, done, 2)
-    _send_at(env, link, t1, size, 0, done, 3)
+    _send_at(env, line, t1, 2 * size, 0, done, 2)
+    _send_at(env, line, t1, size, 0, done, 3)
     # later still: a background transfer is overtaken by an urgent one, which runs as if alone
     t2 = 2.0
-    _send_at(env, link, t2, size, 1, done, 4)
-    _send_at(env, link, t2 + 0.01, size, 0, done, 5)
+    _send_at(env, line, t2, size, 1, done, 4)
+    _send_at(env, line, t2 + 0.01, size, 0, done, 5)
     # an empty transfer takes the one-way delay only
-    _send_at(env, link, 3.0, 0, 0, done, 6)
+    _send_at(env, line, 3.0, 0, 0, done, 6)
     env.run()
     assert done[0] == pytest.approx(2 * size / bw + delay, rel=1e-9)
     assert done[1] == pytest.approx(done[0], rel=1e-12)
@@ -341,12 +341,12 @@ def test_full_hit_sends_only_the_uncacheable_tail(deployment: str, prompt: int) 
     tail = prompt - min(prompt // BLOCK * BLOCK, prompt - 1)
     outcomes = sorted(_run(spec, traced).records, key=lambda o: o.start_s)
     assert len(outcomes) == 6 and not any(o.error for o in outcomes)
-    assert outcomes[0].wan_bytes == prompt * KVB  # nothing cached yet: the whole prompt
+    assert outcomes[0].line_bytes == prompt * KVB  # nothing cached yet: the whole prompt
     for o in outcomes[1:]:
         assert o.pipeline == Pipeline.P_MD, o
         assert o.d_hit_tokens == prompt - tail, o
-        assert o.wan_bytes == tail * KVB, o
-        assert o.wan_bytes <= BLOCK * KVB, o
+        assert o.line_bytes == tail * KVB, o
+        assert o.line_bytes <= BLOCK * KVB, o
 
 
 # ---- 5. the simulator decides with the serving system's functions --------------------------
@@ -373,7 +373,7 @@ POLICIES = {
 }
 # P's line estimate: the live prefill instance's `LineMeter`, every method it uses.
 METER = ("begin", "acked", "end", "in_flight", "round_trip")
-# Runs that take every path: a tight MD pool (its reservations wait in line), one too
+# Runs that take every path: a tight MD pool (its reservations wait in the queue), one too
 # small for the longest requests (MD refuses them: the relay produces alone), a relay
 # too small (it turns requests away: P -> MD).
 PATHS = ("pdd", "pdd, tight MD pool", "pdd, MD pool too small", "pdd, tiny relay")
@@ -416,7 +416,7 @@ def test_simulator_calls_the_router_and_instance_policies(monkeypatch) -> None:
 
 
 def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatch) -> None:
-    """The router's `DispatchLine` and a decode instance's `ReservationLine` are the very
+    """The router's `DispatchQueue` and a decode instance's `ReservationQueue` are the very
     classes the simulator waits in, on its clock, its prefix cache is the engine's
     `RadixCache` and its batches are planned by the engine's `Scheduler`; runs that take
     every path hold requests in both lines (an attempt refused, then granted once room
@@ -424,17 +424,17 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     sequence's KV room comes from is the simulator's own, for the reason in NOT_LIVE."""
     from pdd.batching import BaseKV, Scheduler
     from pdd.engines.embedded.paged_kv import PagedKV
-    from pdd.instance.reservations import ReservationLine
+    from pdd.instance.reservations import ReservationQueue
     from pdd.kv.radix_cache import RadixCache
     from pdd.lab.sim.clock import SimClock
     from pdd.lab.sim.not_live import NOT_LIVE
-    from pdd.router.dispatch import DispatchLine
+    from pdd.router.dispatch import DispatchQueue
     from pdd.router.mirror import CacheMirror
 
     cluster = Cluster(simpy.Environment(), SCENARIOS["pdd"][0])
-    assert type(cluster.line) is DispatchLine
+    assert type(cluster.queue) is DispatchQueue
     for inst in cluster.instances.values():
-        assert type(inst.reservations) is ReservationLine and isinstance(inst.reservations._clock, SimClock)
+        assert type(inst.reservations) is ReservationQueue and isinstance(inst.reservations._clock, SimClock)
         assert type(inst.cache) is RadixCache
         assert type(inst.scheduler) is Scheduler
         assert isinstance(inst.scheduler.kv, BaseKV) and not isinstance(inst.scheduler.kv, PagedKV)
@@ -442,7 +442,7 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
     assert all(len(why) > 100 for why in NOT_LIVE.values())  # each with its reason
     assert not any(isinstance(v, CacheMirror) for v in vars(cluster).values())  # (it reads the caches)
     tries: dict[str, list[int]] = {"dispatch": [], "reservation": []}
-    turn, take = DispatchLine.turn, ReservationLine.take
+    turn, take = DispatchQueue.turn, ReservationQueue.take
 
     async def counted_turn(self, attempt):
         n = 0
@@ -474,8 +474,8 @@ def test_the_simulator_runs_the_live_lines_and_names_what_it_does_not(monkeypatc
         evicted.append(evict(self, num_pages))
         return evicted[-1]
 
-    monkeypatch.setattr(DispatchLine, "turn", counted_turn)
-    monkeypatch.setattr(ReservationLine, "take", counted_take)
+    monkeypatch.setattr(DispatchQueue, "turn", counted_turn)
+    monkeypatch.setattr(ReservationQueue, "take", counted_take)
     schedule, batches = Scheduler.schedule, []
 
     def counted_schedule(self):
@@ -502,13 +502,13 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
     import random
     from types import SimpleNamespace
 
-    from pdd.config import LinkSpec, PolicySpec
+    from pdd.config import LineSpec, PolicySpec
     from pdd.names import Mode, RoleName
     from pdd.policy.capacity import Room, fits, pages_needed
     from pdd.policy.plan import anomaly_rule, plan_with_room
     from pdd.policy.routing import Candidate
     from pdd.router.planning import Planner
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     rng = random.Random(5)
     policy = PolicySpec(affinity_weight=2.0)
@@ -527,7 +527,7 @@ def test_the_simulators_dispatch_is_the_routers() -> None:
                     pages=pages, max_context=0, mirror=SimpleNamespace(predicted_hit=lambda p, salt, h=hit: h))
         if not any(c.spec.role in (RoleName.MAIN, RoleName.RELAY) and c.available for c in clients.values()):
             continue  # (the router answers 503 there; not a dispatch decision)
-        planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy, link=LinkSpec()), clients)
+        planner = Planner(SimpleNamespace(mode=Mode.PDD, policy=policy, line=LineSpec()), clients)
         planner.max_context = max_context
         prompt, max_tokens = rng.choice([100, 600, 1000]), rng.choice([4, 100, 400])
         req = SimpleNamespace(prompt=[1] * prompt, params=SamplingParams(max_tokens=max_tokens))
@@ -556,7 +556,7 @@ def test_anomalous_request_is_prefilled_on_p_and_decoded_wholly_on_the_relay() -
     assert o.error is None and o.anomalous
     assert o.pipeline == Pipeline.P_RLD
     assert o.output_tokens == o.relay_output_tokens == 32 and o.main_output_tokens == 0
-    assert o.wan_bytes == 0 and o.handoff is None
+    assert o.line_bytes == 0 and o.handoff is None
     # P prefilled it (not the relay, whose streams its chunks would stall); the relay decoded
     # all of it; the main instances saw nothing
     prefilled, produced = {}, {}
@@ -565,7 +565,7 @@ def test_anomalous_request_is_prefilled_on_p_and_decoded_wholly_on_the_relay() -
         produced[inst.role] = produced.get(inst.role, 0) + inst.stats.tokens_out
     assert prefilled == {"prefill": prompt, "relay": 0, "main": 0}
     assert produced["relay"] == 31 and produced["main"] == 0  # P's first token, then the relay's
-    assert cluster.wan.stats.bytes == 0
+    assert cluster.line.stats.bytes == 0
 
 
 def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
@@ -581,7 +581,7 @@ def test_low_hit_long_output_goes_through_the_relay_and_is_handed_off() -> None:
     assert first.handoff in (HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP)
     assert first.handoff_tokens >= 1 and first.main_output_tokens >= 1
     assert first.relay_output_tokens + first.main_output_tokens == first.output_tokens == output
-    assert first.wan_bytes == prompt * KVB
+    assert first.line_bytes == prompt * KVB
     assert second.prompt_tokens >= spec.max_context // 2 and second.max_tokens < 500
     assert second.error is None and not second.anomalous and second.pipeline == Pipeline.P_MD
     assert second.d_hit_tokens >= prompt

@@ -38,7 +38,7 @@ def test_sim_simulates_a_deployment_of_this_machine(tmp_path: Path) -> None:
     modes = json.loads(out.read_text())["modes"]
     assert set(modes) == {"pd-cross-dc", "pdd"}
     assert all(m["requests"] == 8 and m["completed"] == 8 for m in modes.values())
-    assert sum(modes["pdd"]["pipelines"].values()) == 8 and modes["pd-cross-dc"]["wan_bytes"] > 0
+    assert sum(modes["pdd"]["pipelines"].values()) == 8 and modes["pd-cross-dc"]["line_bytes"] > 0
 
 
 def test_check_flags_the_mode_it_mispredicts() -> None:
@@ -66,7 +66,7 @@ def test_an_emulated_demo_is_simulated_on_its_chips_in_its_time_and_with_its_mod
     assert [(r.role, r.steps.name) for r in spec.roles] == [("prefill", "A"), ("main", "A"), ("main", "A")]
     cross = local_spec(on_scenario_line(paced, scenario), "pdd", PROFILE)
     assert [r.steps.name for r in cross.roles] == ["A", "A", "B"]
-    assert cross.wan.gbps == pytest.approx(scenario.bandwidth_mbps / 3 / 1000)  # the line in emulated time
+    assert cross.line.gbps == pytest.approx(scenario.bandwidth_mbps / 3 / 1000)  # the line in emulated time
     # the simulated steps are the pacer's own (the live runtime holds each step to this function)
     assert cross.roles[2].steps.step_s(chunk_load(2000, 1)) == StepPacer("B", 16.0, 3.0).step_s([(2000, 1, 1000)])
     slow = summary(simulate_demo(paced, "pd-same-dc", PROFILE, scenario, 6, scenario.rate), 6000, 600)

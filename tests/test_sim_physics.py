@@ -14,7 +14,7 @@ from pdd.lab.plan import paper
 from pdd.lab.sim.instance import Instance
 from pdd.lab.sim.runner import simulate
 from pdd.lab.sim.sequence import SimSeq
-from pdd.lab.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLink, calibrate_one_way_ms, handoff_times_s
+from pdd.lab.sim.tcp import HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, TcpLine, calibrate_one_way_ms, handoff_times_s
 from pdd.lab.workload.agentic import plan_session_shapes
 from pdd.lab.workload.types import Session, Turn
 from pdd.perf.hardware import CATALOG, LINE_ONE_WAY_MS, Line
@@ -103,11 +103,11 @@ def test_slow_start_makes_a_handoff_round_trip_bound_not_bandwidth_bound() -> No
 def test_connections_share_the_line_fairly_and_a_window_caps_one() -> None:
     env = simpy.Environment()
     tcp = dataclasses.replace(Tcp(), jitter_ms=0.0, loss_per_segment=0.0, window_bytes=8e6)
-    link = TcpLink(env, Line(100.0, 5.0, 0.0), tcp)
+    line = TcpLine(env, Line(100.0, 5.0, 0.0), tcp)
     done: dict[str, float] = {}
 
     def go(key: str, nbytes: float):
-        yield link.send(nbytes, 0, key)
+        yield line.send(nbytes, 0, key)
         done[key] = env.now
 
     env.process(go("a", 500e6))
@@ -116,13 +116,13 @@ def test_connections_share_the_line_fairly_and_a_window_caps_one() -> None:
     cap = 8e6 / 0.010  # one window per round trip: 800 MB/s, under the line's 12.5 GB/s
     assert alone == pytest.approx(500e6 / cap, rel=0.15)
     env = simpy.Environment()
-    link = TcpLink(env, Line(100.0, 5.0, 0.0), tcp)
+    line = TcpLine(env, Line(100.0, 5.0, 0.0), tcp)
     done.clear()
     for key in "abcd":
         env.process(go(key, 500e6))
     env.run()
     assert max(done.values()) == pytest.approx(min(done.values()), rel=1e-6)  # four windows fit the line
-    assert link.stats.bytes == 4 * 500e6
+    assert line.stats.bytes == 4 * 500e6
 
 
 # ---- 3. the analytic decode stretch is step-by-step simulation ---------------------------

@@ -8,7 +8,7 @@ on every framed connection. Checked: greedy parity with a colocated instance, th
 decode-side hit of a second turn, the bytes the line's kernel interfaces carried
 against the KV MD was missing, heartbeats across the line (and a silent line noticed),
 every metric the Grafana dashboard queries, and a drain of MD. A second, smaller
-deployment puts a `pdd wan` hop on the route into B, for the delay the kernel's tbf
+deployment puts a `pdd line` hop on the route into B, for the delay the kernel's tbf
 cannot add.
 
 Needs root. Without it the test skips, and in CI a skip is a failure (conftest.py).
@@ -99,7 +99,7 @@ def reference(tiny_model_dir) -> dict:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("sites")
-    base = cfg.Deployment(link=cfg.LinkSpec(bandwidth_mbps=LINE_MBPS, delay_ms=0.5, jitter_ms=0.0),
+    base = cfg.Deployment(line=cfg.LineSpec(bandwidth_mbps=LINE_MBPS, delay_ms=0.5, jitter_ms=0.0),
                           liveness=cfg.LivenessSpec(heartbeat_s=1.0, dead_after_s=3.0))
     with lab(hosts("pdd", base), LINE_MBPS) as net:
         tls = run_dir / "tls"
@@ -118,10 +118,10 @@ def site(tmp_path_factory, tiny_model_dir):
             launcher.stop()
 
 
-def test_a_wan_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp_path, reference):
-    """Where a test needs delay (the kernel here has no netem), `pdd wan` sits on the
+def test_a_line_emulator_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp_path, reference):
+    """Where a test needs delay (the kernel here has no netem), `pdd line` sits on the
     route: MD advertises the hop's address to A, and the hop relays to MD's own."""
-    base = cfg.Deployment(link=cfg.LinkSpec(bandwidth_mbps=LINE_MBPS, delay_ms=25.0, jitter_ms=0.0))
+    base = cfg.Deployment(line=cfg.LineSpec(bandwidth_mbps=LINE_MBPS, delay_ms=25.0, jitter_ms=0.0))
     with lab(hosts("pd-cross-dc", base), LINE_MBPS) as net:
         dep = lab_deployment(net, base, "pd-cross-dc", hop=True)
         md = dep.instance("md0")
@@ -141,13 +141,13 @@ def test_a_wan_hop_in_the_line_namespace_adds_its_delay_to_the_routes_into_b(tmp
     one_way = next(s.value for f in text_string_to_metric_families(page) for s in f.samples
                    if s.name == "pdd_line_one_way_delay_seconds" and s.labels["dc"] == "B")
     assert one_way >= 0.025, "P measured the hop's delay on the line"
-    assert stats["wan_bytes"] >= got["pdd"]["wan_bytes"] > 0, "the router sums the KV bytes P counted across the line"
+    assert stats["line_bytes"] >= got["pdd"]["line_bytes"] > 0, "the router sums the KV bytes P counted across the line"
 
 
 def test_every_process_runs_in_its_host_namespace_from_the_deployment_file(site):
     conf = cfg.load(site.conf)
     assert conf.tls.enabled and {i.dc for i in conf.instances} == {"A", "B"}
-    assert not conf.link.admin_port and not any(i.advertise for i in conf.instances), "no emulator on this line"
+    assert not conf.line.admin_port and not any(i.advertise for i in conf.instances), "no emulator on this line"
     for name, proc in site.launcher.children:
         ns = site.net.hosts[name].ns
         want = ["router", "--config"] if name == "router" else ["serve", "--config", str(site.conf), "--instance", name]
@@ -179,13 +179,13 @@ def test_parity_decode_side_hit_and_line_bytes(site, reference, tiny_model_dir):
     line = sum(after[s] - before[s] for s in after)
     print(f"\nline (kernel, both ways) {line:,} B; missed KV {missed:,} B ({line / missed:.4f}x); into B "
           f"{after['B'] - before['B']:,}, into A {after['A'] - before['A']:,}; P counted "
-          f"{[g['pdd']['wan_bytes'] for g in got]}; pipelines {[g['pdd']['pipeline'] for g in got]}; "
+          f"{[g['pdd']['line_bytes'] for g in got]}; pipelines {[g['pdd']['pipeline'] for g in got]}; "
           f"handoffs {[g['pdd']['handoff'] for g in got]}")
     assert missed <= line <= 1.05 * missed
     for p, g in zip(prompts, got, strict=True):  # P's own count, where it reached the router before the request ended
         kv = (len(p) - g["pdd"]["d_hit_tokens"]) * bpt
-        assert g["pdd"]["wan_bytes"] == 0 and g["pdd"]["fallbacks"] == ["relay_finished"] or \
-            kv <= g["pdd"]["wan_bytes"] <= kv * 1.02 + 4096, g["pdd"]
+        assert g["pdd"]["line_bytes"] == 0 and g["pdd"]["fallbacks"] == ["relay_finished"] or \
+            kv <= g["pdd"]["line_bytes"] <= kv * 1.02 + 4096, g["pdd"]
 
 
 def test_heartbeats_cross_the_line_and_a_silent_line_is_noticed(site, reference):

@@ -20,7 +20,7 @@ from test_agent_api import stream_chat
 
 vllm = pytest.importorskip("vllm")
 
-LINK = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
+LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 # every request handed over from the relay to MD, in chunks of 2 (tests/test_pdd.py's catch-up-2)
 HANDOFF = {"pipeline": "P-RLD-MD", "handoff": "catch_up", "catch_up_chunk": 2, "handoff_threshold": 2}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -46,7 +46,7 @@ def write_config(path: Path, model: Path, **model_keys: str) -> str:
     """A pdd-mode deployment of `model` whose every request is handed over."""
     lines = ['mode = "pdd"', "[model]", f"path = {json.dumps(str(model))}", 'name = "tiny"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in model_keys.items()]
-    lines += ["[link]", *(f"{k} = {json.dumps(v)}" for k, v in LINK.items())]
+    lines += ["[line]", *(f"{k} = {json.dumps(v)}" for k, v in LINE.items())]
     lines += ["[policy]", *(f"{k} = {json.dumps(v)}" for k, v in HANDOFF.items())]
     path.write_text("\n".join(lines) + "\n")
     return str(path)

@@ -15,7 +15,7 @@ import httpx
 from procs import free_port, pdd_process, pdd_up, stream_completion, wait_until
 
 CONFIG = """mode = "pd-cross-dc"
-[link]
+[line]
 bandwidth_mbps = 200.0
 delay_ms = 2.0
 jitter_ms = 0.5

@@ -1,5 +1,5 @@
 """`pdd up --mode pd-cross-dc --engine vllm`: plain cross-datacenter PD on vLLM, P in A, D
-in B behind the WAN emulator, no relay. Greedy output equals a plain `vllm serve`; the
+in B behind the line emulator, no relay. Greedy output equals a plain `vllm serve`; the
 decode side's vLLM keeps earlier turns, so a second turn moves only the KV it lacks;
 its vLLM computes no prompt token but the last."""
 
@@ -27,7 +27,7 @@ def test_cross_dc_pd_on_vllm_equals_plain_vllm(dep, vllm_reference, tiny_model_d
     for p, g in zip(prompts, done, strict=True):
         r = g["record"]
         missed = (len(p) - r["d_hit_tokens"]) * bpt
-        assert missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert missed <= r["line_bytes"] <= 1.05 * missed, r
         assert md0["computed_by_request"][rid(g)] == len(g["ids"])  # the prompt's last token, then one a step
     assert all(g["record"]["d_hit_tokens"] >= len(p) - 20 - 32 for p, g in zip(prompts[3:6], done[3:6], strict=True))
     vllm_settled([dep.http["p0"], dep.http["md0"]])

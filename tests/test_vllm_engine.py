@@ -24,7 +24,7 @@ from pdd.kv import codec  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
 from pdd.kv.pages import OutOfPages  # noqa: E402
 from pdd.model.tokenizer import Tokenizer  # noqa: E402
-from pdd.sampling import SamplingParams  # noqa: E402
+from pdd.sampling.params import SamplingParams  # noqa: E402
 
 PAGE = 32  # vLLM's block; the embedded engine's page is 16
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)

@@ -53,14 +53,14 @@ def test_every_pipeline_and_handoff_equals_plain_vllm_across_engines(dep, vllm_r
         r = g["record"]
         missed = (len(t) - r["d_hit_tokens"]) * bpt
         assert r["d_hit_tokens"] % md_page == 0 and r["d_hit_tokens"] >= len(t) - 20 - md_page
-        assert missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert missed <= r["line_bytes"] <= 1.05 * missed, r
     _settled(dep)
 
 
 def test_seeded_shaped_sampling_is_the_same_draw_on_either_engine(dep, tiny_model_dir):
     from pdd.engines.embedded.engine import Engine
     from pdd.engines.port import EngineConfig
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     engine = Engine(tiny_model_dir, EngineConfig())
     params = SamplingParams(max_tokens=120, ignore_eos=True, **SHAPED)

@@ -30,8 +30,8 @@ from pdd.engines.vllm.draw import PddDraw, draw_args  # noqa: E402
 from pdd.engines.vllm.events import VllmHashes  # noqa: E402
 from pdd.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from pdd.kv.blocks import block_hashes  # noqa: E402
-from pdd.sampler import sample  # noqa: E402
-from pdd.sampling import SamplingParams  # noqa: E402
+from pdd.sampling.draw import sample  # noqa: E402
+from pdd.sampling.params import SamplingParams  # noqa: E402
 
 # ---- pdd's draw inside vLLM ------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """`pdd up --mode pdd --engine vllm` on the user's own model: a mixture-of-experts
 checkpoint (Mixtral, written by transformers), which pdd's embedded engine cannot run,
-with P, RLD and MD all on vLLM, real processes, the WAN emulator between the
+with P, RLD and MD all on vLLM, real processes, the line emulator between the
 datacenters. vLLM reads the checkpoint and sizes each instance's KV cache itself from a
 memory budget (no `num_pages`: "auto"); pdd takes the KV geometry and the sizes from it,
 and the router plans with the block counts the instances report. Greedy output equals a
@@ -134,12 +134,12 @@ def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(dep, m
     (the 10 s first tokens of `pdd bench serve` against vLLM, for the P -> MD turn after)."""
     md = dep.http["md0"]
     expired = _node(md)["prefix_waits_expired"]
-    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
     try:
         prompts, done = session_turns(dep.url, prompt(50, 600), [prompt(51, 64), prompt(52, 64)], 16)
         wait_until(lambda: not _node(md)["held"], 60, "MD to take in the three turns' KV and fills")
     finally:
-        httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": LINE["bandwidth_mbps"]},
+        httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": LINE["bandwidth_mbps"]},
                    timeout=5).raise_for_status()
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == moe_reference.greedy(p, 16), g["record"]
@@ -155,7 +155,7 @@ def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, moe_refere
     engine_core = relay.children(recursive=True)
     assert engine_core, "rld0 runs vLLM's engine core as a child"
     # a slow line (4 Mbit/s: the prompt's KV takes five seconds to cross): the relay produces when it dies
-    httpx.post(f"{dep.wan_admin}/link", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
     long_prompt = prompt(40, 600)
     got = {"ids": []}
     body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,

@@ -1,5 +1,5 @@
 """The framed protocol attacked from the path: a relay between a real client and a real
-server (TCP on loopback, the deployment's link key) that tampers with what the client
+server (TCP on loopback, the deployment's connection key) that tampers with what the client
 sends, frame by frame, as a man in the middle on the line could.
 
 - It closes the newest version's HELLO, or rewrites its version byte: the client falls back
@@ -29,7 +29,7 @@ Tamper = Callable[[int, bytes], list[bytes] | None]  # (index, frame) -> what go
 
 async def _frames(reader: asyncio.StreamReader):
     """The client's frames, each whole (header, payload, tag), as the wire carries them: the
-    HELLO under the link key's HMAC, the frames after it under the session's GMAC (from 5)."""
+    HELLO under the connection key's HMAC, the frames after it under the session's GMAC (from 5)."""
     hello = True
     while True:
         try:

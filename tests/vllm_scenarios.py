@@ -47,7 +47,7 @@ def pdd_instances(tables: dict[str, str]) -> str:
 
 
 def write_config(path: Path, mode: str, instances: str = "") -> str:
-    path.write_text(f'mode = "{mode}"\n[link]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
+    path.write_text(f'mode = "{mode}"\n[line]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LINE.items())
                     + "[policy]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in POLICY.items())
                     + ENGINE + LIVENESS + instances)
     return str(path)
@@ -87,7 +87,7 @@ def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict
     step_s = min(g["elapsed_s"] for g in second) / OUTPUT
     stall_s = min(5.0, max(0.3, CATCH_UP_TOKENS * step_s))
     long = min(3000, int(4 * stall_s / step_s))
-    if dep.wan_admin:
+    if dep.line_admin:
         dep.fault(stall_s=stall_s)
     last = prompt(seed + 20, 600)
     stalled = stream_completion(dep.url, last, long)
@@ -129,7 +129,7 @@ def engine_stats(dep, name: str) -> dict:
 
 def assert_second_turns_move_only_what_md_lacks(dep, prompts: list[list[int]], done: list[dict],
                                                  kv_bytes_per_token: int, md_hits_before: int) -> None:
-    """`pipelines`' second turns: only the KV MD's vLLM lacks crosses (the WAN bytes within
+    """`pipelines`' second turns: only the KV MD's vLLM lacks crosses (the line bytes within
     5 % of it), the router's mirror (fed by vLLM's KV events under pdd's hashes) predicted
     exactly the hit vLLM reserved, and MD's vLLM scheduler computed the prompt's last token
     (vLLM's rule), P's first token and one token a step after it: none of the hit, none of
@@ -138,7 +138,7 @@ def assert_second_turns_move_only_what_md_lacks(dep, prompts: list[list[int]], d
     for t, g in zip(prompts[3:6], done[3:6], strict=True):
         r = g["record"]
         missed = (len(t) - r["d_hit_tokens"]) * kv_bytes_per_token
-        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["wan_bytes"] <= 1.05 * missed, r
+        assert r["d_hit_tokens"] >= len(t) - 20 - 32 and missed <= r["line_bytes"] <= 1.05 * missed, r
         assert r["d_hit_predicted"] == r["d_hit_tokens"]
         assert md0["computed_by_request"][rid(g)] == OUTPUT
         assert p0["computed_by_request"][rid(g)] == len(t) - r["p_hit_tokens"]

@@ -1,4 +1,4 @@
-"""The bounded line in front of a server's token source (`pdd.policy.admission` decides).
+"""The bounded queue in front of a server's token source (`pdd.policy.admission` decides).
 
 Every /v1 request takes a slot before it is tokenized and holds it until its response
 ends; requests past the running limit wait in a FIFO of bounded length, and past
@@ -39,22 +39,22 @@ class AdmissionGate:
         self.running = 0
         self.shed = 0
         self.mean_service_s = 1.0
-        self._line: deque[asyncio.Future] = deque()
+        self._queue: deque[asyncio.Future] = deque()
         r = registry
         Gauge("pdd_admission_running", "Requests holding a slot", registry=r).set_function(lambda: self.running)
         Gauge("pdd_admission_waiting", "Requests waiting for a slot", registry=r).set_function(lambda: self.waiting)
-        self._shed = Counter("pdd_admission_shed", "Requests refused with 429: the line was full", registry=r)
+        self._shed = Counter("pdd_admission_shed", "Requests refused with 429: the queue was full", registry=r)
 
     @property
     def waiting(self) -> int:
-        return len(self._line)
+        return len(self._queue)
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait before coming back, from recent service times."""
         return retry_after_s(self.waiting, self.limits.max_running, self.mean_service_s)
 
     async def enter(self) -> Slot:
-        """A slot, after waiting in line if need be; ApiError 429 when the line is full."""
+        """A slot, after waiting in the queue if need be; ApiError 429 when the queue is full."""
         decision = admit(self.running, self.waiting, self.limits)
         if decision == SHED:
             self.shed += 1
@@ -71,12 +71,12 @@ class AdmissionGate:
             self.running += 1
             return Slot(self)
         turn = asyncio.get_running_loop().create_future()
-        self._line.append(turn)
+        self._queue.append(turn)
         try:
             await turn  # `_leave` hands its slot over: `running` is unchanged
         except asyncio.CancelledError:  # the client left while waiting
-            if turn in self._line:
-                self._line.remove(turn)
+            if turn in self._queue:
+                self._queue.remove(turn)
             elif not turn.cancelled():  # the slot was handed over as it left: pass it on
                 self._leave(None)
             raise
@@ -85,8 +85,8 @@ class AdmissionGate:
     def _leave(self, service_s: float | None) -> None:
         if service_s is not None:
             self.mean_service_s += SERVICE_ALPHA * (service_s - self.mean_service_s)
-        while self._line:
-            turn = self._line.popleft()
+        while self._queue:
+            turn = self._queue.popleft()
             if not turn.done():
                 turn.set_result(None)
                 return

@@ -13,7 +13,7 @@ from pdd.api.logprobs import LogprobFormatter
 from pdd.api.shaping import Outcome, usage
 from pdd.api.sse import Piece
 from pdd.api.tools import Assistant
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 

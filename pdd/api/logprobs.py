@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdd.model.tokenizer import Tokenizer
-from pdd.sampling import Logprob
+from pdd.sampling.params import Logprob
 
 
 class LogprobFormatter:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdd.api.source import Load
-from pdd.policy.transfer import LinkEstimate
+from pdd.policy.transfer import LineEstimate
 from pdd.transfer.wire import REJECTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -64,7 +64,7 @@ class LineMetrics:
     to (`pdd.policy.transfer`), read at scrape time: the rate its pipeline choice
     assumes, to set beside the line's nominal rate and the KV bytes crossing it."""
 
-    def __init__(self, lines: Callable[[], Mapping[str, LinkEstimate]]) -> None:
+    def __init__(self, lines: Callable[[], Mapping[str, LineEstimate]]) -> None:
         self._lines = lines
 
     def collect(self) -> Iterator[Metric]:

@@ -187,14 +187,14 @@ class _Common(BaseModel):
     # vLLM's: the tokenizer's own special tokens (a BOS) added to the prompt's text (None: a
     # completion's are, a chat's are not, as the chat template writes its own)
     add_special_tokens: StrictBool | None = None
-    # logit shaping (`pdd.sampling.SamplingParams`): OpenAI's, and vLLM's extensions
+    # logit shaping (`pdd.sampling.params.SamplingParams`): OpenAI's, and vLLM's extensions
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
     repetition_penalty: StrictFloat | StrictInt | None = None
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias
     min_p: StrictFloat | StrictInt | None = None
     min_tokens: StrictInt | None = None
-    # constrained decoding (`pdd.guide`): OpenAI's response_format, vLLM's structured_outputs
+    # constrained decoding (`pdd.sampling.guide`): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[StrictStr, Any] | None = None
     structured_outputs: dict[StrictStr, Any] | None = None
 

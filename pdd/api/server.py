@@ -29,10 +29,10 @@ from pdd.api.source import GenerationError, GenRequest, TokenSource
 from pdd.api.sse import Piece, sse_events
 from pdd.api.text import TextStream
 from pdd.api.tools import Assistant, ToolPlan
-from pdd.guide import GuideError, Guides
 from pdd.model.tokenizer import Tokenizer
 from pdd.policy.admission import Limits
-from pdd.sampling import SamplingParams
+from pdd.sampling.guide import GuideError, Guides
+from pdd.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -266,7 +266,7 @@ class OpenAIServer:
 
     # ---- routes ----------------------------------------------------------------------------
     async def admitted(self, client: Request, handle: Callable[[Slot], Awaitable[Response]]) -> Response:
-        """Run a /v1 handler in an admission slot (429 when the line is full); the slot is
+        """Run a /v1 handler in an admission slot (429 when the queue is full); the slot is
         the response's to give back, or given back here if the handler fails."""
         slot = await self.gate.enter()
         self.metrics.queue.observe(time.monotonic() - access_of(client.scope).arrived)

@@ -15,7 +15,7 @@ from msgspec.structs import replace  # sampling params are a msgspec struct
 
 from pdd.api.protocol import ApiError, ChatCompletionRequest, _Common
 from pdd.record import RequestRecord
-from pdd.sampling import MAX_CACHE_SALT, MAX_LOGPROBS, MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
+from pdd.sampling.params import MAX_CACHE_SALT, MAX_LOGPROBS, MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
 
 
 @dataclass

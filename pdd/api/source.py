@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdd.record import RequestRecord
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.params import Logprob, SamplingParams
 
 
 class GenerationError(Exception):
-    """Generation failed after it was accepted (an instance died, a link broke, ...)."""
+    """Generation failed after it was accepted (an instance died, a connection broke, ...)."""
 
     def __init__(self, message: str, status: int = 503) -> None:
         super().__init__(message)
@@ -34,7 +34,7 @@ class GenEvent:
     tokens: list[int]
     finish_reason: str | None = None
     cached_tokens: int = 0
-    # Set on the last event: where the request ran (pipeline, hit tokens, WAN bytes, ...).
+    # Set on the last event: where the request ran (pipeline, hit tokens, line bytes, ...).
     record: RequestRecord | None = None
     # each token's, where the request asks for logprobs (None where a producer did not say)
     logprobs: list[Logprob | None] | None = None

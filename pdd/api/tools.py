@@ -6,7 +6,7 @@ What `tool_choice` does (as vLLM does it):
 - `auto`: the model may call them; its output is parsed by the model's tool parser, named
   as vLLM's `--tool-call-parser` (`TOOL_PARSERS`; `[model] tool_parser`, defaulted from
   the chat template by `default_tool_parser`).
-- `required`, or a named function: the output is held by a grammar (`pdd.guide`), so a
+- `required`, or a named function: the output is held by a grammar (`pdd.sampling.guide`), so a
   valid call comes whatever the weights. Required: a JSON array of `{"name", "parameters"}`
   (one item when `parallel_tool_calls` is false); named: the function's arguments object.
   These are read as JSON, whatever the parser.

@@ -1,4 +1,4 @@
-"""One TOML file describes a deployment: datacenters, the WAN line, instances, model,
+"""One TOML file describes a deployment: datacenters, the line, instances, model,
 policies and SLOs.
 
 The same file serves two uses. Written by hand with an explicit `[[instances]]` list,
@@ -9,13 +9,14 @@ datacenters, and the resolved explicit file is what every child process reads.
 
 Addresses: every instance listens on its `host` and is reached there, from every
 datacenter, unless its `advertise` table names another `HOST:PORT` for callers in a
-given datacenter (a NAT or public address, or a `pdd wan` emulator on the way). So a
+given datacenter (a NAT or public address, or a `pdd line` emulator on the way). So a
 real line needs nothing but each host's own address, and the emulator is one optional
 hop per route: `pdd up` puts it on every cross-datacenter route of its one machine.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import tomllib
 from collections.abc import Collection
@@ -34,7 +35,7 @@ from pdd.config.tables import (
     ROLES,
     Deployment,
     InstanceSpec,
-    LinkSpec,
+    LineSpec,
     LivenessSpec,
     ModelSpec,
     PolicySpec,
@@ -58,13 +59,16 @@ from pdd.names import (
     RoleName,
 )
 
+log = logging.getLogger(__name__)
+OLD_LINE_TABLE = "link"  # the retired name of [line], still read (`_old_line_table`)
+
 __all__ = [  # (the tables, read through this module: `cfg.Deployment`)
     "parse_addr",
     "ConfigError",
     "Deployment",
     "INTRA_KV_PATHS",
     "InstanceSpec",
-    "LinkSpec",
+    "LineSpec",
     "LivenessSpec",
     "MODES",
     "ModelSpec",
@@ -143,6 +147,7 @@ def parse(raw: dict, backend: str | None = None) -> Deployment:
     """A deployment from a parsed TOML document; `ConfigError` names what is wrong. With
     `backend`, every instance runs on it, as if the document said so (`pdd up --engine`):
     the values the document chose stay chosen, the backend's defaults fill the rest."""
+    raw = _old_line_table(raw)
     if backend is not None:
         raw = {**raw, "engine": {**(raw.get("engine") or {}), "backend": backend}}
         items = raw.get("instances")
@@ -174,6 +179,18 @@ def parse(raw: dict, backend: str | None = None) -> Deployment:
         return replace(dep, instances=instances)
     except ValueError as e:  # two instances of one name
         raise ConfigError(str(e)) from None
+
+
+def _old_line_table(raw: dict) -> dict:
+    """`raw` with a file's `[link]`, the `[line]` table's retired name, read as `[line]`:
+    files written before the rename keep loading, with one warning that names the new
+    table. Both tables in one file is an error (which one would win is a guess)."""
+    if OLD_LINE_TABLE not in raw:
+        return raw
+    if "line" in raw:
+        raise ConfigError(f"[{OLD_LINE_TABLE}] and [line] are one table: keep [line]")
+    log.warning("[%s] is now called [line]: rename the table (read as [line] this time)", OLD_LINE_TABLE)
+    return {("line" if k == OLD_LINE_TABLE else k): v for k, v in raw.items()}
 
 
 def load(path: str | Path | None, backend: str | None = None) -> Deployment:
@@ -224,15 +241,15 @@ def in_emulated_time(dep: Deployment) -> Deployment:
     d = dep.topology.dilation
     if dep.topology.hardware == NATIVE:
         return dep
-    link = replace(
-        dep.link,
-        bandwidth_mbps=dep.link.bandwidth_mbps / d,
-        delay_ms=dep.link.delay_ms * d,
-        jitter_ms=dep.link.jitter_ms * d,
+    line = replace(
+        dep.line,
+        bandwidth_mbps=dep.line.bandwidth_mbps / d,
+        delay_ms=dep.line.delay_ms * d,
+        jitter_ms=dep.line.jitter_ms * d,
     )
     return replace(
         dep,
-        link=link,
+        line=line,
         policy=replace(dep.policy, ttft_budget_ms=dep.policy.ttft_budget_ms * d),
         slo=replace(dep.slo, ttft_ms=dep.slo.ttft_ms * d, tpot_ms=dep.slo.tpot_ms * d),
     )
@@ -243,7 +260,7 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
     (pd-same-dc) or B (pd-cross-dc, pdd)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}")
-    top, a = dep.topology, dep.link.a
+    top, a = dep.topology, dep.line.a
 
     def spec(name: str, role: str, dc: str) -> InstanceSpec:
         # pd-same-dc is the spec's homogeneous baseline: every chip of it is A
@@ -253,7 +270,7 @@ def instances_for_mode(dep: Deployment, mode: str) -> tuple[InstanceSpec, ...]:
 
     if mode == Mode.COLOCATED:
         return groups.ranks(spec("standalone0", RoleName.STANDALONE, a), "engine")
-    d_dc = a if mode == Mode.PD_SAME_DC else dep.link.b
+    d_dc = a if mode == Mode.PD_SAME_DC else dep.line.b
     ps = [spec(f"p{i}", RoleName.PREFILL, a) for i in range(top.prefill)]
     rs = [spec(f"rld{i}", RoleName.RELAY, a) for i in range(top.relay if mode == Mode.PDD else 0)]
     ds = [spec(f"md{i}", RoleName.MAIN, d_dc) for i in range(top.main)]

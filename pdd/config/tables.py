@@ -67,14 +67,14 @@ INTRA_KV_PATHS = ("tcp", "mooncake", "auto")
 
 
 @dataclass(frozen=True)
-class LinkSpec:
+class LineSpec:
     """The line between two datacenters. Its bandwidth and delay are what P assumes of
     it until it has measured the line (and what `pdd up`'s emulator enforces); `host`
-    and `admin_port` name a `pdd wan` emulator's admin API, when one is on the line, for
+    and `admin_port` name a `pdd line` emulator's admin API, when one is on the line, for
     `pdd up`, the soak and the tests to drive it (0: none)."""
 
     __pydantic_config__ = STRICT_TABLE
-    name: str = "wan"
+    name: str = "line"
     a: str = "A"
     b: str = "B"
     bandwidth_mbps: float = 20.0
@@ -124,7 +124,7 @@ class InstanceSpec:
     port: int = 0  # HTTP: /health, /metrics (and the OpenAI API for standalone)
     kv_port: int = 0  # framed protocol: requests, KV, tokens, cache events
     # datacenter -> "HOST:PORT" where callers there reach kv_port, when not at host:kv_port
-    # (a NAT or public address, or a `pdd wan` emulator on the route)
+    # (a NAT or public address, or a `pdd line` emulator on the route)
     advertise: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = EngineConfig()
     # the data-parallel group this instance is a rank of ("": none; `pdd.config.groups`)
@@ -200,7 +200,7 @@ class RouterSpec:
     api_key: str = ""  # when set, /v1/* needs `Authorization: Bearer KEY` (default: $PDD_API_KEY), named "default"
     api_keys_file: str = ""  # named keys: a TOML [keys] table of NAME = "KEY" (pdd.api.keys); also $PDD_API_KEYS
     max_running: int = 128  # requests the router drives through instances at once...
-    max_waiting: int = 256  # ...and holds in line for a slot; past both: 429 with Retry-After
+    max_waiting: int = 256  # ...and holds in the queue for a slot; past both: 429 with Retry-After
 
     def __post_init__(self) -> None:
         if (
@@ -302,7 +302,7 @@ class Deployment:
     secret_file: str = ""
     model: ModelSpec = ModelSpec()
     engine: EngineConfig = EngineConfig()
-    link: LinkSpec = LinkSpec()
+    line: LineSpec = LineSpec()
     policy: PolicySpec = PolicySpec()
     slo: SLOSpec = SLOSpec()
     router: RouterSpec = RouterSpec()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdd.names import CHIPS, NATIVE
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.params import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     from pdd.kv.codec import KVBlob

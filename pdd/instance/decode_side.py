@@ -1,7 +1,7 @@
 """What every decode-side instance (main and relay) does with a request P sends it.
 
 RESERVE locks the longest cached prefix and answers the authoritative hit (waiting
-in a first-come line while the pool is full; a relay turns an optional request away
+in a first-come queue while the pool is full; a relay turns an optional request away
 instead, `pdd.policy.capacity`). KV frames are imported chunk by
 chunk as they land, each chunk acknowledged, so P can measure the line. KV_DONE makes
 the KV complete: with `emit`, decoding starts and every token goes to the request's
@@ -21,13 +21,13 @@ from typing import Generic, TypeVar, assert_never
 from msgspec.structs import replace  # messages and sampling params are msgspec structs
 
 from pdd.engines.port import OutputStream
-from pdd.instance.reservations import ReservationLine
+from pdd.instance.reservations import ReservationQueue
 from pdd.instance.role import Node, not_taken, report_failure, tokens_of
 from pdd.kv import codec
 from pdd.kv.pages import OutOfPages
 from pdd.kv.reassembly import Reassembly
 from pdd.policy.prefix import PREFIX_WAIT_S, may_hold, prefix_holder
-from pdd.sampling import Logprob
+from pdd.sampling.params import Logprob
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 from pdd.transfer.wire import FramedConnection, MsgType
@@ -80,7 +80,7 @@ class DecodeSide(Generic[J]):
         self.job_type = job_type
         self.jobs: dict[str, J] = {}
         self.prefix_waits_expired = 0  # reservations that waited PREFIX_WAIT_S for a prefix holder in vain
-        self.line: ReservationLine[J] = ReservationLine(
+        self.queue: ReservationQueue[J] = ReservationQueue(
             lambda job: self.node.to_router(job.router_id, m.Progress(job.rid, "queued"))
         )
 
@@ -231,7 +231,7 @@ class DecodeSide(Generic[J]):
             if self.optional(r):  # a loaded relay turns it away at once: P sends it P -> MD
                 hit = await self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache)
             else:
-                hit = await self.line.take(
+                hit = await self.queue.take(
                     job, lambda: self.engine.reserve(r.rid, r.prompt, r.params, r.use_cache), lambda: job.ended
                 )
                 if hit is None:

@@ -97,7 +97,7 @@ class LocalSource:
     async def stats(self) -> dict:
         load = self.engine.load()
         return {
-            "wan_bytes": 0,
+            "line_bytes": 0,
             "engine": self.engine.stats(),
             "kv": {"pages": load.pages, "free": load.free_pages, "cached": load.cached_pages},
             "rejected_frames": REJECTS.snapshot(),

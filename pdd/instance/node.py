@@ -54,7 +54,7 @@ class InstanceNode:
         self.regions = Regions(spec)  # where peers of this datacenter place KV with a transfer engine
 
     async def start(self) -> None:
-        check_start(self.spec, self.dep.link.intra_kv)
+        check_start(self.spec, self.dep.line.intra_kv)
         self.engine.set_cache_listener(self._publish)
         self.server = await wire.serve(
             self._handle, self.spec.host, self.spec.kv_port, self.key, tls=server_context(self.dep.tls)

@@ -1,10 +1,10 @@
 """Outbound connections from one instance to others: P to its decode side, RLD to MD.
 
-Framed connections per peer (through the WAN emulator when the peer is in the other
+Framed connections per peer (through the line emulator when the peer is in the other
 datacenter), opened on first use: control, for small frames (reservations, handoffs,
 aborts); urgent KV, on a request's critical path (P -> MD, the relay's copy); and
 background KV (MD's copy behind a relay). Across the line each kind of KV has
-`[link] kv_streams` connections (stripes): each frame goes to the first that has
+`[line] kv_streams` connections (stripes): each frame goes to the first that has
 drained, and the receiver reassembles a request's KV by its token and layer offsets. A
 reservation never waits behind megabytes of KV, and background frames hold back while
 urgent ones are being sent; the KV connections keep few unsent bytes in the kernel
@@ -77,7 +77,7 @@ class PeerPool:
         stripes: int | None = None,
     ) -> None:
         """`stripes`: KV connections per priority to a peer across the line (default:
-        the deployment's `[link] kv_streams`); one to a peer in the same datacenter."""
+        the deployment's `[line] kv_streams`); one to a peer in the same datacenter."""
         self._spec, self._deployment, self._key = spec, deployment, key  # (read at use: instances join)
         self._tls = client_context(deployment().tls)
         self._on_body, self._on_lost = on_body, on_lost
@@ -91,8 +91,8 @@ class PeerPool:
         self._drains = Tasks()  # stripes draining what was written to them
         # KV frames written, by (peer, priority, stripe): the striping as the sender did it
         self.frames_sent: Counter[tuple[str, Priority, int]] = Counter()
-        # KV to a peer of this datacenter through a transfer engine, where `[link] intra_kv` says
-        self._placements = Placements(spec, lambda name: not self.remote(name), lambda: deployment().link.intra_kv)
+        # KV to a peer of this datacenter through a transfer engine, where `[line] intra_kv` says
+        self._placements = Placements(spec, lambda name: not self.remote(name), lambda: deployment().line.intra_kv)
 
     def remote(self, name: str) -> bool:
         """Whether traffic to `name` crosses the line between datacenters."""
@@ -102,10 +102,10 @@ class PeerPool:
         """KV connections of `priority` to `name`: across the line, urgent KV is striped;
         background KV keeps one, since what each holds in its kernel buffers and on the
         line is ahead of the next urgent frame: with four, 61 background frames arrived
-        during 64 urgent ones through `pdd wan` (tests/test_peers.py), with one, 11."""
+        during 64 urgent ones through `pdd line` (tests/test_peers.py), with one, 11."""
         if not self.remote(name) or priority == Priority.BACKGROUND:
             return 1
-        return self._stripe_count or self._deployment().link.kv_streams
+        return self._stripe_count or self._deployment().line.kv_streams
 
     async def get(self, name: str, channel: Priority = Priority.CONTROL, stripe: int = 0) -> FramedConnection:
         async with self._lock:

@@ -1,4 +1,4 @@
-"""KV frames placed by a transfer engine inside a datacenter (`[link] intra_kv`), both ends.
+"""KV frames placed by a transfer engine inside a datacenter (`[line] intra_kv`), both ends.
 
 The sender (`Placements`, in P's `PeerPool`) asks each KV connection's receiver, once,
 for a region (KV_REGION_ASK); from then on a KV frame's payload is written into a slot
@@ -44,7 +44,7 @@ def check_start(spec: InstanceSpec, intra_kv: str) -> None:
         try:
             mooncake.endpoint(mooncake.local_host(spec.host))
         except mooncake.Unavailable as e:
-            raise RuntimeError(f'[link] intra_kv = "mooncake": {e}') from None
+            raise RuntimeError(f'[line] intra_kv = "mooncake": {e}') from None
 
 
 @dataclass(eq=False)

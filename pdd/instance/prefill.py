@@ -1,6 +1,6 @@
 """The prefill role (P): prefill, then move the KV to the decode side.
 
-While P prefills, the main decode instance reserves (one WAN round trip, overlapped)
+While P prefills, the main decode instance reserves (one line round trip, overlapped)
 and answers the hit it holds; P sends exactly the KV after that hit, layer by layer as
 the forward computes it (`pdd.instance.prefill_kv`). The pipeline is chosen here, once
 prefill is done, from that reserved hit and what P knows of the line
@@ -27,7 +27,7 @@ from pdd.instance.role import Node, not_taken, report_failure
 from pdd.kv.layer_stream import LayerStream
 from pdd.names import Fallback, Pipeline
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
-from pdd.policy.transfer import LOCAL_PRIOR, LineMeter, LinkEstimate, Priority, kv_namespace
+from pdd.policy.transfer import LOCAL_PRIOR, LineEstimate, LineMeter, Priority, kv_namespace
 from pdd.transfer import messages as m
 from pdd.transfer import wire
 
@@ -52,11 +52,11 @@ class PrefillRole:
     def _line(self, peer: str) -> LineMeter:
         dc = self.node.dep.instance(peer).dc
         if dc not in self.lines:
-            link = self.node.dep.link
+            line = self.node.dep.line
             prior = (
                 LOCAL_PRIOR
                 if dc == self.node.spec.dc
-                else LinkEstimate(link.bandwidth_mbps * 125_000, link.delay_ms / 1000)
+                else LineEstimate(line.bandwidth_mbps * 125_000, line.delay_ms / 1000)
             )
             self.lines[dc] = LineMeter(prior)
         return self.lines[dc]
@@ -193,13 +193,13 @@ class PrefillRole:
         the pages)."""
         if not self.peers.remote(peer) or version < wire.LOSSY_KV_SINCE:
             return "", ""
-        return self.node.dep.link.lossy_kv, self.node.dep.link.compress_kv
+        return self.node.dep.line.lossy_kv, self.node.dep.line.compress_kv
 
     async def _serve(self, job: PrefillJob) -> None:
         s = job.submit
         if s.main is None and s.relay is None:
             raise m.BadMessage("SUBMIT to a prefill instance must name its decode side")
-        if s.main:  # MD reserves while P prefills: one WAN round trip, overlapped
+        if s.main:  # MD reserves while P prefills: one line round trip, overlapped
             await self._reserve(job, s.main)
         if s.relay:  # and so does the relay, in case the request goes its way (dropped if not)
             await self._reserve(job, s.relay, s.main)
@@ -247,11 +247,11 @@ class PrefillRole:
             log.warning("relay %s failed %s (%s); %s takes over", s.relay, s.rid, failed[s.relay], s.main)
             await self._tell(s.main, m.Handoff(s.rid, 0, [], True, 0))
         sent = {peer: o for peer, o in outcomes.items() if not isinstance(o, BaseException)}
-        wan = sum(n for peer, n in sent.items() if self.peers.remote(peer))
+        line_bytes = sum(n for peer, n in sent.items() if self.peers.remote(peer))
         late_hit = None
         if ack is None and s.main is not None and s.main in sent:  # MD answered after the decision: what it held
             late_hit = job.acks[s.main].result().hit
-        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), wan, late_hit))
+        self.node.to_router(job.router_id, m.Result(s.rid, sum(sent.values()), line_bytes, late_hit))
 
     async def _prefill(self, job: PrefillJob) -> tuple[int, int, str | None]:
         """Prefill, the decode side's senders following its KV layer by layer as it is

@@ -30,7 +30,7 @@ from pdd.instance.role import PeerBusy
 from pdd.kv import codec
 from pdd.kv.layer_stream import LayerStream
 from pdd.policy.transfer import LineMeter, Priority, kv_chunks, kv_range
-from pdd.sampling import Logprob
+from pdd.sampling.params import Logprob
 from pdd.transfer import messages as m
 
 log = logging.getLogger(__name__)

@@ -40,11 +40,11 @@ RAW_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fnuz": torch.float8_e4m3fnuz,
 }
 ALL_DTYPES = {**DTYPES, **RAW_DTYPES}
-# Lossy forms for the line only (`[link] lossy_kv`): int8 with one fp32 scale per token,
+# Lossy forms for the line only (`[line] lossy_kv`): int8 with one fp32 scale per token,
 # head and side (absmax / 127), dequantized to float32 on arrival. Never a cache's dtype.
 LOSSY_FORMS = LOSSY_KV_FORMS
 _SCALE = torch.float32
-# Lossless compression for the line only (`[link] compress_kv`): the payload through zstd
+# Lossless compression for the line only (`[line] compress_kv`): the payload through zstd
 # level 1, which paid +29 % on a 1 Gbit/s line for bf16 KV (BENCHMARKS.md, "KV over a long line")
 COMPRESSIONS = KV_COMPRESSIONS
 _ZSTD_LEVEL = 1

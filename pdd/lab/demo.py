@@ -2,7 +2,7 @@
 
 This is the project's main job: one command on one machine that shows what PDD changes
 against colocated serving and plain PD disaggregation (same datacenter, and across the
-emulated WAN). Each mode is a real `pdd up` process tree, started and stopped here in
+emulated line). Each mode is a real `pdd up` process tree, started and stopped here in
 turn, so modes never compete for the CPU and every one replays identical requests.
 """
 
@@ -76,7 +76,7 @@ def _run_mode(mode: str, args: argparse.Namespace, console: Console) -> tuple[di
         deployment.stop()
     summary = summarize(
         run.records,
-        wan_bytes=run.wan_bytes,
+        line_bytes=run.line_bytes,
         slo_ttft_ms=args.slo_ttft_ms * args.dilation,
         slo_tpot_ms=args.slo_tpot_ms * args.dilation,
     )

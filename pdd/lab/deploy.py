@@ -1,7 +1,7 @@
-"""`pdd up`: a whole deployment on one machine — WAN emulator, instances, router.
+"""`pdd up`: a whole deployment on one machine — line emulator, instances, router.
 
 Two "datacenters" live on loopback; everything that crosses between them goes through
-`pdd wan`: every cross-datacenter route is advertised at one of the emulator's ports
+`pdd line`: every cross-datacenter route is advertised at one of the emulator's ports
 (`InstanceSpec.advertise`), which relays it to where the instance listens. The
 launcher expands the config for the chosen mode, picks free ports, writes the
 resolved deployment file every child reads, starts the children, prints
@@ -57,7 +57,7 @@ STALL_TIMEOUT_S = 300.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a whole local deployment (router, instances, WAN emulator)")
+    p = sub.add_parser("up", help="start a whole local deployment (router, instances, line emulator)")
     p.add_argument("--config", help="deployment TOML (default: the embedded demo deployment)")
     p.add_argument("--mode", choices=cfg.MODES, help="deployment mode (default: the config's mode, pdd if it has none)")
     p.add_argument(
@@ -74,9 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drc", choices=("on", "off"), help="decode-side radix cache: send only the KV the decode side lacks"
     )
-    p.add_argument("--bandwidth-mbps", type=float, help="override the WAN line's bandwidth")
-    p.add_argument("--delay-ms", type=float, help="override the WAN line's one-way delay")
-    p.add_argument("--jitter-ms", type=float, help="override the WAN line's one-way jitter bound")
+    p.add_argument("--bandwidth-mbps", type=float, help="override the line's bandwidth")
+    p.add_argument("--delay-ms", type=float, help="override the line's one-way delay")
+    p.add_argument("--jitter-ms", type=float, help="override the line's one-way jitter bound")
     p.add_argument(
         "--hardware",
         choices=HARDWARE,
@@ -117,7 +117,7 @@ def pacing_line(dep: cfg.Deployment) -> str:
     return (
         f"pacing: emulated accelerators ({chips}; the spec's A for compute, B for bandwidth and memory): real "
         f"tokens in emulated time, {top.dilation:g}x slower than the chips; the line and the latency budget "
-        f"stretched alike ({dep.link.bandwidth_mbps:g} Mbit/s, {dep.link.delay_ms:g} ms one-way)"
+        f"stretched alike ({dep.line.bandwidth_mbps:g} Mbit/s, {dep.line.delay_ms:g} ms one-way)"
     )
 
 
@@ -130,7 +130,7 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
     dep = cfg.with_secret(replace(dep, mode=mode))
     instances = dep.instances or cfg.instances_for_mode(dep, mode)
     sender_dcs = {i.dc for i in instances if i.role in (RoleName.PREFILL, RoleName.RELAY)}  # they send KV, handoffs
-    taken = {p for i in instances for p in (i.port, i.kv_port) if p} | {dep.link.admin_port, dep.router.port}
+    taken = {p for i in instances for p in (i.port, i.kv_port) if p} | {dep.line.admin_port, dep.router.port}
     taken |= {parse_addr(a)[1] for i in instances for a in i.advertise.values()}
     if router_port:
         taken.add(router_port)
@@ -140,18 +140,18 @@ def resolve(dep: cfg.Deployment, mode: str, router_port: int | None) -> cfg.Depl
         # one emulated hop per route that crosses the line: from the router's datacenter,
         # and (decode side) from those of the instances that send it KV or handoffs
         callers = {dep.router.dc} | (sender_dcs if inst.role == RoleName.MAIN else set())
-        hops = {dc: inst.advertise.get(dc) or f"{dep.link.host}:{draw()}" for dc in sorted(callers - {inst.dc})}
+        hops = {dc: inst.advertise.get(dc) or f"{dep.line.host}:{draw()}" for dc in sorted(callers - {inst.dc})}
         placed.append(replace(inst, port=inst.port or draw(), kv_port=inst.kv_port or draw(), advertise=hops))
     placed = list(groups.with_rpc_ports(tuple(placed), draw))  # (a group's ranks meet at rank 0's port)
     remote = any(i.advertise for i in placed)
-    link = replace(dep.link, admin_port=(dep.link.admin_port or draw()) if remote else 0)
+    line = replace(dep.line, admin_port=(dep.line.admin_port or draw()) if remote else 0)
     port = dep.router.port if router_port is None else router_port
     router = replace(dep.router, port=port or draw())
     model_dir = resolve_model(dep.model.path)
     if any(i.engine.backend == "embedded" for i in placed):  # (the embedded engine's gate; vLLM reads the model)
         ModelConfig.from_dir(model_dir)
     model = replace(dep.model, path=str(model_dir), name=dep.model.served_name)
-    return replace(dep, instances=tuple(placed), link=link, router=router, model=model)
+    return replace(dep, instances=tuple(placed), line=line, router=router, model=model)
 
 
 def with_devices(dep: cfg.Deployment, given: list[str]) -> cfg.Deployment:
@@ -205,22 +205,22 @@ class Launcher:
         """`pdd ARGS` as child `name` (here: on this host)."""
         return start([*PDD_COMMAND, *args], log, {LAUNCH_ENV: self.launch}, nice, own_group=False)
 
-    def wan_line(self) -> tuple[float, float, float]:
+    def line_shape(self) -> tuple[float, float, float]:
         """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
-        link = self.dep.link
-        return link.bandwidth_mbps, link.delay_ms, link.jitter_ms
+        line = self.dep.line
+        return line.bandwidth_mbps, line.delay_ms, line.jitter_ms
 
-    def wan_args(self) -> list[str]:
+    def emulator_args(self) -> list[str]:
         """The emulator's command line: a route per advertised hop, the line's settings."""
-        link, (mbps, delay, jitter) = self.dep.link, self.wan_line()
+        line, (mbps, delay, jitter) = self.dep.line, self.line_shape()
         routes = [f"--route={hop}={i.host}:{i.kv_port}" for i in self.dep.instances for hop in i.advertise.values()]
         return [
-            "wan",
+            "line",
             *routes,
             f"--bandwidth-mbps={mbps}",
             f"--delay-ms={delay}",
             f"--jitter-ms={jitter}",
-            f"--admin={link.host}:{link.admin_port}",
+            f"--admin={line.host}:{line.admin_port}",
         ]
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
@@ -239,14 +239,14 @@ class Launcher:
         self.config_path.write_text(cfg.dump(self.dep))
         self.config_path.chmod(0o600)  # it holds the deployment's secret
         dep, conf = self.dep, str(self.config_path)
-        link = dep.link
-        if link.admin_port:
-            proc = self._spawn("wan", self.wan_args())
-            self._wait_http("wan", proc, f"http://{link.host}:{link.admin_port}/health")
-            mbps, delay, jitter = self.wan_line()
+        line = dep.line
+        if line.admin_port:
+            proc = self._spawn("line", self.emulator_args())
+            self._wait_http("line", proc, f"http://{line.host}:{line.admin_port}/health")
+            mbps, delay, jitter = self.line_shape()
             print(
-                f"wan: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
-                f"admin http://{link.host}:{link.admin_port}",
+                f"line: {mbps:g} Mbit/s, {delay:g} ms ± {jitter:g} ms one-way, "
+                f"admin http://{line.host}:{line.admin_port}",
                 flush=True,
             )
         for inst in dep.instances:
@@ -259,7 +259,7 @@ class Launcher:
                 f"instance {inst.name} ({inst.role}, datacenter {inst.dc}): http://{inst.host}:{inst.port}", flush=True
             )
         for name, proc in list(self.children):
-            if name != "wan":
+            if name != "line":
                 inst = dep.instance(name)
                 self._wait_http(name, proc, f"http://{inst.host}:{inst.port}/health")
         proc = self._spawn("router", ["router", "--config", conf])
@@ -295,14 +295,14 @@ def run(args: argparse.Namespace) -> int:
     mode = args.mode or dep.mode
     policy = dep.policy if args.drc is None else replace(dep.policy, decode_radix_cache=args.drc == "on")
     given = (("bandwidth_mbps", args.bandwidth_mbps), ("delay_ms", args.delay_ms), ("jitter_ms", args.jitter_ms))
-    link = replace(dep.link, **{k: v for k, v in given if v is not None})
+    line = replace(dep.line, **{k: v for k, v in given if v is not None})
     placed = {"hardware": args.hardware, "dilation": args.dilation, "prefill": args.prefill, "relay": args.relay}
     placed["main"] = args.main
     try:
         topology = replace(dep.topology, **{k: v for k, v in placed.items() if v is not None})
     except ValueError as e:
         raise Mistake(str(e)) from None
-    dep = cfg.in_emulated_time(replace(dep, topology=topology, link=link, policy=policy))
+    dep = cfg.in_emulated_time(replace(dep, topology=topology, line=line, policy=policy))
     router = dep.router if args.api_key is None else replace(dep.router, api_key=args.api_key)
     model = dep.model if args.model is None else replace(dep.model, path=args.model)
     try:

@@ -70,11 +70,11 @@ def check_ports(dep: cfg.Deployment) -> None:
     wanted = [("router", dep.router.host, dep.router.port)]
     for inst in dep.instances:
         wanted += [(inst.name, inst.host, inst.port), (inst.name, inst.host, inst.kv_port)]
-    if dep.link.admin_port:
-        wanted.append(("wan", dep.link.host, dep.link.admin_port))
-    for inst in dep.instances:  # the emulator's hops (on this machine: the ones on the link's host)
+    if dep.line.admin_port:
+        wanted.append(("line", dep.line.host, dep.line.admin_port))
+    for inst in dep.instances:  # the emulator's hops (on this machine: the ones on the line's host)
         hops = (parse_addr(a) for a in inst.advertise.values())
-        wanted += [("wan", host, port) for host, port in hops if host == dep.link.host]
+        wanted += [("line", host, port) for host, port in hops if host == dep.line.host]
     for name, host, port in wanted:
         try:
             listen(host, port).close()

@@ -95,7 +95,7 @@ def _line(args: argparse.Namespace) -> int:
     )
     if "mean_ms" in e:
         table.add_row(
-            f"`pdd wan` emulator, {e['mbps']:g} Mbit/s, {e['one_way_ms']:g} ms ({e['runs']} runs)",
+            f"`pdd line` emulator, {e['mbps']:g} Mbit/s, {e['one_way_ms']:g} ms ({e['runs']} runs)",
             f"{e['mean_ms']:.1f}",
             f"{e['peak_ms']:.1f}",
         )
@@ -256,7 +256,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--workers", type=int, default=2)
     w.add_argument("--out", default=None, help="JSON file for the table")
     w.set_defaults(func=_sweep)
-    n = steps.add_parser("line", help="the line model against the spec's handoff microbenchmark and `pdd wan`")
+    n = steps.add_parser("line", help="the line model against the spec's handoff microbenchmark and `pdd line`")
     n.add_argument("--mbps", type=float, default=1000.0, help="the emulator's rate (default 1000)")
     n.add_argument("--runs", type=int, default=20)
     n.add_argument("--no-emulator", action="store_true", help="the models only")

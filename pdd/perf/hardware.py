@@ -93,7 +93,7 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (H800, H100, H200, H20)}
 class Line:
     """A line between two sites: bandwidth, one-way propagation delay and its price.
     What a transfer over it costs beyond that (TCP's ramp, jitter, loss, other traffic)
-    is `pdd.lab.sim.link`'s."""
+    is `pdd.lab.sim.line`'s."""
 
     gbps: float
     one_way_ms: float

@@ -136,8 +136,8 @@ class Physics:
             compute = 2.0 * m.expert_params * hottest / (self._peak(m.expert_fp8) * e.mfu)
             experts = m.moe_layers * np.maximum(compute, weights) * e.scale[1]
             if g > 1:
-                link = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
-                comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / link  # FP8 out, BF16 back
+                fabric_bytes_per_s = (self.chip.scale_up_gbs if g <= GPUS_PER_NODE else self.chip.scale_out_gbs) * 1e9
+                comm = m.moe_layers * per_gpu * (g - 1) / g * 3.0 * m.hidden / fabric_bytes_per_s  # FP8 out, BF16 back
         latency = 0.0
         if m.moe_layers and g > 1:
             latency = 2 * m.moe_layers * (e.a2a_latency_up_s if g <= GPUS_PER_NODE else e.a2a_latency_out_s)

@@ -1,8 +1,8 @@
-"""Admission: run a new request now, hold it in a bounded line, or shed it — and when
+"""Admission: run a new request now, hold it in a bounded queue, or shed it — and when
 a shed client should come back.
 
 Past its capacity a server must say so (HTTP 429 with Retry-After) rather than queue
-without bound: an unbounded line only turns overload into timeouts and memory growth,
+without bound: an unbounded queue only turns overload into timeouts and memory growth,
 and a client told when to return can spread its retries. Pure functions over counts,
 so the router's gate and an instance's gate decide alike.
 """
@@ -19,7 +19,7 @@ MAX_RETRY_AFTER_S = 60
 @dataclass(frozen=True)
 class Limits:
     max_running: int  # requests worked on at once
-    max_waiting: int  # requests held in line for a slot; past this, new ones are shed
+    max_waiting: int  # requests held in the queue for a slot; past this, new ones are shed
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdd.names import Fallback, Pipeline
-from pdd.policy.transfer import LinkEstimate, finish_s
+from pdd.policy.transfer import LineEstimate, finish_s
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,16 @@ class Decision:
     fallback: Fallback | None = None  # why this is not what the plan asked for
 
 
-def answer_wait_s(budget_s: float, link: LinkEstimate) -> float:
+def answer_wait_s(budget_s: float, line: LineEstimate) -> float:
     """How long P waits, after prefill, for MD's reservation before choosing: an answer
     later than this leaves the KV no time to cross within the budget (it still needs
     one trip over the line), so the relay covers the request."""
-    return max(0.0, budget_s - link.one_way_s)
+    return max(0.0, budget_s - line.one_way_s)
 
 
 def choose_pipeline(
     delta_bytes: int | None,
-    link: LinkEstimate,
+    line: LineEstimate,
     in_flight: Sequence[int],
     budget_s: float,
     has_relay: bool,
@@ -47,7 +47,7 @@ def choose_pipeline(
     to reach MD within `budget_s`; otherwise through the relay. Without a relay there
     is no choice. `forced` ("P-MD" / "P-RLD-MD") pins the answer for experiments.
     """
-    predicted = None if delta_bytes is None else finish_s(delta_bytes, in_flight, link)
+    predicted = None if delta_bytes is None else finish_s(delta_bytes, in_flight, line)
     if not has_relay:
         return Decision(Pipeline.P_MD, predicted)
     if forced != "auto":

@@ -2,7 +2,7 @@
 
 The line model is processor sharing: concurrent transfers split the bandwidth evenly,
 which is what one TCP connection per peer, written frame by frame by each request's
-task, comes to. The instances keep a `LinkEstimate` per line from what they observe
+task, comes to. The instances keep a `LineEstimate` per line from what they observe
 (reservation round trips, acknowledged KV), and predict with `finish_s`.
 """
 
@@ -49,35 +49,35 @@ def kv_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class LinkEstimate:
+class LineEstimate:
     bytes_per_s: float
     one_way_s: float
 
 
-def observe_rtt(est: LinkEstimate, rtt_s: float) -> LinkEstimate:
+def observe_rtt(est: LineEstimate, rtt_s: float) -> LineEstimate:
     """Round trips include the far side's queueing: believe the smallest, forget slowly."""
     half = rtt_s / 2
     one_way = half if half < est.one_way_s else est.one_way_s + RTT_DECAY * (half - est.one_way_s)
     return replace(est, one_way_s=one_way)
 
 
-def observe_rate(est: LinkEstimate, nbytes: int, seconds: float) -> LinkEstimate:
+def observe_rate(est: LineEstimate, nbytes: int, seconds: float) -> LineEstimate:
     """Bytes the far side acknowledged over an interval in which the line was never idle."""
     if seconds <= 0 or nbytes <= 0:
         return est
     return replace(est, bytes_per_s=(1 - RATE_ALPHA) * est.bytes_per_s + RATE_ALPHA * nbytes / seconds)
 
 
-def finish_s(nbytes: int, in_flight: Sequence[int], link: LinkEstimate) -> float:
+def finish_s(nbytes: int, in_flight: Sequence[int], line: LineEstimate) -> float:
     """When `nbytes` sent now will have arrived, sharing the line with transfers that
     still have `in_flight` bytes to go: under fair sharing each of them delays it by at
     most its own remainder, and by no more than `nbytes`."""
     ahead = sum(min(r, nbytes) for r in in_flight)
-    return link.one_way_s + (ahead + nbytes) / link.bytes_per_s
+    return line.one_way_s + (ahead + nbytes) / line.bytes_per_s
 
 
 RATE_WINDOW_S = 0.1  # the shortest window a rate is measured over
-LOCAL_PRIOR = LinkEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
+LOCAL_PRIOR = LineEstimate(bytes_per_s=1.25e9, one_way_s=1e-4)  # inside a datacenter, until measured
 
 
 @dataclass
@@ -105,7 +105,7 @@ class LineMeter:
     (the far side imports between its steps), and a window opened on an idle line
     would count the delay as slowness."""
 
-    estimate: LinkEstimate
+    estimate: LineEstimate
     _transfers: dict[tuple[str, str], _Transfer] = field(default_factory=dict)  # (request, peer)
     _window: float | None = None  # when the current measuring window opened
     _window_bytes: int = 0

@@ -1,6 +1,6 @@
 """The router's connection to one instance: requests out, tokens and cache events in.
 
-One long-lived framed connection per instance (through the WAN when the instance is in
+One long-lived framed connection per instance (through the line when the instance is in
 the other datacenter). Every body that names a request goes to that request's queue
 as (instance name, body); cache events feed the mirror. When the connection drops,
 every request waiting on it gets a "lost" error at once — a dead instance must never

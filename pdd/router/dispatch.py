@@ -1,11 +1,11 @@
-"""The router's dispatch line: a request leaves for the instances once there is room.
+"""The router's dispatch queue: a request leaves for the instances once there is room.
 
-Admission (`pdd.api.admission`) bounds how many requests the router holds; this line
+Admission (`pdd.api.admission`) bounds how many requests the router holds; this queue
 bounds how many it has out at the instances, by what they can hold: a request is
 planned, and its decode-side instance charged with its pages, only once the plan fits
 (`pdd.policy.capacity.fits`). Until then it waits here, first come first served, and
 no timeout runs for it: the request is admitted and will run. Whatever an instance
-still refuses after this (another router filled it) is the rare case its own line
+still refuses after this (another router filled it) is the rare case its own queue
 absorbs. The simulator runs this class under its simulated clock (`pdd.clock`).
 """
 
@@ -21,34 +21,34 @@ T = TypeVar("T")
 RECHECK_S = 0.5  # a waiting head also looks again this often (an instance joined or came back)
 
 
-class DispatchLine:
+class DispatchQueue:
     def __init__(self, clock: Clock = ASYNCIO) -> None:
-        self._line: deque[object] = deque()
+        self._queue: deque[object] = deque()
         self._changed = clock.signal()
 
     @property
     def waiting(self) -> int:
-        return len(self._line)
+        return len(self._queue)
 
     def changed(self) -> None:
         """Room may have come free (a request ended, an instance came back)."""
         self._changed.set()
 
     async def turn(self, attempt: Callable[[], T | None]) -> T:
-        """`attempt()` once first in line, and again whenever room may have come free,
+        """`attempt()` once first in the queue, and again whenever room may have come free,
         until it gives something other than None (what it raises ends the wait)."""
         ticket = object()
-        self._line.append(ticket)
+        self._queue.append(ticket)
         try:
             while True:
-                if self._line[0] is ticket:
+                if self._queue[0] is ticket:
                     got = attempt()
                     if got is not None:
                         return got
                 self._changed.clear()
                 await self._changed.wait(RECHECK_S)
         finally:
-            head = self._line[0] is ticket
-            self._line.remove(ticket)
+            head = self._queue[0] is ticket
+            self._queue.remove(ticket)
             if head:
                 self._changed.set()  # the next one's turn

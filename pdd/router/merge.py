@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdd.sampling import Logprob
+from pdd.sampling.params import Logprob
 
 
 @dataclass

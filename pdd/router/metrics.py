@@ -92,7 +92,7 @@ class RouterMetrics:
         )
         self.kv_bytes = Counter(
             "pdd_router_kv_bytes",
-            "KV bytes P sent, by path: across the line (wan) or inside its datacenter (local)",
+            "KV bytes P sent, by path: across the line (line) or inside its datacenter (local)",
             ["path"],
             registry=r,
         )
@@ -113,14 +113,14 @@ class RouterMetrics:
             (self.handoffs, HandoffMode),
             (self.output_tokens, (RoleName.RELAY, RoleName.MAIN)),
             (self.fallbacks, Fallback),
-            (self.kv_bytes, ("wan", "local")),
+            (self.kv_bytes, ("line", "local")),
             (self.hit_tokens, ("prefill", "decode")),
             (self.mirror_hits, ("mirror", "reservation")),
         ):
             for value in values:
                 counter.labels(value)
         self.failures = Counter(
-            "pdd_router_failures", "Requests failed by an instance, a link or a timeout", registry=r
+            "pdd_router_failures", "Requests failed by an instance, a connection or a timeout", registry=r
         )
         self.conflicts = Counter(
             "pdd_router_stream_conflicts", "Output positions two producers disagreed on", registry=r
@@ -163,9 +163,9 @@ class RouterMetrics:
     def kv_sent(self, result: m.Result) -> None:
         """P's KV transfers of a request are over: count what crossed, when it says so (after
         the request ended, too, when the relay finished it before MD's copy landed)."""
-        self.kv_bytes.labels("wan").inc(result.wan_bytes)
-        self.kv_bytes.labels("local").inc(result.kv_bytes - result.wan_bytes)
-        self.totals["kv_bytes:wan"] += result.wan_bytes
+        self.kv_bytes.labels("line").inc(result.line_bytes)
+        self.kv_bytes.labels("local").inc(result.kv_bytes - result.line_bytes)
+        self.totals["kv_bytes:line"] += result.line_bytes
 
     def snapshot(self) -> dict:
         return {"requests": self.completed, "mirror_drift_abs_tokens": self.drift_abs_total, **dict(self.totals)}

@@ -2,7 +2,7 @@
 
 The router plans each request (`pdd.policy.plan`) from its mirrors of the instances'
 caches and their queued work, and dispatches it only once its decode-side instance
-has room for it (`pdd.policy.capacity`): until then it waits in the dispatch line,
+has room for it (`pdd.policy.capacity`): until then it waits in the dispatch queue,
 first come first served. The planner keeps what the router has committed to each
 decode-side instance (pages and requests), charging a request when it leaves and
 refunding it when it ends.
@@ -20,7 +20,7 @@ from pdd.policy.plan import Plan, anomaly_rule, plan_request, plan_with_room
 from pdd.policy.routing import Candidate
 from pdd.policy.transfer import kv_namespace
 from pdd.router.client import InstanceClient
-from pdd.router.dispatch import DispatchLine
+from pdd.router.dispatch import DispatchQueue
 from pdd.router.request import RouterRequest
 from pdd.transfer.wire import LOSSY_KV_SINCE
 
@@ -31,7 +31,7 @@ class Planner:
         self.clients = clients  # (the router's, live: instances join and leave)
         self.model_context = 0  # what the model declares, set by the caller (0: unknown)
         self.entry_role = RoleName.STANDALONE if dep.mode == Mode.COLOCATED else RoleName.PREFILL
-        self.line = DispatchLine()  # admitted requests waiting for room at their decode side
+        self.queue = DispatchQueue()  # admitted requests waiting for room at their decode side
 
     @property
     def max_context(self) -> int:
@@ -49,7 +49,7 @@ class Planner:
         def hit(c: InstanceClient) -> int:
             # a decode instance across the line from P (in the router's site) holds the
             # request's KV in the namespace of the form it crosses in (exact to one that is older)
-            lossy = self.dep.link.lossy_kv
+            lossy = self.dep.line.lossy_kv
             if lossy and (
                 role == RoleName.PREFILL or c.spec.dc == self.dep.router.dc or (c.protocol or 0) < LOSSY_KV_SINCE
             ):
@@ -109,7 +109,7 @@ class Planner:
             plan = self.plan(req, room=True)
             return None if plan is None else RouterRequest(req, plan)
 
-        return await self.line.turn(attempt)
+        return await self.queue.turn(attempt)
 
     def commit(self, request: RouterRequest, sign: int) -> None:
         """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
@@ -123,7 +123,7 @@ class Planner:
         c.committed_pages += sign * self._need(request.req, c.name, plan.predicted_hit if plan.main else 0)
         c.committed_requests += sign
         if sign < 0:
-            self.line.changed()
+            self.queue.changed()
 
 
 def _too_old(c: InstanceClient, needs: int) -> bool:

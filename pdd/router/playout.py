@@ -43,7 +43,7 @@ class TokenPlayout:
                 len(request.held),
                 request.released,
                 now - request.last_release,
-                request.pacing,
+                request.relay_will_hand_over,
                 request.relay_stopped,
                 self.playout(request),
             )

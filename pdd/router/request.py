@@ -88,7 +88,7 @@ class RouterRequest:
         return (self.plan.main is None or self.main_done) and (self.plan.relay is None or self.relay_done)
 
     @property
-    def pacing(self) -> bool:
+    def relay_will_hand_over(self) -> bool:
         """A relay produces and will hand over to the main instance: keep a reserve."""
         return self.relay_producing and self.plan.main is not None and not self.main_done
 
@@ -120,7 +120,7 @@ class RouterRequest:
             mirror_drift_tokens=drift,
             kv_predicted_ms=c.predicted_ms if c else None,
             kv_bytes=r.kv_bytes if r else 0,
-            wan_bytes=r.wan_bytes if r else 0,
+            line_bytes=r.line_bytes if r else 0,
             relay_output_tokens=mg.count(relay) if relay else 0,
             main_output_tokens=len(mg.delivered) - (mg.count(relay) if relay else 0),
             handoff=self.handed_off.mode if self.handed_off else None,

@@ -160,7 +160,7 @@ class RouterSource:
         due = next_release_s(
             len(request.held),
             time.monotonic() - request.last_release,
-            request.pacing,
+            request.relay_will_hand_over,
             request.relay_stopped,
             self.playout.playout(request),
         )
@@ -328,7 +328,7 @@ class RouterSource:
 
     # ---- state -----------------------------------------------------------------------------
     def load(self) -> Load:
-        return Load(running=self.in_flight, waiting=self.planner.line.waiting, kv_usage=0.0)
+        return Load(running=self.in_flight, waiting=self.planner.queue.waiting, kv_usage=0.0)
 
     def health(self) -> dict:
         """Alive while it serves HTTP: a router with no instance behind it is not ready, but
@@ -354,11 +354,11 @@ class RouterSource:
 
     async def stats(self) -> dict:
         return {
-            "wan_bytes": self.wan_bytes(),
+            "line_bytes": self.line_bytes(),
             "kv_open": sum(len(c.kv_open) for c in self.clients.values()),
             **self.metrics.snapshot(),
             "membership": self.members.stats(),
-            "dispatch_waiting": self.planner.line.waiting,
+            "dispatch_waiting": self.planner.queue.waiting,
             "max_context": self.max_context,
             "playout": self.playout.stats(),
             "groups": self.members.groups(),
@@ -383,8 +383,8 @@ class RouterSource:
             },
         }
 
-    def wan_bytes(self) -> int:
+    def line_bytes(self) -> int:
         """The KV bytes P sent across the line, as the instances count them (each request's
-        RESULT). Not the WAN emulator's count: the emulator is a lab tool, and a real line
+        RESULT). Not the line emulator's count: the emulator is a lab tool, and a real line
         has none (tests and the demo read its count as a cross-check)."""
-        return self.metrics.totals["kv_bytes:wan"]
+        return self.metrics.totals["kv_bytes:line"]

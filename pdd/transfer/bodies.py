@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from pdd.names import PDD_PIPELINES, Fallback, HandoffMode, Pipeline, RoleName
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.params import Logprob, SamplingParams
 from pdd.transfer.wire import MsgType
 
 MAX_TOKENS = 1 << 20  # longest token list in one body (a prompt)
@@ -181,7 +181,8 @@ class Result(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.RESULT
     rid: Rid
     kv_bytes: Count = 0
-    wan_bytes: Count = 0
+    # (peers of the release before send and read the field under the name it had)
+    line_bytes: Count = msgspec.field(default=0, name="wan_bytes")  # its retired name, on the wire
     d_hit: Count | None = None  # MD's reserved hit, when it answered after the pipeline was chosen
 
 
@@ -263,7 +264,7 @@ class Error(Message, frozen=True):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     message: Text
     rid: Rid | None = None
-    lost: bool = False  # the instance (or the link to it) is gone, not the request's fault
+    lost: bool = False  # the instance (or the connection to it) is gone, not the request's fault
     busy: bool = False  # the instance holds all the requests it may: try again later
 
 

@@ -1,4 +1,4 @@
-"""KV inside a site through the Mooncake Transfer Engine (`[link] intra_kv`).
+"""KV inside a site through the Mooncake Transfer Engine (`[line] intra_kv`).
 
 Between two instances of one datacenter, P writes each KV frame's bytes straight into a
 region the receiving instance registered with its transfer engine (RDMA where the

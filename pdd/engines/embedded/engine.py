@@ -26,15 +26,15 @@ from pdd.engines.embedded.loader import load_model
 from pdd.engines.embedded.paged_kv import PagedKV
 from pdd.engines.embedded.sequence import Sequence
 from pdd.engines.port import EngineConfig, RequestError, StepOutput
-from pdd.guide import Guide, GuideError, Guides
 from pdd.kv import codec
 from pdd.kv.copy_stream import CopyStream
 from pdd.kv.layer_stream import LayerStream
 from pdd.kv.pages import OutOfPages
 from pdd.kv.radix_cache import RadixCache
-from pdd.sampler import logprobs as sampler_logprobs
-from pdd.sampler import sample
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.draw import logprobs as sampler_logprobs
+from pdd.sampling.draw import sample
+from pdd.sampling.guide import Guide, GuideError, Guides
+from pdd.sampling.params import Logprob, SamplingParams
 
 
 @dataclass

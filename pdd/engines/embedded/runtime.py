@@ -29,7 +29,7 @@ from pdd.kv.codec import KVBlob
 from pdd.kv.layer_stream import LayerStream
 from pdd.names import NATIVE
 from pdd.perf.emulated import token_scale
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 from pdd.tasks import settle
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 from pdd.batching import Status
 from pdd.kv.blocks import PrefixHashes
 from pdd.kv.radix_cache import TreeNode
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.params import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from pdd.guide import Guide
     from pdd.kv.layer_stream import LayerStream
+    from pdd.sampling.guide import Guide
 
 
 @dataclass(eq=False)

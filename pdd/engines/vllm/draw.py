@@ -3,14 +3,14 @@
 vLLM keeps one random generator per request, so the token it draws at a position
 depends on how many draws that generator made before: a continuation on another
 instance (MD after a relay, after P's first token) would draw differently. pdd's draw
-is a function of (seed, position) alone (`pdd.sampling.draw_key`), so every producer of
+is a function of (seed, position) alone (`pdd.sampling.params.draw_key`), so every producer of
 a position draws the same token. For a non-greedy request, or one whose logits are
-shaped (penalties, logit bias, `min_tokens`) or held to a grammar (`pdd.guide`: its
+shaped (penalties, logit bias, `min_tokens`) or held to a grammar (`pdd.sampling.guide`: its
 matcher advanced over the output so far, given tokens included), pdd asks vLLM for
 greedy sampling and attaches its own parameters (`extra_args["pdd_draw"]`: pdd's sampling parameters, seed,
 the output position of the first token this request samples, and what shaping needs
 of the prompt and of the output before it); this processor applies pdd's sampler
-(`pdd.sampler.sample`, the embedded engine's own) to the row and leaves only the
+(`pdd.sampling.draw.sample`, the embedded engine's own) to the row and leaves only the
 drawn token standing, which vLLM's argmax then picks. vLLM's own penalties are never
 asked for: they would count a continuation's given tokens as prompt, not output, and run
 after this processor. Requests without it are untouched.
@@ -27,9 +27,9 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from pdd.guide import Guide, Guides
-from pdd.sampler import sample
-from pdd.sampling import SamplingParams
+from pdd.sampling.draw import sample
+from pdd.sampling.guide import Guide, Guides
+from pdd.sampling.params import SamplingParams
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pdd.engines.vllm.layer_reads import LayerReads
 from pdd.engines.vllm.streams import FINAL, LOAD, SHADOW, Request, Watch
 from pdd.kv.layer_stream import LayerStream
 from pdd.kv.pages import OutOfPages
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

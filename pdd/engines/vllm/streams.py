@@ -39,7 +39,7 @@ from pdd.engines.port import StepOutput
 from pdd.engines.vllm.draw import draw_args
 from pdd.kv.blocks import PrefixHashes
 from pdd.kv.layer_stream import LayerStream
-from pdd.sampling import Logprob, SamplingParams
+from pdd.sampling.params import Logprob, SamplingParams
 
 log = logging.getLogger(__name__)
 LOAD, SHADOW, FINAL = "load", "shadow", "final"  # what a session's input chunk is for

@@ -149,7 +149,7 @@ def _bench(args: argparse.Namespace, sessions: list[Session], workload: dict[str
         print(f"pdd bench: {exc}", file=sys.stderr)
         return 1
     summary = summarize(
-        run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms
+        run.records, line_bytes=run.line_bytes, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms
     )
     config = {
         "url": args.url,

@@ -53,7 +53,7 @@ class BenchRun:
     records: list[RequestRecord]
     model: str
     # Delta of the server's /pdd/stats counter over the run; None when it has none.
-    wan_bytes: int | None
+    line_bytes: int | None
 
 
 def base_url(url: str) -> str:
@@ -89,8 +89,8 @@ async def fetch_model(client: httpx.AsyncClient, url: str) -> str:
 KV_SETTLE_S = 60.0  # the longest a run waits for KV copies still crossing after its last token
 
 
-async def fetch_wan_bytes(client: httpx.AsyncClient, url: str, settle_s: float = 0.0) -> int | None:
-    """The server's WAN byte counter, or None where it keeps none (a plain server). With
+async def fetch_line_bytes(client: httpx.AsyncClient, url: str, settle_s: float = 0.0) -> int | None:
+    """The server's line byte counter, or None where it keeps none (a plain server). With
     `settle_s`, first wait (that long at most) for the KV transfers still open: a request
     the relay finished has its copy to MD crossing after its last token, and P counts the
     bytes when the copy is over."""
@@ -101,7 +101,7 @@ async def fetch_wan_bytes(client: httpx.AsyncClient, url: str, settle_s: float =
             if response.status_code != 200:
                 return None
             stats = response.json()
-            value = stats.get("wan_bytes")
+            value = stats.get("line_bytes")
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
         if not stats.get("kv_open") or time.monotonic() >= deadline:
@@ -266,7 +266,7 @@ async def replay(
     """Run every session concurrently, each at its start time, its turns in order.
 
     `on_record` sees each record as it completes (for progress display). The server's
-    WAN counter is read before and after so the run reports the bytes it caused.
+    line byte counter is read before and after so the run reports the bytes it caused.
     """
     url = base_url(url)
     records: list[RequestRecord] = []
@@ -280,15 +280,15 @@ async def replay(
     async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
         model = model or await fetch_model(client, url)
         target = Target(url, model, timeout_s)
-        wan_before = await fetch_wan_bytes(client, url)
+        line_before = await fetch_line_bytes(client, url)
         run_start = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             for session in sessions:
                 group.create_task(_run_session(client, target, session, run_start, emit))
-        wan_after = await fetch_wan_bytes(client, url, KV_SETTLE_S)
+        line_after = await fetch_line_bytes(client, url, KV_SETTLE_S)
     records.sort(key=lambda r: (r.session, r.turn))
-    wan = wan_after - wan_before if wan_before is not None and wan_after is not None else None
-    return BenchRun(records, model, wan)
+    line_bytes = line_after - line_before if line_before is not None and line_after is not None else None
+    return BenchRun(records, model, line_bytes)
 
 
 def run_bench(

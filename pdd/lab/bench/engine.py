@@ -55,7 +55,7 @@ def engine_numbers(model_dir: str, repeats: int, backend: str = "embedded", devi
 
 
 async def _engine_numbers(engine: EnginePort, repeats: int) -> dict[str, float]:
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     rng = random.Random(0)
     counter = iter(range(1 << 30))

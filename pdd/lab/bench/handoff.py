@@ -1,12 +1,12 @@
 """`pdd bench handoff`: the spec's handoff microbenchmark, at this model's and line's scale.
 
-PDD_SPEC item 2: for a 100-token handoff, shipping those tokens' KV over the WAN took
+PDD_SPEC item 2: for a 100-token handoff, shipping those tokens' KV over the line took
 185 ms on average (512.6 ms at worst) plus 24.5 ms of device copy, while recomputing
 them on MD by one extend pass took 305 ms on average, 321.4 ms at worst, 4.8 ms std:
 slightly slower on average, but stable and immune to the line.
 
 Here, on this machine: the KV of the handed-over tokens crosses an in-process `pdd
-wan` line (the `paper` scenario's by default) as the authenticated KV_LAYER frames P
+line` emulator (the `paper` scenario's line by default) as the authenticated KV_LAYER frames P
 sends, then is decoded and imported ("copy"); and the same tokens are recomputed by one
 extend step on an engine that holds the prompt's KV, alone and in one step with a batch
 of decoding sequences (whose step it stalls). Numbers are printed, never asserted.
@@ -30,7 +30,7 @@ from rich.table import Table
 from pdd.engines.port import EnginePort, StepOutput
 from pdd.kv.codec import KVBlob
 from pdd.lab.bench import options
-from pdd.lab.wan import Route, WanLine, WanRelay
+from pdd.lab.line import EmulatedLine, LineRelay, Route
 from pdd.lab.workload.scenarios import SCENARIOS
 from pdd.transfer import messages as m
 from pdd.transfer import wire
@@ -57,7 +57,7 @@ def _stats(seconds: list[float]) -> dict[str, float]:
     return {"mean_ms": statistics.mean(ms), "max_ms": max(ms), "std_ms": statistics.pstdev(ms)}
 
 
-async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float]:
+async def _ship(payloads: list[bytes], line: EmulatedLine, trials: int) -> list[float]:
     """Seconds from the first KV byte leaving until the last frame is read at the far end."""
     arrived: asyncio.Queue[float] = asyncio.Queue()
 
@@ -69,7 +69,7 @@ async def _ship(payloads: list[bytes], line: WanLine, trials: int) -> list[float
             arrived.put_nowait(time.perf_counter())
 
     server = await wire.serve(sink, "127.0.0.1", 0, KEY)
-    relay = WanRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1])])
+    relay = LineRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1])])
     await relay.start()
     conn = await wire.open_connection("127.0.0.1", relay.listen_ports[0], KEY)
     await wire.client_handshake(conn, {"role": "prefill", "name": "bench"})
@@ -109,7 +109,7 @@ async def _drain(stream: AsyncIterator[StepOutput]) -> list[int]:
 
 async def _measure(engine: EnginePort, args: argparse.Namespace) -> dict:
     """Everything through the engine port, so any backend is measured alike."""
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     n, k = args.context_tokens, args.handoff_tokens
     rng = random.Random(0)
@@ -141,13 +141,13 @@ async def _ship_and_copy(
     """1. Ship the handed-over tokens' KV: the frames P would send, through the line, then
     import them: (the wire's bytes, each trial's shipping seconds, each one's import)."""
     from pdd.kv import codec
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     n, k = args.context_tokens, args.handoff_tokens
     encoded = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", n, n + k))]
     payloads = [wire.pack_with_header(m.to_dict(m.KVLayer("bench")), e) for e in encoded]
     wire_bytes = sum(len(p) + wire.HEADER.size + wire.GMAC_TAG_SIZE for p in payloads)  # (a session's frames)
-    line = WanLine(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, seed=None)
+    line = EmulatedLine(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, seed=None)
     ship = await _ship(payloads, line, args.trials)
     head = (prompt + tokens)[: k + 1]  # a same-sized range at the start, to import into a fresh reservation
     head_blob = [codec.encode(layer) for layer in codec.split_layers(await engine.export_kv("kv", 0, k))]
@@ -171,7 +171,7 @@ async def _recompute(
 ) -> tuple[list[float], list[float], list[float]]:
     """2. Recompute the tokens on MD: one extend over the prompt's KV, alone and beside
     decoding sequences: (alone, in the batch, the batch's decode steps), seconds each."""
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     k = args.handoff_tokens
 

@@ -235,7 +235,7 @@ def _replay(server: _Server, sessions: list[Session], args: argparse.Namespace) 
     from pdd.lab.bench.summary import summarize
 
     run = run_bench(server.url, sessions, timeout_s=args.timeout_s, quiet=True)
-    summary = summarize(run.records, wan_bytes=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    summary = summarize(run.records, line_bytes=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     if summary["failed"]:
         errors = {r.error for r in run.records if r.error}
         raise RuntimeError(f"{server.name}: {summary['failed']} of {summary['requests']} requests failed: {errors}")

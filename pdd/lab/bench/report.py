@@ -1,7 +1,7 @@
 """Write a comparison of bench summaries as report.json, PNG plots and report.html.
 
 The console table answers "which mode won"; the plots show *where*: PDD's claim is about
-the tail (p90/p99 TTFT hidden by RelayDecode) and about what crosses the WAN, which a
+the tail (p90/p99 TTFT hidden by RelayDecode) and about what crosses the line, which a
 column of numbers hides. The HTML page is self-contained (inline CSS, images by relative
 name) so the whole output folder can be copied or attached as it is.
 """
@@ -150,22 +150,22 @@ def _byte_unit(largest: float) -> tuple[str, float]:
     return "B", 1.0
 
 
-def _wan_plot(summaries: Summaries) -> Figure | None:
+def _line_plot(summaries: Summaries) -> Figure | None:
     modes = list(summaries)
-    wan = [summaries[m].get("wan_bytes") or 0 for m in modes]
+    line_bytes = [summaries[m].get("line_bytes") or 0 for m in modes]
     hits = [summaries[m].get("d_hit_rate") for m in modes]
-    if not _present(wan) and not _present(hits):
+    if not _present(line_bytes) and not _present(hits):
         return None
     figure, (left, right) = _figure(2, len(modes))
-    if _present(wan):
-        unit, size = _byte_unit(max(wan))
-        bars = left.bar(modes, [b / size for b in wan], color="#55a868")
-        left.bar_label(bars, labels=[f"{b / size:,.1f}" for b in wan], fontsize=8, padding=1)
+    if _present(line_bytes):
+        unit, size = _byte_unit(max(line_bytes))
+        bars = left.bar(modes, [b / size for b in line_bytes], color="#55a868")
+        left.bar_label(bars, labels=[f"{b / size:,.1f}" for b in line_bytes], fontsize=8, padding=1)
         left.set_ylabel(unit)
-        left.set_title("Bytes across the WAN")
+        left.set_title("Bytes across the line")
         left.margins(y=0.12)
     else:
-        _no_data(left, "Bytes across the WAN")
+        _no_data(left, "Bytes across the line")
     if _present(hits):
         bars = right.bar(modes, [math.nan if h is None else 100 * h for h in hits], color="#8172b3")
         right.bar_label(bars, labels=["" if h is None else f"{100 * h:.1f} %" for h in hits], fontsize=8, padding=1)
@@ -256,7 +256,11 @@ _PLOTS: list[tuple[str, str, Callable[[Summaries], Figure | None]]] = [
         "Time per output token and the longest stall between two tokens (a handoff's extend step shows up here).",
         _decode_plot,
     ),
-    ("wan", "Bytes that crossed the WAN, and the decode side's prefix-cache hit rate that keeps them low.", _wan_plot),
+    (
+        "line",
+        "Bytes that crossed the line, and the decode side's prefix-cache hit rate that keeps them low.",
+        _line_plot,
+    ),
     (
         "producers",
         "Share of output tokens produced by RelayDecode and MainDecode, and requests per pipeline.",

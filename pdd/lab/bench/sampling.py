@@ -54,7 +54,7 @@ async def _step_ms(engine, extra: dict, args: argparse.Namespace, tag: str, only
     """The median gap (ms) between a request's tokens while `--batch` requests with
     `extra` decode together (one token a step each: the decode step's time). `only_one`:
     the extra on the first request alone, the gaps of the others (what it costs them)."""
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True, **extra)

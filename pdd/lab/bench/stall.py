@@ -82,7 +82,7 @@ def _synthetic_blob(model_dir: str, prompt: list[int], dtype: str) -> Any:
 
 
 async def _measure(engine: Any, model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     rng = random.Random(0)
     arrivals: list[list[float]] = [[] for _ in range(args.streams)]

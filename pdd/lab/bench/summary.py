@@ -68,7 +68,7 @@ def _duration_s(records: list[RequestRecord]) -> float | None:
 def summarize(
     records: Iterable[RequestRecord],
     *,
-    wan_bytes: int | None,
+    line_bytes: int | None,
     slo_ttft_ms: float,
     slo_tpot_ms: float,
     intervals: bool = True,
@@ -77,8 +77,8 @@ def summarize(
 
     Latency statistics, token sums and hit counts cover completed requests only (a
     failed request's partial counts would mix in noise); `requests`, `failed` and
-    `slo_attainment` cover all, so failures lower attainment. `wan_bytes` is the
-    server-side counter delta when known, else the sum of per-request `wan_bytes`.
+    `slo_attainment` cover all, so failures lower attainment. `line_bytes` is the
+    server-side counter delta when known, else the sum of per-request `line_bytes`.
     """
     records = list(records)
     done = [r for r in records if r.completed]
@@ -103,7 +103,7 @@ def summarize(
         "d_hit_tokens": d_hit,
         "p_hit_rate": p_hit / prompt_tokens if prompt_tokens else None,
         "d_hit_rate": d_hit / prompt_tokens if prompt_tokens else None,
-        "wan_bytes": wan_bytes if wan_bytes is not None else sum(r.wan_bytes for r in records),
+        "line_bytes": line_bytes if line_bytes is not None else sum(r.line_bytes for r in records),
         "relay_output_tokens": sum(r.relay_output_tokens for r in done),
         "main_output_tokens": sum(r.main_output_tokens for r in done),
         "pipelines": pipelines,
@@ -170,7 +170,7 @@ _ROWS: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
     ("output tokens", lambda s: f"{s['output_tokens']:,}"),
     ("P hit", lambda s: _pct(s["p_hit_rate"])),
     ("D hit", lambda s: _pct(s["d_hit_rate"])),
-    ("WAN bytes", lambda s: _bytes(s["wan_bytes"])),
+    ("line bytes", lambda s: _bytes(s["line_bytes"])),
     ("RLD output tokens", lambda s: _share(s["relay_output_tokens"], s["output_tokens"])),
     ("MD output tokens", lambda s: _share(s["main_output_tokens"], s["output_tokens"])),
     ("pipelines", lambda s: _counts({k: n for k, n in s["pipelines"].items() if n})),

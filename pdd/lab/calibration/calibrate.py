@@ -29,7 +29,7 @@ from pdd.perf.steps import Fitted, chunk_load
 
 def request_overhead_s(steps: Fitted, requests: int = 12, prompt_tokens: int = 64) -> float:
     """An idle request's TTFT through `pdd up --mode colocated` (router, HTTP, the
-    instance's framed link) less what its one prefill step costs: the path's own time,
+    instance's framed connection) less what its one prefill step costs: the path's own time,
     which the simulator adds to every request. The median of `requests`, one at a time."""
     from pdd.lab.bench.client import run_bench
     from pdd.lab.demo_deploy import DemoDeployment

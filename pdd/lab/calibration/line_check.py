@@ -1,5 +1,5 @@
 """`pdd sim line`: the line model against the spec's handoff microbenchmark, and against
-this machine's `pdd wan` emulator.
+this machine's `pdd line` emulator.
 
 The emulator is a userspace relay: the sender's TCP connection ends at the relay, on
 loopback, so no congestion window ever ramps across the emulated delay; it shapes a
@@ -19,14 +19,14 @@ from typing import Any
 
 import simpy
 
-from pdd.lab.sim.link import SharedLink
+from pdd.lab.line import EmulatedLine, LineRelay, Route
+from pdd.lab.sim.line import SharedLine
 from pdd.lab.sim.tcp import HANDOFF_BYTES, HANDOFF_MEAN_S, HANDOFF_PEAK_S, Tcp, handoff_times_s
-from pdd.lab.wan import Route, WanLine, WanRelay
 from pdd.perf.hardware import LINE_ONE_WAY_MS, Line
 
 
 async def _emulated(mbps: float, delay_ms: float, runs: int, nbytes: int) -> list[float]:
-    """`runs` transfers of `nbytes` through a `pdd wan` relay on loopback, each on a
+    """`runs` transfers of `nbytes` through a `pdd line` relay on loopback, each on a
     fresh connection: when the far side has them all (its one-byte reply, less one
     one-way delay)."""
 
@@ -38,7 +38,7 @@ async def _emulated(mbps: float, delay_ms: float, runs: int, nbytes: int) -> lis
 
     server = await asyncio.start_server(sink, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    relay = WanRelay(WanLine(mbps, delay_ms), [Route("127.0.0.1", 0, "127.0.0.1", port)])
+    relay = LineRelay(EmulatedLine(mbps, delay_ms), [Route("127.0.0.1", 0, "127.0.0.1", port)])
     await relay.start()
     payload, times = b"\0" * nbytes, []
     try:
@@ -60,8 +60,8 @@ async def _emulated(mbps: float, delay_ms: float, runs: int, nbytes: int) -> lis
 
 def _fluid_s(mbps: float, delay_ms: float, nbytes: int) -> float:
     env = simpy.Environment()
-    link = SharedLink(env, Line(mbps / 1000, delay_ms, 0.0))
-    done = link.send(nbytes)
+    line = SharedLine(env, Line(mbps / 1000, delay_ms, 0.0))
+    done = line.send(nbytes)
     env.run(done)
     return env.now
 

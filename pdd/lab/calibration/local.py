@@ -40,9 +40,9 @@ def on_scenario_line(dep: cfg.Deployment, scenario: Scenario) -> cfg.Deployment:
     """`dep` on the scenario's line (what `pdd demo` passes `pdd up`), in emulated time
     where its instances are paced (`cfg.in_emulated_time`, as `pdd up` does)."""
     line = replace(
-        dep.link, bandwidth_mbps=scenario.bandwidth_mbps, delay_ms=scenario.delay_ms, jitter_ms=scenario.jitter_ms
+        dep.line, bandwidth_mbps=scenario.bandwidth_mbps, delay_ms=scenario.delay_ms, jitter_ms=scenario.jitter_ms
     )
-    return cfg.in_emulated_time(replace(dep, link=line))
+    return cfg.in_emulated_time(replace(dep, line=line))
 
 
 def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile) -> DeploymentSpec:
@@ -80,11 +80,11 @@ def local_spec(dep: cfg.Deployment, mode: str, profile: LocalProfile) -> Deploym
     pages = {i.engine.page_size for i in instances}
     if len(pages) != 1:
         raise ValueError("the simulator needs one page size across the deployment")
-    wan = Line(dep.link.bandwidth_mbps / 1000, dep.link.delay_ms, 0.0)
+    line = Line(dep.line.bandwidth_mbps / 1000, dep.line.delay_ms, 0.0)
     return DeploymentSpec(
         mode,
         roles,
-        wan,
+        line,
         LOOPBACK,
         profile.kv_bytes_per_token,
         pages.pop(),

@@ -38,7 +38,7 @@ from pdd.engines.port import EngineConfig, EnginePort, StepOutput, open_engine
 from pdd.lab.calibration.fit import Sample
 from pdd.model.config import Declared
 from pdd.perf.steps import EMPTY, StepLoad, add, chunk_load
-from pdd.sampling import SamplingParams
+from pdd.sampling.params import SamplingParams
 
 _MIN_RUNS, _MAX_RUNS, _CHEAP_S = 3, 7, 0.05  # runs of a shape; cheap ones get more (a tick distorts them most)
 _OWN_TOKENS = 16  # each decoder's prompt after the shared prefix: one page of its own

@@ -6,8 +6,8 @@ MD a host of site B, each at its own address and all on the same ports, finding 
 other from the deployment file exactly as separate machines would (`pdd serve --config
 F --instance NAME` and `pdd router --config F`, each inside its host's namespace). The
 line's rate is the kernel's; `--delay-ms`/`--jitter-ms` are a packet hop on the line
-(`pdd.lab.netns.delay`), so the hosts' TCP sees the round trip, or with `--delay-by wan` a
-`pdd wan` hop in the line namespace on every route into B, which ends TCP there (it
+(`pdd.lab.netns.delay`), so the hosts' TCP sees the round trip, or with `--delay-by emulator` a
+`pdd line` hop in the line namespace on every route into B, which ends TCP there (it
 does not shape: the kernel does).
 TLS is on by default, with a pair from `pdd cert`'s maker. Needs root.
 """
@@ -33,14 +33,14 @@ from pdd.process import LAUNCH_ENV
 
 MODES = ("pdd", "pd-cross-dc")
 HTTP_PORT, KV_PORT, ROUTER_PORT = 8100, 9100, 8000  # the same on every host: hosts differ by address
-HOP_PORT, HOP_ADMIN_PORT = 7100, 7001  # the optional `pdd wan` hop, in the line namespace
+HOP_PORT, HOP_ADMIN_PORT = 7100, 7001  # the optional `pdd line` hop, in the line namespace
 HOP_MBPS = 100_000.0  # the hop adds delay and jitter only; the kernel's tbf is the line's rate
 CLIENT = "client"
 
 
 def roles(mode: str, dep: cfg.Deployment) -> dict[str, tuple[str, str]]:
     """Instance name -> (role, datacenter) for a mode: P (and RLD) in A, MD in B."""
-    a, b = dep.link.a, dep.link.b
+    a, b = dep.line.a, dep.line.b
     placed = {"p0": ("prefill", a), "rld0": ("relay", a), "md0": ("main", b)}
     return placed if mode == "pdd" else {k: v for k, v in placed.items() if k != "rld0"}
 
@@ -52,17 +52,17 @@ def hosts(mode: str, dep: cfg.Deployment) -> dict[str, str]:
 
 def lab_deployment(net: Lab, dep: cfg.Deployment, mode: str, hop: bool) -> cfg.Deployment:
     """The explicit deployment file of the lab's hosts; with `hop`, every instance outside
-    the router's datacenter is advertised to it at the `pdd wan` hop in the line namespace."""
+    the router's datacenter is advertised to it at the `pdd line` hop in the line namespace."""
     from pdd.model.store import resolve_model
 
     insts = []
     for k, (name, (role, dc)) in enumerate(roles(mode, dep).items()):
         reach = {dep.router.dc: f"{net.gateway(dep.router.dc)}:{HOP_PORT + k}"} if hop and dc != dep.router.dc else {}
         insts.append(cfg.InstanceSpec(name, role, dc, net.hosts[name].addr, HTTP_PORT, KV_PORT, reach, dep.engine))
-    link = replace(dep.link, host=net.gateway(dep.router.dc), admin_port=HOP_ADMIN_PORT if hop else 0)
+    line = replace(dep.line, host=net.gateway(dep.router.dc), admin_port=HOP_ADMIN_PORT if hop else 0)
     router = replace(dep.router, host=net.hosts["router"].addr, port=ROUTER_PORT)
     model = replace(dep.model, path=str(resolve_model(dep.model.path)))
-    return cfg.with_secret(replace(dep, mode=mode, instances=tuple(insts), link=link, router=router, model=model))
+    return cfg.with_secret(replace(dep, mode=mode, instances=tuple(insts), line=line, router=router, model=model))
 
 
 class LabLauncher(Launcher):
@@ -72,17 +72,14 @@ class LabLauncher(Launcher):
         super().__init__(dep, run_dir)
         self.net = net
 
-    def _host(self, name: str) -> str:
-        return "line" if name == "wan" else name
-
     def _popen(self, name: str, args: list[str], log, nice: int) -> subprocess.Popen:
-        return self.net.spawn(self._host(name), args, log, nice, {LAUNCH_ENV: self.launch})
+        return self.net.spawn(name, args, log, nice, {LAUNCH_ENV: self.launch})
 
-    def wan_line(self) -> tuple[float, float, float]:
-        return HOP_MBPS, self.dep.link.delay_ms, self.dep.link.jitter_ms
+    def line_shape(self) -> tuple[float, float, float]:
+        return HOP_MBPS, self.dep.line.delay_ms, self.dep.line.jitter_ms
 
     def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
-        ns = self.net.line_ns if name == "wan" else self.net.hosts[name].ns
+        ns = self.net.line_ns if name == "line" else self.net.hosts[name].ns
         try:
             run_in(ns, lambda: wait_http(url, proc, 120.0, self.launch))
         except PortTaken as e:
@@ -116,12 +113,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jitter-ms", type=float, help="one-way jitter bound (as --delay-ms)")
     p.add_argument(
         "--delay-by",
-        choices=("kernel", "wan"),
+        choices=("kernel", "emulator"),
         default="kernel",
         help="kernel (default): a packet hop on the line holds every packet, so the hosts' TCP sees the round "
-        "trip (pdd.lab.netns.delay); wan: a `pdd wan` hop, which ends TCP at the line",
+        "trip (pdd.lab.netns.delay); emulator: a `pdd line` hop, which ends TCP at the line",
     )
-    p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (9000: jumbo frames on the line)")
+    p.add_argument("--mtu", type=int, default=9000, help="MTU of every interface (9000: jumbo frames on the line)")
     p.add_argument("--no-tls", action="store_true", help="plain TCP between instances")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, certificate, logs)")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="paper", help="bench: the demo scenario")
@@ -143,7 +140,7 @@ def _line(args: argparse.Namespace) -> tuple[float, float, float]:
 
 def run(args: argparse.Namespace) -> int:
     rate, delay, jitter = _line(args)
-    hop = (delay > 0 or jitter > 0) and args.delay_by == "wan"
+    hop = (delay > 0 or jitter > 0) and args.delay_by == "emulator"
     kernel_delay = LineDelay(delay, jitter) if args.delay_by == "kernel" else LineDelay()
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-netns-"))
     stop: list[bool] = []
@@ -154,13 +151,13 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         base = cfg.load(args.config)
-        base = replace(base, link=replace(base.link, bandwidth_mbps=rate, delay_ms=delay, jitter_ms=jitter))
+        base = replace(base, line=replace(base.line, bandwidth_mbps=rate, delay_ms=delay, jitter_ms=jitter))
         with lab(hosts(args.mode, base), rate, args.mtu, kernel_delay) as net:
             dep = lab_deployment(net, base, args.mode, hop)
             dep = dep if args.no_tls else with_tls(dep, net, run_dir / "tls")
             launcher = LabLauncher(dep, run_dir, net)
             hop_note = (
-                f", a pdd wan hop adds {delay:g} ms ± {jitter:g} ms one way"
+                f", a pdd line hop adds {delay:g} ms ± {jitter:g} ms one way"
                 if hop
                 else f", the line holds each packet {delay:g} ms + up to {jitter:g} ms one way"
                 if kernel_delay.active
@@ -199,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, net: Lab, dep: cfg.Deployment) -> int:
     """The demo's workload for one mode, sent from the client host; the line's kernel
-    counters around it beside the bench's own WAN bytes."""
+    counters around it beside the bench's own line bytes."""
     import dataclasses
     import json
     import math
@@ -216,11 +213,13 @@ def _bench(args: argparse.Namespace, net: Lab, dep: cfg.Deployment) -> int:
     before = net.line_bytes()
     run = run_in(net.hosts[CLIENT].ns, lambda: run_bench(dep.router.url, sessions, timeout_s=120.0, quiet=True))
     line = {site: n - before[site] for site, n in net.line_bytes().items()}
-    summary = summarize(run.records, wan_bytes=run.wan_bytes, slo_ttft_ms=dep.slo.ttft_ms, slo_tpot_ms=dep.slo.tpot_ms)
+    summary = summarize(
+        run.records, line_bytes=run.line_bytes, slo_ttft_ms=dep.slo.ttft_ms, slo_tpot_ms=dep.slo.tpot_ms
+    )
     Console().print(format_table({f"{args.mode} (netns)": summary}))
     print(
-        f"line bytes at the kernel interfaces: {line} (total {sum(line.values()):,}); the bench's WAN bytes "
-        f"{summary['wan_bytes']:,}",
+        f"line bytes at the kernel interfaces: {line} (total {sum(line.values()):,}); the bench's line bytes "
+        f"{summary['line_bytes']:,}",
         flush=True,
     )
     if args.out:
@@ -231,7 +230,7 @@ def _bench(args: argparse.Namespace, net: Lab, dep: cfg.Deployment) -> int:
             "rate": rate if math.isfinite(rate) else None,
             "seed": args.seed,
             "mode": args.mode,
-            "line": dataclasses.asdict(dep.link),
+            "line": dataclasses.asdict(dep.line),
             "mtu": args.mtu,
         }
         args.out.write_text(

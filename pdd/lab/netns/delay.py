@@ -3,7 +3,7 @@ device in the line namespace, compiled here on first use with the system's C com
 (cached by its source's hash). Each packet the line forwards passes through it, so the
 kernels at both ends see the round trip: TCP's windows, slow start and congestion
 control are theirs, as on a real long line. (This kernel has no netem qdisc, and a hop
-that ends TCP, as `pdd wan` does, hides the round trip from the sender.)"""
+that ends TCP, as `pdd line` does, hides the round trip from the sender.)"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Each site has a switch (a namespace holding a bridge) that its hosts hang off by
 pairs; a line namespace routes between the switches and shapes each direction at the
 line's rate with `tc ... tbf` on its egress towards each site. Delay, jitter and loss
 come from a packet-level hop in the line namespace (`pdd.lab.netns.delay`: netem is missing
-from some kernels), so the kernels at both ends see the round trip; a `pdd wan` hop
+from some kernels), so the kernels at both ends see the round trip; a `pdd line` hop
 there adds them instead where TCP should end at the line. Site i is 10.77.i.0/24: the
 line is .1 there, hosts .10 up. Nothing has a route out of the lab, so no packet of it
 can reach another network.
@@ -168,7 +168,7 @@ class Lab:
 
     def _build(self) -> None:
         _ip("ip", "netns", "add", self.line_ns)
-        self._link_up(self.line_ns, "lo")
+        self._device_up(self.line_ns, "lo")
         _ip("ip", "netns", "exec", self.line_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         rate = f"{self.line_mbps:g}mbit"
         burst = str(max(32 * 1024, int(self.line_mbps * 125_000 * 0.002)))  # 2 ms of line, at least 32 KiB
@@ -176,11 +176,11 @@ class Lab:
             switch = self.tag + f"sw{site.lower()}"
             _ip("ip", "netns", "add", switch)
             _ip("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-            self._link_up(switch, "br0")
+            self._device_up(switch, "br0")
             side = f"to{site.lower()}"
             self._veth(self.line_ns, side, switch, "line")
             _ip("ip", "-n", self.line_ns, "addr", "add", f"{self.gateway(site)}/24", "dev", side)
-            # the line into this site: its rate, a queue of 20 ms (as `pdd wan`'s)
+            # the line into this site: its rate, a queue of 20 ms (as `pdd line`'s)
             _ip(
                 "ip",
                 "netns",
@@ -202,7 +202,7 @@ class Lab:
             )
             for k, host in enumerate(h for h in self.hosts.values() if h.site == site):
                 _ip("ip", "netns", "add", host.ns)
-                self._link_up(host.ns, "lo")
+                self._device_up(host.ns, "lo")
                 self._veth(host.ns, "eth0", switch, f"h{k}")
                 _ip("ip", "-n", host.ns, "link", "set", "eth0", "gso_max_segs", "1")
                 _ip("ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
@@ -256,11 +256,11 @@ class Lab:
             str(self.mtu),
         )
         _ip("ip", "-n", switch, "link", "set", port, "master", "br0")
-        self._link_up(switch, port)
-        self._link_up(ns_a, name_a)
+        self._device_up(switch, port)
+        self._device_up(ns_a, name_a)
 
     @staticmethod
-    def _link_up(ns: str, dev: str) -> None:
+    def _device_up(ns: str, dev: str) -> None:
         _ip("ip", "-n", ns, "link", "set", dev, "up")
 
     def down(self) -> None:
@@ -281,8 +281,8 @@ class Lab:
     def spawn(
         self, host: str, args: Sequence[str], log: IO | None = None, nice: int = 0, env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        """`python -m pdd.cli ARGS` on `host` ("line" for the line), in a process group of
-        its own, with `env` added to this process's environment."""
+        """`python -m pdd.cli ARGS` on `host` ("line": the line's namespace, where `pdd line`
+        runs), in a process group of its own, with `env` added to this process's environment."""
         ns = self.line_ns if host == "line" else self.hosts[host].ns
         return start(["ip", "netns", "exec", ns, *PDD_COMMAND, *args], log or subprocess.DEVNULL, env, nice)
 

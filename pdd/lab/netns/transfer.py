@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lossy",
         action="store_true",
-        help="what [link] lossy_kv = int8 changes: greedy tokens, the next token's logprobs, bytes (tiny model)",
+        help="what [line] lossy_kv = int8 changes: greedy tokens, the next token's logprobs, bytes (tiny model)",
     )
     p.add_argument(
         "--prompt-tokens", type=int, default=1024, help="--loopback's KV path, --compress, --lossy: tokens a prompt"

@@ -50,7 +50,7 @@ def kv_model(shape: str, tmp: Path, prompt_tokens: int) -> KVModel:
 def prefilled(prompt_tokens: int, pages: int = 8, model: KVModel = TINY) -> tuple[Any, list[int]]:
     """`model`'s engine and a prompt of random token IDs whose KV it holds (request
     "kv"), with `pages` pages to spare."""
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     engine = engine_for(prompt_tokens // PAGE + pages, model)
     prompt = bench_prompt(prompt_tokens)

@@ -1,7 +1,7 @@
 """`pdd bench transfer --compress` and `--lossy`: what the line's KV forms change, on the tiny model.
 
 `--compress` measures lossless codecs on the KV the tiny model computes (whether they pay
-on a 1 or 10 Gbit/s line); `--lossy`, what `[link] lossy_kv = "int8"` changes (greedy
+on a 1 or 10 Gbit/s line); `--lossy`, what `[line] lossy_kv = "int8"` changes (greedy
 tokens, logprobs, bytes). Neither needs root.
 """
 
@@ -118,7 +118,7 @@ def lossy(args: argparse.Namespace) -> int:
     import torch
 
     from pdd.kv import codec
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
 
     engine = engine_for(3 * (args.prompt_tokens + args.output_tokens) // 16 + 8)
     rng = random.Random(0)
@@ -151,7 +151,7 @@ def lossy(args: argparse.Namespace) -> int:
         token_dlp.append(abs(float(logprobs[""][token] - logprobs["int8"][token])))
         max_dlp.append(float((logprobs[""] - logprobs["int8"]).abs().max()))
     title = (
-        f"link.lossy_kv = int8 on the tiny model: {args.prompts} prompts of {args.prompt_tokens} tokens, "
+        f"line.lossy_kv = int8 on the tiny model: {args.prompts} prompts of {args.prompt_tokens} tokens, "
         f"{args.output_tokens} greedy tokens each"
     )
     table = Table(title=title)

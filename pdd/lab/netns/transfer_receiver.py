@@ -146,7 +146,7 @@ def _importer(model: KVModel, prompt_tokens: int) -> Callable[[Any], None]:
 
     from pdd.kv import codec
     from pdd.kv.reassembly import Reassembly
-    from pdd.sampling import SamplingParams
+    from pdd.sampling.params import SamplingParams
     from pdd.transfer import messages as m
 
     torch.set_num_threads(1)  # (one core a process, as the frame layer: two of torch's threads each ran at 0.17x)

@@ -121,7 +121,7 @@ def print_paper(result: dict[str, Any], console: Console) -> None:
         ("RLD share of output", lambda r: f"{r['rld_share']:.1%}"),
         (
             "line (Gbit/s): size / used",
-            lambda r: f"{r['wan_gbps']:g} / {r['wan_used_gbps']:.1f}" if r["wan_gbps"] else "-",
+            lambda r: f"{r['line_gbps']:g} / {r['line_used_gbps']:.1f}" if r["line_gbps"] else "-",
         ),
         ("binding at reference load", lambda r: f"{r['binding']} ({_util(r['utilisation'])})"),
     ]

@@ -106,6 +106,6 @@ def capacity_rps(spec: DeploymentSpec, shape: Shape, tpot_s: float) -> dict[str,
             caps["decode"] = caps.get("decode", 0.0) + decodes
             relays += decodes if r.role == "relay" else 0.0
     if len({r.dc for r in spec.roles}) > 1:  # (a request a relay finishes sends no KV over the line)
-        caps["line"] = spec.wan.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token) + relays
+        caps["line"] = spec.line.bytes_per_s / (shape.mean_delta * spec.kv_bytes_per_token) + relays
     caps["rps"] = min(caps.values())
     return caps

@@ -227,7 +227,7 @@ def bill(spec: DeploymentSpec, setting: Setting = SETTING, b_price: float | None
         price = b_price if r.hardware == "B" and b_price is not None else setting.chip(r.hardware).price_per_hour
         cost += r.count * r.gpus * price
     if len({r.dc for r in spec.roles}) > 1:
-        cost += spec.wan.price_per_hour
+        cost += spec.line.price_per_hour
     return Bill(gpus, cost)
 
 

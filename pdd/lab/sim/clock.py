@@ -1,4 +1,4 @@
-"""The simulated clock the live waiting lines run under (`pdd.clock`).
+"""The simulated clock the live waiting queues run under (`pdd.clock`).
 
 A live line is a coroutine that awaits only its clock's signals. Here a signal is a
 simpy event and its wait yields that event (or it, or a timeout), so `drive` steps the

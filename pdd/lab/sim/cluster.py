@@ -2,7 +2,7 @@
 
 Every choice a live deployment makes is made here by the same function: the router's
 plan and its dispatch by room (`plan_with_room` over `capacity.fits`/`pages_needed`,
-the anomaly filter, in the router's own `DispatchLine` on the simulated clock), the
+the anomaly filter, in the router's own `DispatchQueue` on the simulated clock), the
 reservations (`pdd.lab.sim.reserve`:
 `relay_accepts`, `prefix_holder`, `reserve_retry_delay`), P's pipeline choice after
 prefill with its `LineMeter` (`pdd.lab.sim.prefill`: `answer_wait_s`, `choose_pipeline`,
@@ -35,7 +35,7 @@ from pdd.policy.capacity import fits, pages_needed
 from pdd.policy.plan import Plan, anomaly_rule, plan_with_room
 from pdd.policy.routing import Candidate
 from pdd.record import RequestRecord
-from pdd.router.dispatch import DispatchLine
+from pdd.router.dispatch import DispatchQueue
 
 
 class Cluster(Fleet):
@@ -48,7 +48,7 @@ class Cluster(Fleet):
         self.reservations = Reservations(self)
         self.relay = RelayPaths(self)
         self.prefill = PrefillPaths(self, self.reservations, self.relay)
-        self.line = DispatchLine(SimClock(env))  # the router's: requests waiting for room
+        self.queue = DispatchQueue(SimClock(env))  # the router's: requests waiting for room
         p = spec.policy
         self.rule = anomaly_rule(
             p.anomaly_filter,
@@ -156,8 +156,8 @@ class Cluster(Fleet):
 
     def _dispatch(self, s: Session, rec: RequestRecord) -> Generator[simpy.Event, object, Plan]:
         """The request's plan once its decode side has room, first come first served (the
-        router's dispatch line: no deadline, the request is admitted and will run)."""
-        return (yield from drive(self.line.turn(lambda: self._plan(s, rec))))
+        router's dispatch queue: no deadline, the request is admitted and will run)."""
+        return (yield from drive(self.queue.turn(lambda: self._plan(s, rec))))
 
     def _commit(self, plan: Plan, rec: RequestRecord, sign: int) -> None:
         """Charge (+1) or refund (-1) the decode-side instance that must hold the request:
@@ -169,7 +169,7 @@ class Cluster(Fleet):
         inst.committed_pages += sign * self._need(rec, name, plan.predicted_hit if plan.main else 0)
         inst.committed_requests += sign
         if sign < 0:
-            self.line.changed()
+            self.queue.changed()
 
     # ---- one request ---------------------------------------------------------------------
     def _serve(self, s: Session, rec: RequestRecord) -> Proc:

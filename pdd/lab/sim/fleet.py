@@ -16,14 +16,14 @@ import simpy
 
 from pdd.config import PolicySpec
 from pdd.lab.sim.instance import Instance
-from pdd.lab.sim.link import SharedLink
+from pdd.lab.sim.line import SharedLine
 from pdd.lab.sim.sequence import SimSeq
-from pdd.lab.sim.tcp import Tcp, TcpLink
+from pdd.lab.sim.tcp import Tcp, TcpLine
 from pdd.lab.sim.workload import session_keys
 from pdd.lab.workload.types import Session
 from pdd.perf.hardware import Line
 from pdd.perf.steps import StepModel
-from pdd.policy.transfer import LineMeter, LinkEstimate
+from pdd.policy.transfer import LineEstimate, LineMeter
 from pdd.record import RequestRecord
 
 # A simpy process body (what `Environment.process` runs) that returns nothing.
@@ -52,7 +52,7 @@ class RoleSpec:
 class DeploymentSpec:
     name: str
     roles: tuple[RoleSpec, ...]
-    wan: Line  # between datacenters
+    line: Line  # between datacenters
     lan: Line  # inside one
     kv_bytes_per_token: float
     block_tokens: int
@@ -60,7 +60,7 @@ class DeploymentSpec:
     policy: PolicySpec = PolicySpec()
     cores: int | None = None  # every instance shares this many cores (one machine); None: own hardware
     request_overhead_s: float = 0.0  # the router's and the HTTP path's own time before a request is planned
-    tcp: Tcp | None = None  # the line between datacenters as TCP sees it (None: a fluid pipe, as `pdd wan` is)
+    tcp: Tcp | None = None  # the line between datacenters as TCP sees it (None: a fluid pipe, as `pdd line` is)
     stretches: bool = True  # decode stretches (pdd.lab.sim.instance); off: one event per step
 
     @property
@@ -71,7 +71,7 @@ class DeploymentSpec:
 
 class Fleet:
     """A deployment's instances, built from its roles, and the lines between them: one
-    shared link inside each datacenter, one line between them (a fluid pipe, or TCP)."""
+    shared line inside each datacenter, one line between them (a fluid pipe, or TCP)."""
 
     def __init__(self, env: simpy.Environment, spec: DeploymentSpec) -> None:
         self.env, self.spec = env, spec
@@ -97,23 +97,25 @@ class Fleet:
                     r.max_requests,
                 )
         dcs = sorted({r.dc for r in spec.roles})
-        self.lans = {dc: SharedLink(env, spec.lan, f"lan-{dc}") for dc in dcs}
-        self.wan: SharedLink | TcpLink | None = None
+        self.lans = {dc: SharedLine(env, spec.lan, f"lan-{dc}") for dc in dcs}
+        self.line: SharedLine | TcpLine | None = None
         if len(dcs) > 1:
-            self.wan = SharedLink(env, spec.wan, "wan") if spec.tcp is None else TcpLink(env, spec.wan, spec.tcp, "wan")
+            self.line = (
+                SharedLine(env, spec.line, "line") if spec.tcp is None else TcpLine(env, spec.line, spec.tcp, "line")
+            )
         self.meters: dict[tuple[str, str], LineMeter] = {}  # each P's, per datacenter, as the live P keeps them
         self._key_cache: dict[int, list[Hashable]] = {}
 
     # ---- lines -----------------------------------------------------------------------------
-    def link(self, a: Instance, b: Instance) -> SharedLink | TcpLink:
-        return self.lans[a.dc] if a.dc == b.dc or self.wan is None else self.wan
+    def line_between(self, a: Instance, b: Instance) -> SharedLine | TcpLine:
+        return self.lans[a.dc] if a.dc == b.dc or self.line is None else self.line
 
     def line_meter(self, p: Instance, peer: Instance) -> LineMeter:
         """What P knows of the path to `peer`'s datacenter, from the line's figures on."""
         meter = self.meters.get((p.name, peer.dc))
         if meter is None:
-            line = self.link(p, peer).line
-            meter = self.meters[(p.name, peer.dc)] = LineMeter(LinkEstimate(line.bytes_per_s, line.one_way_ms / 1000))
+            line = self.line_between(p, peer).line
+            meter = self.meters[(p.name, peer.dc)] = LineMeter(LineEstimate(line.bytes_per_s, line.one_way_ms / 1000))
         return meter
 
     def send(self, a: Instance, b: Instance, rec: RequestRecord, tokens: tuple[int, int], priority: int) -> Proc:
@@ -125,11 +127,11 @@ class Fleet:
         key, meter = (rec.id, b.name), self.line_meter(a, b)
         meter.begin(key, start, end, round(kvb), priority)
         nbytes = int((end - start) * kvb)
-        link = self.link(a, b)
-        yield link.send(nbytes, priority, (a.name, b.name))
+        line = self.line_between(a, b)
+        yield line.send(nbytes, priority, (a.name, b.name))
         meter.acked(key, end, True, self.env.now)
         rec.kv_bytes += nbytes
-        rec.wan_bytes += nbytes if link is self.wan else 0
+        rec.line_bytes += nbytes if line is self.line else 0
 
     # ---- requests ------------------------------------------------------------------------
     def keys(self, s: Session, tokens: int) -> list:

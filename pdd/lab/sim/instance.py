@@ -36,7 +36,7 @@ import numpy as np
 import simpy
 
 from pdd.batching import Scheduler, Status
-from pdd.instance.reservations import ReservationLine
+from pdd.instance.reservations import ReservationQueue
 from pdd.kv.pages import PagePool
 from pdd.kv.radix_cache import RadixCache, TreeNode
 from pdd.lab.sim.clock import SimClock
@@ -96,7 +96,7 @@ class Instance:
         self.arrivals = itertools.count()  # numbers them
         # required reservations waiting for room: the live line, on the simulated clock (no
         # router here to be told a waiting request moves)
-        self.reservations: ReservationLine[Landing] = ReservationLine(lambda landing: None, SimClock(self.env))
+        self.reservations: ReservationQueue[Landing] = ReservationQueue(lambda landing: None, SimClock(self.env))
         self._run: _Run | None = None  # decode-only steps under way (see _stretch)
         self._wake = self.env.event()
         self.env.process(self._loop())

@@ -26,7 +26,7 @@ def summary(
     records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float, intervals: bool = True
 ) -> dict[str, Any]:
     records = ended(records)
-    result = summarize(records, wan_bytes=None, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, intervals=intervals)
+    result = summarize(records, line_bytes=None, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, intervals=intervals)
     result["hit_buckets"] = hit_buckets(records, result.get("duration_s") or 0.0)
     return result
 

@@ -1,7 +1,7 @@
 """The parts of serving the simulator writes itself rather than runs, each with why.
 
 Everything else a simulated deployment does is serving's own code on the simulated clock
-(the router's `DispatchLine`, a decode instance's `ReservationLine`, the engine's
+(the router's `DispatchQueue`, a decode instance's `ReservationQueue`, the engine's
 `Scheduler` and `RadixCache`, every decision in `pdd.policy`; `tests/test_sim.py` checks
 that the runs reach them). What `pdd plan` and `pdd sim` say rests on these copies too,
 so they are named here, and printed with the simulator's docs (docs/simulator.md).
@@ -25,6 +25,6 @@ NOT_LIVE: dict[str, str] = {
     "would: events on the simulated clock would arrive at once, and a mirror's staleness is not modelled",
     "KV transfers in slices (pdd.transfer)": "live KV moves page by page in slices over several "
     "streams, staged concurrently with framing; the simulator sends a request's KV range as one "
-    "transfer on the line (pdd.lab.sim.link: a fair share of its bandwidth, TCP's ramp over the "
+    "transfer on the line (pdd.lab.sim.line: a fair share of its bandwidth, TCP's ramp over the "
     "round trip), so no slice arrives early and no per-slice cost is priced",
 }

@@ -85,7 +85,8 @@ class RelayPaths:
         hold = md_has_kv.value
         # READY reaches the relay: MD's acknowledgement back to P, then P -> relay.
         yield env.timeout(
-            self.fleet.link(p, md).line.one_way_ms / 1000 + self.fleet.link(p, rld).line.one_way_ms / 1000
+            self.fleet.line_between(p, md).line.one_way_ms / 1000
+            + self.fleet.line_between(p, rld).line.one_way_ms / 1000
         )
         if rseq.done:
             stream.take(rseq)
@@ -121,7 +122,7 @@ class RelayPaths:
                 blocks=self.fleet.keys(s, out.prompt_tokens + out.max_tokens),
             )
         assert mseq is not None  # without a landing to wait for, the fill continues a handoff's sequence
-        yield self.fleet.env.timeout(self.fleet.link(rld, md).line.one_way_ms / 1000)
+        yield self.fleet.env.timeout(self.fleet.line_between(rld, md).line.one_way_ms / 1000)
         mseq.on_computed = md.stop
         md.feed(mseq, out.max_tokens - computed, live=False, step_cap=self.fleet.spec.policy.catch_up_chunk)
 
@@ -142,7 +143,7 @@ class RelayPaths:
         self, rld: Instance, rseq: SimSeq, md: Instance, hold: Hold, s: Session, out: RequestRecord, stream: Stream
     ) -> Proc:
         env, p = self.fleet.env, self.fleet.spec.policy
-        one_way = self.fleet.link(rld, md).line.one_way_ms / 1000
+        one_way = self.fleet.line_between(rld, md).line.one_way_ms / 1000
         gap = 1 + rseq.produced
         plan = choose_handoff(
             gap,

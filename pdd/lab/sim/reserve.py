@@ -8,8 +8,8 @@ waits, bounded, for a request in flight that holds most of its prompt
 (`pdd.policy.prefix`). Then a request that could never fit the pool is refused, as the
 engine refuses it (too long); an optional one is refused if the pool cannot hold it
 now; a required one (MD; the relay when it is the only decode side) waits in a
-first-come line with no deadline until the pool holds it (the live
-`ReservationLine`, on the simulated clock): the router dispatched it only once the
+first-come queue with no deadline until the pool holds it (the live
+`ReservationQueue`, on the simulated clock): the router dispatched it only once the
 instance had room, so the line only absorbs what the router could not see. The answer
 travels back a one-way delay; P learns the round trip.
 """
@@ -43,7 +43,7 @@ class Reservations:
     ) -> Generator[simpy.Event, object, Granted | None]:
         """RESERVE from P: (hit, hold) once the answer is back at P, None if refused."""
         sent = self.fleet.env.now
-        one_way = self.fleet.link(p, inst).line.one_way_ms / 1000
+        one_way = self.fleet.line_between(p, inst).line.one_way_ms / 1000
         yield self.fleet.env.timeout(one_way)
         granted = yield from self._held_at(inst, s, rec, optional)
         yield self.fleet.env.timeout(one_way)

@@ -168,7 +168,7 @@ class _Probe:
         marks = {
             name: (i.stats.busy_s, float(i.stats.steps), float(i.kv_held_tokens)) for name, i in c.instances.items()
         }
-        marks["line"] = (c.wan.stats.bytes if c.wan is not None else 0.0, 0.0, 0.0)
+        marks["line"] = (c.line.stats.bytes if c.line is not None else 0.0, 0.0, 0.0)
         return marks
 
     def misses(self) -> tuple[int, int]:
@@ -261,7 +261,7 @@ def utilisation(
             values.setdefault(f"{role}_kv", []).append(end[name][2] / cap)
     result = {k: sum(v) / len(v) for k, v in values.items()}
     if len({r.dc for r in spec.roles}) > 1:
-        result["line"] = (end["line"][0] - start["line"][0]) / (spec.wan.bytes_per_s * seconds)
+        result["line"] = (end["line"][0] - start["line"][0]) / (spec.line.bytes_per_s * seconds)
     return result
 
 

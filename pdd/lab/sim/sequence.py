@@ -42,7 +42,7 @@ class Host(Protocol):
 @dataclass(eq=False)
 class Landing:
     """A request accepted at a decode side that has not settled there: not reserved yet
-    (waiting for a prefix, or in the reservation line), or reserved with its KV, a
+    (waiting for a prefix, or in the reservation queue), or reserved with its KV, a
     handoff or a fill still to land. A later request sharing most of `keys` may wait for
     it (`settled`), as the live side waits for its jobs (`pdd.policy.prefix.may_hold`)."""
 

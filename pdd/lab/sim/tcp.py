@@ -1,6 +1,6 @@
 """A line between datacenters as TCP sees it: a long fat pipe.
 
-`SharedLink` (pdd.lab.sim.link) is a fluid pipe: a transfer starts at its fair share of the
+`SharedLine` (pdd.lab.sim.line) is a fluid pipe: a transfer starts at its fair share of the
 bandwidth at once. TCP does not. Each instance pair talks over one connection per
 priority (as the live instances do), and a connection:
 
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import simpy
 
-from pdd.lab.sim.link import Delivery, LinkStats
+from pdd.lab.sim.line import Delivery, LineStats
 from pdd.perf.hardware import Line
 
 # The spec's handoff microbenchmark (PDD_SPEC § mechanism 2): 100 tokens' incremental KV.
@@ -79,7 +79,7 @@ class _Conn:
     rate: float = 0.0  # bytes/s allocated since the last re-plan
 
 
-class TcpLink(Delivery):
+class TcpLine(Delivery):
     """`send(nbytes, priority, conn)` returns an event that fires when the bytes have
     arrived; `conn` names the connection (the instance pair), so transfers between the
     same two instances queue on one window, as frames on one socket do."""
@@ -88,7 +88,7 @@ class TcpLink(Delivery):
         self.env, self.line, self.tcp, self.name = env, line, tcp, name
         self.rng = random.Random(seed)
         self.conns: dict[object, _Conn] = {}
-        self.stats = LinkStats()
+        self.stats = LineStats()
         self._last = 0.0
         self._wake = env.event()
         env.process(self._run())
@@ -224,14 +224,14 @@ def handoff_times_s(
     """The spec's handoff microbenchmark on this line model: `runs` transfers of
     `nbytes`, each on a quiet line after an idle pause (a fresh slow start)."""
     env = simpy.Environment()
-    link = TcpLink(env, line, tcp, "microbenchmark", seed)
+    tcp_line = TcpLine(env, line, tcp, "microbenchmark", seed)
     times: list[float] = []
 
     def bench():
         for _ in range(runs):
             yield env.timeout(10 * tcp.rto_min_s)
             started = env.now
-            yield link.send(nbytes, 0, "p->md")
+            yield tcp_line.send(nbytes, 0, "p->md")
             times.append(env.now - started)
 
     env.process(bench())

@@ -2,7 +2,7 @@
 
 The line is the `paper` scenario's (`pdd.lab.workload.scenarios`: 50 Mbit/s, 2 ms +- 0.5
 ms one way, the spec's evaluation scaled to the tiny model), whatever the config's
-[link] says, so soaks of different days face the same line. Exit code 1 when any
+[line] says, so soaks of different days face the same line. Exit code 1 when any
 request was lost, a page leaked, a process crashed or the deployment did not come back.
 """
 
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--config",
-        help="deployment TOML (default: the built-in one); its [link] is replaced by the paper scenario's line",
+        help="deployment TOML (default: the built-in one); its [line] is replaced by the paper scenario's line",
     )
     p.add_argument("--mode", default="pdd", help="deployment mode (default pdd)")
     size = p.add_mutually_exclusive_group()
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dep = cfg.load(args.config)
     paper = SCENARIOS["paper"]
-    link = replace(dep.link, bandwidth_mbps=paper.bandwidth_mbps, delay_ms=paper.delay_ms, jitter_ms=paper.jitter_ms)
-    dep = resolve(replace(dep, link=link), args.mode, 0)
+    line = replace(dep.line, bandwidth_mbps=paper.bandwidth_mbps, delay_ms=paper.delay_ms, jitter_ms=paper.jitter_ms)
+    dep = resolve(replace(dep, line=line), args.mode, 0)
     run_dir = Path(tempfile.mkdtemp(prefix="pdd-soak-"))
     cluster = Cluster(dep, run_dir)
     available = [k for k in KINDS if check_kinds([k], cluster) is None]
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": asdict(plan),
         "mode": args.mode,
         "run_dir": str(run_dir),
-        "link": asdict(dep.link),
+        "line": asdict(dep.line),
         "router": asdict(dep.router),
         "liveness": asdict(dep.liveness),
         "topology": asdict(dep.topology),

@@ -44,9 +44,9 @@ class Cluster(Launcher):
         return f"http://{self.dep.router.host}:{self.dep.router.port}"
 
     @property
-    def wan_admin(self) -> str | None:
-        link = self.dep.link
-        return f"http://{link.host}:{link.admin_port}" if link.admin_port else None
+    def line_admin(self) -> str | None:
+        line = self.dep.line
+        return f"http://{line.host}:{line.admin_port}" if line.admin_port else None
 
     def instance_url(self, name: str) -> str:
         inst = self.dep.instance(name)

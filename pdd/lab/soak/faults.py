@@ -63,8 +63,8 @@ def check_kinds(kinds: Sequence[str], cluster: Cluster) -> str | None:
             return f"unknown fault {kind!r}; have {', '.join(KINDS)}"
         if kind in KILL_ROLES and not cluster.dep.by_role(KILL_ROLES[kind]):
             return f"{kind}: this deployment has no {KILL_ROLES[kind]} instance"
-        if kind in LINE_KINDS and cluster.wan_admin is None:
-            return f"{kind}: this deployment has no WAN line"
+        if kind in LINE_KINDS and cluster.line_admin is None:
+            return f"{kind}: this deployment has no line"
     return None
 
 
@@ -106,13 +106,13 @@ class Injector:
         elif kind == "drop":
             event.params["connections"] = (await self._post("/fault", drop=True))["drops"]
         else:
-            full = self.cluster.dep.link.bandwidth_mbps
+            full = self.cluster.dep.line.bandwidth_mbps
             event.params.update(bandwidth_mbps=full * r.narrow_factor, narrow_s=self.rng.uniform(*r.narrow_s))
-            await self._post("/link", bandwidth_mbps=event.params["bandwidth_mbps"])
+            await self._post("/line", bandwidth_mbps=event.params["bandwidth_mbps"])
             try:
                 await asyncio.sleep(event.params["narrow_s"])
             finally:
-                await self._post("/link", bandwidth_mbps=full)
+                await self._post("/line", bandwidth_mbps=full)
         event.clear = self._now()
         return event
 
@@ -129,7 +129,7 @@ class Injector:
 
     async def _post(self, path: str, **body: Any) -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-            response = await client.post(f"{self.cluster.wan_admin}{path}", json=body)
+            response = await client.post(f"{self.cluster.line_admin}{path}", json=body)
             response.raise_for_status()
             return response.json()
 

@@ -1,7 +1,7 @@
 """The wire protocol between pdd instances: `frame` (the format, its errors), `payload` (JSON bodies, and
 headers in front of a blob),
 `connection` (a framed TCP connection, its ends, the count of rejected frames) and
-`handshake` (HELLO and the link and session keys). Import the names from here."""
+`handshake` (HELLO and the connection and session keys). Import the names from here."""
 
 from pdd.transfer.wire.connection import (
     MAX_UNAUTHENTICATED,

@@ -278,7 +278,7 @@ async def open_connection(
 ) -> FramedConnection:
     """Connect to a frame server (over TLS with `tls`), to speak protocol `version` (default
     the newest this process offers); the timeout, which covers the TLS handshake too,
-    keeps a silent WAN from hanging us. `wire.connect` also says HELLO."""
+    keeps a silent line from hanging us. `wire.connect` also says HELLO."""
     loop = asyncio.get_running_loop()
     transport, stream = await asyncio.wait_for(
         loop.create_connection(FrameStream, host, port, ssl=tls), connect_timeout

@@ -1,9 +1,9 @@
 """Frames: the one framed binary format spoken between pdd instances.
 
-Reservations, KV pages, token IDs and cache events all cross the WAN in these frames,
+Reservations, KV pages, token IDs and cache events all cross the line in these frames,
 so the format is strict: a fixed header (magic, version, type, flags, sequence number,
 payload length, checksum), the payload, and — on authenticated connections — a tag over
-header and payload: HMAC-SHA256 during the handshake (under the link key, shared by
+header and payload: HMAC-SHA256 during the handshake (under the connection key, shared by
 every connection) and in protocol 4; from protocol 5, once the connection has its own
 session keys, AES-256-GCM's GMAC, with the sequence number as its nonce (unique under a
 key used by one connection in one direction), at about 7 GB/s where HMAC-SHA256 runs
@@ -38,12 +38,12 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = b"PD"
-# 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 link and session keys;
+# 2: typed bodies with token positions, the relay tier; 3: HKDF-SHA256 connection and session keys;
 # 4: a cache snapshot carries the instance's KV pages and context (engines that size themselves);
 # 5: the version is negotiated in HELLO, which says the software's release (`Hello.software`);
 #    frames under session keys carry a GMAC tag, no CRC32
 # 6: the checksum of frames without a tag is CRC32C (hardware), not zlib's CRC32; KV pages
-#    may cross in int8 or zstd (`[link] lossy_kv`, `compress_kv`; `pdd.kv.codec`): an older
+#    may cross in int8 or zstd (`[line] lossy_kv`, `compress_kv`; `pdd.kv.codec`): an older
 #    peer is sent them as they are
 # 7: a request may ask for its prompt's logprobs (`SamplingParams.prompt_logprobs`), which P
 #    sends with its first token (`KVDone`, `Tokens`); an instance of 6 is not planned one
@@ -177,7 +177,7 @@ class BadPayload(FrameError):
 class ConnectionClosed(ConnectionError):
     """The peer closed the stream (at a frame boundary or mid-frame).
 
-    Not a `FrameError`: a peer going away, or a WAN drop, is a network event and
+    Not a `FrameError`: a peer going away, or a line drop, is a network event and
     must not be counted as a rejected (possibly hostile) frame.
     """
 
@@ -206,7 +206,7 @@ class FrameCodec:
         HELLO), if this process speaks it."""
         if key is not None and not key:
             raise ValueError("an authentication key must not be empty")
-        self._key = key  # the long-lived link key; frames use the per-direction keys below
+        self._key = key  # the long-lived connection key; frames use the per-direction keys below
         self._send_key = key
         self._recv_key = key
         self.max_payload = max_payload
@@ -232,7 +232,7 @@ class FrameCodec:
 
     def rekey(self, send_key: bytes, recv_key: bytes) -> None:
         """Switch to this connection's session keys (see `client_handshake`): the peer
-        has proven it holds the link key, so full-size frames are accepted from now on."""
+        has proven it holds the connection key, so full-size frames are accepted from now on."""
         self._send_key, self._recv_key = send_key, recv_key
         self._read_limit = self.max_payload
         self.authenticated = True
@@ -262,7 +262,7 @@ class FrameCodec:
         seq = self.send_seq
         header = HEADER.pack(MAGIC, self.version, msg_type, flags, seq, length, crc)
         self.send_seq += 1
-        if not self._send_key:  # set exactly when the connection has a key (the link's, then the session's)
+        if not self._send_key:  # set exactly when the connection has a key (the connection key, then the session's)
             return [header, *parts]
         if self._gmac:
             return [header, *parts, _gmac(self._send_key, seq, [header, *parts])]

@@ -10,13 +10,13 @@ upgraded first goes on talking to the other (docs/deployment.md, "Rolling upgrad
 A relay on the path cannot step a pair down this way: the fallback is started by a
 closed connection, which anyone on the path can cause, so a server that speaks newer
 than the HELLO it answers says so in its nonce (`DOWNGRADE_MARK` and its newest version
-in the last bytes, as TLS 1.3's server random does), inside the HELLO frame the link key
+in the last bytes, as TLS 1.3's server random does), inside the HELLO frame the connection key
 authenticates. A client that fell back and reads there that the server speaks newer
 refuses the connection (`Downgrade`): the versions both ends speak are bound into the
 authenticated handshake. A release before this one sends random bytes there, and a
 client of one never falls back past what it offered.
 
-Each link has its own key, derived from the deployment's shared secret; the HELLO
+Each kind of connection has its own key, derived from the deployment's shared secret; the HELLO
 exchange then switches each connection to its own per-direction session keys (from
 nonces of both ends), so frames recorded on one connection fail on any other. Both
 derivations are HKDF-SHA256 (RFC 5869, from `cryptography`); changing either changes

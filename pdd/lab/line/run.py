@@ -1,5 +1,5 @@
 """A line, its routes and (optionally) its admin API, run together until told to stop:
-what `pdd wan` runs, and what tests run in their own event loop."""
+what `pdd line` runs, and what tests run in their own event loop."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from pdd.lab.wan.admin import AdminServer, admin_app
-from pdd.lab.wan.line import LinkSettings, WanLine
-from pdd.lab.wan.relay import Route, WanRelay
+from pdd.lab.line.admin import AdminServer, admin_app
+from pdd.lab.line.emulated import EmulatedLine, LineSettings
+from pdd.lab.line.relay import LineRelay, Route
 
-ReadyCallback = Callable[[WanRelay, str | None], None]
+ReadyCallback = Callable[[LineRelay, str | None], None]
 
 
-async def run_wan(
+async def run_line(
     routes: Sequence[Route],
-    settings: LinkSettings,
+    settings: LineSettings,
     admin_addr: tuple[str, int] | None = None,
     ready_cb: ReadyCallback | None = None,
     stop: asyncio.Event | None = None,
@@ -26,7 +26,7 @@ async def run_wan(
     `ready_cb(relay, admin_url)` is called once everything listens; the relay gives
     the bound ports and the line for in-process fault injection.
     """
-    relay = WanRelay(WanLine(**asdict(settings)), routes)
+    relay = LineRelay(EmulatedLine(**asdict(settings)), routes)
     await relay.start()
     admin: AdminServer | None = None
     try:

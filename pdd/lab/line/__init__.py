@@ -1,4 +1,4 @@
-"""The WAN emulator (`pdd wan`): a userspace TCP relay that behaves like a WAN line.
+"""The line emulator (`pdd line`): a userspace TCP relay that behaves like a long line between sites.
 
 A lab tool, not serving transport: nothing in the router or the instances imports it.
 
@@ -14,16 +14,16 @@ needed), which enforces what a real line would:
 * a one-way propagation delay plus bounded, seeded jitter that never reorders the
   bytes of a stream (a chunk is delivered no earlier than the one before it);
 * faults injected at run time: stall, drop every connection, silent blackhole, and
-  link changes — from Python, or over a small HTTP admin API.
+  line changes — from Python, or over a small HTTP admin API.
 
 "a→b" is client-to-server traffic (towards the route's target), "b→a" the replies.
 
-Modules: `line` (settings, shaper, the shared medium), `relay` (routes and the TCP
+Modules: `emulated` (settings, shaper, the shared medium), `relay` (routes and the TCP
 relay), `admin` (the HTTP control API), `run` (all of it until stopped), `cli`.
 """
 
-from pdd.lab.wan.line import LinkSettings, WanLine
-from pdd.lab.wan.relay import Route, WanRelay
-from pdd.lab.wan.run import run_wan
+from pdd.lab.line.emulated import EmulatedLine, LineSettings
+from pdd.lab.line.relay import LineRelay, Route
+from pdd.lab.line.run import run_line
 
-__all__ = ["LinkSettings", "Route", "WanLine", "WanRelay", "run_wan"]
+__all__ = ["LineSettings", "Route", "EmulatedLine", "LineRelay", "run_line"]

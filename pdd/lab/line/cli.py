@@ -1,4 +1,4 @@
-"""`pdd wan`: a userspace TCP relay that behaves like a WAN line."""
+"""`pdd line`: a userspace TCP relay that behaves like a long line between sites."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.addresses import parse_addr
-from pdd.lab.wan.line import JITTER_DISTS, LinkSettings
-from pdd.lab.wan.relay import Route, WanRelay
-from pdd.lab.wan.run import run_wan
+from pdd.lab.line.emulated import JITTER_DISTS, LineSettings
+from pdd.lab.line.relay import LineRelay, Route
+from pdd.lab.line.run import run_line
 
 
 def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -26,17 +26,17 @@ def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def add_parser(sub: Any) -> None:
-    """Register `pdd wan` on the top-level sub-command parsers."""
+    """Register `pdd line` on the top-level sub-command parsers."""
     p = sub.add_parser(
-        "wan",
-        help="run the WAN emulator (a TCP relay with bandwidth, delay, jitter and faults)",
+        "line",
+        help="run the line emulator (a TCP relay with bandwidth, delay, jitter and faults)",
         description=__doc__.splitlines()[0],
     )
     p.add_argument(
         "--route", action="append", required=True, type=_arg(Route.parse),
         metavar="LISTEN_HOST:PORT=TARGET_HOST:PORT", help="relay a local port to a target (repeatable)",
     )  # fmt: skip
-    defaults = LinkSettings()
+    defaults = LineSettings()
     p.add_argument("--bandwidth-mbps", type=float, default=defaults.bandwidth_mbps, help="per direction, shared")
     p.add_argument("--delay-ms", type=float, default=defaults.delay_ms, help="one-way delay")
     p.add_argument("--jitter-ms", type=float, default=defaults.jitter_ms, help="bound of the one-way jitter")
@@ -48,29 +48,29 @@ def add_parser(sub: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        settings = LinkSettings(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, args.jitter_dist, args.seed)
+        settings = LineSettings(args.bandwidth_mbps, args.delay_ms, args.jitter_ms, args.jitter_dist, args.seed)
     except ValueError as err:
-        print(f"wan: {err}", file=sys.stderr)
+        print(f"line: {err}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve_until_signal(args.route, settings, args.admin))
     except OSError as err:
-        print(f"wan: {err}", file=sys.stderr)
+        print(f"line: {err}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _serve_until_signal(routes: list[Route], settings: LinkSettings, admin: tuple[str, int] | None) -> None:
+async def _serve_until_signal(routes: list[Route], settings: LineSettings, admin: tuple[str, int] | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    def announce(relay: WanRelay, admin_url: str | None) -> None:
+    def announce(relay: LineRelay, admin_url: str | None) -> None:
         for route, port in zip(relay.routes, relay.listen_ports, strict=True):
-            print(f"wan: {route.listen_host}:{port} -> {route.target_host}:{route.target_port}")
+            print(f"line: {route.listen_host}:{port} -> {route.target_host}:{route.target_port}")
         if admin_url:
-            print(f"wan admin: {admin_url}")
+            print(f"line admin: {admin_url}")
         sys.stdout.flush()
 
-    await run_wan(routes, settings, admin, announce, stop)
+    await run_line(routes, settings, admin, announce, stop)

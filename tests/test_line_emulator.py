@@ -1,4 +1,4 @@
-"""The WAN emulator, measured from the outside: rate, delay, faults, counters, admin, CLI.
+"""The line emulator, measured from the outside: rate, delay, faults, counters, admin, CLI.
 
 Timing assertions use bounds the relay guarantees by construction (a delay is never
 shorter, a line never faster) plus generous slack on the other side, so a busy
@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from pdd.addresses import parse_addr
-from pdd.lab.wan import LinkSettings, Route, WanLine, WanRelay, run_wan
+from pdd.lab.line import EmulatedLine, LineRelay, LineSettings, Route, run_line
 from pdd.process import identity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,10 +94,10 @@ async def tcp_server(handler: Callable[..., Coroutine[Any, Any, None]]) -> Async
 
 
 @asynccontextmanager
-async def wan(target_port: int, bandwidth_mbps: float = 100, delay_ms: float = 1,
-              **kw: Any) -> AsyncIterator[tuple[WanLine, int]]:
-    line = WanLine(bandwidth_mbps, delay_ms, **kw)
-    relay = WanRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", target_port)])
+async def emulated(target_port: int, bandwidth_mbps: float = 100, delay_ms: float = 1,
+              **kw: Any) -> AsyncIterator[tuple[EmulatedLine, int]]:
+    line = EmulatedLine(bandwidth_mbps, delay_ms, **kw)
+    relay = LineRelay(line, [Route("127.0.0.1", 0, "127.0.0.1", target_port)])
     await relay.start()
     try:
         yield line, relay.listen_ports[0]
@@ -142,14 +142,14 @@ def test_route_and_address_parsing() -> None:
             Route.parse(bad)
     for bad_line in ({"bandwidth_mbps": 0}, {"delay_ms": -1}, {"jitter_ms": float("nan")}, {"jitter_dist": "pareto"}):
         with pytest.raises(ValueError):
-            LinkSettings(**bad_line)
+            LineSettings(**bad_line)
 
 
 def test_bulk_transfer_runs_at_line_rate_and_intact() -> None:
     data = blob(10 * 1024 * 1024)
 
     async def go() -> float:
-        async with tcp_server(sink) as target, wan(target, bandwidth_mbps=100, delay_ms=10) as (line, port):
+        async with tcp_server(sink) as target, emulated(target, bandwidth_mbps=100, delay_ms=10) as (line, port):
             start, digest, nbytes, last = await push(port, data)
             assert (digest, nbytes) == (hashlib.sha256(data).hexdigest(), len(data))
             assert line.bytes_a_to_b == len(data)
@@ -168,8 +168,8 @@ def test_concurrent_connections_share_the_line() -> None:
     async def go() -> tuple[float, list[float]]:
         async with tcp_server(sink) as target_1, tcp_server(sink) as target_2:
             routes = [Route("127.0.0.1", 0, "127.0.0.1", target_1), Route("127.0.0.1", 0, "127.0.0.1", target_2)]
-            line = WanLine(100, 10)
-            relay = WanRelay(line, routes)
+            line = EmulatedLine(100, 10)
+            relay = LineRelay(line, routes)
             await relay.start()
             try:
                 ports = [relay.listen_ports[0], relay.listen_ports[0], relay.listen_ports[1]]
@@ -192,7 +192,7 @@ def test_concurrent_connections_share_the_line() -> None:
 
 def test_one_way_delay_shows_in_round_trip() -> None:
     async def go() -> list[float]:
-        async with tcp_server(Echo().handle) as target, wan(target, delay_ms=20) as (_, port):
+        async with tcp_server(Echo().handle) as target, emulated(target, delay_ms=20) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 return [await ping(reader, writer) for _ in range(10)]
@@ -213,7 +213,7 @@ def test_jitter_never_reorders_a_stream(dist: str) -> None:
     async def go() -> tuple[bytes, list[float]]:
         echo = Echo()
         line_kw = {"delay_ms": 10, "jitter_ms": 8, "jitter_dist": dist, "seed": 7}
-        async with tcp_server(echo.handle) as target, wan(target, **line_kw) as (_, port):
+        async with tcp_server(echo.handle) as target, emulated(target, **line_kw) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 rtts = [await ping(reader, writer) for _ in range(5)]
@@ -234,7 +234,7 @@ def test_stall_holds_traffic_then_delivers_it_intact() -> None:
     data = blob(256 * 1024)
 
     async def go() -> None:
-        async with tcp_server(sink) as target, wan(target) as (line, port):
+        async with tcp_server(sink) as target, emulated(target) as (line, port):
             stalled_at = time.monotonic()
             line.stall(1.0)
             task = asyncio.create_task(push(port, data))
@@ -257,7 +257,7 @@ def test_stall_holds_traffic_then_delivers_it_intact() -> None:
 def test_drop_all_resets_connections_and_new_ones_work() -> None:
     async def go() -> None:
         echo = Echo()
-        async with tcp_server(echo.handle) as target, wan(target) as (line, port):
+        async with tcp_server(echo.handle) as target, emulated(target) as (line, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 await ping(reader, writer)
@@ -284,7 +284,7 @@ def test_drop_all_resets_connections_and_new_ones_work() -> None:
 def test_blackhole_swallows_traffic_silently() -> None:
     async def go() -> None:
         echo = Echo()
-        async with tcp_server(echo.handle) as target, wan(target) as (line, port):
+        async with tcp_server(echo.handle) as target, emulated(target) as (line, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 await ping(reader, writer, b"before")
@@ -311,7 +311,7 @@ def test_byte_counters_match_both_ways() -> None:
     data = blob(300_000)
 
     async def go() -> None:
-        async with tcp_server(Echo().handle) as target, wan(target, bandwidth_mbps=200) as (line, port):
+        async with tcp_server(Echo().handle) as target, emulated(target, bandwidth_mbps=200) as (line, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 writer.write(data)
@@ -324,16 +324,16 @@ def test_byte_counters_match_both_ways() -> None:
     run(go())
 
 
-def test_admin_api_changes_the_link_and_reports_stats() -> None:
+def test_admin_api_changes_the_line_and_reports_stats() -> None:
     data = blob(1_000_000)
 
     async def go() -> None:
-        ready: asyncio.Future[tuple[WanRelay, str]] = asyncio.get_running_loop().create_future()
+        ready: asyncio.Future[tuple[LineRelay, str]] = asyncio.get_running_loop().create_future()
         stop = asyncio.Event()
         async with tcp_server(sink) as target:
             routes = [Route("127.0.0.1", 0, "127.0.0.1", target)]
             task = asyncio.create_task(
-                run_wan(routes, LinkSettings(200, 1), ("127.0.0.1", 0), lambda r, u: ready.set_result((r, u)), stop)
+                run_line(routes, LineSettings(200, 1), ("127.0.0.1", 0), lambda r, u: ready.set_result((r, u)), stop)
             )
             try:
                 relay, url = await asyncio.wait_for(ready, 30)
@@ -341,11 +341,11 @@ def test_admin_api_changes_the_link_and_reports_stats() -> None:
                 async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as http:
                     # (the relay runs in this process: it says this process's identity)
                     assert (await http.get("/health")).json() == {"status": "ok", **identity()}
-                    r = await http.post("/link", json={"bandwidth_mbps": 20, "delay_ms": 10, "jitter_ms": 1})
+                    r = await http.post("/line", json={"bandwidth_mbps": 20, "delay_ms": 10, "jitter_ms": 1})
                     assert r.status_code == 200
                     assert (r.json()["bandwidth_mbps"], r.json()["delay_ms"], r.json()["jitter_ms"]) == (20, 10, 1)
                     for bad in ({"bandwidth_mbps": 0}, {"delay_ms": -5}, {"speed": 1}):
-                        assert (await http.post("/link", json=bad)).status_code == 422
+                        assert (await http.post("/line", json=bad)).status_code == 422
                     start, _, nbytes, last = await push(port, data)
                     # the new rate is in force (the delay, 10 ± 1 ms, exceeds the 5 ms burst)
                     assert last - start >= nbytes * 8 / (20 * MBIT)
@@ -378,7 +378,7 @@ def test_cli_relays_and_stops_on_sigterm() -> None:
     async def go() -> None:
         async with tcp_server(sink) as target:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdd.cli", "wan",
+                sys.executable, "-m", "pdd.cli", "line",
                 "--route", f"127.0.0.1:0=127.0.0.1:{target}", "--admin", "127.0.0.1:0",
                 "--bandwidth-mbps", "200", "--delay-ms", "2", "--seed", "3",
                 cwd=REPO, env=_cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -387,8 +387,8 @@ def test_cli_relays_and_stops_on_sigterm() -> None:
                 assert proc.stdout is not None
                 route_line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
                 admin_line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-                assert route_line.startswith("wan: 127.0.0.1:") and route_line.endswith(f" -> 127.0.0.1:{target}\n")
-                assert admin_line.startswith("wan admin: http://127.0.0.1:")
+                assert route_line.startswith("line: 127.0.0.1:") and route_line.endswith(f" -> 127.0.0.1:{target}\n")
+                assert admin_line.startswith("line admin: http://127.0.0.1:")
                 port = int(route_line.split()[1].rsplit(":", 1)[1])
                 _, digest, nbytes, _ = await push(port, data)
                 assert (digest, nbytes) == (hashlib.sha256(data).hexdigest(), len(data))
@@ -408,7 +408,7 @@ def test_cli_relays_and_stops_on_sigterm() -> None:
 def test_cli_rejects_a_bad_route() -> None:
     async def go() -> tuple[int, bytes]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdd.cli", "wan", "--route", "nowhere",
+            sys.executable, "-m", "pdd.cli", "line", "--route", "nowhere",
             cwd=REPO, env=_cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:

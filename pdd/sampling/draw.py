@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdd.guide import Guide
-from pdd.sampling import Logprob, SamplingParams, draw_key
+from pdd.sampling.guide import Guide
+from pdd.sampling.params import Logprob, SamplingParams, draw_key
 
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdd.sampling import GUIDE_KINDS
+from pdd.sampling.params import GUIDE_KINDS
 
 if TYPE_CHECKING:
     import torch

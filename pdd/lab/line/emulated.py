@@ -1,5 +1,5 @@
 """The line itself: its settings, the shaper that paces each direction, and the
-shared medium (`WanLine`) with its delay, jitter, faults and byte counters.
+shared medium (`EmulatedLine`) with its delay, jitter, faults and byte counters.
 
 "a→b" is client-to-server traffic (towards the route's target), "b→a" the replies.
 """
@@ -26,7 +26,7 @@ POLL_S = 0.05  # how often a held chunk re-checks a stall that may have been lif
 
 
 @dataclass(frozen=True)
-class LinkSettings:
+class LineSettings:
     """What a line is; validated on creation, so a bad value never reaches the relay."""
 
     bandwidth_mbps: float = 100.0  # per direction, shared by all connections
@@ -63,14 +63,14 @@ class _Shaper:
 
 
 class Crossing(Protocol):
-    """A connection crossing the line, as the line's faults see it (`pdd.lab.wan.relay`'s)."""
+    """A connection crossing the line, as the line's faults see it (`pdd.lab.line.relay`'s)."""
 
     poisoned: bool  # bytes were swallowed by a blackhole
 
     def abort(self) -> None: ...
 
 
-class WanLine:
+class EmulatedLine:
     """The shared medium: rate, delay, jitter, faults and counters of one line."""
 
     def __init__(
@@ -82,7 +82,7 @@ class WanLine:
         jitter_dist: str = "uniform",
         seed: int | None = 0,
     ) -> None:
-        self.settings = LinkSettings(bandwidth_mbps, delay_ms, jitter_ms, jitter_dist, seed)
+        self.settings = LineSettings(bandwidth_mbps, delay_ms, jitter_ms, jitter_dist, seed)
         self._rng = random.Random(seed)
         self._shapers = {A_TO_B: _Shaper(), B_TO_A: _Shaper()}
         self._stalled_until = 0.0
@@ -109,7 +109,7 @@ class WanLine:
 
     # --- control -------------------------------------------------------------------
 
-    def set_link(
+    def reshape(
         self, bandwidth_mbps: float | None = None, delay_ms: float | None = None, jitter_ms: float | None = None
     ) -> None:
         """Change the line at run time; data already on the line keeps its timing."""

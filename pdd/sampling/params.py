@@ -52,7 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     cache_salt: str = ""
     # Logit shaping, as vLLM has it: functions of the prompt and the output so far, so every
     # producer of a position (P, a relay, MD after a handoff) shapes it alike
-    # (`pdd.sampler.shape`). Protocol 6's: left out at their defaults.
+    # (`pdd.sampling.draw.shape`). Protocol 6's: left out at their defaults.
     presence_penalty: float = 0.0  # minus this for each token already in the output
     frequency_penalty: float = 0.0  # minus this times the count of each token in the output
     repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / this if > 0, else * this
@@ -138,7 +138,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     @property
     def shapes(self) -> bool:
-        """Whether the logits are shaped before the choice (`pdd.sampler.shape`)."""
+        """Whether the logits are shaped before the choice (`pdd.sampling.draw.shape`)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
@@ -162,7 +162,7 @@ _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(SamplingParams)}
 
 
 def draw_key(seed: int, position: int) -> int:
-    """The 64-bit key of output position `position`'s draw (`pdd.sampler`).
+    """The 64-bit key of output position `position`'s draw (`pdd.sampling.draw`).
 
     A hash of both, so any integer seed works (however large or negative) and every
     producer of that position draws from the same random numbers.

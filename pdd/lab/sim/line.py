@@ -22,7 +22,7 @@ class _Transfer:
 
 
 @dataclass
-class LinkStats:
+class LineStats:
     bytes: float = 0.0  # what the line carried (read by the tests' bandwidth checks)
 
 
@@ -43,7 +43,7 @@ class Delivery:
         return done
 
 
-class SharedLink(Delivery):
+class SharedLine(Delivery):
     """`send(nbytes)` returns an event that fires when the bytes have arrived (one-way
     delay included). Urgent transfers (priority 0) share the line among themselves and
     take it ahead of background ones (priority 1), as the instances' two connections do."""
@@ -51,13 +51,13 @@ class SharedLink(Delivery):
     def __init__(self, env: simpy.Environment, line: Line, name: str = "") -> None:
         self.env, self.line, self.name = env, line, name
         self.active: list[_Transfer] = []
-        self.stats = LinkStats()
+        self.stats = LineStats()
         self._last = 0.0
         self._wake = env.event()
         env.process(self._run())
 
     def send(self, nbytes: float, priority: int = 0, conn: object = None) -> simpy.Event:
-        """(`conn`, the connection, is TcpLink's: a fluid pipe shares per transfer.)"""
+        """(`conn`, the connection, is TcpLine's: a fluid pipe shares per transfer.)"""
         if nbytes <= 0:
             return self._empty()
         done = self.env.event()

@@ -1,5 +1,5 @@
 """The TCP relay: listeners on a set of routes, each accepted connection joined to its
-target by two pipes that cross one `WanLine`, in order and at the line's pace."""
+target by two pipes that cross one `EmulatedLine`, in order and at the line's pace."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd.addresses import parse_addr
-from pdd.lab.wan.line import A_TO_B, B_TO_A, WanLine
+from pdd.lab.line.emulated import A_TO_B, B_TO_A, EmulatedLine
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class _Pipe:
 
     def __init__(
         self,
-        line: WanLine,
+        line: EmulatedLine,
         direction: str,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
@@ -120,7 +120,7 @@ class _Pipe:
 class _RelayedConnection:
     """A client connection and its upstream twin, joined by two pipes over the line."""
 
-    def __init__(self, line: WanLine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, line: EmulatedLine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._line = line
         self._client = (reader, writer)
         self._upstream: asyncio.StreamWriter | None = None
@@ -148,7 +148,7 @@ class _RelayedConnection:
                 self._upstream = upstream
             except (TimeoutError, OSError) as err:
                 self._line.connect_errors += 1
-                log.warning("wan: cannot reach %s:%d: %s", target_host, target_port, err)
+                log.warning("line: cannot reach %s:%d: %s", target_host, target_port, err)
                 return
             if self._aborted:
                 return
@@ -180,13 +180,13 @@ class _RelayedConnection:
 def _log_unexpected(task: asyncio.Task[None]) -> None:
     """Collect a pump's outcome: network errors are routine, anything else is a bug."""
     if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(exc, OSError):
-        log.error("wan: relay task failed", exc_info=exc)
+        log.error("line: relay task failed", exc_info=exc)
 
 
-class WanRelay:
-    """The listeners of a set of routes, all crossing one `WanLine`."""
+class LineRelay:
+    """The listeners of a set of routes, all crossing one `EmulatedLine`."""
 
-    def __init__(self, line: WanLine, routes: Sequence[Route]) -> None:
+    def __init__(self, line: EmulatedLine, routes: Sequence[Route]) -> None:
         self.line = line
         self.routes = list(routes)
         self.listen_ports: list[int] = []

@@ -12,11 +12,11 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdd.lab.wan.relay import Route, WanRelay
+from pdd.lab.line.relay import LineRelay, Route
 from pdd.process import identity
 
 
-class _LinkUpdate(BaseModel):
+class _LineUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bandwidth_mbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     delay_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -35,9 +35,9 @@ class _Fault(BaseModel):
     blackhole: bool | None = None
 
 
-def admin_app(relay: WanRelay) -> FastAPI:
+def admin_app(relay: LineRelay) -> FastAPI:
     """The HTTP control surface, so benchmarks and chaos tests can drive the line."""
-    app = FastAPI(title="pdd wan admin")
+    app = FastAPI(title="pdd line admin")
     line = relay.line
 
     @app.get("/health")
@@ -48,9 +48,9 @@ def admin_app(relay: WanRelay) -> FastAPI:
     def stats() -> dict[str, Any]:
         return relay.stats()
 
-    @app.post("/link")
-    def link(update: _LinkUpdate) -> dict[str, Any]:
-        line.set_link(update.bandwidth_mbps, update.delay_ms, update.jitter_ms)
+    @app.post("/line")
+    def reshape_line(update: _LineUpdate) -> dict[str, Any]:
+        line.reshape(update.bandwidth_mbps, update.delay_ms, update.jitter_ms)
         return relay.stats()
 
     @app.post("/routes")
@@ -104,7 +104,7 @@ class AdminServer:
         while not self._server.started:
             if self._task.done():
                 self._task.result()
-                raise RuntimeError("wan admin server stopped during startup")
+                raise RuntimeError("line admin server stopped during startup")
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
