@@ -93,8 +93,9 @@ class LineSpec:
     # A peer of a release before protocol 6 is sent exact KV.
     lossy_kv: str = ""
     # Lossless, off by default: KV crossing the line compressed ("zstd", level 1): pays on a
-    # 1 Gbit/s line (+29 % for bf16 KV, +9 % for fp32), costs a core per 0.75 GB/s each way
-    # (BENCHMARKS.md), so not on a 10 Gbit/s one. A peer before protocol 6 is sent it as it is.
+    # line of about 1 Gbit/s, not on a 10 Gbit/s one, where the core each end spends on it
+    # moves less than the line (BENCHMARKS.md, "Lossless compression for the line"). A peer
+    # before protocol 6 is sent it as it is.
     compress_kv: str = ""
     # KV between instances of one datacenter (P -> RLD, P -> MD in the same site): "tcp"
     # (pdd's frames, the default), "mooncake" (the Mooncake Transfer Engine writes each

@@ -35,10 +35,9 @@ from pdd.transfer.wire import FramedConnection, MsgType
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 # A KV connection's unsent bytes in the kernel, at most: what waits, waits in userspace,
-# where background KV yields to urgent KV frame by frame. Not a cap on the send buffer:
-# that (SO_SNDBUF 64 KiB, until 0.2) also capped the bytes in flight, to 128 KiB a round
-# trip, 4.4 MB/s through a 2 Gbit/s lab line at 20 ms (tests/test_line_delay.py), where
-# autotuning carries 232 MB/s. Bytes in flight grow with the window, as TCP grows it.
+# where background KV yields to urgent KV frame by frame. Not a cap on the send buffer,
+# which would cap the bytes in flight a round trip too (tests/test_line_delay.py): bytes in
+# flight grow with the window, as TCP grows it.
 BULK_NOTSENT_LOWAT = 128 * 1024
 URGENT_TAIL_POLL_S = 0.002  # how often background KV looks whether urgent KV has left the kernel
 CHANNEL_NAMES = {Priority.CONTROL: "control", Priority.URGENT: "urgent", Priority.BACKGROUND: "background"}

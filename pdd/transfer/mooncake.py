@@ -32,8 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 # A frame larger than a slot goes over the connection itself. P's KV frames are at most
-# `prefill_kv.KV_FRAME_BYTES` (1 MiB) and their headers; sixteen in flight moved 1.4x what
-# eight of 4 MiB did (`pdd bench transfer --loopback --intra mooncake`), in the same 32 MiB.
+# `prefill_kv.KV_FRAME_BYTES` (1 MiB) and their headers: more slots of less, in the same
+# 32 MiB, keep more frames in flight (`pdd bench transfer --loopback --intra mooncake`).
 SLOT_BYTES = 2 << 20
 SLOTS = 16
 
@@ -70,8 +70,8 @@ class Endpoint:
         # the threads that copy frames into our slots and tag them, while the engine writes others
         self.stager = ThreadPoolExecutor(2, thread_name_prefix="pdd-mooncake-stage")
         # the one thread that writes through the engine, every write queued so far in one batch
-        # (synchronous writes issued from several threads at once were seen to stall here; one
-        # at a time, each 4 MiB write waited out the last: 0.68 GB/s, eight a batch 0.95)
+        # (synchronous writes issued from several threads at once stall here, and one at a
+        # time each waits out the last)
         self._writes: queue.SimpleQueue[_Write] = queue.SimpleQueue()
         threading.Thread(target=self._write_batches, name="pdd-mooncake", daemon=True).start()
         self._regions: list[torch.Tensor] = []  # kept alive while registered
