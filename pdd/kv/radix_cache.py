@@ -10,7 +10,7 @@ Eviction keeps its order as it goes: a heap of the leaves no sequence locks, by 
 use, pushed when a node becomes one (inserted, unlocked, its last child evicted) or is
 used again; an entry a later use, lock or child made stale is dropped when it surfaces.
 So `evict` costs the pages it frees, not a walk of the tree (the simulator's instances
-evict at each of ~76k inserts of a 32-GPU plan, over trees of up to ~10^5 pages).
+evict at nearly every insert, over trees of up to ~10^5 pages).
 
 A page's key is its tokens. Where there are no tokens (the simulator, which knows a
 prompt by its block keys), `match_keys` and `insert_keys` take one key per page, and
