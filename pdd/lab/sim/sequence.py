@@ -20,7 +20,7 @@ class _Counts(Protocol):
     tokens_out: int
 
 
-class Host(Protocol):
+class SimInstance(Protocol):
     """What a hold, a landing and a decode run ask of the instance they belong to
     (`pdd.lab.sim.instance.Instance`, which is built from them: named by shape here)."""
 
@@ -46,7 +46,7 @@ class Landing:
     handoff or a fill still to land. A later request sharing most of `keys` may wait for
     it (`settled`), as the live side waits for its jobs (`pdd.policy.prefix.may_hold`)."""
 
-    inst: Host
+    inst: SimInstance
     keys: Sequence[Hashable]  # its prompt; once reserved, its prompt and output
     order: int  # its arrival at `inst`
     reserved: bool = False
@@ -74,7 +74,7 @@ class Hold:
     it relies on, locked in the instance's radix cache (eviction passes them by) until
     the hold is released."""
 
-    inst: Host
+    inst: SimInstance
     tokens: int
     locked: TreeNode  # the deepest block of its prefix (the cache's root: none)
     released: bool = False
@@ -184,7 +184,7 @@ class _Run:
     in it, not a pass over the batch: the steps' times are kept (`log`), and the sums a
     stretch is priced from are kept as members join and leave."""
 
-    inst: Host
+    inst: SimInstance
     # end times of the steps applied, in order: the first `logged` of `log`
     log: np.ndarray = field(default_factory=lambda: np.empty(1024))
     logged: int = 0
