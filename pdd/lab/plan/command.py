@@ -46,6 +46,7 @@ class Plan:
     fleet: Fleet
     sides: list[dict[str, Any]]
     steps: list[dict[str, Any]]  # each side's step times' source (`pdd.lab.plan.measured`); empty: the roofline's
+    cells: int  # the identical deployments the budget is planned in (`--cell-gpus`)
 
 
 def setting_of(args: argparse.Namespace) -> tuple[paper.Setting, Fleet]:
@@ -92,13 +93,13 @@ def _prepare(args: argparse.Namespace) -> Plan:
     if kind != "agentic":
         if args.tool_time_s or args.task_tokens:
             raise ValueError("--tool-time-s and --task-tokens shape the agentic workload, not a trace")
-        return Plan(layouts, mooncake(load_trace(path)), setting, fleet, sides, steps)
+        return Plan(layouts, mooncake(load_trace(path)), setting, fleet, sides, steps, cells)
     config = paper.WORKLOAD
     if args.tool_time_s:
         config = replace(config, tool_time_s=args.tool_time_s)
     if args.task_tokens:
         config = replace(config, task_tokens=args.task_tokens)
-    return Plan(layouts, agentic(config), setting, fleet, sides, steps)
+    return Plan(layouts, agentic(config), setting, fleet, sides, steps, cells)
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -135,7 +136,7 @@ def plan_main(args: argparse.Namespace) -> int:
     for line in step_lines(plan.steps):
         out.print(line)
     out.print(f"Assumptions: {assumption_line(probe, plan.workload, setting)}")
-    if cells_for(args.max_gpus, args.cell_gpus) > 1:
+    if plan.cells > 1:
         out.print(cells_line(args.max_gpus, args.cell_gpus))
     out.print(f"What the verdict rests on: {ratio.line() if ratio else 'rho: the model fits no instance of A or B'}")
     versus, steps = None, None
@@ -218,8 +219,7 @@ def _at_target(console, out, args: argparse.Namespace, plan: Plan, probe: Probe)
     """Each family's cheapest layout within the budget that meets the SLO at `--target-rps`."""
     from pdd.progress import progress_bar
 
-    cells = cells_for(args.max_gpus, args.cell_gpus)
-    everything = candidates(args.max_gpus, args.line_gbps, args.chips, plan.setting, spend=False, cells=cells)
+    everything = candidates(args.max_gpus, args.line_gbps, args.chips, plan.setting, spend=False, cells=plan.cells)
     with progress_bar(console, args.quiet) as bar:
         task = bar.add_task("at the target", total=None)
         found = cheapest_at(

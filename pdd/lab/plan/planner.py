@@ -231,10 +231,10 @@ def goodput_of(
     meets it is searched upwards from there. `probed_rps`: the rate its goodput was
     probed at (session rate x turns), which is its goodput (`_row`) and what `beat_rps`
     is made of."""
-    spec, cells = spec_of(layout, setting, workload), layout.cells
-    capacity, beat_rps = capacity / cells, None if beat_rps is None else beat_rps / cells  # one cell's
+    spec = spec_of(layout, setting, workload)
     sessions, turns = workload.sessions(), workload.turns
-    runs: dict[float, dict[str, Any]] = {}  # by session rate: a rate is never probed twice
+    per_session = layout.cells * turns  # the layout's requests a second, a session a second of one cell
+    runs: dict[float, dict[str, Any]] = {}  # by one cell's session rate: a rate is never probed twice
 
     def searched(low: float, high: float, steps: int) -> dict[str, Any] | None:
         return find_goodput(
@@ -242,21 +242,21 @@ def goodput_of(
             sessions,
             probe.slo,
             lambda rate: probe.window(rate * turns, workload),
-            low / turns,
-            high / turns,
+            low / per_session,
+            high / per_session,
             steps=steps,
             attainment=probe.attainment,
             runs=runs,
         )
 
     if beat_rps is not None:
-        run = runs[beat_rps / turns] = probe_at(spec, workload, probe, beat_rps)
+        run = runs[beat_rps / per_session] = probe_at(spec, workload, probe, beat_rps / layout.cells)
         if (run["slo_attainment"] or 0.0) < probe.attainment:
-            return row_of(layout, setting, run, cells * capacity, cells * beat_rps) | {
+            return row_of(layout, setting, run, capacity, beat_rps) | {
                 "goodput_rps": None,
                 "bcr": None,
                 "probes": 1,
-                "missed_rps": cells * beat_rps,
+                "missed_rps": beat_rps,
             }
         high = max(HEADROOM * capacity, (1 + search_resolution(probe)) * beat_rps)
         best = searched(beat_rps, high, steps_for(high / beat_rps, probe))
@@ -265,8 +265,8 @@ def goodput_of(
         while best is None and tried < 3:
             best = searched(low, high, probe.steps)
             high, low, tried = low, low / 4, tried + 1
-    probed = cells * best["session_rate"] * turns if best else None
-    return row_of(layout, setting, best, cells * capacity, probed) | {"probes": len(runs), "probed_rps": probed}
+    probed = best["session_rate"] * per_session if best else None
+    return row_of(layout, setting, best, capacity, probed) | {"probes": len(runs), "probed_rps": probed}
 
 
 def steps_for(ratio: float, probe: Probe) -> int:
