@@ -13,9 +13,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import yaml
-from procs import free_port, stop_group
+from procs import HTTP, free_port, stop_group
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.lab.deploy import wait_http
@@ -121,7 +120,7 @@ def prometheus(targets: dict[str, dict[str, str]], where: Path) -> Iterator[str]
 
 def query(url: str, expr: str) -> list[dict]:
     """An instant query's series: [{"metric": {label: value}, "value": [t, "v"]}]."""
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    r = HTTP.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
     return r.json()["data"]["result"]
 
@@ -154,6 +153,6 @@ def unthresholded(expr: str) -> str:
 
 def rule_health(url: str) -> dict[str, str]:
     """Each loaded rule's health after its evaluations ("ok", "err", "unknown")."""
-    groups = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    groups = HTTP.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
     return {r["name"]: r["health"] + (f": {r['lastError']}" if r.get("lastError") else "")
             for g in groups for r in g["rules"]}

@@ -25,6 +25,11 @@ from pdd.engines.port import EngineConfig
 from pdd.lab import deploy
 from pdd.lab.deploy import wait_http
 
+# the tests' one HTTP client: building a client's TLS context costs tens of milliseconds of CPU,
+# and tests poll. No connection is kept between requests: each opens its own, as `httpx.get` does,
+# so a server a test stops or kills is never reached through a connection pooled before.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False)
+
 _DRAWN: set[int] = set()  # every port this test process drew: a test's several draws never repeat
 
 
@@ -82,7 +87,7 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 def metrics(url: str) -> dict[str, float]:
     """A server's `pdd_*` Prometheus series (name with labels -> value)."""
-    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    lines = HTTP.get(f"{url}/metrics", timeout=5).text.splitlines()
     return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("pdd_")}
 
 
@@ -128,7 +133,7 @@ class Deployment:
 
     def fault(self, **fault: Any) -> dict:
         """Inject (or clear) a fault on the line; the emulator's stats after it."""
-        r = httpx.post(f"{self.line_admin}/fault", json=fault, timeout=5)
+        r = HTTP.post(f"{self.line_admin}/fault", json=fault, timeout=5)
         r.raise_for_status()
         return r.json()
 
@@ -173,7 +178,7 @@ def join_main(dep, tmp_path: Path, name: str, env: dict[str, str] | None = None)
     spec = cfg.InstanceSpec(name, "main", conf.line.b, port=free_port(), kv_port=free_port(),
                             advertise={conf.line.a: hop}, engine=conf.engine)
     route = f"{hop}=127.0.0.1:{spec.kv_port}"
-    httpx.post(f"{dep.line_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
+    HTTP.post(f"{dep.line_admin}/routes", json={"route": route}, timeout=5).raise_for_status()
     path = tmp_path / "joined.toml"
     path.write_text(cfg.dump(dataclasses.replace(conf, instances=(*conf.instances, spec))))
     http = f"http://127.0.0.1:{spec.port}"
@@ -218,7 +223,7 @@ class PlainVllm:
         if key not in self._seen:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}
-            r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
+            r = HTTP.post(f"{self.url}/v1/completions", json=body, timeout=120)
             r.raise_for_status()
             self._seen[key] = r.json()["choices"][0]["token_ids"]
         return self._seen[key]
@@ -251,7 +256,7 @@ def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:
     vLLM's KV usage gauge measures) and no request held; their engine stats then."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = [httpx.get(f"{u}/pdd/stats").json()["engine"] for u in urls]
+        stats = [HTTP.get(f"{u}/pdd/stats").json()["engine"] for u in urls]
         if all(s.get("used_blocks", 0) == 0 and s.get("held_requests", 0) == 0 for s in stats):
             return stats
         if time.monotonic() > deadline:
@@ -280,7 +285,7 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout: flo
     out: dict[str, Any] = {"ids": [], "record": None, "error": None, "id": None, "finish_reason": None,
                            "logprobs": []}
     began = time.monotonic()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: {"):

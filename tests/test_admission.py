@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import metrics, pdd_up, standalone
+from procs import HTTP, metrics, pdd_up, standalone
 from prometheus_client import CollectorRegistry
 
 from pdd.api.admission import AdmissionGate
@@ -65,7 +65,7 @@ def _flood(url: str, n: int, max_tokens: int = 24) -> list[httpx.Response]:
     body = {"model": "tiny", "prompt": "the line between datacenters", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0}
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120), range(n)))
+        return list(pool.map(lambda _: HTTP.post(f"{url}/v1/completions", json=body, timeout=120), range(n)))
 
 
 def _check_flood(responses: list[httpx.Response], max_tokens: int = 24) -> tuple[int, int]:
@@ -110,7 +110,7 @@ def test_the_router_sends_a_decode_instance_no_more_than_it_may_hold(tmp_path):
     with pdd_up("--config", conf) as dep:
         accepted, shed = _check_flood(_flood(dep.url, 8))
         assert (accepted, shed) == (8, 0)
-        assert httpx.get(f"{dep.http['md0']}/pdd/stats", timeout=5).json()["node"]["peak_held"] == 1
+        assert HTTP.get(f"{dep.http['md0']}/pdd/stats", timeout=5).json()["node"]["peak_held"] == 1
 
 
 def test_a_standalone_instance_bounds_its_own_api(tiny_model_dir):

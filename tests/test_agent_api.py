@@ -8,11 +8,10 @@ import json
 import re
 from typing import Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from procs import standalone
+from procs import HTTP, standalone
 from pydantic import BaseModel
 
 from pdd.model.tokenizer import Tokenizer
@@ -105,7 +104,7 @@ def test_tools_and_a_call_history_reach_the_template(server, tiny_model_dir):
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Paris", "days": 2}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": history, "tools": TOOLS,
+    r = HTTP.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": history, "tools": TOOLS,
                                                           "max_tokens": 1, "temperature": 0}, timeout=30)
     assert r.status_code == 200, r.text
     hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -146,7 +145,7 @@ def test_responses_text_and_function_tools_whole_and_streamed(server):
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
     answer = client.responses.create(model="tiny", input=turn, tools=RESPONSE_TOOLS, max_output_tokens=5, temperature=0)
     assert answer.output[0].type == "message" and answer.usage.input_tokens > text.usage.input_tokens
-    chat = httpx.post(f"{server}/v1/chat/completions", timeout=30, json={
+    chat = HTTP.post(f"{server}/v1/chat/completions", timeout=30, json={
         "model": "tiny", "max_tokens": 5, "temperature": 0, "tools": [{"type": "function", "function": {
             "name": "get_weather", "description": "forecast", "parameters": WEATHER, "strict": True}}],
         "messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
@@ -160,7 +159,7 @@ def test_responses_text_and_function_tools_whole_and_streamed(server):
                      *["response.function_call_arguments.delta"] * (len(kinds) - 6),
                      "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert [(o.name, o.arguments) for o in final.output] == [(call.name, call.arguments)]
-    r = httpx.post(f"{server}/v1/responses", json={"model": "tiny", "input": "hi", "stream": True,
+    r = HTTP.post(f"{server}/v1/responses", json={"model": "tiny", "input": "hi", "stream": True,
                                                    "max_output_tokens": 4}, timeout=30)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -181,7 +180,7 @@ def test_responses_text_and_function_tools_whole_and_streamed(server):
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_responses_refuse_what_they_do_not_honour_by_name(server, body, param):
-    r = httpx.post(f"{server}/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=30)
+    r = HTTP.post(f"{server}/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 

@@ -17,12 +17,11 @@ import json
 import os
 from typing import Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from parser_model import marker_model
-from procs import pdd_up
+from procs import HTTP, pdd_up
 from test_tool_parsers import NO_THINKING, two_calls, write_config
 
 pytest.importorskip("vllm")  # (the deployment runs vLLM's parsers by name)
@@ -63,7 +62,7 @@ def test_qwen3_xml_calls_beside_the_qwen3_reasoning_parser_through_a_handoff(dep
 
 def _served(dep) -> tuple[int, int, int]:
     """(requests the router finished, of them through the relay, of them handed over to MD)."""
-    stats = httpx.get(f"{dep.url}/pdd/stats", timeout=10).json()
+    stats = HTTP.get(f"{dep.url}/pdd/stats", timeout=10).json()
     done = sum(v for k, v in stats.items() if k.startswith("pipeline:"))
     return done, stats.get("pipeline:P-RLD-MD", 0), stats.get("handoff:catch_up", 0)
 

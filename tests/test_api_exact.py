@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
-from procs import standalone
+from procs import HTTP, standalone
 
 from pdd.engines.embedded.engine import Engine
 from pdd.engines.port import EngineConfig
@@ -52,7 +51,7 @@ def _engine_ids(engine: Engine, prompt: list[int], **setting) -> list[int]:
 
 def _api_ids(url: str, **setting) -> list[int]:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True, **setting}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r = HTTP.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == MAX, choice
@@ -71,7 +70,7 @@ def test_each_shaping_parameter_reaches_the_sampler_alone(name, server, engine, 
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
     body = {"model": "tiny", "messages": messages, "max_tokens": MAX, "temperature": 0, "ignore_eos": True, **asked}
-    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    r = HTTP.post(f"{server}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == _engine_ids(engine, prompt, **own)
 
@@ -81,7 +80,7 @@ def test_a_regex_guide_holds_the_whole_output(server):
     for endpoint, ask in (("completions", {"prompt": "Answer:"}),
                           ("chat/completions", {"messages": [{"role": "user", "content": "Answer?"}]})):
         body = {"model": "tiny", "max_tokens": 30, "temperature": 0, "structured_outputs": {"regex": pattern}, **ask}
-        choice = httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=60).json()["choices"][0]
+        choice = HTTP.post(f"{server}/v1/{endpoint}", json=body, timeout=60).json()["choices"][0]
         text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
         assert choice["finish_reason"] == "stop" and re.fullmatch(pattern, text), choice
 
@@ -96,7 +95,7 @@ def test_the_tools_prompt_is_transformers_text(server, tiny_model_dir):
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?", "name": "alice"},
                {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "a clock"},
                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
-    r = httpx.post(f"{server}/v1/chat/completions", timeout=30, json={
+    r = HTTP.post(f"{server}/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": history, "tools": tools, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 0})
     assert r.status_code == 200, r.text
@@ -145,7 +144,7 @@ def test_every_field_vllm_takes_is_taken_or_refused_by_name(server, endpoint):
             body = json.loads(json.dumps({"model": "tiny", **base, name: default}, default=str))
         except TypeError:
             continue
-        r = httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=60)
+        r = HTTP.post(f"{server}/v1/{endpoint}", json=body, timeout=60)
         said[name] = r.status_code if r.status_code == 200 else (r.status_code, r.json()["error"]["param"])
     wrong = {k: v for k, v in said.items() if v != 200 and not (v[0] == 400 and (v[1] or "").split(".")[0] == k)}
     assert not wrong, wrong

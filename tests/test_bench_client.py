@@ -21,7 +21,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from procs import free_port
+from procs import HTTP, free_port
 
 from pdd.cli import main
 from pdd.lab.bench.client import replay
@@ -124,7 +124,7 @@ def server_url():
         while True:
             assert proc.poll() is None, "fake server exited during start-up"
             try:
-                if httpx.get(f"{url}/v1/models", timeout=1, trust_env=False).status_code == 200:
+                if HTTP.get(f"{url}/v1/models", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -141,7 +141,7 @@ def server_url():
 
 
 def _prompts(url: str) -> list[list[int]]:
-    return httpx.get(f"{url}/fake/prompts", trust_env=False).json()
+    return HTTP.get(f"{url}/fake/prompts").json()
 
 
 def _session(sid: int, *turns: tuple[int, int, int | None]) -> Session:

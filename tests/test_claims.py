@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import kv_bytes_per_token, metrics, pdd_process, pdd_up, rejected_frames, standalone, wait_until
+from procs import HTTP, kv_bytes_per_token, metrics, pdd_process, pdd_up, rejected_frames, standalone, wait_until
 
 from pdd.engines.port import EngineConfig
 
@@ -68,7 +68,7 @@ def _body(prompt: list[int], max_tokens: int, stream: bool) -> dict:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 60) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, False), timeout=timeout)
+    r = HTTP.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, False), timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -81,7 +81,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 60,
     out: dict = {"ids": [], "record": None, "error": None, "first_at": None, "sent_at": time.monotonic(),
                  "max_gap_s": 0.0}
     last = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=_body(prompt, max_tokens, True), timeout=timeout) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=_body(prompt, max_tokens, True), timeout=timeout) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
             r.read()
@@ -115,7 +115,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 60,
 
 
 def _stats(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats", timeout=5).json()
+    return HTTP.get(f"{url}/pdd/stats", timeout=5).json()
 
 
 
@@ -132,7 +132,7 @@ def _health(url: str) -> tuple[int, dict]:
     """The router's /ready: its status and what it says of the deployment (less what it says
     of its process)."""
     try:
-        r = httpx.get(f"{url}/ready", timeout=2)
+        r = HTTP.get(f"{url}/ready", timeout=2)
     except httpx.HTTPError as e:
         return 0, {"error": str(e)}
     return r.status_code, {k: v for k, v in r.json().items() if k not in ("pid", "launch")}
@@ -208,7 +208,7 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(tmp_path, coloc
         assert _complete(dep.url, warm, 4)["choices"][0]["token_ids"] == colocated(warm, 4)
         md_before, p_aborted = _stats(http["md0"])["engine"], _stats(http["p0"])["node"]["aborted"]
         assert dep.fault(stall_s=60.0)["stalled_for_s"] > 50
-        with httpx.stream("POST", f"{dep.url}/v1/completions", json=_body(prompt, CONTEXT - len(prompt), True),
+        with HTTP.stream("POST", f"{dep.url}/v1/completions", json=_body(prompt, CONTEXT - len(prompt), True),
                           timeout=30) as r:
             assert r.status_code == 200
             used = wait_until(lambda: metrics(http["p0"])["pdd_kv_used_pages"], 20,
@@ -218,7 +218,7 @@ def test_client_disconnect_aborts_on_prefill_and_frees_its_pages(tmp_path, coloc
         wait_until(lambda: metrics(http["p0"])["pdd_kv_used_pages"] == 0 and _settled(http["p0"]), 20,
                   "P released the pages of the request whose client left")
         released = time.monotonic() - left
-        assert httpx.get(f"{dep.line_admin}/stats").json()["stalled_for_s"] > 30, "P let go only when the stall ended"
+        assert HTTP.get(f"{dep.line_admin}/stats").json()["stalled_for_s"] > 30, "P let go only when the stall ended"
         assert _stats(http["p0"])["node"]["aborted"] == p_aborted + 1  # the router's abort, not a lost peer
         assert metrics(http["p0"])["pdd_requests_running"] == 0
         dep.fault(stall_s=0)  # the line is back: MD gets the late reservation and P's abort
@@ -242,7 +242,7 @@ def test_no_first_token_within_token_timeout_is_a_504(tmp_path, colocated):
         dep.fault(stall_s=60.0)  # MD's reservation (and any token) waits behind the stalled line
         streamed = pool.submit(_stream, dep.url, prompt, 50, 30)
         t0 = time.monotonic()
-        r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, 50, False), timeout=30)
+        r = HTTP.post(f"{dep.url}/v1/completions", json=_body(prompt, 50, False), timeout=30)
         took = time.monotonic() - t0
         s = streamed.result(timeout=30)
         dep.fault(stall_s=0)
@@ -281,7 +281,7 @@ def test_router_reconnects_when_a_killed_instance_returns(colocated):
                 os.kill(dep.pids[name], signal.SIGKILL)
                 missing = (503, {"status": "unavailable", "missing": [role]})
                 wait_until(lambda missing=missing: _health(dep.url) == missing, 10, f"router reports {role} missing")
-                r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, 4, False), timeout=30)
+                r = HTTP.post(f"{dep.url}/v1/completions", json=_body(prompt, 4, False), timeout=30)
                 assert r.status_code == 503, r.text
                 _assert_openai_error(r.json()["error"])
                 proc = restarted.enter_context(pdd_process(["serve", "--config", conf, "--instance", name],
@@ -373,9 +373,9 @@ def _sessions(colocated) -> list[tuple[list[int], int]]:
 
 
 def _run_turns(url: str, line_admin: str, turns: list[tuple[list[int], int]]) -> tuple[list[dict], int]:
-    before = httpx.get(f"{line_admin}/stats").json()["bytes_a_to_b"]
+    before = HTTP.get(f"{line_admin}/stats").json()["bytes_a_to_b"]
     got = [_complete(url, p, n) for p, n in turns]
-    return got, httpx.get(f"{line_admin}/stats").json()["bytes_a_to_b"] - before
+    return got, HTTP.get(f"{line_admin}/stats").json()["bytes_a_to_b"] - before
 
 
 def test_decode_side_cache_cuts_line_bytes_against_drc_off(colocated, tiny_model_dir):
@@ -425,7 +425,7 @@ def _attempt(url: str, prompt: list[int], max_tokens: int, stream: bool,
     if stream:
         out = _stream(url, prompt, max_tokens, FAULT_BOUND_S, first)
     else:
-        r = httpx.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, False), timeout=FAULT_BOUND_S)
+        r = HTTP.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, False), timeout=FAULT_BOUND_S)
         out = {"status": r.status_code, "ids": [], "error": None}
         if r.status_code == 200:
             out["ids"] = r.json()["choices"][0]["token_ids"]
@@ -596,7 +596,7 @@ def test_prefill_losing_its_decode_peer_is_a_503_not_a_500(colocated):
             assert _complete(dep.url, warm, 4)["choices"][0]["token_ids"] == colocated(warm, 4)  # P -> MD is open
             dep.fault(blackhole=True)
             t0 = time.monotonic()
-            r = httpx.post(f"{dep.url}/v1/completions", json=_body(_prompt(92, 200), 8, False), timeout=30)
+            r = HTTP.post(f"{dep.url}/v1/completions", json=_body(_prompt(92, 200), 8, False), timeout=30)
             took = time.monotonic() - t0
             dep.fault(blackhole=False)
     finally:

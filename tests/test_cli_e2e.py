@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from procs import pdd_process
+from procs import HTTP, pdd_process
 
 MODES = ("colocated", "pd-same-dc", "pd-cross-dc", "pdd")
 DEMO_REQUESTS = 2
@@ -164,14 +164,13 @@ def test_up_refuses_a_port_another_server_holds(tiny_model_dir):
 
 
 def test_up_starts_pdd_unless_told_otherwise_with_the_relays_asked_for():
-    import httpx
     from procs import pdd_up
 
     with pdd_up("--relay", "2", "--bandwidth-mbps", "1000", "--delay-ms", "1", "--jitter-ms", "0") as dep:
         assert any(line.startswith("pdd up: mode pdd,") for line in dep.lines), dep.lines
-        roles = {n: i["role"] for n, i in httpx.get(f"{dep.url}/pdd/stats", timeout=10).json()["instances"].items()}
+        roles = {n: i["role"] for n, i in HTTP.get(f"{dep.url}/pdd/stats", timeout=10).json()["instances"].items()}
         assert roles == {"p0": "prefill", "rld0": "relay", "rld1": "relay", "md0": "main"}, roles
         body = {"model": "tiny", "prompt": list(range(100, 200)), "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
-        r = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+        r = HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 8, r.text

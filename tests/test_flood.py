@@ -13,9 +13,8 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from procs import metrics, pdd_up, wait_until
+from procs import HTTP, metrics, pdd_up, wait_until
 
 from pdd.lab.bench.flood import flood
 from pdd.transfer import messages as m
@@ -35,7 +34,7 @@ def _config(path: Path, mode: str, sections: dict, instances: str = "") -> str:
 
 
 def _held_pages(url: str) -> int:
-    kv = httpx.get(f"{url}/pdd/stats", timeout=5).json()["kv"]
+    kv = HTTP.get(f"{url}/pdd/stats", timeout=5).json()["kv"]
     return kv["pages"] - kv["free"] - kv["cached"]
 
 
@@ -47,7 +46,7 @@ def _settled(dep, timeout_s: float = 30.0) -> float:
 
 
 def _node(dep, name: str) -> dict:
-    return httpx.get(f"{dep.http[name]}/pdd/stats", timeout=5).json()["node"]
+    return HTTP.get(f"{dep.http[name]}/pdd/stats", timeout=5).json()["node"]
 
 
 @pytest.mark.parametrize("mode", ["colocated", "pd-same-dc", "pd-cross-dc", "pdd"])
@@ -93,7 +92,7 @@ def test_a_small_relay_is_never_overrun_and_md_takes_the_rest(tmp_path):
     sections = {"router": {"max_running": 32, "max_waiting": 64}, "line": SMALL["line"]}
     with pdd_up("--config", _config(tmp_path / "d.toml", "pdd", sections, SMALL_RELAY)) as dep:
         out = asyncio.run(flood(dep.url, 48, PROMPT_TOKENS, MAX_TOKENS))
-        stats = httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()
+        stats = HTTP.get(f"{dep.url}/pdd/stats", timeout=5).json()
         print(f"\nsmall relay: whole {out.whole}, refused {out.refused}, other {len(out.other)}; "
               f"relay peak {_node(dep, 'rld0')['peak_held']}; router {stats}")
         assert out.ok, out.other[:5]

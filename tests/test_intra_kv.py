@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
-from procs import pdd_up
+from procs import HTTP, pdd_up
 from test_pdd import FAST_LINE, _prompts, _stream, _write_config
 
 from pdd.transfer import messages as m
@@ -32,8 +31,8 @@ def test_kv_to_the_relay_through_the_transfer_engine_gives_colocateds_tokens(han
     conf = _write_config(tmp_path / "pdd.toml", line=line, policy={"pipeline": "P-RLD-MD", **HANDOFFS[handoff]})
     with pdd_up("--mode", "pdd", "--config", conf) as dep:
         got = [_stream(dep.url, p, 40) for p in _prompts()]
-        relay = httpx.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
-        main = httpx.get(f"{dep.http['md0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
+        relay = HTTP.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
+        main = HTTP.get(f"{dep.http['md0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
     for g in got:
         assert g["finish_reason"] == "length" and len(g["ids"]) == 40 and not g.get("error"), g
     assert sum(g["record"]["relay_output_tokens"] for g in got) > 0  # (the relay decoded on that KV)
@@ -51,7 +50,7 @@ def test_without_the_engine_auto_says_why_and_sends_over_tcp_and_mooncake_does_n
     conf = _write_config(tmp_path / "auto.toml", line={**FAST_LINE, "intra_kv": "auto"}, policy=policy)
     with pdd_up("--mode", "pdd", "--config", conf, env=env) as dep:
         got = [_stream(dep.url, p, 40)["ids"] for p in _prompts()[:2]]
-        relay = httpx.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
+        relay = HTTP.get(f"{dep.http['rld0']}/pdd/stats", timeout=5).json()["node"]["kv_placed"]
         said = (dep.run_dir / "p0.log").read_text()
     assert got == greedy[:2] and relay["frames"] == 0
     lines = [line for line in said.splitlines() if "goes over TCP, not the transfer engine" in line]

@@ -11,11 +11,10 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
 import test_pdd
 import torch
-from procs import pdd_up
+from procs import HTTP, pdd_up
 from test_kv_copies import _prompt
 from test_pdd import FAST_LINE, _stream, _write_config
 
@@ -170,7 +169,7 @@ def test_p_sends_frames_while_its_prefill_still_computes(colocated, tmp_path):
     )
     with pdd_up("--mode", "pdd", "--config", conf) as dep:
         got = [_stream(dep.url, p, 20) for p in prompts]
-        early = httpx.get(f"{dep.http['p0']}/pdd/stats", timeout=5).json()["node"]["kv_frames_in_prefill"]
+        early = HTTP.get(f"{dep.http['p0']}/pdd/stats", timeout=5).json()["node"]["kv_frames_in_prefill"]
     for g in got:
         assert g["finish_reason"] == "length" and len(g["ids"]) == 20 and not g.get("error"), g
     assert [g["ids"] for g in got] == want

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import free_port, join_main, pdd_process, pdd_up, stream_completion, wait_until
+from procs import HTTP, free_port, join_main, pdd_process, pdd_up, stream_completion, wait_until
 
 LINE = ["--bandwidth-mbps", "200", "--delay-ms", "2", "--jitter-ms", "0.5"]
 PROMPT = list(range(300, 420))
@@ -33,15 +33,15 @@ def dep():
 
 def _status(url: str) -> tuple[int, int]:
     """(/ready's status, /health's status)."""
-    return httpx.get(f"{url}/ready", timeout=5).status_code, httpx.get(f"{url}/health", timeout=5).status_code
+    return HTTP.get(f"{url}/ready", timeout=5).status_code, HTTP.get(f"{url}/health", timeout=5).status_code
 
 
 def _stats(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats", timeout=10).json()
+    return HTTP.get(f"{url}/pdd/stats", timeout=10).json()
 
 
 def _complete(url: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "tiny", "prompt": PROMPT[:40],
+    return HTTP.post(f"{url}/v1/completions", timeout=60, json={"model": "tiny", "prompt": PROMPT[:40],
                                                                  "max_tokens": max_tokens, "temperature": 0})
 
 
@@ -61,7 +61,7 @@ def test_a_router_finishes_its_stream_after_sigterm_and_exits_0(dep):
         router.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         assert _status(url) == (503, 200)
-        assert httpx.get(f"{url}/ready", timeout=5).json()["reason"] == "shutting down"
+        assert HTTP.get(f"{url}/ready", timeout=5).json()["reason"] == "shutting down"
         refused = _complete(url)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
         got = running.result(timeout=120)
@@ -111,7 +111,7 @@ def test_an_instance_finishes_its_stream_after_sigterm_and_exits_0(dep):
         os.kill(dep.pids["md0"], signal.SIGTERM)
         signalled = time.monotonic()
         assert _status(md0) == (503, 200)
-        assert httpx.get(f"{md0}/ready", timeout=5).json()["reason"] == "shutting down"
+        assert HTTP.get(f"{md0}/ready", timeout=5).json()["reason"] == "shutting down"
         wait_until(lambda: _stats(dep.url)["instances"]["md0"]["refusing"], 5, "the router hears md0 refuses work")
         around = _complete(dep.url)  # (pdd mode: the relay alone serves while no MD takes work)
         assert around.status_code == 200 and around.json()["pdd"]["pipeline"] == "P-RLD", around.text

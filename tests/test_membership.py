@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from procs import free_port, join_main, pdd_process, pdd_up, wait_until
+from procs import HTTP, free_port, join_main, pdd_process, pdd_up, wait_until
 
 import pdd
 from pdd import config as cfg
@@ -28,7 +28,7 @@ LINE = ["--bandwidth-mbps", "200", "--delay-ms", "2", "--jitter-ms", "0.5"]
 
 
 def _complete(url: str, max_tokens: int, prompt: list[int] = PROMPT) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+    r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                    "temperature": 0, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -36,7 +36,7 @@ def _complete(url: str, max_tokens: int, prompt: list[int] = PROMPT) -> dict:
 
 
 def _instances(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats", timeout=10).json()["instances"]
+    return HTTP.get(f"{url}/pdd/stats", timeout=10).json()["instances"]
 
 
 
@@ -57,8 +57,8 @@ def _admin_refused(dep) -> None:
     intruder = {"name": "intruder", "role": "main", "dc": "B", "host": "127.0.0.1", "port": free_port(),
                 "kv_port": free_port(), "advertise": {"A": f"127.0.0.1:{free_port()}"}}
     for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": admin_token("other secret")}):
-        joined = httpx.post(f"{dep.url}/pdd/admin/instances", json=intruder, headers=headers, timeout=10)
-        drained = httpx.post(f"{dep.url}/pdd/admin/instances/md0/drain", headers=headers, timeout=10)
+        joined = HTTP.post(f"{dep.url}/pdd/admin/instances", json=intruder, headers=headers, timeout=10)
+        drained = HTTP.post(f"{dep.url}/pdd/admin/instances/md0/drain", headers=headers, timeout=10)
         assert (joined.status_code, drained.status_code) == (401, 401), (joined.text, drained.text)
     instances = _instances(dep.url)
     assert "intruder" not in instances and not instances["md0"]["draining"]
@@ -73,7 +73,7 @@ def _weigh_on(url: str, max_tokens: int, prompt: list[int], release: threading.E
     until then it counts as queued work where it runs."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # (leaving a `for` over it would close the response at once)
         while not next(lines).startswith("data: {"):
@@ -90,9 +90,9 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
         with joining as md1:
             _md1_serves(dep, reference)
             # --openai-api: the joined decode instance serves the API itself, with the same tokens
-            assert [m["id"] for m in httpx.get(f"{md1_http}/v1/models", timeout=10).json()["data"]] == ["tiny"]
+            assert [m["id"] for m in HTTP.get(f"{md1_http}/v1/models", timeout=10).json()["data"]] == ["tiny"]
             assert _complete(md1_http, 40)["ids"] == reference
-            assert httpx.get(f"{dep.http['md0']}/v1/models", timeout=10).status_code == 404  # not asked to
+            assert HTTP.get(f"{dep.http['md0']}/v1/models", timeout=10).status_code == 404  # not asked to
 
             with ThreadPoolExecutor(2) as pool:
                 # md0 holds one long request (its prefix cached there alone); md1, more queued
@@ -123,7 +123,7 @@ def test_a_main_instance_joins_then_another_is_drained_without_failing_a_request
             assert finished["main"] == "md0" and len(finished["ids"]) == 1000  # md0 finished what it held
             assert "md0" not in _instances(dep.url)
             wait_until(lambda: _pid_gone(dep.pids["md0"]), 10, "md0's process exits")
-            assert httpx.get(f"{dep.url}/health").status_code == 200
+            assert HTTP.get(f"{dep.url}/health").status_code == 200
             assert _complete(dep.url, 40)["ids"] == reference
             assert md1.poll() is None
 
@@ -149,7 +149,7 @@ def test_an_instance_of_the_release_before_joins_and_serves_the_same_tokens(tmp_
             # protocol 4 keeps no cache_salt apart: salted requests are planned around md1
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "cache_salt": "alice"}
             with ThreadPoolExecutor(4) as pool:
-                salted = list(pool.map(lambda _: httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60),
+                salted = list(pool.map(lambda _: HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=60),
                                        range(4)))
             assert all(r.status_code == 200 for r in salted), [r.text for r in salted]
             assert {r.json()["pdd"]["instances"]["main"] for r in salted} == {"md0"}
@@ -173,7 +173,7 @@ def _stream_until_cut(url: str, max_tokens: int, started: threading.Event) -> di
             "stream": True}
     ids, error = [], None
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:]).get("choices") or []:
@@ -216,7 +216,7 @@ def test_two_routers_plan_onto_one_deployment_and_one_dies_with_requests_in_flig
 
 
 def _running(http: str) -> float:
-    lines = httpx.get(f"{http}/metrics", timeout=5).text.splitlines()
+    lines = HTTP.get(f"{http}/metrics", timeout=5).text.splitlines()
     return sum(float(line.split()[1]) for line in lines if line.startswith(("pdd_requests_running ",
                                                                             "pdd_kv_used_pages ")))
 
@@ -241,15 +241,15 @@ def test_the_release_before_todays_joins_and_what_it_cannot_honour_goes_elsewher
             assert seen["md1"] == (before, pdd.__version__) and seen["md0"][0] == wire.PROTOCOL_VERSION
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **newer}
             with ThreadPoolExecutor(4) as pool:
-                asked = list(pool.map(lambda _: httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60),
+                asked = list(pool.map(lambda _: HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=60),
                                       range(6)))
             assert all(r.status_code == 200 for r in asked), [r.text for r in asked]
             assert {r.json()["pdd"]["instances"]["main"] for r in asked} == {"md0"}
             _drain(conf, "md0")  # no MD of today's protocol: the relay of today's serves it alone
-            alone = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+            alone = HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=60)
             assert alone.status_code == 200 and alone.json()["pdd"]["pipeline"] == "P-RLD", alone.text
             _drain(conf, "rld0")  # none left that speaks it
-            refused = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+            refused = HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=60)
             said = refused.json()["error"]["message"]
             assert refused.status_code == 503 and "prompt_logprobs needs protocol" in said and "md1" in said, said
             assert _complete(dep.url, 40)["ids"] == reference and _main_of(dep.url, 4, PROMPT) == "md1"

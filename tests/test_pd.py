@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import pdd_up, rejected_frames
+from procs import HTTP, pdd_up, rejected_frames
 
 from pdd.lab.bench.client import run_bench
 from pdd.lab.bench.summary import summarize
@@ -35,7 +35,7 @@ def _requests(seed: int = 0) -> list[list[int]]:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 12) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+    r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                  "temperature": 0, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -63,10 +63,10 @@ def test_cross_dc_greedy_equals_colocated(colocated_tokens, drc):
 def test_agentic_run_sends_only_the_missing_kv():
     sessions = plan_sessions(AgenticConfig(seed=3, max_context=1500), 24)
     with pdd_up("--mode", "pd-cross-dc", "--drc", "on") as dep:
-        line_before = httpx.get(f"{dep.line_admin}/stats").json()
+        line_before = HTTP.get(f"{dep.line_admin}/stats").json()
         run = run_bench(dep.url, sessions, quiet=True)
-        stats = httpx.get(f"{dep.url}/pdd/stats").json()
-        line_after = httpx.get(f"{dep.line_admin}/stats").json()
+        stats = HTTP.get(f"{dep.url}/pdd/stats").json()
+        line_after = HTTP.get(f"{dep.line_admin}/stats").json()
     s = summarize(run.records, line_bytes=run.line_bytes, slo_ttft_ms=2000, slo_tpot_ms=200)
     bound = (s["prompt_tokens"] - s["d_hit_tokens"]) * KV_BYTES_PER_TOKEN * 1.05
     line = sum(line_after[k] - line_before[k] for k in ("bytes_a_to_b", "bytes_b_to_a"))
@@ -144,7 +144,7 @@ num_pages = 15
         first = [_complete(dep.url, p) for p in prompts]
         with ThreadPoolExecutor(3) as pool:  # concurrent reservations race the mirror
             second = list(pool.map(lambda p: _complete(dep.url, p), prompts))
-        drift = httpx.get(f"{dep.url}/pdd/stats").json()["mirror_drift_abs_tokens"]
+        drift = HTTP.get(f"{dep.url}/pdd/stats").json()["mirror_drift_abs_tokens"]
     assert [g["choices"][0]["token_ids"] for g in first] == want
     assert [g["choices"][0]["token_ids"] for g in second] == want
     print(f"\nsecond-round decode-side hits {[g['pdd']['d_hit_tokens'] for g in second]}, mirror drift {drift}")
@@ -159,7 +159,7 @@ def test_kill_decode_mid_stream_fails_cleanly():
         body = {"model": "tiny", "prompt": list(range(100, 400)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         events, t0 = [], time.monotonic()
-        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+        with HTTP.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -171,11 +171,11 @@ def test_kill_decode_mid_stream_fails_cleanly():
         assert time.monotonic() - t0 < 30
         # No decode instance left: /ready says so (a load balancer stops sending here), and requests get 503;
         # /health says the router itself is alive (restarting it would mend nothing).
-        assert httpx.get(f"{dep.url}/health").status_code == 200
-        health = httpx.get(f"{dep.url}/ready")
+        assert HTTP.get(f"{dep.url}/health").status_code == 200
+        health = HTTP.get(f"{dep.url}/ready")
         said = health.json()
         assert health.status_code == 503 and (said["status"], said["missing"]) == ("unavailable", ["main"])
-        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
+        r = HTTP.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 503 and "error" in r.json()
 
@@ -187,13 +187,13 @@ def test_client_disconnect_aborts_the_decode_side():
         md_http = dep.http["md0"]
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        before = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
-        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+        before = HTTP.get(f"{md_http}/pdd/stats").json()["engine"]
+        with HTTP.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
             for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
                 if n == 3:
                     break
         _wait_settled(md_http)
-        after = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
+        after = HTTP.get(f"{md_http}/pdd/stats").json()["engine"]
     assert after["aborted"] == before["aborted"] + 1
     assert after["decode_tokens"] - before["decode_tokens"] < 3000
 
@@ -201,12 +201,12 @@ def test_client_disconnect_aborts_the_decode_side():
 def test_decode_stops_when_its_router_is_gone():
     with pdd_up("--mode", "pd-cross-dc") as dep:
         md_http = next(line for line in dep.lines if line.startswith("instance md0")).split()[-1]
-        assert httpx.get(f"{md_http}/v1/models").status_code == 404  # a P/D instance is reached through the router
+        assert HTTP.get(f"{md_http}/v1/models").status_code == 404  # a P/D instance is reached through the router
         body = {"model": "tiny", "prompt": list(range(100, 300)), "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         streamed = 0
         with pytest.raises(httpx.HTTPError):
-            with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+            with HTTP.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         streamed += 1
@@ -215,9 +215,9 @@ def test_decode_stops_when_its_router_is_gone():
         assert streamed >= 4  # tokens flowed before the router died...
         with pytest.raises(ProcessLookupError):  # ...and it really is gone (reaped by pdd up)
             _gone_within(dep.pids["router"], 5.0)
-        before = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
+        before = HTTP.get(f"{md_http}/pdd/stats").json()["engine"]
         _wait_settled(md_http)
-        after = httpx.get(f"{md_http}/pdd/stats").json()["engine"]
+        after = HTTP.get(f"{md_http}/pdd/stats").json()["engine"]
         assert after["decode_tokens"] < 3000 and after["aborted"] >= 1 and before["aborted"] <= after["aborted"]
 
 
@@ -234,7 +234,7 @@ def _wait_settled(instance_http: str, timeout: float = 30.0) -> None:
     proved by the abort counter, not by how soon its pages came back.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kv = httpx.get(f"{instance_http}/pdd/stats").json()["kv"]
+        kv = HTTP.get(f"{instance_http}/pdd/stats").json()["kv"]
         if kv["free"] + kv["cached"] == kv["pages"]:
             return
         time.sleep(0.1)
@@ -270,9 +270,9 @@ def test_bad_frames_are_rejected_and_counted():
                 writer.close()
 
         asyncio.run(attack())
-        rejected = httpx.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
+        rejected = HTTP.get(f"{md_http}/pdd/stats").json()["rejected_frames"]
         assert rejected == {"BadMagic": 2, "BadMac": 1, "TooLarge": 1}
-        metrics = httpx.get(f"{md_http}/metrics").text  # the same counts, one series per reason
+        metrics = HTTP.get(f"{md_http}/metrics").text  # the same counts, one series per reason
         for reason, n in rejected.items():
             assert f'pdd_rejected_frames_total{{reason="{reason}"}} {float(n)}' in metrics
         assert _complete(dep.url, [9, 8, 7, 6, 5], 4)["choices"][0]["token_ids"]

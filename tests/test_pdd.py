@@ -17,9 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from procs import agent_session, metrics, pdd_up, session_turns, standalone, stream_completion, wait_until
+from procs import HTTP, agent_session, metrics, pdd_up, session_turns, standalone, stream_completion, wait_until
 from test_pd import KV_BYTES_PER_TOKEN
 
 FAST_LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
@@ -70,7 +69,7 @@ def _settled(urls: list[str], timeout: float = 15.0) -> None:
     """Every page free or in the prefix cache (none held by a request) on these instances."""
     deadline = time.monotonic() + timeout
     while True:
-        kvs = [httpx.get(f"{u}/pdd/stats").json()["kv"] for u in urls]
+        kvs = [HTTP.get(f"{u}/pdd/stats").json()["kv"] for u in urls]
         if all(kv["free"] + kv["cached"] == kv["pages"] for kv in kvs):
             return
         if time.monotonic() > deadline:
@@ -79,7 +78,7 @@ def _settled(urls: list[str], timeout: float = 15.0) -> None:
 
 
 def _stats(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats", timeout=5).json()
+    return HTTP.get(f"{url}/pdd/stats", timeout=5).json()
 
 
 def _fallbacks(url: str) -> dict[str, float]:
@@ -141,7 +140,7 @@ def _choices(url: str, prompt: list[int], max_tokens: int, n: int, **extra) -> d
             **extra}
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -180,7 +179,7 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
         seeded = [_stream(dep.url, p, 60, **SEEDED) for p in _prompts()[:2]]
         unseeded = _stream(dep.url, _prompts()[2], 60, **unseeded_params)
         shaped = [_stream(dep.url, p, 60, **extra) for p, extra in zip(_prompts(), SHAPED, strict=False)]
-        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        stats = HTTP.get(f"{dep.url}/pdd/stats").json()
         choices = _choices(dep.url, _prompts()[3], 30, 3, **SEEDED)
         logprobs = _stream(dep.url, _prompts()[1], 60, logprobs=2)
         guided = _stream(dep.url, _prompts()[2], 80, **GUIDED)
@@ -242,7 +241,7 @@ def test_anomaly_filter_keeps_its_requests_on_the_relay(tmp_path):
         stats_p0_prefilled = _stats(dep.http["p0"])["engine"]["prefill_tokens"]
         other = [rng.randrange(16, 4096) for _ in range(2300)]
         normal = _stream(dep.url, other, 600)  # the same input with a long output: not anomalous
-        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        stats = HTTP.get(f"{dep.url}/pdd/stats").json()
     print(f"\nanomalous request: {short['record']['pipeline']}; MD after it {md_after['node']}, {md_after['kv']}; "
           f"long-output request: {normal['record']['pipeline']}, handoff {normal['record']['handoff']} "
           f"after {normal['record']['relay_output_tokens']} relay tokens")
@@ -300,7 +299,7 @@ num_pages = 210
                        "the router planned both turns")
             dep.fault(stall_s=0)
             second = [f.result(timeout=120) for f in running]
-        stats = httpx.get(f"{dep.url}/pdd/stats").json()
+        stats = HTTP.get(f"{dep.url}/pdd/stats").json()
     done = first + second
     records = [r["record"] for r in done]
     print("\n(predicted hit, reserved hit, predicted KV ms, pipeline, handoff, relay tokens):",
@@ -330,7 +329,7 @@ def _kill_after(dep, name: str, url: str, prompt: list[int], max_tokens: int, af
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     out = {"ids": [], "record": None, "error": None}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -363,7 +362,7 @@ def test_main_killed_before_the_handoff_relay_finishes_it(reference, tmp_path):
         got = _kill_after(dep, "md0", dep.url, _prompts()[2], 120, after=5)
         http = dep.http
         _settled([http["p0"], http["rld0"]])
-        assert httpx.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
+        assert HTTP.get(f"{dep.url}/pdd/stats").json()["fallback:main_lost"] == 1
         fallbacks = _fallbacks(dep.url)
     assert got["error"] is None and got["ids"] == reference["greedy"][2]
     assert "main_lost" in got["record"]["fallbacks"] and got["record"]["relay_output_tokens"] == 120
@@ -443,7 +442,7 @@ LIVENESS = {"heartbeat_s": 0.2, "dead_after_s": 1.0}
 
 
 def _healthy(dep, name: str) -> bool:
-    return httpx.get(f"{dep.url}/pdd/stats", timeout=5).json()["instances"][name]["healthy"]
+    return HTTP.get(f"{dep.url}/pdd/stats", timeout=5).json()["instances"][name]["healthy"]
 
 
 def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_path):
@@ -454,7 +453,7 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
     with pdd_up("--config", conf, "--mode", "pd-cross-dc") as dep, ThreadPoolExecutor(1) as pool:
         http = dep.http
         running = pool.submit(_stream, dep.url, _prompts()[1], 3000)
-        wait_until(lambda: httpx.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30,
+        wait_until(lambda: HTTP.get(f"{http['md0']}/pdd/stats").json()["engine"]["decode_tokens"] >= 20, 30,
                    "MD decodes")
         dep.fault(blackhole=True)
         cut = time.monotonic()
@@ -462,16 +461,16 @@ def test_a_silent_decode_instance_is_dropped_within_seconds_then_rejoins(tmp_pat
         # the liveness limit said so ("silent"), well before the 30 s stall timeout could
         assert got["error"] is not None and "silent" in got["error"]["message"], got["error"]
         assert got["ended"] - cut < 15.0
-        assert httpx.get(f"{dep.url}/ready").status_code == 503
+        assert HTTP.get(f"{dep.url}/ready").status_code == 503
         prefilled = _stats(http["p0"])["engine"]["prefill_tokens"]
-        refused = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+        refused = HTTP.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                              timeout=30)
         # refused by the router's plan, not after a trip to P and a wait for the silent MD
         assert refused.status_code == 503 and "no healthy decode instance" in refused.json()["error"]["message"]
         assert _stats(http["p0"])["engine"]["prefill_tokens"] == prefilled
         dep.fault(blackhole=False)
         healed = time.monotonic()
-        wait_until(lambda: httpx.get(f"{dep.url}/ready").status_code == 200, 30, "MD rejoins")
+        wait_until(lambda: HTTP.get(f"{dep.url}/ready").status_code == 200, 30, "MD rejoins")
         rejoined = time.monotonic() - healed
         again = _stream(dep.url, _prompts()[0], 40)
         _settled([http["p0"], http["md0"]], timeout=30)
@@ -536,16 +535,16 @@ def _stalled(dep):
 @contextlib.contextmanager
 def _narrowed(dep, bandwidth_mbps: float):
     """The line at `bandwidth_mbps` for the block (a KV transfer takes seconds)."""
-    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": bandwidth_mbps}, timeout=5).raise_for_status()
+    HTTP.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": bandwidth_mbps}, timeout=5).raise_for_status()
     try:
         yield
     finally:
-        httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": FAST_LINE["bandwidth_mbps"]},
+        HTTP.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": FAST_LINE["bandwidth_mbps"]},
                    timeout=5).raise_for_status()
 
 
 def _bytes_to_md(dep) -> int:
-    return httpx.get(f"{dep.line_admin}/stats", timeout=5).json()["bytes_a_to_b"]
+    return HTTP.get(f"{dep.line_admin}/stats", timeout=5).json()["bytes_a_to_b"]
 
 
 def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):
@@ -619,7 +618,7 @@ def test_a_client_disconnect_aborts_the_request_on_the_relay(patient):
     body = {"model": "tiny", "prompt": list(range(900, 1100)), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with _stalled(dep):
-        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+        with HTTP.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
             for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
                 if n == 3:
                     break

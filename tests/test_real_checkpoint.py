@@ -12,11 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import transformers
 from checkpoints import hf_greedy, hf_model, put_in_hub_cache, save_decisive_llama
-from procs import free_port, pdd_process, pdd_up
+from procs import HTTP, free_port, pdd_process, pdd_up
 
 from pdd.cli import main
 from pdd.model.tokenizer import Tokenizer
@@ -61,14 +60,14 @@ def test_the_checkpoint_is_as_transformers_5_writes_it_and_decisive(synth: dict)
 
 def _complete(url: str, model: str, prompt: list[int]) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r = HTTP.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _chat(url: str, model: str) -> dict:
     body = {"model": model, "messages": CHAT, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -80,7 +79,7 @@ def test_pdd_mode_on_the_checkpoint_equals_one_instance_and_transformers(synth: 
     # one instance does it all, as in colocated mode; found by hub name, and served under it
     url = f"http://127.0.0.1:{free_port()}"
     with pdd_process(["serve", "--model", HUB_NAME, "--port", url.rsplit(":", 1)[1]], f"{url}/health"):
-        models = httpx.get(f"{url}/v1/models").json()["data"]
+        models = HTTP.get(f"{url}/v1/models").json()["data"]
         colocated = [_complete(url, HUB_NAME, p)["choices"][0]["token_ids"] for p in _prompts()]
         colocated_chat = _chat(url, HUB_NAME)
         bench = tmp_path / "bench.json"

@@ -106,6 +106,7 @@ def test_html_escapes_hostile_text(tmp_path: Path) -> None:
 _LAUNCHER = """
 import argparse, os, socket, subprocess, sys, time
 import httpx
+from procs import HTTP
 
 parser = argparse.ArgumentParser(prog="fake-up")
 parser.add_argument("--mode", choices=["alpha", "beta", "broken"], required=True)
@@ -133,7 +134,7 @@ with open({pids!r} + ".args", "a") as f:
 print(f"fake-up: starting {{args.mode}}", flush=True)
 while True:
     try:
-        if httpx.get(f"http://127.0.0.1:{{port}}/v1/models", timeout=1).status_code == 200:
+        if HTTP.get(f"http://127.0.0.1:{{port}}/v1/models", timeout=1).status_code == 200:
             break
     except httpx.TransportError:
         time.sleep(0.1)

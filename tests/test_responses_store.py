@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
-from procs import standalone
+from procs import HTTP, standalone
 
 from pdd.api.response_store import ResponseStore, Stored
 
@@ -31,7 +31,7 @@ def test_the_store_keeps_each_namespace_apart_and_evicts_the_oldest_first():
 
 
 def _post(url: str, key: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/v1/responses", headers={"Authorization": f"Bearer {KEYS[key]}"},
+    return HTTP.post(f"{url}/v1/responses", headers={"Authorization": f"Bearer {KEYS[key]}"},
                       json={"model": "tiny", "max_output_tokens": 4, "temperature": 0, **body}, timeout=60)
 
 
@@ -46,8 +46,8 @@ def test_a_response_is_stored_read_continued_and_deleted_per_key(tiny_model_dir,
         assert called.status_code == 200, called.text
         first = called.json()
         assert first["store"] is True and first["output"][0]["type"] == "function_call"
-        assert httpx.get(f"{url}/v1/responses/{first['id']}", headers=alice).json() == first
-        assert httpx.get(f"{url}/v1/responses/{first['id']}", headers=bob).status_code == 404  # another key's
+        assert HTTP.get(f"{url}/v1/responses/{first['id']}", headers=alice).json() == first
+        assert HTTP.get(f"{url}/v1/responses/{first['id']}", headers=bob).status_code == 404  # another key's
         # continued: the prompt is the conversation (the call and its output) with the new input
         call = first["output"][0]
         answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "noon"}
@@ -63,16 +63,16 @@ def test_a_response_is_stored_read_continued_and_deleted_per_key(tiny_model_dir,
         assert [o.get("content") for o in then["output"]] == [o.get("content") for o in without["output"]]
         lost = _post(url, "bob", input="hi", previous_response_id=first["id"])
         assert lost.status_code == 404 and lost.json()["error"]["param"] == "previous_response_id"
-        with httpx.stream("POST", f"{url}/v1/responses", headers=alice, timeout=60, json={
+        with HTTP.stream("POST", f"{url}/v1/responses", headers=alice, timeout=60, json={
                 "model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         streamed = json.loads(events[-1][6:])["response"]  # (a streamed response is stored when it ends)
-        assert httpx.get(f"{url}/v1/responses/{streamed['id']}", headers=alice).json() == streamed
+        assert HTTP.get(f"{url}/v1/responses/{streamed['id']}", headers=alice).json() == streamed
         unstored = _post(url, "alice", input="hi", store=False).json()
-        assert httpx.get(f"{url}/v1/responses/{unstored['id']}", headers=alice).status_code == 404
-        gone = httpx.delete(f"{url}/v1/responses/{first['id']}", headers=alice).json()
+        assert HTTP.get(f"{url}/v1/responses/{unstored['id']}", headers=alice).status_code == 404
+        gone = HTTP.delete(f"{url}/v1/responses/{first['id']}", headers=alice).json()
         assert gone == {"id": first["id"], "object": "response.deleted", "deleted": True}
-        assert httpx.get(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
-        assert httpx.delete(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
-        stats = httpx.get(f"{url}/pdd/stats").json()["responses"]
+        assert HTTP.get(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
+        assert HTTP.delete(f"{url}/v1/responses/{first['id']}", headers=alice).status_code == 404
+        stats = HTTP.get(f"{url}/pdd/stats").json()["responses"]
         assert stats == {"kept": 1024, "stored": 4, "evicted": 0}, stats  # (then, without, whole, streamed)

@@ -19,7 +19,7 @@ import time
 import dashboard
 import httpx
 import pytest
-from procs import metrics, pdd_up, wait_until
+from procs import HTTP, metrics, pdd_up, wait_until
 
 from pdd import config as cfg
 
@@ -60,7 +60,7 @@ def test_the_dashboard_reads_what_the_processes_export(deployment, router):
     the dashboard queries is on a /metrics page, with the labels its legends show, and no
     label clashes with those Prometheus adds on the scrape."""
     _complete(router, 8)
-    pages = [httpx.get(f"{url}/metrics", timeout=10).text for url in [router, *deployment.http.values()]]
+    pages = [HTTP.get(f"{url}/metrics", timeout=10).text for url in [router, *deployment.http.values()]]
     assert dashboard.check(pages) >= 20
 
 
@@ -130,7 +130,7 @@ def _idle(url: str) -> None:
 def _complete(url: str, max_tokens: int, **extra) -> dict:
     _idle(url)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra}
-    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    r = HTTP.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -156,19 +156,19 @@ def _complete_handed_over(url: str, max_tokens: int, before: int | None = None, 
 def test_the_api_key_comes_from_the_environment(router):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=30)
+        r = HTTP.post(f"{router}/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
-    assert httpx.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
-    assert httpx.get(f"{router}/health").status_code == 200  # the load balancer's probe needs no key
+    assert HTTP.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    assert HTTP.get(f"{router}/health").status_code == 200  # the load balancer's probe needs no key
 
 
 def test_a_body_over_the_limit_is_413_at_the_router(router):
     big = json.dumps({"model": "tiny", "prompt": "a " * MAX_BODY_BYTES, "max_tokens": 1}).encode()
-    r = httpx.post(f"{router}/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"},
+    r = HTTP.post(f"{router}/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     # no content-length: counted as it arrives
-    r = httpx.post(f"{router}/v1/completions", content=iter([big[:40000], big[40000:]]),
+    r = HTTP.post(f"{router}/v1/completions", content=iter([big[:40000], big[40000:]]),
                    headers={**AUTH, "content-type": "application/json"}, timeout=30)
     assert r.status_code == 413, r.text
 
@@ -248,7 +248,7 @@ def test_a_cache_salt_is_a_namespace_of_its_own(router):
     def ask(**salt: str) -> tuple[int, int, int]:
         _idle(router)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
-        r = httpx.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=120)
+        r = HTTP.post(f"{router}/v1/completions", json=body, headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text
         out = r.json()
         assert len(out["choices"][0]["token_ids"]) == 4
@@ -260,7 +260,7 @@ def test_a_cache_salt_is_a_namespace_of_its_own(router):
     assert cached >= 160 and d_hit >= 160 and predicted == d_hit, (cached, d_hit, predicted)
     assert ask(cache_salt="bob") == (0, 0, 0)
     assert ask() == (0, 0, 0)
-    r = httpx.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+    r = HTTP.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
                                                      "cache_salt": ""}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 

@@ -6,9 +6,8 @@ name, and refuses a key it does not hold."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from procs import metrics, pdd_up, wait_until
+from procs import HTTP, metrics, pdd_up, wait_until
 
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
 CONFIG = """mode = "pdd"
@@ -34,7 +33,7 @@ def router(tmp_path_factory):
 def _ask(url: str, key: str) -> dict:
     wait_until(lambda: metrics(url)["pdd_admission_running"] == 0, 10, "the router idle")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    r = HTTP.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -51,7 +50,7 @@ def test_each_key_is_a_namespace_at_p_and_md_and_counted_by_name(router):
     assert m['pdd_api_key_requests_total{api_key="alice",status="200"}'] == 2, m
     assert m['pdd_api_key_requests_total{api_key="bob",status="200"}'] == 2, m
     assert m['pdd_api_key_prompt_tokens_total{api_key="alice"}'] == 2 * len(PROMPT)
-    refused = httpx.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1},
+    refused = HTTP.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1},
                          headers={"Authorization": "Bearer sk-mallory-0123456789"}, timeout=30)
     assert refused.status_code == 401
     assert metrics(router)['pdd_api_key_requests_total{api_key="unknown",status="401"}'] == 1

@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
-from procs import pdd_up
+from procs import HTTP, pdd_up
 
 from pdd.config import TLSSpec, load
 from pdd.transfer.tls import client_context, make_self_signed, server_context
@@ -149,7 +148,7 @@ def test_a_tls_deployment_serves_and_listens_only_where_its_config_says(pair, tm
     conf = tmp_path / "tls.toml"
     conf.write_text(f'mode = "pd-cross-dc"\n[tls]\ncert = "{pair.cert}"\nkey = "{pair.key}"\nca = "{pair.ca}"\n')
     with pdd_up("--config", str(conf)) as dep:
-        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "over the line", "max_tokens": 12,
+        r = HTTP.post(f"{dep.url}/v1/completions", json={"model": "tiny", "prompt": "over the line", "max_tokens": 12,
                                                           "ignore_eos": True, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
         deployed = load(dep.run_dir / "deployment.toml")

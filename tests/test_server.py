@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from procs import metrics, standalone
+from procs import HTTP, metrics, standalone
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
 
@@ -20,7 +20,7 @@ def server(tiny_model_dir):
 
 
 def _kv(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats").json()["kv"]
+    return HTTP.get(f"{url}/pdd/stats").json()["kv"]
 
 
 def _settled(url: str, timeout: float = 10.0) -> dict:
@@ -57,15 +57,15 @@ def test_openai_client_streams_chat(server):
 def test_the_start_up_heap_is_frozen(server):
     """Torch and the engine built, the process's heap is out of the cyclic collector's
     sight: a full collection would otherwise walk it all, stalling every stream."""
-    assert httpx.get(f"{server}/pdd/stats").json()["gc_frozen_objects"] > 50_000
+    assert HTTP.get(f"{server}/pdd/stats").json()["gc_frozen_objects"] > 50_000
 
 
 def test_shared_prefix_is_reported_cached(server):
     hits_before = metrics(server)["pdd_prefix_cache_hit_tokens_total"]
     prefix = list(range(200, 520))
     body = {"model": "tiny", "prompt": prefix + [7, 8, 9], "max_tokens": 4, "temperature": 0}
-    first = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
-    second = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prefix + [11] * 30}, timeout=60).json()
+    first = HTTP.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    second = HTTP.post(f"{server}/v1/completions", json={**body, "prompt": prefix + [11] * 30}, timeout=60).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
     assert len(second["choices"][0]["token_ids"]) == 4
@@ -75,10 +75,10 @@ def test_shared_prefix_is_reported_cached(server):
 
 def test_stop_string_truncates(server):
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    full = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    full = HTTP.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert len(full) > 6
     stop = full[3:6]
-    cut = httpx.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    cut = HTTP.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == full[: full.index(stop)]
 
@@ -96,7 +96,7 @@ def test_stop_string_truncates(server):
 ])
 def test_bad_input_gets_openai_errors(server, body, status):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = httpx.post(f"{server}{path}", json=body, timeout=30)
+    r = HTTP.post(f"{server}{path}", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
@@ -136,7 +136,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 def test_what_is_not_honoured_is_refused_by_name(server, extra, param):
     """A silent drop is a bug: a parameter pdd would not honour, or that nobody knows, is a
     400 in OpenAI's shape naming it in `param`; the value at which it changes nothing passes."""
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **extra},
+    r = HTTP.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **extra},
                    timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param.split(".")[-1] in r.json()["error"]["message"], r.text
@@ -148,30 +148,30 @@ def test_penalties_bias_min_p_and_min_tokens_are_honoured(server, tiny_model_dir
     with EOS biased up holds the end back exactly that long; a token beyond the
     vocabulary is a 400 naming logit_bias."""
     body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 12, "temperature": 0}
-    plain = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]["token_ids"]
-    banned = httpx.post(f"{server}/v1/completions", json={**body, "logit_bias": {str(plain[0]): -100}},
+    plain = HTTP.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]["token_ids"]
+    banned = HTTP.post(f"{server}/v1/completions", json={**body, "logit_bias": {str(plain[0]): -100}},
                         timeout=30).json()["choices"][0]["token_ids"]
     assert plain[0] not in banned
     eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
     early = {**body, "logit_bias": {str(eos): 100}}
-    assert httpx.post(f"{server}/v1/completions", json=early, timeout=30).json()["choices"][0]["token_ids"] == [eos]
-    held = httpx.post(f"{server}/v1/completions", json={**early, "min_tokens": 5}, timeout=30).json()["choices"][0]
+    assert HTTP.post(f"{server}/v1/completions", json=early, timeout=30).json()["choices"][0]["token_ids"] == [eos]
+    held = HTTP.post(f"{server}/v1/completions", json={**early, "min_tokens": 5}, timeout=30).json()["choices"][0]
     assert len(held["token_ids"]) == 6 and held["token_ids"][5] == eos and eos not in held["token_ids"][:5], held
     assert held["finish_reason"] == "stop"
     for extra in ({"presence_penalty": 1.5, "frequency_penalty": 2, "repetition_penalty": 1.5}, {"min_p": 0.5}):
-        r = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
+        r = HTTP.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
-    r = httpx.post(f"{server}/v1/completions", json={**body, "logit_bias": {"999999": 1}}, timeout=30)
+    r = HTTP.post(f"{server}/v1/completions", json={**body, "logit_bias": {"999999": 1}}, timeout=30)
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
 
 
 def test_a_chat_without_max_tokens_may_take_the_rest_of_the_context(server):
     """As vLLM: no max_tokens on a chat completion is the context left after the prompt."""
     messages = [{"role": "user", "content": "word " * 1950}]
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": messages, "ignore_eos": True},
+    r = HTTP.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": messages, "ignore_eos": True},
                    timeout=120)
     usage = r.json()["usage"]
-    limit = httpx.get(f"{server}/v1/models").json()["data"][0]["max_model_len"]
+    limit = HTTP.get(f"{server}/v1/models").json()["data"][0]["max_model_len"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == limit, usage
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
@@ -183,10 +183,10 @@ def test_n_choices_are_single_requests_with_one_seed_each(server):
     n outside 1-16 is a 400."""
     body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 10, "temperature": 25.0, "top_p": 0.95,
             "seed": 40, "ignore_eos": True}
-    single = [httpx.post(f"{server}/v1/completions", json={**body, "seed": 40 + i}, timeout=30).json()
+    single = [HTTP.post(f"{server}/v1/completions", json={**body, "seed": 40 + i}, timeout=30).json()
               ["choices"][0]["token_ids"] for i in range(3)]
     assert len({tuple(s) for s in single}) == 3
-    whole = httpx.post(f"{server}/v1/completions", json={**body, "n": 3}, timeout=30).json()
+    whole = HTTP.post(f"{server}/v1/completions", json={**body, "n": 3}, timeout=30).json()
     assert [c["token_ids"] for c in sorted(whole["choices"], key=lambda c: c["index"])] == single
     assert whole["usage"]["completion_tokens"] == 30 and whole["usage"]["prompt_tokens"] == 5
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
@@ -204,11 +204,11 @@ def test_n_choices_are_single_requests_with_one_seed_each(server):
     # the choices share the prompt: the first's prefill is in the prefix cache before the others
     # start, so they compute only their last page (n x 200 tokens computed without sharing)
     fresh, before = list(range(300, 500)), _engine(server)["prefill_tokens"]
-    r = httpx.post(f"{server}/v1/completions", json={**body, "prompt": fresh, "n": 3, "max_tokens": 4}, timeout=30)
+    r = HTTP.post(f"{server}/v1/completions", json={**body, "prompt": fresh, "n": 3, "max_tokens": 4}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
     assert _engine(server)["prefill_tokens"] - before <= 200 + 2 * 16
     for n in (0, 17):
-        r = httpx.post(f"{server}/v1/completions", json={**body, "n": n}, timeout=30)
+        r = HTTP.post(f"{server}/v1/completions", json={**body, "n": n}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     _settled(server)
 
@@ -235,18 +235,18 @@ def test_logprobs_in_openais_shapes_chat_and_completions_whole_and_streamed(serv
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
     body = {"model": "tiny", "prompt": [5, 9, 77, 1000, 31], "max_tokens": 5, "temperature": 25.0, "seed": 3,
             "logprobs": 2, "ignore_eos": True}
-    done = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    done = HTTP.post(f"{server}/v1/completions", json=body, timeout=30).json()["choices"][0]
     lp = done["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
     for top, value in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True):
         assert len(top) <= 2 and max(top.values()) >= value
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    plain = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": None}, timeout=30).json()["choices"][0]
+    plain = HTTP.post(f"{server}/v1/completions", json={**body, "logprobs": None}, timeout=30).json()["choices"][0]
     assert plain["logprobs"] is None and plain["token_ids"] == done["token_ids"]  # (sampled from the same draw)
     for extra, param in (({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")):
-        r = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
+        r = HTTP.post(f"{server}/v1/completions", json={**body, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "top_logprobs": 2},
+    r = HTTP.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "top_logprobs": 2},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
 
@@ -271,10 +271,10 @@ def test_structured_output_json_schema_json_object_regex_and_choice(server):
         ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: len(t) == 6 and t[3] == "-"),
         ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
     ):
-        r = httpx.post(f"{server}/v1/completions", json={**body, **guide}, timeout=60).json()["choices"][0]
+        r = HTTP.post(f"{server}/v1/completions", json={**body, **guide}, timeout=60).json()["choices"][0]
         assert r["finish_reason"] == "stop" and check(r["text"]), (guide, r)
     # any JSON object: its strings are unbounded, so the random model may not close it in time
-    r = httpx.post(f"{server}/v1/completions", json={**body, "response_format": {"type": "json_object"}},
+    r = HTTP.post(f"{server}/v1/completions", json={**body, "response_format": {"type": "json_object"}},
                    timeout=60).json()["choices"][0]
     assert r["text"].startswith("{") and (r["finish_reason"] == "length" or isinstance(json.loads(r["text"]), dict))
 
@@ -311,7 +311,7 @@ def test_echo_and_prompt_logprobs_cover_the_prompt_computed_past_the_cache(serve
     computed again (cached_tokens 0): the cache holds KV, not logits."""
     body = {"model": "tiny", "prompt": "The cat sat on", "max_tokens": 3, "temperature": 0, "echo": True,
             "logprobs": 1}
-    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
+    whole = HTTP.post(f"{server}/v1/completions", json=body, timeout=30).json()
     choice, n_prompt = whole["choices"][0], whole["usage"]["prompt_tokens"]
     lps = choice["logprobs"]
     assert choice["text"].startswith("The cat sat on") and len(lps["tokens"]) == n_prompt + 3
@@ -322,21 +322,21 @@ def test_echo_and_prompt_logprobs_cover_the_prompt_computed_past_the_cache(serve
     ids = [5, 9, 77, 1000, 31] * 8  # (two pages: a cached prefix would be found)
     seen = []
     for _ in range(2):
-        r = httpx.post(f"{server}/v1/completions", timeout=30, json={
+        r = HTTP.post(f"{server}/v1/completions", timeout=30, json={
             "model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}).json()
         plp = r["choices"][0]["prompt_logprobs"]
         assert plp[0] is None and len(plp) == len(ids) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert all(len(e) in (1, 2) and 1 in [v["rank"] for v in e.values()] for e in plp[1:]), plp
         seen.append([e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:], strict=True)])
     assert seen[0] == seen[1]
-    chat = httpx.post(f"{server}/v1/chat/completions", timeout=30, json={
+    chat = HTTP.post(f"{server}/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
 
 
 def stream_text(url: str, body: dict) -> str:
     text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+    with HTTP.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
@@ -350,12 +350,12 @@ def test_what_changes_nothing_is_served(server):
     inert = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "presence_penalty": 0,
              "frequency_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": {}, "user": "u1",
              "metadata": {"run": "7"}, "store": False, "service_tier": "auto"}
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **inert},
+    r = HTTP.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2, **inert},
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     for extra, param in (({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"), ({"prompt_logprobs": 21},
                                                                                      "prompt_logprobs")):
-        r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra},
+        r = HTTP.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra},
                        timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
@@ -365,14 +365,14 @@ def test_what_changes_nothing_is_served(server):
 
 
 def test_malformed_json_and_unknown_route(server):
-    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = HTTP.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
-    assert httpx.get(f"{server}/v1/nothing").status_code == 404
-    assert httpx.get(f"{server}/health").status_code == 200
+    assert HTTP.get(f"{server}/v1/nothing").status_code == 404
+    assert HTTP.get(f"{server}/health").status_code == 200
 
 
 def _engine(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats").json()["engine"]
+    return HTTP.get(f"{url}/pdd/stats").json()["engine"]
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
@@ -381,7 +381,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     body = {"model": "tiny", "prompt": list(range(300, 700)), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     before = _engine(server)
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -402,7 +402,7 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     body = {"model": "tiny", "prompt": list(range(300, 500)), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     before = _engine(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
+        HTTP.post(f"{server}/v1/completions", json=body, timeout=1.0)
     _settled(server, timeout=20)
     after = _engine(server)
     assert after["aborted"] == before["aborted"] + 1

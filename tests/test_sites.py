@@ -28,9 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import dashboard
-import httpx
 import pytest
-from procs import kv_bytes_per_token, standalone, wait_until
+from procs import HTTP, kv_bytes_per_token, standalone, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdd import config as cfg
@@ -69,11 +68,11 @@ class Site:
         return self.call(_complete, self.url, prompt, max_tokens)
 
     def instances(self) -> dict:
-        return self.call(lambda: httpx.get(f"{self.url}/pdd/stats", timeout=10).json()["instances"])
+        return self.call(lambda: HTTP.get(f"{self.url}/pdd/stats", timeout=10).json()["instances"])
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+    r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                  "temperature": 0, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -86,7 +85,7 @@ def reference(tiny_model_dir) -> dict:
     first = _prompts()
     with standalone(tiny_model_dir) as url:
         def ids(prompt: list[int], n: int) -> list[int]:
-            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+            r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
                                                          "temperature": 0, "ignore_eos": True}, timeout=120)
             return r.json()["choices"][0]["token_ids"]
 
@@ -131,9 +130,9 @@ def test_a_line_emulator_hop_in_the_line_namespace_adds_its_delay_to_the_routes_
             launcher.start()
             client = ThreadPoolExecutor(1, initializer=enter, initargs=(net.hosts["client"].ns,))
             got = client.submit(_complete, dep.router.url, reference["first"][0], FIRST_TOKENS).result()
-            stats = client.submit(lambda: httpx.get(f"{dep.router.url}/pdd/stats", timeout=10).json()).result()
+            stats = client.submit(lambda: HTTP.get(f"{dep.router.url}/pdd/stats", timeout=10).json()).result()
             p0 = dep.instance("p0")
-            page = client.submit(lambda: httpx.get(f"http://{p0.host}:{p0.port}/metrics", timeout=10).text).result()
+            page = client.submit(lambda: HTTP.get(f"http://{p0.host}:{p0.port}/metrics", timeout=10).text).result()
             client.shutdown()
         finally:
             launcher.stop()
@@ -208,7 +207,7 @@ def test_heartbeats_cross_the_line_and_a_silent_line_is_noticed(site, reference)
 
 def test_every_metric_the_dashboard_queries_is_on_a_live_metrics_page(site):
     urls = [site.url] + [f"http://{i.host}:{i.port}" for i in site.dep.instances]
-    assert dashboard.check([site.call(lambda u=u: httpx.get(f"{u}/metrics", timeout=10).text) for u in urls]) >= 20
+    assert dashboard.check([site.call(lambda u=u: HTTP.get(f"{u}/metrics", timeout=10).text) for u in urls]) >= 20
 
 
 def test_main_drains_across_the_line_without_failing_a_request(site, reference):

@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from procs import free_port, metrics, stop_group, wait_http
+from procs import HTTP, free_port, metrics, stop_group, wait_http
 
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789", "carol": "sk-carol-0123456789",
         "default": "sk-default-0123456789"}
@@ -41,7 +41,7 @@ def _complete(url: str, key: str | None, max_tokens: int) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": "tiny", "prompt": list(range(50, 90)), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+    return HTTP.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
 
 
 def test_each_key_is_counted_and_logged_under_its_name(tenants):
@@ -83,7 +83,7 @@ def test_without_a_salt_each_key_has_a_cache_of_its_own(tenants):
 
     def cached(key: str, **salt: str) -> int:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, **salt}
-        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[key]}"},
+        r = HTTP.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[key]}"},
                        timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-from procs import free_port, pdd_process, pdd_up, stream_completion, wait_until
+from procs import HTTP, free_port, pdd_process, pdd_up, stream_completion, wait_until
 
 CONFIG = """mode = "pd-cross-dc"
 [line]
@@ -43,10 +42,10 @@ def test_the_router_that_loses_the_race_answers_429_then_serves(tmp_path):
         with pdd_process(args, f"{second}/ready") as router2, ThreadPoolExecutor(1) as pool:
             first = pool.submit(stream_completion, dep.url, PROMPT, 1500)
             md0 = dep.http["md0"]
-            wait_until(lambda: httpx.get(f"{md0}/pdd/stats", timeout=5).json()["node"]["held"] == 1, 30,
+            wait_until(lambda: HTTP.get(f"{md0}/pdd/stats", timeout=5).json()["node"]["held"] == 1, 30,
                        "md0 holds the first router's request")
             body = {"model": "tiny", "prompt": PROMPT[::-1], "max_tokens": 8, "temperature": 0}
-            raced = httpx.post(f"{second}/v1/completions", json=body, timeout=60)
+            raced = HTTP.post(f"{second}/v1/completions", json=body, timeout=60)
             assert raced.status_code == 429, raced.text
             error = raced.json()["error"]
             assert error["type"] == "rate_limit_exceeded" and "md0" in error["message"], error
@@ -54,8 +53,8 @@ def test_the_router_that_loses_the_race_answers_429_then_serves(tmp_path):
             assert not first.done()  # (the race was run while md0 was full)
             got = first.result(timeout=120)
             assert got["error"] is None and len(got["ids"]) == 1500
-            wait_until(lambda: httpx.get(f"{md0}/pdd/stats", timeout=5).json()["node"]["held"] == 0, 30, "md0 free")
+            wait_until(lambda: HTTP.get(f"{md0}/pdd/stats", timeout=5).json()["node"]["held"] == 0, 30, "md0 free")
             time.sleep(0.2)
-            again = httpx.post(f"{second}/v1/completions", json=body, timeout=60)
+            again = HTTP.post(f"{second}/v1/completions", json=body, timeout=60)
             assert again.status_code == 200 and again.json()["pdd"]["instances"]["main"] == "md0", again.text
             assert router2.poll() is None

@@ -5,9 +5,8 @@ its vLLM computes no prompt token but the last."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from procs import kv_bytes_per_token, vllm_settled, wait_until
+from procs import HTTP, kv_bytes_per_token, vllm_settled, wait_until
 from vllm_scenarios import deployment, pipelines, rid, shapes
 
 pytest.importorskip("vllm")
@@ -23,7 +22,7 @@ def test_cross_dc_pd_on_vllm_equals_plain_vllm(dep, vllm_reference, tiny_model_d
     bpt = kv_bytes_per_token(tiny_model_dir)
     prompts, done = pipelines(dep, vllm_reference, seed=300)
     assert shapes(done) == [("P-MD", None)] * len(done)
-    md0 = httpx.get(f"{dep.http['md0']}/pdd/stats").json()["engine"]
+    md0 = HTTP.get(f"{dep.http['md0']}/pdd/stats").json()["engine"]
     for p, g in zip(prompts, done, strict=True):
         r = g["record"]
         missed = (len(p) - r["d_hit_tokens"]) * bpt
@@ -37,7 +36,7 @@ def test_a_vllm_instance_serves_vllms_own_metrics_beside_pdds(dep):
     """vLLM's series (in prometheus_client's process-wide registry) on the instance's
     /metrics under their own names, counting what that instance's vLLM did."""
     for name in ("p0", "md0"):
-        page = httpx.get(f"{dep.http[name]}/metrics", timeout=10).text
+        page = HTTP.get(f"{dep.http[name]}/metrics", timeout=10).text
         values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in page.splitlines()
                   if line.startswith("vllm:") and " " in line}
         assert "pdd_kv_free_pages" in page, name
@@ -54,9 +53,9 @@ def test_a_cache_salt_is_a_namespace_of_its_own_on_vllm(dep):
 
     def ask(**salt: str) -> tuple[int, int]:
         vllm_settled([dep.http["p0"], dep.http["md0"]])  # the last request's blocks are in the mirror
-        wait_until(lambda: httpx.get(f"{dep.url}/ready").status_code == 200, 30, "the router to reach every instance")
+        wait_until(lambda: HTTP.get(f"{dep.url}/ready").status_code == 200, 30, "the router to reach every instance")
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
-        r = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=120)
+        r = HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         record = r.json()["pdd"]
         return record["d_hit_tokens"], record["d_hit_predicted"]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from procs import plain_vllm, stream_completion, vllm_settled
+from procs import HTTP, plain_vllm, stream_completion, vllm_settled
 from vllm_scenarios import beside, deployment, engine_stats, pdd_instances, prompt
 
 pytest.importorskip("vllm")
@@ -40,7 +39,7 @@ def reference(started):
 
 
 def test_the_ranks_are_members_under_their_group(dep):
-    router = httpx.get(f"{dep.url}/pdd/stats").json()
+    router = HTTP.get(f"{dep.url}/pdd/stats").json()
     assert router["groups"] == {"md0": RANKS}
     groups = {n: i["group"] for n, i in router["instances"].items()}
     assert groups == {"p0": "", "rld0": "", **dict.fromkeys(RANKS, "md0")}

@@ -11,9 +11,8 @@ import os
 import signal
 from pathlib import Path
 
-import httpx
 import pytest
-from procs import VLLM_ENV, VLLM_START_S, free_port, pdd_process, wait_until
+from procs import HTTP, VLLM_ENV, VLLM_START_S, free_port, pdd_process, wait_until
 
 pytest.importorskip("vllm")
 
@@ -36,16 +35,16 @@ def test_an_instance_whose_vllm_engine_died_is_neither_alive_nor_ready(tiny_mode
     args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
             "--engine", "vllm"]
     with pdd_process(args, f"{url}/health", timeout=VLLM_START_S, env=VLLM_ENV) as server:
-        assert [httpx.get(f"{url}/{p}", timeout=10).status_code for p in ("health", "ready")] == [200, 200]
+        assert [HTTP.get(f"{url}/{p}", timeout=10).status_code for p in ("health", "ready")] == [200, 200]
         cores = {pid: cmd for pid, cmd in _children(server.pid).items() if "EngineCore" in cmd}
         assert len(cores) == 1, _children(server.pid)
         os.kill(next(iter(cores)), signal.SIGKILL)
-        said = wait_until(lambda: (r := httpx.get(f"{url}/ready", timeout=10)).status_code == 503 and r.json(), 30,
+        said = wait_until(lambda: (r := HTTP.get(f"{url}/ready", timeout=10)).status_code == 503 and r.json(), 30,
                           "/ready fails")
         assert "vLLM engine died" in said["reason"], said
-        health = httpx.get(f"{url}/health", timeout=10)
+        health = HTTP.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and "vLLM engine died" in health.json()["reason"], health.text
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4},
+        r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4},
                        timeout=60)
         assert r.status_code >= 500, r.text
         assert server.poll() is None  # alive to say it: the supervisor restarts it on /health

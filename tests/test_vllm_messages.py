@@ -5,9 +5,8 @@ appends to its conversation as it got them."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from procs import standalone
+from procs import HTTP, standalone
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
 USER = {"role": "user", "content": "What time is it?"}
@@ -50,7 +49,7 @@ SHAPES = [
 
 def _status(url: str, messages: list[dict]) -> int:
     body = {"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     return r.status_code
 
 

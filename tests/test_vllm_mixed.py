@@ -8,10 +8,9 @@ every producer, whichever engine); only the missed KV crosses."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from msgspec.structs import replace  # sampling params are a msgspec struct
-from procs import agent_session, kv_bytes_per_token, standalone, stream_completion, vllm_settled
+from procs import HTTP, agent_session, kv_bytes_per_token, standalone, stream_completion, vllm_settled
 from vllm_scenarios import assert_pdd_shapes, deployment, pdd_instances, pipelines, prompt
 
 pytest.importorskip("vllm")
@@ -40,7 +39,7 @@ def dep(request, tmp_path_factory):
 def _settled(dep) -> None:
     vllm_settled([dep.http[n] for n in sorted(dep.on_vllm)])
     for name in {"p0", "rld0", "md0"} - dep.on_vllm:
-        kv = httpx.get(f"{dep.http[name]}/pdd/stats").json()["kv"]
+        kv = HTTP.get(f"{dep.http[name]}/pdd/stats").json()["kv"]
         assert kv["free"] + kv["cached"] == kv["pages"], (name, kv)
 
 

@@ -22,10 +22,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from checkpoints import save_moe_of, save_random_mla
-from procs import kv_bytes_per_token, plain_vllm, session_turns, stream_completion, vllm_settled, wait_until
+from procs import HTTP, kv_bytes_per_token, plain_vllm, session_turns, stream_completion, vllm_settled, wait_until
 from vllm_scenarios import (
     LINE,
     assert_pdd_shapes,
@@ -58,7 +57,7 @@ def dep(tmp_path_factory, moe_dir):
 
 
 def _node(url: str) -> dict:
-    return httpx.get(f"{url}/pdd/stats").json()["node"]
+    return HTTP.get(f"{url}/pdd/stats").json()["node"]
 
 
 def test_the_embedded_engine_refuses_the_moe_by_name(moe_dir):
@@ -88,7 +87,7 @@ def test_an_mla_model_on_cpu_is_refused_at_start_saying_why(tmp_path, tiny_model
 
 def test_vllm_sizes_each_instance_and_the_router_plans_with_it(dep):
     stats = {n: engine_stats(dep, n) for n in ("p0", "rld0", "md0")}
-    router = httpx.get(f"{dep.url}/pdd/stats").json()
+    router = HTTP.get(f"{dep.url}/pdd/stats").json()
     for name, s in stats.items():
         # vLLM's own count from the budget it was given (256 MiB: `vllm_scenarios.ENGINE`), less its null block
         assert s["num_blocks"] == 2047 and s["max_model_len"] == 4096 and s["dtype"] == "float32", s
@@ -134,12 +133,12 @@ def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(dep, m
     (the 10 s first tokens of `pdd bench serve` against vLLM, for the P -> MD turn after)."""
     md = dep.http["md0"]
     expired = _node(md)["prefix_waits_expired"]
-    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    HTTP.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
     try:
         prompts, done = session_turns(dep.url, prompt(50, 600), [prompt(51, 64), prompt(52, 64)], 16)
         wait_until(lambda: not _node(md)["held"], 60, "MD to take in the three turns' KV and fills")
     finally:
-        httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": LINE["bandwidth_mbps"]},
+        HTTP.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": LINE["bandwidth_mbps"]},
                    timeout=5).raise_for_status()
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == moe_reference.greedy(p, 16), g["record"]
@@ -155,12 +154,12 @@ def test_a_dead_relay_gives_way_to_md_and_takes_its_vllm_with_it(dep, moe_refere
     engine_core = relay.children(recursive=True)
     assert engine_core, "rld0 runs vLLM's engine core as a child"
     # a slow line (4 Mbit/s: the prompt's KV takes five seconds to cross): the relay produces when it dies
-    httpx.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
+    HTTP.post(f"{dep.line_admin}/line", json={"bandwidth_mbps": 4.0}, timeout=5).raise_for_status()
     long_prompt = prompt(40, 600)
     got = {"ids": []}
     body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=180) as r:
+    with HTTP.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=180) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue

@@ -8,9 +8,8 @@ plain `vllm serve --pipeline-parallel-size 2`'s greedy tokens."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from procs import plain_vllm, stream_completion
+from procs import HTTP, plain_vllm, stream_completion
 from vllm_scenarios import beside, deployment, prompt, shapes
 
 pytest.importorskip("vllm")
@@ -38,7 +37,7 @@ def started(tmp_path_factory, tiny_model_dir):
 def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(started):
     dep, reference = started
     for name in ("p0", "rld0", "md0"):
-        stats = httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+        stats = HTTP.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
         assert stats["backend"] == "vllm", stats
     first = prompt(45, 600)  # (a fresh prompt this long goes through the relay: `vllm_scenarios`)
     fresh = stream_completion(dep.url, first, 40)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import httpx
-from procs import free_port, pdd_process
+from procs import HTTP, free_port, pdd_process
 
 from pdd.cli import LAB_ONLY
 
@@ -34,7 +33,7 @@ def test_a_server_runs_without_the_lab_extra(tmp_path, tiny_model_dir):
     args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
             "--hardware", "A"]  # (paced as an emulated chip: the performance models are serving's too)
     with pdd_process(args, f"{url}/health", env=env):
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
+        r = HTTP.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     for command in (["plan"], ["sim", "--paper"], ["--help"]):
         out = subprocess.run([sys.executable, "-m", "pdd.cli", *command], env=env, capture_output=True, text=True,

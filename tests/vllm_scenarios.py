@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-from procs import VLLM_START_S, Deployment, pdd_up, stream_completion
+from procs import HTTP, VLLM_START_S, Deployment, pdd_up, stream_completion
 
 LINE = {"bandwidth_mbps": 200.0, "delay_ms": 2.0, "jitter_ms": 0.5}
 POLICY = {"handoff_threshold": 64, "catch_up_chunk": 32}
@@ -124,7 +123,7 @@ def rid(got: dict) -> str:
 
 
 def engine_stats(dep, name: str) -> dict:
-    return httpx.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
+    return HTTP.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
 
 
 def assert_second_turns_move_only_what_md_lacks(dep, prompts: list[list[int]], done: list[dict],

@@ -132,21 +132,23 @@ def wait_http(
     as long as it loads, a child stuck says so after `timeout`."""
     deadline = time.monotonic() + timeout
     last = progress() if progress else None
-    while time.monotonic() < deadline:
-        if progress is not None and (now := progress()) != last:
-            last, deadline = now, time.monotonic() + timeout
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with code {proc.returncode} before {url} answered")
-        try:
-            r = httpx.get(url, timeout=1.0)
-        except httpx.HTTPError:
-            r = None
-        if r is not None and launch and _launch_of(r) != launch:
-            port = urlsplit(url).port
-            raise PortTaken(f"port {port} is held by another server (its {url} is not this launch's)")
-        if r is not None and r.status_code == 200:
-            return
-        time.sleep(0.1)
+    # one client for every poll: a client's TLS context costs tens of ms of CPU to build
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if progress is not None and (now := progress()) != last:
+                last, deadline = now, time.monotonic() + timeout
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with code {proc.returncode} before {url} answered")
+            try:
+                r = client.get(url)
+            except httpx.HTTPError:
+                r = None
+            if r is not None and launch and _launch_of(r) != launch:
+                port = urlsplit(url).port
+                raise PortTaken(f"port {port} is held by another server (its {url} is not this launch's)")
+            if r is not None and r.status_code == 200:
+                return
+            time.sleep(0.1)
     quiet = " with no progress in its log" if progress else ""
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s{quiet}")
 

@@ -77,11 +77,11 @@ def _from_hub_cache(repo_id: str) -> Path:
 
 
 def _tiny() -> Path:
-    from pdd.model.tiny import make_tiny  # torch and tokenizers: only when it has to be built
-
     models = home() / "models"
     target, stamp = models / "tiny", models / "tiny.revision"  # (the stamp beside it: a model dir holds the model)
     if not (target / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != TINY_REVISION:
+        from pdd.model.tiny import make_tiny  # torch and tokenizers: only when it has to be built
+
         models.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=models, prefix=".tiny-"))
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pdd.engines.embedded.llama import CausalLM, Rotary
+from pdd.engines.embedded.llama import CausalLM
 from pdd.errors import ModelNotFound
 from pdd.model.config import ModelConfig
 
@@ -42,7 +42,6 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     state = {k: v for k, v in state.items() if not k.endswith(_DERIVED_SUFFIXES)}
     _check_tensors(path, state, expected)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
-    model.rotary = Rotary(cfg)  # its buffer is derived, not stored in checkpoints
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval()
