@@ -106,7 +106,6 @@ def test_html_escapes_hostile_text(tmp_path: Path) -> None:
 _LAUNCHER = """
 import argparse, os, socket, subprocess, sys, time
 import httpx
-from procs import HTTP
 
 parser = argparse.ArgumentParser(prog="fake-up")
 parser.add_argument("--mode", choices=["alpha", "beta", "broken"], required=True)
@@ -134,7 +133,7 @@ with open({pids!r} + ".args", "a") as f:
 print(f"fake-up: starting {{args.mode}}", flush=True)
 while True:
     try:
-        if HTTP.get(f"http://127.0.0.1:{{port}}/v1/models", timeout=1).status_code == 200:
+        if httpx.get(f"http://127.0.0.1:{{port}}/v1/models", timeout=1).status_code == 200:
             break
     except httpx.TransportError:
         time.sleep(0.1)

@@ -239,11 +239,16 @@ def test_retry_after_follows_the_service_times_the_router_measured(router):
     _idle(router)
 
 
-def test_a_cache_salt_is_a_namespace_of_its_own(router):
+def test_a_cache_salt_is_a_namespace_of_its_own(deployment, router):
     """Two tenants with the same prompt: the salted one's second request hits its own
     prefix at P and at MD (what the router's mirror predicted), the other salt and the
     shared cache find none of it; an empty salt is refused."""
     prompt = list(range(3000, 3200))  # no other test sends it
+    page = cfg.load(str(deployment.run_dir / "deployment.toml")).engine.page_size
+
+    def mirrored() -> int:
+        """The pages the router's mirror says MD holds."""
+        return HTTP.get(f"{router}/pdd/stats", timeout=10).json()["instances"]["md0"]["mirror_pages"]
 
     def ask(**salt: str) -> tuple[int, int, int]:
         _idle(router)
@@ -255,7 +260,10 @@ def test_a_cache_salt_is_a_namespace_of_its_own(router):
         record = out["pdd"]
         return out["usage"]["prompt_tokens_details"]["cached_tokens"], record["d_hit_tokens"], record["d_hit_predicted"]
 
+    before = mirrored()
     assert ask(cache_salt="alice") == (0, 0, 0)
+    # the relay answered; MD's copy lands after, and the router's mirror learns it from MD's events
+    wait_until(lambda: mirrored() >= before + len(prompt) // page, 30, "the router's mirror to hold the first turn")
     cached, d_hit, predicted = ask(cache_salt="alice")
     assert cached >= 160 and d_hit >= 160 and predicted == d_hit, (cached, d_hit, predicted)
     assert ask(cache_salt="bob") == (0, 0, 0)
