@@ -4,6 +4,8 @@ computes for the same file (logits and greedy tokens), or refuses the field by n
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,12 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
     tied = save_random(tmp_path / "tied", "llama", DEFAULT, tie_word_embeddings=True)
     with pytest.raises(ValueError, match=r"lm_head\.weight.*tie_word_embeddings is false"):
         load_model(edit_config(tied, tie_word_embeddings=False))
+
+
+def test_loading_a_model_does_not_import_torchs_compiler(tiny_model_dir: Path) -> None:
+    """The loader builds the model on the meta device, where a random init or arithmetic runs
+    through `torch._refs` and imports `torch._dynamo`: seconds of CPU at every instance's start."""
+    code = (f"import sys; from pdd.engines.embedded.loader import load_model; load_model({str(tiny_model_dir)!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-1] == "False", out.stdout

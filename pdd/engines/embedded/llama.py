@@ -43,7 +43,10 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq, self.scale = inv_freq_and_scale(cfg.rope, cfg.head_dim)
+        # on the CPU whatever device is current: on the loader's meta device this arithmetic
+        # would import torch's compiler (seconds of every process's start); the buffer moves with the model
+        with torch.device("cpu"):
+            inv_freq, self.scale = inv_freq_and_scale(cfg.rope, cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

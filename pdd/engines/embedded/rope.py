@@ -1,9 +1,7 @@
 """RoPE frequencies of each supported type, from the parameters `pdd.model.config` reads.
 
 The formulas follow transformers' `modeling_rope_utils` op for op in float32, because an
-ulp of difference in a frequency grows with position. They are computed on the CPU
-whatever device is current (the loader builds the model on `meta`, where this arithmetic
-would import torch's compiler), and move with the model.
+ulp of difference in a frequency grows with position.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 def inv_freq_and_scale(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies (float32) and the factor cos and sin are scaled by."""
     base = float(rope["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope["rope_type"]
     if kind == "default":
         return inv, 1.0
@@ -64,8 +62,8 @@ def _yarn(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # no singular ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     extrapolate = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv, float(attention)
