@@ -365,3 +365,23 @@ def test_a_parallel_instance_without_a_gpu_per_rank_is_refused_at_load():
 
     assert engine_options(["tensor_parallel_size=2", "quantization=fp8", "enforce_eager=false"]) == \
         {"tensor_parallel_size": 2, "quantization": "fp8", "enforce_eager": False}
+
+
+def test_a_request_vllm_defers_is_not_waiting_for_a_slot():
+    """vLLM defers a request waiting for its KV (or for the connector, as the export of a
+    finished one's output for MD's fill): it does not wait for a place in the batch, so a
+    relay holding nothing is not loaded by it and takes the next request (a relay that
+    counted it turned a session's second turn away, straight after its first)."""
+    from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+
+    from pdd.engines.vllm.stats import StatsTap
+    from pdd.policy.capacity import relay_accepts
+
+    into = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    tap = StatsTap(into)
+    tap.record(SchedulerStats(num_waiting_reqs=0, num_skipped_waiting_reqs=1,
+                              prefix_cache_stats=PrefixCacheStats()), None)
+    assert (into["waiting"], into["deferred"]) == (0, 1)
+    assert relay_accepts(held=0, waiting=into["waiting"], max_running=128)
+    tap.record(SchedulerStats(num_waiting_reqs=2, prefix_cache_stats=PrefixCacheStats()), None)
+    assert into["waiting"] == 2 and not relay_accepts(held=2, waiting=into["waiting"], max_running=128)

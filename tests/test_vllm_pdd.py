@@ -142,7 +142,8 @@ def test_turns_waiting_at_md_for_a_landing_fill_never_wait_for_each_other(dep, m
                    timeout=5).raise_for_status()
     for g, p in zip(done, prompts, strict=True):
         assert g["error"] is None and g["ids"] == moe_reference.greedy(p, 16), g["record"]
-    assert [(g["record"]["pipeline"], g["record"]["main_output_tokens"]) for g in done] == [("P-RLD-MD", 0)] * 3
+    assert [(g["record"]["pipeline"], g["record"]["main_output_tokens"]) for g in done] == [("P-RLD-MD", 0)] * 3, [
+        g["record"] for g in done]
     assert _node(md)["prefix_waits_expired"] == expired
     vllm_settled([dep.http[n] for n in ("p0", "rld0", "md0")])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import secrets
 import shutil
 import signal
@@ -22,13 +23,13 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import IO
 
 from pdd import config as cfg
 from pdd.addresses import parse_addr
 from pdd.config import groups
 from pdd.engines.port import devices, engine_names
 from pdd.errors import Mistake
+from pdd.lab.forks import Forks
 from pdd.lab.launch import (  # (the lab's other tools import these from here too)
     PDD_COMMAND as PDD_COMMAND,
 )
@@ -36,14 +37,17 @@ from pdd.lab.launch import (
     STOP_GRACE_S as STOP_GRACE_S,
 )
 from pdd.lab.launch import (
-    PortTaken as PortTaken,
-)
-from pdd.lab.launch import (
+    Child,
     check_ports,
     free_port,
     log_progress,
-    start,
     wait_http,
+)
+from pdd.lab.launch import (
+    PortTaken as PortTaken,
+)
+from pdd.lab.launch import (
+    start as start,
 )
 from pdd.lab.launch import (
     stop_group as stop_group,
@@ -188,22 +192,23 @@ class Launcher:
         self.dep = dep
         self.run_dir = run_dir
         self.config_path = run_dir / "deployment.toml"
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[tuple[str, Child]] = []
+        self.forks = Forks(vllm=any(i.engine.backend == "vllm" for i in dep.instances))
         # in every child's environment, and said back on its /health: a server that does not
         # say it is not this launch's
         self.launch = secrets.token_hex(8)
 
-    def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
-        log = open(self.run_dir / f"{name}.log", "w")
+    def _spawn(self, name: str, args: list[str], nice: int = 0) -> Child:
+        log = self.run_dir / f"{name}.log"
+        log.write_bytes(b"")
         proc = self._popen(name, args, log, nice)
-        log.close()
         self.children.append((name, proc))
-        print(f"process {name}: pid {proc.pid}, log {self.run_dir / (name + '.log')}", flush=True)
+        print(f"process {name}: pid {proc.pid}, log {log}", flush=True)
         return proc
 
-    def _popen(self, name: str, args: list[str], log: IO, nice: int) -> subprocess.Popen:
-        """`pdd ARGS` as child `name` (here: on this host)."""
-        return start([*PDD_COMMAND, *args], log, {LAUNCH_ENV: self.launch}, nice, own_group=False)
+    def _popen(self, name: str, args: list[str], log: Path, nice: int) -> Child:
+        """`pdd ARGS` as child `name` (here: forked, on this host), its output to `log`."""
+        return self.forks.start(name, args, log, {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCH_ENV: self.launch}, nice)
 
     def line_shape(self) -> tuple[float, float, float]:
         """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""
@@ -223,7 +228,7 @@ class Launcher:
             f"--admin={line.host}:{line.admin_port}",
         ]
 
-    def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
+    def _wait_http(self, name: str, proc: Child, url: str) -> None:
         try:
             wait_http(url, proc, STALL_TIMEOUT_S, self.launch, log_progress(self.run_dir / f"{name}.log"))
         except PortTaken as e:

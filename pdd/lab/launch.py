@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -112,6 +112,26 @@ def start(
     )
 
 
+class Child(Protocol):
+    """What the lab uses of a child it started: a `subprocess.Popen`, or a forked one
+    (`pdd.lab.forks.Forked`)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class PortTaken(RuntimeError):
     """A server of another launch answers where a child of this one should."""
 
@@ -123,7 +143,7 @@ def log_progress(path: Path) -> Callable[[], object]:
 
 
 def wait_http(
-    url: str, proc: subprocess.Popen, timeout: float, launch: str = "", progress: Callable[[], object] | None = None
+    url: str, proc: Child, timeout: float, launch: str = "", progress: Callable[[], object] | None = None
 ) -> None:
     """Return once `url` answers 200; RuntimeError if `proc` exits first or time runs out,
     or, given the `launch` id `proc` was started with, at once when a server of another
@@ -161,7 +181,7 @@ def _launch_of(response: httpx.Response) -> object:
     return said.get("launch") if isinstance(said, dict) else None
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+def stop_group(proc: Child, grace_s: float) -> None:
     """SIGTERM `proc`'s process group (it was started in a session of its own: its
     children with it), SIGKILL what is left of it after `grace_s`, and reap it."""
     with contextlib.suppress(ProcessLookupError):

@@ -62,6 +62,7 @@ class VllmEngine(Requests):
             "kv_cache_usage": 0.0,
             "running": 0,
             "waiting": 0,
+            "deferred": 0,
             "prefix_cache_queries": 0,
             "prefix_cache_hits": 0,
             "prompt_tokens_computed": 0,

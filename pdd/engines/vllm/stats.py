@@ -1,7 +1,10 @@
 """vLLM's own counters, as the engine port reports them (`load`, `stats`).
 
 A stat logger (vLLM's plug-in point for metrics) that keeps, per instance: the KV
-usage gauge (`vllm:kv_cache_usage_perc`), running and waiting requests, the prefix
+usage gauge (`vllm:kv_cache_usage_perc`), running requests and those waiting for a slot
+(not those vLLM defers, waiting for their KV to land or for the connector: on a relay,
+a request whose KV is still crossing, or the export of a finished one's output for MD's
+fill, neither of which waits for a place in the batch), the prefix
 cache's queries and hits (`vllm:prefix_cache_queries` / `_hits`), and prompt tokens by
 where their KV came from (`vllm:prompt_tokens_by_source`: computed, local cache hit,
 external transfer) and generated tokens, summed since start.
@@ -39,7 +42,8 @@ class StatsTap(StatLoggerBase):
         if scheduler_stats is not None:
             s["kv_cache_usage"] = scheduler_stats.kv_cache_usage
             s["running"] = scheduler_stats.num_running_reqs
-            s["waiting"] = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            s["waiting"] = scheduler_stats.num_waiting_reqs
+            s["deferred"] = scheduler_stats.num_skipped_waiting_reqs
             s["prefix_cache_queries"] += scheduler_stats.prefix_cache_stats.queries
             s["prefix_cache_hits"] += scheduler_stats.prefix_cache_stats.hits
         if iteration_stats is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pdd import config as cfg
 from pdd.lab.deploy import Launcher, PortTaken, wait_http
+from pdd.lab.launch import Child
 from pdd.lab.netns.delay import DelayError, LineDelay
 from pdd.lab.netns.lab import Lab, LabError, lab, run_in
 from pdd.lab.workload.scenarios import SCENARIOS
@@ -72,13 +73,15 @@ class LabLauncher(Launcher):
         super().__init__(dep, run_dir)
         self.net = net
 
-    def _popen(self, name: str, args: list[str], log, nice: int) -> subprocess.Popen:
-        return self.net.spawn(name, args, log, nice, {LAUNCH_ENV: self.launch})
+    def _popen(self, name: str, args: list[str], log: Path, nice: int) -> subprocess.Popen:
+        """Started in its namespace (`ip netns exec`), not forked: a fork would stay in ours."""
+        with open(log, "w") as out:
+            return self.net.spawn(name, args, out, nice, {LAUNCH_ENV: self.launch})
 
     def line_shape(self) -> tuple[float, float, float]:
         return HOP_MBPS, self.dep.line.delay_ms, self.dep.line.jitter_ms
 
-    def _wait_http(self, name: str, proc: subprocess.Popen, url: str) -> None:
+    def _wait_http(self, name: str, proc: Child, url: str) -> None:
         ns = self.net.line_ns if name == "line" else self.net.hosts[name].ns
         try:
             run_in(ns, lambda: wait_http(url, proc, 120.0, self.launch))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import httpx
 
 from pdd import config as cfg
 from pdd.lab.deploy import Launcher
+from pdd.lab.launch import Child
 
 
 @dataclass
@@ -52,10 +52,10 @@ class Cluster(Launcher):
         inst = self.dep.instance(name)
         return f"http://{inst.host}:{inst.port}"
 
-    def proc(self, name: str) -> subprocess.Popen:
+    def proc(self, name: str) -> Child:
         return next(p for n, p in reversed(self.children) if n == name)
 
-    def _spawn(self, name: str, args: list[str], nice: int = 0) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], nice: int = 0) -> Child:
         """Keep an earlier life's log (`NAME.life1.log`, ...) before the next one starts."""
         self.lives[name] = self.lives.get(name, 0) + 1
         log = self.run_dir / f"{name}.log"
