@@ -23,5 +23,7 @@ fi
 .venv/bin/ruff format --check pdd
 .venv/bin/mypy pdd
 .venv/bin/lint-imports
-# the slowest tests are listed at the end: where the suite's time goes, run by run
-exec .venv/bin/python -m pytest --durations=25 "$@"
+# two workers (PDD_TEST_WORKERS), a test module each at a time: most of the suite waits on its
+# deployments' timers and lines, not on the cores (BENCHMARKS.md, "The suite's time"); the
+# slowest tests are listed at the end: where the suite's time goes, run by run
+exec .venv/bin/python -m pytest -n "${PDD_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

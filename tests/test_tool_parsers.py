@@ -48,6 +48,9 @@ def write_config(path: Path, model: Path, **model_keys: str) -> str:
     lines += [f"{k} = {json.dumps(v)}" for k, v in model_keys.items()]
     lines += ["[line]", *(f"{k} = {json.dumps(v)}" for k, v in LINE.items())]
     lines += ["[policy]", *(f"{k} = {json.dumps(v)}" for k, v in HANDOFF.items())]
+    # two test workers on two cores can starve an instance's heartbeats past the default
+    # bound (5 s: P was once dropped "silent for 5.5 s"); what is tested here is the parsers
+    lines += ["[liveness]", "dead_after_s = 15.0"]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
