@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import secrets
 import shutil
 import signal
@@ -39,6 +38,7 @@ from pdd.lab.launch import (
 from pdd.lab.launch import (
     Child,
     check_ports,
+    child_env,
     free_port,
     log_progress,
     wait_http,
@@ -208,7 +208,7 @@ class Launcher:
 
     def _popen(self, name: str, args: list[str], log: Path, nice: int) -> Child:
         """`pdd ARGS` as child `name` (here: forked, on this host), its output to `log`."""
-        return self.forks.start(name, args, log, {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCH_ENV: self.launch}, nice)
+        return self.forks.start(name, args, log, child_env({LAUNCH_ENV: self.launch}), nice)
 
     def line_shape(self) -> tuple[float, float, float]:
         """What the emulator enforces: (Mbit/s, one-way delay ms, jitter ms); here, the line's."""

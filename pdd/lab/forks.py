@@ -3,16 +3,18 @@
 Every child of `pdd up` is `pdd serve`, `pdd router` or `pdd line`, and an instance spends
 most of its start importing torch and pdd's serving stack (about 2.5 s of CPU, the same
 in every instance). A fork server (Python's `multiprocessing` "forkserver") imports them
-once; each child is a fork of it, and runs `pdd.cli.main` with its own arguments, log,
-environment and niceness. The children are real processes with their own pids, in the
-launcher's process group (stopping `pdd up` stops them, as before); the fork server has
-no thread when it forks (it only imports), and vLLM, which starts its engine core by
-spawning a fresh interpreter, is not affected.
+once; each child is a fork of it, and runs `pdd.cli` (as `python -m` would) with its own
+arguments, log, environment and niceness. The children are real processes with their own
+pids, in the launcher's process group (stopping `pdd up` stops them, as before). The fork
+server runs no Python thread when it forks (it only imports; the idle native threads that
+torch and vLLM start at import do not cross a fork), and vLLM, which starts its engine core
+by spawning a fresh interpreter, is not affected.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -68,7 +70,8 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # (it exited in between, as Popen allows)
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

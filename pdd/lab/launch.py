@@ -86,6 +86,12 @@ PDD_COMMAND = (sys.executable, "-m", "pdd.cli")  # `pdd`, as this interpreter ru
 STOP_GRACE_S = 15.0  # a server's time to stop after SIGTERM, before SIGKILL
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: `env` over this process's, Python unbuffered (a log shows what
+    happened up to a kill)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def start(
     argv: Sequence[str],
     output: IO | int | None = subprocess.DEVNULL,
@@ -95,8 +101,7 @@ def start(
     text: bool = False,
 ) -> subprocess.Popen:
     """Every process the lab starts, started one way: `argv` with its stdout and stderr to
-    `output` (a file, PIPE, DEVNULL), no stdin, `env` over this process's environment and
-    Python unbuffered (a log shows what happened up to a kill), at `nice`. `own_group`: in a
+    `output` (a file, PIPE, DEVNULL), no stdin, in `child_env(env)`, at `nice`. `own_group`: in a
     process group of its own, which `stop_group` stops whole, its children with it; a
     deployment's children stay in the deployment's, so stopping `pdd up` stops them too."""
     return subprocess.Popen(
@@ -104,7 +109,7 @@ def start(
         stdin=subprocess.DEVNULL,
         stdout=output,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env=child_env(env),
         preexec_fn=(lambda: os.nice(nice)) if nice else None,
         start_new_session=own_group,
         text=text,
