@@ -67,6 +67,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _is_vllm_test(Path(str(item.fspath))) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(suite + VLLM_SETUP_S))
+    items.sort(key=lambda item: _turn(Path(str(item.fspath))))
+
+
+# ---- on two workers, vLLM's modules on one and the longest of the rest first ----------------
+# The suite runs on pytest-xdist workers a module at a time (`--dist loadfile`: a module's
+# deployments are its own). The vLLM modules go to one worker as one unit, first: the session's
+# plain vLLM (`vllm_reference`) then starts once, and their CPU-bound starts (vLLM's engines, its
+# compiles) run beside the other worker's modules, which mostly wait on timers and lines. The
+# other modules follow, the longest first (measured at cf9c8b0: BENCHMARKS.md, "The suite's
+# time"), so the last ones to end are short; the rest in their files' order.
+LONGEST_FIRST = ("test_pdd.py", "test_claims.py", "test_soak.py", "test_pd.py", "test_cli_e2e.py",
+                 "test_membership.py", "test_tool_parsers.py", "test_flood.py", "test_lifecycle.py", "test_sites.py",
+                 "test_fuzz.py", "test_gpu_check.py", "test_router_api.py", "test_agent_loops.py")
+VLLM_UNIT = "tests/test_vllm_*.py"
+
+
+def _turn(path: Path) -> int:
+    """Where a module's tests come in the run: the vLLM modules, the longest, the rest."""
+    if _is_vllm_test(path):
+        return 0
+    return 1 + LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else 1 + len(LONGEST_FIRST)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with the vLLM modules as one unit, in the collection's order (above)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class VllmTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return VLLM_UNIT if _is_vllm_test(Path(module)) else module
+
+    config.option.loadscopereorder = False  # (xdist would put the units with the most tests first)
+    return VllmTogether(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -157,7 +193,8 @@ def tiny_model_dir(pdd_home: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_reference(tiny_model_dir: Path):
-    """A plain `vllm serve` on the tiny model (fp32), started once for every vLLM test module."""
+    """A plain `vllm serve` on the tiny model (fp32, eager), started once per test process for
+    every vLLM test module, in the background: the module's deployment starts beside it."""
     pytest.importorskip("vllm")
     from procs import plain_vllm
 

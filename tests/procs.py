@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -212,11 +213,18 @@ VLLM_START_S = 300.0  # vLLM starts in tens of seconds alone; several at once on
 
 class PlainVllm:
     """A plain `vllm serve` on the same weights, fp32, no pdd anywhere: the reference a
-    vLLM-backed pdd deployment must equal. Greedy outputs are asked once and kept."""
+    vLLM-backed pdd deployment must equal. Greedy outputs are asked once and kept. It starts
+    in the background (`plain_vllm`): its first use waits for the start, or raises its failure."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, started: Future) -> None:
+        self._url = url
+        self._started = started
         self._seen: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @property
+    def url(self) -> str:
+        self._started.result()
+        return self._url
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         key = (tuple(prompt), max_tokens)
@@ -232,7 +240,9 @@ class PlainVllm:
 @contextlib.contextmanager
 def plain_vllm(model_dir: Path, *extra: str, eager: bool = True) -> Iterator[PlainVllm]:
     """A plain `vllm serve` of `model_dir` (`extra`: more of vLLM's arguments), eager unless
-    not `eager` (vLLM-CPU runs pipeline stages only compiled: `pdd.engines.vllm.args`)."""
+    not `eager` (vLLM-CPU runs pipeline stages only compiled: `pdd.engines.vllm.args`).
+    Yielded at once, starting: a deployment the test starts next starts beside it (each start
+    mostly waits on its own processes: vLLM's start, and on CPU its compile)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
@@ -243,12 +253,12 @@ def plain_vllm(model_dir: Path, *extra: str, eager: bool = True) -> Iterator[Pla
             "--block-size", "32", "--max-model-len", "4096", *extra]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    try:
-        wait_http(f"{url}/health", proc, VLLM_START_S)
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        yield PlainVllm(url)
-    finally:
-        stop_group(proc)
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            yield PlainVllm(url, pool.submit(wait_http, f"{url}/health", proc, VLLM_START_S))
+        finally:
+            stop_group(proc)  # (a start still waited on sees the exit and ends)
 
 
 def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:

@@ -1,8 +1,9 @@
 """A data-parallel group as pdd members: `pdd up --mode pdd --engine vllm` with MD as a DP 2
 group of the dense tiny model (`[engine.vllm] data_parallel_size = 2` on one
 `[[instances]]` entry), each rank an instance process of its own around one vLLM engine
-(`pdd.config.groups`). Greedy output equals a plain `vllm serve --data-parallel-size 2` on the
-same weights through P -> RLD -> MD and P -> MD; the router shows the ranks under their
+(`pdd.config.groups`). Greedy output equals a plain `vllm serve` on the same weights (each
+rank a whole copy of the dense model, as each of `vllm serve --data-parallel-size 2`'s is)
+through P -> RLD -> MD and P -> MD; the router shows the ranks under their
 group and plans requests onto both; a session's second turn goes to the rank that holds
 its first turn's KV and moves only what that rank lacks. One deployment for all."""
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import HTTP, plain_vllm, stream_completion, vllm_settled
-from vllm_scenarios import beside, deployment, engine_stats, pdd_instances, prompt
+from procs import HTTP, stream_completion, vllm_settled
+from vllm_scenarios import deployment, engine_stats, pdd_instances, prompt
 
 pytest.importorskip("vllm")
 
@@ -22,20 +23,9 @@ OUTPUT = 24
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory, tiny_model_dir):
-    reference = plain_vllm(tiny_model_dir, "--data-parallel-size", "2")
-    with beside(reference, deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp")) as both:
-        yield both
-
-
-@pytest.fixture(scope="module")
-def dep(started):
-    return started[0]
-
-
-@pytest.fixture(scope="module")
-def reference(started):
-    return started[1]
+def dep(tmp_path_factory, vllm_reference):
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=GROUP, name="dp") as d:
+        yield d
 
 
 def test_the_ranks_are_members_under_their_group(dep):
@@ -46,11 +36,11 @@ def test_the_ranks_are_members_under_their_group(dep):
     assert all(router["instances"][r]["healthy"] and router["instances"][r]["pages"] > 0 for r in RANKS)
 
 
-def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
+def test_sessions_land_on_both_ranks_and_equal_plain_vllm(dep, vllm_reference):
     """A long fresh prompt through the relay (P -> RLD -> MD); four fresh prompts at once
     (through the relay, or straight from P where the policy finds the line quick enough);
     then each one's second turn straight from P (P -> MD). Every output equals plain
-    vLLM's DP 2; the router spreads the fresh prompts over both ranks (by load: nothing is
+    vLLM's; the router spreads the fresh prompts over both ranks (by load: nothing is
     cached yet); each second turn goes to the rank that served its first (prefix
     affinity), whose vLLM hits the first turn's KV, so only the delta crosses."""
     before = {r: engine_stats(dep, r) for r in RANKS}
@@ -63,7 +53,7 @@ def test_sessions_land_on_both_ranks_and_equal_plain_vllm_dp2(dep, reference):
     turns = [p + g["ids"] + prompt(200 + i, 16) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
     second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
     for g, p in zip([relayed, *first, *second], [alone, *fresh, *turns], strict=True):
-        assert g["error"] is None and g["ids"] == reference.greedy(p, OUTPUT), g["record"]
+        assert g["error"] is None and g["ids"] == vllm_reference.greedy(p, OUTPUT), g["record"]
     served = [g["record"]["instances"]["main"] for g in first]
     print("\nfirst turns served by", served, "; pipelines",
           [(g["record"]["pipeline"], g["record"]["instances"]["main"], g["record"]["d_hit_tokens"])

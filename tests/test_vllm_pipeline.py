@@ -4,13 +4,14 @@ shorter: vLLM-CPU compiles each stage's worker, tens of seconds each): each stag
 worker carries the layers it holds, P's export (whole, and streamed to the relay layer
 by layer) gathers both stages' parts and MD's import lays each stage's into its own
 cache. A fresh prompt (P -> RLD -> MD, one-shot) and its second turn (P -> MD) equal a
-plain `vllm serve --pipeline-parallel-size 2`'s greedy tokens."""
+plain `vllm serve`'s greedy tokens (one stage, eager: the stages split the layers, not
+the arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
-from procs import HTTP, plain_vllm, stream_completion
-from vllm_scenarios import beside, deployment, prompt, shapes
+from procs import HTTP, stream_completion
+from vllm_scenarios import deployment, prompt, shapes
 
 pytest.importorskip("vllm")
 
@@ -26,16 +27,12 @@ INSTANCES = "".join(
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory, tiny_model_dir):
-    # (eager, vLLM-CPU's second stage fails the first request: its input buffers are allocated while compiling)
-    reference = plain_vllm(tiny_model_dir, "--pipeline-parallel-size", "2", eager=False)
-    with beside(reference, deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=INSTANCES,
-                                      name="stages")) as both:  # fmt: skip
-        yield both
+def dep(tmp_path_factory, vllm_reference):
+    with deployment(tmp_path_factory, "pdd", "--engine", "vllm", instances=INSTANCES, name="stages") as d:
+        yield d
 
 
-def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(started):
-    dep, reference = started
+def test_two_pipeline_stages_through_pdd_equal_plain_vllm(dep, vllm_reference):
     for name in ("p0", "rld0", "md0"):
         stats = HTTP.get(f"{dep.http[name]}/pdd/stats").json()["engine"]
         assert stats["backend"] == "vllm", stats
@@ -46,4 +43,4 @@ def test_two_pipeline_stages_through_pdd_equal_plain_vllms_two_stages(started):
     assert shapes([fresh, second]) == [("P-RLD-MD", "one_shot"), ("P-MD", None)]
     assert second["record"]["d_hit_tokens"] >= len(first)  # MD kept the first turn, in both stages
     for p, g in ((first, fresh), (turn, second)):
-        assert g["error"] is None and g["ids"] == reference.greedy(p, len(g["ids"])), g["record"]
+        assert g["error"] is None and g["ids"] == vllm_reference.greedy(p, len(g["ids"])), g["record"]

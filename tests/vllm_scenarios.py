@@ -13,7 +13,6 @@ import contextlib
 import json
 import random
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from procs import HTTP, VLLM_START_S, Deployment, pdd_up, stream_completion
@@ -58,21 +57,6 @@ def deployment(tmp_path_factory, mode: str, *args: str, instances: str = "", nam
     conf = write_config(tmp_path_factory.mktemp(name or mode) / "pdd.toml", mode, instances)
     with pdd_up("--config", conf, *args, timeout=VLLM_START_S) as d:
         yield d
-
-
-@contextlib.contextmanager
-def beside(reference: contextlib.AbstractContextManager, dep: contextlib.AbstractContextManager) -> Iterator[tuple]:
-    """(the deployment, the plain vLLM reference), started side by side: each start mostly
-    waits on its own processes (vLLM's start, and on CPU its compile)."""
-    with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:
-        starting = pool.submit(reference.__enter__)
-        stack.callback(_stop_once_started, reference, starting)
-        yield stack.enter_context(dep), starting.result()
-
-
-def _stop_once_started(reference: contextlib.AbstractContextManager, starting: Future) -> None:
-    if starting.exception() is None:  # (it stops its own process where its start failed)
-        reference.__exit__(None, None, None)
 
 
 def pipelines(dep, reference, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
