@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -213,18 +212,11 @@ VLLM_START_S = 300.0  # vLLM starts in tens of seconds alone; several at once on
 
 class PlainVllm:
     """A plain `vllm serve` on the same weights, fp32, no pdd anywhere: the reference a
-    vLLM-backed pdd deployment must equal. Greedy outputs are asked once and kept. It starts
-    in the background (`plain_vllm`): its first use waits for the start, or raises its failure."""
+    vLLM-backed pdd deployment must equal. Greedy outputs are asked once and kept."""
 
-    def __init__(self, url: str, started: Future) -> None:
-        self._url = url
-        self._started = started
+    def __init__(self, url: str) -> None:
+        self.url = url
         self._seen: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    @property
-    def url(self) -> str:
-        self._started.result()
-        return self._url
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         key = (tuple(prompt), max_tokens)
@@ -240,9 +232,7 @@ class PlainVllm:
 @contextlib.contextmanager
 def plain_vllm(model_dir: Path, *extra: str, eager: bool = True) -> Iterator[PlainVllm]:
     """A plain `vllm serve` of `model_dir` (`extra`: more of vLLM's arguments), eager unless
-    not `eager` (vLLM-CPU runs pipeline stages only compiled: `pdd.engines.vllm.args`).
-    Yielded at once, starting: a deployment the test starts next starts beside it (each start
-    mostly waits on its own processes: vLLM's start, and on CPU its compile)."""
+    not `eager` (vLLM-CPU runs pipeline stages only compiled: `pdd.engines.vllm.args`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
@@ -253,12 +243,12 @@ def plain_vllm(model_dir: Path, *extra: str, eager: bool = True) -> Iterator[Pla
             "--block-size", "32", "--max-model-len", "4096", *extra]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    with ThreadPoolExecutor(1) as pool:
-        try:
-            yield PlainVllm(url, pool.submit(wait_http, f"{url}/health", proc, VLLM_START_S))
-        finally:
-            stop_group(proc)  # (a start still waited on sees the exit and ends)
+    try:
+        wait_http(f"{url}/health", proc, VLLM_START_S)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield PlainVllm(url)
+    finally:
+        stop_group(proc)
 
 
 def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:

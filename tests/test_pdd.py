@@ -172,7 +172,9 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, colocated, tmp_path):
     mode, policy, line = VARIANTS[variant]
-    conf = _write_config(tmp_path / "pdd.toml", line=line, policy=policy)
+    # (a liveness limit well past the default: on two cores beside the other worker's vLLM
+    # starts, every process of this deployment has gone unscheduled for 6.6 s at once)
+    conf = _write_config(tmp_path / "pdd.toml", line=line, policy=policy, liveness={"dead_after_s": 20.0})
     unseeded_params = {k: v for k, v in SEEDED.items() if k != "seed"}
     with pdd_up("--mode", mode, "--config", conf) as dep:
         greedy = [_stream(dep.url, p, 120) for p in _prompts()]
@@ -204,9 +206,12 @@ def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, ref
     assert logprobs["ids"] == reference["logprobs"]["ids"] and len(logprobs["logprobs"]) == 60
     assert max(abs(a - b) for a, b in zip(logprobs["logprobs"], reference["logprobs"]["logprobs"], strict=True)) < 1e-3
     assert guided["ids"] == reference["guided"] and guided["finish_reason"] == "stop"
-    if variant != "pd-cross-dc" and variant != "P-MD":  # produced by P, the relay and MD
-        for r in (logprobs["record"], guided["record"], *(a[0]["record"] for a in agent)):
-            assert r["relay_output_tokens"] > 0 and r["main_output_tokens"] > 0, r
+    if variant != "pd-cross-dc" and variant != "P-MD":  # produced by P, the relay and (handed over) MD
+        crossed = [logprobs["record"], guided["record"], *(a[0]["record"] for a in agent)]
+        assert all(r["relay_output_tokens"] > 0 for r in crossed), crossed
+        # (a short one the relay finished whole before MD was ready, on a slow moment, was not handed over)
+        assert all(r["main_output_tokens"] > 0 for r in crossed if r["handoff"] is not None), crossed
+        assert any(r["main_output_tokens"] > 0 for r in crossed), crossed
     # no seed given: the server chose one, every producer drew from it, and it replays anywhere
     server_seed = unseeded["record"]["seed"]
     assert isinstance(server_seed, int), unseeded["record"]
