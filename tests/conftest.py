@@ -194,7 +194,7 @@ def tiny_model_dir(pdd_home: Path) -> Path:
 @pytest.fixture(scope="session")
 def vllm_reference(tiny_model_dir: Path):
     """A plain `vllm serve` on the tiny model (fp32, eager), started once per test process for
-    every vLLM test module (on two workers they all run on one: below), before the first
+    every vLLM test module (on two workers they all run on one: above), before the first
     module's deployment (beside it, the start of four vLLM servers at once starved the other
     worker's deployments)."""
     pytest.importorskip("vllm")
