@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from pdd.lab.launch import PORTS_ENV, port_range
+
 CI_MAY_SKIP = "ci_may_skip"
 
 
@@ -106,8 +108,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _own_ports(config)
     config.addinivalue_line("markers", f"{CI_MAY_SKIP}: a skip of this test is no failure in CI (CI=true); "
                                        "only for what CI's machines cannot have, never for a missing package or file")
+
+
+def _own_ports(config: pytest.Config) -> None:
+    """Each xdist worker draws its ports (its own and those of the processes it starts, by
+    `$PDD_PORTS`) from a share of pdd's range of its own: a port one worker drew for a child
+    not yet listening is never drawn by the other worker's launch."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    low, high = port_range()
+    share = (high - low) // int(worker["workercount"])
+    first = low + share * int(worker["workerid"].removeprefix("gw"))
+    os.environ[PORTS_ENV] = f"{first}-{first + share - 1}"
 
 
 def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:

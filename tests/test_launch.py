@@ -5,6 +5,8 @@ progress and fails after a stall, not after a fixed total (`pdd.lab.launch.wait_
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 
@@ -15,7 +17,8 @@ from pdd import config as cfg
 from pdd.engines.port import EngineConfig, for_backend
 from pdd.errors import Mistake
 from pdd.lab.deploy import with_devices
-from pdd.lab.launch import log_progress, wait_http
+from pdd.lab.launch import PORTS_ENV, log_progress, port_range, wait_http
+from pdd.lab.launch import free_port as draw
 
 
 def _dep(backend: str, **vllm) -> cfg.Deployment:
@@ -41,6 +44,29 @@ def test_devices_put_an_instance_on_its_gpus():
         dep = _dep(backend, **({"tensor_parallel_size": ranks} if ranks else {}))
         with pytest.raises(Mistake, match=said):
             with_devices(dep, [given])
+
+
+def test_ports_are_drawn_from_pdd_ports(monkeypatch):
+    """`$PDD_PORTS` bounds every draw; a held port in it is passed over, a range with none
+    free or a malformed range is a Mistake. Each xdist worker draws from a share of its own."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        low, high = (int(p) for p in os.environ[PORTS_ENV].split("-"))
+        monkeypatch.delenv(PORTS_ENV)
+        whole = port_range()
+        assert whole[0] <= low < high < whole[1] and high - low + 1 < whole[1] - whole[0]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        monkeypatch.setenv(PORTS_ENV, f"{port}-{port + 3}")
+        drawn = {draw() for _ in range(20)}
+        assert drawn and drawn <= {port + 1, port + 2, port + 3}
+        monkeypatch.setenv(PORTS_ENV, f"{port}-{port}")
+        with pytest.raises(Mistake, match="no free port"):
+            draw()
+    for bad in ("20000", "2-3", "30000-20000", "x-y"):
+        monkeypatch.setenv(PORTS_ENV, bad)
+        with pytest.raises(Mistake, match=PORTS_ENV):
+            draw()
 
 
 SERVER = """

@@ -25,6 +25,8 @@ from pdd.addresses import parse_addr
 from pdd.errors import Mistake
 from pdd.process import listen
 
+PORTS_ENV = "PDD_PORTS"
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -34,19 +36,36 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def port_range() -> tuple[int, int]:
+    """Where ports are drawn, `low <= port < high`: `$PDD_PORTS` (`LOW-HIGH`, both
+    included: the opening a firewall leaves, or one share of a machine that runs several
+    launches at once), else the 16,384 ports below the kernel's ephemeral range. A port
+    the kernel hands out there is also what every outgoing connection takes its local
+    port from, so another process's connect() could take it between the draw and the
+    child's bind; below it only another listener could. A malformed value is a `Mistake`."""
+    given = os.environ.get(PORTS_ENV, "").strip()
+    if not given:
+        low, _ = _ephemeral_range()
+        return max(1024, low - 16384), low
+    try:
+        low, high = (int(part) for part in given.split("-"))
+    except ValueError:
+        raise Mistake(f"{PORTS_ENV}={given!r}: give LOW-HIGH (20000-20999)") from None
+    if not 1024 <= low <= high <= 65535:
+        raise Mistake(f"{PORTS_ENV}={given!r}: give 1024 <= LOW <= HIGH <= 65535")
+    return low, high + 1
+
+
 def free_port(taken: set[int] | None = None) -> int:
-    """A port free to listen on now, for a child to bind a moment later, and not in
-    `taken` (to which it is added: one launch's ports, drawn before any is bound, are
-    then all distinct; 8 draws from 16,384 collide once in about 600 launches, and a
-    CI run launches hundreds). Drawn below the ephemeral range: a port the kernel hands
-    out there is also what every outgoing connection takes its local port from, so
-    another process's connect() could take it in between; below it only another
-    listener could, and the draw is random."""
+    """A port of `port_range()` free to listen on now, for a child to bind a moment later,
+    and not in `taken` (to which it is added: one launch's ports, drawn before any is
+    bound, are then all distinct; 8 draws from 16,384 collide once in about 600 launches,
+    and a CI run launches hundreds). Drawn at random, then (a crowded range) in order;
+    none free is a `Mistake` naming the range."""
     taken = set() if taken is None else taken
-    low, _ = _ephemeral_range()
+    low, high = port_range()
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 16384), low)
+    for port in [rng.randrange(low, high) for _ in range(200)] + list(range(low, high)):
         if port in taken:
             continue
         taken.add(port)
@@ -56,11 +75,7 @@ def free_port(taken: set[int] | None = None) -> int:
             except OSError:
                 continue
             return port
-    with socket.socket() as s:  # a crowded machine: what the kernel picks
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    taken.add(port)
-    return port
+    raise Mistake(f"no free port in {low}-{high - 1} ({PORTS_ENV} sets the range)")
 
 
 def check_ports(dep: cfg.Deployment) -> None:
