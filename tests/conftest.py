@@ -92,6 +92,7 @@ def _turn(path: Path) -> int:
     return 1 + LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else 1 + len(LONGEST_FIRST)
 
 
+@pytest.hookimpl(optionalhook=True)  # (a run without xdist: -p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadfile` with the vLLM modules as one unit, in the collection's order (above)."""
     if config.getoption("dist") != "loadfile":

@@ -265,6 +265,18 @@ def vllm_settled(urls: list[str], timeout: float = 20.0) -> list[dict]:
         time.sleep(0.1)
 
 
+def vllm_mirrored(router_url: str, http: dict[str, str], timeout: float = 20.0) -> None:
+    """The router's mirror of each named vLLM-backed instance holds as many blocks as the
+    instance knows of from vLLM's events: the events have crossed the line (a prediction
+    read before that is of the cache as it was)."""
+    def caught_up() -> bool:
+        mirrors = HTTP.get(f"{router_url}/pdd/stats").json()["instances"]
+        known = {n: HTTP.get(f"{u}/pdd/stats").json()["engine"]["cached_blocks"] for n, u in http.items()}
+        return all(mirrors[n]["mirror_pages"] == known[n] for n in http)
+
+    wait_until(caught_up, timeout, "the router's mirrors to hold every block the instances hold")
+
+
 def session_turns(url: str, first: list[int], added: list[list[int]], max_tokens: int) -> tuple[list, list[dict]]:
     """A session's turns, each sent the moment the one before ends (an agent's): the
     first prompt, then each time the last prompt, its output and the next of `added`.

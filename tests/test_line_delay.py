@@ -27,14 +27,15 @@ CAPPED_SNDBUF = 64 * 1024  # as pdd's KV connections set it today; Linux doubles
 SEND_S = 2.0
 
 
-def _ping(ns: str, addr: str, count: int, interval: float) -> tuple[float, int]:
+def _ping(ns: str, addr: str, count: int, interval: float, which: str = "avg") -> tuple[float, int]:
+    """ping's `which` round trip (min or avg) in ms, and how many of `count` were answered."""
     run = subprocess.run(["ip", "netns", "exec", ns, "ping", "-q", "-c", str(count), "-i", str(interval), addr],
                          capture_output=True, text=True, timeout=60)
     out, found = run.stdout, re.search(r"(\d+) received", run.stdout)
     assert found, run.stdout + run.stderr  # (ping itself is Debian's iputils-ping: scripts/test.sh installs it)
     received = int(found.group(1))
-    avg = re.search(r"= [\d.]+/([\d.]+)/", out)
-    return (float(avg.group(1)) if avg else float("nan")), received
+    rtt = re.search(r"= ([\d.]+)/([\d.]+)/", out)
+    return (float(rtt.group(1 if which == "min" else 2)) if rtt else float("nan")), received
 
 
 def _rate(lab_, sndbuf: int | None) -> float:
@@ -75,12 +76,14 @@ def _rate(lab_, sndbuf: int | None) -> float:
 def test_the_line_delays_every_packet_and_tcp_sees_the_round_trip():
     with lab({"a": "A", "b": "B"}, line_mbps=2000.0, delay=LineDelay(delay_ms=ONE_WAY_MS)) as built:
         a, b = built.hosts["a"], built.hosts["b"]
-        rtt_ms, received = _ping(a.ns, b.addr, 10, 0.05)
+        _ping(a.ns, b.addr, 1, 0.05)  # (the path's first packet waits for neighbour discovery)
+        rtt_ms, received = _ping(a.ns, b.addr, 10, 0.05, "min")
         capped, tuned = _rate(built, CAPPED_SNDBUF), _rate(built, None)
     window_rate = 2 * CAPPED_SNDBUF / (2 * ONE_WAY_MS / 1000) / 1e6  # a window per round trip, MB/s
-    print(f"\nping {rtt_ms:.2f} ms; one connection: {capped:.1f} MB/s with a {2 * CAPPED_SNDBUF >> 10} KiB window "
-          f"(window / RTT = {window_rate:.1f}), {tuned:.1f} MB/s autotuned")
-    assert received == 10 and 2 * ONE_WAY_MS <= rtt_ms <= 2 * ONE_WAY_MS + 3, rtt_ms
+    print(f"\nping {rtt_ms:.2f} ms at least; one connection: {capped:.1f} MB/s with a {2 * CAPPED_SNDBUF >> 10} "
+          f"KiB window (window / RTT = {window_rate:.1f}), {tuned:.1f} MB/s autotuned")
+    # the fastest round trip: a busy machine can delay the hop's process, never speed it
+    assert received == 10 and 2 * ONE_WAY_MS <= rtt_ms <= 2 * ONE_WAY_MS + 3, (rtt_ms, received)
     assert capped <= 1.3 * window_rate, "a capped window carried more than a window per round trip: no delay seen"
     assert tuned >= 3 * capped, "autotuning did not grow the window past the cap"
 

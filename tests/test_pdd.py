@@ -531,10 +531,13 @@ def test_prefill_killed_after_the_first_tokens_the_decode_side_finishes(mode, re
 def patient(tmp_path_factory):
     """One pdd deployment for the tests that stall the line on purpose. Its liveness
     limit is a minute, so a stalled MD is late, never lost; every request goes through
-    the relay (P-RLD-MD pinned), whose KV comes over the fast path."""
+    the relay (P-RLD-MD pinned), whose KV comes over the fast path. A first request opens
+    every connection, so the line stalls a session's turn, not its first contact with MD."""
     conf = _pdd_config(tmp_path_factory.mktemp("patient"), FAST_LINE, liveness={"heartbeat_s": 1.0,
                                                                                 "dead_after_s": 60.0})
     with pdd_up("--config", conf) as dep:
+        assert _stream(dep.url, list(range(100, 140)), 4)["error"] is None
+        _settled(list(dep.http.values()))
         yield dep
 
 
@@ -578,6 +581,18 @@ def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):
     assert got["record"]["relay_output_tokens"] == 120 and "relay_finished" in got["record"]["fallbacks"]
 
 
+def test_a_line_stalled_before_p_ever_reached_md_costs_no_request(tmp_path, colocated):
+    """A fresh deployment whose line stalls before P has opened a connection to MD: P asks
+    for MD's reservation beside its prefill, not before it, so the relay answers the request
+    whole while the connection waits (it failed with P's TimeoutError when P waited)."""
+    conf = _pdd_config(tmp_path, FAST_LINE)
+    prompt = list(range(200, 300))
+    with pdd_up("--config", conf) as dep, _stalled(dep):
+        got = _stream(dep.url, prompt, 40)
+    assert got["error"] is None and got["ids"] == colocated(prompt, 40), got
+    assert got["record"]["relay_output_tokens"] == 40 and got["record"]["main_output_tokens"] == 0, got["record"]
+
+
 def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, colocated):
     """The line stalls for the whole first turn, so the relay finishes it before MD has
     any of its KV. Once the line moves, the relay's output reaches MD as a fill, which MD
@@ -594,7 +609,7 @@ def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, coloc
     wait_until(lambda: _stats(md)["engine"]["computed_tokens"] - computed >= 40 and not _held(md), 60,
                "MD computed the fill")
     turn = prompt + first["ids"] + [rng.randrange(16, 4096) for _ in range(30)]
-    second = _stream(dep.url, turn, 20)
+    second = _stream(dep.url, turn, 120)  # (long enough that MD, not the relay, ends it: MD's reservation is said)
     counted = {k: v - fallbacks.get(k, 0) for k, v in _fallbacks(dep.url).items() if v != fallbacks.get(k, 0)}
     print(f"\nfill: first turn {first['record']['fallbacks']}, next turn's hit at MD "
           f"{second['record']['d_hit_tokens']} of {len(turn)}; fallbacks counted {counted}")
@@ -602,7 +617,7 @@ def test_a_relay_that_finishes_fills_md_and_the_next_turn_hits_it(patient, coloc
     assert first["record"]["relay_output_tokens"] == 40 and "relay_finished" in first["record"]["fallbacks"]
     held = (len(prompt) + len(first["ids"])) // 16 * 16  # prompt and output, in whole pages
     assert second["record"]["d_hit_tokens"] >= held > len(prompt), second["record"]
-    assert second["error"] is None and second["ids"] == colocated(turn, 20)
+    assert second["error"] is None and second["ids"] == colocated(turn, 120)
     assert counted == _said(first, second)
 
 

@@ -6,7 +6,7 @@ its vLLM computes no prompt token but the last."""
 from __future__ import annotations
 
 import pytest
-from procs import HTTP, kv_bytes_per_token, vllm_settled, wait_until
+from procs import HTTP, kv_bytes_per_token, vllm_mirrored, vllm_settled, wait_until
 from vllm_scenarios import deployment, pipelines, rid, shapes
 
 pytest.importorskip("vllm")
@@ -52,7 +52,8 @@ def test_a_cache_salt_is_a_namespace_of_its_own_on_vllm(dep):
     prompt = list(range(3000, 3200))
 
     def ask(**salt: str) -> tuple[int, int]:
-        vllm_settled([dep.http["p0"], dep.http["md0"]])  # the last request's blocks are in the mirror
+        vllm_settled([dep.http["p0"], dep.http["md0"]])
+        vllm_mirrored(dep.url, {n: dep.http[n] for n in ("p0", "md0")})  # the last request's blocks are in it
         wait_until(lambda: HTTP.get(f"{dep.url}/ready").status_code == 200, 30, "the router to reach every instance")
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt}
         r = HTTP.post(f"{dep.url}/v1/completions", json=body, timeout=120)

@@ -176,10 +176,32 @@ class PrefillRole:
             log.debug("cannot reach %s: %s", peer, e)
 
     async def _reserve(self, job: PrefillJob, peer: str, main: str | None = None) -> None:
-        s = job.submit
         job.acks[peer] = asyncio.get_running_loop().create_future()
         job.holders.add(peer)
+        await self._send_reserve(job, peer, main)
+
+    def _reserve_aside(self, job: PrefillJob, peer: str) -> None:
+        """MD's reservation, asked for beside the prefill: reaching MD may take the line's
+        round trips (a first connection), or fail (a stalled or broken line), and the relay
+        need not wait for either. A peer that cannot be reached answers with a
+        ConnectionError, which `_decide` turns into the relay finishing the request."""
+        ack = job.acks[peer] = asyncio.get_running_loop().create_future()
+        job.holders.add(peer)
+
+        async def ask() -> None:
+            try:
+                await self._send_reserve(job, peer, None)
+            except (TimeoutError, OSError, wire.FrameError) as e:
+                if not ack.done():
+                    ack.set_exception(ConnectionError(f"cannot reach {peer}: {e!r}"))
+
+        self.node.spawn(ask())
+
+    async def _send_reserve(self, job: PrefillJob, peer: str, main: str | None) -> None:
+        s = job.submit
         conn = await self.peers.get(peer)
+        if job.acks[peer].done():  # the request ended while the connection opened
+            return
         job.reserve_sent[peer] = time.monotonic()
         job.forms[peer] = self._forms(peer, conn.version)
         # (the prompt's logprobs are P's to compute: the decode side keeps its prefix cache)
@@ -199,7 +221,9 @@ class PrefillRole:
         s = job.submit
         if s.main is None and s.relay is None:
             raise m.BadMessage("SUBMIT to a prefill instance must name its decode side")
-        if s.main:  # MD reserves while P prefills: one line round trip, overlapped
+        if s.main and s.relay:  # MD reserves while P prefills: one line round trip, overlapped
+            self._reserve_aside(job, s.main)
+        elif s.main:
             await self._reserve(job, s.main)
         if s.relay:  # and so does the relay, in case the request goes its way (dropped if not)
             await self._reserve(job, s.relay, s.main)
