@@ -581,14 +581,19 @@ def test_line_stalled_before_the_handoff_relay_finishes_it(patient, reference):
     assert got["record"]["relay_output_tokens"] == 120 and "relay_finished" in got["record"]["fallbacks"]
 
 
-def test_a_line_stalled_before_p_ever_reached_md_costs_no_request(tmp_path, colocated):
-    """A fresh deployment whose line stalls before P has opened a connection to MD: P asks
-    for MD's reservation beside its prefill, not before it, so the relay answers the request
-    whole while the connection waits (it failed with P's TimeoutError when P waited)."""
+def test_a_line_stalled_before_the_first_request_costs_no_request(tmp_path, colocated):
+    """A fresh deployment whose line stalls before its first request: P asks for MD's
+    reservation beside its prefill (and has opened its connection to MD when the router
+    reached it, `PeerPool.warm`), so the relay answers the request whole. Before both, P
+    opened the connection for the request, waited for it, and failed with a TimeoutError;
+    that a hanging handshake holds up nothing else is `tests/test_peers.py`'s."""
     conf = _pdd_config(tmp_path, FAST_LINE)
     prompt = list(range(200, 300))
-    with pdd_up("--config", conf) as dep, _stalled(dep):
-        got = _stream(dep.url, prompt, 40)
+    with pdd_up("--config", conf) as dep:
+        opened = {"p0": ["md0", "rld0"], "rld0": ["md0"]}
+        wait_until(lambda: {n: _stats(dep.http[n])["node"]["peers"] for n in opened} == opened, 10, "warm connections")
+        with _stalled(dep):
+            got = _stream(dep.url, prompt, 40)
     assert got["error"] is None and got["ids"] == colocated(prompt, 40), got
     assert got["record"]["relay_output_tokens"] == 40 and got["record"]["main_output_tokens"] == 0, got["record"]
 

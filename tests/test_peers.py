@@ -221,6 +221,49 @@ def test_an_urgent_send_cancelled_while_it_waits_for_a_connection_does_not_hold_
     asyncio.run(go())
 
 
+def test_a_peer_whose_handshake_hangs_holds_up_no_other_and_warm_opens_ahead():
+    """A peer that takes the TCP connection and never answers the handshake (a stalled
+    line): opening it does not hold up opening another peer's. `warm` opens a peer's
+    control connection before any request, and the request's `get` finds it open."""
+
+    async def go() -> None:
+        accepted = []
+
+        async def far_end(conn: FramedConnection) -> None:
+            accepted.append(conn)
+            await server_handshake(conn)
+            while True:
+                await conn.next_frame()
+
+        async def ignore(_peer: str, _body: object) -> None:
+            pass
+
+        server = await serve(far_end, "127.0.0.1", 0, KEY)
+        stuck = socket.create_server(("127.0.0.1", 0))  # listens; nothing ever reads or answers
+        p0 = cfg.InstanceSpec("p0", "prefill", "A")
+        md0 = cfg.InstanceSpec("md0", "main", "A", host="127.0.0.1", kv_port=server.sockets[0].getsockname()[1])
+        md1 = cfg.InstanceSpec("md1", "main", "A", host="127.0.0.1", kv_port=stuck.getsockname()[1])
+        pool = PeerPool(p0, lambda: cfg.Deployment(instances=(p0, md0, md1)), KEY, ignore, lambda _peer: None)
+        try:
+            hanging = asyncio.ensure_future(pool.get("md1"))
+            await asyncio.sleep(0.2)
+            pool.warm(["md0"])
+            for _ in range(100):
+                if accepted:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(accepted) == 1 and not hanging.done()  # warmed while md1's handshake hangs
+            conn = await asyncio.wait_for(pool.get("md0"), 2)
+            assert await asyncio.wait_for(pool.get("md0"), 2) is conn and len(accepted) == 1
+            hanging.cancel()
+        finally:
+            await pool.aclose()
+            server.close()
+            stuck.close()
+
+    asyncio.run(go())
+
+
 def test_urgent_kv_across_the_line_is_striped_as_the_sender_counts_it():
     """64 urgent KV frames to a peer across a 32 Mbit/s line (`pdd line`'s), `[line]
     kv_streams` 4: the sender wrote them over every one of its four urgent connections

@@ -108,6 +108,9 @@ class DecodeSide(Generic[J]):
     def close(self) -> None:
         pass
 
+    def router_reached(self) -> None:
+        pass
+
     def optional(self, r: m.Reserve) -> bool:
         """Whether the request can do without this instance (a relay's, with an MD to
         fall back on): then a full pool refuses it at once instead of holding it back."""

@@ -169,6 +169,7 @@ class InstanceNode:
             "background_held": getattr(self.role, "background_held", 0),  # (a prefill role)
             "kv_frames_in_prefill": getattr(self.role, "kv_frames_in_prefill", 0),  # (a prefill role)
             "aborted": self.aborted.count,
+            "peers": peers.connected() if (peers := getattr(self.role, "peers", None)) else [],  # (P's, a relay's)
         }
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
@@ -244,6 +245,7 @@ class InstanceNode:
             await self._send_snapshot(conn)
             for member in self._members():
                 await self.send(conn, member)
+            self.role.router_reached()
             if self.refusing:
                 await self.send(conn, m.Drain())
             while True:

@@ -20,7 +20,7 @@ import functools
 import logging
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import pdd
 from pdd.config import Deployment, InstanceSpec
@@ -85,7 +85,8 @@ class PeerPool:
         self._conns: dict[tuple[str, Priority, int], FramedConnection] = {}
         self._yields: dict[str, _Yield] = {}
         self._stripes: dict[tuple[str, Priority], _Stripes] = {}
-        self._lock = asyncio.Lock()
+        # a lock per connection being opened: no peer waits on another's handshake
+        self._opening: dict[tuple[str, Priority, int], asyncio.Lock] = {}
         self._tasks = Tasks()  # readers and heartbeats
         self._drains = Tasks()  # stripes draining what was written to them
         # KV frames written, by (peer, priority, stripe): the striping as the sender did it
@@ -106,8 +107,28 @@ class PeerPool:
             return 1
         return self._stripe_count or self._deployment().line.kv_streams
 
+    def connected(self) -> list[str]:
+        """The peers whose control connection is open now."""
+        return sorted(
+            name for (name, channel, _), conn in self._conns.items() if channel == Priority.CONTROL and not conn.closed
+        )
+
+    def warm(self, names: Iterable[str]) -> None:
+        """Open the control connection to each of `names` now, in the background, so no
+        request pays its handshake (round trips of the line). One that cannot be reached
+        is left to the first request that needs it."""
+        for name in names:
+            if (name, Priority.CONTROL, 0) not in self._conns:
+                self._tasks.spawn(self._warm(name))
+
+    async def _warm(self, name: str) -> None:
+        try:
+            await self.get(name)
+        except (TimeoutError, OSError, wire.FrameError) as e:
+            log.debug("no connection to %s ahead of its first request: %s", name, e)
+
     async def get(self, name: str, channel: Priority = Priority.CONTROL, stripe: int = 0) -> FramedConnection:
-        async with self._lock:
+        async with self._opening.setdefault((name, channel, stripe), asyncio.Lock()):
             conn = self._conns.get((name, channel, stripe))
             if conn is not None and not conn.closed:
                 return conn

@@ -25,7 +25,7 @@ from pdd.instance.peers import PeerPool
 from pdd.instance.prefill_kv import KVSenders, PrefillJob, answer, loaded, reservation
 from pdd.instance.role import Node, not_taken, report_failure
 from pdd.kv.layer_stream import LayerStream
-from pdd.names import Fallback, Pipeline
+from pdd.names import Fallback, Pipeline, RoleName
 from pdd.policy.pipeline import answer_wait_s, choose_pipeline, main_refused, relay_refused
 from pdd.policy.transfer import LOCAL_PRIOR, LineEstimate, LineMeter, Priority, kv_namespace
 from pdd.transfer import messages as m
@@ -48,6 +48,9 @@ class PrefillRole:
 
     def close(self) -> None:
         self.peers.close()
+
+    def router_reached(self) -> None:
+        self.peers.warm(i.name for i in self.node.dep.instances if i.role in (RoleName.RELAY, RoleName.MAIN))
 
     def _line(self, peer: str) -> LineMeter:
         dc = self.node.dep.instance(peer).dc

@@ -24,7 +24,7 @@ from pdd.engines.port import RequestError
 from pdd.instance.decode_side import DecodeJob, DecodeSide
 from pdd.instance.peers import PeerPool
 from pdd.instance.role import Node, report_failure
-from pdd.names import HandoffMode
+from pdd.names import HandoffMode, RoleName
 from pdd.policy.capacity import relay_accepts
 from pdd.policy.handoff import HandoffPlan, choose_handoff, cut_over, occupancy
 from pdd.transfer import messages as m
@@ -64,6 +64,9 @@ class RelayRole(DecodeSide[RelayJob]):
 
     def close(self) -> None:
         self.peers.close()
+
+    def router_reached(self) -> None:
+        self.peers.warm(i.name for i in self.node.dep.instances if i.role == RoleName.MAIN)
 
     async def on_peer_body(self, conn: FramedConnection, name: str, body: m.BetweenInstances) -> None:
         if isinstance(body, m.Ready):

@@ -74,6 +74,10 @@ class Role(Protocol):
     def peer_lost(self, name: str) -> None:
         """A connection from another instance (by its name) is gone."""
 
+    def router_reached(self) -> None:
+        """A router connected: the deployment is up, and a role that sends to other
+        instances opens its connections to them now (`PeerPool.warm`)."""
+
     def router_lost(self, router_id: str) -> None:
         """A router is gone: nobody will read its requests' tokens."""
 

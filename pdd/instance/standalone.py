@@ -47,6 +47,9 @@ class StandaloneRole:
     def peer_lost(self, name: str) -> None:
         pass
 
+    def router_reached(self) -> None:
+        pass
+
     def router_lost(self, router_id: str) -> None:
         for rid, (owner, task) in list(self.jobs.items()):
             if owner == router_id:  # nobody will read these tokens: stop computing them
