@@ -10,7 +10,9 @@ token IDs decoded), and with
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -59,6 +61,18 @@ def handed_over(record: dict) -> bool:
     return record["relay_output_tokens"] > 0 and record["main_output_tokens"] > 0
 
 
+def served_by_both(send: Callable[[], Any], record: Callable[[Any], dict]) -> Any:
+    """The first of up to four answers to `send()` that the relay and MD both produced: the
+    premise of reading calls across a handoff. The guided output is 40 tokens, and on a
+    loaded machine the relay may finish it alone before MD is ready (the design's answer
+    to a slow MD); the same request then goes again (`test_router_api` does the same)."""
+    for _ in range(4):
+        answer = send()
+        if handed_over(record(answer)):
+            return answer
+    raise AssertionError(f"four requests in a row were not handed over to MD: {record(answer)}")
+
+
 def vllm_reading(fmt: str, model: Path, ids: list[int], reasoning: str = "") -> tuple[dict, dict]:
     """What vLLM's own parser `fmt` (and `reasoning`) reads out of the text of `ids`
     (special tokens skipped, as vLLM decodes), whole and streamed token by token: content
@@ -94,15 +108,15 @@ def vllm_reading(fmt: str, model: Path, ids: list[int], reasoning: str = "") -> 
 def two_calls(url: str, fmt: str, model: Path, reasoning: str = "") -> None:
     """The deployment at `url` (tool parser `fmt`, reasoning parser `reasoning`) reads the two
     calls a guide forces as vLLM's own parser reads the same token IDs, whole and streamed;
-    with parallel_tool_calls false, the first alone. Every request handed over."""
+    with parallel_tool_calls false, the first alone. The whole and streamed ones handed over."""
     extra = {"structured_outputs": {"regex": FORMATS[fmt]}}
     if reasoning:  # (Qwen3's switch: the output starts after the thinking, as the template closes it)
         extra["chat_template_kwargs"] = NO_THINKING
     ask = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 240, "temperature": 0,
            "extra_body": extra}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    whole = client.chat.completions.create(**ask)
-    stream = stream_chat(client, **ask)
+    whole = served_by_both(lambda: client.chat.completions.create(**ask), lambda r: r.model_extra["pdd"])
+    stream = served_by_both(lambda: stream_chat(client, **ask), lambda r: r["record"])
     single = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0]
     single_stream = stream_chat(client, **ask, parallel_tool_calls=False)
     choice = whole.choices[0]
@@ -111,9 +125,8 @@ def two_calls(url: str, fmt: str, model: Path, reasoning: str = "") -> None:
     assert [name for name, _ in calls] == ["get_weather", "get_time"], want
     got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
     assert {"content": choice.message.content or None, "calls": got} == want, choice
-    assert choice.finish_reason == "tool_calls" and handed_over(whole.model_extra["pdd"]), whole
+    assert choice.finish_reason == "tool_calls", whole
     assert sorted(stream["calls"]) == [0, 1] and stream["finish"] == "tool_calls", stream
-    assert handed_over(stream["record"]), stream
     got = [(c["name"], json.loads(c["arguments"])) for c in stream["calls"].values()]
     assert {"content": stream["content"] or None, "calls": got} == want_stream, (stream, want_stream)
     assert want_stream["calls"] == calls and all(c["id"] for c in stream["calls"].values())
