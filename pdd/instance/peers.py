@@ -124,8 +124,8 @@ class PeerPool:
     async def _warm(self, name: str) -> None:
         try:
             await self.get(name)
-        except (TimeoutError, OSError, wire.FrameError) as e:
-            log.debug("no connection to %s ahead of its first request: %s", name, e)
+        except Exception as e:  # (best effort: the first request opens it, and says what failed)
+            log.debug("no connection to %s ahead of its first request: %r", name, e)
 
     async def get(self, name: str, channel: Priority = Priority.CONTROL, stripe: int = 0) -> FramedConnection:
         async with self._opening.setdefault((name, channel, stripe), asyncio.Lock()):

@@ -194,7 +194,7 @@ class PrefillRole:
         async def ask() -> None:
             try:
                 await self._send_reserve(job, peer, None)
-            except (TimeoutError, OSError, wire.FrameError) as e:
+            except Exception as e:  # (whatever it was, the request must hear of it: the ack always ends)
                 if not ack.done():
                     ack.set_exception(ConnectionError(f"cannot reach {peer}: {e!r}"))
 
