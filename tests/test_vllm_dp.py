@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import HTTP, stream_completion, vllm_settled
+from procs import HTTP, stream_completion, vllm_mirrored, vllm_settled
 from vllm_scenarios import deployment, engine_stats, pdd_instances, prompt
 
 pytest.importorskip("vllm")
@@ -51,6 +51,8 @@ def test_sessions_land_on_both_ranks_and_equal_plain_vllm(dep, vllm_reference):
     with ThreadPoolExecutor(len(fresh)) as pool:  # at once: the ranks' loads differ
         first = list(pool.map(lambda p: stream_completion(dep.url, p, OUTPUT), fresh))
     turns = [p + g["ids"] + prompt(200 + i, 16) for i, (p, g) in enumerate(zip(fresh, first, strict=True))]
+    vllm_settled([dep.http[r] for r in RANKS])
+    vllm_mirrored(dep.url, {r: dep.http[r] for r in RANKS})  # the router has heard where the first turns are
     second = [stream_completion(dep.url, t, OUTPUT) for t in turns]
     for g, p in zip([relayed, *first, *second], [alone, *fresh, *turns], strict=True):
         assert g["error"] is None and g["ids"] == vllm_reference.greedy(p, OUTPUT), g["record"]
