@@ -75,7 +75,7 @@ def test_prometheus_stores_what_every_panel_and_alert_reads(deployment, router, 
     with dashboard.prometheus(targets, tmp_path) as prom:
         _all_up(prom, dep)
         for i in range(4):  # over a few scrapes, so every rate() has an increase in its window
-            _complete(router, 24, prompt=[900 + i, *PROMPT])
+            _complete_handed_over(router, 24, prompt=[900 + i, *PROMPT])  # (the handoff panels read these)
         done = metrics(router)["pdd_router_finished_prompt_tokens_total"]
         wait_until(lambda: float(dashboard.query(prom, "sum(pdd_router_finished_prompt_tokens_total)")[0]["value"][1])
                    == done, 30, "the last request scraped")
