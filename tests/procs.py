@@ -97,6 +97,18 @@ def rejected_frames(url: str) -> float:
     return sum(v for k, v in metrics(url).items() if k.startswith("pdd_rejected_frames_total{"))
 
 
+def handed_over_within(send: Callable[[], Any], handed: Callable[[Any], bool], tries: int = 4) -> Any:
+    """The first of up to `tries` answers to `send()` that `handed` says the relay and MD
+    both produced: the premise of a test of what crosses a handoff. On a loaded machine
+    the relay may finish a request alone before MD is ready (the design's answer to a
+    slow MD), so the same request goes again."""
+    for _ in range(tries):
+        answer = send()
+        if handed(answer):
+            return answer
+    raise AssertionError(f"{tries} requests in a row were not handed over to MD in time: {answer}")
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
     """Poll `condition()` until it returns something truthy, and return that; fail naming
     `what` after `timeout` seconds."""

@@ -19,7 +19,7 @@ import time
 import dashboard
 import httpx
 import pytest
-from procs import HTTP, metrics, pdd_up, wait_until
+from procs import HTTP, handed_over_within, metrics, pdd_up, wait_until
 
 from pdd import config as cfg
 
@@ -143,14 +143,8 @@ def _handed_over(body: dict, before: int | None = None) -> bool:
 
 
 def _complete_handed_over(url: str, max_tokens: int, before: int | None = None, **extra) -> dict:
-    """A request both producers served: the premise of a test that each applies a
-    parameter. On a loaded machine the relay may finish alone before MD is ready (the
-    design's answer to a slow MD), so a request that did is sent again, a few times."""
-    for _ in range(4):
-        body = _complete(url, max_tokens, **extra)
-        if _handed_over(body, before):
-            return body
-    raise AssertionError(f"four requests in a row were not handed over to MD in time: {body['pdd']}")
+    """A request both producers served: the premise of a test that each applies a parameter."""
+    return handed_over_within(lambda: _complete(url, max_tokens, **extra), lambda body: _handed_over(body, before))
 
 
 def test_the_api_key_comes_from_the_environment(router):

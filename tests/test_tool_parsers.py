@@ -10,14 +10,12 @@ token IDs decoded), and with
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 from parser_model import marker_model
-from procs import pdd_up
+from procs import handed_over_within, pdd_up
 from test_agent_api import stream_chat
 
 vllm = pytest.importorskip("vllm")
@@ -59,18 +57,6 @@ def write_config(path: Path, model: Path, **model_keys: str) -> str:
 
 def handed_over(record: dict) -> bool:
     return record["relay_output_tokens"] > 0 and record["main_output_tokens"] > 0
-
-
-def served_by_both(send: Callable[[], Any], record: Callable[[Any], dict]) -> Any:
-    """The first of up to four answers to `send()` that the relay and MD both produced: the
-    premise of reading calls across a handoff. The guided output is 40 tokens, and on a
-    loaded machine the relay may finish it alone before MD is ready (the design's answer
-    to a slow MD); the same request then goes again (`test_router_api` does the same)."""
-    for _ in range(4):
-        answer = send()
-        if handed_over(record(answer)):
-            return answer
-    raise AssertionError(f"four requests in a row were not handed over to MD: {record(answer)}")
 
 
 def vllm_reading(fmt: str, model: Path, ids: list[int], reasoning: str = "") -> tuple[dict, dict]:
@@ -115,8 +101,10 @@ def two_calls(url: str, fmt: str, model: Path, reasoning: str = "") -> None:
     ask = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 240, "temperature": 0,
            "extra_body": extra}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    whole = served_by_both(lambda: client.chat.completions.create(**ask), lambda r: r.model_extra["pdd"])
-    stream = served_by_both(lambda: stream_chat(client, **ask), lambda r: r["record"])
+    # (a 40-token guided output: on a loaded machine the relay may finish one alone)
+    whole = handed_over_within(lambda: client.chat.completions.create(**ask),
+                               lambda r: handed_over(r.model_extra["pdd"]))
+    stream = handed_over_within(lambda: stream_chat(client, **ask), lambda r: handed_over(r["record"]))
     single = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0]
     single_stream = stream_chat(client, **ask, parallel_tool_calls=False)
     choice = whole.choices[0]
