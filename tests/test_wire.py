@@ -530,6 +530,50 @@ def test_a_large_payload_buffer_is_reused_only_once_nobody_holds_it() -> None:
     assert len(seen) == len(payloads)
 
 
+def test_large_payloads_of_slightly_different_sizes_share_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KV frame's header grows with its chunk's block hashes, so no two frames of a
+    prompt are the same size: a buffer kept for reuse must serve frames a few bytes apart
+    (a fresh buffer a frame is zeroed and cold). Twelve frames read one at a time and
+    dropped take at most two buffers, and each frame's bytes are its own."""
+    from pdd.transfer.wire import stream
+
+    made: list[int] = []
+
+    class Counted(bytearray):
+        def __init__(self, size: int) -> None:
+            super().__init__(size)
+            made.append(size)
+
+    monkeypatch.setattr(stream, "bytearray", Counted, raising=False)
+    payloads = [bytes([i]) * (300_000 + 97 * i) for i in range(12)]
+    echoed: list[bytes] = []
+
+    async def go() -> None:
+        async def read(conn: FramedConnection) -> None:
+            for _ in payloads:
+                echoed.append(bytes((await conn.recv()).payload))  # (the payload is dropped at once)
+
+        server = await serve(read, "127.0.0.1", 0, None)
+        conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], None)
+        try:
+            for p in payloads:
+                await conn.send(MsgType.KV_LAYER, p)
+                await asyncio.sleep(0.01)  # (one frame at a time: each reader is done with it)
+            for _ in range(500):
+                if len(echoed) == len(payloads):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+    assert echoed == payloads
+    large = [n for n in made if n >= min(map(len, payloads))]
+    assert 1 <= len(large) <= 2, f"{len(large)} buffers for {len(payloads)} frames"
+
+
 async def _send_all(conn: FramedConnection, payloads: list[bytes]) -> None:
     for p in payloads:
         await conn.send(MsgType.KV_LAYER, p)

@@ -131,7 +131,7 @@ def payload_len(payload: Payload) -> int:
 class ByteSource(Protocol):
     """Where frames are read from: an `asyncio.StreamReader`, or a `FrameStream`."""
 
-    async def readexactly(self, n: int) -> bytes | bytearray: ...
+    async def readexactly(self, n: int) -> Buffer: ...
 
 
 class FrameError(ValueError):
@@ -186,7 +186,7 @@ class ConnectionClosed(ConnectionError):
 class Frame:
     type: MsgType
     seq: int
-    payload: bytes | bytearray  # (a large one: the buffer the kernel read it into)
+    payload: Buffer  # (a large one: a view of the buffer the kernel read it into)
     version: int = PROTOCOL_VERSION  # the protocol version in its header
 
 
@@ -365,7 +365,7 @@ def _check_gmac(key: bytes, seq: int, header: Buffer, payload: Buffer, tag: byte
         raise BadMac("message authentication code does not match") from None
 
 
-async def _read_exactly(reader: ByteSource, n: int, *, at_boundary: bool) -> bytes | bytearray:
+async def _read_exactly(reader: ByteSource, n: int, *, at_boundary: bool) -> Buffer:
     try:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as err:

@@ -23,6 +23,9 @@ STAGING_BYTES = 256 * 1024  # headers and small payloads land here
 DIRECT_MIN_BYTES = 64 * 1024  # a read of at least this goes straight into a buffer of its own
 SPARE_BUFFERS = 4  # a stream's large-read buffers kept for reuse once nobody holds them
 SPARE_MAX_BYTES = 4 << 20  # (larger ones are not kept)
+# a large read's buffer is this size's next multiple: frames a few bytes apart (a KV frame's
+# header grows with its chunk's block hashes) reuse one another's buffers
+BUFFER_STEP_BYTES = 64 * 1024
 
 OnConnect = Callable[["FrameStream", asyncio.StreamWriter], Coroutine[Any, Any, None]]
 
@@ -106,7 +109,7 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
         return self._closed  # (`StreamWriter.wait_closed` waits on it)
 
     # ---- the reader ----------------------------------------------------------------------
-    async def readexactly(self, n: int) -> bytes | bytearray:
+    async def readexactly(self, n: int) -> bytes | memoryview:
         while self._end - self._start < n:
             if n >= DIRECT_MIN_BYTES:
                 return await self._read_direct(n)
@@ -123,24 +126,29 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
         return out
 
     def _buffer(self, n: int) -> bytearray:
-        """A buffer for a large read of `n` bytes: one this stream handed out before that
-        nobody holds any more (its reader dropped it and every view of it: CPython's
-        reference count says so), else a new one. A new buffer a frame is zeroed and its
-        memory cold: that cost the receiver about as much again as the kernel's copy."""
+        """A buffer for a large read of `n` bytes, `n` rounded up to `BUFFER_STEP_BYTES`: one
+        this stream handed out before that nobody holds any more (its reader dropped it and
+        every view of it: CPython's reference count says so), else a new one. A new buffer a
+        frame is zeroed and its memory cold: that cost the receiver about as much again as
+        the kernel's copy."""
+        size = -(-n // BUFFER_STEP_BYTES) * BUFFER_STEP_BYTES
         for buf in self._spare:
-            if len(buf) == n and sys.getrefcount(buf) == 3:  # (the list's, `buf`, the call's)
+            if len(buf) == size and sys.getrefcount(buf) == 3:  # (the list's, `buf`, the call's)
                 return buf
-        buf = bytearray(n)
-        if n <= SPARE_MAX_BYTES:
+        buf = bytearray(size)
+        if size <= SPARE_MAX_BYTES:
             self._spare = [*self._spare[1 - SPARE_BUFFERS :], buf]
         return buf
 
-    async def _read_direct(self, n: int) -> bytearray:
+    async def _read_direct(self, n: int) -> memoryview:
+        """The next `n` bytes, read straight into a buffer of their own (`_buffer`), as a view
+        of its first `n` bytes: the buffer is free for reuse once that view and every view
+        of it are dropped."""
         buf = self._buffer(n)
         have = self._end - self._start
         buf[:have] = self._view[self._start : self._end]
         self._start = self._end = 0
-        self._direct, self._filled = memoryview(buf), have
+        self._direct, self._filled = memoryview(buf)[:n], have
         try:
             while self._filled < n:
                 if self._eof:
@@ -149,7 +157,7 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
                 await self._wait()
         finally:
             self._direct = None
-        return buf
+        return memoryview(buf)[:n]
 
     def _incomplete(self, n: int, partial: bytes | None = None) -> BaseException:
         if self._error is not None:
