@@ -224,7 +224,8 @@ def test_an_urgent_send_cancelled_while_it_waits_for_a_connection_does_not_hold_
 def test_a_peer_whose_handshake_hangs_holds_up_no_other_and_warm_opens_ahead():
     """A peer that takes the TCP connection and never answers the handshake (a stalled
     line): opening it does not hold up opening another peer's. `warm` opens a peer's
-    control connection before any request, and the request's `get` finds it open."""
+    control connection before any request, and the request's `get` finds it open; once
+    that connection has closed (the peer restarted), `warm` opens it again."""
 
     async def go() -> None:
         accepted = []
@@ -255,6 +256,17 @@ def test_a_peer_whose_handshake_hangs_holds_up_no_other_and_warm_opens_ahead():
             assert len(accepted) == 1 and not hanging.done()  # warmed while md1's handshake hangs
             conn = await asyncio.wait_for(pool.get("md0"), 2)
             assert await asyncio.wait_for(pool.get("md0"), 2) is conn and len(accepted) == 1
+            accepted[0].close()  # the far end goes away: the pool's connection closes
+            for _ in range(100):
+                if conn.closed:
+                    break
+                await asyncio.sleep(0.02)
+            pool.warm(["md0"])
+            for _ in range(100):
+                if len(accepted) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(accepted) == 2, "warm did not open a closed connection again"
             hanging.cancel()
         finally:
             await pool.aclose()

@@ -116,9 +116,11 @@ class PeerPool:
     def warm(self, names: Iterable[str]) -> None:
         """Open the control connection to each of `names` now, in the background, so no
         request pays its handshake (round trips of the line). One that cannot be reached
-        is left to the first request that needs it."""
+        is left to the first request that needs it. One whose connection has closed since (the
+        peer restarted, or the line dropped it) is opened again."""
         for name in names:
-            if (name, Priority.CONTROL, 0) not in self._conns:
+            conn = self._conns.get((name, Priority.CONTROL, 0))
+            if conn is None or conn.closed:
                 self._tasks.spawn(self._warm(name))
 
     async def _warm(self, name: str) -> None:
