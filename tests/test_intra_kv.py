@@ -83,7 +83,8 @@ class _Conn:
 def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_refused():
     """Two engines in one process, as two instances: P's `Placement` writes through its
     engine into the region the receiver's `Regions` offered; the receiver hands on the
-    KV_LAYER frame, frees the slot, and refuses a slot written behind the digest's back."""
+    KV_LAYER frame (in a writable buffer of its own, which the KV's decode reads in place),
+    frees the slot, and refuses a slot written behind the digest's back."""
     from pdd.config import InstanceSpec
     from pdd.instance.placement import Placement, Regions
     from pdd.transfer import mooncake
@@ -112,6 +113,7 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
                 assert frame.type == MsgType.KV_PLACED
                 got = await receiver.on_frame(conn, frame)
                 assert got is not None and got.type == MsgType.KV_LAYER
+                assert not memoryview(got.payload).readonly  # (the KV's decode views it: no second copy)
                 received.append(bytes(got.payload))
                 placement.slots.give(m.decode(conn.sent.pop()).slot)
 

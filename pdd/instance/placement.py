@@ -130,7 +130,7 @@ class Placement:
         return tag(self.key, n, self.local[start:at].numpy().data)
 
 
-def tag(key: bytes | None, n: int, data: bytes | memoryview) -> str:
+def tag(key: bytes | None, n: int, data: bytes | bytearray | memoryview) -> str:
     """What vouches for placed bytes: their GMAC under the connection's key (nonce `n`,
     never reused under it), or their CRC32C where the connection has no key."""
     if key is None:
@@ -231,7 +231,9 @@ class Regions:
         size = mooncake.SLOT_BYTES
         if placed.slot >= mooncake.SLOTS or placed.nbytes > size:
             raise m.BadMessage(f"KV_PLACED slot {placed.slot} of {placed.nbytes} bytes is outside the region")
-        data = bytes(region.buf[placed.slot * size : placed.slot * size + placed.nbytes].numpy())  # (copied out first)
+        # copied out first (nobody can change what was checked), into a buffer of its own that the KV's
+        # decode views in place: an immutable copy would be copied once more to be read as tensors
+        data = bytearray(region.buf[placed.slot * size : placed.slot * size + placed.nbytes].numpy())
         await m.send(conn, m.KVSlotFree(placed.slot))
         if placed.n <= region.last or not hmac.compare_digest(tag(region.key, placed.n, data), placed.tag):
             raise m.BadMessage(f"KV placed in slot {placed.slot} does not match its tag")
