@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from procs import HTTP, pdd_up
 from test_pdd import FAST_LINE, _prompts, _stream, _write_config
 
@@ -133,6 +134,52 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
             await receiver.on_frame(conn, out.sent[-1])
 
     asyncio.run(go())
+
+
+def test_the_engine_writer_waits_for_its_writes_without_spinning(monkeypatch):
+    """The writer thread submits each queued write at once (several in flight together)
+    and sleeps `POLL_S` between looks at their status, where the engine's own sync waits
+    spin on it: with a 10 ms poll, writes the engine holds for 0.3 s are looked at some 30
+    times each, not thousands. A failed write, or one the engine refuses, fails its future
+    with a ConnectionError (the frame then goes over the connection)."""
+    import queue
+    import threading
+    import time
+
+    from pdd.transfer import mooncake
+
+    monkeypatch.setattr(mooncake, "POLL_S", 0.01)
+
+    class Engine:  # (the engine's own calls, as `Endpoint` uses them)
+        def __init__(self) -> None:
+            self.checks, self.submitted, self.began = 0, [], time.monotonic()
+
+        def transfer_submit_write(self, session: str, src: int, dst: int, nbytes: int) -> int:
+            self.submitted.append(dst)
+            return -1 if dst == 3 else len(self.submitted)
+
+        def transfer_check_status(self, batch: int) -> int:
+            self.checks += 1
+            if time.monotonic() - self.began < 0.3:
+                return 0
+            return -1 if batch == 2 else 1
+
+    endpoint = mooncake.Endpoint.__new__(mooncake.Endpoint)
+    endpoint._engine, endpoint._writes = Engine(), queue.SimpleQueue()
+    threading.Thread(target=endpoint._write_all, daemon=True).start()
+    region = mooncake.RemoteRegion("peer", 0, 1, 4)
+    local = torch.zeros(16, dtype=torch.uint8)
+    writes = [endpoint.write(local, region, slot, 8) for slot in range(4)]
+    outcomes = []
+    for w in writes:
+        try:
+            outcomes.append(w.result(timeout=10))
+        except ConnectionError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] is None and outcomes[2] is None  # done
+    assert "failed (-1)" in outcomes[1] and "could not write" in outcomes[3]
+    assert endpoint._engine.submitted == [0, 1, 2, 3]  # (each submitted before the first was done)
+    assert endpoint._engine.checks <= 3 * (0.3 / 0.01 + 10), f"{endpoint._engine.checks} looks at 3 writes: spinning"
 
 
 @pytest.fixture(scope="module")

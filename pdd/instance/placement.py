@@ -16,6 +16,7 @@ said once a peer), or the instance does not start ("mooncake", `check_start`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 from collections.abc import Callable
@@ -27,7 +28,6 @@ import torch
 
 from pdd.config import InstanceSpec
 from pdd.kv.slots import Slots
-from pdd.tasks import Tasks
 from pdd.transfer import messages as m
 from pdd.transfer import mooncake
 from pdd.transfer.wire import Frame, FramedConnection, MsgType, Payload, parts_of, payload_len
@@ -48,24 +48,38 @@ def check_start(spec: InstanceSpec, intra_kv: str) -> None:
 
 
 @dataclass(eq=False)
+class _Placing:
+    """One frame on its way through the engine: its slot, its number (its tag's nonce), and
+    once placed, the KV_PLACED that stands for it (None: it goes over the connection itself)."""
+
+    n: int
+    slot: int
+    payload: Payload
+    ended: bool = False
+    body: m.KVPlaced | None = None
+
+
+@dataclass(eq=False)
 class Placement:
     """One KV connection's way through the transfer engine: the receiver's region and ours.
 
-    Frames are placed several at a time (as many as there are slots), each written and
-    tagged on the engine's thread while the next is taken; their KV_PLACED go out in the order the
-    frames came, and anything else the connection carries waits behind them (`flush`)."""
+    Frames are placed several at a time (as many as there are slots): each is copied into
+    our slot and tagged on a stager thread, written by the engine's writer thread, and then
+    posted, in the order the frames came, from the event loop's one callback a frame; anything
+    else the connection carries waits behind them (`flush`)."""
 
     endpoint: mooncake.Endpoint
     remote: mooncake.RemoteRegion
     local: torch.Tensor
     slots: Slots = field(init=False)
     key: bytes | None = None  # the tags' (the connection's, from its sending session key)
-    tail: asyncio.Future[None] | None = None  # done once every frame placed so far is posted
     placed: int = 0  # frames placed so far: each one's number is its tag's nonce
-    _tasks: Tasks = field(default_factory=Tasks)
+    _order: collections.deque[_Placing] = field(default_factory=collections.deque)  # not yet posted, in order
+    _posted: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing waits to be posted
 
     def __post_init__(self) -> None:
         self.slots = Slots(self.remote.slots)
+        self._posted.set()
 
     @classmethod
     def from_offer(cls, endpoint: mooncake.Endpoint, offer: m.KVRegion, conn: FramedConnection) -> Placement:
@@ -80,44 +94,48 @@ class Placement:
         it has a slot (so a sender keeps at most `slots` frames in flight). Should the
         engine fail, the frame itself is posted in its place: nothing is lost."""
         slot = await self.slots.take()
-        before, self.tail = self.tail, asyncio.get_running_loop().create_future()
         self.placed += 1
-        self._tasks.spawn(self._finish(conn, slot, self.placed, payload, before, self.tail))
-
-    async def _finish(
-        self,
-        conn: FramedConnection,
-        slot: int,
-        n: int,
-        payload: Payload,
-        before: asyncio.Future[None] | None,
-        done: asyncio.Future[None],
-    ) -> None:
-        try:
-            try:
-                loop = asyncio.get_running_loop()
-                vouched = await loop.run_in_executor(self.endpoint.stager, self._stage, slot, n, payload)
-                size, length = self.remote.slot_bytes, payload_len(payload)
-                local = self.local[slot * size : slot * size + length]
-                await asyncio.wrap_future(self.endpoint.write(local, self.remote, slot, length))
-                body: m.KVPlaced | None = m.KVPlaced(slot, length, n, vouched)
-            except ConnectionError as e:
-                log.warning("the transfer engine failed (%s): this KV frame goes over the connection", e)
-                self.slots.give(slot)
-                body = None
-            if before is not None:
-                await before
-            if body is None:
-                conn.post(MsgType.KV_LAYER, payload)
-            else:
-                conn.post(MsgType.KV_PLACED, m.encode_body(body, conn.version))
-        finally:
-            done.set_result(None)
+        placing = _Placing(self.placed, slot, payload)
+        self._order.append(placing)
+        self._posted.clear()
+        self.endpoint.stager.submit(self._place, asyncio.get_running_loop(), conn, placing)
 
     async def flush(self) -> None:
         """Wait until every frame placed so far is posted (before anything else is sent)."""
-        if self.tail is not None:
-            await asyncio.shield(self.tail)
+        await self._posted.wait()
+
+    def _place(self, loop: asyncio.AbstractEventLoop, conn: FramedConnection, placing: _Placing) -> None:
+        """On a stager thread: the frame into our slot, tagged, and its write queued; the
+        loop hears when it is over."""
+        try:
+            vouched = self._stage(placing.slot, placing.n, placing.payload)
+            size, length = self.remote.slot_bytes, payload_len(placing.payload)
+            local = self.local[placing.slot * size : placing.slot * size + length]
+            write = self.endpoint.write(local, self.remote, placing.slot, length)
+        except Exception as e:  # (nothing is lost: the frame goes over the connection)
+            _call(loop, self._ended, conn, placing, None, e)
+            return
+        body = m.KVPlaced(placing.slot, length, placing.n, vouched)
+        write.add_done_callback(lambda w: _call(loop, self._ended, conn, placing, body, w.exception()))
+
+    def _ended(
+        self, conn: FramedConnection, placing: _Placing, body: m.KVPlaced | None, error: BaseException | None
+    ) -> None:
+        """On the loop: a frame is placed (or failed to be); every frame ended at the head of
+        the order is posted."""
+        if error is not None:
+            log.warning("the transfer engine failed (%s): this KV frame goes over the connection", error)
+            self.slots.give(placing.slot)
+            body = None
+        placing.ended, placing.body = True, body
+        while self._order and self._order[0].ended:
+            head = self._order.popleft()
+            if head.body is None:
+                conn.post(MsgType.KV_LAYER, head.payload)
+            else:
+                conn.post(MsgType.KV_PLACED, m.encode_body(head.body, conn.version))
+        if not self._order:
+            self._posted.set()
 
     def _stage(self, slot: int, n: int, payload: Payload) -> str:
         """The payload's parts into our slot (the engine writes from registered memory), and
@@ -128,6 +146,14 @@ class Placement:
             self.local[at : at + len(part)].numpy()[:] = np.frombuffer(part, dtype=np.uint8)
             at += len(part)
         return tag(self.key, n, self.local[start:at].numpy().data)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+    """`fn(*args)` on `loop`, from another thread; nothing if the loop has closed meanwhile."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # (the loop is closed: the connection, and its frames, are gone)
+        pass
 
 
 def tag(key: bytes | None, n: int, data: bytes | bytearray | memoryview) -> str:

@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 # 32 MiB, keep more frames in flight (`pdd bench transfer --loopback --intra mooncake`).
 SLOT_BYTES = 2 << 20
 SLOTS = 16
+POLL_S = 50e-6  # how often the writer thread looks whether its writes are done (a sleep: no spinning)
 
 
 class Unavailable(RuntimeError):
@@ -69,11 +71,9 @@ class Endpoint:
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         # the threads that copy frames into our slots and tag them, while the engine writes others
         self.stager = ThreadPoolExecutor(2, thread_name_prefix="pdd-mooncake-stage")
-        # the one thread that writes through the engine, every write queued so far in one batch
-        # (synchronous writes issued from several threads at once stall here, and one at a
-        # time each waits out the last)
+        # the one thread that submits writes to the engine and sees them done (its own waits spin a core)
         self._writes: queue.SimpleQueue[_Write] = queue.SimpleQueue()
-        threading.Thread(target=self._write_batches, name="pdd-mooncake", daemon=True).start()
+        threading.Thread(target=self._write_all, name="pdd-mooncake", daemon=True).start()
         self._regions: list[torch.Tensor] = []  # kept alive while registered
 
     def region(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> torch.Tensor:
@@ -98,25 +98,41 @@ class Endpoint:
         self._writes.put(_Write(local.data_ptr(), remote.session, dst, nbytes, done))
         return done
 
-    def _write_batches(self) -> None:
-        """The writer thread: every write queued so far, one batch a receiver, waited for."""
+    def _write_all(self) -> None:
+        """The writer thread: each queued write submitted at once (many in flight), and each
+        one's status looked at every `POLL_S` until it is done. The engine's own waits
+        (`batch_transfer_sync_write`, `get_batch_transfer_status`) spin on its status, a
+        core's worth of CPU taken from the processes around it for as long as a write lasts."""
+        flight: list[tuple[int, _Write]] = []
         while True:
-            batch = [self._writes.get()]
+            if not flight:
+                self._submit(self._writes.get(), flight)
             while True:
                 try:
-                    batch.append(self._writes.get_nowait())
+                    self._submit(self._writes.get_nowait(), flight)
                 except queue.Empty:
                     break
-            for session in {w.session for w in batch}:
-                ours = [w for w in batch if w.session == session]
-                rc = self._engine.batch_transfer_sync_write(
-                    session, [w.src for w in ours], [w.dst for w in ours], [w.nbytes for w in ours]
-                )
-                for w in ours:
-                    if rc == 0:
-                        w.done.set_result(None)
-                    else:
-                        w.done.set_exception(ConnectionError(f"the transfer engine's write to {session} failed ({rc})"))
+            flight = [(batch, w) for batch, w in flight if not self._ended(batch, w)]
+            if flight:
+                time.sleep(POLL_S)
+
+    def _submit(self, w: _Write, flight: list[tuple[int, _Write]]) -> None:
+        batch = self._engine.transfer_submit_write(w.session, w.src, w.dst, w.nbytes)
+        if batch < 0:
+            w.done.set_exception(ConnectionError(f"the transfer engine could not write to {w.session} ({batch})"))
+        else:
+            flight.append((batch, w))
+
+    def _ended(self, batch: int, w: _Write) -> bool:
+        """Whether a submitted write is over: done, failed, or out of time (its future says which)."""
+        status = self._engine.transfer_check_status(batch)
+        if status == 0:
+            return False
+        if status == 1:
+            w.done.set_result(None)
+        else:  # -1: failed, -2: the engine's timeout
+            w.done.set_exception(ConnectionError(f"the transfer engine's write to {w.session} failed ({status})"))
+        return True
 
 
 @dataclass(frozen=True)
