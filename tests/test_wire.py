@@ -494,36 +494,17 @@ def test_a_large_payload_buffer_is_reused_only_once_nobody_holds_it() -> None:
     held: dict[int, Any] = {}
     seen: list[int] = []
 
-    async def go() -> None:
-        got: list[Any] = []
+    async def keep(conn: FramedConnection) -> None:
+        for i in range(len(payloads)):
+            frame = await conn.recv()
+            seen.append(id(frame.payload))
+            if i % 3 == 0:
+                held[i] = frame.payload  # the payload itself
+            elif i % 3 == 1:
+                held[i] = memoryview(frame.payload)[10:]  # only a view of it
+            del frame  # (i % 3 == 2: dropped: its buffer may serve a later frame)
 
-        async def keep(conn: FramedConnection) -> None:
-            for i in range(len(payloads)):
-                frame = await conn.recv()
-                seen.append(id(frame.payload))
-                if i % 3 == 0:
-                    held[i] = frame.payload  # the payload itself
-                elif i % 3 == 1:
-                    held[i] = memoryview(frame.payload)[10:]  # only a view of it
-                del frame  # (i % 3 == 2: dropped: its buffer may serve a later frame)
-            got.append(True)
-
-        server = await serve(keep, "127.0.0.1", 0, None)
-        conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], None)
-        try:
-            for p in payloads:
-                await conn.send(MsgType.KV_LAYER, p)
-                await asyncio.sleep(0.01)  # (one frame at a time: each reader is done with it)
-            for _ in range(500):
-                if got:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            conn.close()
-            server.close()
-            await server.wait_closed()
-
-    run(go())
+    _one_frame_at_a_time(keep, payloads, lambda: len(seen) == len(payloads))
     for i, kept in held.items():
         want = payloads[i] if i % 3 == 0 else payloads[i][10:]
         assert bytes(kept) == want, f"frame {i}'s bytes were overwritten by a later frame"
@@ -548,19 +529,29 @@ def test_large_payloads_of_slightly_different_sizes_share_buffers(monkeypatch: p
     payloads = [bytes([i]) * (300_000 + 97 * i) for i in range(12)]
     echoed: list[bytes] = []
 
-    async def go() -> None:
-        async def read(conn: FramedConnection) -> None:
-            for _ in payloads:
-                echoed.append(bytes((await conn.recv()).payload))  # (the payload is dropped at once)
+    async def read(conn: FramedConnection) -> None:
+        for _ in payloads:
+            echoed.append(bytes((await conn.recv()).payload))  # (the payload is dropped at once)
 
-        server = await serve(read, "127.0.0.1", 0, None)
+    _one_frame_at_a_time(read, payloads, lambda: len(echoed) == len(payloads))
+    assert echoed == payloads
+    large = [n for n in made if n >= min(map(len, payloads))]
+    assert 1 <= len(large) <= 2, f"{len(large)} buffers for {len(payloads)} frames"
+
+
+def _one_frame_at_a_time(reader: Any, payloads: list[bytes], finished: Any) -> None:
+    """`payloads` to a server running `reader`, a frame at a time (the reader is done with
+    each before the next), until `finished()` says it has read them."""
+
+    async def go() -> None:
+        server = await serve(reader, "127.0.0.1", 0, None)
         conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1], None)
         try:
             for p in payloads:
                 await conn.send(MsgType.KV_LAYER, p)
-                await asyncio.sleep(0.01)  # (one frame at a time: each reader is done with it)
+                await asyncio.sleep(0.01)
             for _ in range(500):
-                if len(echoed) == len(payloads):
+                if finished():
                     break
                 await asyncio.sleep(0.01)
         finally:
@@ -569,9 +560,6 @@ def test_large_payloads_of_slightly_different_sizes_share_buffers(monkeypatch: p
             await server.wait_closed()
 
     run(go())
-    assert echoed == payloads
-    large = [n for n in made if n >= min(map(len, payloads))]
-    assert 1 <= len(large) <= 2, f"{len(large)} buffers for {len(payloads)} frames"
 
 
 async def _send_all(conn: FramedConnection, payloads: list[bytes]) -> None:
