@@ -169,6 +169,49 @@ VARIANTS = {
 }
 
 
+def test_kv_done_carries_the_prompts_logprobs_to_the_peer_that_does_not_emit_too():
+    """P's KV_DONE carries the prompt's logprobs (where asked) to every decode peer, not
+    only the relay that emits position 0: a relay that hands over before its own KV has
+    arrived leaves MD to stream from position 0 (a clean clone's one-shot run answered
+    with every prompt logprob null)."""
+    import asyncio
+
+    from pdd.instance.prefill_kv import KVSenders, PrefillJob
+    from pdd.policy.transfer import LineEstimate, LineMeter, Priority
+    from pdd.sampling.params import SamplingParams
+    from pdd.transfer import messages as m
+
+    done: list[tuple[str, Any]] = []
+    prompt_lps = [None, (-1.5, ()), (-0.25, ())]
+
+    class Peers:
+        async def send_bulk(self, peer: str, _priority: int, body: Any) -> int:
+            done.append((peer, body))
+            return 0
+
+    class Engine:
+        kv_bytes_per_token = 64
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        meter = LineMeter(LineEstimate(1e9, 0.01))
+        senders = KVSenders(Engine(), Peers(), 64, lambda _peer: meter, loop.create_task)
+        job = PrefillJob(m.Submit("r", [5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=0)), "router")
+        job.prompt_logprobs = prompt_lps
+        for peer, emit in (("rld0", True), ("md0", False)):
+            job.acks[peer] = loop.create_future()
+            job.acks[peer].set_result(m.ReserveAck("r", 0))
+            job.chosen[peer] = asyncio.Event()
+            job.senders[peer] = loop.create_task(asyncio.sleep(0, 0))
+            await senders.finish(job, peer, 9, emit, Priority.URGENT)
+
+    asyncio.run(go())
+    assert [(peer, body.emit, body.prompt_logprobs) for peer, body in done] == [
+        ("rld0", True, prompt_lps),
+        ("md0", False, prompt_lps),
+    ]
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outputs_equal_colocated_in_every_mode_pipeline_and_handoff(variant, reference, colocated, tmp_path):
     mode, policy, line = VARIANTS[variant]

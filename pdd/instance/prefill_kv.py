@@ -144,7 +144,7 @@ class KVSenders:
         line.acked((job.rid, peer), job.acked.get(peer, start), False, time.monotonic())
         began = time.monotonic()
         sent = await job.senders[peer]
-        done = m.KVDone(job.rid, first, emit, job.first_logprob, job.prompt_logprobs if emit else None)
+        done = m.KVDone(job.rid, first, emit, job.first_logprob, job.prompt_logprobs)  # (see `KVDone`)
         await self.peers.send_bulk(peer, priority, done)
         job.holders.discard(peer)  # the KV is complete there: the peer's job no longer needs P
         took_ms = 1000 * (time.monotonic() - began)

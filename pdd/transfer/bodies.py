@@ -134,7 +134,9 @@ class KVDone(Message, frozen=True):
     first_token: Count
     emit: bool = True
     first_logprob: Logprob | None = None  # the first token's, where the request asks for logprobs
-    prompt_logprobs: PromptLogprobs | None = None  # P's, where asked: for the emitter of position 0
+    # P's, where asked, to every decode peer: position 0's emitter is the relay, or MD where a
+    # relay hands over before its KV arrived (MD then streams from position 0)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Ready(Message, frozen=True):
