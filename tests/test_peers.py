@@ -257,16 +257,9 @@ def test_a_peer_whose_handshake_hangs_holds_up_no_other_and_warm_opens_ahead():
             conn = await asyncio.wait_for(pool.get("md0"), 2)
             assert await asyncio.wait_for(pool.get("md0"), 2) is conn and len(accepted) == 1
             accepted[0].close()  # the far end goes away: the pool's connection closes
-            for _ in range(100):
-                if conn.closed:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: conn.closed, 2)
             pool.warm(["md0"])
-            for _ in range(100):
-                if len(accepted) == 2:
-                    break
-                await asyncio.sleep(0.02)
-            assert len(accepted) == 2, "warm did not open a closed connection again"
+            await _until(lambda: len(accepted) == 2, 2)  # (warm opened the closed connection again)
             hanging.cancel()
         finally:
             await pool.aclose()

@@ -148,7 +148,8 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
         have = self._end - self._start
         buf[:have] = self._view[self._start : self._end]
         self._start = self._end = 0
-        self._direct, self._filled = memoryview(buf)[:n], have
+        view = memoryview(buf)[:n]
+        self._direct, self._filled = view, have
         try:
             while self._filled < n:
                 if self._eof:
@@ -157,7 +158,7 @@ class FrameStream(FlowControlMixin, asyncio.BufferedProtocol):
                 await self._wait()
         finally:
             self._direct = None
-        return memoryview(buf)[:n]
+        return view
 
     def _incomplete(self, n: int, partial: bytes | None = None) -> BaseException:
         if self._error is not None:
