@@ -125,6 +125,16 @@ def test_a_placed_frame_is_the_kv_frame_it_stands_for_and_tampered_bytes_are_ref
         await asyncio.wait_for(reader, 30)
         assert received == payloads  # every frame, whole and in order
         assert receiver.placed == {"frames": len(blobs), "bytes": sum(map(len, payloads))}
+        # a frame larger than a slot goes over the connection, in its turn behind those placed before it
+        big = m.kv_payload("big", bytes(offer.slot_bytes))
+        sent = len(out.sent)
+        await placement.send(out, payloads[1])
+        await placement.send(out, big)
+        await placement.flush()
+        assert [f.type for f in out.sent[sent:]] == [MsgType.KV_PLACED, MsgType.KV_LAYER]
+        assert bytes((await receiver.on_frame(conn, out.sent[sent])).payload) == payloads[1]
+        assert out.sent[sent + 1].payload is big
+        placement.slots.give(m.decode(conn.sent.pop()).slot)
         await placement.send(out, payloads[0])
         await placement.flush()
         placed = m.decode(out.sent[-1])

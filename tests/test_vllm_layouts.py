@@ -740,9 +740,14 @@ def test_a_plain_blob_reads_and_writes_as_before():
     h = header(kv_heads=2, head_dim=8)
     k = (torch.arange(3 * 32 * 2 * 8, dtype=torch.float32) / 64).view(3, 32, 2, 8).to(torch.bfloat16)
     data = codec.encode(codec.KVBlob(h, k, -k))
-    assert (len(data), hashlib.sha256(data).hexdigest()) == (6388, BEFORE)  # byte for byte what older pdd wrote
-    back = codec.decode(data)
-    assert back.header == h and torch.equal(back.k, k) and torch.equal(back.v, -k)
+    hlen = int.from_bytes(data[6:10], "big")  # (the prefix: magic, version, header length)
+    padded = data[10 : 10 + hlen]
+    assert (10 + hlen) % codec.ALIGN == 0 and padded.rstrip(b" ") != padded and padded.rstrip(b" ")[-1:] == b"}"
+    unpadded = data[:6] + len(padded.rstrip(b" ")).to_bytes(4, "big") + padded.rstrip(b" ") + data[10 + hlen :]
+    assert (len(unpadded), hashlib.sha256(unpadded).hexdigest()) == (6388, BEFORE)  # what older pdd wrote, but for
+    for blob in (data, unpadded):  # the spaces that align its tensors (which older pdd reads as JSON's whitespace)
+        back = codec.decode(blob)
+        assert back.header == h and torch.equal(back.k, k) and torch.equal(back.v, -k)
 
 
 def test_an_importer_refuses_kv_its_cache_cannot_hold_exactly():

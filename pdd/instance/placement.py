@@ -92,7 +92,15 @@ class Placement:
     async def send(self, conn: FramedConnection, payload: Payload) -> None:
         """Place `payload` (a KV_LAYER frame's) and post its KV_PLACED in turn; returns once
         it has a slot (so a sender keeps at most `slots` frames in flight). Should the
-        engine fail, the frame itself is posted in its place: nothing is lost."""
+        engine fail, the frame itself is posted in its place: nothing is lost. A frame
+        larger than a slot goes over the connection in its turn (placed, it would run into
+        the next slot)."""
+        if payload_len(payload) > self.remote.slot_bytes:
+            if self._order:
+                self._order.append(_Placing(0, -1, payload, ended=True))
+            else:
+                conn.post(MsgType.KV_LAYER, payload)
+            return
         slot = await self.slots.take()
         self.placed += 1
         placing = _Placing(self.placed, slot, payload)

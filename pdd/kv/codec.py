@@ -32,6 +32,7 @@ MAGIC = b"PDKV"
 VERSION = 1
 _PREFIX = struct.Struct("!4sHI")  # magic, version, header length
 MAX_HEADER = 1 << 20
+ALIGN = 16  # a blob's tensors start this many bytes into it, a multiple (`_header_bytes`)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # carried as bytes, never converted: vLLM's fp8 caches ("fp8"/"fp8_e4m3" is e4m3fn on CUDA, e4m3fnuz on ROCm)
 RAW_DTYPES: dict[str, torch.dtype] = {
@@ -122,7 +123,7 @@ def encode_parts(blob: KVBlob, lossy: str = "", compress: str = "") -> list[byte
         quantized = [_to_int8(t) for t in tensors]
         tensors = [q for q, _ in quantized] + [scale for _, scale in quantized]
         header_fields["dtype"] = lossy
-    body: list[bytes | bytearray | memoryview] = [_bytes_of(t) for t in tensors]
+    body: list[bytes | bytearray | memoryview] = [part for t in tensors for part in _parts_of(t)]
     if compress:
         if compress not in COMPRESSIONS:
             raise KVFormatError(f"unknown KV compression {compress!r} (known: {', '.join(COMPRESSIONS)})")
@@ -134,9 +135,12 @@ def encode_parts(blob: KVBlob, lossy: str = "", compress: str = "") -> list[byte
 
 
 def _header_bytes(header_fields: dict[str, Any]) -> bytes:
-    """A blob's prefix and JSON header (the fields at their default left out)."""
+    """A blob's prefix and JSON header (the fields at their default left out), padded with
+    spaces to a multiple of `ALIGN` bytes: the tensors that follow start as aligned in the
+    receiver's buffer as the blob does, so it reads them in place (`_tensor_of`)."""
     fields = {k: v for k, v in header_fields.items() if _EXTRAS.get(k, ...) != v}
     header = json.dumps(fields, separators=(",", ":")).encode()
+    header += b" " * (-(_PREFIX.size + len(header)) % ALIGN)
     return _PREFIX.pack(MAGIC, VERSION, len(header)) + header
 
 
@@ -144,6 +148,16 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """A tensor's bytes in row-major order, as a view of its memory where it is contiguous
     (copied once where it is not)."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _parts_of(t: torch.Tensor) -> list[memoryview]:
+    """A tensor's bytes in row-major order, as views of its memory: one where it is
+    contiguous, one a layer where each layer is (some tokens of an exported blob: its
+    layers are apart in memory, each layer's tokens together), copied once otherwise."""
+    if t.is_contiguous() or t.dim() < 2 or not t[0].is_contiguous():
+        return [_bytes_of(t)]
+    rows = t.view(torch.uint8).flatten(1).numpy()  # (a layer a row, each row's bytes together)
+    return [row.data for row in rows]
 
 
 def _to_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

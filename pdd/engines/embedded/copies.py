@@ -125,13 +125,6 @@ class Copies:
             finished(error)
 
 
-def _gather(out: torch.Tensor, pool_side: torch.Tensor, at: torch.Tensor) -> None:
-    """Slots `at` of each layer of `pool_side` into `out`, a layer at a time into its
-    place (all layers at once gathers into a temporary first: twice the copying)."""
-    for layer in range(out.shape[0]):
-        torch.index_select(pool_side[layer], 0, at, out=out[layer])
-
-
 def import_copy(pool: KVPool, seq: Sequence, blob: codec.KVBlob, stream: CopyStream) -> Copy:
     """The slices that write `blob` (tokens [token_start, token_end) of `seq`, its layers)
     into the sequence's pages; on CUDA each goes through page-locked memory and the copy stream."""
@@ -185,8 +178,8 @@ def export_copy(pool: KVPool, seq: Sequence, header: codec.KVHeader, stream: Cop
                     out_k.copy_(pool_k[:, at], non_blocking=True)
                     out_v.copy_(pool_v[:, at], non_blocking=True)
                 else:
-                    _gather(out_k, pool_k, at)
-                    _gather(out_v, pool_v, at)
+                    page_rows.gather(out_k, pool_k, at)
+                    page_rows.gather(out_v, pool_v, at)
             if stream.cuda:  # (the stream is done: the page-locked slice is the blob's now)
                 k[:, a - start : b - start] = out_k
                 v[:, a - start : b - start] = out_v

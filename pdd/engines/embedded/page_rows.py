@@ -1,18 +1,23 @@
-"""Tokens written into a host-memory KV pool as whole pages where they can be.
+"""Tokens copied into and out of a host-memory KV pool as whole pages, and as runs of
+consecutive pages, where they can be.
 
 The pool keeps a layer's K (or V) as one flat array of slots (`KVPool`), so a page's
-tokens are one contiguous row of `page_size * kv_heads * head_dim` elements. A token
-range that covers whole pages is therefore a copy of rows, which numpy's fancy indexing
-runs as one `memcpy` a row (and without the GIL), several times faster than indexing the
-slots one token at a time; only the partial pages at either end go slot by slot.
-Host memory only: a device pool's copies stay with torch. (Reading pages out gains
-nothing: torch's `index_select` into its place already copies at memory speed.)
+tokens are one contiguous row of `page_size * kv_heads * head_dim` elements, and pages
+with consecutive ids are one longer row. A token range that covers whole pages is
+therefore a copy of rows: numpy's fancy indexing runs it as a `memcpy` a page (without
+the GIL), several times faster than indexing the slots one token at a time, and a run of
+consecutive pages (what a fresh sequence mostly holds) is one slice, about four times
+faster again (0.12 against 0.03 s/GB for a chunk's four pages across 24 layers, here);
+only the partial pages at either end go slot by slot. Host memory only: a device pool's
+copies stay with torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+MAX_RUNS = 16  # past this many runs, one fancy-indexed copy (a run is a Python-level copy each)
 
 
 def _rows(t: torch.Tensor, page_size: int) -> np.ndarray:
@@ -39,9 +44,39 @@ def put(pool: torch.Tensor, pages: list[int], page_size: int, start: int, src: t
         if a < b:
             pool[:, slots(pages, page_size, a, b)] = src[:, a - start : b - start]
     if first < last:
-        rows = _rows(pool, page_size)
-        at = np.asarray(pages[first // page_size : last // page_size])
-        rows[:, at] = _rows(src[:, first - start : last - start], page_size)
+        rows, src_rows = _rows(pool, page_size), _rows(src[:, first - start : last - start], page_size)
+        at = pages[first // page_size : last // page_size]
+        spans = runs(at)
+        if len(spans) > MAX_RUNS:  # (scattered pages: one fancy-indexed copy)
+            rows[:, np.asarray(at)] = src_rows
+            return
+        for i, j in spans:
+            rows[:, at[i] : at[i] + j - i] = src_rows[:, i:j]
+
+
+def gather(out: torch.Tensor, pool: torch.Tensor, at: torch.Tensor) -> None:
+    """Slots `at` (consecutive positions of a sequence) of each layer of `pool` ([layers,
+    slots, ...], host memory) into `out` ([layers, len(at), ...]): a slice of all layers a
+    run of consecutive slots, or, where they are scattered, a layer at a time into its
+    place (all layers at once gathers into a temporary first: twice the copying)."""
+    spans = runs(at.tolist())
+    if len(spans) > MAX_RUNS:
+        for layer in range(out.shape[0]):
+            torch.index_select(pool[layer], 0, at, out=out[layer])
+        return
+    for i, j in spans:
+        a = int(at[i])
+        out[:, i:j].copy_(pool[:, a : a + j - i])
+
+
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """`ids` as runs of consecutive values: [i, j) spans of positions, in order."""
+    spans, i = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            spans.append((i, j))
+            i = j
+    return spans
 
 
 def slots(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:

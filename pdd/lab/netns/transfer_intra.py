@@ -159,7 +159,9 @@ def _relay(frames: int, ready: Any, result: Any) -> None:
 
 def intra(args: Any) -> int:
     """`--repeats` pairs: pdd's frames placed, then the engine's own tool, each printed as it comes."""
-    frame_bytes = min(args.frame_kib * 1024, 4 << 20)  # (a placed frame fits one slot)
+    from pdd.transfer.mooncake import SLOT_BYTES
+
+    frame_bytes = min(args.frame_kib * 1024, SLOT_BYTES)  # (a placed frame fits one slot)
     for i in range(args.repeats):
         placed = placed_mb_per_s(args.mbytes, frame_bytes)
         tool = engine_tool_mb_per_s(frame_bytes)

@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdd.heap import freeze_startup_heap
 from pdd.lab.netns.transfer_receiver import KEY, PAGE, TINY, KVModel, Receiver, bench_prompt, engine_for
 
 # Qwen2.5-0.5B's KV: 24 layers, 2 KV heads of 64 (14 query heads over 896); a small MLP
@@ -75,6 +76,7 @@ class KVSender:
         cfg = self.engine.model_cfg
         self.geometry = f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
         self._sent = 0
+        freeze_startup_heap()  # (as a server does once it is up)
 
     def frames(self) -> list[list[Any]]:
         """A prompt's KV frames' payloads (each a list of parts), as P sends them to a fresh request."""

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdd.heap import freeze_startup_heap
+
 KEY = b"k" * 32
 PAGE = 16  # tokens a page, on both ends
 
@@ -152,6 +154,7 @@ def _importer(model: KVModel, prompt_tokens: int) -> Callable[[Any], None]:
     torch.set_num_threads(1)  # (one core a process, as the frame layer: two of torch's threads each ran at 0.17x)
     engine = engine_for(2 * (prompt_tokens // PAGE + 8), model)
     prompt, arriving = bench_prompt(prompt_tokens), {}
+    freeze_startup_heap()  # (as a server does once it is up)
 
     def land(frame: Any) -> None:
         layer, data = m.decode_kv(frame)

@@ -12,6 +12,7 @@ from typing import Any
 from pdd.transfer.wire.frame import MAX_JSON_BYTES, BadPayload, Buffer, Payload, parts_of
 
 _HEADER_LEN = struct.Struct("!I")
+ALIGN = 16
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:
@@ -40,8 +41,11 @@ def decode_json(payload: Buffer, max_bytes: int = MAX_JSON_BYTES) -> dict[str, A
 
 def with_header(header: dict[str, Any], blob: Payload) -> list[Buffer]:
     """u32 header length + JSON header + raw bytes: how binary frames (KV) describe
-    themselves, as parts (the blob's own, not copied)."""
+    themselves, as parts (the blob's own, not copied). The header is padded with spaces
+    to a multiple of `ALIGN` bytes, so a blob aligned in itself is aligned in the frame's
+    buffer, which its receiver reads in place."""
     encoded = encode_json(header)
+    encoded += b" " * (-(_HEADER_LEN.size + len(encoded)) % ALIGN)
     return [_HEADER_LEN.pack(len(encoded)) + encoded, *parts_of(blob)]
 
 
