@@ -159,6 +159,25 @@ def test_session_frames_carry_a_gmac_tag_from_protocol_5_and_hmac_before() -> No
             decode_stream(reflected, frames[0])
 
 
+@pytest.mark.parametrize("size", [0, 100, 64 * 1024, 64 * 1024 + 1, 300_000])
+def test_a_small_frames_one_call_tag_is_the_gmac_its_parts_stream_to(size: int, monkeypatch) -> None:
+    """A frame of up to `ONE_CALL_BYTES` is tagged (and checked) in one call of its key's
+    `AESGCM`, a larger one by streaming its parts through a `Cipher`: the same tag either
+    way, so each end may take either path; a flipped bit fails both."""
+    from pdd.transfer.wire import frame as frame_module
+
+    payload = (bytes(range(256)) * (size // 256 + 1))[:size]
+    one_call, default = _session(7)[0].encode(MsgType.KV_LAYER, payload), frame_module.ONE_CALL_BYTES
+    monkeypatch.setattr(frame_module, "ONE_CALL_BYTES", -1)
+    streamed = _session(7)[0].encode(MsgType.KV_LAYER, payload)
+    assert one_call == streamed
+    for calls in (-1, default, 1 << 20):
+        monkeypatch.setattr(frame_module, "ONE_CALL_BYTES", calls)
+        assert [f.payload for f in decode_stream(_session(7)[1], one_call)] == [payload]
+        with pytest.raises(BadMac):
+            decode_stream(_session(7)[1], flipped(one_call, len(one_call) - 1 - size // 2))
+
+
 @pytest.mark.parametrize("field", ["type", "flags", "seq", "crc"])
 def test_tampered_header_field_is_bad_mac(field: str) -> None:
     frame = one_frame(KEY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 
 class Slots:
@@ -35,15 +36,26 @@ class Slots:
         self._closed = error
         while self._waiting:
             fut = self._waiting.popleft()
-            fut.get_loop().call_soon_threadsafe(_fail, fut, error)
+            _soon(fut.get_loop(), _fail, fut, error)
 
     def give(self, index: int) -> None:
         while self._waiting:
             fut = self._waiting.popleft()
             if not fut.done():
-                fut.get_loop().call_soon_threadsafe(_hand, fut, index, self)
+                _soon(fut.get_loop(), _hand, fut, index, self)
                 return
         self._free.append(index)
+
+
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+    """`fn(*args)` on `loop`, soon: from a thread of its own, woken through its self-pipe;
+    from the loop's own thread (a slot given back as its KV_SLOT_FREE is read), without
+    that write and wake-up."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    (loop.call_soon if running is loop else loop.call_soon_threadsafe)(fn, *args)
 
 
 def _fail(fut: asyncio.Future[int], error: Exception) -> None:

@@ -34,6 +34,7 @@ from typing import Protocol
 from crc32c import crc32c
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -75,6 +76,10 @@ _KNOWN_FLAGS = FLAG_AUTH
 HEADER = struct.Struct("!2sBBBQII")
 TAG_SIZE = hashlib.sha256().digest_size  # HMAC-SHA256's
 GMAC_TAG_SIZE = 16
+# a frame up to this size is tagged in one call of its key's `AESGCM`, made once a key
+# (0.6 us here, where a `Cipher` made for it costs 5.4 us: most of a small frame's tag);
+# a larger one streams its parts through a `Cipher`, uncopied (the same tag)
+ONE_CALL_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 # Until the HELLO exchange has proven the peer holds the key, a frame may carry no more
 # than a HELLO needs: an unauthenticated peer must not make us buffer megabytes.
@@ -213,6 +218,8 @@ class FrameCodec:
         self._read_limit = HANDSHAKE_MAX_PAYLOAD if key else max_payload
         self.authenticated = False  # the handshake has switched to session keys
         self._gmac = False  # its frames carry GMAC tags (under session keys, from protocol 5)
+        self._send_aead: AESGCM | None = None  # (the session keys', for small frames' tags)
+        self._recv_aead: AESGCM | None = None
         self.version = version
         self.send_seq = 0
         self.recv_seq = 0
@@ -238,6 +245,8 @@ class FrameCodec:
         self.authenticated = True
         # both ends of a connection rekey after the same two HELLOs, in the version it speaks
         self._gmac = (self.version or 0) >= GMAC_SINCE
+        if self._gmac:
+            self._send_aead, self._recv_aead = AESGCM(send_key), AESGCM(recv_key)
 
     @property
     def _tag_size(self) -> int:
@@ -264,6 +273,8 @@ class FrameCodec:
         self.send_seq += 1
         if not self._send_key:  # set exactly when the connection has a key (the connection key, then the session's)
             return [header, *parts]
+        if self._gmac and self._send_aead is not None and length <= ONE_CALL_BYTES:
+            return [header, *parts, self._send_aead.encrypt(_nonce(seq), b"", b"".join([header, *parts]))]
         if self._gmac:
             return [header, *parts, _gmac(self._send_key, seq, [header, *parts])]
         return [header, *parts, _mac(self._send_key, [header, *parts])]
@@ -302,8 +313,10 @@ class FrameCodec:
         payload = await _read_exactly(reader, length, at_boundary=False)
         if self._recv_key:  # set exactly when the connection has a key
             tag = bytes(await _read_exactly(reader, self._tag_size, at_boundary=False))
-            if self._gmac:
-                _check_gmac(self._recv_key, seq, header, payload, tag)  # (seq checked below, after the tag)
+            if self._gmac:  # (seq checked below, after the tag)
+                _check_gmac(
+                    self._recv_key, seq, header, payload, tag, self._recv_aead if length <= ONE_CALL_BYTES else None
+                )
             elif not hmac.compare_digest(tag, _mac(self._recv_key, [header, payload])):
                 raise BadMac("message authentication code does not match")
         if flags & ~_KNOWN_FLAGS:
@@ -355,11 +368,15 @@ def _gmac(key: bytes, seq: int, parts: list[Buffer]) -> bytes:
     return enc.tag
 
 
-def _check_gmac(key: bytes, seq: int, header: Buffer, payload: Buffer, tag: bytes) -> None:
-    dec = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq), tag)).decryptor()
-    dec.authenticate_additional_data(header)
-    dec.authenticate_additional_data(payload)
+def _check_gmac(key: bytes, seq: int, header: Buffer, payload: Buffer, tag: bytes, aead: AESGCM | None) -> None:
+    """BadMac unless `tag` is the frame's; in one call of `aead` where given (a small frame)."""
     try:
+        if aead is not None:
+            aead.decrypt(_nonce(seq), tag, b"".join([header, payload]))
+            return
+        dec = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq), tag)).decryptor()
+        dec.authenticate_additional_data(header)
+        dec.authenticate_additional_data(payload)
         dec.finalize()
     except InvalidTag:
         raise BadMac("message authentication code does not match") from None
