@@ -192,6 +192,50 @@ def test_the_engine_writer_waits_for_its_writes_without_spinning(monkeypatch):
     assert endpoint._engine.checks <= 3 * (0.3 / 0.01 + 10), f"{endpoint._engine.checks} looks at 3 writes: spinning"
 
 
+def test_a_slot_whose_write_timed_out_is_never_written_again_and_frames_still_go():
+    """A write the engine timed out may still land in the relay's slot: that slot is
+    retired, not given back, and its frame goes over the connection. Once every slot is,
+    each frame goes over the connection, in order, and none waits for a slot."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from pdd.instance.placement import Placement
+    from pdd.transfer import mooncake
+
+    class Endpoint:  # (P's engine, whose writes to slots 1 and 3 time out, and all after 6 writes)
+        def __init__(self) -> None:
+            self.stager, self.slots_written = ThreadPoolExecutor(1), []
+
+        def write(self, local: torch.Tensor, remote: mooncake.RemoteRegion, slot: int, nbytes: int) -> Future:
+            self.slots_written.append(slot)
+            done: Future[None] = Future()
+            if slot in (1, 3) or len(self.slots_written) > 6:
+                done.set_exception(mooncake.TimedOut("timed out"))
+            else:
+                done.set_result(None)
+            return done
+
+    async def go() -> None:
+        endpoint, out = Endpoint(), _Conn()
+        remote = mooncake.RemoteRegion("peer", 0, 1 << 16, 4)
+        placement = Placement(endpoint, remote, torch.zeros(4 << 16, dtype=torch.uint8))  # type: ignore[arg-type]
+        payloads = [m.kv_payload(f"r{i}", bytes([i]) * 1000) for i in range(12)]
+        for payload in payloads:
+            await asyncio.wait_for(placement.send(out, payload), 10)
+            await placement.flush()
+            if out.sent[-1].type == MsgType.KV_PLACED:  # (the relay has read it: its slot is free)
+                placement.slots.give(m.decode(out.sent[-1]).slot)
+        assert len(out.sent) == len(payloads)  # every frame, once, in order
+        placed = [m.decode(f) for f in out.sent if f.type == MsgType.KV_PLACED]
+        over = [f.payload for f in out.sent if f.type == MsgType.KV_LAYER]
+        assert [p.slot for p in placed] == [2] * 5 and placement.retired == 4  # (slots are taken last-freed first)
+        assert len(placed) + len(over) == len(payloads) and over[-1] is payloads[-1]
+        assert 1 not in endpoint.slots_written[endpoint.slots_written.index(1) + 1 :]  # never written again
+        assert 3 not in endpoint.slots_written[endpoint.slots_written.index(3) + 1 :]
+        endpoint.stager.shutdown()
+
+    asyncio.run(go())
+
+
 @pytest.fixture(scope="module")
 def colocated(tiny_model_dir):
     from procs import standalone

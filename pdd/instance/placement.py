@@ -74,6 +74,7 @@ class Placement:
     slots: Slots = field(init=False)
     key: bytes | None = None  # the tags' (the connection's, from its sending session key)
     placed: int = 0  # frames placed so far: each one's number is its tag's nonce
+    retired: int = 0  # slots of writes the engine timed out, never written again
     _order: collections.deque[_Placing] = field(default_factory=collections.deque)  # not yet posted, in order
     _posted: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing waits to be posted
 
@@ -94,14 +95,18 @@ class Placement:
         it has a slot (so a sender keeps at most `slots` frames in flight). Should the
         engine fail, the frame itself is posted in its place: nothing is lost. A frame
         larger than a slot goes over the connection in its turn (placed, it would run into
-        the next slot)."""
-        if payload_len(payload) > self.remote.slot_bytes:
+        the next slot), and so does every frame once each slot is retired: a write the
+        engine timed out may still land, so its slot is never written again."""
+        try:
+            slot = await self.slots.take() if payload_len(payload) <= self.remote.slot_bytes else None
+        except mooncake.TimedOut:  # (every slot is retired)
+            slot = None
+        if slot is None:
             if self._order:
                 self._order.append(_Placing(0, -1, payload, ended=True))
             else:
                 conn.post(MsgType.KV_LAYER, payload)
             return
-        slot = await self.slots.take()
         self.placed += 1
         placing = _Placing(self.placed, slot, payload)
         self._order.append(placing)
@@ -133,7 +138,13 @@ class Placement:
         the order is posted."""
         if error is not None:
             log.warning("the transfer engine failed (%s): this KV frame goes over the connection", error)
-            self.slots.give(placing.slot)
+            if isinstance(error, mooncake.TimedOut):
+                self.retired += 1
+                log.warning("slot %d is retired (%d of %d)", placing.slot, self.retired, self.slots.count)
+                if self.retired == self.slots.count:
+                    self.slots.close(error)
+            else:
+                self.slots.give(placing.slot)
             body = None
         placing.ended, placing.body = True, body
         while self._order and self._order[0].ended:

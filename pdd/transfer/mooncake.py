@@ -44,6 +44,11 @@ class Unavailable(RuntimeError):
     """The transfer engine cannot run here (the package, its libraries, or its start)."""
 
 
+class TimedOut(ConnectionError):
+    """The engine stopped waiting for a write it may still finish: neither end's slot of
+    it may be written again."""
+
+
 @dataclass(frozen=True)
 class RemoteRegion:
     """A receiver's region, as its `KVRegion` said."""
@@ -130,7 +135,9 @@ class Endpoint:
             return False
         if status == 1:
             w.done.set_result(None)
-        else:  # -1: failed, -2: the engine's timeout
+        elif status == -2:
+            w.done.set_exception(TimedOut(f"the transfer engine's write to {w.session} timed out"))
+        else:  # -1: failed
             w.done.set_exception(ConnectionError(f"the transfer engine's write to {w.session} failed ({status})"))
         return True
 
