@@ -154,7 +154,7 @@ def _parts_of(t: torch.Tensor) -> list[memoryview]:
     """A tensor's bytes in row-major order, as views of its memory: one where it is
     contiguous, one a layer where each layer is (some tokens of an exported blob: its
     layers are apart in memory, each layer's tokens together), copied once otherwise."""
-    if t.is_contiguous() or t.dim() < 2 or not t[0].is_contiguous():
+    if t.is_contiguous() or t.dim() < 2 or t.stride(-1) != 1 or not t[0].is_contiguous():
         return [_bytes_of(t)]
     rows = t.view(torch.uint8).flatten(1).numpy()  # (a layer a row, each row's bytes together)
     return [row.data for row in rows]

@@ -59,14 +59,14 @@ def gather(out: torch.Tensor, pool: torch.Tensor, at: torch.Tensor) -> None:
     slots, ...], host memory) into `out` ([layers, len(at), ...]): a slice of all layers a
     run of consecutive slots, or, where they are scattered, a layer at a time into its
     place (all layers at once gathers into a temporary first: twice the copying)."""
-    spans = runs(at.tolist())
+    ids = at.tolist()
+    spans = runs(ids)
     if len(spans) > MAX_RUNS:
         for layer in range(out.shape[0]):
             torch.index_select(pool[layer], 0, at, out=out[layer])
         return
     for i, j in spans:
-        a = int(at[i])
-        out[:, i:j].copy_(pool[:, a : a + j - i])
+        out[:, i:j].copy_(pool[:, ids[i] : ids[i] + j - i])
 
 
 def runs(ids: list[int]) -> list[tuple[int, int]]:
