@@ -102,10 +102,8 @@ class Placement:
         except mooncake.TimedOut:  # (every slot is retired)
             slot = None
         if slot is None:
-            if self._order:
-                self._order.append(_Placing(0, -1, payload, ended=True))
-            else:
-                conn.post(MsgType.KV_LAYER, payload)
+            self._order.append(_Placing(0, -1, payload, ended=True))
+            self._post(conn)
             return
         self.placed += 1
         placing = _Placing(self.placed, slot, payload)
@@ -147,6 +145,10 @@ class Placement:
                 self.slots.give(placing.slot)
             body = None
         placing.ended, placing.body = True, body
+        self._post(conn)
+
+    def _post(self, conn: FramedConnection) -> None:
+        """Post every frame ended at the head of the order, in order."""
         while self._order and self._order[0].ended:
             head = self._order.popleft()
             if head.body is None:

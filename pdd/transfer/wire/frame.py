@@ -273,10 +273,9 @@ class FrameCodec:
         self.send_seq += 1
         if not self._send_key:  # set exactly when the connection has a key (the connection key, then the session's)
             return [header, *parts]
-        if self._gmac and self._send_aead is not None and length <= ONE_CALL_BYTES:
-            return [header, *parts, self._send_aead.encrypt(_nonce(seq), b"", b"".join([header, *parts]))]
         if self._gmac:
-            return [header, *parts, _gmac(self._send_key, seq, [header, *parts])]
+            aead = self._send_aead if length <= ONE_CALL_BYTES else None
+            return [header, *parts, _gmac(self._send_key, seq, [header, *parts], aead)]
         return [header, *parts, _mac(self._send_key, [header, *parts])]
 
     def encode(self, msg_type: MsgType, payload: Payload) -> bytes:
@@ -356,11 +355,14 @@ def _nonce(seq: int) -> bytes:
 
 def gmac(key: bytes, nonce: int, data: Payload) -> bytes:
     """AES-256-GCM's tag over `data` (no plaintext) under a 96-bit `nonce` never reused with `key`."""
-    return _gmac(key, nonce, parts_of(data))
+    return _gmac(key, nonce, parts_of(data), None)
 
 
-def _gmac(key: bytes, seq: int, parts: list[Buffer]) -> bytes:
-    """AES-256-GCM over no plaintext, `parts` (in order) as associated data: their tag."""
+def _gmac(key: bytes, seq: int, parts: list[Buffer], aead: AESGCM | None) -> bytes:
+    """AES-256-GCM over no plaintext, `parts` (in order) as associated data: their tag; in
+    one call of `aead` where given (a small frame: `key`'s, joined), else streamed."""
+    if aead is not None:
+        return aead.encrypt(_nonce(seq), b"", b"".join(parts))
     enc = Cipher(algorithms.AES(key), modes.GCM(_nonce(seq))).encryptor()
     for part in parts:
         enc.authenticate_additional_data(part)

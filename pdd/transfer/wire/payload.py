@@ -12,7 +12,7 @@ from typing import Any
 from pdd.transfer.wire.frame import MAX_JSON_BYTES, BadPayload, Buffer, Payload, parts_of
 
 _HEADER_LEN = struct.Struct("!I")
-ALIGN = 16
+ALIGN = 16  # the header's padding (a KV blob pads its own to `codec.ALIGN`, the same)
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:
